@@ -1,0 +1,3 @@
+from moelora.cli import main
+
+raise SystemExit(main())

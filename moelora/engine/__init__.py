@@ -1,0 +1,1 @@
+"""Engine: offline API, scheduler, paged KV cache, model runner, sampler."""

@@ -1,0 +1,97 @@
+"""Routed experts: top-k routing and the expert MLPs, with per-slot LoRA on gate_up and down.
+
+Expert weights follow transformers >= 5: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ExpertLoRAArgs:
+    """LoRA buffers of one MoE layer plus the batch's token -> slot map.
+
+    gate_up_a: [2, S, E, R, H] (slice 0 = gate, 1 = up; each its own A) · gate_up_b: [2, S, E, I, R]
+    gate_up_scaling: [2, S] · gate_up_ranks: host [2][S]
+    down_a: [S, E, R, I] · down_b: [S, E, H, R] · down_scaling: [S] · down_ranks: host [S]
+    token_slots: [T] int32, -1 = no adapter
+    """
+
+    token_slots: torch.Tensor
+    gate_up_a: torch.Tensor
+    gate_up_b: torch.Tensor
+    gate_up_scaling: torch.Tensor
+    gate_up_ranks: list[list[int]]
+    down_a: torch.Tensor
+    down_b: torch.Tensor
+    down_scaling: torch.Tensor
+    down_ranks: list[int]
+
+
+def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: p = softmax(logits) in fp32; (w, ids) = topk(p, top_k); if renormalize: w /= w.sum(-1)
+    router_logits: [T, E] · returns topk_weights [T, K] fp32, topk_ids [T, K] int64
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    lora: ExpertLoRAArgs | None = None,
+) -> torch.Tensor:
+    """Semantics, for token t, its k-th expert e = topk_ids[t, k], slot s = token_slots[t]:
+        gu = W_gu[e] x_t                                   # [2I]
+        if s >= 0: gu[:I] += sc_g[s] * B_g[s,e] A_g[s,e] x_t ; gu[I:] += sc_u[s] * B_u[s,e] A_u[s,e] x_t
+        a = act(gu[:I]) * gu[I:]                           # delta added before the activation
+        o = W_d[e] a ; if s >= 0: o += sc_d[s] * B_d[s,e] A_d[s,e] a
+        out_t += topk_weights[t, k] * o                    # the down delta is weighted like the base
+    x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights: [T, K] · topk_ids: [T, K]
+    returns [T, H] in x.dtype
+    """
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    inter = two_i // 2
+    act = _ACTIVATIONS[activation]
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    slots = lora.token_slots.long() if lora is not None else None
+    for e in torch.unique(topk_ids).tolist():
+        tok, kpos = (topk_ids == e).nonzero(as_tuple=True)
+        xe = x[tok]  # [m, H]
+        gu = xe @ w_gate_up[e].T  # [m, 2I]
+        if lora is not None:
+            _expert_lora(gu, xe, slots[tok], e, lora.gate_up_a, list(lora.gate_up_b), lora.gate_up_scaling,
+                         lora.gate_up_ranks, inter)
+        a = act(gu[:, :inter]) * gu[:, inter:]  # [m, I]
+        o = a @ w_down[e].T  # [m, H]
+        if lora is not None:
+            _expert_lora(o, a, slots[tok], e, lora.down_a[None], [lora.down_b], lora.down_scaling[None],
+                         [lora.down_ranks], H)
+        out.index_add_(0, tok, o.float() * topk_weights[tok, kpos, None].float())
+    return out.to(x.dtype)
+
+
+def _expert_lora(y, x, slots, e, a, b, scaling, ranks, width) -> None:
+    """y[:, i*width:(i+1)*width] += scaling[i, s] * x @ a[i, s, e, :r].T @ b[i][s, e, :, :r].T for each slot s."""
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero().squeeze(1)
+        for i in range(a.shape[0]):
+            r = ranks[i][s]
+            if r:
+                h = x[rows] @ a[i, s, e, :r].T  # [m_s, r]
+                y[rows, i * width : (i + 1) * width] += (h @ b[i][s, e, :, :r].T) * scaling[i, s].to(y.dtype)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}

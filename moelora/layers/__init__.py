@@ -1,0 +1,1 @@
+"""Model building blocks: linear (+LoRA), routed experts (+LoRA), attention, norm, rotary."""

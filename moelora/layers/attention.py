@@ -1,0 +1,80 @@
+"""GQA self-attention with a fused qkv projection, optional q/k norms, rotary, and a paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moelora.adapters.metadata import LoRABatch
+from moelora.config import ModelConfig
+from moelora.kernels.attention import paged_attention_ref, write_kv_ref
+from moelora.layers.linear import LoRALinear
+from moelora.layers.norm import RMSNorm
+from moelora.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a flat batch's tokens go in the paged KV cache and what each one may attend to.
+
+    slot_mapping: [T] int64, flat cache index (block * block_size + offset) of each new token, -1 = padding
+    block_tables: [B, max_blocks] int32 · seq_lens: host list of B context lengths after this step
+    query_start_loc: host list of B + 1 row offsets of each sequence's new tokens in the flat batch
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: list[int]
+    query_start_loc: list[int]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.sliding_windows[layer_idx]
+        self.clip_qkv = cfg.clip_qkv
+        self.qk_norm = cfg.qk_norm
+        self.qkv_proj = LoRALinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias, dtype, device)
+        self.o_proj = LoRALinear(self.q_size, [cfg.hidden_size], cfg.o_bias, dtype, device)
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_type, cfg.rope_theta, cfg.hf_config, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        lora: LoRABatch | None,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, positions)
+        k_cache, v_cache = kv_cache
+        write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
+        o = paged_attention_ref(
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale, self.sliding_window
+        )  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.q_size), lora)

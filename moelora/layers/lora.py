@@ -1,0 +1,92 @@
+"""Fixed-size LoRA slot buffers for one LoRA-carrying weight (dense or routed experts).
+
+A fused weight has n slices (qkv: 3, gate_up: 2, others: 1); each slice has its own A and B.
+Buffers hold `max_loras` slots of rank `max_lora_rank`; a slot's rows/columns past its true rank
+stay zero, and `ranks`/`scaling` record each (slice, slot)'s true rank and scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class LoRAWeights(nn.Module):
+    """a: [n, S, (E,) R, in] · b_i: [S, (E,) out_i, R] · scaling: [n, S] fp32 · ranks: host [n][S] (+ tensor)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: list[int],
+        max_loras: int,
+        max_lora_rank: int,
+        num_experts: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        n = len(out_features)
+        self.in_features = in_features
+        self.out_features = list(out_features)
+        self.num_experts = num_experts
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        e = () if num_experts is None else (num_experts,)
+        self.register_buffer("a", torch.zeros(n, max_loras, *e, max_lora_rank, in_features, dtype=dtype, device=device))
+        for i, o in enumerate(out_features):
+            self.register_buffer(f"b{i}", torch.zeros(max_loras, *e, o, max_lora_rank, dtype=dtype, device=device))
+        self.register_buffer("scaling", torch.zeros(n, max_loras, dtype=torch.float32, device=device))
+        self.register_buffer("rank_tensor", torch.zeros(n, max_loras, dtype=torch.int32, device=device))
+        self.ranks: list[list[int]] = [[0] * max_loras for _ in range(n)]
+
+    @property
+    def b(self) -> list[torch.Tensor]:
+        return [getattr(self, f"b{i}") for i in range(len(self.out_features))]
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.out_features)
+
+    @torch.no_grad()
+    def set_slot(self, slice_idx: int, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """a: [(E,) r, in] · b: [(E,) out_i, r]; r <= max_lora_rank (checked by the adapter loader)."""
+        r = a.shape[-2]
+        self.clear(slice_idx, slot)
+        self.a[slice_idx, slot, ..., :r, :] = a.to(self.a.dtype)
+        self.b[slice_idx][slot, ..., :r] = b.to(self.a.dtype)
+        self.scaling[slice_idx, slot] = scaling
+        self.rank_tensor[slice_idx, slot] = r
+        self.ranks[slice_idx][slot] = r
+
+    @torch.no_grad()
+    def clear(self, slice_idx: int, slot: int) -> None:
+        self.a[slice_idx, slot].zero_()
+        self.b[slice_idx][slot].zero_()
+        self.scaling[slice_idx, slot] = 0.0
+        self.rank_tensor[slice_idx, slot] = 0
+        self.ranks[slice_idx][slot] = 0
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """One adapter-addressable weight, by its transformers module name (e.g.
+    `model.layers.0.self_attn.q_proj`, `model.layers.0.mlp.experts.gate_proj`).
+
+    in_features/out_features: of this slice; num_experts: None for dense targets.
+    """
+
+    name: str
+    weights: LoRAWeights
+    slice_idx: int
+    in_features: int
+    out_features: int
+    num_experts: int | None
+
+
+def slot_has_lora(weights: LoRAWeights | None, slot_ids: list[int]) -> bool:
+    """True when any of the batch's slots has a nonzero rank on any slice of these weights."""
+    if weights is None:
+        return False
+    return any(weights.ranks[i][s] for i in range(weights.num_slices) for s in slot_ids)

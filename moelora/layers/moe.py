@@ -1,0 +1,86 @@
+"""MoE feed-forward: router, routed experts (+LoRA), optional shared expert; and the dense MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.adapters.metadata import LoRABatch
+from moelora.config import ModelConfig
+from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_ref, route_topk_ref
+from moelora.layers.linear import LoRALinear
+from moelora.layers.lora import LoRAWeights, slot_has_lora
+
+
+class DenseMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused as two slices of gate_up_proj."""
+
+    def __init__(self, hidden: int, inter: int, act: str, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.inter = inter
+        self.act = _ACTIVATIONS[act]
+        self.gate_up_proj = LoRALinear(hidden, [inter, inter], False, dtype, device)
+        self.down_proj = LoRALinear(inter, [hidden], False, dtype, device)
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        gu = self.gate_up_proj(x, lora)  # [T, 2I]
+        return self.down_proj(self.act(gu[:, : self.inter]) * gu[:, self.inter :], lora)
+
+
+class RoutedExperts(nn.Module):
+    """gate_up_proj: [E, 2I, H] (gate rows first) · down_proj: [E, H, I], as transformers >= 5 stores them."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, act: str, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter, self.act = num_experts, hidden, inter, act
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device), requires_grad=False)
+        self.gate_up_lora: LoRAWeights | None = None
+        self.down_lora: LoRAWeights | None = None
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        dt, dev = self.gate_up_proj.dtype, self.gate_up_proj.device
+        self.gate_up_lora = LoRAWeights(self.hidden, [self.inter, self.inter], max_loras, max_lora_rank, self.num_experts, dt, dev)
+        self.down_lora = LoRAWeights(self.inter, [self.hidden], max_loras, max_lora_rank, self.num_experts, dt, dev)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        args = None
+        if lora is not None and lora.has_lora and (
+            slot_has_lora(self.gate_up_lora, lora.slot_ids) or slot_has_lora(self.down_lora, lora.slot_ids)
+        ):
+            gu, d = self.gate_up_lora, self.down_lora
+            args = ExpertLoRAArgs(
+                token_slots=lora.token_slots,
+                gate_up_a=gu.a, gate_up_b=torch.stack(gu.b), gate_up_scaling=gu.scaling, gate_up_ranks=gu.ranks,
+                down_a=d.a[0], down_b=d.b[0], down_scaling=d.scaling[0], down_ranks=d.ranks[0],
+            )
+        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args)
+
+
+class MoEBlock(nn.Module):
+    """Router (`gate`, [E, H]) + routed experts + optional shared expert with a sigmoid gate."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, dtype, device)
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, dtype, device)
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = LoRALinear(cfg.hidden_size, [1], False, dtype, device)
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        logits = F.linear(x, self.gate)  # [T, E]
+        topk_weights, topk_ids = route_topk_ref(logits, self.top_k, self.renormalize)  # [T, K]
+        out = self.experts(x, topk_weights.to(x.dtype), topk_ids, lora)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, lora)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x, lora)) * shared
+            out = out + shared
+        return out

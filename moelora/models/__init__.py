@@ -1,0 +1,1 @@
+"""Model families (registry by architecture name), weight loading, dummy weights."""

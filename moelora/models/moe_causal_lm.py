@@ -1,0 +1,127 @@
+"""Decoder-only MoE causal LM covering Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE.
+
+The family differences are fields of ModelConfig (q/k norms, shared expert, dense layers,
+routing normalization, biases, windows), so one module tree serves all four. Parameter
+names follow transformers' where they exist; q/k/v and gate/up are fused (`qkv_proj`,
+`gate_up_proj`) and filled slice by slice by the weight loader.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.adapters.metadata import LoRABatch
+from moelora.config import ModelConfig
+from moelora.layers.attention import Attention, AttentionMetadata
+from moelora.layers.linear import LoRALinear
+from moelora.layers.lora import LoRATarget
+from moelora.layers.moe import DenseMLP, MoEBlock
+from moelora.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, idx, dtype, device)
+        self.is_moe = cfg.moe_layers[idx]
+        self.mlp: nn.Module = (
+            MoEBlock(cfg, dtype, device)
+            if self.is_moe
+            else DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, device)
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x, positions, attn, kv_cache, lora):
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn, kv_cache, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class MoECausalLM(nn.Module):
+    """forward(flat batch) -> hidden [T, H]; compute_logits(hidden) -> [T, V]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.model = Backbone(cfg, dtype, device)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.max_loras = 0
+        self.max_lora_rank = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoRABatch | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] · kv_caches: per layer (k_cache, v_cache) · returns hidden [T, H]."""
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, attn, cache, lora)
+        return self.model.norm(x)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w).float()  # [T, V]
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Allocate slot buffers in every LoRA-capable weight."""
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        for module in self.modules():
+            if isinstance(module, LoRALinear) or hasattr(module, "down_lora"):
+                module.enable_lora(max_loras, max_lora_rank)
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        """Every adapter-addressable weight, by the module name PEFT uses for it."""
+        if not self.max_loras:
+            raise RuntimeError("enable_lora() first")
+        out: dict[str, LoRATarget] = {}
+
+        def add(name: str, weights, slice_idx: int, experts: int | None = None) -> None:
+            out[name] = LoRATarget(name, weights, slice_idx, weights.in_features, weights.out_features[slice_idx], experts)
+
+        def add_linear(prefix: str, lin: LoRALinear, names: list[str]) -> None:
+            for i, n in enumerate(names):
+                add(f"{prefix}.{n}", lin.lora, i)
+
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}"
+            add_linear(f"{p}.self_attn", layer.self_attn.qkv_proj, ["q_proj", "k_proj", "v_proj"])
+            add_linear(f"{p}.self_attn", layer.self_attn.o_proj, ["o_proj"])
+            mlp = layer.mlp
+            if isinstance(mlp, DenseMLP):
+                add_linear(f"{p}.mlp", mlp.gate_up_proj, ["gate_proj", "up_proj"])
+                add_linear(f"{p}.mlp", mlp.down_proj, ["down_proj"])
+                continue
+            ex = mlp.experts
+            add(f"{p}.mlp.experts.gate_proj", ex.gate_up_lora, 0, ex.num_experts)
+            add(f"{p}.mlp.experts.up_proj", ex.gate_up_lora, 1, ex.num_experts)
+            add(f"{p}.mlp.experts.down_proj", ex.down_lora, 0, ex.num_experts)
+            if mlp.shared_expert is not None:
+                add_linear(f"{p}.mlp.shared_expert", mlp.shared_expert.gate_up_proj, ["gate_proj", "up_proj"])
+                add_linear(f"{p}.mlp.shared_expert", mlp.shared_expert.down_proj, ["down_proj"])
+            if mlp.shared_expert_gate is not None:
+                add(f"{p}.mlp.shared_expert_gate", mlp.shared_expert_gate.lora, 0)
+        return out
