@@ -1,0 +1,130 @@
+"""Read a PEFT LoRA directory: adapter_config.json (ranks, alphas, rsLoRA, rank/alpha patterns)
+and the weight file, grouped by module. Layout normalization is in normalize.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moelora.adapters.errors import AdapterError
+
+_PREFIX = "base_model.model."
+_LORA_KEY = re.compile(r"(.+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class PeftLoraConfig:
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    base_model_name_or_path: str | None = None
+
+    def rank_and_scaling(self, module_name: str) -> tuple[int, float]:
+        """PEFT's rule: the first pattern key k with re.match(rf'(.*\\.)?({k})$', name) overrides r / alpha."""
+        r = _pattern_value(self.rank_pattern, module_name, self.r)
+        alpha = _pattern_value(self.alpha_pattern, module_name, self.lora_alpha)
+        return int(r), float(alpha) / (math.sqrt(r) if self.use_rslora else r)
+
+
+def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def read_config(name: str, path: str) -> PeftLoraConfig:
+    if not os.path.isdir(path):
+        raise AdapterError(name, f"adapter folder {path!r} does not exist or is not a folder")
+    file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(file):
+        raise AdapterError(name, f"{file} is missing: a PEFT adapter folder holds adapter_config.json")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(name, f"{file} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise AdapterError(name, f"{file} must hold a JSON object, found {type(raw).__name__}")
+    peft_type = str(raw.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(name, f"peft_type is {peft_type!r}; moelora serves LoRA adapters only")
+    if raw.get("use_dora"):
+        raise AdapterError(name, "use_dora is true: DoRA adapters are not supported (retrain without DoRA or merge it)")
+    if raw.get("lora_bias"):
+        raise AdapterError(name, "lora_bias is true: LoRA with a trained bias on lora_B is not supported")
+    if raw.get("modules_to_save"):
+        raise AdapterError(
+            name, f"modules_to_save={raw['modules_to_save']} stores full copies of base modules; only LoRA weights "
+            "can be served per request (this includes adapters that resize embeddings or the LM head)"
+        )
+    if raw.get("trainable_token_indices"):
+        raise AdapterError(name, "trainable_token_indices is set: adapters that add or retrain tokens are not supported")
+    try:
+        r = int(raw["r"])
+        alpha = float(raw.get("lora_alpha", r))
+    except (KeyError, TypeError, ValueError) as e:
+        raise AdapterError(name, f"{file}: 'r' must be an integer and 'lora_alpha' a number ({e!r})") from e
+    if r <= 0:
+        raise AdapterError(name, f"{file}: 'r' must be positive, found {r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(raw.get(key) or {}, dict):
+            raise AdapterError(name, f"{file}: {key!r} must be an object of regex -> number")
+    return PeftLoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        use_rslora=bool(raw.get("use_rslora", False)),
+        rank_pattern=dict(raw.get("rank_pattern") or {}),
+        alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+        base_model_name_or_path=raw.get("base_model_name_or_path"),
+    )
+
+
+def read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
+    st = os.path.join(path, "adapter_model.safetensors")
+    bin_ = os.path.join(path, "adapter_model.bin")
+    try:
+        if os.path.isfile(st):
+            from safetensors.torch import load_file
+
+            return load_file(st)
+        if os.path.isfile(bin_):
+            obj = torch.load(bin_, map_location="cpu", weights_only=True)
+            if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+                raise ValueError("expected a dict of tensors")
+            return obj
+    except Exception as e:  # safetensors and torch raise many types for a corrupt file
+        raise AdapterError(name, f"cannot read the weights in {path!r}: {e}") from e
+    raise AdapterError(name, f"no adapter_model.safetensors (or adapter_model.bin) in {path!r}")
+
+
+def group_lora_tensors(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, tuple[str, torch.Tensor]]]:
+    """key 'base_model.model.<module>.lora_A.weight' -> {module: {'A': (key, t), 'B': (key, t)}}.
+    Anything that is not a LoRA A/B factor is refused with the reason."""
+    groups: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        if "lora_magnitude_vector" in key:
+            raise AdapterError(name, "DoRA magnitude vector found: DoRA adapters are not supported", key)
+        if "lora_embedding_" in key:
+            raise AdapterError(name, "LoRA on an embedding layer is not supported (adapters may not change embeddings)", key)
+        m = _LORA_KEY.match(key)
+        if m is None:
+            raise AdapterError(
+                name, "not a LoRA factor: the adapter stores other weights (new tokens, resized embeddings or "
+                "modules_to_save), which cannot be served per request", key,
+            )
+        module = m[1][len(_PREFIX):] if m[1].startswith(_PREFIX) else m[1]
+        groups.setdefault(module, {})[m[2]] = (key, t)
+    for module, ab in groups.items():
+        if len(ab) != 2:
+            have = next(iter(ab.values()))[0]
+            raise AdapterError(name, f"module {module!r} has lora_{next(iter(ab))} but no lora_{'B' if 'A' in ab else 'A'}", have)
+    return groups

@@ -1,0 +1,100 @@
+"""Slot pool: which adapter sits in which of the model's `max_loras` LoRA slots.
+
+Loading writes every target's slice of the slot (zeroing targets the adapter lacks, so a stale
+adapter's weights can never leak). Eviction takes the least recently used adapter that no running
+request holds and that is not pinned; an adapter in use is never evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from moelora.adapters.registry import LoRAAdapter
+from moelora.layers.lora import LoRATarget
+
+
+class NoFreeSlot(RuntimeError):
+    pass
+
+
+class SlotPool:
+    def __init__(self, targets: dict[str, LoRATarget], max_loras: int) -> None:
+        self.targets = targets
+        self.max_loras = max_loras
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
+        self._refs: dict[str, int] = {}
+        self._pinned: set[str] = set()
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slot_of.get(name)
+
+    @property
+    def resident(self) -> dict[str, int]:
+        return dict(self._slot_of)
+
+    def refcount(self, name: str) -> int:
+        return self._refs.get(name, 0)
+
+    def can_acquire(self, name: str) -> bool:
+        return name in self._slot_of or len(self._slot_of) < self.max_loras or self._victim() is not None
+
+    def acquire(self, adapter: LoRAAdapter) -> int:
+        """Make `adapter` resident (loading or evicting as needed), take a reference, return its slot."""
+        slot = self._slot_of.get(adapter.name)
+        if slot is None:
+            used = set(self._slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:
+                victim = self._victim()
+                if victim is None:
+                    raise NoFreeSlot(
+                        f"all {self.max_loras} LoRA slots hold adapters in use or pinned; adapter "
+                        f"{adapter.name!r} must wait (or raise --max-loras)"
+                    )
+                slot = self._slot_of.pop(victim)
+            self._write(adapter, slot)
+            self._slot_of[adapter.name] = slot
+        self._slot_of.move_to_end(adapter.name)
+        self._refs[adapter.name] = self._refs.get(adapter.name, 0) + 1
+        return slot
+
+    def release(self, name: str) -> None:
+        n = self._refs.get(name, 0)
+        if n <= 0:
+            raise RuntimeError(f"adapter {name!r} released more often than acquired")
+        self._refs[name] = n - 1
+
+    def pin(self, adapter: LoRAAdapter) -> int:
+        slot = self.acquire(adapter)
+        self.release(adapter.name)
+        self._pinned.add(adapter.name)
+        return slot
+
+    def unpin(self, name: str) -> None:
+        self._pinned.discard(name)
+
+    def evict(self, name: str) -> None:
+        """Drop `name` from its slot (used by unload); refuses while requests hold it."""
+        if self._refs.get(name, 0) > 0:
+            raise RuntimeError(f"adapter {name!r} is in use by {self._refs[name]} running requests")
+        slot = self._slot_of.pop(name, None)
+        self._pinned.discard(name)
+        if slot is not None:
+            for t in self.targets.values():
+                t.weights.clear(t.slice_idx, slot)
+
+    def _victim(self) -> str | None:
+        for name in self._slot_of:  # oldest first
+            if self._refs.get(name, 0) == 0 and name not in self._pinned:
+                return name
+        return None
+
+    def _write(self, adapter: LoRAAdapter, slot: int) -> None:
+        for name, t in self.targets.items():
+            mod = adapter.modules.get(name)
+            if mod is None:
+                t.weights.clear(t.slice_idx, slot)
+            else:
+                t.weights.set_slot(t.slice_idx, slot, mod.a, mod.b, mod.scaling)

@@ -1,0 +1,224 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeded draws, logprobs.
+
+Order of operations for one step (as vLLM):
+    logits = apply_penalties(raw_logits, ...)        # repetition, frequency, presence
+    logprobs = log_softmax(logits)                    # what is reported (no temperature, no filters)
+    greedy rows:  token = argmax(logits)              # ties: lowest id
+    other rows:   logits /= temperature; top-k; top-p; min-p; token ~ softmax(logits)
+
+Every seeded row draws from its own torch.Generator with a fixed number of
+draws per step, so its tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelora.engine.sampling_params import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded for one request, or None (use the global RNG) when seed is None."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=torch.device(device))
+    g.manual_seed(seed)
+    return g
+
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """counts[b, v] = how often token v occurs in token_ids[b]. Returns [B, V] fp32."""
+    max_len = max((len(t) for t in token_ids), default=0)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    if max_len == 0:
+        return counts[:, :vocab_size]
+    # pad with the extra column vocab_size, dropped afterwards
+    padded = torch.tensor(
+        [t + [vocab_size] * (max_len - len(t)) for t in token_ids], dtype=torch.int64, device=device
+    )  # [B, L]
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    params: list[SamplingParams],
+) -> torch.Tensor:
+    """Return penalized logits (a new tensor; the input is not modified).
+
+    Semantics, for each row b and token v:
+        if v in prompt[b] + output[b]:          # repetition penalty (vLLM / transformers)
+            logits[b, v] = logits[b, v] / rp if logits[b, v] > 0 else logits[b, v] * rp
+        logits[b, v] -= frequency_penalty * count(v in output[b])      # OpenAI
+        logits[b, v] -= presence_penalty * (count(v in output[b]) > 0)  # OpenAI
+    logits: [B, V] fp32
+    """
+    rows = [i for i, p in enumerate(params) if p.needs_penalties]
+    if not rows:
+        return logits
+    vocab_size = logits.shape[1]
+    device = logits.device
+    out = logits.clone()
+    sub = out[rows]  # [R, V]
+    idx = torch.tensor(rows, dtype=torch.int64, device=device)
+    rep = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32, device=device)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32, device=device)
+    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=torch.float32, device=device)
+
+    out_counts = _token_counts([list(output_token_ids[i]) for i in rows], vocab_size, device)  # [R, V]
+    prompt_counts = _token_counts([list(prompt_token_ids[i]) for i in rows], vocab_size, device)  # [R, V]
+    seen = (out_counts + prompt_counts) > 0  # [R, V]
+
+    rep = rep[:, None].expand_as(sub)
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalized, sub)
+    sub = sub - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).float()
+    out.index_copy_(0, idx, sub)
+    return out
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row.
+
+    logprobs[b]: log_softmax(penalized logits)[b, token_ids[b]], i.e. before temperature and filters.
+    top_logprobs[b]: the params.logprobs most likely (token_id, logprob) under that same distribution,
+    best first; None for rows that did not ask for logprobs.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask to -inf what top-k / top-p remove. logits: [B, V] · top_k: [B] int64 (V = off) · top_p: [B]."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending: [B, V]
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        # keep everything >= the k-th largest value (ties at the threshold are kept, as vLLM)
+        kth = sorted_logits.gather(1, (vocab_size - top_k).clamp(0, vocab_size - 1)[:, None])  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)  # mass of this token and all less likely ones
+        drop = cum <= (1.0 - top_p)[:, None]
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p * (probability of the most likely token)."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    """Turns a batch of (already penalized) logits into one token per row."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """logits: [B, V] fp32, penalties already applied (see apply_penalties).
+        params, generators: one per row; a None generator draws from torch's global RNG.
+        """
+        batch, vocab_size = logits.shape
+        if len(params) != batch or len(generators) != batch:
+            raise ValueError(
+                f"Sampler.sample: logits have {batch} rows but got {len(params)} params and "
+                f"{len(generators)} generators"
+            )
+        logits = logits.float()
+        device = logits.device
+        logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+        token_ids = logits.argmax(dim=-1)  # [B]; first maximum = lowest id
+
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rp = [params[i] for i in random_rows]
+            idx = torch.tensor(random_rows, dtype=torch.int64, device=device)
+            x = logits[idx] / torch.tensor([p.temperature for p in rp], device=device)[:, None]  # [R, V]
+            top_k = top_p = None
+            if any(p.top_k_enabled for p in rp):
+                top_k = torch.tensor(
+                    [p.top_k if p.top_k_enabled else vocab_size for p in rp], dtype=torch.int64, device=device
+                )
+            if any(p.top_p < 1.0 for p in rp):
+                top_p = torch.tensor([p.top_p for p in rp], dtype=torch.float32, device=device)
+            if top_k is not None or top_p is not None:
+                x = _apply_top_k_top_p(x, top_k, top_p)
+            if any(p.min_p > 0.0 for p in rp):
+                x = _apply_min_p(x, torch.tensor([p.min_p for p in rp], dtype=torch.float32, device=device))
+            probs = x.softmax(dim=-1)  # [R, V]
+            token_ids[idx] = self._draw(probs, [generators[i] for i in random_rows])
+
+        chosen = logprobs.gather(1, token_ids[:, None])[:, 0]  # [B]
+        top: list[list[tuple[int, float]] | None] = [None] * batch
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            k_max = min(max(params[i].logprobs for i in want), vocab_size)  # type: ignore[type-var]
+            vals, ids = logprobs[want].topk(k_max, dim=-1) if k_max > 0 else (None, None)
+            for j, i in enumerate(want):
+                k = min(params[i].logprobs, vocab_size)  # type: ignore[type-var]
+                if k == 0:
+                    top[i] = []
+                else:
+                    top[i] = list(zip(ids[j, :k].tolist(), vals[j, :k].tolist()))  # type: ignore[index]
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen.tolist(), top_logprobs=top)
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row by the exponential race: argmax(p / q), q ~ Exp(1), which samples p exactly.
+
+        probs: [R, V]. Each seeded row draws its own V exponentials from its own generator.
+        """
+        q = torch.empty_like(probs)
+        unseeded = [j for j, g in enumerate(generators) if g is None]
+        if unseeded:
+            q[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
+        for j, g in enumerate(generators):
+            if g is not None:
+                q[j].exponential_(generator=g)
+        # a zero draw would turn a filtered token (p = 0) into 0/0 = nan, which argmax prefers
+        q.clamp_min_(torch.finfo(q.dtype).tiny)
+        return (probs / q).argmax(dim=-1)
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list[dict | None]:
+    """Logprobs of the prompt's own tokens, as vLLM's prompt_logprobs.
+
+    logits: [P, V], row i holds the prediction for position i + 1 (P >= len(prompt_ids) - 1).
+    Returns one entry per prompt position; position 0 is None (nothing predicts it). Entry i >= 1:
+        {"token_id": prompt_ids[i], "logprob": log_softmax(logits[i-1])[prompt_ids[i]],
+         "rank": 1 + #tokens with a strictly higher logprob, "top": [(token_id, logprob)] * k, best first}
+    """
+    n = len(prompt_ids)
+    if n == 0:
+        return []
+    if logits.shape[0] < n - 1:
+        raise ValueError(
+            f"prompt_logprobs: need at least {n - 1} logits rows for {n} prompt tokens, got {logits.shape[0]}"
+        )
+    result: list[dict | None] = [None]
+    if n == 1:
+        return result
+    lp = torch.log_softmax(logits[: n - 1].float(), dim=-1)  # [n-1, V]
+    targets = torch.tensor(prompt_ids[1:], dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, targets[:, None])  # [n-1, 1]
+    ranks = (lp > chosen).sum(dim=-1) + 1  # [n-1]
+    k = min(k, lp.shape[1])
+    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+    for tok, c, r, tv, ti in zip(
+        prompt_ids[1:], chosen[:, 0].tolist(), ranks.tolist(), top_vals.tolist(), top_ids.tolist()
+    ):
+        result.append({"token_id": tok, "logprob": c, "rank": r, "top": list(zip(ti, tv))})
+    return result

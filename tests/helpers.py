@@ -1,0 +1,119 @@
+"""Shared test helpers: tiny random models per family, PEFT-saved adapters, and a runner that
+puts a mixed-adapter batch through moelora and returns per-row log-probabilities."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moelora.adapters.metadata import LoRABatch
+from moelora.adapters.registry import AdapterRegistry
+from moelora.adapters.slots import SlotPool
+from moelora.config import ModelConfig
+from moelora.engine.batch import SeqChunk, build_flat_batch
+from moelora.engine.kv_cache import KVCache
+from moelora.models.loader import build_model
+
+COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def hf_tiny(family: str, **over):
+    """(config, model class) of a tiny random model built from the family's real config class.
+    Hidden 32, expert intermediate 12 (2I = 24): gate_up and down LoRA shapes always differ."""
+    from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**{**COMMON, "head_dim": 8, "intermediate_size": 40, "moe_intermediate_size": 12,
+                                "num_experts": 8, "norm_topk_prob": True, "mlp_only_layers": [1], **over})
+        return cfg, Qwen3MoeForCausalLM
+    if family == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**{**COMMON, "intermediate_size": 40, "moe_intermediate_size": 12,
+                                "shared_expert_intermediate_size": 20, "num_experts": 8, **over})
+        return cfg, Qwen2MoeForCausalLM
+    if family == "mixtral":
+        return MixtralConfig(**{**COMMON, "intermediate_size": 12, "num_local_experts": 8, **over}), MixtralForCausalLM
+    if family == "olmoe":
+        return OlmoeConfig(**{**COMMON, "intermediate_size": 12, "num_experts": 8, "eos_token_id": 1, **over}), OlmoeForCausalLM
+    raise ValueError(family)
+
+
+def save_tiny_model(family: str, path: str, seed: int = 0, **over):
+    cfg, cls = hf_tiny(family, **over)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # spread the router so several experts get tokens
+        for n, p in model.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
+    model.save_pretrained(path)
+    return model
+
+
+def save_peft_adapter(base, path: str, seed: int, **lora_kwargs) -> None:
+    """A PEFT LoRA adapter with random (nonzero) A and B, saved by PEFT itself."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **lora_kwargs))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(path)
+
+
+def peft_logprobs(base, adapter_path: str | None, ids: list[int]) -> torch.Tensor:
+    """Reference: transformers (+ PEFT with this one adapter) on one sequence -> log-probs [L, V]."""
+    import copy
+
+    from peft import PeftModel
+
+    model = base if adapter_path is None else PeftModel.from_pretrained(copy.deepcopy(base), adapter_path)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)
+
+
+class Runner:
+    """moelora model + registry + slot pool on the CPU, for parity tests."""
+
+    def __init__(self, model_path: str, max_loras: int = 4, max_lora_rank: int = 16, dtype: str = "float32") -> None:
+        self.cfg = ModelConfig.from_pretrained(model_path)
+        self.model = build_model(self.cfg, model_path, dtype=dtype, max_loras=max_loras, max_lora_rank=max_lora_rank)
+        self.targets = self.model.lora_targets()
+        self.registry = AdapterRegistry(self.targets, max_lora_rank)
+        self.pool = SlotPool(self.targets, max_loras)
+        self.max_loras = max_loras
+
+    def load(self, name: str, path: str) -> int:
+        self.registry.load(name, path)
+        return self.pool.pin(self.registry.get(name))
+
+    def logprobs(self, rows: list[tuple[list[int], str | None]], block_size: int = 4) -> list[torch.Tensor]:
+        """Prefill every row in one flat batch; rows name their adapter (None = base)."""
+        kv = KVCache(self.cfg, 256, block_size, self.model.dtype, "cpu")
+        chunks = []
+        for ids, adapter in rows:
+            slot = -1 if adapter is None else self.pool.slot_of(adapter)
+            chunks.append(SeqChunk(ids, 0, kv.allocate(kv.blocks_needed(len(ids), 0)), slot))
+        fb = build_flat_batch(chunks, block_size)
+        lora = LoRABatch.build(fb.token_slots, self.max_loras)
+        hidden = self.model(fb.input_ids, fb.positions, fb.attn, kv.caches, lora)
+        lp = torch.log_softmax(self.model.compute_logits(hidden), -1)
+        q = fb.attn.query_start_loc
+        return [lp[q[i] : q[i + 1]] for i in range(len(rows))]
+
+
+def rows_of(seed: int, lengths: list[int], vocab: int = 97) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def tmp(path, *parts) -> str:
+    p = os.path.join(str(path), *parts)
+    os.makedirs(p, exist_ok=True)
+    return p
