@@ -33,17 +33,20 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
 ):
-    """load_format: 'auto' (safetensors from `path`) or 'dummy' (random weights)."""
+    """load_format: 'auto' (safetensors from `path`), 'dummy' (random weights) or 'none' (uninitialized,
+    e.g. on the meta device to read shapes only)."""
     cls = model_class(cfg)
     model = cls(cfg, dtype=resolve_dtype(dtype, cfg), device=device)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
+    elif load_format == "none":
+        pass
     elif load_format == "auto":
         if path is None:
             raise ValueError("a checkpoint path is needed unless load_format='dummy'")
         load_weights(model, path)
     else:
-        raise ValueError(f"load_format {load_format!r}: use 'auto' or 'dummy'")
+        raise ValueError(f"load_format {load_format!r}: use 'auto', 'dummy' or 'none'")
     if max_loras:
         model.enable_lora(max_loras, max_lora_rank)
     return model.eval()
