@@ -117,3 +117,53 @@ def tmp(path, *parts) -> str:
     p = os.path.join(str(path), *parts)
     os.makedirs(p, exist_ok=True)
     return p
+
+
+def greedy_ref(base, adapter_path: str | None, ids: list[int], n: int) -> list[int]:
+    """Reference greedy continuation: n full forwards of transformers (+ PEFT), argmax each time."""
+    import copy
+
+    from peft import PeftModel
+
+    model = base if adapter_path is None else PeftModel.from_pretrained(copy.deepcopy(base), adapter_path)
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def save_byte_tokenizer(path: str, eos: str = "<|endoftext|>") -> None:
+    """A byte-level BPE tokenizer without merges (ids 0..255 = bytes, then special tokens), saved with a
+    chat template: enough for the engine's text paths on a model with vocab_size >= 260."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in zip(range(256), sorted(alphabet, key=lambda c: _byte_of(c)))}
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([eos, "<|im_start|>", "<|im_end|>"])
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "chat_template": template}, f)
+
+
+def _byte_of(c: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode, inverted)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(map(chr, cs), bs))[c]

@@ -1,0 +1,111 @@
+"""The offline API: LLM(...).generate(prompts, SamplingParams, adapter=...)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from moelora.engine.llm_engine import EngineArgs, LLMEngine
+from moelora.engine.outputs import CompletionOutput, RequestOutput
+from moelora.engine.request import Request
+from moelora.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """One MoE model with many LoRA adapters, for offline batched generation.
+
+        llm = LLM(model="path", adapters={"name": "path/to/adapter"}, max_loras=8, max_lora_rank=64)
+        outs = llm.generate(["a", "b"], SamplingParams(max_tokens=8), adapter=["name", None])
+
+    Every keyword of EngineArgs is accepted (block_size, max_num_seqs, max_model_len, load_format, ...).
+    """
+
+    def __init__(self, model: str, adapters: dict[str, str] | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs), adapters)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.engine.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
+    def list_adapters(self) -> list[str]:
+        return self.engine.list_adapters()
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapter: str | None | Sequence[str | None] = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """prompts: strings or lists of token ids (one prompt alone is accepted too).
+        sampling_params, adapter: one for all prompts, or one per prompt (adapter None = base model)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        adapters = _per_prompt(adapter, len(prompts), "adapter")
+        groups: list[tuple[RequestOutput, list[str]]] = []
+        added: list[str] = []
+        try:
+            for prompt, p, a in zip(prompts, params, adapters):
+                base_id = f"gen-{next(self._ids)}"
+                ids = []
+                for k in range(p.n):
+                    sub = p if p.n == 1 else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + k)
+                    rid = f"{base_id}-{k}"
+                    req = self.engine.add_request(rid, prompt, sub, a)
+                    ids.append(rid)
+                    added.append(rid)
+                groups.append((RequestOutput(base_id, prompt if isinstance(prompt, str) else None,
+                                             req.prompt_ids, a), ids))
+        except Exception:
+            for rid in added:  # leave the engine as it was
+                self.engine.abort_request(rid)
+                self.engine.pop_finished(rid)
+            raise
+        bar = _progress(len(added)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for req in self.engine.step():
+                if req.finished and bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        results = []
+        for out, ids in groups:
+            reqs = [self.engine.pop_finished(rid) for rid in ids]
+            out.outputs = [_completion(k, r) for k, r in enumerate(reqs)]
+            out.prompt_logprobs = reqs[0].prompt_logprobs if reqs[0].params.prompt_logprobs is not None else None
+            out.finished = True
+            results.append(out)
+        return results
+
+
+def _completion(index: int, r: Request) -> CompletionOutput:
+    return CompletionOutput(
+        index=index, text=r.text, token_ids=list(r.output_ids), finish_reason=r.finish_reason,
+        stop_reason=r.stop_reason, logprobs=r.logprobs if r.params.logprobs is not None else None,
+    )
+
+
+def _per_prompt(value, n: int, what: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{what}: got {len(value)} values for {n} prompts (give one, or one per prompt)")
+        return list(value)
+    return [value] * n
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,251 @@
+"""The engine: requests in, one scheduled model step at a time, tokens and text out."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moelora.adapters.registry import AdapterRegistry
+from moelora.adapters.slots import SlotPool
+from moelora.config import ModelConfig
+from moelora.engine.kv_cache import KVCache
+from moelora.engine.model_runner import ModelRunner, StepOutput
+from moelora.engine.request import Request, Status
+from moelora.engine.sampler import Sampler, apply_penalties, make_generator, prompt_logprobs
+from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.scheduler import Scheduler
+from moelora.models.loader import build_model
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings (names as in vLLM). None means: derive a sensible default."""
+
+    model: str
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    dtype: str | None = None  # None: float32 on the CPU, the checkpoint's dtype on a GPU
+    device: str | None = None  # None: "cuda" when a GPU is present, else "cpu"
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the config's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_bytes: int | None = None  # None: 256 MiB on the CPU; 90% of free GPU memory after weights
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"  # "auto" | "dummy"
+    seed: int = 0
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, adapters: dict[str, str] | None = None) -> None:
+        self.args = args
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' requested but torch sees no GPU; use device='cpu'")
+        self.device = torch.device(device)
+        dtype = args.dtype or ("float32" if self.device.type == "cpu" else "auto")
+        self.config = ModelConfig.from_pretrained(args.model)
+        self.max_model_len = args.max_model_len or self.config.max_position_embeddings
+        self.model = build_model(
+            self.config, args.model, dtype=dtype, device=self.device, max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
+        )
+        self.tokenizer = _maybe_tokenizer(args.model)
+        self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else self.config.eos_token_ids)
+        self.kv = KVCache(self.config, self._num_blocks(), args.block_size, self.model.dtype, self.device)
+        if args.max_loras:
+            targets = self.model.lora_targets()
+            self.registry: AdapterRegistry | None = AdapterRegistry(targets, args.max_lora_rank, args.max_cpu_loras)
+            self.pool: SlotPool | None = SlotPool(targets, args.max_loras)
+        else:
+            self.registry = self.pool = None
+        self.scheduler = Scheduler(self.kv, self.pool, self.registry, args.max_num_seqs, args.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, args.max_loras)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._arrival = itertools.count()
+        for name, path in (adapters or {}).items():
+            self.load_adapter(name, path)
+
+    # ---- adapters -------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> None:
+        if self.registry is None:
+            raise ValueError("this engine was started with max_loras=0: no adapters can be loaded")
+        self.registry.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Refuses while requests use the adapter (abort or finish them first)."""
+        if self.registry is None or name not in self.registry:
+            raise KeyError(f"adapter {name!r} is not loaded; loaded: {self.list_adapters()}")
+        users = [r.request_id for r in self.requests.values() if r.adapter == name and not r.finished]
+        if users:
+            raise RuntimeError(f"adapter {name!r} is used by {len(users)} unfinished requests ({users[:3]}...)")
+        self.pool.evict(name)
+        self.registry.unload(name)
+
+    def list_adapters(self) -> list[str]:
+        return self.registry.names if self.registry else []
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if adapter is not None and (self.registry is None or adapter not in self.registry):
+            raise ValueError(f"unknown adapter {adapter!r}; loaded adapters: {self.list_adapters()}")
+        ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but the context holds {self.max_model_len} "
+                "(max_model_len) including at least one generated token"
+            )
+        if self.kv.blocks_needed(len(ids) + 1, 0) > self.kv.num_blocks:
+            raise ValueError(f"prompt of {len(ids)} tokens needs more KV blocks than the cache has ({self.kv.num_blocks})")
+        req = Request(request_id, ids, params, adapter, next(self._arrival))
+        req.generator = make_generator(params.seed, self.device)
+        if self.tokenizer is not None:
+            from moelora.engine.tokenizer import IncrementalDetokenizer, StopChecker
+
+            req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            req.stopper = StopChecker(params.stop, params.include_stop_str_in_output)
+        elif params.stop:
+            raise ValueError("stop strings need a tokenizer; this model folder has none (use stop_token_ids)")
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        self.scheduler.finish(req)
+        req.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def pop_finished(self, request_id: str) -> Request:
+        return self.requests.pop(request_id)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.args.model} has no tokenizer: pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt: a prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
+        return ids
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one scheduled step; returns the requests that got new tokens or finished."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("no request can be scheduled (KV cache or LoRA slots exhausted with nothing running)")
+            return []
+        out = self.runner.execute(chunks)
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+        self._record_prompt_logprobs(chunks, out)
+        return self._sample(out)
+
+    def _record_prompt_logprobs(self, chunks, out: StepOutput) -> None:
+        """Row j of a chunk starting at s predicts prompt position s + j + 1; positions already recorded
+        (a prefill recomputed after preemption) are kept as they are."""
+        for i, logits in out.prompt_logits.items():
+            c = chunks[i]
+            req, s, P = c.request, c.start, len(c.request.prompt_ids)
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # nothing predicts position 0
+            first, last = len(req.prompt_logprobs), min(s + c.num_tokens, P - 1)
+            if first < s + 1 or first > last:
+                continue
+            ids = req.prompt_ids[first - 1 : last + 1]
+            for e in prompt_logprobs(logits[first - 1 - s : last - s], ids, req.params.prompt_logprobs)[1:]:
+                d = dict(e["top"])
+                d[e["token_id"]] = e["logprob"]
+                req.prompt_logprobs.append(d)
+
+    def _sample(self, out: StepOutput) -> list[Request]:
+        if not out.sampled:
+            return []
+        reqs = [c.request for c in out.sampled]
+        params = [r.params for r in reqs]
+        logits = out.sample_logits
+        if any(p.needs_penalties for p in params):
+            logits = apply_penalties(logits, [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], params)
+        res = self.sampler.sample(logits, params, [r.generator for r in reqs])
+        now = time.monotonic()
+        for i, req in enumerate(reqs):
+            t = res.token_ids[i]
+            req.output_ids.append(t)
+            req.first_token_time = req.first_token_time or now
+            if req.params.logprobs is not None:
+                d = dict(res.top_logprobs[i] or [])
+                d[t] = res.logprobs[i]
+                req.logprobs.append(d)
+            self._check_stop(req, t)
+        return reqs
+
+    def _check_stop(self, req: Request, t: int) -> None:
+        p = req.params
+        reason = None
+        if not p.ignore_eos and t in self.eos_ids:
+            reason, req.stop_reason = "stop", t
+        elif t in p.stop_token_ids:
+            reason, req.stop_reason = "stop", t
+        if req.detok is not None:
+            delta = req.detok.add_token(t) if reason is None else ""
+            req.text += req.stopper.update(delta)
+            if reason is None and req.stopper.stopped:
+                reason, req.stop_reason = "stop", req.stopper.stop_str
+        if reason is None and (
+            (p.max_tokens is not None and len(req.output_ids) >= p.max_tokens) or req.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is None:
+            return
+        if req.detok is not None and not req.stopper.stopped:
+            req.text += req.stopper.update(req.detok.flush())
+            req.text += req.stopper.flush()
+        req.finish_reason = reason
+        self.scheduler.finish(req)
+
+    def _num_blocks(self) -> int:
+        a = self.args
+        per_block = KVCache.bytes_per_block(self.config, a.block_size, self.model.dtype)
+        if a.kv_cache_memory_bytes is not None:
+            budget = a.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - (1 - a.gpu_memory_utilization) * total)
+        else:
+            budget = 256 << 20
+        # no point in more blocks than max_num_seqs full-length sequences
+        cap = a.max_num_seqs * -(-self.max_model_len // a.block_size)
+        n = min(budget // per_block, cap)
+        if n < 1:
+            raise RuntimeError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; raise it")
+        return int(n)
+
+
+def _maybe_tokenizer(path: str):
+    if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
+        return None
+    from moelora.engine.tokenizer import Tokenizer
+
+    return Tokenizer(path)

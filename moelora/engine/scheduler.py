@@ -1,0 +1,133 @@
+"""Continuous batching: which requests run this step, and how many tokens each computes.
+
+Each step has a token budget (`max_num_batched_tokens`). Running requests go first (decode: one token;
+an unfinished prefill: the next chunk); waiting requests join FIFO while budget, sequence slots, KV blocks
+and LoRA slots last. A batch holds at most `max_loras` distinct adapters because every running adapter
+holds a slot; a request whose adapter cannot get a slot waits, and from then on no later request with an
+adapter is admitted ahead of it (base requests still are), so every adapter gets its turn. When KV blocks
+run out, the most recently arrived running request is preempted: its blocks and adapter reference are
+freed, and it later recomputes its prompt and output so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from moelora.adapters.registry import AdapterRegistry
+from moelora.adapters.slots import SlotPool
+from moelora.engine.kv_cache import KVCache
+from moelora.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # first token position computed this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens: its last row is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCache,
+        pool: SlotPool | None,
+        registry: AdapterRegistry | None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
+        self.kv = kv
+        self.pool = pool
+        self.registry = registry
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledChunk] = []
+        # 1. running requests, oldest first; preempt the newest when blocks run out
+        self.running.sort(key=lambda r: r.arrival)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self._reserve(req, req.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break  # req itself was preempted: everything after it is too
+            out.append(ScheduledChunk(req, req.num_computed, n))
+            budget -= n
+            i += 1
+        # 2. waiting requests, FIFO
+        blocked_adapter = False
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.popleft()
+            if req.adapter is not None and (blocked_adapter or not self._can_take_slot(req.adapter)):
+                blocked_adapter = True
+                skipped.append(req)
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._reserve(req, req.num_computed + n):
+                skipped.append(req)
+                break  # no blocks: later requests would not fit either (FIFO)
+            if req.adapter is not None:
+                req.slot = self.pool.acquire(self.registry.get(req.adapter))
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.append(ScheduledChunk(req, req.num_computed, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def finish(self, req: Request) -> None:
+        """Free everything a request holds (finished or aborted)."""
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+
+    def _can_take_slot(self, adapter: str) -> bool:
+        return self.pool is not None and self.pool.can_acquire(adapter)
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        need = self.kv.blocks_needed(num_tokens, len(req.block_table))
+        if need > self.kv.num_free_blocks:
+            return False
+        req.block_table.extend(self.kv.allocate(need))
+        return True
+
+    def _release(self, req: Request) -> None:
+        if req.block_table:
+            self.kv.free(req.block_table)
+            req.block_table = []
+        if req.status is Status.RUNNING and req.adapter is not None and req.slot >= 0:
+            self.pool.release(req.adapter)
+        req.slot = -1
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
