@@ -44,6 +44,34 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora_specs(specs: list[str]) -> dict[str, str]:
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora expects NAME=PATH, got {spec!r}")
+        out[name] = path
+    return out
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from moelora import LLM, SamplingParams
+
+    adapters = _lora_specs(args.lora)
+    if args.adapter is not None and args.adapter not in adapters:
+        raise SystemExit(f"--adapter {args.adapter!r} is not among the --lora names {sorted(adapters)}")
+    llm = LLM(args.model, adapters=adapters, max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank,
+              dtype=args.dtype, device=args.device, show_progress=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or None)
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    for out in llm.generate(prompts, params, adapter=args.adapter):
+        print(out.text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moelora",
@@ -55,6 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print the model configuration moelora reads from a model folder")
     info.add_argument("model", help="model folder with config.json")
     info.set_defaults(func=_cmd_info)
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate text offline for one or more prompts, with or without an adapter",
+        description="Loads the model (and any --lora adapters) and prints one completion per --prompt.",
+    )
+    gen.add_argument("--model", required=True, help="model folder (config.json, safetensors, tokenizer.json)")
+    gen.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="load a PEFT adapter (repeatable)")
+    gen.add_argument("--adapter", default=None, help="adapter NAME to use for every prompt (default: the base model)")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--max-lora-rank", type=int, default=64)
+    gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU)")
+    gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    gen.set_defaults(func=_cmd_generate)
 
     chk = sub.add_parser(
         "check-adapter",

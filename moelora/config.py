@@ -18,6 +18,13 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
 )
+# config.json model_type -> architecture, for configs that name no architectures (config.save_pretrained)
+_MODEL_TYPES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
 # rope types whose inverse frequencies depend on the sequence length at run time
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -92,9 +99,12 @@ class ModelConfig:
 
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:
+            arch = _MODEL_TYPES.get(raw.get("model_type"))
         if arch is None:
             raise ConfigError(
-                f"architectures {archs} not supported; moelora serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architectures {archs} (model_type {raw.get('model_type')!r}) not supported; "
+                f"moelora serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         model_type = raw.get("model_type")
         if model_type is None:
@@ -108,12 +118,7 @@ class ModelConfig:
         """Build from a transformers ``PretrainedConfig`` (Qwen3Moe/Qwen2Moe/Mixtral/Olmoe)."""
         arch = architecture or (getattr(hf, "architectures", None) or [None])[0]
         if arch is None:
-            arch = {
-                "qwen3_moe": "Qwen3MoeForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM",
-                "mixtral": "MixtralForCausalLM",
-                "olmoe": "OlmoeForCausalLM",
-            }.get(hf.model_type)
+            arch = _MODEL_TYPES.get(hf.model_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(f"architecture {arch!r} not supported; use one of {SUPPORTED_ARCHITECTURES}")
         n_layers = hf.num_hidden_layers
@@ -141,6 +146,8 @@ class ModelConfig:
             layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n_layers
             sw = getattr(hf, "sliding_window", None) or None
             windows = tuple(sw if t == "sliding_attention" else None for t in layer_types)
+        elif arch == "OlmoeForCausalLM":  # OLMoE has no sliding window: transformers masks causally whatever the config says
+            windows = (None,) * n_layers
         else:
             sw = getattr(hf, "sliding_window", None) or None
             windows = (sw,) * n_layers

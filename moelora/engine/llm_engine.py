@@ -39,6 +39,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"  # "auto" | "dummy"
     seed: int = 0
+    show_progress: bool = False  # a progress bar while loading weights
 
 
 class LLMEngine:
@@ -54,6 +55,7 @@ class LLMEngine:
         self.model = build_model(
             self.config, args.model, dtype=dtype, device=self.device, max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
+            show_progress=args.show_progress,
         )
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else self.config.eos_token_ids)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 class ExpertLoRAArgs:
     """LoRA buffers of one MoE layer plus the batch's token -> slot map.
 
-    gate_up_a: [2, S, E, R, H] (slice 0 = gate, 1 = up; each its own A) · gate_up_b: [2, S, E, I, R]
+    gate_up_a: [2, S, E, R, H] (slice 0 = gate, 1 = up; each its own A) · gate_up_b: [S, E, 2I, R] (gate rows first)
     gate_up_scaling: [2, S] · gate_up_ranks: host [2][S]
     down_a: [S, E, R, I] · down_b: [S, E, H, R] · down_scaling: [S] · down_ranks: host [S]
     token_slots: [T] int32, -1 = no adapter
@@ -70,8 +70,8 @@ def fused_moe_ref(
         xe = x[tok]  # [m, H]
         gu = xe @ w_gate_up[e].T  # [m, 2I]
         if lora is not None:
-            _expert_lora(gu, xe, slots[tok], e, lora.gate_up_a, list(lora.gate_up_b), lora.gate_up_scaling,
-                         lora.gate_up_ranks, inter)
+            b_halves = [lora.gate_up_b[:, :, :inter], lora.gate_up_b[:, :, inter:]]
+            _expert_lora(gu, xe, slots[tok], e, lora.gate_up_a, b_halves, lora.gate_up_scaling, lora.gate_up_ranks, inter)
         a = act(gu[:, :inter]) * gu[:, inter:]  # [m, I]
         o = a @ w_down[e].T  # [m, H]
         if lora is not None:

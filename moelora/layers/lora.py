@@ -14,7 +14,8 @@ from torch import nn
 
 
 class LoRAWeights(nn.Module):
-    """a: [n, S, (E,) R, in] · b_i: [S, (E,) out_i, R] · scaling: [n, S] fp32 · ranks: host [n][S] (+ tensor)."""
+    """a: [n, S, (E,) R, in] · b_cat: [S, (E,) sum(out_i), R], slice i at rows slice_offsets[i]:slice_offsets[i+1]
+    (b[i] is that view) · scaling: [n, S] fp32 · ranks: host [n][S], and rank_tensor [n, S] int32 on the device."""
 
     def __init__(
         self,
@@ -35,15 +36,21 @@ class LoRAWeights(nn.Module):
         self.max_lora_rank = max_lora_rank
         e = () if num_experts is None else (num_experts,)
         self.register_buffer("a", torch.zeros(n, max_loras, *e, max_lora_rank, in_features, dtype=dtype, device=device))
-        for i, o in enumerate(out_features):
-            self.register_buffer(f"b{i}", torch.zeros(max_loras, *e, o, max_lora_rank, dtype=dtype, device=device))
+        self.register_buffer("b_cat", torch.zeros(max_loras, *e, sum(out_features), max_lora_rank, dtype=dtype, device=device))
+        offsets = [0]
+        for o in out_features:
+            offsets.append(offsets[-1] + o)
+        self.slice_offsets_host = offsets
+        self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=device))
         self.register_buffer("scaling", torch.zeros(n, max_loras, dtype=torch.float32, device=device))
         self.register_buffer("rank_tensor", torch.zeros(n, max_loras, dtype=torch.int32, device=device))
         self.ranks: list[list[int]] = [[0] * max_loras for _ in range(n)]
 
     @property
     def b(self) -> list[torch.Tensor]:
-        return [getattr(self, f"b{i}") for i in range(len(self.out_features))]
+        """Per slice, a view [S, (E,) out_i, R] of b_cat."""
+        o = self.slice_offsets_host
+        return [self.b_cat[..., o[i] : o[i + 1], :] for i in range(len(self.out_features))]
 
     @property
     def num_slices(self) -> int:

@@ -52,7 +52,7 @@ class RoutedExperts(nn.Module):
             gu, d = self.gate_up_lora, self.down_lora
             args = ExpertLoRAArgs(
                 token_slots=lora.token_slots,
-                gate_up_a=gu.a, gate_up_b=torch.stack(gu.b), gate_up_scaling=gu.scaling, gate_up_ranks=gu.ranks,
+                gate_up_a=gu.a, gate_up_b=gu.b_cat, gate_up_scaling=gu.scaling, gate_up_ranks=gu.ranks,
                 down_a=d.a[0], down_b=d.b[0], down_scaling=d.scaling[0], down_ranks=d.ranks[0],
             )
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args)

@@ -32,6 +32,7 @@ def build_model(
     max_lora_rank: int = 0,
     load_format: str = "auto",
     seed: int = 0,
+    show_progress: bool = False,
 ):
     """load_format: 'auto' (safetensors from `path`), 'dummy' (random weights) or 'none' (uninitialized,
     e.g. on the meta device to read shapes only)."""
@@ -44,7 +45,7 @@ def build_model(
     elif load_format == "auto":
         if path is None:
             raise ValueError("a checkpoint path is needed unless load_format='dummy'")
-        load_weights(model, path)
+        load_weights(model, path, show_progress=show_progress)
     else:
         raise ValueError(f"load_format {load_format!r}: use 'auto', 'dummy' or 'none'")
     if max_loras:

@@ -25,11 +25,16 @@ class WeightLoadError(RuntimeError):
 
 def checkpoint_files(path: str) -> list[str]:
     """The safetensors files of a model folder: from model.safetensors.index.json when present."""
+    if not os.path.isdir(path):
+        raise WeightLoadError(f"checkpoint folder {path!r} does not exist (or is not a folder)")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightLoadError(f"{index}: not a safetensors index with a weight_map ({e!r})") from e
         missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if missing:
             raise WeightLoadError(f"{index} names shards that are not in {path}: {missing}")
@@ -78,12 +83,16 @@ def resolve_name(name: str, cfg, params: dict[str, nn.Parameter]) -> tuple[str, 
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, path: str) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path` (a folder)."""
+def load_weights(model: nn.Module, path: str, show_progress: bool = False) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path` (a folder); a progress bar on request."""
     params = dict(model.named_parameters())
     covered = {k: 0 for k in params}
+    filled: set[tuple[str, str]] = set()  # (parameter, region) already written: a repeat must not count twice
     cfg = model.config
-    for name, tensor in iter_checkpoint(path):
+    tensors = iter_checkpoint(path)
+    if show_progress:
+        tensors = _progress(tensors, _count_tensors(path))
+    for name, tensor in tensors:
         resolved = resolve_name(name, cfg, params)
         if resolved is None:
             continue
@@ -93,13 +102,22 @@ def load_weights(model: nn.Module, path: str) -> None:
                 f"{path}: checkpoint tensor {name!r} has no place in {cfg.architecture} "
                 f"(mapped to {target!r}); is this checkpoint for another architecture?"
             )
-        dst = params[target].data[index] if index else params[target].data
+        try:
+            dst = params[target].data[index] if index else params[target].data
+        except IndexError:  # e.g. experts.{e} with e >= num_experts
+            raise WeightLoadError(
+                f"{path}: checkpoint tensor {name!r} indexes {target} (shape {list(params[target].shape)}) "
+                f"out of range; does the checkpoint have more experts than the config ({cfg.num_experts})?"
+            ) from None
         if tuple(dst.shape) != tuple(tensor.shape):
             raise WeightLoadError(
                 f"{path}: tensor {name!r}: expected shape {list(dst.shape)} for {target}, found {list(tensor.shape)}"
             )
         dst.copy_(tensor.to(dst.dtype))
-        covered[target] += dst.numel()
+        region = (target, repr(index))
+        if region not in filled:
+            filled.add(region)
+            covered[target] += dst.numel()
     missing = [k for k, p in params.items() if covered[k] < p.numel()]
     if missing:
         raise WeightLoadError(f"{path}: checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:5]}")
@@ -117,3 +135,19 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             p.zero_()
         else:
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std).to(p.dtype))
+
+
+def _count_tensors(path: str) -> int:
+    n = 0
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            n += len(list(f.keys()))
+    return n
+
+
+def _progress(it, total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with transformers; without it, load silently
+        return it
+    return tqdm(it, total=total, desc="loading weights", unit="tensor")
