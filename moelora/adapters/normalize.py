@@ -53,19 +53,35 @@ def normalize_adapter(
                 raise AdapterError(name, "contains NaN or Inf values", key)
         canon = re.sub(r"\.block_sparse_moe\.", ".mlp.", module)
         if m := re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)", canon):
-            kind = _MIXTRAL.get(m[3], m[3])
-            _check_2d(name, ka, a, kb, b)
+            target_name, e = f"{m[1]}.{_MIXTRAL.get(m[3], m[3])}", int(m[2])
+            t = _target(name, targets, target_name, ka)
+            if t.num_experts is None:
+                raise AdapterError(name, f"per-expert LoRA for {target_name}, but that base module has no experts", ka)
+            if e >= t.num_experts:
+                raise AdapterError(
+                    name, f"expert index {e} out of range: the base model has {t.num_experts} experts (0..{t.num_experts - 1})", ka
+                )
             r, scaling = cfg.rank_and_scaling(module)
-            _check_rank(name, ka, a.shape[0], r)
-            per_expert.setdefault(f"{m[1]}.{kind}", {})[int(m[2])] = (ka, ModuleLoRA(a, b, scaling))
+            _expect(name, ka, a, [r, t.in_features], f"lora_A of {module}", r)
+            _expect(name, kb, b, [t.out_features, r], f"lora_B of {module}", r)
+            experts = per_expert.setdefault(target_name, {})
+            if e in experts:
+                raise AdapterError(name, f"expert {e} of {target_name} is given twice (also by {experts[e][0]!r})", ka)
+            experts[e] = (ka, ModuleLoRA(a, b, scaling))
         elif m := re.fullmatch(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)", canon):
             _from_3d(name, m[1], m[2], module, ka, a, kb, b, cfg, targets, out)
         elif m := re.fullmatch(r"(.*\.mlp\.experts)(?:\.base_layer)*", canon):
             _from_target_parameters(name, m[1], module, ka, a, kb, b, cfg, targets, out)
         else:
-            _check_2d(name, ka, a, kb, b)
+            t = _target(name, targets, canon, ka)
+            if t.num_experts is not None:
+                raise AdapterError(
+                    name, f"LoRA for the routed experts {canon} needs per-expert keys (experts.<e>.<proj>) or PEFT "
+                    "target_parameters on the fused experts", ka,
+                )
             r, scaling = cfg.rank_and_scaling(module)
-            _check_rank(name, ka, a.shape[0], r)
+            _expect(name, ka, a, [r, t.in_features], f"lora_A of {canon}", r)
+            _expect(name, kb, b, [t.out_features, r], f"lora_B of {canon}", r)
             _put(name, out, targets, canon, ModuleLoRA(a, b, scaling), ka, kb)
     for canon, experts in per_expert.items():
         key = next(iter(experts.values()))[0]
@@ -83,16 +99,13 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _check_2d(name, ka, a, kb, b) -> None:
-    if a.dim() != 2 or b.dim() != 2:
-        raise AdapterError(name, f"expected 2-D lora_A/lora_B, found {list(a.shape)} and {list(b.shape)}", ka)
-    if a.shape[0] != b.shape[1]:
-        raise AdapterError(name, f"lora_A has rank {a.shape[0]} but lora_B {list(b.shape)} has {b.shape[1]} columns", kb)
-
-
-def _check_rank(name, key, found: int, expected: int) -> None:
-    if found != expected:
-        raise AdapterError(name, f"adapter_config.json gives rank {expected} for this module, the tensor has {found}", key)
+def _expect(name, key, t: torch.Tensor, expected: list[int], what: str, r: int) -> None:
+    """The tensor at fault, what its shape should be (base model + adapter_config.json rank) and what it is."""
+    if list(t.shape) != expected:
+        raise AdapterError(
+            name, f"expected shape {expected} for {what} (rank {r} from adapter_config.json, sizes from the base "
+            f"model), found {list(t.shape)}", key,
+        )
 
 
 def _target(name: str, targets: dict[str, LoRATarget], canon: str, key: str) -> LoRATarget:
@@ -108,6 +121,11 @@ def _target(name: str, targets: dict[str, LoRATarget], canon: str, key: str) -> 
 
 def _put(name, out, targets, canon: str, mod: ModuleLoRA, ka: str, kb: str) -> None:
     t = _target(name, targets, canon, ka)
+    if canon in out:
+        raise AdapterError(
+            name, f"LoRA for {canon} is given twice (two layouts for the same weights, e.g. per-expert keys next to "
+            "fused target_parameters ones); expected one", ka,
+        )
     e = () if t.num_experts is None else (t.num_experts,)
     exp_a, exp_b = [*e, mod.rank, t.in_features], [*e, t.out_features, mod.rank]
     if list(mod.a.shape) != exp_a:
@@ -125,24 +143,33 @@ def _expert_targets(name, targets, prefix: str, key: str) -> tuple[LoRATarget, L
 
 
 def _from_target_parameters(name, prefix, module, ka, a, kb, b, cfg, targets, out) -> None:
-    """A [r*E, in], B [out, r*E] with columns j*E + e; gate_up vs down decided by shapes."""
+    """A [r*E, in], B [out, r*E] with columns j*E + e; gate_up vs down decided by shapes (and the config's rank)."""
     gate, down = _expert_targets(name, targets, prefix, ka)
     E, H, I = gate.num_experts, gate.in_features, gate.out_features
-    _check_2d(name, ka, a, kb, b)
-    if a.shape[0] % E:
-        raise AdapterError(name, f"lora_A rows must be rank x num_experts (E={E}), found {list(a.shape)}", ka)
-    fits_gate_up = a.shape[1] == H and b.shape[0] == 2 * I
-    fits_down = a.shape[1] == I and b.shape[0] == H
-    if not (fits_gate_up or fits_down):
+    layouts = {}  # which -> (expected A, expected B, r, scaling)
+    for which, in_w, out_w in (("gate_up_proj", H, 2 * I), ("down_proj", I, H)):
+        r, scaling = cfg.rank_and_scaling(f"{prefix}.{which}")
+        layouts[which] = ([r * E, in_w], [out_w, r * E], r, scaling)
+    fa, fb = list(a.shape), list(b.shape)
+    fits = [w for w, (ea, eb, _, _) in layouts.items() if fa == ea and fb == eb]
+    if not fits:
+        # one factor fits a layout: the other one is at fault
+        half = [(w, ea, eb, r) for w, (ea, eb, r, _) in layouts.items() if fa == ea or fb == eb]
+        if len(half) == 1:
+            w, ea, eb, r = half[0]
+            key, exp, found, ab = (kb, eb, fb, "B") if fa == ea else (ka, ea, fa, "A")
+            raise AdapterError(
+                name, f"expected shape {exp} for lora_{ab} of the fused experts' {w} ({prefix}: rank {r} from "
+                f"adapter_config.json x {E} experts, sizes from the base model), found {found}", key,
+            )
+        expected = "; ".join(f"{w}: lora_A {ea}, lora_B {eb} (rank {r})" for w, (ea, eb, r, _) in layouts.items())
         raise AdapterError(
-            name, f"fused-expert LoRA fits neither gate_up_proj (A [r*{E}, {H}], B [{2 * I}, r*{E}]) nor down_proj "
-            f"(A [r*{E}, {I}], B [{H}, r*{E}]): found A {list(a.shape)}, B {list(b.shape)} "
-            "(a transposed tensor, or an adapter for another base model?)", ka,
+            name, f"fused-expert LoRA on {prefix} fits neither layout the base model and adapter_config.json give "
+            f"({expected}): found lora_A {fa}, lora_B {fb} (A and B swapped, a transposed tensor, or an adapter for "
+            "another base model?)", ka,
         )
-    r = a.shape[0] // E
-    which = "gate_up_proj" if fits_gate_up else "down_proj"
-    r_cfg, scaling = cfg.rank_and_scaling(f"{prefix}.{which}")
-    _check_rank(name, ka, r, r_cfg)
+    which = fits[0]
+    r, scaling = layouts[which][2], layouts[which][3]
     a3 = a.reshape(E, r, a.shape[1])  # [E, r, in]
     b3 = b.reshape(b.shape[0], r, E).permute(2, 0, 1).contiguous()  # [E, out, r]
     _put_experts(name, out, targets, prefix, which, a3, b3, scaling, ka, kb)
@@ -151,16 +178,15 @@ def _from_target_parameters(name, prefix, module, ka, a, kb, b, cfg, targets, ou
 def _from_3d(name, prefix, which, module, ka, a, kb, b, cfg, targets, out) -> None:
     """A [E|1, r, in], B [E|1, out, r]; an expert dim of 1 is shared by all experts."""
     gate, _ = _expert_targets(name, targets, prefix, ka)
-    E = gate.num_experts
-    if a.dim() != 3 or b.dim() != 3:
-        raise AdapterError(name, f"expected 3-D [experts, r, in] / [experts, out, r], found {list(a.shape)}, {list(b.shape)}", ka)
-    if a.shape[1] != b.shape[2]:
-        raise AdapterError(name, f"lora_A rank {a.shape[1]} != lora_B rank {b.shape[2]}", kb)
-    for key, t in ((ka, a), (kb, b)):
-        if t.shape[0] not in (1, E):
-            raise AdapterError(name, f"expert dim must be {E} (or 1 for a shared factor), found {list(t.shape)}", key)
-    r_cfg, scaling = cfg.rank_and_scaling(module)
-    _check_rank(name, ka, a.shape[1], r_cfg)
+    E, H, I = gate.num_experts, gate.in_features, gate.out_features
+    in_w, out_w = (H, 2 * I) if which == "gate_up_proj" else (I, H)
+    r, scaling = cfg.rank_and_scaling(module)
+    for key, t, ab, exp in ((ka, a, "A", [r, in_w]), (kb, b, "B", [out_w, r])):
+        if t.dim() != 3 or t.shape[0] not in (1, E) or list(t.shape[1:]) != exp:
+            raise AdapterError(
+                name, f"expected shape {[E, *exp]} (or {[1, *exp]} for a factor shared by all experts) for lora_{ab} "
+                f"of {module} (rank {r} from adapter_config.json, sizes from the base model), found {list(t.shape)}", key,
+            )
     _put_experts(name, out, targets, prefix, which, a.expand(E, -1, -1), b.expand(E, -1, -1), scaling, ka, kb)
 
 
@@ -179,21 +205,14 @@ def _put_experts(name, out, targets, prefix, which, a3, b3, scaling, ka, kb) -> 
 def _stack_experts(name, canon: str, experts: dict[int, tuple[str, ModuleLoRA]], targets) -> ModuleLoRA:
     """Per-expert 2-D factors -> [E, r_max, in] / [E, out, r_max]; experts without LoRA stay zero;
     differing scalings are folded into B so one scaling serves the stack."""
-    t = _target(name, targets, canon, next(iter(experts.values()))[0])
+    t = targets[canon]  # target, expert indices and per-expert shapes were checked when read
     E = t.num_experts
-    bad = [e for e in experts if e >= E]
-    if bad:
-        raise AdapterError(name, f"expert index {bad[0]} out of range: the base model has {E} experts", experts[bad[0]][0])
     r = max(m.rank for _, m in experts.values())
     a = torch.zeros(E, r, t.in_features)
     b = torch.zeros(E, t.out_features, r)
     scalings = {m.scaling for _, m in experts.values()}
     scaling = scalings.pop() if len(scalings) == 1 else 1.0
-    for e, (key, m) in experts.items():
-        if m.a.shape[1] != t.in_features:
-            raise AdapterError(name, f"expected lora_A [{m.rank}, {t.in_features}] for {canon}, found {list(m.a.shape)}", key)
-        if m.b.shape[0] != t.out_features:
-            raise AdapterError(name, f"expected lora_B [{t.out_features}, {m.rank}] for {canon}, found {list(m.b.shape)}", key)
+    for e, (_, m) in experts.items():
         a[e, : m.rank] = m.a
         b[e, :, : m.rank] = m.b * (m.scaling / scaling)
     return ModuleLoRA(a, b, scaling)

@@ -41,6 +41,26 @@ def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
     return default
 
 
+_MISSING = object()
+_PEFT_DEFAULT_ALPHA = 8
+
+
+def _positive_int(name: str, file: str, what: str, value: Any) -> int:
+    if value is _MISSING:
+        raise AdapterError(name, f"{file}: {what} is missing; expected a positive integer (the LoRA rank)")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise AdapterError(name, f"{file}: {what} must be a positive integer, found {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise AdapterError(name, f"{file}: {what} must be a positive integer, found {value!r}")
+    return value
+
+
+def _finite_number(name: str, file: str, what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise AdapterError(name, f"{file}: {what} must be a finite number, found {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def read_config(name: str, path: str) -> PeftLoraConfig:
     if not os.path.isdir(path):
         raise AdapterError(name, f"adapter folder {path!r} does not exist or is not a folder")
@@ -68,16 +88,25 @@ def read_config(name: str, path: str) -> PeftLoraConfig:
         )
     if raw.get("trainable_token_indices"):
         raise AdapterError(name, "trainable_token_indices is set: adapters that add or retrain tokens are not supported")
-    try:
-        r = int(raw["r"])
-        alpha = float(raw.get("lora_alpha", r))
-    except (KeyError, TypeError, ValueError) as e:
-        raise AdapterError(name, f"{file}: 'r' must be an integer and 'lora_alpha' a number ({e!r})") from e
-    if r <= 0:
-        raise AdapterError(name, f"{file}: 'r' must be positive, found {r}")
+    r = _positive_int(name, file, "'r'", raw.get("r", _MISSING))
+    # PEFT's LoraConfig default when the field is absent is lora_alpha=8 (not alpha = r)
+    alpha = _finite_number(name, file, "'lora_alpha'", raw.get("lora_alpha", _PEFT_DEFAULT_ALPHA))
     for key in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(raw.get(key) or {}, dict):
-            raise AdapterError(name, f"{file}: {key!r} must be an object of regex -> number")
+        patterns = raw.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise AdapterError(
+                name, f"{file}: {key!r} must be an object of regex -> number, found {type(patterns).__name__} {patterns!r}"
+            )
+        for pattern, value in patterns.items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise AdapterError(name, f"{file}: {key!r} key {pattern!r} is not a valid regex ({e})") from e
+            what = f"{key!r} value for {pattern!r}"
+            if key == "rank_pattern":
+                _positive_int(name, file, what, value)
+            else:
+                _finite_number(name, file, what, value)
     return PeftLoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -89,21 +118,28 @@ def read_config(name: str, path: str) -> PeftLoraConfig:
 
 
 def read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
-    st = os.path.join(path, "adapter_model.safetensors")
-    bin_ = os.path.join(path, "adapter_model.bin")
-    try:
-        if os.path.isfile(st):
-            from safetensors.torch import load_file
-
-            return load_file(st)
-        if os.path.isfile(bin_):
-            obj = torch.load(bin_, map_location="cpu", weights_only=True)
-            if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-                raise ValueError("expected a dict of tensors")
-            return obj
-    except Exception as e:  # safetensors and torch raise many types for a corrupt file
-        raise AdapterError(name, f"cannot read the weights in {path!r}: {e}") from e
+    """adapter_model.safetensors, else the older adapter_model.bin (a torch.save'd dict of tensors)."""
+    for file, load in ((os.path.join(path, "adapter_model.safetensors"), _load_safetensors),
+                       (os.path.join(path, "adapter_model.bin"), _load_bin)):
+        if os.path.isfile(file):
+            try:
+                return load(file)
+            except Exception as e:  # safetensors and torch raise many types for a corrupt file
+                raise AdapterError(name, f"cannot read the weights in {file!r}: {e}") from e
     raise AdapterError(name, f"no adapter_model.safetensors (or adapter_model.bin) in {path!r}")
+
+
+def _load_safetensors(file: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(file)
+
+
+def _load_bin(file: str) -> dict[str, torch.Tensor]:
+    obj = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise ValueError(f"expected a dict of tensors (tensor name -> tensor), found {type(obj).__name__}")
+    return obj
 
 
 def group_lora_tensors(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, tuple[str, torch.Tensor]]]:

@@ -51,13 +51,17 @@ class AdapterRegistry:
         if not name or not isinstance(name, str):
             raise AdapterError(str(name), "an adapter needs a non-empty name")
         with self._lock:
-            if name in self._paths:
-                raise AdapterError(name, f"an adapter of this name is already loaded (from {self._paths[name]!r}); unload it first")
+            self._check_free(name)
         adapter = load_adapter(name, path, self.targets, self.max_lora_rank)
         with self._lock:
+            self._check_free(name)  # again: another load of this name may have finished while this one read its files
             self._paths[name] = path
             self._remember(adapter)
         return adapter
+
+    def _check_free(self, name: str) -> None:
+        if name in self._paths:
+            raise AdapterError(name, f"an adapter of this name is already loaded (from {self._paths[name]!r}); unload it first")
 
     def unload(self, name: str) -> None:
         with self._lock:

@@ -1,56 +1,85 @@
 """Dense multi-LoRA: shrink (x @ A[slot]^T) and expand (+= scaling[slot] * h @ B[slot]^T) for a
 mixed batch, over the slices of a fused weight (qkv: 3 slices, gate_up: 2, others: 1).
 
-Slot buffers are zero beyond each slot's true rank; `ranks` lets an implementation skip that
-padding and skip (slot, slice) pairs with rank 0 entirely, so they add exactly nothing.
+Slot buffers are zero past each slot's true rank; `ranks` lets an implementation skip that padding
+and skip (slice, slot) pairs of rank 0 entirely, so they add exactly nothing. Rows of tokens with
+slot -1 are never touched. The Triton kernels (lora_triton.py) have these signatures too.
 """
+
+from __future__ import annotations
 
 import torch
 
+from moelora.kernels.groups import SlotGroups
 
-def lora_shrink_ref(
-    x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, ranks: list[list[int]], out: torch.Tensor
-) -> None:
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: SlotGroups, out: torch.Tensor) -> None:
     """Semantics:
         for i in range(n): for t in range(T):
-            if token_slots[t] >= 0: out[i, t] = x[t] @ a[i, token_slots[t]].T   (rows of other tokens untouched)
-    x: [T, H] · a: [n, S, R, H] · token_slots: [T] int32 (-1 = no adapter) · ranks: host [n][S]
-    out: [n, T, R] (written in place; columns past a slot's rank are set to 0)
+            s = token_slots[t]
+            if s >= 0: out[i, t, :ranks[i, s]] = x[t] @ a[i, s, :ranks[i, s]].T   (other entries untouched)
+    x: [T, H] · a: [n, S, R, H] · ranks: [n, S] int32 · groups: tokens grouped by slot · out: [n, T, R]
     """
-    for s in _slots_present(token_slots):
-        rows = (token_slots == s).nonzero().squeeze(1)
+    rk = ranks.tolist()
+    for s in groups.slot_ids:
+        rows = (groups.token_slots == s).nonzero().squeeze(1)
         for i in range(a.shape[0]):
-            r = ranks[i][s]
-            out[i, rows] = 0
+            r = rk[i][s]
             if r:
-                out[i, rows, :r] = x[rows] @ a[i, s, :r].T
+                out[i, rows, :r] = (x[rows] @ a[i, s, :r].T).to(out.dtype)
 
 
 def lora_expand_ref(
     h: torch.Tensor,
-    b: list[torch.Tensor],
-    token_slots: torch.Tensor,
+    b_cat: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    ranks: torch.Tensor,
     scaling: torch.Tensor,
-    ranks: list[list[int]],
+    groups: SlotGroups,
     y: torch.Tensor,
 ) -> None:
-    """Semantics (slice i occupies columns off_i : off_i + O_i of y, in slice order):
+    """Semantics (slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1] of y and rows o_i of b_cat):
         for i in range(n): for t in range(T):
-            s = token_slots[t]
-            if s >= 0 and ranks[i][s] > 0: y[t, off_i:off_i+O_i] += scaling[i, s] * (h[i, t] @ b[i][s].T)
-    h: [n, T, R] · b: n tensors [S, O_i, R] · token_slots: [T] int32 · scaling: [n, S] fp32
-    ranks: host [n][S] · y: [T, sum(O_i)] updated in place
+            s = token_slots[t]; r = ranks[i, s]
+            if s >= 0 and r > 0: y[t, o_i] += scaling[i, s] * (h[i, t, :r] @ b_cat[s, o_i, :r].T)
+    h: [n, T, R] · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
+    groups: tokens grouped by slot · y: [T, O] updated in place
     """
-    for s in _slots_present(token_slots):
-        rows = (token_slots == s).nonzero().squeeze(1)
-        off = 0
-        for i, bi in enumerate(b):
-            o, r = bi.shape[1], ranks[i][s]
+    rk, off = ranks.tolist(), slice_offsets.tolist()
+    for s in groups.slot_ids:
+        rows = (groups.token_slots == s).nonzero().squeeze(1)
+        for i in range(len(off) - 1):
+            r = rk[i][s]
             if r:
-                delta = (h[i, rows, :r] @ bi[s, :, :r].T) * scaling[i, s].to(h.dtype)
-                y[rows, off : off + o] += delta.to(y.dtype)
-            off += o
+                delta = (h[i, rows, :r].float() @ b_cat[s, off[i] : off[i + 1], :r].T.float()) * scaling[i, s]
+                y[rows, off[i] : off[i + 1]] += delta.to(y.dtype)
 
 
-def _slots_present(token_slots: torch.Tensor) -> list[int]:
-    return [s for s in torch.unique(token_slots).tolist() if s >= 0]
+def lora_single_slot(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_cat: torch.Tensor,
+    slice_offsets: list[int],
+    ranks: list[list[int]],
+    scaling: torch.Tensor,
+    slot: int,
+    rows: torch.Tensor | None,
+    y: torch.Tensor,
+) -> None:
+    """Fast path for a batch whose LoRA tokens all use one slot: plain matmuls (cuBLAS on a GPU).
+    Semantics: for each slice i with r = ranks[i][slot] > 0, over the LoRA rows (all rows when rows is None):
+        y[rows, o_i] += scaling[i, slot] * (x[rows] @ a[i, slot, :r].T) @ b_cat[slot, o_i, :r].T
+    x: [T, H] · a: [n, S, R, H] · b_cat: [S, O, R] · rows: [m] int or None · y: [T, O]
+    """
+    xs = x if rows is None else x[rows]
+    for i in range(len(slice_offsets) - 1):
+        r = ranks[i][slot]
+        if not r:
+            continue
+        o0, o1 = slice_offsets[i], slice_offsets[i + 1]
+        delta = (xs @ a[i, slot, :r].T) @ b_cat[slot, o0:o1, :r].T  # [m, O_i]
+        delta = delta * scaling[i, slot].to(delta.dtype)
+        if rows is None:
+            y[:, o0:o1] += delta
+        else:
+            y[rows, o0:o1] += delta

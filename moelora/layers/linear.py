@@ -7,8 +7,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
-from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref
+from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.layers.lora import LoRAWeights, slot_has_lora
+
+
+def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor) -> None:
+    """y[t] += per slice i: scaling[i, s] * B_i[s] A_i[s] x[t], s = slot of token t (rows of slot -1 untouched).
+
+    One adapter in the batch: plain matmuls on that slot (cuBLAS on a GPU). Several: the grouped
+    shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
+    x: [T, H] · y: [T, sum(out_i)]
+    """
+    if lora.single_slot is not None:
+        g = lora.groups
+        rows = None if lora.all_lora else g.sorted_token_ids[: g.counts[0]].long()
+        lora_single_slot(x, w.a, w.b_cat, w.slice_offsets_host, w.ranks, w.scaling, lora.single_slot, rows, y)
+        return
+    h = torch.zeros(w.num_slices, x.shape[0], w.max_lora_rank, dtype=torch.float32, device=x.device)  # [n, T, R]
+    if x.is_cuda:
+        from moelora.kernels.lora_triton import lora_expand, lora_shrink
+    else:
+        lora_shrink, lora_expand = lora_shrink_ref, lora_expand_ref
+    lora_shrink(x, w.a, w.rank_tensor, lora.groups, h)
+    lora_expand(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups, y)
 
 
 class LoRALinear(nn.Module):
@@ -44,8 +65,5 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # [T, sum(O)]
         if lora is not None and lora.has_lora and slot_has_lora(self.lora, lora.slot_ids):
-            w = self.lora
-            h = torch.zeros(w.num_slices, x.shape[0], w.max_lora_rank, dtype=x.dtype, device=x.device)  # [n, T, R]
-            lora_shrink_ref(x, w.a, lora.token_slots, w.ranks, h)
-            lora_expand_ref(h, w.b, lora.token_slots, w.scaling, w.ranks, y)
+            apply_dense_lora(x, self.lora, lora, y)
         return y

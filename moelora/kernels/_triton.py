@@ -1,0 +1,35 @@
+"""Triton availability and version checks, in one place."""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+    TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
+except ImportError:  # the CPU path needs no Triton
+    HAS_TRITON = False
+    TRITON_VERSION = (0, 0)
+
+MIN_TRITON = (3, 6)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("the GPU kernels need Triton: pip install 'triton>=3.6' (it comes with CUDA builds of torch)")
+    if TRITON_VERSION < MIN_TRITON:
+        raise RuntimeError(f"Triton {TRITON_VERSION} is too old for moelora's kernels; install triton>=3.6")
+
+
+def dot_precision(dtype) -> str:
+    """fp32 operands: exact IEEE products (Triton would pick tf32); 16-bit operands: the tensor cores."""
+    import torch
+
+    return "ieee" if dtype == torch.float32 else "tf32"
