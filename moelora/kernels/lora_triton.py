@@ -1,0 +1,176 @@
+"""Triton kernels for dense multi-LoRA (SGMV style): one launch covers every slot of the batch.
+
+Grid axis 2 walks the slot groups of SlotGroups (fixed size max_loras, so the launch is the same
+for every batch and CUDA-graph safe); a program whose group is unused, or whose row block lies past
+its group's token count, or whose rank tile lies past the slot's true rank, exits at once.
+References with the same signatures: kernels/lora.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels.groups import SlotGroups
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _shrink_kernel(
+        x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
+        H, R, S,
+        sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_i, so_m, so_r,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        pid_mr = tl.program_id(0)
+        pid_isk = tl.program_id(1)
+        group = tl.program_id(2)
+        slot = tl.load(active_ptr + group)
+        if slot < 0:
+            return
+        count = tl.load(count_ptr + group)
+        n_rb = tl.cdiv(R, BLOCK_R)
+        pid_m = pid_mr // n_rb
+        pid_r = pid_mr % n_rb
+        if pid_m * BLOCK_M >= count:
+            return
+        i = pid_isk // SPLIT_K
+        sk = pid_isk % SPLIT_K
+        rank = tl.load(ranks_ptr + i * S + slot)
+        if pid_r * BLOCK_R >= rank:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        rows = tl.load(sorted_ptr + tl.load(start_ptr + group) + offs_m, mask=mask_m, other=0).to(tl.int64)
+        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        offs_k = tl.arange(0, BLOCK_K)
+        a_base = a_ptr + i * sa_i + slot.to(tl.int64) * sa_s
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(sk * BLOCK_K, H, BLOCK_K * SPLIT_K):
+            kk = k0 + offs_k
+            mask_k = kk < H
+            xt = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            at = tl.load(a_base + offs_r[None, :] * sa_r + kk[:, None] * sa_k, mask=mask_r[None, :] & mask_k[:, None], other=0.0)
+            acc += tl.dot(xt, at, input_precision=PRECISION)
+        ptrs = out_ptr + i * so_i + rows[:, None] * so_m + offs_r[None, :] * so_r
+        mask = mask_m[:, None] & mask_r[None, :]
+        if SPLIT_K == 1:
+            tl.store(ptrs, acc, mask=mask)
+        else:
+            tl.atomic_add(ptrs, acc, mask=mask)
+
+    @triton.jit
+    def _expand_kernel(
+        h_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
+        O, S,
+        sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, sym, syo,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        pid_mn = tl.program_id(0)
+        i = tl.program_id(1)
+        group = tl.program_id(2)
+        slot = tl.load(active_ptr + group)
+        if slot < 0:
+            return
+        count = tl.load(count_ptr + group)
+        n_nb = tl.cdiv(O, BLOCK_N)
+        pid_m = pid_mn // n_nb
+        pid_n = pid_mn % n_nb
+        if pid_m * BLOCK_M >= count:
+            return
+        o0 = tl.load(off_ptr + i)
+        width = tl.load(off_ptr + i + 1) - o0
+        if pid_n * BLOCK_N >= width:
+            return
+        rank = tl.load(ranks_ptr + i * S + slot)
+        if rank == 0:
+            return
+        scale = tl.load(scale_ptr + i * S + slot)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        rows = tl.load(sorted_ptr + tl.load(start_ptr + group) + offs_m, mask=mask_m, other=0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < width
+        offs_r = tl.arange(0, BLOCK_R)
+        b_base = b_ptr + slot.to(tl.int64) * sb_s + (o0 + offs_n[None, :]) * sb_o
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            rr = r0 + offs_r
+            mask_rr = rr < rank
+            ht = tl.load(h_ptr + i * sh_i + rows[:, None] * sh_m + rr[None, :] * sh_r,
+                         mask=mask_m[:, None] & mask_rr[None, :], other=0.0)
+            bt = tl.load(b_base + rr[:, None] * sb_r, mask=mask_rr[:, None] & mask_n[None, :], other=0.0)
+            acc += tl.dot(ht.to(bt.dtype), bt, input_precision=PRECISION)
+        ptrs = y_ptr + rows[:, None] * sym + (o0 + offs_n[None, :]) * syo
+        mask = mask_m[:, None] & mask_n[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_m(num_tokens: int) -> int:
+    return 16 if num_tokens <= 16 else (32 if num_tokens <= 64 else 64)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: SlotGroups, out: torch.Tensor) -> None:
+    """Semantics:
+        for i in range(n): for t in range(T):
+            s = token_slots[t]
+            if s >= 0: out[i, t, :ranks[i, s]] = x[t] @ a[i, s, :ranks[i, s]].T   (other entries untouched)
+    x: [T, H] · a: [n, S, R, H] · ranks: [n, S] int32 · groups: tokens grouped by slot
+    out: [n, T, R] fp32, zero-filled by the caller (split-K accumulates into it atomically)
+    """
+    require_triton()
+    n, S, R, H = a.shape
+    T = x.shape[0]
+    L = groups.active_slots.shape[0]
+    bm = _block_m(T)
+    block_r = max(16, min(64, triton.next_power_of_2(R)))
+    block_k = 64 if H >= 64 else max(16, triton.next_power_of_2(H))
+    # few tokens: split the hidden dim so enough programs stream A (the bytes that matter)
+    split_k = 1 if T > 64 else max(1, min(8, H // (block_k * 4)))
+    grid = (triton.cdiv(T, bm) * triton.cdiv(R, block_r), n * split_k, L)
+    _shrink_kernel[grid](
+        x, a, out, ranks, groups.sorted_token_ids, groups.active_slots, groups.slot_counts, groups.slot_starts,
+        H, R, S,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
+    )
+
+
+def lora_expand(
+    h: torch.Tensor,
+    b_cat: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scaling: torch.Tensor,
+    groups: SlotGroups,
+    y: torch.Tensor,
+) -> None:
+    """Semantics (slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1] of y and rows o_i of b_cat):
+        for i in range(n): for t in range(T):
+            s = token_slots[t]; r = ranks[i, s]
+            if s >= 0 and r > 0: y[t, o_i] += scaling[i, s] * (h[i, t, :r] @ b_cat[s, o_i, :r].T)
+    h: [n, T, R] fp32 · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32
+    scaling: [n, S] fp32 · groups: tokens grouped by slot · y: [T, O] updated in place
+    """
+    require_triton()
+    n, T, R = h.shape
+    S, O, _ = b_cat.shape
+    L = groups.active_slots.shape[0]
+    bm = _block_m(T)
+    block_n = 64 if O >= 64 else max(16, triton.next_power_of_2(O))
+    block_r = 16
+    grid = (triton.cdiv(T, bm) * triton.cdiv(O, block_n), n, L)
+    _expand_kernel[grid](
+        h, b_cat, y, slice_offsets, ranks, scaling, groups.sorted_token_ids, groups.active_slots,
+        groups.slot_counts, groups.slot_starts,
+        O, S,
+        h.stride(0), h.stride(1), h.stride(2), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
+        y.stride(0), y.stride(1),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_R=block_r, PRECISION=dot_precision(b_cat.dtype),
+    )
