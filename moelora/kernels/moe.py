@@ -14,8 +14,8 @@ class ExpertLoRAArgs:
     """LoRA buffers of one MoE layer plus the batch's token -> slot map.
 
     gate_up_a: [2, S, E, R, H] (slice 0 = gate, 1 = up; each its own A) · gate_up_b: [S, E, 2I, R] (gate rows first)
-    gate_up_scaling: [2, S] · gate_up_ranks: host [2][S]
-    down_a: [S, E, R, I] · down_b: [S, E, H, R] · down_scaling: [S] · down_ranks: host [S]
+    gate_up_scaling: [2, S] fp32 · gate_up_ranks: [2, S] int32
+    down_a: [1, S, E, R, I] · down_b: [S, E, H, R] · down_scaling: [1, S] · down_ranks: [1, S] int32
     token_slots: [T] int32, -1 = no adapter
     """
 
@@ -23,11 +23,11 @@ class ExpertLoRAArgs:
     gate_up_a: torch.Tensor
     gate_up_b: torch.Tensor
     gate_up_scaling: torch.Tensor
-    gate_up_ranks: list[list[int]]
+    gate_up_ranks: torch.Tensor
     down_a: torch.Tensor
     down_b: torch.Tensor
     down_scaling: torch.Tensor
-    down_ranks: list[int]
+    down_ranks: torch.Tensor
 
 
 def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,18 +65,19 @@ def fused_moe_ref(
     act = _ACTIVATIONS[activation]
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     slots = lora.token_slots.long() if lora is not None else None
+    gu_ranks = lora.gate_up_ranks.tolist() if lora is not None else None
+    d_ranks = lora.down_ranks.tolist() if lora is not None else None
     for e in torch.unique(topk_ids).tolist():
         tok, kpos = (topk_ids == e).nonzero(as_tuple=True)
         xe = x[tok]  # [m, H]
         gu = xe @ w_gate_up[e].T  # [m, 2I]
         if lora is not None:
             b_halves = [lora.gate_up_b[:, :, :inter], lora.gate_up_b[:, :, inter:]]
-            _expert_lora(gu, xe, slots[tok], e, lora.gate_up_a, b_halves, lora.gate_up_scaling, lora.gate_up_ranks, inter)
+            _expert_lora(gu, xe, slots[tok], e, lora.gate_up_a, b_halves, lora.gate_up_scaling, gu_ranks, inter)
         a = act(gu[:, :inter]) * gu[:, inter:]  # [m, I]
         o = a @ w_down[e].T  # [m, H]
         if lora is not None:
-            _expert_lora(o, a, slots[tok], e, lora.down_a[None], [lora.down_b], lora.down_scaling[None],
-                         [lora.down_ranks], H)
+            _expert_lora(o, a, slots[tok], e, lora.down_a, [lora.down_b], lora.down_scaling, d_ranks, H)
         out.index_add_(0, tok, o.float() * topk_weights[tok, kpos, None].float())
     return out.to(x.dtype)
 
@@ -95,3 +96,51 @@ def _expert_lora(y, x, slots, e, a, b, scaling, ranks, width) -> None:
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def fused_moe_pairs(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+    lora: ExpertLoRAArgs | None,
+    shrink,
+    expand,
+) -> torch.Tensor:
+    """The same function as fused_moe_ref, computed over (token, k) pairs the way the GPU path runs it:
+    base gate_up per pair, LoRA gate_up delta (shrink/expand kernels) before the activation, base down
+    per pair, LoRA down delta, then the router-weighted sum over k (which weights the down delta too).
+    shrink, expand: moe_lora_shrink/expand (Triton) or their references.
+    x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]
+    """
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    K = topk_ids.shape[1]
+    inter = two_i // 2
+    pair_exp = topk_ids.reshape(-1)
+    pair_tok = torch.arange(T, device=x.device).repeat_interleave(K)
+    gu = torch.empty(T * K, two_i, dtype=x.dtype, device=x.device)  # [P, 2I]
+    experts = torch.unique(pair_exp).tolist()
+    for e in experts:
+        p = (pair_exp == e).nonzero().squeeze(1)
+        gu[p] = x[pair_tok[p]] @ w_gate_up[e].T
+    if lora is not None:
+        R = lora.gate_up_a.shape[3]
+        h = torch.zeros(T * K, 2, R, dtype=torch.float32, device=x.device)
+        offs = torch.tensor([0, inter, two_i], dtype=torch.int32, device=x.device)
+        shrink(x, lora.gate_up_a, lora.gate_up_ranks, topk_ids, lora.token_slots, E, h, False)
+        expand(h, lora.gate_up_b, offs, lora.gate_up_ranks, lora.gate_up_scaling, topk_ids, lora.token_slots, E, gu)
+    act = _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]  # [P, I]
+    o = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
+    for e in experts:
+        p = (pair_exp == e).nonzero().squeeze(1)
+        o[p] = act[p] @ w_down[e].T
+    if lora is not None:
+        hd = torch.zeros(T * K, 1, R, dtype=torch.float32, device=x.device)
+        offs = torch.tensor([0, H], dtype=torch.int32, device=x.device)
+        shrink(act, lora.down_a, lora.down_ranks, topk_ids, lora.token_slots, E, hd, True)
+        expand(hd, lora.down_b, offs, lora.down_ranks, lora.down_scaling, topk_ids, lora.token_slots, E, o)
+    out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)
+    return out.to(x.dtype)

@@ -8,7 +8,7 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
-from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_ref, route_topk_ref
+from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
 from moelora.layers.linear import LoRALinear
 from moelora.layers.lora import LoRAWeights, slot_has_lora
 
@@ -52,9 +52,14 @@ class RoutedExperts(nn.Module):
             gu, d = self.gate_up_lora, self.down_lora
             args = ExpertLoRAArgs(
                 token_slots=lora.token_slots,
-                gate_up_a=gu.a, gate_up_b=gu.b_cat, gate_up_scaling=gu.scaling, gate_up_ranks=gu.ranks,
-                down_a=d.a[0], down_b=d.b[0], down_scaling=d.scaling[0], down_ranks=d.ranks[0],
+                gate_up_a=gu.a, gate_up_b=gu.b_cat, gate_up_scaling=gu.scaling, gate_up_ranks=gu.rank_tensor,
+                down_a=d.a, down_b=d.b_cat, down_scaling=d.scaling, down_ranks=d.rank_tensor,
             )
+        if x.is_cuda:
+            from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_shrink
+
+            return fused_moe_pairs(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args,
+                                   moe_lora_shrink, moe_lora_expand)
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args)
 
 

@@ -1,0 +1,128 @@
+"""Routed-expert multi-LoRA over (token, k) pairs, pair p = t * K + k (pair-major, as a fused MoE
+kernel lays out its intermediates): references, and the alignment of pairs by virtual expert.
+
+gate_up: h = shrink(x[t]) with A[i, slot, e] per slice (gate, up); gu[p] += scaling * B h  (before the activation)
+down:    h = shrink(act[p]) with A[0, slot, e];                    o[p]  += w[p] * scaling * B h (router weight)
+An expert dim of 1 in A or B (stride 0 over experts) is the "shared outer" layout: one factor for all experts.
+The Triton kernels (moe_lora_triton.py) have these signatures too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def moe_lora_shrink_ref(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    ranks: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    num_experts: int,
+    out: torch.Tensor,
+    x_per_pair: bool,
+) -> None:
+    """Semantics:
+        for p in range(T * K): t, e, s = p // K, topk_ids.flatten()[p], token_slots[p // K]
+            if s >= 0: for i: r = ranks[i, s]; out[p, i, :r] = row @ a[i, s, e (0 if shared), :r].T
+                       with row = x[p] if x_per_pair else x[t]          (other entries untouched)
+    x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · ranks: [n, S] int32 · topk_ids: [T, K] · token_slots: [T]
+    num_experts: E of the model (the Triton kernels align pairs by slot * E + e)
+    out: [T*K, n, R] fp32
+    """
+    T, K = topk_ids.shape
+    pair_slot = token_slots.long().repeat_interleave(K)  # [P]
+    pair_exp = topk_ids.reshape(-1).long()
+    rk = ranks.tolist()
+    shared = a.shape[2] == 1
+    for s in torch.unique(pair_slot).tolist():
+        if s < 0:
+            continue
+        for e in torch.unique(pair_exp[pair_slot == s]).tolist():
+            pairs = ((pair_slot == s) & (pair_exp == e)).nonzero().squeeze(1)
+            rows = x[pairs] if x_per_pair else x[pairs // K]
+            for i in range(a.shape[0]):
+                r = rk[i][s]
+                if r:
+                    out[pairs, i, :r] = (rows @ a[i, s, 0 if shared else e, :r].T).float()
+
+
+def moe_lora_expand_ref(
+    h: torch.Tensor,
+    b_cat: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scaling: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    num_experts: int,
+    y: torch.Tensor,
+    pair_weights: torch.Tensor | None = None,
+) -> None:
+    """Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
+        for p in range(T * K): e, s = topk_ids.flatten()[p], token_slots[p // K]
+            if s >= 0: for i with r = ranks[i, s] > 0:
+                y[p, o_i] += w[p] * scaling[i, s] * h[p, i, :r] @ b_cat[s, e (0 if shared), o_i, :r].T
+        w = pair_weights (the router weights, [T*K]) or 1
+    h: [T*K, n, R] fp32 · b_cat: [S, E|1, O, R] · slice_offsets: [n+1] int32 · ranks, scaling: [n, S]
+    y: [T*K, O] updated in place
+    """
+    T, K = topk_ids.shape
+    pair_slot = token_slots.long().repeat_interleave(K)
+    pair_exp = topk_ids.reshape(-1).long()
+    rk, off = ranks.tolist(), slice_offsets.tolist()
+    shared = b_cat.shape[1] == 1
+    for s in torch.unique(pair_slot).tolist():
+        if s < 0:
+            continue
+        for e in torch.unique(pair_exp[pair_slot == s]).tolist():
+            pairs = ((pair_slot == s) & (pair_exp == e)).nonzero().squeeze(1)
+            for i in range(len(off) - 1):
+                r = rk[i][s]
+                if not r:
+                    continue
+                bm = b_cat[s, 0 if shared else e, off[i] : off[i + 1], :r].float()  # [O_i, r]
+                delta = (h[pairs, i, :r] @ bm.T) * scaling[i, s]
+                if pair_weights is not None:
+                    delta = delta * pair_weights[pairs, None].float()
+                y[pairs, off[i] : off[i + 1]] += delta.to(y.dtype)
+
+
+def moe_lora_align(
+    topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, k) pairs by virtual expert v = slot * E + expert, each group padded to block_m.
+
+    Returns sorted_pair_ids [P_max] int32 (pair ids; padding = T*K) and block_vexpert [P_max / block_m]
+    int32 (the virtual expert of each block of block_m entries, -1 past the end). Pairs of tokens without
+    an adapter are left out. Sizes depend only on T, K, E, max_loras and block_m, and nothing is read back
+    to the host, so the same buffers serve CUDA-graph replays.
+    """
+    T, K = topk_ids.shape
+    P = T * K
+    V = max_loras * num_experts
+    dev = topk_ids.device
+    slot = token_slots.to(torch.int64).repeat_interleave(K)  # [P]
+    v = torch.where(slot >= 0, slot * num_experts + topk_ids.reshape(-1).to(torch.int64), torch.full_like(slot, V))
+    counts = torch.zeros(V + 1, dtype=torch.int64, device=dev).scatter_add_(0, v, torch.ones_like(v))[:V]
+    padded = (counts + block_m - 1) // block_m * block_m
+    cum = torch.cumsum(padded, 0)
+    starts = cum - padded
+    first = torch.cumsum(counts, 0) - counts  # first sorted index of each group
+    order = torch.argsort(v, stable=True)
+    vs = v[order]
+    valid = vs < V
+    vc = vs.clamp(max=V - 1)
+    dest = starts[vc] + torch.arange(P, device=dev) - first[vc]
+    p_max = P + min(V, P) * (block_m - 1)
+    p_max = (p_max + block_m - 1) // block_m * block_m
+    sorted_ids = torch.full((p_max,), P, dtype=torch.int32, device=dev)
+    dest = torch.where(valid, dest, torch.full_like(dest, p_max))  # invalid pairs go to a dropped extra slot
+    tmp = torch.cat([sorted_ids, sorted_ids.new_full((1,), P)])
+    tmp.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids = tmp[:p_max]
+    block_start = torch.arange(0, p_max, block_m, device=dev)
+    bv = torch.searchsorted(cum, block_start, right=True)
+    total = cum[-1] if V > 0 else torch.zeros((), dtype=torch.int64, device=dev)
+    block_vexpert = torch.where(block_start < total, bv, torch.full_like(bv, -1)).to(torch.int32)
+    return sorted_ids, block_vexpert
