@@ -81,9 +81,12 @@ def peft_logprobs(base, adapter_path: str | None, ids: list[int]) -> torch.Tenso
 class Runner:
     """moelora model + registry + slot pool on the CPU, for parity tests."""
 
-    def __init__(self, model_path: str, max_loras: int = 4, max_lora_rank: int = 16, dtype: str = "float32") -> None:
+    def __init__(self, model_path: str, max_loras: int = 4, max_lora_rank: int = 16, dtype: str = "float32",
+                 device: str = "cpu") -> None:
         self.cfg = ModelConfig.from_pretrained(model_path)
-        self.model = build_model(self.cfg, model_path, dtype=dtype, max_loras=max_loras, max_lora_rank=max_lora_rank)
+        self.device = device
+        self.model = build_model(self.cfg, model_path, dtype=dtype, device=device, max_loras=max_loras,
+                                 max_lora_rank=max_lora_rank)
         self.targets = self.model.lora_targets()
         self.registry = AdapterRegistry(self.targets, max_lora_rank)
         self.pool = SlotPool(self.targets, max_loras)
@@ -95,15 +98,15 @@ class Runner:
 
     def logprobs(self, rows: list[tuple[list[int], str | None]], block_size: int = 4) -> list[torch.Tensor]:
         """Prefill every row in one flat batch; rows name their adapter (None = base)."""
-        kv = KVCache(self.cfg, 256, block_size, self.model.dtype, "cpu")
+        kv = KVCache(self.cfg, 256, block_size, self.model.dtype, self.device)
         chunks = []
         for ids, adapter in rows:
             slot = -1 if adapter is None else self.pool.slot_of(adapter)
             chunks.append(SeqChunk(ids, 0, kv.allocate(kv.blocks_needed(len(ids), 0)), slot))
-        fb = build_flat_batch(chunks, block_size)
-        lora = LoRABatch.build(fb.token_slots, self.max_loras)
+        fb = build_flat_batch(chunks, block_size, self.device)
+        lora = LoRABatch.build(fb.token_slots, self.max_loras, self.device)
         hidden = self.model(fb.input_ids, fb.positions, fb.attn, kv.caches, lora)
-        lp = torch.log_softmax(self.model.compute_logits(hidden), -1)
+        lp = torch.log_softmax(self.model.compute_logits(hidden), -1).cpu()
         q = fb.attn.query_start_loc
         return [lp[q[i] : q[i + 1]] for i in range(len(rows))]
 

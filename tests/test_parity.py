@@ -194,3 +194,17 @@ def test_shared_outer_layout(fam, tmp_path):
         runner.pool.unpin("so")
         runner.pool.evict("so")
         runner.registry.unload("so")
+
+
+@pytest.mark.gpu
+def test_mixed_batch_on_gpu_with_kernels(fam):
+    """The same mixed batch on the GPU (Triton LoRA kernels, fp32 with IEEE products) equals PEFT on the CPU."""
+    family, d, base, paths, _ = fam
+    gpu = Runner(tmp(d, "m"), max_loras=4, max_lora_rank=16, device="cuda")
+    for n, p in paths.items():
+        gpu.load(n, p)
+    names = ["a", "b", None, "a", "c"]
+    rows = list(zip(rows_of(0, [7, 5, 9, 4, 6]), names))
+    _check(gpu, base, rows, paths)
+    rows = list(zip(rows_of(1, [6, 3]), ["b", "b"]))  # the single-slot fast path on cuBLAS
+    _check(gpu, base, rows, paths)

@@ -1,0 +1,1 @@
+"""Benchmarks: `moelora bench kernels` (LoRA kernels against their byte floor)."""

@@ -1,0 +1,65 @@
+"""Shared benchmark plumbing: device facts, bandwidth ceiling, timing, result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+
+import torch
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def time_ms(fn, warmup: int = 5, rep: int = 50) -> float:
+    """Median time of fn() in milliseconds (CUDA events through triton.testing.do_bench on a GPU)."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    import time
+
+    for _ in range(2):
+        fn()
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def hbm_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (GB/s)."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), rep=100)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def write_result(kind: str, payload: dict, out_dir: str = "bench/results") -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    payload = {"kind": kind, "date": now.isoformat(timespec="seconds"), "device": device_name(),
+               "commit": git_commit(), "torch": torch.__version__, **payload}
+    try:
+        import triton
+
+        payload["triton"] = triton.__version__
+    except ImportError:
+        pass
+    dev = device_name().replace(" ", "-")
+    path = os.path.join(out_dir, f"{kind}-{now:%Y-%m-%d}-{dev}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    return path
