@@ -28,8 +28,8 @@ def require_triton() -> None:
         raise RuntimeError(f"Triton {TRITON_VERSION} is too old for moelora's kernels; install triton>=3.6")
 
 
-def dot_precision(dtype) -> str:
-    """fp32 operands: exact IEEE products (Triton would pick tf32); 16-bit operands: the tensor cores."""
+def dot_precision(dtype) -> str | None:
+    """fp32 operands: exact IEEE products (Triton would pick tf32); 16-bit operands: Triton's default."""
     import torch
 
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 else None
