@@ -14,8 +14,8 @@ E, K, H, I = (128, 8, 2048, 768) if ON_GPU else (8, 2, 48, 24)
 def _routing(T, gen, mode="random"):
     if mode == "one_expert":  # all tokens to expert 3 (and its neighbour for k > 0)
         ids = (torch.arange(K)[None, :] + 3).expand(T, K) % E
-    elif mode == "few_experts":  # most experts empty
-        ids = torch.stack([torch.randperm(4, generator=gen)[:K] for _ in range(T)])
+    elif mode == "few_experts":  # most experts empty: every token routes among the first K + 2
+        ids = torch.stack([torch.randperm(K + 2, generator=gen)[:K] for _ in range(T)])
     else:
         ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
     return ids.to(DEVICE)

@@ -3,7 +3,8 @@ over adapters, and the base layer's own GEMM.
 
 Cases: a dense 4096-wide layer, and Qwen3-30B-A3B's routed experts (H 2048, I 768, E 128, top-8) for
 gate_up and down; 1/16/64/256 tokens; 1/4/8/32 adapters (tokens spread round-robin over the adapters);
-rank 16 and 64; bf16. Bytes = every input read once and every output written once: x, the A and B
+rank 16 and 64; bf16. time_ms is the CUDA-graph replay time (GPU work only, as decode runs it),
+eager_ms the same launches from Python. Bytes = every input read once and every output written once: x, the A and B
 factors of the slots (dense) or of the (slot, expert) pairs (MoE) that some token uses, h, and y.
 """
 
@@ -14,7 +15,7 @@ import torch
 from moelora.bench.common import hbm_bandwidth_gbs, time_ms, write_result
 from moelora.kernels.groups import SlotGroups
 from moelora.kernels.lora_triton import lora_expand, lora_shrink
-from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_shrink
+from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
 TOKENS = (1, 16, 64, 256)
 ADAPTERS = (1, 4, 8, 32)
@@ -74,10 +75,11 @@ def _moe_case(site: str, T: int, n_ad: int, R: int, H: int = 2048, inter: int = 
     h = torch.zeros(T * K, n, R, device=dev)
     wts = torch.rand(T * K, device=dev)
 
-    def kernels():
+    def kernels():  # as the MoE layer runs them: one alignment plan, then shrink and expand
         h.zero_()
-        moe_lora_shrink(x, a, ranks, ids, slots, E, h, per_pair)
-        moe_lora_expand(h, b, off, ranks, scaling, ids, slots, E, y, wts if site == "down" else None)
+        align = moe_lora_plan(ids, slots, E, S)
+        moe_lora_shrink(x, a, ranks, ids, slots, E, h, per_pair, align=align)
+        moe_lora_expand(h, b, off, ranks, scaling, ids, slots, E, y, wts if site == "down" else None, align=align)
 
     pair_v = (slots.long().repeat_interleave(K) * E + ids.reshape(-1)).unique()
     used = int(pair_v.numel())  # (slot, expert) pairs some token uses
@@ -113,16 +115,31 @@ def _moe_case(site: str, T: int, n_ad: int, R: int, H: int = 2048, inter: int = 
                    {"H": H, "I": inter, "E": E, "top_k": K, "slot_expert_pairs": used})
 
 
+def _graph_time_ms(fn) -> float:
+    """Time of fn's kernels replayed from a CUDA graph: the GPU cost without Python launch overhead
+    (how the engine runs them in decode)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
+
+
 def _record(kind, T, n_ad, R, nbytes, kernels, torch_loop, base, extra) -> dict:
     kernels()
     torch.cuda.synchronize()
-    t = time_ms(kernels)
+    t_eager = time_ms(kernels)
+    t = _graph_time_ms(kernels)
     t_loop = time_ms(torch_loop, rep=20)
     try:
         t_base = time_ms(base)
     except RuntimeError as e:  # e.g. a grouped GEMM this torch build does not have
         t_base, extra = None, {**extra, "base_error": str(e)[:200]}
-    return {"case": kind, "tokens": T, "adapters": n_ad, "rank": R, "time_ms": t, "bytes": nbytes,
+    return {"case": kind, "tokens": T, "adapters": n_ad, "rank": R, "time_ms": t, "eager_ms": t_eager, "bytes": nbytes,
             "torch_loop_ms": t_loop, "base_gemm_ms": t_base, **extra}
 
 
@@ -143,7 +160,8 @@ def run(quick: bool = False, out_dir: str = "bench/results") -> str:
                     r["speedup_vs_torch_loop"] = r["torch_loop_ms"] / r["time_ms"]
                     rows.append(r)
                     base_us = "-" if r["base_gemm_ms"] is None else f"{r['base_gemm_ms'] * 1e3:.1f} us"
-                    print(f"{r['case']:12s} T={T:4d} adapters={n_ad:3d} r={R:3d}  {r['time_ms'] * 1e3:8.1f} us  "
+                    print(f"{r['case']:12s} T={T:4d} adapters={n_ad:3d} r={R:3d}  graph {r['time_ms'] * 1e3:7.1f} us "
+                          f"eager {r['eager_ms'] * 1e3:7.1f} us  "
                           f"floor {r['floor_ms'] * 1e3:7.1f} us  {100 * r['share_of_hbm']:5.1f}% HBM  "
                           f"loop {r['torch_loop_ms'] * 1e3:8.1f} us ({r['speedup_vs_torch_loop']:5.1f}x)  base {base_us}",
                           flush=True)

@@ -108,11 +108,13 @@ def fused_moe_pairs(
     lora: ExpertLoRAArgs | None,
     shrink,
     expand,
+    plan=None,
 ) -> torch.Tensor:
     """The same function as fused_moe_ref, computed over (token, k) pairs the way the GPU path runs it:
     base gate_up per pair, LoRA gate_up delta (shrink/expand kernels) before the activation, base down
     per pair, LoRA down delta, then the router-weighted sum over k (which weights the down delta too).
-    shrink, expand: moe_lora_shrink/expand (Triton) or their references.
+    shrink, expand: moe_lora_shrink/expand (Triton) or their references; plan: a function
+    (topk_ids, token_slots, E, max_loras) -> alignment passed to the kernels as `align` (computed once per layer).
     x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]
     """
     T, H = x.shape
@@ -126,12 +128,15 @@ def fused_moe_pairs(
     for e in experts:
         p = (pair_exp == e).nonzero().squeeze(1)
         gu[p] = x[pair_tok[p]] @ w_gate_up[e].T
+    kw = {}
     if lora is not None:
+        if plan is not None:
+            kw["align"] = plan(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
         R = lora.gate_up_a.shape[3]
         h = torch.zeros(T * K, 2, R, dtype=torch.float32, device=x.device)
         offs = torch.tensor([0, inter, two_i], dtype=torch.int32, device=x.device)
-        shrink(x, lora.gate_up_a, lora.gate_up_ranks, topk_ids, lora.token_slots, E, h, False)
-        expand(h, lora.gate_up_b, offs, lora.gate_up_ranks, lora.gate_up_scaling, topk_ids, lora.token_slots, E, gu)
+        shrink(x, lora.gate_up_a, lora.gate_up_ranks, topk_ids, lora.token_slots, E, h, False, **kw)
+        expand(h, lora.gate_up_b, offs, lora.gate_up_ranks, lora.gate_up_scaling, topk_ids, lora.token_slots, E, gu, **kw)
     act = _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]  # [P, I]
     o = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     for e in experts:
@@ -140,7 +145,7 @@ def fused_moe_pairs(
     if lora is not None:
         hd = torch.zeros(T * K, 1, R, dtype=torch.float32, device=x.device)
         offs = torch.tensor([0, H], dtype=torch.int32, device=x.device)
-        shrink(act, lora.down_a, lora.down_ranks, topk_ids, lora.token_slots, E, hd, True)
-        expand(hd, lora.down_b, offs, lora.down_ranks, lora.down_scaling, topk_ids, lora.token_slots, E, o)
+        shrink(act, lora.down_a, lora.down_ranks, topk_ids, lora.token_slots, E, hd, True, **kw)
+        expand(hd, lora.down_b, offs, lora.down_ranks, lora.down_scaling, topk_ids, lora.token_slots, E, o, **kw)
     out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)

@@ -178,6 +178,15 @@ if HAS_TRITON:
         tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def moe_lora_plan(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int):
+    """The alignment the tiled variant needs for this routing, or None when the decode variant will run.
+    One plan serves the gate_up and down shrink/expand of a layer (same routing, same slots)."""
+    P = topk_ids.numel()
+    if _use_gemv(P, "auto"):
+        return None
+    return moe_lora_align(topk_ids, token_slots, num_experts, max_loras, _block_m(P))
+
+
 def _a_strides(a: torch.Tensor) -> tuple[int, ...]:
     """[n, S, E|1, R, D]; an expert dim of 1 is read with stride 0 (shared outer)."""
     return a.stride(0), a.stride(1), 0 if a.shape[2] == 1 else a.stride(2), a.stride(3), a.stride(4)

@@ -56,10 +56,10 @@ class RoutedExperts(nn.Module):
                 down_a=d.a, down_b=d.b_cat, down_scaling=d.scaling, down_ranks=d.rank_tensor,
             )
         if x.is_cuda:
-            from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_shrink
+            from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
             return fused_moe_pairs(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args,
-                                   moe_lora_shrink, moe_lora_expand)
+                                   moe_lora_shrink, moe_lora_expand, moe_lora_plan)
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args)
 
 
