@@ -54,10 +54,21 @@ def _lora_specs(specs: list[str]) -> dict[str, str]:
     return out
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from moelora.demo.run import run_demo
+
+    return run_demo(device=args.device, per_adapter=args.per_adapter, seed=args.seed)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from moelora import LLM, SamplingParams
 
     adapters = _lora_specs(args.lora)
+    if args.model is None:  # the bundled demo model and its adapters
+        from moelora.demo import adapter_paths, model_path
+
+        args.model = model_path()
+        adapters = {**adapter_paths(), **adapters}
     if args.adapter is not None and args.adapter not in adapters:
         raise SystemExit(f"--adapter {args.adapter!r} is not among the --lora names {sorted(adapters)}")
     llm = LLM(args.model, adapters=adapters, max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank,
@@ -92,12 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", help="model folder with config.json")
     info.set_defaults(func=_cmd_info)
 
+    demo = sub.add_parser(
+        "demo",
+        help="run the bundled tiny MoE model with its three adapters in one mixed batch and check every row",
+        description="Loads the bundled demo model (GPU if present, else CPU) and its adapters upper, reverse and "
+        "rot13; runs ONE batch where the base model and each adapter appear several times with fresh random "
+        "inputs; prints adapter, input, output, expected, ok and the tokens/s. Exit status 1 if any row is wrong.",
+    )
+    demo.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    demo.add_argument("--per-adapter", type=int, default=4, help="rows per adapter and for the base (default 4)")
+    demo.add_argument("--seed", type=int, default=None, help="seed for the random inputs (default: fresh each run)")
+    demo.set_defaults(func=_cmd_demo)
+
     gen = sub.add_parser(
         "generate",
         help="generate text offline for one or more prompts, with or without an adapter",
         description="Loads the model (and any --lora adapters) and prints one completion per --prompt.",
     )
-    gen.add_argument("--model", required=True, help="model folder (config.json, safetensors, tokenizer.json)")
+    gen.add_argument("--model", default=None,
+                     help="model folder (config.json, safetensors, tokenizer.json); default: the bundled demo model "
+                     "with its adapters upper, reverse and rot13 (prompts look like 'hello world => ')")
     gen.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="load a PEFT adapter (repeatable)")
     gen.add_argument("--adapter", default=None, help="adapter NAME to use for every prompt (default: the base model)")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")

@@ -139,8 +139,8 @@ def test_pair_pipeline_equals_fused_moe_reference(kernels):
     gen = torch.Generator().manual_seed(21)
     T, dtype = 11, DTYPES[0]
     x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
-    w_gu = (torch.randn(E, 2 * I, H, generator=gen) * 0.1).to(DEVICE, dtype)
-    w_d = (torch.randn(E, H, I, generator=gen) * 0.1).to(DEVICE, dtype)
+    w_gu = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(DEVICE, dtype)
+    w_d = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(DEVICE, dtype)
     weights, ids = route_topk_ref(torch.randn(T, E, generator=gen).to(DEVICE), K, True)
     a_gu, b_gu, r_gu, s_gu, _ = _factors(2, H, [I, I], dtype, gen)
     a_d, b_d, r_d, s_d, _ = _factors(1, I, [H], dtype, gen)
@@ -149,7 +149,10 @@ def test_pair_pipeline_equals_fused_moe_reference(kernels):
     ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
     ops = (moe_lora_shrink_ref, moe_lora_expand_ref) if kernels == "reference" else (moe_lora_shrink, moe_lora_expand)
     got = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    atol, rtol = tolerance(dtype)
-    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    # the two orders round their 16-bit intermediates differently (per-expert vs per-pair GEMMs), so compare
+    # by relative error norm, with bounds per dtype (fp32 ~1e-7 per op; bf16 8 mantissa bits)
+    bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < bound, f"relative error {rel:.2e} >= {bound}"
     no_lora = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", None)
-    assert (no_lora - ref).abs().max() > 10 * atol
+    assert ((no_lora.float() - ref.float()).norm() / ref.float().norm()).item() > 10 * bound
