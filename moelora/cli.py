@@ -83,6 +83,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from moelora.server.launch import serve
+
+    return serve(args)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "kernels":
         from moelora.bench.kernels import run
@@ -137,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU)")
     gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with per-request adapters (default: the bundled demo model)",
+        description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health and /metrics. A request picks its adapter "
+        "with model=ADAPTER or model=BASE:ADAPTER; model=BASE means no adapter.",
+    )
+    from moelora.server.launch import add_arguments as _serve_args
+
+    _serve_args(srv)
+    srv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser(
         "bench",

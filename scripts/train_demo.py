@@ -184,6 +184,10 @@ def train_loop(model, params, batches: Batches, steps: int, lr: float, weight_de
             "final_batch_seq_acc": history[-1]["seq_acc"] if history else None, "history": history}
 
 
+# chat: the last message's content is the input, the generation prompt the task's " => "
+CHAT_TEMPLATE = "{{ messages[-1]['content'] }}{% if add_generation_prompt %} => {% endif %}"
+
+
 def save_tokenizer(path: str) -> None:
     """Byte-level tokenizer without merges: bytes 0..255 are ids 0..255, then SPECIALS from 256."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -200,7 +204,8 @@ def save_tokenizer(path: str) -> None:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD,
                    "additional_special_tokens": list(TASK_TOKENS.values()), "model_max_length": 256,
-                   "padding_side": "left", "clean_up_tokenization_spaces": False}, f, indent=2)
+                   "padding_side": "left", "clean_up_tokenization_spaces": False,
+                   "chat_template": CHAT_TEMPLATE}, f, indent=2)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
