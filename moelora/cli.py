@@ -94,7 +94,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from moelora.bench.kernels import run
 
         print(f"results: {run(quick=args.quick, out_dir=args.out)}")
-    return 0
+        return 0
+    from moelora.bench.serve import main as serve_main
+
+    return serve_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,14 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks (GPU): `bench kernels` times the multi-LoRA kernels against their byte floor",
+        help="benchmarks: `bench kernels` (GPU) and `bench serve` (a load generator against a running server)",
         description="kernels: each multi-LoRA Triton kernel at Qwen3-30B-A3B expert shapes and a 4096-wide dense "
-        "layer, 1-256 tokens, 1-32 adapters, rank 16/64, beside a torch loop over adapters and the base GEMM; "
-        "writes JSON (date, device, commit) under --out.",
+        "layer, 1-256 tokens, 1-32 adapters, rank 16/64, beside a torch loop over adapters and the base GEMM. "
+        "serve: N concurrent clients against a running `moelora serve` (mixed adapters, streaming, optional early "
+        "disconnects): requests/s, tokens/s, TTFT and TPOT p50/p99, errors, and the server's KV/slot gauges. "
+        "Both write JSON (date, device, commit) under --out.",
     )
-    bench.add_argument("what", choices=["kernels"], help="what to measure")
-    bench.add_argument("--quick", action="store_true", help="a small subset of the cases")
+    bench.add_argument("what", choices=["kernels", "serve"], help="what to measure")
+    bench.add_argument("--quick", action="store_true", help="kernels: a small subset of the cases")
     bench.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
+    from moelora.bench.serve import add_arguments as _bench_serve_args
+
+    _bench_serve_args(bench)
     bench.set_defaults(func=_cmd_bench)
 
     chk = sub.add_parser(

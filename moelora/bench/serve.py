@@ -1,0 +1,536 @@
+"""`moelora bench serve`: a load generator against a running OpenAI-compatible server.
+
+N concurrent workers pull request specs from a queue and send them to ``POST /v1/completions``
+(streaming by default, with ``stream_options: {"include_usage": true}``), until ``--num-requests``
+requests are done or ``--duration`` seconds have passed, whichever comes first. Requests are spread
+round-robin over ``--models`` (by default every model that ``GET /v1/models`` lists: the base model and
+each adapter). A share of the streaming clients (``--disconnect-fraction``) close the connection on
+purpose after 1-3 content chunks, to exercise the server's abort path; those are counted apart and are
+not errors.
+
+Per request it records the model, the status (``ok`` / ``error`` with a message / ``disconnected``),
+TTFT (time to the first content chunk), TPOT ((last chunk time - first chunk time) / (tokens - 1)),
+the output tokens (from the final usage chunk, else the number of content chunks) and the latency.
+After the run it reads ``GET /metrics`` (Prometheus text) and keeps the families whose names contain
+``kv_blocks``, ``lora_slots``, ``running`` or ``waiting``; while it runs it also polls them and keeps
+each sample's peak.
+
+Standalone: ``python -m moelora.bench.serve --url http://127.0.0.1:8000 --concurrency 32``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import string
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = ["add_arguments", "run_load", "main", "RequestSpec", "RequestResult", "build_spec",
+           "parse_range", "parse_metrics", "summarize", "format_table", "METRIC_KEYS"]
+
+METRIC_KEYS = ("kv_blocks", "lora_slots", "running", "waiting")
+MAX_ERROR_MESSAGES = 10
+DEFAULT_NUM_REQUESTS = 200
+
+
+# --------------------------------------------------------------------------------------------- args
+
+def _add(parser: argparse.ArgumentParser, *flags: str, **kwargs: Any) -> None:
+    """add_argument, skipping an option the parser already has (e.g. `moelora bench`'s own --out)."""
+    if any(f in parser._option_string_actions for f in flags):  # noqa: SLF001
+        return
+    parser.add_argument(*flags, **kwargs)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `moelora bench serve` (and of `python -m moelora.bench.serve`)."""
+    _add(parser, "--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
+    _add(parser, "--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    _add(parser, "--models", default=None,
+         help="comma list of model names to spread requests over (base model name and/or adapter names); "
+              "default: every model of GET /v1/models")
+    _add(parser, "--concurrency", type=int, default=16, help="concurrent clients (default %(default)s)")
+    _add(parser, "--num-requests", type=int, default=None,
+         help=f"requests to send (default {DEFAULT_NUM_REQUESTS}, or unlimited when --duration is given)")
+    _add(parser, "--duration", type=float, default=None, help="stop starting requests after this many seconds")
+    _add(parser, "--prompt-len", default=None,
+         help="MIN:MAX prompt length in words (~tokens) of random lowercase words, followed by ' => '; "
+              "default: the demo task's inputs (moelora.demo.random_input, 3..24 characters)")
+    _add(parser, "--output-len", default="16:64", help="MIN:MAX max_tokens per request (default %(default)s)")
+    _add(parser, "--disconnect-fraction", type=float, default=0.0,
+         help="share of streaming requests whose client closes the connection after 1-3 chunks (default 0)")
+    _add(parser, "--stream", action=argparse.BooleanOptionalAction, default=True,
+         help="stream responses (SSE); --no-stream for plain JSON responses (default: stream)")
+    _add(parser, "--temperature", type=float, default=0.0, help="sampling temperature (default %(default)s)")
+    _add(parser, "--seed", type=int, default=0, help="seed of the prompt/length/disconnect choices (default 0)")
+    _add(parser, "--timeout", type=float, default=300.0, help="per-request timeout in seconds (default %(default)s)")
+    _add(parser, "--metrics-interval", type=float, default=1.0,
+         help="seconds between /metrics polls during the run, for the peaks (default %(default)s)")
+    _add(parser, "--out", default="bench/results", help="folder for the JSON results (default %(default)s)")
+
+
+def parse_range(spec: str | None, name: str = "range") -> tuple[int, int] | None:
+    """'MIN:MAX' (or 'N') -> (min, max); None -> None."""
+    if spec is None:
+        return None
+    lo, sep, hi = str(spec).partition(":")
+    try:
+        a, b = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise ValueError(f"{name} expects MIN:MAX, got {spec!r}") from None
+    if a < 1 or b < a:
+        raise ValueError(f"{name} expects 1 <= MIN <= MAX, got {spec!r}")
+    return a, b
+
+
+def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+# --------------------------------------------------------------------------------------------- specs
+
+@dataclass
+class RequestSpec:
+    index: int
+    model: str
+    prompt: str
+    max_tokens: int
+    disconnect_after: int | None = None  # close the stream after this many content chunks
+
+
+@dataclass
+class RequestResult:
+    index: int
+    model: str
+    status: str  # "ok" | "error" | "disconnected"
+    error: str | None = None
+    http_status: int | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    output_tokens: int = 0
+    chunks: int = 0
+    latency_s: float | None = None
+
+
+def _random_words(rng: random.Random, n_words: int) -> str:
+    return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 7)))
+                    for _ in range(n_words))
+
+
+def build_spec(index: int, models: list[str], prompt_len: tuple[int, int] | None, output_len: tuple[int, int],
+               disconnect_fraction: float, stream: bool, seed: int) -> RequestSpec:
+    """The index-th request: deterministic in (seed, index), whatever the order workers take them in."""
+    from moelora.demo import make_prompt, random_input
+
+    rng = random.Random(f"{seed}:{index}")
+    if prompt_len is None:
+        text = random_input(rng)
+    else:
+        text = _random_words(rng, rng.randint(*prompt_len))
+    max_tokens = rng.randint(*output_len)
+    disconnect = rng.random() < disconnect_fraction
+    after = rng.randint(1, 3)
+    return RequestSpec(index=index, model=models[index % len(models)], prompt=make_prompt(text),
+                       max_tokens=max_tokens, disconnect_after=after if (disconnect and stream) else None)
+
+
+# --------------------------------------------------------------------------------------------- requests
+
+class _StreamError(Exception):
+    pass
+
+
+def _error_text(resp_body: bytes, limit: int = 300) -> str:
+    text = resp_body.decode("utf-8", "replace").strip()
+    try:
+        obj = json.loads(text)
+        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+        if isinstance(err, dict) and "message" in err:
+            text = str(err["message"])
+    except (ValueError, AttributeError):
+        pass
+    return text[:limit]
+
+
+async def _stream_request(client: httpx.AsyncClient, spec: RequestSpec, body: dict) -> RequestResult:
+    res = RequestResult(index=spec.index, model=spec.model, status="ok")
+    t0 = time.perf_counter()
+    first = last = None
+    usage_tokens = None
+    got_done = False
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            res.http_status = resp.status_code
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                raise _StreamError(f"HTTP {resp.status_code}: {_error_text(raw)}")
+            async for line in resp.aiter_lines():
+                line = line.rstrip("\r")
+                if not line or line.startswith(":"):
+                    continue  # event separator / SSE comment
+                if got_done:
+                    continue
+                field_name, sep, value = line.partition(":")
+                if not sep or field_name not in ("data", "event", "id", "retry"):
+                    raise _StreamError(f"malformed SSE line: {line[:120]!r}")
+                if field_name != "data":
+                    continue
+                value = value[1:] if value.startswith(" ") else value
+                if value.strip() == "[DONE]":
+                    got_done = True
+                    continue
+                try:
+                    chunk = json.loads(value)
+                except ValueError:
+                    raise _StreamError(f"malformed SSE data: {value[:120]!r}") from None
+                if not isinstance(chunk, dict):
+                    raise _StreamError(f"malformed SSE data: {value[:120]!r}")
+                if "error" in chunk:
+                    err = chunk["error"]
+                    msg = err.get("message", err) if isinstance(err, dict) else err
+                    raise _StreamError(f"error in stream: {str(msg)[:300]}")
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+                    usage_tokens = int(usage["completion_tokens"])
+                choices = chunk.get("choices") or []
+                if any(isinstance(c, dict) and c.get("text") for c in choices):
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    last = now
+                    res.chunks += 1
+                    if spec.disconnect_after is not None and res.chunks >= spec.disconnect_after:
+                        res.status = "disconnected"
+                        break  # leaving the block closes the response and its connection
+        if res.status != "disconnected" and not got_done:
+            raise _StreamError("stream ended without data: [DONE]")
+    except _StreamError as e:
+        res.status, res.error = "error", str(e)
+    except Exception as e:  # noqa: BLE001 - transport errors (httpx.HTTPError) and anything unexpected
+        res.status, res.error = "error", f"{type(e).__name__}: {e}"[:300]
+    res.latency_s = time.perf_counter() - t0
+    res.output_tokens = usage_tokens if (usage_tokens is not None and res.status != "disconnected") else res.chunks
+    if first is not None:
+        res.ttft_s = first - t0
+        if res.status == "ok" and res.output_tokens > 1:
+            res.tpot_s = (last - first) / (res.output_tokens - 1)
+    return res
+
+
+async def _plain_request(client: httpx.AsyncClient, spec: RequestSpec, body: dict) -> RequestResult:
+    res = RequestResult(index=spec.index, model=spec.model, status="ok")
+    t0 = time.perf_counter()
+    try:
+        resp = await client.post("/v1/completions", json=body)
+        res.http_status = resp.status_code
+        if resp.status_code != 200:
+            raise _StreamError(f"HTTP {resp.status_code}: {_error_text(resp.content)}")
+        try:
+            obj = resp.json()
+        except ValueError:
+            raise _StreamError(f"malformed JSON response: {resp.text[:120]!r}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
+            raise _StreamError(f"response without choices: {resp.text[:120]!r}")
+        usage = obj.get("usage") or {}
+        if usage.get("completion_tokens") is not None:
+            res.output_tokens = int(usage["completion_tokens"])
+        else:
+            res.output_tokens = sum(1 for c in obj["choices"] if c.get("text"))
+    except _StreamError as e:
+        res.status, res.error = "error", str(e)
+    except Exception as e:  # noqa: BLE001
+        res.status, res.error = "error", f"{type(e).__name__}: {e}"[:300]
+    res.latency_s = time.perf_counter() - t0
+    return res
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+def _fallback_families(text: str):
+    """A minimal Prometheus text parser, used only when prometheus_client is not installed."""
+    from types import SimpleNamespace
+
+    fams: dict[str, Any] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        head, _, rest = line.rpartition("}") if "}" in line else ("", "", line)
+        if head:
+            name, _, lab = head.partition("{")
+            labels = {}
+            for part in lab.split(","):
+                k, eq, v = part.partition("=")
+                if eq:
+                    labels[k.strip()] = v.strip().strip('"')
+            value = rest.split()[0]
+        else:
+            name, value = rest.split()[:2]
+            labels = {}
+        fam = fams.setdefault(name, SimpleNamespace(name=name, samples=[]))
+        fam.samples.append(SimpleNamespace(name=name, labels=labels, value=float(value)))
+    return list(fams.values())
+
+
+def parse_metrics(text: str, keys: tuple[str, ...] = METRIC_KEYS) -> dict[str, dict[str, float]]:
+    """Prometheus text -> {family name: {'sample{label="v",...}': value}} for families whose names
+    contain any of `keys`."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+        families = text_string_to_metric_families(text)
+    except ImportError:
+        families = _fallback_families(text)
+    out: dict[str, dict[str, float]] = {}
+    for fam in families:
+        if not any(k in fam.name for k in keys):
+            continue
+        samples = out.setdefault(fam.name, {})
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            lab = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{lab}}}" if lab else s.name] = float(s.value)
+    return out
+
+
+async def _fetch_metrics(client: httpx.AsyncClient) -> tuple[dict | None, str | None]:
+    try:
+        resp = await client.get("/metrics")
+        if resp.status_code != 200:
+            return None, f"GET /metrics: HTTP {resp.status_code}"
+        return parse_metrics(resp.text), None
+    except Exception as e:  # noqa: BLE001 - metrics are optional; never fail the run on them
+        return None, f"GET /metrics: {type(e).__name__}: {e}"
+
+
+async def _poll_metrics(client: httpx.AsyncClient, peaks: dict, stop: asyncio.Event, interval: float) -> None:
+    while not stop.is_set():
+        m, err = await _fetch_metrics(client)
+        if err is not None:
+            return  # no /metrics (or not parseable): stop polling
+        for fam, samples in m.items():
+            dst = peaks.setdefault(fam, {})
+            for k, v in samples.items():
+                if not math.isnan(v):
+                    dst[k] = max(dst.get(k, v), v)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        except asyncio.TimeoutError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------- summary
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _stats_ms(values_s: list[float]) -> dict[str, float | None]:
+    ms = [v * 1e3 for v in values_s]
+    r = lambda v: None if v is None else round(v, 3)  # noqa: E731
+    return {"p50": r(_percentile(ms, 50)), "p99": r(_percentile(ms, 99)),
+            "mean": r(sum(ms) / len(ms)) if ms else None, "n": len(ms)}
+
+
+def summarize(results: list[RequestResult], duration_s: float) -> dict:
+    ok = [r for r in results if r.status == "ok"]
+    errs = [r for r in results if r.status == "error"]
+    disc = [r for r in results if r.status == "disconnected"]
+    per_model: dict[str, dict[str, int]] = {}
+    for r in sorted(results, key=lambda r: r.index):
+        m = per_model.setdefault(r.model, {"requests": 0, "ok": 0, "errors": 0, "disconnected": 0,
+                                           "output_tokens": 0})
+        m["requests"] += 1
+        m["errors" if r.status == "error" else r.status] += 1
+        m["output_tokens"] += r.output_tokens
+    out_tokens = sum(r.output_tokens for r in results if r.status != "error")
+    dur = max(duration_s, 1e-9)
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": {"count": len(errs),
+                   "messages": [f"[{r.model}] {r.error}" for r in sorted(errs, key=lambda r: r.index)]
+                   [:MAX_ERROR_MESSAGES]},
+        "disconnected": len(disc),
+        "duration_s": round(duration_s, 4),
+        "requests_per_s": round(len(results) / dur, 3),
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": round(out_tokens / dur, 3),
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok + disc if r.ttft_s is not None]),
+        "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "latency_ms": _stats_ms([r.latency_s for r in ok if r.latency_s is not None]),
+        "per_model": per_model,
+    }
+
+
+# --------------------------------------------------------------------------------------------- run
+
+async def _list_models(client: httpx.AsyncClient) -> list[str]:
+    try:
+        resp = await client.get("/v1/models")
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"GET /v1/models failed: {type(e).__name__}: {e}") from e
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET /v1/models: HTTP {resp.status_code}: {_error_text(resp.content)}")
+    models = [m["id"] for m in resp.json().get("data", []) if isinstance(m, dict) and m.get("id")]
+    if not models:
+        raise RuntimeError("GET /v1/models listed no models; pass --models")
+    return models
+
+
+async def run_load(args: argparse.Namespace) -> dict:
+    """Run the load described by `args` (the options of add_arguments) and return the summary dict
+    (see summarize), with 'config', 'metrics' (after the run), 'metrics_peak' (polled during it) and
+    'metrics_error' (None, or why /metrics could not be read)."""
+    concurrency = int(_get(args, "concurrency", 16))
+    if concurrency < 1:
+        raise ValueError("--concurrency must be >= 1")
+    duration = _get(args, "duration")
+    num_requests = _get(args, "num_requests")
+    if num_requests is None and duration is None:
+        num_requests = DEFAULT_NUM_REQUESTS
+    frac = float(_get(args, "disconnect_fraction", 0.0) or 0.0)
+    if not 0.0 <= frac <= 1.0:
+        raise ValueError("--disconnect-fraction must be within [0, 1]")
+    prompt_len = parse_range(_get(args, "prompt_len"), "--prompt-len")
+    output_len = parse_range(_get(args, "output_len", "16:64"), "--output-len")
+    stream = bool(_get(args, "stream", True))
+    seed = int(_get(args, "seed", 0) or 0)
+    temperature = float(_get(args, "temperature", 0.0))
+    timeout = float(_get(args, "timeout", 300.0) or 300.0)
+
+    headers = {}
+    if _get(args, "api_key"):
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(base_url=_get(args, "url", "http://127.0.0.1:8000").rstrip("/"),
+                                 headers=headers, limits=limits, timeout=httpx.Timeout(timeout)) as client:
+        models_arg = _get(args, "models")
+        if models_arg:
+            models = [m.strip() for m in models_arg.split(",") if m.strip()]
+        else:
+            models = await _list_models(client)
+
+        queue: asyncio.Queue[RequestSpec | None] = asyncio.Queue(maxsize=2 * concurrency)
+        results: list[RequestResult] = []
+        t_start = time.perf_counter()
+        deadline = t_start + duration if duration is not None else None
+
+        async def producer() -> None:
+            i = 0
+            while (num_requests is None or i < num_requests) and (deadline is None or time.perf_counter() < deadline):
+                await queue.put(build_spec(i, models, prompt_len, output_len, frac, stream, seed))
+                i += 1
+            for _ in range(concurrency):
+                await queue.put(None)
+
+        async def worker() -> None:
+            while True:
+                spec = await queue.get()
+                if spec is None:
+                    return
+                if deadline is not None and time.perf_counter() >= deadline:
+                    continue  # drain: time is up, start nothing new
+                body = {"model": spec.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
+                        "temperature": temperature, "stream": stream}
+                if stream:
+                    body["stream_options"] = {"include_usage": True}
+                    results.append(await _stream_request(client, spec, body))
+                else:
+                    results.append(await _plain_request(client, spec, body))
+
+        stop = asyncio.Event()
+        peaks: dict = {}
+        poller = asyncio.create_task(_poll_metrics(client, peaks, stop, float(_get(args, "metrics_interval", 1.0))))
+        await asyncio.gather(producer(), *(worker() for _ in range(concurrency)))
+        duration_s = time.perf_counter() - t_start
+        stop.set()
+        await poller
+        metrics, metrics_error = await _fetch_metrics(client)
+
+    summary = summarize(results, duration_s)
+    summary["config"] = {
+        "url": _get(args, "url"), "models": models, "concurrency": concurrency, "num_requests": num_requests,
+        "duration": duration, "prompt_len": _get(args, "prompt_len") or "demo", "output_len": _get(args, "output_len"),
+        "disconnect_fraction": frac, "stream": stream, "temperature": temperature, "seed": seed,
+    }
+    summary["metrics"] = metrics or {}
+    summary["metrics_peak"] = peaks
+    summary["metrics_error"] = metrics_error
+    return summary
+
+
+# --------------------------------------------------------------------------------------------- main
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return str(v)
+
+
+def format_table(s: dict) -> str:
+    lines = [
+        f"requests {s['requests']}: ok {s['ok']}, errors {s['errors']['count']}, "
+        f"disconnected {s['disconnected']} in {s['duration_s']:.2f} s",
+        f"throughput: {s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tok/s "
+        f"({s['output_tokens']} tokens)",
+        "",
+        f"{'':12s} {'p50':>10s} {'p99':>10s} {'mean':>10s} {'n':>6s}",
+    ]
+    for key in ("ttft_ms", "tpot_ms", "latency_ms"):
+        st = s[key]
+        lines.append(f"{key:12s} {_fmt(st['p50']):>10s} {_fmt(st['p99']):>10s} {_fmt(st['mean']):>10s} {st['n']:>6d}")
+    lines += ["", f"{'model':24s} {'requests':>8s} {'ok':>6s} {'errors':>6s} {'disc':>6s} {'tokens':>8s}"]
+    for name, m in s["per_model"].items():
+        lines.append(f"{name[:24]:24s} {m['requests']:>8d} {m['ok']:>6d} {m['errors']:>6d} "
+                     f"{m['disconnected']:>6d} {m['output_tokens']:>8d}")
+    if s["errors"]["messages"]:
+        lines += ["", "first errors:"] + [f"  {msg}" for msg in s["errors"]["messages"]]
+    if s.get("metrics"):
+        lines += ["", "server metrics after the run (peak during it):"]
+        peak = s.get("metrics_peak") or {}
+        for fam, samples in s["metrics"].items():
+            for k, v in samples.items():
+                p = peak.get(fam, {}).get(k)
+                lines.append(f"  {k:56s} {_fmt(v):>10s}" + (f" ({_fmt(p)})" if p is not None else ""))
+    elif s.get("metrics_error"):
+        lines += ["", f"server metrics: none ({s['metrics_error']})"]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the load, print a table, write the JSON result; 1 if any request failed (or the run could
+    not start), else 0."""
+    try:
+        summary = asyncio.run(run_load(args))
+    except (RuntimeError, ValueError) as e:
+        print(f"bench serve: {e}", file=sys.stderr)
+        return 1
+    print(format_table(summary))
+    from moelora.bench.common import write_result
+
+    path = write_result("serve", summary, _get(args, "out", "bench/results"))
+    print(f"\nwrote {path}")
+    return 1 if summary["errors"]["count"] else 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m moelora.bench.serve", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
