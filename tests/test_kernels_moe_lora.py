@@ -5,7 +5,7 @@ import torch
 
 from kernel_cases import DEVICE, DTYPES, NUM_TOKENS, ON_GPU, POPULARITY, token_slots, tolerance
 from moelora.kernels.moe_lora import moe_lora_align, moe_lora_expand_ref, moe_lora_shrink_ref
-from moelora.kernels.moe_lora_triton import GEMV_MAX_PAIRS, moe_lora_expand, moe_lora_shrink
+from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_shrink
 
 S, R = 4, 16
 E, K, H, I = (128, 8, 2048, 768) if ON_GPU else (8, 2, 48, 24)
@@ -73,8 +73,8 @@ def _run(site, popularity, T, dtype, variant, routing="random", shared=False, se
 @pytest.mark.parametrize("site", ["gate_up", "down"])
 def test_moe_lora_matches_reference(site, popularity, num_tokens, dtype, variant):
     if variant == "gemv" and not ON_GPU:
-        # the decode variant serves at most GEMV_MAX_PAIRS pairs; under the interpreter, cap its size there
-        num_tokens = min(num_tokens, GEMV_MAX_PAIRS // K)
+        # the decode variant is for small batches; under the (slow) interpreter, cap its size
+        num_tokens = min(num_tokens, 64)
     _run(site, popularity, num_tokens, dtype, variant)
 
 

@@ -16,7 +16,7 @@ import torch
 from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
 from moelora.kernels.moe_lora import moe_lora_align
 
-GEMV_MAX_PAIRS = 128  # at most this many (token, k) pairs: the decode variant
+GEMV_MAX_PAIRS = 512  # at most this many (token, k) pairs: the decode variant (64 tokens at top-8)
 
 if HAS_TRITON:
     import triton
