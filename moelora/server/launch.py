@@ -9,8 +9,6 @@ import threading
 import time
 
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
-from moelora.server.app import ServerSettings, build_app
-from moelora.server.async_engine import AsyncEngine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_from_args(args: argparse.Namespace):
+    from moelora.server.app import ServerSettings, build_app  # fastapi is imported only to serve
+    from moelora.server.async_engine import AsyncEngine
+
     adapters = {}
     for spec in args.lora:
         name, sep, path = spec.partition("=")
@@ -86,7 +87,7 @@ def free_port() -> int:
 class ServerThread:
     """uvicorn in a background thread on 127.0.0.1 (tests and benchmarks)."""
 
-    def __init__(self, engine: AsyncEngine, app, port: int | None = None) -> None:
+    def __init__(self, engine, app, port: int | None = None) -> None:
         import uvicorn
 
         self.engine = engine
