@@ -156,3 +156,24 @@ def test_pair_pipeline_equals_fused_moe_reference(kernels):
     assert rel < bound, f"relative error {rel:.2e} >= {bound}"
     no_lora = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", None)
     assert ((no_lora.float() - ref.float()).norm() / ref.float().norm()).item() > 10 * bound
+
+
+def test_fast_align_matches_reference_groups():
+    """The sort-free alignment (atomic placement) gives the reference's groups, padding and block map."""
+    from moelora.kernels.moe_lora_triton import moe_lora_align_fast
+
+    gen = torch.Generator().manual_seed(9)
+    for T in (1, 7, 133):
+        slots = token_slots("with_base_rows", T, S, gen).to(DEVICE)
+        ids = _routing(T, gen)
+        ref_ids, ref_bv = moe_lora_align(ids, slots, E, S, 16)
+        got_ids, got_bv = moe_lora_align_fast(ids, slots, E, S, 16)
+        assert torch.equal(ref_bv, got_bv)
+
+        def groups(sorted_ids, bv):  # virtual expert -> its pairs (order inside a group may differ)
+            out = {}
+            for blk, v in enumerate(bv.tolist()):
+                out.setdefault(v, []).extend(sorted_ids[blk * 16:(blk + 1) * 16].tolist())
+            return {v: sorted(p for p in ps if p < T * K) for v, ps in out.items()}
+
+        assert groups(ref_ids, ref_bv) == groups(got_ids, got_bv)

@@ -184,7 +184,50 @@ def moe_lora_plan(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts
     P = topk_ids.numel()
     if _use_gemv(P, "auto"):
         return None
-    return moe_lora_align(topk_ids, token_slots, num_experts, max_loras, _block_m(P))
+    align = moe_lora_align_fast if topk_ids.is_cuda else moe_lora_align
+    return align(topk_ids, token_slots, num_experts, max_loras, _block_m(P))
+
+
+def moe_lora_align_fast(
+    topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_lora_align without a sort: counts per virtual expert, padded offsets, then one kernel that
+    places each pair at offset[v] + atomic_add(fill[v], 1). The order of pairs inside a group is not
+    fixed (it does not change any result: rows are computed independently); the groups, their
+    padding and block_vexpert are exactly moe_lora_align's."""
+    require_triton()
+    T, K = topk_ids.shape
+    P = T * K
+    V = max_loras * num_experts
+    dev = topk_ids.device
+    slot = token_slots.to(torch.int64).repeat_interleave(K)
+    v = torch.where(slot >= 0, slot * num_experts + topk_ids.reshape(-1).to(torch.int64), torch.full_like(slot, V))
+    counts = torch.zeros(V + 1, dtype=torch.int32, device=dev).scatter_add_(0, v, torch.ones_like(v, dtype=torch.int32))
+    padded = (counts[:V] + block_m - 1) // block_m * block_m
+    cum = torch.cumsum(padded, 0)
+    p_max = (P + min(V, P) * (block_m - 1) + block_m - 1) // block_m * block_m
+    sorted_ids = torch.full((p_max,), P, dtype=torch.int32, device=dev)
+    fill = torch.zeros(V, dtype=torch.int32, device=dev)
+    block = 256
+    _align_scatter_kernel[(triton.cdiv(P, block),)](v, cum, padded, fill, sorted_ids, P, V, BLOCK=block)
+    block_start = torch.arange(0, p_max, block_m, device=dev)
+    bv = torch.searchsorted(cum, block_start, right=True)
+    block_vexpert = torch.where(block_start < cum[-1], bv, torch.full_like(bv, -1)).to(torch.int32)
+    return sorted_ids, block_vexpert
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _align_scatter_kernel(v_ptr, cum_ptr, padded_ptr, fill_ptr, out_ptr, P, V, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < P
+        v = tl.load(v_ptr + offs, mask=mask, other=V)
+        valid = mask & (v < V)
+        vc = tl.where(valid, v, 0)
+        start = tl.load(cum_ptr + vc, mask=valid, other=0) - tl.load(padded_ptr + vc, mask=valid, other=0)
+        pos = tl.atomic_add(fill_ptr + vc, 1, mask=valid)
+        tl.store(out_ptr + start + pos, offs.to(tl.int32), mask=valid)
 
 
 def _a_strides(a: torch.Tensor) -> tuple[int, ...]:
