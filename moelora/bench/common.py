@@ -11,6 +11,11 @@ import torch
 
 
 def git_commit() -> str:
+    """HEAD of the checkout, or $MOELORA_COMMIT where there is no .git (e.g. a copied tree)."""
+    import os
+
+    if os.environ.get("MOELORA_COMMIT"):
+        return os.environ["MOELORA_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
