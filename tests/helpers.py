@@ -36,7 +36,37 @@ def hf_tiny(family: str, **over):
         return MixtralConfig(**{**COMMON, "intermediate_size": 12, "num_local_experts": 8, **over}), MixtralForCausalLM
     if family == "olmoe":
         return OlmoeConfig(**{**COMMON, "intermediate_size": 12, "num_experts": 8, "eos_token_id": 1, **over}), OlmoeForCausalLM
+    if family.startswith("deepseek"):
+        return deepseek_tiny(family, **over)
     raise ValueError(family)
+
+
+# MLA dims: q/k head 8 (nope) + 4 (rope), v head 6, latent 16, q latent 12; 8 routed experts in 4 groups of 2
+DEEPSEEK_COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                       intermediate_size=40, moe_intermediate_size=12, n_routed_experts=8, n_shared_experts=1,
+                       num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=8,
+                       qk_rope_head_dim=4, v_head_dim=6, n_group=4, topk_group=2, tie_word_embeddings=False)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 0.707, "mscale_all_dim": 1.0}
+
+
+def deepseek_tiny(variant: str, **over):
+    """deepseek_v2: no q_lora_rank, group-limited greedy routing, default rope.
+    deepseek_v2_q: q_lora_rank, greedy routing, routed_scaling_factor 1.5, attention biases, YaRN (mscale_all_dim set).
+    deepseek_v3: q_lora_rank, noaux_tc (sigmoid, score-correction bias, groups), norm_topk_prob, scaling 2.5, YaRN."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    if variant == "deepseek_v2":
+        kw = dict(q_lora_rank=None, topk_method="group_limited_greedy")
+        return DeepseekV2Config(**{**DEEPSEEK_COMMON, **kw, **over}), DeepseekV2ForCausalLM
+    if variant == "deepseek_v2_q":
+        kw = dict(q_lora_rank=12, topk_method="greedy", routed_scaling_factor=1.5, attention_bias=True,
+                  max_position_embeddings=128, rope_parameters=dict(YARN))
+        return DeepseekV2Config(**{**DEEPSEEK_COMMON, **kw, **over}), DeepseekV2ForCausalLM
+    if variant == "deepseek_v3":
+        kw = dict(q_lora_rank=12, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=128,
+                  rope_parameters={**YARN, "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.8})
+        return DeepseekV3Config(**{**DEEPSEEK_COMMON, **kw, **over}), DeepseekV3ForCausalLM
+    raise ValueError(variant)
 
 
 def save_tiny_model(family: str, path: str, seed: int = 0, **over):
@@ -47,6 +77,13 @@ def save_tiny_model(family: str, path: str, seed: int = 0, **over):
         for n, p in model.named_parameters():
             if n.endswith("mlp.gate.weight"):
                 p.normal_(0, 1.0)
+        if family.startswith("deepseek"):
+            for n, b in model.named_buffers():
+                if n.endswith("e_score_correction_bias"):  # V3: a bias that changes which experts win
+                    b.normal_(0, 0.5)
+            for n, p in model.named_parameters():
+                if n.endswith("_proj.bias"):  # attention biases (attention_bias=True): nonzero, so they count
+                    p.normal_(0, 0.1)
     model.save_pretrained(path)
     return model
 

@@ -2,29 +2,33 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moelora.config import ModelConfig
+from moelora.models.registry import kv_cache_shapes
 
 
 class KVCache:
-    """k/v per layer: [num_blocks, block_size, num_kv_heads, head_dim]. Block ids are handed out
-    from a free list; a sequence's block table lists its blocks in position order."""
+    """Per layer, the tuple of cache tensors its attention reads, as the model class declares them
+    (models.registry.kv_cache_shapes): (k, v) of [num_blocks, block_size, num_kv_heads, head_dim], or for MLA one
+    latent cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]. Block ids are handed out from a free
+    list; a sequence's block table lists its blocks in position order."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
+            tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in layer)
+            for layer in kv_cache_shapes(cfg, num_blocks, block_size)
         ]
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return sum(math.prod(shape) for layer in kv_cache_shapes(cfg, 1, block_size) for shape in layer) * elem
 
     @property
     def num_free_blocks(self) -> int:

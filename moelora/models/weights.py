@@ -52,6 +52,15 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _is_mtp_layer(name: str, cfg) -> bool:
+    """DeepSeek-V3 checkpoints carry multi-token-prediction layers after the last decoder layer
+    (model.layers.{num_hidden_layers}...); transformers skips them, and so does moelora."""
+    if cfg.architecture != "DeepseekV3ForCausalLM":
+        return False
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return m is not None and int(m[1]) >= cfg.num_hidden_layers
+
+
 def _qkv_rows(cfg, which: str) -> slice:
     q, kv = cfg.q_size, cfg.kv_size
     return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[which]
@@ -61,10 +70,18 @@ def resolve_name(name: str, cfg, params: dict[str, nn.Parameter]) -> tuple[str, 
     """Checkpoint tensor name -> (model parameter name, index into it); None if it is to be ignored."""
     if _IGNORED.match(name):
         return None
+    if _is_mtp_layer(name, cfg):
+        return None
     n = name.replace(".block_sparse_moe.", ".mlp.")
-    if m := re.fullmatch(r"(.*\.self_attn)\.([qkv])_proj\.(weight|bias)", n):
+    m = re.fullmatch(r"(.*\.self_attn)\.([qkv])_proj\.(weight|bias)", n)
+    if m and f"{m[1]}.qkv_proj.weight" in params:  # MLA (DeepSeek) keeps q_proj on its own
         return f"{m[1]}.qkv_proj.{m[3]}", (_qkv_rows(cfg, m[2]),)
-    if m := re.fullmatch(r"(.*\.mlp(?:\.shared_expert)?)\.(gate|up)_proj\.weight", n):
+    if m := re.fullmatch(r"(.*\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)", n):
+        target = f"{m[1]}.fused_qkv_a_proj.{m[3]}"
+        if target in params:
+            q = cfg.mla.q_lora_rank
+            return target, (slice(0, q) if m[2] == "q_a_proj" else slice(q, params[target].shape[0]),)
+    if m := re.fullmatch(r"(.*\.mlp(?:\.shared_experts?)?)\.(gate|up)_proj\.weight", n):
         target = f"{m[1]}.gate_up_proj.weight"
         if target in params:
             inter = params[target].shape[0] // 2
@@ -75,7 +92,7 @@ def resolve_name(name: str, cfg, params: dict[str, nn.Parameter]) -> tuple[str, 
             return f"{m[1]}.down_proj", (e,)
         inter = params[f"{m[1]}.gate_up_proj"].shape[1] // 2 if f"{m[1]}.gate_up_proj" in params else 0
         return f"{m[1]}.gate_up_proj", (e, slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter))
-    if m := re.fullmatch(r"(.*\.mlp\.gate)\.weight", n):
+    if (m := re.fullmatch(r"(.*\.mlp\.gate)\.weight", n)) and m[1] in params:  # a bare [E, H] router parameter
         return m[1], ()
     if n == "lm_head.weight":
         return ("lm_head", ()) if "lm_head" in params else None  # tied embeddings: the copy is not needed
