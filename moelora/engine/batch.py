@@ -56,11 +56,15 @@ def build_flat_batch(chunks: list[SeqChunk], block_size: int, device: torch.devi
         seq_lens.append(total)
         last_rows.append(qsl[-1] - 1)
         tables[b, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
+    token_seq = [b for b, c in enumerate(chunks) for _ in c.token_ids]
     attn = AttentionMetadata(
         slot_mapping=torch.tensor(slots_kv, dtype=torch.int64, device=device),
         block_tables=tables.to(device),
         seq_lens=seq_lens,
         query_start_loc=qsl,
+        token_seq=torch.tensor(token_seq, dtype=torch.int32, device=device),
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=device),
     )
     return FlatBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),

@@ -28,6 +28,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: list[int]
     query_start_loc: list[int]
+    # the same on the device, for kernels that must not read host data (GPU, CUDA graphs):
+    # token_seq [T] int32 (sequence of each row, -1 = padding), seq_lens_t [B], query_start_loc_t [B+1]
+    token_seq: torch.Tensor | None = None
+    seq_lens_t: torch.Tensor | None = None
+    query_start_loc_t: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -74,7 +79,15 @@ class Attention(nn.Module):
         q, k = self.rotary(q, k, positions)
         k_cache, v_cache = kv_cache
         write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
-        o = paged_attention_ref(
-            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale, self.sliding_window
-        )  # [T, Hq, D]
+        if q.is_cuda and attn.token_seq is not None:
+            from moelora.kernels.attention_triton import paged_attention
+
+            o = torch.empty_like(q)  # [T, Hq, D]
+            paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
+                            attn.query_start_loc_t, self.scale, self.sliding_window, o)
+        else:
+            o = paged_attention_ref(
+                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale,
+                self.sliding_window,
+            )  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size), lora)
