@@ -123,11 +123,8 @@ def fused_moe_pairs(
     inter = two_i // 2
     pair_exp = topk_ids.reshape(-1)
     pair_tok = torch.arange(T, device=x.device).repeat_interleave(K)
-    gu = torch.empty(T * K, two_i, dtype=x.dtype, device=x.device)  # [P, 2I]
-    experts = torch.unique(pair_exp).tolist()
-    for e in experts:
-        p = (pair_exp == e).nonzero().squeeze(1)
-        gu[p] = x[pair_tok[p]] @ w_gate_up[e].T
+    gemm = _ExpertGemm(pair_exp, E)
+    gu = gemm(x[pair_tok], w_gate_up)  # [P, 2I]
     kw = {}
     if lora is not None:
         if plan is not None:
@@ -138,10 +135,7 @@ def fused_moe_pairs(
         shrink(x, lora.gate_up_a, lora.gate_up_ranks, topk_ids, lora.token_slots, E, h, False, **kw)
         expand(h, lora.gate_up_b, offs, lora.gate_up_ranks, lora.gate_up_scaling, topk_ids, lora.token_slots, E, gu, **kw)
     act = _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]  # [P, I]
-    o = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    for e in experts:
-        p = (pair_exp == e).nonzero().squeeze(1)
-        o[p] = act[p] @ w_down[e].T
+    o = gemm(act, w_down)  # [P, H]
     if lora is not None:
         hd = torch.zeros(T * K, 1, R, dtype=torch.float32, device=x.device)
         offs = torch.tensor([0, H], dtype=torch.int32, device=x.device)
@@ -149,3 +143,30 @@ def fused_moe_pairs(
         expand(hd, lora.down_b, offs, lora.down_ranks, lora.down_scaling, topk_ids, lora.token_slots, E, o, **kw)
     out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)
+
+
+class _ExpertGemm:
+    """y[p] = inp[p] @ w[pair_exp[p]].T for all pairs: one grouped GEMM (torch._grouped_mm: bf16 on a
+    GPU that has it; no host synchronisation) or a loop over the experts present (any dtype, any device)."""
+
+    def __init__(self, pair_exp: torch.Tensor, num_experts: int) -> None:
+        self.pair_exp, self.E = pair_exp, num_experts
+        self.grouped = pair_exp.is_cuda and hasattr(torch, "_grouped_mm")
+        if self.grouped:
+            self.order = torch.argsort(pair_exp)
+            counts = torch.zeros(num_experts, dtype=torch.int32, device=pair_exp.device)
+            counts.scatter_add_(0, pair_exp, torch.ones_like(pair_exp, dtype=torch.int32))
+            self.offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+    def __call__(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """inp: [P, D] · w: [E, O, D] · returns [P, O]."""
+        if self.grouped and inp.dtype == torch.bfloat16:
+            y_sorted = torch._grouped_mm(inp[self.order], w.transpose(1, 2), offs=self.offs)  # [P, O]
+            y = torch.empty_like(y_sorted)
+            y[self.order] = y_sorted
+            return y
+        y = torch.empty(inp.shape[0], w.shape[1], dtype=inp.dtype, device=inp.device)
+        for e in torch.unique(self.pair_exp).tolist():
+            p = (self.pair_exp == e).nonzero().squeeze(1)
+            y[p] = inp[p] @ w[e].T
+        return y
