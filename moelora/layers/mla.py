@@ -1,0 +1,114 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) with LoRA on every projection and a paged latent cache.
+
+Projections (transformers' names): q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj; kv_a_proj_with_mqa (fused
+with q_a_proj into `fused_qkv_a_proj` when both exist: one GEMM over the hidden state); kv_a_layernorm;
+kv_b_proj; o_proj. The cache holds per token the normalized latent and the rotated shared key. Sequences with
+one new token (decode) take the absorbed form, the others (prefill chunks) the expanded form; kv_b_proj's LoRA
+enters both in factored form per slot (moelora.kernels.mla).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from moelora.adapters.metadata import LoRABatch
+from moelora.config import ModelConfig
+from moelora.kernels.mla import KVBLoRAArgs, mla_decode_ref, mla_prefill_ref, write_latent_ref
+from moelora.kernels.rotary import apply_rotary_interleaved_ref, apply_rotary_ref, rotary_cos_sin
+from moelora.layers.attention import AttentionMetadata
+from moelora.layers.linear import LoRALinear
+from moelora.layers.lora import slot_has_lora
+from moelora.layers.norm import RMSNorm
+from moelora.layers.rotary import RotaryEmbedding
+
+# transformers builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps: their eps is the default
+_LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        m = cfg.mla
+        self.num_heads = H = cfg.num_attention_heads
+        self.q_lora_rank = m.q_lora_rank
+        self.kv_lora_rank, self.nope, self.rope, self.v_dim = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.scale = m.softmax_scale
+        self.rope_interleave, self.rope_fp32 = m.rope_interleave, m.rope_fp32
+        self.absorb_decode = True  # False: every sequence takes the expanded form (tests compare the two)
+        hidden, qk = cfg.hidden_size, m.qk_head_dim
+        kv_a = self.kv_lora_rank + self.rope
+        if self.q_lora_rank is None:
+            self.q_proj = LoRALinear(hidden, [H * qk], False, dtype, device)
+            self.kv_a_proj_with_mqa = LoRALinear(hidden, [kv_a], cfg.qkv_bias, dtype, device)
+        else:
+            self.fused_qkv_a_proj = LoRALinear(hidden, [self.q_lora_rank, kv_a], cfg.qkv_bias, dtype, device)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS, dtype, device)
+            self.q_b_proj = LoRALinear(self.q_lora_rank, [H * qk], False, dtype, device)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, dtype, device)
+        # kv_b_proj's weight and LoRA slots are read by the MLA ops (never through LoRALinear.forward): they apply
+        # it to cached latents, whose slot is their sequence's, not a row of this batch
+        self.kv_b_proj = LoRALinear(self.kv_lora_rank, [H * (self.nope + self.v_dim)], False, dtype, device)
+        self.o_proj = LoRALinear(H * self.v_dim, [hidden], cfg.o_bias, dtype, device)
+        self.rotary = RotaryEmbedding(self.rope, cfg.rope_type, cfg.rope_theta, cfg.hf_config, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor],
+        lora: LoRABatch | None,
+    ) -> torch.Tensor:
+        T, H = x.shape[0], self.num_heads
+        C, R = self.kv_lora_rank, self.rope
+        if self.q_lora_rank is None:
+            q = self.q_proj(x, lora)  # [T, H*(Dn+R)]
+            kv_a = self.kv_a_proj_with_mqa(x, lora)  # [T, C+R]
+        else:
+            q_a, kv_a = self.fused_qkv_a_proj(x, lora).split([self.q_lora_rank, C + R], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a), lora)
+        q_nope, q_pe = q.view(T, H, self.nope + R).split([self.nope, R], dim=-1)  # [T, H, Dn], [T, H, R]
+        kv_c, k_pe = kv_a.split([C, R], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)  # [T, C]
+        q_pe, k_pe = self._rotate(q_pe, k_pe[:, None, :], positions)
+        (cache,) = kv_cache
+        write_latent_ref(kv_c, k_pe[:, 0], cache, attn.slot_mapping)
+        o = self._attention(q_nope, q_pe, cache, attn, self._kv_b_lora(lora))  # [T, H, Dv]
+        return self.o_proj(o.reshape(T, H * self.v_dim), lora)
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rotary_cos_sin(positions, self.rotary.inv_freq, self.rotary.attention_scaling)
+        if self.rope_interleave:
+            return (apply_rotary_interleaved_ref(q, cos, sin, self.rope_fp32),
+                    apply_rotary_interleaved_ref(k, cos, sin, self.rope_fp32))
+        return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+
+    def _kv_b_lora(self, lora: LoRABatch | None) -> KVBLoRAArgs | None:
+        w = self.kv_b_proj.lora
+        if lora is None or not lora.has_lora or not slot_has_lora(w, lora.slot_ids):
+            return None
+        return KVBLoRAArgs(token_slots=lora.token_slots, a=w.a, b=w.b_cat, scaling=w.scaling, ranks=w.rank_tensor)
+
+    def _attention(self, q_nope, q_pe, cache, attn: AttentionMetadata, lora: KVBLoRAArgs | None) -> torch.Tensor:
+        """Decode sequences (one new token) in the absorbed form, the others in the expanded form."""
+        qsl, lens = attn.query_start_loc, attn.seq_lens
+        w = self.kv_b_proj.weight
+        n = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
+        decode = [b for b in range(len(lens)) if n[b] == 1] if self.absorb_decode else []
+        prefill = [b for b in range(len(lens)) if n[b] > 1 or (n[b] == 1 and not self.absorb_decode)]
+        if not prefill or not decode:
+            op = mla_decode_ref if decode else mla_prefill_ref
+            return op(q_nope, q_pe, cache, w, attn.block_tables, lens, qsl, self.scale, lora)
+        out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
+        for seqs, op in ((decode, mla_decode_ref), (prefill, mla_prefill_ref)):
+            rows = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in seqs]).to(q_nope.device)
+            sub_qsl = [0]
+            for b in seqs:
+                sub_qsl.append(sub_qsl[-1] + n[b])
+            sub_lora = None if lora is None else dataclasses.replace(lora, token_slots=lora.token_slots[rows])
+            tables = attn.block_tables[torch.tensor(seqs, device=attn.block_tables.device)]
+            out[rows] = op(q_nope[rows], q_pe[rows], cache, w, tables, [lens[b] for b in seqs], sub_qsl, self.scale, sub_lora)
+        return out
