@@ -26,6 +26,7 @@ class LoRABatch:
     single_slot: int | None
     all_lora: bool
     has_lora: bool
+    graph: bool = False  # CUDA-graph batch: static buffers, every LoRA layer runs its kernels (they read ranks on the device)
 
     @property
     def token_slots(self) -> torch.Tensor:
@@ -46,6 +47,22 @@ class LoRABatch:
             all_lora=bool(host.numel()) and bool((host >= 0).all()),
             has_lora=len(ids) > 0,
         )
+
+    @classmethod
+    def static(cls, num_tokens: int, max_loras: int, device: torch.device | str) -> "LoRABatch":
+        """Buffers for a CUDA-graph batch of num_tokens rows, refreshed in place by update_static()."""
+        b = cls.build([-1] * num_tokens, max_loras, device)
+        b.graph, b.has_lora, b.single_slot, b.all_lora = True, True, None, False
+        return b
+
+    def update_static(self, token_slots: list[int] | torch.Tensor, max_loras: int) -> None:
+        """Write a new batch's slots (padded with -1 to this batch's size) into the graph's buffers."""
+        src = SlotGroups.build(torch.as_tensor(token_slots, dtype=torch.int32), max_loras, "cpu")
+        g = self.groups
+        for name in ("token_slots", "sorted_token_ids", "active_slots", "slot_counts", "slot_starts"):
+            getattr(g, name).copy_(getattr(src, name), non_blocking=True)
+        g.slot_ids, g.counts = src.slot_ids, src.counts
+        self.slot_ids = src.slot_ids
 
     @classmethod
     def empty(cls, num_tokens: int, max_loras: int, device: torch.device | str = "cpu") -> "LoRABatch":

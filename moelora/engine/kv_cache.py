@@ -21,8 +21,9 @@ class KVCache:
         self.num_blocks = num_blocks
         self.caches = [
             tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in layer)
-            for layer in kv_cache_shapes(cfg, num_blocks, block_size)
+            for layer in kv_cache_shapes(cfg, num_blocks + 1, block_size)
         ]
+        self.dummy_block = num_blocks  # never handed out: CUDA-graph padding rows write their keys here
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @staticmethod

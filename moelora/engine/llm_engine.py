@@ -40,6 +40,8 @@ class EngineArgs:
     load_format: str = "auto"  # "auto" | "dummy"
     seed: int = 0
     show_progress: bool = False  # a progress bar while loading weights
+    enforce_eager: bool = False  # no CUDA graphs (they are used on a GPU for bf16/fp16 decode steps)
+    max_graph_batch_size: int = 64  # the largest decode batch a CUDA graph is captured for
 
 
 class LLMEngine:
@@ -67,7 +69,12 @@ class LLMEngine:
         else:
             self.registry = self.pool = None
         self.scheduler = Scheduler(self.kv, self.pool, self.registry, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, args.max_loras)
+        graphs = (self.device.type == "cuda" and not args.enforce_eager
+                  and self.model.dtype in (torch.bfloat16, torch.float16)
+                  and getattr(self.model, "supports_cuda_graphs", False))
+        self.runner = ModelRunner(self.model, self.kv, args.max_loras, cuda_graphs=graphs,
+                                  max_graph_batch_size=min(args.max_graph_batch_size, args.max_num_seqs),
+                                  max_blocks_per_seq=-(-self.max_model_len // args.block_size))
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._arrival = itertools.count()

@@ -20,13 +20,36 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, max_loras: int) -> None:
+    def __init__(self, model, kv: KVCache, max_loras: int, cuda_graphs: bool = False,
+                 max_graph_batch_size: int = 64, max_blocks_per_seq: int = 0) -> None:
         self.model = model
         self.kv = kv
         self.max_loras = max(max_loras, 1)
+        self.graphs = None
+        if cuda_graphs:
+            from moelora.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, kv, max_loras, max_graph_batch_size, max_blocks_per_seq)
+            self.graphs.capture()
+
+    def _graph_step(self, chunks: list[ScheduledChunk]) -> StepOutput | None:
+        """A pure decode step (one new token per sequence, nothing but sampling wanted) from a CUDA graph."""
+        g = self.graphs
+        if g is None or len(chunks) > g.max_batch_size:
+            return None
+        if any(c.num_tokens != 1 or not c.samples or c.request.wants_prompt_logprobs for c in chunks):
+            return None
+        hidden = g.run(
+            [c.request.all_ids[c.start] for c in chunks], [c.start for c in chunks],
+            [c.request.block_table for c in chunks], [c.request.slot for c in chunks],
+        )
+        return StepOutput(self.model.compute_logits(hidden), list(chunks), {})
 
     @torch.no_grad()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        out = self._graph_step(chunks)
+        if out is not None:
+            return out
         device = self.model.device
         seqs = [
             SeqChunk(c.request.all_ids[c.start : c.start + c.num_tokens], c.start, c.request.block_table, c.request.slot)

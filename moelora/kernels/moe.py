@@ -28,6 +28,8 @@ class ExpertLoRAArgs:
     down_b: torch.Tensor
     down_scaling: torch.Tensor
     down_ranks: torch.Tensor
+    gate_up_offsets: torch.Tensor | None = None  # [3] int32 (0, I, 2I) on the device; made here when None
+    down_offsets: torch.Tensor | None = None  # [2] int32 (0, H)
 
 
 def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,14 +133,18 @@ def fused_moe_pairs(
             kw["align"] = plan(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
         R = lora.gate_up_a.shape[3]
         h = torch.zeros(T * K, 2, R, dtype=torch.float32, device=x.device)
-        offs = torch.tensor([0, inter, two_i], dtype=torch.int32, device=x.device)
+        offs = lora.gate_up_offsets
+        if offs is None:
+            offs = torch.tensor([0, inter, two_i], dtype=torch.int32, device=x.device)
         shrink(x, lora.gate_up_a, lora.gate_up_ranks, topk_ids, lora.token_slots, E, h, False, **kw)
         expand(h, lora.gate_up_b, offs, lora.gate_up_ranks, lora.gate_up_scaling, topk_ids, lora.token_slots, E, gu, **kw)
     act = _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]  # [P, I]
     o = gemm(act, w_down)  # [P, H]
     if lora is not None:
         hd = torch.zeros(T * K, 1, R, dtype=torch.float32, device=x.device)
-        offs = torch.tensor([0, H], dtype=torch.int32, device=x.device)
+        offs = lora.down_offsets
+        if offs is None:
+            offs = torch.tensor([0, H], dtype=torch.int32, device=x.device)
         shrink(act, lora.down_a, lora.down_ranks, topk_ids, lora.token_slots, E, hd, True, **kw)
         expand(hd, lora.down_b, offs, lora.down_ranks, lora.down_scaling, topk_ids, lora.token_slots, E, o, **kw)
     out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)

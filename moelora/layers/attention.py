@@ -9,7 +9,7 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
-from moelora.kernels.attention import paged_attention_ref, write_kv_ref
+from moelora.kernels.attention import paged_attention_ref, write_kv_direct, write_kv_ref
 from moelora.layers.linear import LoRALinear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
@@ -78,14 +78,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, positions)
         k_cache, v_cache = kv_cache
-        write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
         if q.is_cuda and attn.token_seq is not None:
+            write_kv_direct(k, v, k_cache, v_cache, attn.slot_mapping)
             from moelora.kernels.attention_triton import paged_attention
 
-            o = torch.empty_like(q)  # [T, Hq, D]
+            o = torch.zeros_like(q)  # [T, Hq, D]; padding rows stay 0
             paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
                             attn.query_start_loc_t, self.scale, self.sliding_window, o)
         else:
+            write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
             o = paged_attention_ref(
                 q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale,
                 self.sliding_window,

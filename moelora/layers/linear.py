@@ -8,7 +8,7 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
-from moelora.layers.lora import LoRAWeights, slot_has_lora
+from moelora.layers.lora import LoRAWeights, lora_active
 
 
 def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor) -> None:
@@ -18,7 +18,7 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
     shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
     x: [T, H] · y: [T, sum(out_i)]
     """
-    if lora.single_slot is not None:
+    if lora.single_slot is not None and not lora.graph:
         g = lora.groups
         rows = None if lora.all_lora else g.sorted_token_ids[: g.counts[0]].long()
         lora_single_slot(x, w.a, w.b_cat, w.slice_offsets_host, w.ranks, w.scaling, lora.single_slot, rows, y)
@@ -64,6 +64,6 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # [T, sum(O)]
-        if lora is not None and lora.has_lora and slot_has_lora(self.lora, lora.slot_ids):
+        if lora_active(self.lora, lora):
             apply_dense_lora(x, self.lora, lora, y)
         return y

@@ -97,3 +97,11 @@ def slot_has_lora(weights: LoRAWeights | None, slot_ids: list[int]) -> bool:
     if weights is None:
         return False
     return any(weights.ranks[i][s] for i in range(weights.num_slices) for s in slot_ids)
+
+
+def lora_active(weights: LoRAWeights | None, lora) -> bool:
+    """Whether a LoRA-carrying layer must run its LoRA kernels for this batch: any of the batch's slots has
+    a nonzero rank here, or (CUDA graph) always, since the graph serves every later mix of adapters."""
+    if weights is None or lora is None or not lora.has_lora:
+        return False
+    return lora.graph or slot_has_lora(weights, lora.slot_ids)

@@ -10,7 +10,7 @@ from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
 from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
 from moelora.layers.linear import LoRALinear
-from moelora.layers.lora import LoRAWeights, slot_has_lora
+from moelora.layers.lora import LoRAWeights, lora_active
 
 
 class DenseMLP(nn.Module):
@@ -46,14 +46,13 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         args = None
-        if lora is not None and lora.has_lora and (
-            slot_has_lora(self.gate_up_lora, lora.slot_ids) or slot_has_lora(self.down_lora, lora.slot_ids)
-        ):
+        if lora_active(self.gate_up_lora, lora) or lora_active(self.down_lora, lora):
             gu, d = self.gate_up_lora, self.down_lora
             args = ExpertLoRAArgs(
                 token_slots=lora.token_slots,
                 gate_up_a=gu.a, gate_up_b=gu.b_cat, gate_up_scaling=gu.scaling, gate_up_ranks=gu.rank_tensor,
                 down_a=d.a, down_b=d.b_cat, down_scaling=d.scaling, down_ranks=d.rank_tensor,
+                gate_up_offsets=gu.slice_offsets, down_offsets=d.slice_offsets,
             )
         if x.is_cuda:
             from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink

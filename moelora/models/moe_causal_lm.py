@@ -51,6 +51,8 @@ class Backbone(nn.Module):
 class MoECausalLM(nn.Module):
     """forward(flat batch) -> hidden [T, H]; compute_logits(hidden) -> [T, V]."""
 
+    supports_cuda_graphs = True  # on a GPU in bf16/fp16 its decode step reads no host data
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = cfg

@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (default 2048)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default: automatic)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
     p.add_argument("--max-n", type=int, default=16, help="largest n per request (default 16)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -60,6 +61,7 @@ def build_from_args(args: argparse.Namespace):
         dtype=args.dtype, device=args.device, block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory, load_format=args.load_format, show_progress=True,
+        enforce_eager=args.enforce_eager,
     )
     engine = AsyncEngine(LLMEngine(eargs, adapters))
     settings = ServerSettings(served_model_name=served, model_path=model, api_key=args.api_key,

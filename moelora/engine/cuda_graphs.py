@@ -1,0 +1,96 @@
+"""CUDA graphs of the decode step: one graph per batch-size bucket, in two sets (with LoRA kernels, and
+without for base-only batches), captured at start-up into one shared memory pool.
+
+Replay refreshes static buffers in place: token ids, positions, KV slots, block tables, per-row
+sequence lengths, and the LoRA slot groups. Rows past the real batch are padding: LoRA slot -1, KV
+writes into the cache's dummy block, attention skipped (token_seq -1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora.adapters.metadata import LoRABatch
+from moelora.engine.kv_cache import KVCache
+from moelora.layers.attention import AttentionMetadata
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv: KVCache, max_loras: int, max_batch_size: int, max_blocks_per_seq: int) -> None:
+        self.model, self.kv, self.max_loras = model, kv, max(max_loras, 1)
+        self.buckets = [b for b in BUCKETS if b <= max_batch_size] or [1]
+        B = self.buckets[-1]
+        dev = model.device
+        self.dummy_slot = kv.dummy_block * kv.block_size
+        self.input_ids = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((B,), self.dummy_slot, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(B, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.token_seq = torch.full((B,), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        self.lora_batches = {bs: LoRABatch.static(bs, self.max_loras, dev) for bs in self.buckets}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_batch_size = B
+        self.replays: dict[tuple[int, bool], int] = {}  # (bucket, with LoRA) -> replays, for tests and stats
+
+    def _attn(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs], seq_lens=[1] * bs,
+            query_start_loc=list(range(bs + 1)), token_seq=self.token_seq[:bs], seq_lens_t=self.seq_lens[:bs],
+            query_start_loc_t=self.qsl[: bs + 1],
+        )
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        pool = None
+        for with_lora in (True, False):
+            for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+                lora = self.lora_batches[bs] if with_lora else None
+                args = (self.input_ids[:bs], self.positions[:bs], self._attn(bs), self.kv.caches, lora)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels
+                    self.model(*args)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model(*args)
+                pool = graph.pool()
+                self.graphs[(bs, with_lora)] = (graph, out)
+        torch.cuda.synchronize()
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    @torch.no_grad()
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """One decode token per sequence -> hidden states [n, H] (a view of the graph's output)."""
+        n = len(token_ids)
+        bs = self.bucket(n)
+        BS = self.kv.block_size
+        pad = bs - n
+        kv_slots = [bt[p // BS] * BS + p % BS for bt, p in zip(block_tables, positions)]
+        width = self.block_tables.shape[1]
+        tables = torch.zeros(bs, width, dtype=torch.int32)
+        for i, bt in enumerate(block_tables):
+            tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+        host = {
+            "input_ids": torch.tensor(token_ids + [0] * pad, dtype=torch.int64),
+            "positions": torch.tensor(positions + [0] * pad, dtype=torch.int64),
+            "slot_mapping": torch.tensor(kv_slots + [self.dummy_slot] * pad, dtype=torch.int64),
+            "token_seq": torch.tensor(list(range(n)) + [-1] * pad, dtype=torch.int32),
+            "seq_lens": torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32),
+        }
+        for name, t in host.items():
+            getattr(self, name)[:bs].copy_(t, non_blocking=True)
+        self.block_tables[:bs].copy_(tables, non_blocking=True)
+        with_lora = any(s >= 0 for s in slots)
+        if with_lora:
+            self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)
+        graph, out = self.graphs[(bs, with_lora)]
+        graph.replay()
+        self.replays[(bs, with_lora)] = self.replays.get((bs, with_lora), 0) + 1
+        return out[:n]
