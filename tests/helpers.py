@@ -51,19 +51,19 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 
 
 def deepseek_tiny(variant: str, **over):
-    """deepseek_v2: no q_lora_rank, group-limited greedy routing, default rope.
+    """deepseek_v2: no q_lora_rank, group-limited greedy routing (top-3), default rope.
     deepseek_v2_q: q_lora_rank, greedy routing, routed_scaling_factor 1.5, attention biases, YaRN (mscale_all_dim set).
     deepseek_v3: q_lora_rank, noaux_tc (sigmoid, score-correction bias, groups), norm_topk_prob, scaling 2.5, YaRN."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
-    if variant == "deepseek_v2":
-        kw = dict(q_lora_rank=None, topk_method="group_limited_greedy")
+    if variant == "deepseek_v2":  # top-3 from 2 of 4 groups: the group limit changes the choice
+        kw = dict(q_lora_rank=None, topk_method="group_limited_greedy", num_experts_per_tok=3)
         return DeepseekV2Config(**{**DEEPSEEK_COMMON, **kw, **over}), DeepseekV2ForCausalLM
     if variant == "deepseek_v2_q":
         kw = dict(q_lora_rank=12, topk_method="greedy", routed_scaling_factor=1.5, attention_bias=True,
                   max_position_embeddings=128, rope_parameters=dict(YARN))
         return DeepseekV2Config(**{**DEEPSEEK_COMMON, **kw, **over}), DeepseekV2ForCausalLM
     if variant == "deepseek_v3":
-        kw = dict(q_lora_rank=12, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=128,
+        kw = dict(q_lora_rank=12, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=256,
                   rope_parameters={**YARN, "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.8})
         return DeepseekV3Config(**{**DEEPSEEK_COMMON, **kw, **over}), DeepseekV3ForCausalLM
     raise ValueError(variant)

@@ -294,7 +294,7 @@ def test_rope_theta(tmp_path):
 def test_unsupported_architecture(tmp_path):
     raw = raw_config("qwen3_moe", tmp_path)
     for over in ({"architectures": ["LlamaForCausalLM"]}, {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
-                 {"architectures": [], "model_type": "llama"}, {"architectures": None, "model_type": "deepseek_v3"}):
+                 {"architectures": [], "model_type": "llama"}, {"architectures": None, "model_type": "dbrx"}):
         with open(tmp_path / "config.json", "w") as f:
             json.dump({**raw, **over}, f)
         with pytest.raises(ConfigError) as e:
