@@ -95,6 +95,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         print(f"results: {run(quick=args.quick, out_dir=args.out)}")
         return 0
+    if args.what == "decode":
+        from moelora.bench.decode import run as run_decode
+
+        return run_decode(args)
     from moelora.bench.serve import main as serve_main
 
     return serve_main(args)
@@ -164,16 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks: `bench kernels` (GPU) and `bench serve` (a load generator against a running server)",
         description="kernels: each multi-LoRA Triton kernel at Qwen3-30B-A3B expert shapes and a 4096-wide dense "
         "layer, 1-256 tokens, 1-32 adapters, rank 16/64, beside a torch loop over adapters and the base GEMM. "
-        "serve: N concurrent clients against a running `moelora serve` (mixed adapters, streaming, optional early "
+        "decode: tokens/s and step time at Qwen3-30B-A3B dimensions (dummy weights) beside the byte floor, with 0-8 "
+        "adapters, plus start-up and adapter-load times. serve: N concurrent clients against a running `moelora serve` (mixed adapters, streaming, optional early "
         "disconnects): requests/s, tokens/s, TTFT and TPOT p50/p99, errors, and the server's KV/slot gauges. "
         "Both write JSON (date, device, commit) under --out.",
     )
-    bench.add_argument("what", choices=["kernels", "serve"], help="what to measure")
+    bench.add_argument("what", choices=["kernels", "decode", "serve"], help="what to measure")
     bench.add_argument("--quick", action="store_true", help="kernels: a small subset of the cases")
     bench.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
     from moelora.bench.serve import add_arguments as _bench_serve_args
 
     _bench_serve_args(bench)
+    from moelora.bench.decode import add_arguments as _bench_decode_args
+
+    _bench_decode_args(bench)
     bench.set_defaults(func=_cmd_bench)
 
     chk = sub.add_parser(

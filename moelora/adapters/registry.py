@@ -46,6 +46,7 @@ class AdapterRegistry:
         self._paths: dict[str, str] = {}
         self._cache: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
+        self._in_memory: set[str] = set()  # registered from memory: never dropped from the cache
 
     def load(self, name: str, path: str) -> LoRAAdapter:
         if not name or not isinstance(name, str):
@@ -63,12 +64,22 @@ class AdapterRegistry:
         if name in self._paths:
             raise AdapterError(name, f"an adapter of this name is already loaded (from {self._paths[name]!r}); unload it first")
 
+    def register(self, adapter: LoRAAdapter) -> None:
+        """Add an adapter built in memory (benchmarks, conversions); it cannot be re-read from disk, so it is
+        never dropped from the CPU cache."""
+        with self._lock:
+            self._check_free(adapter.name)
+            self._paths[adapter.name] = adapter.path
+            self._cache[adapter.name] = adapter
+            self._in_memory.add(adapter.name)
+
     def unload(self, name: str) -> None:
         with self._lock:
             if name not in self._paths:
                 raise KeyError(f"adapter {name!r} is not loaded; loaded: {sorted(self._paths)}")
             del self._paths[name]
             self._cache.pop(name, None)
+            self._in_memory.discard(name)
 
     def get(self, name: str) -> LoRAAdapter:
         with self._lock:
@@ -96,5 +107,9 @@ class AdapterRegistry:
     def _remember(self, adapter: LoRAAdapter) -> None:
         self._cache[adapter.name] = adapter
         self._cache.move_to_end(adapter.name)
+        keep = self._in_memory
         while self.max_cpu_loras and len(self._cache) > self.max_cpu_loras:
-            self._cache.popitem(last=False)
+            victim = next((n for n in self._cache if n not in keep), None)
+            if victim is None:
+                break
+            del self._cache[victim]

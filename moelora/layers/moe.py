@@ -81,6 +81,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         logits = F.linear(x, self.gate)  # [T, E]
         topk_weights, topk_ids = route_topk_ref(logits, self.top_k, self.renormalize)  # [T, K]
+        self.last_topk_ids = topk_ids  # a reference, for statistics (experts touched per step)
         out = self.experts(x, topk_weights.to(x.dtype), topk_ids, lora)
         if self.shared_expert is not None:
             shared = self.shared_expert(x, lora)

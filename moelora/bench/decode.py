@@ -1,0 +1,207 @@
+"""`moelora bench decode`: decode tokens/s and step time at real model dimensions with dummy weights,
+beside the byte floor (weights, experts and LoRA factors actually touched, plus KV read, over the measured
+HBM bandwidth), with 0..8 distinct rank-r adapters (q/k/v/o and every expert's gate/up/down) spread evenly
+over the batch. Also start-up time to the first token and the time to load one adapter from disk.
+
+Workloads: "ctx1024" (decode steps right after 1,024-token prompts) and "vllm" (128-token prompts, 128
+generated tokens: the workload FIELD_NOTES.md reports for vLLM 0.26 on an H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from moelora.adapters.normalize import ModuleLoRA
+from moelora.adapters.registry import LoRAAdapter
+from moelora.bench.common import hbm_bandwidth_gbs, write_result
+from moelora.engine.llm_engine import EngineArgs, LLMEngine
+from moelora.engine.sampling_params import SamplingParams
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "dtype": "bfloat16",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=None, help="override the layer count (default: the model's, 48)")
+    p.add_argument("--batches", default="1,16,64,128", help="decode batch sizes (default 1,16,64,128)")
+    p.add_argument("--adapter-counts", default="0,1,4,8", help="distinct adapters per batch (default 0,1,4,8)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--workloads", default="vllm,ctx1024", help="vllm (128 in / 128 out) and/or ctx1024")
+    p.add_argument("--decode-steps", type=int, default=32, help="steps timed per ctx1024 case (default 32)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (a smoke test of the benchmark)")
+
+
+TINY = {**QWEN3_30B_A3B, "vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "moe_intermediate_size": 64, "num_experts": 8,
+        "num_experts_per_tok": 2}
+
+
+def random_adapter(name: str, targets, rank: int, seed: int, device, dtype) -> LoRAAdapter:
+    """Random LoRA factors on every target (dense: A [r, in], B [out, r]; experts: [E, r, in], [E, out, r])."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mods = {}
+    for tname, t in targets.items():
+        e = () if t.num_experts is None else (t.num_experts,)
+        a = torch.randn(*e, rank, t.in_features, generator=gen, device=device, dtype=dtype) * t.in_features**-0.5
+        b = torch.randn(*e, t.out_features, rank, generator=gen, device=device, dtype=dtype) * 0.01
+        mods[tname] = ModuleLoRA(a, b, 2.0)
+    return LoRAAdapter(name=name, path="<memory>", modules=mods)
+
+
+def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]:
+    """Bytes one decode step must read: weights (only touched experts), LoRA factors of the (adapter, expert)
+    pairs used, KV of every sequence; and the experts touched per layer (from the last step's routing)."""
+    cfg, m = engine.config, engine.model
+    el = torch.empty((), dtype=m.dtype).element_size()
+    H, I, qs, kvs = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_size, cfg.kv_size
+    n = len(reqs)
+    slots = torch.tensor([r.slot for r in reqs])
+    total, touched = 0, []
+    for layer in m.model.layers:
+        total += (H * (qs + 2 * kvs) + qs * H) * el  # attention
+        mlp = layer.mlp
+        ids = getattr(mlp, "last_topk_ids", None)
+        if ids is None:
+            continue
+        ids = ids[:n].cpu()
+        experts = ids.unique()
+        touched.append(int(experts.numel()))
+        total += cfg.num_experts * H * el + experts.numel() * 3 * H * I * el  # router + experts touched
+        lora_slots = slots[slots >= 0].unique()
+        if lora_slots.numel():
+            r = engine.args.max_lora_rank
+            total += lora_slots.numel() * r * (4 * H + qs + 2 * kvs + qs + H) * el  # q/k/v/o factors
+            pairs = {(int(s), int(e)) for s, row in zip(slots.tolist(), ids.tolist()) if s >= 0 for e in row}
+            total += len(pairs) * r * (2 * H + 2 * I + I + H) * el  # gate/up A,B and down A,B per pair
+    total += cfg.vocab_size * H * el  # lm_head
+    total += n * ctx_len * cfg.num_hidden_layers * 2 * cfg.kv_size * el  # KV read
+    return total, touched
+
+
+def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int) -> dict:
+    names = [f"ad{i}" for i in range(n_adapters)]
+    prompt_len, gen_len = (128, 128) if workload == "vllm" else (1024, steps + 1)
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    ids = []
+    for i in range(batch):
+        prompt = torch.randint(0, engine.config.vocab_size, (prompt_len,), generator=g).tolist()
+        rid = f"b{batch}-a{n_adapters}-{workload}-{i}"
+        engine.add_request(rid, prompt, params, names[i % n_adapters] if n_adapters else None)
+        ids.append(rid)
+    while any(len(engine.requests[r].output_ids) == 0 for r in ids):  # prefill
+        engine.step()
+    torch.cuda.synchronize() if engine.device.type == "cuda" else None
+    t0, done_steps, tokens = time.perf_counter(), 0, 0
+    limit = steps if workload == "ctx1024" else 10**9
+    while engine.has_unfinished_requests() and done_steps < limit:
+        tokens += len(engine.step())
+        done_steps += 1
+    torch.cuda.synchronize() if engine.device.type == "cuda" else None
+    dt = time.perf_counter() - t0
+    reqs = [engine.requests[r] for r in ids]
+    floor, touched = _floor_bytes(engine, reqs, prompt_len + gen_len // 2)
+    for r in ids:
+        engine.abort_request(r)
+        engine.pop_finished(r)
+    return {"batch": batch, "adapters": n_adapters, "workload": workload, "tokens_per_s": tokens / dt,
+            "step_ms": dt / max(done_steps, 1) * 1e3, "floor_bytes": floor, "experts_touched": touched,
+            "decode_steps": done_steps}
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = dict(TINY if args.tiny else QWEN3_30B_A3B)
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    folder = tempfile.mkdtemp(prefix="moelora-bench-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    batches = [int(b) for b in args.batches.split(",")]
+    counts = [int(c) for c in args.adapter_counts.split(",")]
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineArgs(
+        model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank, dtype=args.dtype,
+        device=args.device, load_format="dummy", max_num_seqs=max(batches), max_num_batched_tokens=8192,
+        max_model_len=2048, enforce_eager=args.enforce_eager,
+    ))
+    engine.add_request("startup", [1, 2, 3], SamplingParams(max_tokens=1), None)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.pop_finished("startup")
+    startup_s = time.perf_counter() - t0
+    dev, dt = engine.device, engine.model.dtype
+    targets = engine.model.lora_targets()
+    for i in range(max(counts)):
+        engine.registry.register(random_adapter(f"ad{i}", targets, args.lora_rank, i, dev, dt))
+    load_s = _adapter_load_time(engine, targets, args.lora_rank)
+    bw = hbm_bandwidth_gbs() if dev.type == "cuda" else None
+    rows = []
+    for workload in args.workloads.split(","):
+        for batch in batches:
+            for n in counts:
+                r = _case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n)
+                r.update(model=("tiny Qwen3-MoE" if args.tiny else "Qwen3-30B-A3B")
+                         + ("" if not args.layers else f" ({args.layers} layers)"),
+                         dtype=args.dtype, rank=args.lora_rank if n else 0)
+                r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw else None
+                rows.append(r)
+                fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
+                print(f"{workload:8s} batch {batch:4d} adapters {n}: {r['tokens_per_s']:9.1f} tok/s  step "
+                      f"{r['step_ms']:7.2f} ms  floor {fl}  experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}",
+                      flush=True)
+    path = write_result("decode", {"hbm_gbs": bw, "startup_to_first_token_s": startup_s,
+                                   "adapter_load_s": load_s, "graphs": engine.runner.graphs is not None,
+                                   "rows": rows}, args.out)
+    print(f"start-up to first token {startup_s:.1f} s; one adapter loaded from disk in {load_s:.2f} s\nresults: {path}")
+    return 0
+
+
+def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> float:
+    """Write one random adapter in PEFT's target_parameters layout, then time reading, validating and
+    copying it into a slot."""
+    from safetensors.torch import save_file
+
+    ad = random_adapter("disk", targets, rank, 99, "cpu", torch.bfloat16)
+    tensors = {}
+    for name, mod in ad.modules.items():
+        if mod.a.dim() == 2:
+            tensors[f"base_model.model.{name}.lora_A.weight"] = mod.a
+            tensors[f"base_model.model.{name}.lora_B.weight"] = mod.b
+    E = engine.config.num_experts
+    for i in range(engine.config.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts"
+        g, u, d = ad.modules.get(f"{p}.gate_proj"), ad.modules.get(f"{p}.up_proj"), ad.modules.get(f"{p}.down_proj")
+        if g is None:
+            continue
+        tensors[f"base_model.model.{p}.base_layer.lora_A.weight"] = g.a.reshape(E * rank, -1)  # [r*E, H]
+        b = torch.cat([g.b, u.b], dim=1)  # [E, 2I, r] -> [2I, r*E], columns j*E + e
+        tensors[f"base_model.model.{p}.base_layer.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
+        tensors[f"base_model.model.{p}.lora_A.weight"] = d.a.reshape(E * rank, -1)
+        tensors[f"base_model.model.{p}.lora_B.weight"] = d.b.permute(1, 2, 0).reshape(d.b.shape[1], -1).contiguous()
+    folder = tempfile.mkdtemp(prefix="moelora-adapter-")
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}, f)
+    t0 = time.perf_counter()
+    engine.load_adapter("from_disk", folder)
+    engine.pool.acquire(engine.registry.get("from_disk"))
+    engine.pool.release("from_disk")
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    engine.unload_adapter("from_disk")
+    return dt
