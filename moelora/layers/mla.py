@@ -20,7 +20,7 @@ from moelora.kernels.mla import KVBLoRAArgs, mla_decode_ref, mla_prefill_ref, wr
 from moelora.kernels.rotary import apply_rotary_interleaved_ref, apply_rotary_ref, rotary_cos_sin
 from moelora.layers.attention import AttentionMetadata
 from moelora.layers.linear import LoRALinear
-from moelora.layers.lora import slot_has_lora
+from moelora.layers.lora import lora_active
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
 
@@ -88,7 +88,7 @@ class MLAttention(nn.Module):
 
     def _kv_b_lora(self, lora: LoRABatch | None) -> KVBLoRAArgs | None:
         w = self.kv_b_proj.lora
-        if lora is None or not lora.has_lora or not slot_has_lora(w, lora.slot_ids):
+        if not lora_active(w, lora):
             return None
         return KVBLoRAArgs(token_slots=lora.token_slots, a=w.a, b=w.b_cat, scaling=w.scaling, ranks=w.rank_tensor)
 
@@ -97,8 +97,8 @@ class MLAttention(nn.Module):
         qsl, lens = attn.query_start_loc, attn.seq_lens
         w = self.kv_b_proj.weight
         n = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
-        decode = [b for b in range(len(lens)) if n[b] == 1] if self.absorb_decode else []
-        prefill = [b for b in range(len(lens)) if n[b] > 1 or (n[b] == 1 and not self.absorb_decode)]
+        decode = [b for b in range(len(lens)) if n[b] == 1 and self.absorb_decode]
+        prefill = [b for b in range(len(lens)) if n[b] > 0 and b not in decode]
         if not prefill or not decode:
             op = mla_decode_ref if decode else mla_prefill_ref
             return op(q_nope, q_pe, cache, w, attn.block_tables, lens, qsl, self.scale, lora)
