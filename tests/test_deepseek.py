@@ -386,3 +386,48 @@ def test_chunked_prefill_and_preemption(ds):
         ref = greedy_ref(refs["m"], None, p, 8) if n == "m" else greedy_ref(base, None if n is None else paths[n], p, 8)
         assert e.pop_finished(f"p{i}").output_ids == ref, f"adapter {n}"
     assert e.kv.num_free_blocks == e.kv.num_blocks
+
+
+@pytest.mark.parametrize("variant, over", [
+    ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None, n_shared_experts=2, first_k_dense_replace=0)),
+    ("deepseek_v3", dict(n_group=1, topk_group=1, tie_word_embeddings=True, rope_parameters=None)),
+    ("deepseek_v2", dict(n_shared_experts=0, num_hidden_layers=3, first_k_dense_replace=2, routed_scaling_factor=16.0)),
+], ids=["v3-halves-rope-2-shared", "v3-one-group-tied", "v2-no-shared-2-dense"])
+def test_more_configs_match_transformers(variant, over, tmp_path):
+    """Rope on the two halves (rope_interleave=False), two shared experts, no dense layer; a single expert group
+    and tied embeddings; no shared experts, two dense layers: base logits equal transformers'."""
+    base = save_tiny_model(variant, str(tmp_path), **over)
+    runner = Runner(str(tmp_path), max_loras=1, max_lora_rank=4)
+    rows = rows_of(8, [9, 4])
+    for ids, got in zip(rows, runner.logprobs([(r, None) for r in rows])):
+        assert (ref_logprobs({None: base}, None, ids) - got).abs().max() < TOL
+
+
+def test_shared_outer_expert_layout(ds, tmp_path):
+    """3-D routed-expert LoRA whose gate_up A and down B are shared by all experts (expert dim 1); the reference
+    is the base model with every expert's LoRA product merged into its weights."""
+    _, d, base, _, _, _ = ds
+    runner = Runner(tmp(d, "m"), max_loras=1, max_lora_rank=8)
+    E, Hd, inter, r, alpha = 8, 32, 12, 6, 12
+    g = torch.Generator().manual_seed(9)
+    rnd = lambda *s: torch.randn(*s, generator=g) * 0.3  # noqa: E731
+    p = "base_model.model.model.layers.1.mlp.experts"
+    t = {f"{p}.gate_up_proj.lora_A.weight": rnd(1, r, Hd), f"{p}.gate_up_proj.lora_B.weight": rnd(E, 2 * inter, r),
+         f"{p}.down_proj.lora_A.weight": rnd(E, r, inter), f"{p}.down_proj.lora_B.weight": rnd(1, Hd, r)}
+    path = str(tmp_path / "so")
+    os.makedirs(path)
+    save_file(t, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha}, f)
+    merged = copy.deepcopy(base)
+    experts = merged.model.layers[1].mlp.experts
+    with torch.no_grad():
+        experts.gate_up_proj += alpha / r * torch.einsum(
+            "eor,eri->eoi", t[f"{p}.gate_up_proj.lora_B.weight"], t[f"{p}.gate_up_proj.lora_A.weight"].expand(E, -1, -1))
+        experts.down_proj += alpha / r * torch.einsum(
+            "eor,eri->eoi", t[f"{p}.down_proj.lora_B.weight"].expand(E, -1, -1), t[f"{p}.down_proj.lora_A.weight"])
+    runner.load("so", path)
+    ids = rows_of(9, [8])[0]
+    (got,) = runner.logprobs([(ids, "so")])
+    assert (got - ref_logprobs({None: merged}, None, ids)).abs().max() < TOL
+    assert (got - ref_logprobs({None: base}, None, ids)).abs().max() > 1e-2

@@ -114,6 +114,8 @@ def load_weights(model: nn.Module, path: str, show_progress: bool = False) -> No
         if resolved is None:
             continue
         target, index = resolved
+        if target not in params and tensor.numel() == 0:
+            continue  # e.g. DeepSeek with n_shared_experts=0: transformers saves [H, 0] shared experts
         if target not in params:
             raise WeightLoadError(
                 f"{path}: checkpoint tensor {name!r} has no place in {cfg.architecture} "
