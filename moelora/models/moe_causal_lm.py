@@ -22,12 +22,13 @@ from moelora.layers.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: ModelConfig, idx: int, dtype: torch.dtype, device: torch.device | str,
+                 attention_cls: type[nn.Module] = Attention, moe_cls: type[nn.Module] = MoEBlock) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, idx, dtype, device)
+        self.self_attn = attention_cls(cfg, idx, dtype, device)
         self.is_moe = cfg.moe_layers[idx]
         self.mlp: nn.Module = (
-            MoEBlock(cfg, dtype, device)
+            moe_cls(cfg, dtype, device)
             if self.is_moe
             else DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, device)
         )
@@ -40,11 +41,14 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 attention_cls: type[nn.Module] = Attention, moe_cls: type[nn.Module] = MoEBlock) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, device, attention_cls, moe_cls) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
@@ -52,12 +56,14 @@ class MoECausalLM(nn.Module):
     """forward(flat batch) -> hidden [T, H]; compute_logits(hidden) -> [T, V]."""
 
     supports_cuda_graphs = True  # on a GPU in bf16/fp16 its decode step reads no host data
+    attention_cls: type[nn.Module] = Attention  # a family with other attention or MoE blocks subclasses and swaps these
+    moe_cls: type[nn.Module] = MoEBlock
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.model = Backbone(cfg, dtype, device)
+        self.model = Backbone(cfg, dtype, device, self.attention_cls, self.moe_cls)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
@@ -108,22 +114,28 @@ class MoECausalLM(nn.Module):
             for i, n in enumerate(names):
                 add(f"{prefix}.{n}", lin.lora, i)
 
+        def add_mlp(prefix: str, mlp: DenseMLP) -> None:
+            add_linear(prefix, mlp.gate_up_proj, ["gate_proj", "up_proj"])
+            add_linear(prefix, mlp.down_proj, ["down_proj"])
+
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
-            add_linear(f"{p}.self_attn", layer.self_attn.qkv_proj, ["q_proj", "k_proj", "v_proj"])
-            add_linear(f"{p}.self_attn", layer.self_attn.o_proj, ["o_proj"])
+            self._attention_lora_targets(f"{p}.self_attn", layer.self_attn, add_linear)
             mlp = layer.mlp
             if isinstance(mlp, DenseMLP):
-                add_linear(f"{p}.mlp", mlp.gate_up_proj, ["gate_proj", "up_proj"])
-                add_linear(f"{p}.mlp", mlp.down_proj, ["down_proj"])
+                add_mlp(f"{p}.mlp", mlp)
                 continue
             ex = mlp.experts
             add(f"{p}.mlp.experts.gate_proj", ex.gate_up_lora, 0, ex.num_experts)
             add(f"{p}.mlp.experts.up_proj", ex.gate_up_lora, 1, ex.num_experts)
             add(f"{p}.mlp.experts.down_proj", ex.down_lora, 0, ex.num_experts)
-            if mlp.shared_expert is not None:
-                add_linear(f"{p}.mlp.shared_expert", mlp.shared_expert.gate_up_proj, ["gate_proj", "up_proj"])
-                add_linear(f"{p}.mlp.shared_expert", mlp.shared_expert.down_proj, ["down_proj"])
-            if mlp.shared_expert_gate is not None:
+            for name in ("shared_expert", "shared_experts"):  # Qwen2-MoE / DeepSeek names
+                if getattr(mlp, name, None) is not None:
+                    add_mlp(f"{p}.mlp.{name}", getattr(mlp, name))
+            if getattr(mlp, "shared_expert_gate", None) is not None:
                 add(f"{p}.mlp.shared_expert_gate", mlp.shared_expert_gate.lora, 0)
         return out
+
+    def _attention_lora_targets(self, prefix: str, attn: nn.Module, add_linear) -> None:
+        add_linear(prefix, attn.qkv_proj, ["q_proj", "k_proj", "v_proj"])
+        add_linear(prefix, attn.o_proj, ["o_proj"])
