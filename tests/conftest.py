@@ -8,6 +8,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: intra-op threads only add overhead (and stall badly on a loaded 2-core machine).
+    Test modules opt in with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -42,14 +42,7 @@ def shape(t) -> str:
 # ---------------------------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The models are tiny: one intra-op thread is as fast, and does not stall (tiny index_add_ calls took
-    0.1 s each with 2 threads on a busy 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -30,13 +30,7 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 MANUAL_R, MANUAL_ALPHA = 6, 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add overhead on a small CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def q_modules(base) -> list[str]:

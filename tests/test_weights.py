@@ -27,13 +27,7 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 E, H, INTER = 8, 32, 12  # tiny models: experts, hidden, expert intermediate (helpers.hf_tiny)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: intra-op threads only add overhead (and stall badly on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ class AsyncEngine:
                 updated = self.engine.step()
             except Exception as e:  # a bug: fail the requests in flight, keep serving
                 log.exception("engine step failed")
-                self._fail_all(f"internal error in the engine step: {e}")
+                self._abort_all(f"internal error in the engine step: {e}")
                 continue
             self.last_batch_size = len(updated)
             if self.on_step is not None:
@@ -238,16 +238,11 @@ class AsyncEngine:
         if self._draining:
             self._finish_unloads()
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, error: str | None = None) -> None:
+        """End every request in flight (shutdown, or an engine failure when `error` says what happened)."""
         for rid in list(self._streams):
             s = self._streams[rid]
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, Update(finished=True, finish_reason="abort"))
-            self._abort(rid)
-
-    def _fail_all(self, message: str) -> None:
-        for rid in list(self._streams):
-            s = self._streams[rid]
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, Update(finished=True, finish_reason="abort", error=message))
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, Update(finished=True, finish_reason="abort", error=error))
             self._abort(rid)
 
     def _finish_unloads(self) -> None:
