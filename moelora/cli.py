@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moelora",
         description="Serve one Mixture-of-Experts LLM with many LoRA adapters at once (Qwen3-MoE, Qwen2-MoE, "
-        "Mixtral, OLMoE). Each request names its adapter; one batch mixes adapters freely.",
+        "Mixtral, OLMoE, DeepSeek-V2/V3). Each request names its adapter; one batch mixes adapters freely.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
 
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: `bench kernels` (GPU) and `bench serve` (a load generator against a running server)",
+        help="benchmarks: `bench kernels` and `bench decode` (GPU), `bench serve` (a load generator against a running server)",
         description="kernels: each multi-LoRA Triton kernel at Qwen3-30B-A3B expert shapes and a 4096-wide dense "
         "layer, 1-256 tokens, 1-32 adapters, rank 16/64, beside a torch loop over adapters and the base GEMM. "
         "decode: tokens/s and step time at Qwen3-30B-A3B dimensions (dummy weights) beside the byte floor, with 0-8 "
