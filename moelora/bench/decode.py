@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=32, help="steps timed per ctx1024 case (default 32)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default=None)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--lora-overlap", default="on", choices=["on", "off"], help="side-stream LoRA overlap (default on)")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (a smoke test of the benchmark)")
 
 
@@ -136,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs(
         model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank, dtype=args.dtype,
         device=args.device, load_format="dummy", max_num_seqs=max(batches), max_num_batched_tokens=8192,
-        max_model_len=2048, enforce_eager=args.enforce_eager,
+        max_model_len=2048, enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap == "on",
+        max_graph_batch_size=max(batches),
     ))
     engine.add_request("startup", [1, 2, 3], SamplingParams(max_tokens=1), None)
     while engine.has_unfinished_requests():

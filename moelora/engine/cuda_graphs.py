@@ -13,6 +13,7 @@ import torch
 from moelora.adapters.metadata import LoRABatch
 from moelora.engine.kv_cache import KVCache
 from moelora.layers.attention import AttentionMetadata
+from moelora.layers.lora import lora_work_count
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
@@ -35,6 +36,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.max_batch_size = B
         self.replays: dict[tuple[int, bool], int] = {}  # (bucket, with LoRA) -> replays, for tests and stats
+        self.lora_layer_calls: dict[tuple[int, bool], int] = {}  # LoRA computations recorded into each graph
+        self._routing: dict[tuple[int, bool], list[tuple[torch.nn.Module, torch.Tensor]]] = {}
 
     def _attn(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -56,10 +59,15 @@ class DecodeGraphs:
                     self.model(*args)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
+                calls = lora_work_count()
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.model(*args)
                 pool = graph.pool()
                 self.graphs[(bs, with_lora)] = (graph, out)
+                self.lora_layer_calls[(bs, with_lora)] = lora_work_count() - calls
+                # each MoE block's routing output of this graph (statistics read it after a replay)
+                self._routing[(bs, with_lora)] = [(m, m.last_topk_ids) for m in self.model.modules()
+                                                  if getattr(m, "last_topk_ids", None) is not None]
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
@@ -92,5 +100,7 @@ class DecodeGraphs:
             self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)
         graph, out = self.graphs[(bs, with_lora)]
         graph.replay()
+        for module, topk_ids in self._routing[(bs, with_lora)]:
+            module.last_topk_ids = topk_ids
         self.replays[(bs, with_lora)] = self.replays.get((bs, with_lora), 0) + 1
         return out[:n]

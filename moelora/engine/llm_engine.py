@@ -35,13 +35,14 @@ class EngineArgs:
     max_model_len: int | None = None  # None: the config's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    kv_cache_memory_bytes: int | None = None  # None: 256 MiB on the CPU; 90% of free GPU memory after weights
-    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # None: 256 MiB on the CPU; on a GPU what the memory plan leaves
+    gpu_memory_utilization: float = 0.9  # GPU: weights + slots + activations + graph pool + KV cache within this share
     load_format: str = "auto"  # "auto" | "dummy"
     seed: int = 0
     show_progress: bool = False  # a progress bar while loading weights
     enforce_eager: bool = False  # no CUDA graphs (they are used on a GPU for bf16/fp16 decode steps)
     max_graph_batch_size: int = 64  # the largest decode batch a CUDA graph is captured for
+    lora_overlap: bool = True  # GPU: routed-expert LoRA chains and shared experts on a side stream
 
 
 class LLMEngine:
@@ -59,6 +60,7 @@ class LLMEngine:
             max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
             show_progress=args.show_progress,
         )
+        self.model.set_overlap(args.lora_overlap and self.device.type == "cuda")
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else self.config.eos_token_ids)
         self.kv = KVCache(self.config, self._num_blocks(), args.block_size, self.model.dtype, self.device)
@@ -237,15 +239,21 @@ class LLMEngine:
     def _num_blocks(self) -> int:
         a = self.args
         per_block = KVCache.bytes_per_block(self.config, a.block_size, self.model.dtype)
-        if a.kv_cache_memory_bytes is not None:
-            budget = a.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
+        cap = a.max_num_seqs * -(-self.max_model_len // a.block_size)  # no more than max_num_seqs full sequences
+        self.memory_plan = None
+        if a.kv_cache_memory_bytes is None and self.device.type == "cuda":
+            from moelora.engine.memory import GRAPH_MARGIN, plan_kv_blocks, profile_activations
+
+            tokens = max(a.max_num_batched_tokens, 1)
+            act = profile_activations(self.model, self.config, tokens, a.max_loras, a.block_size,
+                                      self.max_model_len, a.max_num_seqs, self.device)
+            graphs = not a.enforce_eager and getattr(self.model, "supports_cuda_graphs", False)
+            graph_reserve = (act * min(1.0, a.max_graph_batch_size / tokens) + GRAPH_MARGIN) if graphs else 0
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1 - a.gpu_memory_utilization) * total)
-        else:
-            budget = 256 << 20
-        # no point in more blocks than max_num_seqs full-length sequences
-        cap = a.max_num_seqs * -(-self.max_model_len // a.block_size)
+            self.memory_plan = plan_kv_blocks(total, total - free, act, int(graph_reserve),
+                                              a.gpu_memory_utilization, per_block, cap)
+            return self.memory_plan.num_blocks
+        budget = a.kv_cache_memory_bytes if a.kv_cache_memory_bytes is not None else 256 << 20
         n = min(budget // per_block, cap)
         if n < 1:
             raise RuntimeError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; raise it")

@@ -30,7 +30,14 @@ class ModelRunner:
             from moelora.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, kv, max_loras, max_graph_batch_size, max_blocks_per_seq)
-            self.graphs.capture()
+            try:
+                self.graphs.capture()
+            except torch.cuda.OutOfMemoryError as e:
+                raise RuntimeError(
+                    f"out of GPU memory while capturing CUDA graphs for decode batches up to {max_graph_batch_size}: "
+                    "lower --max-graph-batch-size or --gpu-memory-utilization (a smaller KV cache), "
+                    f"or run with --enforce-eager ({e})"
+                ) from None
 
     def _graph_step(self, chunks: list[ScheduledChunk]) -> StepOutput | None:
         """A pure decode step (one new token per sequence, nothing but sampling wanted) from a CUDA graph."""

@@ -17,6 +17,20 @@ except ImportError:  # the CPU path needs no Triton
 MIN_TRITON = (3, 6)
 
 
+_DETERMINISTIC = [os.environ.get("MOELORA_DETERMINISTIC", "0") == "1"]
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Run-to-run identical LoRA kernels: no split-K atomics (fp32 partial sums then add in a fixed order).
+    Slower for decode batches of a few tokens; used by tests that compare graph replay with eager bit for bit.
+    Also on with MOELORA_DETERMINISTIC=1."""
+    _DETERMINISTIC[0] = bool(enabled)
+
+
+def deterministic() -> bool:
+    return _DETERMINISTIC[0]
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

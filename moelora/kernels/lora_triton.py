@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, deterministic, dot_precision, require_triton
 from moelora.kernels.groups import SlotGroups
 
 if HAS_TRITON:
@@ -131,7 +131,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
     block_r = max(16, min(64, triton.next_power_of_2(R)))
     block_k = 64 if H >= 64 else max(16, triton.next_power_of_2(H))
     # few tokens: split the hidden dim so enough programs stream A (the bytes that matter)
-    split_k = 1 if T > 64 else max(1, min(8, H // (block_k * 4)))
+    split_k = 1 if T > 64 or deterministic() else max(1, min(8, H // (block_k * 4)))
     grid = (triton.cdiv(T, bm) * triton.cdiv(R, block_r), n * split_k, L)
     _shrink_kernel[grid](
         x, a, out, ranks, groups.sorted_token_ids, groups.active_slots, groups.slot_counts, groups.slot_starts,

@@ -100,6 +100,9 @@ def _expert_lora(y, x, slots, e, a, b, scaling, ranks, width) -> None:
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 
+OVERLAP_MAX_PAIRS = 4096  # side-stream overlap only for decode-sized batches (its fp32 delta buffers are [P, 2I])
+
+
 def fused_moe_pairs(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -111,42 +114,69 @@ def fused_moe_pairs(
     shrink,
     expand,
     plan=None,
+    side_stream=None,
 ) -> torch.Tensor:
     """The same function as fused_moe_ref, computed over (token, k) pairs the way the GPU path runs it:
     base gate_up per pair, LoRA gate_up delta (shrink/expand kernels) before the activation, base down
     per pair, LoRA down delta, then the router-weighted sum over k (which weights the down delta too).
     shrink, expand: moe_lora_shrink/expand (Triton) or their references; plan: a function
     (topk_ids, token_slots, E, max_loras) -> alignment passed to the kernels as `align` (computed once per layer).
+    side_stream: a CUDA stream; when given (and P <= OVERLAP_MAX_PAIRS) each LoRA chain (shrink, then expand
+    into a zeroed fp32 delta [P, O]) runs on it while the main stream runs the base expert GEMM; the main
+    stream joins before adding the delta (gu + delta rounds once, exactly as the in-place expand does).
     x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]
     """
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
     K = topk_ids.shape[1]
+    P = T * K
     inter = two_i // 2
     pair_exp = topk_ids.reshape(-1)
     pair_tok = torch.arange(T, device=x.device).repeat_interleave(K)
     gemm = _ExpertGemm(pair_exp, E)
-    gu = gemm(x[pair_tok], w_gate_up)  # [P, 2I]
     kw = {}
-    if lora is not None:
-        if plan is not None:
-            kw["align"] = plan(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
-        R = lora.gate_up_a.shape[3]
-        h = torch.zeros(T * K, 2, R, dtype=torch.float32, device=x.device)
-        offs = lora.gate_up_offsets
+    if lora is not None and plan is not None:
+        kw["align"] = plan(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
+    overlap = side_stream is not None and lora is not None and P <= OVERLAP_MAX_PAIRS
+
+    def project(inp, w, per_pair, parts):
+        """y = base GEMM of one projection [P, O] + its LoRA delta; parts = (a, b, offsets, ranks, scaling,
+        slice width) or None. The delta runs on the side stream when overlapping."""
+        y_in = inp if per_pair else inp[pair_tok]
+        if parts is None:
+            return gemm(y_in, w)
+        a, b, offs, ranks, scaling, width = parts
+        n, R = a.shape[0], a.shape[3]
         if offs is None:
-            offs = torch.tensor([0, inter, two_i], dtype=torch.int32, device=x.device)
-        shrink(x, lora.gate_up_a, lora.gate_up_ranks, topk_ids, lora.token_slots, E, h, False, **kw)
-        expand(h, lora.gate_up_b, offs, lora.gate_up_ranks, lora.gate_up_scaling, topk_ids, lora.token_slots, E, gu, **kw)
+            offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
+        h = torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
+        if not overlap:
+            y = gemm(y_in, w)
+            h.zero_()
+            shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
+            expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, **kw)
+            return y
+        from moelora.kernels.streams import fork, join
+
+        delta = torch.empty(P, w.shape[1], dtype=torch.float32, device=x.device)  # on main, before the fork
+        main = fork(side_stream)
+        with torch.cuda.stream(side_stream):
+            delta.zero_()
+            h.zero_()
+            shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
+            expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, **kw)
+        y = gemm(y_in, w)
+        join(main, side_stream)
+        y.add_(delta)  # computed in fp32, rounded once to y's dtype
+        return y
+
+    gu_parts = None if lora is None else (
+        lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks, lora.gate_up_scaling, inter)
+    gu = project(x, w_gate_up, False, gu_parts)  # [P, 2I], LoRA delta before the activation
     act = _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]  # [P, I]
-    o = gemm(act, w_down)  # [P, H]
-    if lora is not None:
-        hd = torch.zeros(T * K, 1, R, dtype=torch.float32, device=x.device)
-        offs = lora.down_offsets
-        if offs is None:
-            offs = torch.tensor([0, H], dtype=torch.int32, device=x.device)
-        shrink(act, lora.down_a, lora.down_ranks, topk_ids, lora.token_slots, E, hd, True, **kw)
-        expand(hd, lora.down_b, offs, lora.down_ranks, lora.down_scaling, topk_ids, lora.token_slots, E, o, **kw)
+    d_parts = None if lora is None else (
+        lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H)
+    o = project(act, w_down, True, d_parts)  # [P, H]
     out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, deterministic, dot_precision, require_triton
 from moelora.kernels.moe_lora import moe_lora_align
 
 GEMV_MAX_PAIRS = 512  # at most this many (token, k) pairs: the decode variant (64 tokens at top-8)
@@ -279,7 +279,7 @@ def moe_lora_shrink(
     block_r = max(16, triton.next_power_of_2(R))
     if _use_gemv(P, variant):
         block_d = 128 if D >= 128 else max(16, triton.next_power_of_2(D))
-        split = max(1, min(16, D // (block_d * 2)))
+        split = 1 if deterministic() else max(1, min(16, D // (block_d * 2)))
         _gemv_shrink_kernel[(P, n, split)](
             x, a, out, ranks, ids, token_slots, D, S, K,
             x.stride(0), x.stride(1), *_a_strides(a), out.stride(0), out.stride(1), out.stride(2),

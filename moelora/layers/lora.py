@@ -99,9 +99,21 @@ def slot_has_lora(weights: LoRAWeights | None, slot_ids: list[int]) -> bool:
     return any(weights.ranks[i][s] for i in range(weights.num_slices) for s in slot_ids)
 
 
+LORA_WORK = {"layer_calls": 0}  # LoRA computations issued (eager) or recorded into a graph (capture)
+
+
+def lora_work_count() -> int:
+    """How many times a layer has run (or captured) its LoRA computation in this process: a base-only
+    batch must leave it unchanged."""
+    return LORA_WORK["layer_calls"]
+
+
 def lora_active(weights: LoRAWeights | None, lora) -> bool:
     """Whether a LoRA-carrying layer must run its LoRA kernels for this batch: any of the batch's slots has
-    a nonzero rank here, or (CUDA graph) always, since the graph serves every later mix of adapters."""
+    a nonzero rank here, or (CUDA graph) always, since the graph serves every later mix of adapters.
+    Counts each True answer in LORA_WORK."""
     if weights is None or lora is None or not lora.has_lora:
         return False
-    return lora.graph or slot_has_lora(weights, lora.slot_ids)
+    active = lora.graph or slot_has_lora(weights, lora.slot_ids)
+    LORA_WORK["layer_calls"] += int(active)
+    return active

@@ -9,6 +9,7 @@ from torch import nn
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
 from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
+from moelora.kernels.streams import fork, join, side_stream
 from moelora.layers.linear import LoRALinear
 from moelora.layers.lora import LoRAWeights, lora_active
 
@@ -38,6 +39,7 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device), requires_grad=False)
         self.gate_up_lora: LoRAWeights | None = None
         self.down_lora: LoRAWeights | None = None
+        self.overlap = False  # GPU: the LoRA chains on a side stream beside the base expert GEMMs
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
         dt, dev = self.gate_up_proj.dtype, self.gate_up_proj.device
@@ -57,8 +59,9 @@ class RoutedExperts(nn.Module):
         if x.is_cuda:
             from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
+            side = side_stream(x.device) if self.overlap and args is not None else None
             return fused_moe_pairs(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args,
-                                   moe_lora_shrink, moe_lora_expand, moe_lora_plan)
+                                   moe_lora_shrink, moe_lora_expand, moe_lora_plan, side)
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args)
 
 
@@ -78,14 +81,26 @@ class MoEBlock(nn.Module):
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = LoRALinear(cfg.hidden_size, [1], False, dtype, device)
 
+    def _shared(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        shared = self.shared_expert(x, lora)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x, lora)) * shared
+        return shared
+
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         logits = F.linear(x, self.gate)  # [T, E]
         topk_weights, topk_ids = route_topk_ref(logits, self.top_k, self.renormalize)  # [T, K]
         self.last_topk_ids = topk_ids  # a reference, for statistics (experts touched per step)
+        if self.shared_expert is None:
+            return self.experts(x, topk_weights.to(x.dtype), topk_ids, lora)
+        if not (self.experts.overlap and x.is_cuda):
+            return self.experts(x, topk_weights.to(x.dtype), topk_ids, lora) + self._shared(x, lora)
+        # the shared expert on the side stream while the routed experts run; the add after the join
+        side = side_stream(x.device)
+        main = fork(side)
+        with torch.cuda.stream(side):
+            shared = self._shared(x, lora)
         out = self.experts(x, topk_weights.to(x.dtype), topk_ids, lora)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x, lora)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x, lora)) * shared
-            out = out + shared
-        return out
+        join(main, side)
+        shared.record_stream(main)  # allocated on the side stream, read and freed on main
+        return out + shared

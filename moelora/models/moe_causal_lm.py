@@ -101,6 +101,13 @@ class MoECausalLM(nn.Module):
             if isinstance(module, LoRALinear) or hasattr(module, "down_lora"):
                 module.enable_lora(max_loras, max_lora_rank)
 
+    def set_overlap(self, enabled: bool) -> None:
+        """GPU two-stream overlap on or off in every module that has one (the routed experts' LoRA chains,
+        shared experts): `--lora-overlap on|off`."""
+        for module in self.modules():
+            if hasattr(module, "overlap"):
+                module.overlap = bool(enabled)
+
     def lora_targets(self) -> dict[str, LoRATarget]:
         """Every adapter-addressable weight, by the module name PEFT uses for it."""
         if not self.max_loras:

@@ -32,6 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default: automatic)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--lora-overlap", default="on", choices=["on", "off"],
+                   help="GPU: run the routed-expert LoRA chains and shared experts on a side CUDA stream beside "
+                        "the base expert GEMMs (default on)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for weights, adapter slots, activations, CUDA graphs and the "
+                        "KV cache together (default 0.9)")
+    p.add_argument("--max-graph-batch-size", type=int, default=64,
+                   help="largest decode batch captured as a CUDA graph; larger batches run eagerly (default 64)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
     p.add_argument("--max-n", type=int, default=16, help="largest n per request (default 16)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -61,7 +69,8 @@ def build_from_args(args: argparse.Namespace):
         dtype=args.dtype, device=args.device, block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory, load_format=args.load_format, show_progress=True,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap == "on",
+        gpu_memory_utilization=args.gpu_memory_utilization, max_graph_batch_size=args.max_graph_batch_size,
     )
     engine = AsyncEngine(LLMEngine(eargs, adapters))
     settings = ServerSettings(served_model_name=served, model_path=model, api_key=args.api_key,

@@ -1,0 +1,88 @@
+"""GPU memory planning: weights, adapter slots, activations, CUDA-graph pool and KV cache within
+`gpu_memory_utilization` of the device's memory.
+
+Order at start-up: weights and adapter slot buffers are allocated first (they are in `used`); one profiling
+forward of the largest step (max_num_batched_tokens tokens, LoRA kernels on) measures the activation peak;
+the CUDA-graph pool is reserved from that peak scaled to the largest captured decode batch; the KV cache
+gets the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+GIB = 1 << 30
+GRAPH_MARGIN = 256 << 20  # graph outputs, cuBLAS workspaces, allocator rounding
+
+
+@dataclass
+class MemoryPlan:
+    total: int  # device memory
+    budget: int  # gpu_memory_utilization * total
+    used: int  # before the KV cache: weights, adapter slots, CUDA context, other processes
+    activations: int  # peak of the largest step
+    graph_reserve: int  # kept free for the CUDA-graph pool
+    kv_bytes: int
+    num_blocks: int
+
+    def as_gib(self) -> dict[str, float]:
+        return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "num_blocks"} | {"num_blocks": self.num_blocks}
+
+
+def plan_kv_blocks(
+    total: int, used: int, activations: int, graph_reserve: int, utilization: float, per_block: int, cap: int
+) -> MemoryPlan:
+    """KV blocks that fit: (utilization * total - used - activations - graph_reserve) // per_block, at most cap.
+    Raises a RuntimeError naming every part when not even one block fits."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget = int(utilization * total)
+    kv = budget - used - activations - graph_reserve
+    n = min(max(kv, 0) // per_block, cap)
+    if n < 1:
+        raise RuntimeError(
+            f"GPU memory budget exceeded: gpu_memory_utilization {utilization} x {total / GIB:.2f} GiB = "
+            f"{budget / GIB:.2f} GiB, but weights + adapter slots + context already use {used / GIB:.2f} GiB, "
+            f"activations of the largest step {activations / GIB:.2f} GiB and the CUDA-graph pool "
+            f"{graph_reserve / GIB:.2f} GiB, leaving {kv / GIB:.2f} GiB for a KV cache whose blocks take "
+            f"{per_block / 2**20:.2f} MiB each. Raise --gpu-memory-utilization, or lower --max-num-batched-tokens, "
+            "--max-loras / --max-lora-rank, --max-graph-batch-size (or --enforce-eager)."
+        )
+    return MemoryPlan(total, budget, used, activations, graph_reserve, int(n * per_block), int(n))
+
+
+@torch.no_grad()
+def profile_activations(model, cfg, num_tokens: int, max_loras: int, block_size: int, max_model_len: int,
+                        max_num_seqs: int, device: torch.device) -> int:
+    """Peak bytes allocated by one forward of num_tokens prompt tokens (sequences of at most max_model_len,
+    tokens spread over every LoRA slot, LoRA kernels forced on) plus fp32 logits of max_num_seqs rows. The KV cache
+    it writes is a temporary one of just enough blocks."""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.engine.batch import SeqChunk, build_flat_batch
+    from moelora.models.registry import kv_cache_shapes
+
+    seq_len = max(1, min(num_tokens, max_model_len - 1))
+    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    blocks_per = [-(-n // block_size) for n in lens]
+    caches = [tuple(torch.zeros(s, dtype=model.dtype, device=device) for s in layer)
+              for layer in kv_cache_shapes(cfg, sum(blocks_per) + 1, block_size)]
+    chunks, nxt = [], 0
+    for i, (n, b) in enumerate(zip(lens, blocks_per)):
+        chunks.append(SeqChunk([1] * n, 0, list(range(nxt, nxt + b)), i % max(max_loras, 1) if max_loras else -1))
+        nxt += b
+    fb = build_flat_batch(chunks, block_size, device)
+    token_slots = [t % max_loras for t in range(num_tokens)] if max_loras else [-1] * num_tokens
+    lora = LoRABatch.build(token_slots, max(max_loras, 1), device)
+    lora.graph = bool(max_loras)  # run every LoRA kernel whatever the slots hold (as a captured graph does)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    hidden = model(fb.input_ids, fb.positions, fb.attn, caches, lora)
+    model.compute_logits(hidden[: min(num_tokens, max_num_seqs)])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del hidden, caches, fb, lora
+    torch.cuda.empty_cache()
+    return int(peak)

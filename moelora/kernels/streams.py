@@ -1,0 +1,33 @@
+"""The side CUDA stream of the LoRA / shared-expert overlap, and its capture-safe fork and join.
+
+Pattern (eager and under CUDA-graph capture alike): every buffer the side stream writes is allocated on
+the main stream before `fork`; the side stream waits for the main stream's work so far (`fork`); the
+main stream waits for the side stream (`join`) before it reads those buffers. Under capture the side
+stream is pulled into the graph by the fork and leaves it at the join.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SIDE: dict[int, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per GPU, created on first use (outside capture: the graph warm-up runs first)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE:
+        _SIDE[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE[idx]
+
+
+def fork(side: "torch.cuda.Stream") -> "torch.cuda.Stream":
+    """side waits for everything issued so far on the current (main) stream; returns the main stream."""
+    main = torch.cuda.current_stream(side.device)
+    side.wait_stream(main)
+    return main
+
+
+def join(main: "torch.cuda.Stream", side: "torch.cuda.Stream") -> None:
+    """main waits for everything issued so far on side."""
+    main.wait_stream(side)

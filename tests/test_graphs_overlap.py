@@ -1,0 +1,198 @@
+"""GPU: CUDA-graph replay equals eager for random decode batches with rank mixes 8..128, padding rows and
+slot -1 rows; the side-stream LoRA overlap equals serial execution; long generations with 8 adapters; a
+base-only batch equals a model with no adapters; the memory plan holds. (GPU only.)"""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from moelora import LLM, SamplingParams
+from moelora.adapters.metadata import LoRABatch
+from moelora.bench.decode import TINY, random_adapter
+from moelora.engine.batch import SeqChunk, build_flat_batch
+from moelora.engine.llm_engine import EngineArgs, LLMEngine
+from moelora.layers.lora import lora_work_count
+
+pytestmark = pytest.mark.gpu
+
+RANKS = [8, 16, 32, 64, 128, 8, 16, 64]  # one adapter per slot: ranks 8 to 128 in one batch
+
+
+def _model_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("tiny")
+    cfg = {**TINY, "hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
+           "num_hidden_layers": 3, "max_position_embeddings": 2048}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _model_dir(tmp_path_factory)
+
+
+@pytest.fixture
+def deterministic_kernels():
+    """No split-K atomics in the LoRA kernels: two runs of the same batch are identical bit for bit."""
+    from moelora.kernels._triton import deterministic, set_deterministic
+
+    before = deterministic()
+    set_deterministic(True)
+    yield
+    set_deterministic(before)
+
+
+def _engine(model_dir: str, eager: bool, overlap: bool = True, max_loras: int = 8, ranks=RANKS) -> LLMEngine:
+    eng = LLMEngine(EngineArgs(model=model_dir, max_loras=max_loras, max_lora_rank=128, dtype="bfloat16", device="cuda",
+                               load_format="dummy", seed=1, max_num_seqs=64, max_model_len=1200,
+                               enforce_eager=eager, lora_overlap=overlap, kv_cache_memory_bytes=256 << 20))
+    if max_loras:
+        targets = eng.model.lora_targets()
+        for i, r in enumerate(ranks):
+            ad = random_adapter(f"ad{i}", targets, r, seed=100 + i, device="cuda", dtype=torch.bfloat16)
+            for m in ad.modules.values():
+                m.b.mul_(10.0)  # deltas large enough to move the logits
+            eng.registry.register(ad)
+            assert eng.pool.pin(eng.registry.get(f"ad{i}")) == i  # slot i holds adapter i (rank ranks[i])
+    return eng
+
+
+def _eager_hidden(eng: LLMEngine, token_ids, positions, tables, slots) -> torch.Tensor:
+    seqs = [SeqChunk([t], p, bt, s) for t, p, bt, s in zip(token_ids, positions, tables, slots)]
+    fb = build_flat_batch(seqs, eng.kv.block_size, eng.device)
+    lora = LoRABatch.build(fb.token_slots, eng.runner.max_loras, eng.device)
+    return eng.model(fb.input_ids, fb.positions, fb.attn, eng.kv.caches, lora)
+
+
+@torch.no_grad()
+def test_graph_replay_equals_eager_200_random_steps(model_dir):
+    """200 decode steps: random batch sizes (most need padding to a bucket), random slots incl. -1, random
+    positions over a cache filled with random keys and values."""
+    eng = _engine(model_dir, eager=False)
+    g = eng.runner.graphs
+    assert g is not None
+    for k, v in eng.kv.caches:
+        k.normal_()
+        v.normal_()
+    rng = random.Random(7)
+    bs_max = eng.kv.block_size
+    worst, flips = 0.0, 0
+    for step in range(200):
+        n = rng.randint(1, 64)
+        slots = [rng.choice([-1, *range(8)]) for _ in range(n)]
+        positions = [rng.randint(0, 400) for _ in range(n)]
+        blocks = rng.sample(range(eng.kv.num_blocks), sum(p // bs_max + 1 for p in positions))
+        tables, at = [], 0
+        for p in positions:
+            tables.append(blocks[at : at + p // bs_max + 1])
+            at += p // bs_max + 1
+        token_ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
+        graph_logits = eng.model.compute_logits(g.run(token_ids, positions, tables, slots)).clone()
+        eager_logits = eng.model.compute_logits(_eager_hidden(eng, token_ids, positions, tables, slots))
+        diff = (graph_logits - eager_logits).abs().max().item()
+        worst = max(worst, diff)
+        assert diff < 0.15, f"step {step}: batch {n}, slots {slots}: logits differ by {diff}"
+        top2 = eager_logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff  # rows whose argmax no bf16 rounding can flip
+        assert torch.equal(graph_logits.argmax(-1)[clear], eager_logits.argmax(-1)[clear]), f"step {step}"
+        flips += int((graph_logits.argmax(-1) != eager_logits.argmax(-1)).sum())
+    assert sum(v for (bs, lora), v in g.replays.items() if lora) >= 190  # nearly every step had an adapter row
+    print(f"worst logit difference {worst:.4f}; argmax differences on near-ties {flips}")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rank", [8, 16, 64, 128])
+def test_overlap_equals_serial(model_dir, rank, deterministic_kernels):
+    """The same engine, overlap on vs off, eager and graph: identical logits (the side stream only moves work)."""
+    eng = _engine(model_dir, eager=False, overlap=True, max_loras=4, ranks=[rank] * 4)
+    rng = random.Random(rank)
+    for k, v in eng.kv.caches:
+        k.normal_()
+        v.normal_()
+    for n in (1, 5, 16, 48, 200):  # 200 tokens: the tiled (prefill) kernels
+        slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)]
+        positions = list(range(n))
+        tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
+        ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
+        outs = []
+        for overlap in (True, False):
+            eng.model.set_overlap(overlap)
+            outs.append(eng.model.compute_logits(_eager_hidden(eng, ids, positions, tables, slots)))
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    # graph replay with overlap captured vs eager without overlap
+    eng.model.set_overlap(False)
+    n = 12
+    slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)]
+    positions = rng.sample(range(100), n)  # distinct: no two rows write the same KV slot
+    tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
+    ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
+    serial = eng.model.compute_logits(_eager_hidden(eng, ids, positions, tables, slots))
+    graph = eng.model.compute_logits(eng.runner.graphs.run(ids, positions, tables, slots))
+    assert (graph - serial).abs().max().item() < 0.15
+
+
+def test_1000_token_generations_8_adapters_graphs_equal_eager(model_dir, deterministic_kernels):
+    """8 sequences, one per adapter (ranks 8..128): 1,000 greedy tokens each, graph replay vs eager (the
+    same batch of 8 fills its bucket exactly, so both run the same kernels on the same shapes)."""
+    prompts = [[(7 * i + j) % 1000 for j in range(20)] for i in range(8)]
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        eng = _engine(model_dir, eager=eager)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params, f"ad{i}")
+        while eng.has_unfinished_requests():
+            eng.step()
+        outs[eager] = [eng.requests[f"r{i}"].output_ids for i in range(8)]
+        if not eager:
+            assert sum(v for (bs, lora), v in eng.runner.graphs.replays.items() if lora) >= 990
+        del eng
+        torch.cuda.empty_cache()
+    assert all(len(o) == 1000 for o in outs[False])
+    for i in range(8):
+        same = next((j for j, (a, b) in enumerate(zip(outs[True][i], outs[False][i])) if a != b), None)
+        assert same is None, f"adapter ad{i} (rank {RANKS[i]}): first difference at token {same}"
+
+
+def test_base_only_batch_equals_model_without_adapters_and_does_no_lora_work(model_dir):
+    prompts = [[(3 * i + j) % 1000 for j in range(30)] for i in range(5)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    results = []
+    for max_loras in (8, 0):
+        eng = _engine(model_dir, eager=False, max_loras=max_loras)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params, None)
+        calls = lora_work_count()
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert lora_work_count() == calls  # no layer ran a LoRA computation for these base-only steps
+        if max_loras:
+            g = eng.runner.graphs
+            assert sum(v for (bs, lora), v in g.replays.items() if not lora) >= 39
+            assert not any(v for (bs, lora), v in g.replays.items() if lora)
+            assert all(c == 0 for (bs, lora), c in g.lora_layer_calls.items() if not lora)  # no-LoRA graphs: no LoRA kernels
+            assert all(c > 0 for (bs, lora), c in g.lora_layer_calls.items() if lora)
+        results.append([(eng.requests[f"r{i}"].output_ids, eng.requests[f"r{i}"].logprobs) for i in range(5)])
+        del eng
+        torch.cuda.empty_cache()
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(*results):
+        assert ids_a == ids_b
+        for da, db in zip(lp_a, lp_b):
+            for t in da:
+                assert abs(da[t] - db[t]) < 1e-3
+
+
+def test_memory_plan_within_budget(model_dir):
+    torch.cuda.empty_cache()
+    eng = LLMEngine(EngineArgs(model=model_dir, max_loras=8, max_lora_rank=64, dtype="bfloat16", device="cuda",
+                               load_format="dummy", max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=0.5))
+    plan = eng.memory_plan
+    assert plan is not None and plan.num_blocks == eng.kv.num_blocks and plan.activations > 0
+    free, total = torch.cuda.mem_get_info()
+    assert total - free <= 0.5 * total + (1 << 30)  # the KV cache was sized to the budget (margin: other tests' memory)
+    with pytest.raises(RuntimeError, match="gpu_memory_utilization"):
+        LLMEngine(EngineArgs(model=model_dir, max_loras=8, max_lora_rank=64, dtype="bfloat16", device="cuda",
+                             load_format="dummy", gpu_memory_utilization=0.0001))
