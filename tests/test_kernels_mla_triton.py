@@ -1,0 +1,106 @@
+"""Triton MLA absorbed decode (attention core over the paged latent cache, kv_b LoRA folded per slot) vs the
+torch reference mla_decode_paged_ref, and vs the expanded form. CPU: the interpreter at tiny dims in fp32/fp16;
+GPU: DeepSeek-V2-Lite head dims (kv_lora_rank 512, rope 64, nope 128, v 128, 16 heads) in bf16."""
+
+import pytest
+import torch
+
+from kernel_cases import DEVICE, DTYPES, NUM_TOKENS, ON_GPU, POPULARITY, token_slots, tolerance
+from moelora.kernels.groups import SlotGroups
+from moelora.kernels.mla import KVBLoRAArgs, mla_decode_paged_ref, mla_prefill_ref, write_latent_direct, write_latent_ref
+from moelora.kernels.mla_triton import mla_decode, mla_decode_attention
+
+H, DN, DV, C, R = (16, 128, 128, 512, 64) if ON_GPU else (4, 8, 6, 16, 4)
+S, RMAX = 4, 16
+RANKS = [16, 0, 4, 8]  # slot 1: rank 0 (adds nothing)
+SCALING = [0.5, 2.0, 1.5, 0.25]
+
+
+def _case(T: int, pattern: str, dtype, block_size: int, seed: int = 0, with_padding: bool = True):
+    """T decode rows (+2 padding rows), each its own sequence with a random context, blocks shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    lens = torch.randint(1, 40, (T,), generator=gen).tolist()
+    nblk = [-(-L // block_size) for L in lens]
+    nb = sum(nblk) + 2
+    perm = torch.randperm(nb, generator=gen).tolist()
+    tables = torch.zeros(T, max(nblk), dtype=torch.int32)
+    for b, n in enumerate(nblk):
+        tables[b, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    cache = rnd(nb, block_size, C + R)
+    w = rnd(H * (DN + DV), C) * C**-0.5
+    a = torch.zeros(1, S, RMAX, C)
+    bb = torch.zeros(S, H * (DN + DV), RMAX)
+    for s, r in enumerate(RANKS):
+        a[0, s, :r] = rnd(r, C) * C**-0.5
+        bb[s, :, :r] = rnd(H * (DN + DV), r) * 0.2
+    pad = 2 if with_padding else 0
+    slots = torch.cat([token_slots(pattern, T, S, gen), torch.full((pad,), -1, dtype=torch.int32)])
+    seq = torch.tensor(list(range(T)) + [-1] * pad, dtype=torch.int32)
+    q_nope, q_pe = rnd(T + pad, H, DN), rnd(T + pad, H, R)
+    to = lambda x: x.to(DEVICE, dtype)  # noqa: E731
+    lora = KVBLoRAArgs(slots.to(DEVICE), to(a), to(bb), torch.tensor([SCALING], device=DEVICE),
+                       torch.tensor([RANKS], dtype=torch.int32, device=DEVICE), SlotGroups.build(slots, S, DEVICE))
+    meta = (tables.to(DEVICE), seq.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+    return to(q_nope), to(q_pe), to(cache), to(w), meta, lora, lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_core_matches_reference(dtype, block_size, num_splits):
+    q_nope, q_pe, cache, w, (tables, seq, lens_t), _, lens = _case(7, "uniform", dtype, block_size)
+    T = q_nope.shape[0]
+    q_lat = torch.randn(T, H, C, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    o = mla_decode_attention(q_lat, q_pe, cache, tables, seq, lens_t, 0.3, num_splits)
+    for t, L in enumerate(lens):  # plain softmax over the sequence's rows
+        blocks = tables[t, : -(-L // block_size)].long()
+        rows = cache[blocks].reshape(-1, C + R)[:L].float()
+        p = torch.softmax(torch.cat([q_lat[t], q_pe[t]], -1).float() @ rows.T * 0.3, -1)
+        atol, rtol = tolerance(dtype)
+        torch.testing.assert_close(o[t], p @ rows[:, :C], atol=atol, rtol=rtol)
+    assert torch.all(o[len(lens):] == 0), "padding rows: zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", POPULARITY)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS[:3] if not ON_GPU else NUM_TOKENS)
+def test_absorbed_decode_matches_reference(dtype, pattern, num_tokens):
+    q_nope, q_pe, cache, w, meta, lora, lens = _case(num_tokens, pattern, dtype, 16, seed=num_tokens)
+    scale = (DN + R) ** -0.5
+    ref = mla_decode_paged_ref(q_nope.float(), q_pe.float(), cache.float(), w.float(), *meta, scale,
+                               KVBLoRAArgs(lora.token_slots, lora.a.float(), lora.b.float(), lora.scaling, lora.ranks))
+    got = mla_decode(q_nope, q_pe, cache, w, *meta, scale, lora)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=rtol)
+    base = mla_decode(q_nope, q_pe, cache, w, *meta, scale, None)
+    slots = lora.token_slots.cpu()
+    for t in range(q_nope.shape[0]):  # slot -1, rank 0 and padding add exactly nothing; the others do
+        s = int(slots[t])
+        if s < 0 or RANKS[s] == 0:
+            assert torch.equal(got[t], base[t]), f"row {t} slot {s}"
+        else:
+            assert (got[t].float() - base[t].float()).abs().max() > 1e-3, f"row {t} slot {s}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_absorbed_decode_equals_expanded_with_kv_b_lora(dtype):
+    """The Triton absorbed form equals the expanded form (W + scaling B A applied to every latent)."""
+    q_nope, q_pe, cache, w, (tables, seq, lens_t), lora, lens = _case(5, "distinct", dtype, 16, seed=3,
+                                                                       with_padding=False)
+    scale = (DN + R) ** -0.5
+    got = mla_decode(q_nope, q_pe, cache, w, tables, seq, lens_t, scale, lora)
+    f = lambda x: x.float()  # noqa: E731
+    ref_lora = KVBLoRAArgs(lora.token_slots, f(lora.a), f(lora.b), lora.scaling, lora.ranks)
+    expanded = mla_prefill_ref(f(q_nope), f(q_pe), f(cache), f(w), tables, lens, list(range(len(lens) + 1)), scale, ref_lora)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(got.float(), expanded, atol=atol, rtol=rtol)
+
+
+def test_write_latent_direct_matches_ref():
+    cache, cache_ref = torch.zeros(3, 4, C + R), torch.zeros(3, 4, C + R)
+    kv_c, k_pe = torch.randn(3, C), torch.randn(3, R)
+    slots = torch.tensor([5, 11, 0])
+    write_latent_direct(kv_c, k_pe, cache, slots)
+    write_latent_ref(kv_c, k_pe, cache_ref, slots)
+    assert torch.equal(cache, cache_ref)
