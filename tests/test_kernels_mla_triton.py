@@ -104,3 +104,58 @@ def test_write_latent_direct_matches_ref():
     write_latent_direct(kv_c, k_pe, cache, slots)
     write_latent_ref(kv_c, k_pe, cache_ref, slots)
     assert torch.equal(cache, cache_ref)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs this path for real (tests/test_deepseek_gpu.py)")
+def test_model_device_path_matches_reference(tmp_path, monkeypatch):
+    """A tiny DeepSeek-V2 (q_lora_rank, YaRN) with kv_b LoRA on three slots: prefill, then decode steps through
+    the device path (unmasked latent writes, Triton absorbed decode under the interpreter) equal the reference
+    path; a mixed step (decode rows + a prefill chunk) regroups the decode rows' slots."""
+    from helpers import Runner, save_tiny_model
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.engine.batch import SeqChunk, build_flat_batch
+    from moelora.engine.kv_cache import KVCache
+
+    import moelora.kernels.mla_triton as mt
+
+    calls = []
+    real = mt.mla_decode
+    monkeypatch.setattr(mt, "mla_decode", lambda *a, **kw: calls.append(a[5].shape[0]) or real(*a, **kw))
+    torch.set_num_threads(1)
+    save_tiny_model("deepseek_v2_q", str(tmp_path / "m"))
+    run = Runner(str(tmp_path / "m"), max_loras=4, max_lora_rank=16)
+    g = torch.Generator().manual_seed(0)
+    for name, t in run.targets.items():
+        if name.endswith("kv_b_proj"):
+            for slot, r in enumerate(RANKS):
+                if r:
+                    t.weights.set_slot(t.slice_idx, slot, torch.randn(r, t.in_features, generator=g) * 0.3,
+                                       torch.randn(t.out_features, r, generator=g) * 0.3, SCALING[slot])
+    model = run.model
+    attns = [layer.self_attn for layer in model.model.layers]
+    kv = KVCache(run.cfg, 64, 4, torch.float32, "cpu")
+    prompts = [[3, 5, 7, 9, 11], [2, 4], [8, 6, 4, 2, 1, 3, 5], [1]]
+    slots = [0, 2, -1, 3]
+    tables = [kv.allocate(kv.blocks_needed(len(p) + 4, 0)) for p in prompts]
+
+    def step(chunks, device: bool) -> torch.Tensor:
+        for a in attns:
+            a.device_kernels = device
+        fb = build_flat_batch(chunks, 4)
+        return model(fb.input_ids, fb.positions, fb.attn, kv.caches, LoRABatch.build(fb.token_slots, 4))
+
+    step([SeqChunk(p, 0, t, s) for p, t, s in zip(prompts, tables, slots)], False)
+    lens = [len(p) for p in prompts]
+    for k in range(2):
+        chunks = [SeqChunk([10 + k + i], lens[i], tables[i], slots[i]) for i in range(4)]
+        ref = step(chunks, False)
+        got = step(chunks, True)
+        assert (got - ref).abs().max() < 1e-4, f"decode step {k}"
+        lens = [n + 1 for n in lens]
+    chunks = [SeqChunk([20], lens[0], tables[0], slots[0]), SeqChunk([21, 22, 23], lens[1], tables[1], slots[1]),
+              SeqChunk([24], lens[2], tables[2], slots[2]), SeqChunk([25], lens[3], tables[3], slots[3])]
+    ref = step(chunks, False)
+    got = step(chunks, True)
+    assert (got - ref).abs().max() < 1e-4, "mixed step"
+    layers = run.cfg.num_hidden_layers
+    assert calls == [4] * (2 * layers) + [3] * layers  # every layer: 4 decode rows, then the 3 of the mixed step

@@ -44,6 +44,7 @@ class MLAttention(nn.Module):
         self.scale = m.softmax_scale
         self.rope_interleave, self.rope_fp32 = m.rope_interleave, m.rope_fp32
         self.absorb_decode = True  # False: every sequence takes the expanded form (tests compare the two)
+        self.device_kernels: bool | None = None  # None: the Triton path on CUDA; True: also on the CPU (interpreter)
         hidden, qk = cfg.hidden_size, m.qk_head_dim
         kv_a = self.kv_lora_rank + self.rope
         if self.q_lora_rank is None:
@@ -81,7 +82,7 @@ class MLAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_c)  # [T, C]
         q_pe, k_pe = self._rotate(q_pe, k_pe[:, None, :], positions)
         (cache,) = kv_cache
-        on_device = x.is_cuda and attn.token_seq is not None
+        on_device = (x.is_cuda if self.device_kernels is None else self.device_kernels) and attn.token_seq is not None
         write = write_latent_direct if on_device else write_latent_ref
         write(kv_c, k_pe[:, 0], cache, attn.slot_mapping)
         o = self._attention(q_nope, q_pe, cache, attn, self._kv_b_lora(lora), on_device)  # [T, H, Dv]
