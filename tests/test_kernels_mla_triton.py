@@ -159,3 +159,44 @@ def test_model_device_path_matches_reference(tmp_path, monkeypatch):
     assert (got - ref).abs().max() < 1e-4, "mixed step"
     layers = run.cfg.num_hidden_layers
     assert calls == [4] * (2 * layers) + [3] * layers  # every layer: 4 decode rows, then the 3 of the mixed step
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU captures real graphs (tests/test_deepseek_gpu.py)")
+def test_decode_graph_buffers_through_device_path(tmp_path):
+    """DecodeGraphs' static buffers (bucket 4 for 3 rows: a padding row writing into the dummy block with
+    token_seq -1 and slot -1; static LoRA groups, every LoRA layer on) fed eagerly through the MLA device path
+    (Triton interpreter) give the eager batch's hidden states: what a captured graph replays."""
+    from helpers import save_peft_adapter, save_tiny_model
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.engine.batch import SeqChunk, build_flat_batch
+    from moelora.engine.cuda_graphs import DecodeGraphs
+    from moelora.engine.llm_engine import EngineArgs, LLMEngine
+
+    torch.set_num_threads(1)
+    base = save_tiny_model("deepseek_v2", str(tmp_path / "m"))
+    save_peft_adapter(base, str(tmp_path / "a"), 1, r=4, lora_alpha=8, target_modules=["kv_b_proj", "o_proj"])
+    eng = LLMEngine(EngineArgs(model=str(tmp_path / "m"), max_loras=2, max_lora_rank=8, max_num_seqs=4,
+                               block_size=4, max_model_len=64), {"a": str(tmp_path / "a")})
+    model, kv = eng.model, eng.kv
+    for layer in model.model.layers:
+        layer.self_attn.device_kernels = True
+    g = DecodeGraphs(model, kv, 2, 4, 16)  # not captured (no CUDA): its buffers are run eagerly below
+    slots = [eng.pool.acquire(eng.registry.get("a")), -1, 0]
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [1, 2, 3]]
+    tables = [kv.allocate(kv.blocks_needed(len(p) + 1, 0)) for p in prompts]
+    fb = build_flat_batch([SeqChunk(p, 0, t, s) for p, t, s in zip(prompts, tables, slots)], 4)
+    model(fb.input_ids, fb.positions, fb.attn, kv.caches, LoRABatch.build(fb.token_slots, 2))
+    tokens, lens = [11, 12, 13], [len(p) for p in prompts]
+    out = torch.zeros(4, eng.config.hidden_size)
+
+    class Eager:  # stands in for the captured graph: the model on the static buffers
+        def replay(self):
+            out.copy_(model(g.input_ids[:4], g.positions[:4], g._attn(4), kv.caches, g.lora_batches[4]))
+
+    g.graphs[(4, True)] = (Eager(), out)
+    got = g.run(tokens, lens, tables, slots)
+    fb = build_flat_batch([SeqChunk([x], n, t, s) for x, n, t, s in zip(tokens, lens, tables, slots)], 4)
+    ref = model(fb.input_ids, fb.positions, fb.attn, kv.caches, LoRABatch.build(fb.token_slots, 2))
+    assert (got - ref).abs().max() < 1e-4
+    dummy = kv.caches[0][0][kv.dummy_block]
+    assert dummy.abs().sum() > 0, "the padding row wrote into the dummy block"
