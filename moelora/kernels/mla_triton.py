@@ -34,9 +34,7 @@ if HAS_TRITON:
         hb = tl.program_id(1)
         split = tl.program_id(2)
         b = tl.load(token_seq_ptr + t)
-        L = 0
-        if b >= 0:
-            L = tl.load(seq_lens_ptr + b)
+        L = tl.where(b >= 0, tl.load(seq_lens_ptr + tl.maximum(b, 0)), 0)  # padding rows: no context, output 0
         chunk = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, L)
