@@ -10,14 +10,18 @@ from moelora.kernels.groups import SlotGroups
 from moelora.kernels.mla import KVBLoRAArgs, mla_decode_paged_ref, mla_prefill_ref, write_latent_direct, write_latent_ref
 from moelora.kernels.mla_triton import mla_decode, mla_decode_attention
 
-H, DN, DV, C, R = (16, 128, 128, 512, 64) if ON_GPU else (4, 8, 6, 16, 4)
+LITE = (16, 128, 128, 512, 64)  # DeepSeek-V2-Lite: heads, qk_nope, v_head, kv_lora_rank, qk_rope
+DIMS = LITE if ON_GPU else (4, 8, 6, 16, 4)
+H, DN, DV, C, R = DIMS
 S, RMAX = 4, 16
 RANKS = [16, 0, 4, 8]  # slot 1: rank 0 (adds nothing)
 SCALING = [0.5, 2.0, 1.5, 0.25]
 
 
-def _case(T: int, pattern: str, dtype, block_size: int, seed: int = 0, with_padding: bool = True):
+def _case(T: int, pattern: str, dtype, block_size: int, seed: int = 0, with_padding: bool = True,
+          dims: tuple[int, int, int, int, int] | None = None):
     """T decode rows (+2 padding rows), each its own sequence with a random context, blocks shuffled."""
+    H, DN, DV, C, R = dims or DIMS
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     lens = torch.randint(1, 40, (T,), generator=gen).tolist()
@@ -84,11 +88,14 @@ def test_absorbed_decode_matches_reference(dtype, pattern, num_tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_absorbed_decode_equals_expanded_with_kv_b_lora(dtype):
-    """The Triton absorbed form equals the expanded form (W + scaling B A applied to every latent)."""
-    q_nope, q_pe, cache, w, (tables, seq, lens_t), lora, lens = _case(5, "distinct", dtype, 16, seed=3,
-                                                                       with_padding=False)
-    scale = (DN + R) ** -0.5
+@pytest.mark.parametrize("dims", ["small", "lite"])
+def test_absorbed_decode_equals_expanded_with_kv_b_lora(dtype, dims):
+    """The Triton absorbed form equals the expanded form (W + scaling B A applied to every latent); "lite":
+    DeepSeek-V2-Lite head dims (the kernels' loops over C, Dn and Dv take several tiles)."""
+    d = LITE if dims == "lite" else None
+    q_nope, q_pe, cache, w, (tables, seq, lens_t), lora, lens = _case(3 if d and not ON_GPU else 5, "distinct", dtype,
+                                                                       16, seed=3, with_padding=False, dims=d)
+    scale = (q_nope.shape[-1] + q_pe.shape[-1]) ** -0.5
     got = mla_decode(q_nope, q_pe, cache, w, tables, seq, lens_t, scale, lora)
     f = lambda x: x.float()  # noqa: E731
     ref_lora = KVBLoRAArgs(lora.token_slots, f(lora.a), f(lora.b), lora.scaling, lora.ranks)
