@@ -159,7 +159,7 @@ def test_generate_graph_equals_eager(ds_gpu):
 
 def test_shared_expert_overlap_equals_serial(ds_gpu):
     """The same mixed step (prefill chunks and decode rows, mixed adapters) with the shared experts on a side
-    stream and serially: identical hidden states."""
+    stream and serially: equal hidden states (bf16 tolerance)."""
     eng = _engine(ds_gpu, eager=True)
     model, kv = eng.model, eng.kv
     slots = [eng.pool.acquire(eng.registry.get(n)) for n in "abc"] + [-1]
@@ -172,5 +172,6 @@ def test_shared_expert_overlap_equals_serial(ds_gpu):
         _set_overlap(model, on)
         outs.append(model(fb.input_ids, fb.positions, fb.attn, kv.caches, lora))
     torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1])
+    # the same kernels either way; split-K atomics in the LoRA shrinks may reorder fp32 sums, so not bit-exact
+    _close(outs[0], outs[1], "overlapped vs serial", rel=1e-2)
     assert any(m._side_stream is not None for m in model.modules() if isinstance(m, DeepseekMoE))
