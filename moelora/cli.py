@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks: `bench kernels` and `bench decode` (GPU), `bench serve` (a load generator against a running server)",
         description="kernels: each multi-LoRA Triton kernel at Qwen3-30B-A3B expert shapes and a 4096-wide dense "
         "layer, 1-256 tokens, 1-32 adapters, rank 16/64, beside a torch loop over adapters and the base GEMM. "
-        "decode: tokens/s and step time at Qwen3-30B-A3B dimensions (dummy weights) beside the byte floor, with 0-8 "
+        "decode: tokens/s and step time at Qwen3-30B-A3B or DeepSeek-V2-Lite (--preset) dimensions (dummy weights) beside the byte floor, with 0-8 "
         "adapters, plus start-up and adapter-load times. serve: N concurrent clients against a running `moelora serve` (mixed adapters, streaming, optional early "
         "disconnects): requests/s, tokens/s, TTFT and TPOT p50/p99, errors, and the server's KV/slot gauges. "
         "Both write JSON (date, device, commit) under --out.",

@@ -20,6 +20,7 @@ import torch
 from moelora.adapters.normalize import ModuleLoRA
 from moelora.adapters.registry import LoRAAdapter
 from moelora.bench.common import hbm_bandwidth_gbs, write_result
+from moelora.bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
 
@@ -33,6 +34,8 @@ QWEN3_30B_A3B = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "deepseek-v2-lite"],
+                   help="model dimensions (default qwen3-30b-a3b)")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (default: the model's, 48)")
     p.add_argument("--batches", default="1,16,64,128", help="decode batch sizes (default 1,16,64,128)")
     p.add_argument("--adapter-counts", default="0,1,4,8", help="distinct adapters per batch (default 0,1,4,8)")
@@ -67,6 +70,8 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
     """Bytes one decode step must read: weights (only touched experts), LoRA factors of the (adapter, expert)
     pairs used, KV of every sequence; and the experts touched per layer (from the last step's routing)."""
     cfg, m = engine.config, engine.model
+    if cfg.mla is not None:  # MLA: weights and latent cache counted from the model's tensors
+        return floor_bytes_from_tensors(engine, reqs, ctx_len)
     el = torch.empty((), dtype=m.dtype).element_size()
     H, I, qs, kvs = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_size, cfg.kv_size
     n = len(reqs)
@@ -125,7 +130,10 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = dict(TINY if args.tiny else QWEN3_30B_A3B)
+    presets = {"qwen3-30b-a3b": (QWEN3_30B_A3B, TINY, "Qwen3-30B-A3B"),
+               "deepseek-v2-lite": (DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, "DeepSeek-V2-Lite")}
+    full, tiny, model_name = presets[getattr(args, "preset", "qwen3-30b-a3b")]
+    cfg = dict(tiny if args.tiny else full)
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
     folder = tempfile.mkdtemp(prefix="moelora-bench-")
@@ -156,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         for batch in batches:
             for n in counts:
                 r = _case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n)
-                r.update(model=("tiny Qwen3-MoE" if args.tiny else "Qwen3-30B-A3B")
+                r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
                          + ("" if not args.layers else f" ({args.layers} layers)"),
                          dtype=args.dtype, rank=args.lora_rank if n else 0)
                 r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw else None

@@ -14,7 +14,8 @@ Two forms of one function:
   the LoRA kept factored), attention of [q_lat | q_pe] over the cached [latent | k_pe] rows (one shared head;
   the values are the latents), then o = W_UV o_lat + scaling * B_V (A o_lat). Per-step work does not grow with
   the context beyond reading the latents, and no adapter's weights are ever merged into W.
-The GPU kernels will keep these signatures.
+The Triton absorbed decode (mla_triton.mla_decode) reads device metadata only; its reference is
+mla_decode_paged_ref below (one new token per sequence).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora.kernels.groups import SlotGroups
+
 
 @dataclass
 class KVBLoRAArgs:
@@ -30,6 +33,7 @@ class KVBLoRAArgs:
 
     a: [1, S, Rmax, C] · b: [S, H*(Dn+Dv), Rmax] · scaling: [1, S] fp32 · ranks: [1, S] int32
     token_slots: [T] int32, -1 = no adapter; all tokens of one sequence carry the same slot
+    groups: the same rows grouped by slot (what the Triton kernels read); None for the references
     """
 
     token_slots: torch.Tensor
@@ -37,6 +41,7 @@ class KVBLoRAArgs:
     b: torch.Tensor
     scaling: torch.Tensor
     ranks: torch.Tensor
+    groups: SlotGroups | None = None
 
 
 def write_latent_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -48,6 +53,12 @@ def write_latent_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Ten
     keep = slot_mapping >= 0
     rows = torch.cat([kv_c, k_pe], dim=-1)[keep]  # [T', C + R]
     kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = rows.to(kv_cache.dtype)
+
+
+def write_latent_direct(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """write_latent_ref without the mask (no host synchronisation, CUDA-graph safe): every slot_mapping[t] >= 0;
+    padding rows of a graph batch point at the cache's dummy block instead of -1."""
+    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
 
 
 def _context(kv_cache: torch.Tensor, block_tables: torch.Tensor, b: int, L: int) -> torch.Tensor:
@@ -171,4 +182,37 @@ def mla_decode_ref(
     for rows, a, _, bv, sc in groups:
         h = o_lat[rows] @ a.T  # [m, H, r]
         out[rows] += torch.einsum("thr,hvr->thv", h, bv) * sc
+    return out
+
+
+def mla_decode_paged_ref(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_seq: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    lora: KVBLoRAArgs | None = None,
+) -> torch.Tensor:
+    """mla_decode_ref for one new token per sequence, from device metadata (the signature of the Triton
+    mla_triton.mla_decode). Row t is the newest token of sequence token_seq[t] (-1: padding, output 0), which
+    holds seq_lens[token_seq[t]] cached tokens. token_seq: [T] int32 · seq_lens: [B] int32; else as mla_decode_ref.
+    """
+    T, H, _ = q_nope.shape
+    Dv = w_kv_b.shape[0] // H - q_nope.shape[-1]
+    out = q_nope.new_zeros(T, H, Dv)
+    seq = token_seq.long().cpu()
+    rows = (seq >= 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
+    lens = seq_lens.long().cpu()[seq[rows]].tolist()
+    tables = block_tables[seq[rows].to(block_tables.device)]
+    sub = None
+    if lora is not None:
+        sub = KVBLoRAArgs(lora.token_slots[rows.to(lora.token_slots.device)], lora.a, lora.b, lora.scaling, lora.ranks)
+    dev_rows = rows.to(q_nope.device)
+    out[dev_rows] = mla_decode_ref(q_nope[dev_rows], q_pe[dev_rows], kv_cache, w_kv_b, tables, lens,
+                                   list(range(len(lens) + 1)), scale, sub)
     return out

@@ -1,5 +1,11 @@
 """DeepSeek-V2/V3 MoE feed-forward: a grouped top-k router (with V3's score-correction bias), the routed
-experts of moe.py (+LoRA, every layout) and ungated shared experts (a dense MLP, + LoRA), summed."""
+experts of moe.py (+LoRA, every layout) and ungated shared experts (a dense MLP, + LoRA), summed.
+
+On a GPU the shared experts run on a side stream while the main stream runs the routed experts (`overlap`,
+default on with CUDA). The join is capture-safe: the side stream waits on the main stream before it starts,
+writes into an output buffer allocated on the main stream before the fork, and the main stream waits on the
+side stream before the add (both waits are events that a CUDA graph records). With overlap off: serial.
+"""
 
 from __future__ import annotations
 
@@ -46,12 +52,31 @@ class DeepseekMoE(nn.Module):
         self.gate = DeepseekRouter(cfg, dtype, device)
         self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, dtype, device)
         self.shared_experts = None
+        self.overlap = torch.cuda.is_available()  # shared experts on a side stream (wired to --lora-overlap)
+        self._side_stream: torch.cuda.Stream | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, dtype, device)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, K] fp32: the experts weight their fp32 outputs with it
-        out = self.experts(x, topk_weights, topk_ids, lora)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x, lora)
-        return out
+        self.last_topk_ids = topk_ids  # a reference, for statistics (experts touched per step)
+        if self.shared_experts is None:
+            return self.experts(x, topk_weights, topk_ids, lora)
+        if self.overlap and x.is_cuda:
+            return self._overlapped(x, topk_weights, topk_ids, lora)
+        return self.experts(x, topk_weights, topk_ids, lora) + self.shared_experts(x, lora)
+
+    def _overlapped(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    lora: LoRABatch | None) -> torch.Tensor:
+        """routed(x) on the current stream, shared(x) on the side stream, joined before the add."""
+        main = torch.cuda.current_stream(x.device)
+        if self._side_stream is None or self._side_stream.device != x.device:
+            self._side_stream = torch.cuda.Stream(x.device)
+        side = self._side_stream
+        shared = torch.empty_like(x)  # [T, H], allocated on the main stream before the fork
+        side.wait_stream(main)  # fork: x, the router's output and the LoRA metadata are ready
+        with torch.cuda.stream(side):
+            shared.copy_(self.shared_experts(x, lora))  # its temporaries live and die on the side stream
+        routed = self.experts(x, topk_weights, topk_ids, lora)
+        main.wait_stream(side)  # join before the add
+        return routed + shared

@@ -5,6 +5,11 @@ with q_a_proj into `fused_qkv_a_proj` when both exist: one GEMM over the hidden 
 kv_b_proj; o_proj. The cache holds per token the normalized latent and the rotated shared key. Sequences with
 one new token (decode) take the absorbed form, the others (prefill chunks) the expanded form; kv_b_proj's LoRA
 enters both in factored form per slot (moelora.kernels.mla).
+
+On a GPU with device metadata (attn.token_seq set) the latent write is unmasked (graph padding rows write into
+the cache's dummy block) and decode rows take the Triton absorbed decode (kernels.mla_triton), which reads
+token_seq / seq_lens_t / block_tables on the device: a batch of decode rows only, as every CUDA-graph batch is,
+reads no host data. Prefill chunks (eager only) keep the expanded reference.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
-from moelora.kernels.mla import KVBLoRAArgs, mla_decode_ref, mla_prefill_ref, write_latent_ref
+from moelora.kernels.groups import SlotGroups
+from moelora.kernels.mla import KVBLoRAArgs, mla_decode_ref, mla_prefill_ref, write_latent_direct, write_latent_ref
 from moelora.kernels.rotary import apply_rotary_interleaved_ref, apply_rotary_ref, rotary_cos_sin
 from moelora.layers.attention import AttentionMetadata
 from moelora.layers.linear import LoRALinear
@@ -38,6 +44,7 @@ class MLAttention(nn.Module):
         self.scale = m.softmax_scale
         self.rope_interleave, self.rope_fp32 = m.rope_interleave, m.rope_fp32
         self.absorb_decode = True  # False: every sequence takes the expanded form (tests compare the two)
+        self.device_kernels: bool | None = None  # None: the Triton path on CUDA; True: also on the CPU (interpreter)
         hidden, qk = cfg.hidden_size, m.qk_head_dim
         kv_a = self.kv_lora_rank + self.rope
         if self.q_lora_rank is None:
@@ -75,8 +82,10 @@ class MLAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_c)  # [T, C]
         q_pe, k_pe = self._rotate(q_pe, k_pe[:, None, :], positions)
         (cache,) = kv_cache
-        write_latent_ref(kv_c, k_pe[:, 0], cache, attn.slot_mapping)
-        o = self._attention(q_nope, q_pe, cache, attn, self._kv_b_lora(lora))  # [T, H, Dv]
+        on_device = (x.is_cuda if self.device_kernels is None else self.device_kernels) and attn.token_seq is not None
+        write = write_latent_direct if on_device else write_latent_ref
+        write(kv_c, k_pe[:, 0], cache, attn.slot_mapping)
+        o = self._attention(q_nope, q_pe, cache, attn, self._kv_b_lora(lora), on_device)  # [T, H, Dv]
         return self.o_proj(o.reshape(T, H * self.v_dim), lora)
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,15 +99,20 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.lora
         if not lora_active(w, lora):
             return None
-        return KVBLoRAArgs(token_slots=lora.token_slots, a=w.a, b=w.b_cat, scaling=w.scaling, ranks=w.rank_tensor)
+        return KVBLoRAArgs(token_slots=lora.token_slots, a=w.a, b=w.b_cat, scaling=w.scaling, ranks=w.rank_tensor,
+                           groups=lora.groups)
 
-    def _attention(self, q_nope, q_pe, cache, attn: AttentionMetadata, lora: KVBLoRAArgs | None) -> torch.Tensor:
-        """Decode sequences (one new token) in the absorbed form, the others in the expanded form."""
+    def _attention(self, q_nope, q_pe, cache, attn: AttentionMetadata, lora: KVBLoRAArgs | None,
+                   on_device: bool = False) -> torch.Tensor:
+        """Decode sequences (one new token) in the absorbed form, the others in the expanded form. Host lists
+        (query_start_loc) only pick the form; on the device the decode rows read device metadata only."""
         qsl, lens = attn.query_start_loc, attn.seq_lens
         w = self.kv_b_proj.weight
-        n = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
-        decode = [b for b in range(len(lens)) if n[b] == 1 and self.absorb_decode]
-        prefill = [b for b in range(len(lens)) if n[b] > 0 and b not in decode]
+        n = [qsl[b + 1] - qsl[b] for b in range(len(qsl) - 1)]
+        decode = [b for b in range(len(n)) if n[b] == 1 and self.absorb_decode]
+        prefill = [b for b in range(len(n)) if n[b] > 0 and b not in decode]
+        if on_device and not prefill:  # every CUDA-graph batch
+            return self._decode_device(q_nope, q_pe, cache, attn, lora, None)
         if not prefill or not decode:
             op = mla_decode_ref if decode else mla_prefill_ref
             return op(q_nope, q_pe, cache, w, attn.block_tables, lens, qsl, self.scale, lora)
@@ -108,7 +122,25 @@ class MLAttention(nn.Module):
             sub_qsl = [0]
             for b in seqs:
                 sub_qsl.append(sub_qsl[-1] + n[b])
-            sub_lora = None if lora is None else dataclasses.replace(lora, token_slots=lora.token_slots[rows])
+            if on_device and op is mla_decode_ref:
+                out[rows] = self._decode_device(q_nope, q_pe, cache, attn, lora, rows)
+                continue
+            sub_lora = None if lora is None else dataclasses.replace(lora, token_slots=lora.token_slots[rows], groups=None)
             tables = attn.block_tables[torch.tensor(seqs, device=attn.block_tables.device)]
             out[rows] = op(q_nope[rows], q_pe[rows], cache, w, tables, [lens[b] for b in seqs], sub_qsl, self.scale, sub_lora)
         return out
+
+    def _decode_device(self, q_nope, q_pe, cache, attn: AttentionMetadata, lora: KVBLoRAArgs | None,
+                       rows: torch.Tensor | None) -> torch.Tensor:
+        """Triton absorbed decode of all rows (rows None) or of the decode rows of a mixed eager batch."""
+        from moelora.kernels.mla_triton import mla_decode
+
+        token_seq = attn.token_seq
+        if rows is not None:
+            q_nope, q_pe, token_seq = q_nope[rows], q_pe[rows], token_seq[rows]
+            if lora is not None:  # eager: regroup the subset's rows by slot on the host
+                slots = lora.token_slots[rows]
+                lora = dataclasses.replace(lora, token_slots=slots,
+                                           groups=SlotGroups.build(slots.cpu(), lora.a.shape[1], slots.device))
+        return mla_decode(q_nope, q_pe, cache, self.kv_b_proj.weight, attn.block_tables, token_seq, attn.seq_lens_t,
+                          self.scale, lora)

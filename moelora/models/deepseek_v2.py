@@ -20,9 +20,10 @@ from moelora.models.moe_causal_lm import MoECausalLM
 
 class DeepseekForCausalLM(MoECausalLM):
     """The generic MoE causal LM with MLA attention and the DeepSeek MoE block (grouped router, shared experts).
-    Runs eager on a GPU for now: its MLA decode still reads host data (no CUDA graphs)."""
+    Its decode step reads no host data on a GPU (Triton absorbed decode, unmasked latent writes), so CUDA graphs
+    capture it like the GQA families."""
 
-    supports_cuda_graphs = False
+    supports_cuda_graphs = True
     attention_cls = MLAttention
     moe_cls = DeepseekMoE
 

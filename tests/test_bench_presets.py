@@ -1,0 +1,64 @@
+"""`moelora bench decode --preset deepseek-v2-lite`: the preset reads as DeepSeek-V2-Lite, the tiny preset runs
+on the CPU, and the byte floor counts the MLA weights and the latent cache, by hand."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from moelora.bench import decode
+from moelora.bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
+from moelora.config import ModelConfig
+from moelora.engine.llm_engine import EngineArgs, LLMEngine
+from moelora.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _folder(tmp_path, cfg: dict) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_lite_preset_reads_as_deepseek_v2_lite(tmp_path):
+    cfg = ModelConfig.from_pretrained(_folder(tmp_path, DEEPSEEK_V2_LITE))
+    m = cfg.mla
+    assert (m.kv_lora_rank, m.q_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (512, None, 128, 64, 128)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_experts) == (27, 2048, 16, 64)
+    assert cfg.num_experts_per_tok == 6 and cfg.shared_expert_intermediate_size == 2 * 1408
+    assert tuple(cfg.moe_layers[:2]) == (False, True) and cfg.rope_type == "yarn"
+
+
+def test_floor_counts_mla_weights_and_latent_cache(tmp_path):
+    c = DEEPSEEK_V2_LITE_TINY
+    eng = LLMEngine(EngineArgs(model=_folder(tmp_path, c), max_loras=1, max_lora_rank=8, load_format="dummy",
+                               max_model_len=128))
+    eng.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    got, touched = floor_bytes_from_tensors(eng, [eng.requests["r"]], ctx_len=10)
+    hid, H, C, R, Dn, Dv = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"], \
+        c["qk_nope_head_dim"], c["v_head_dim"]
+    attn = H * (Dn + R) * hid + (C + R) * hid + H * (Dn + Dv) * C + hid * H * Dv + C  # q, kv_a, kv_b, o, kv_a norm
+    norms = 2 * hid
+    dense = 3 * hid * c["intermediate_size"]
+    I, E = c["moe_intermediate_size"], c["n_routed_experts"]
+    moe = E * hid + touched[0] * 3 * hid * I + 3 * hid * I * c["n_shared_experts"]
+    latent = 10 * 2 * (C + R)  # ctx_len tokens, 2 layers, one latent + rope row each
+    expect = (2 * (attn + norms) + dense + moe + latent + c["vocab_size"] * hid) * 4  # fp32
+    assert touched == [c["num_experts_per_tok"]] and got == expect
+
+
+def test_bench_decode_tiny_deepseek_preset(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    decode.add_arguments(p)
+    p.add_argument("--out")
+    args = p.parse_args(["--preset", "deepseek-v2-lite", "--tiny", "--batches", "2", "--adapter-counts", "0,2",
+                         "--workloads", "ctx1024", "--decode-steps", "1", "--out", str(tmp_path)])
+    assert decode.run(args) == 0
+    res = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
+    rows = res["rows"]
+    assert [r["adapters"] for r in rows] == [0, 2] and all(r["model"] == "tiny DeepSeek-V2-Lite" for r in rows)
+    assert rows[1]["floor_bytes"] > rows[0]["floor_bytes"]  # the adapters' factors count
+    assert torch.tensor([r["tokens_per_s"] for r in rows]).gt(0).all()
