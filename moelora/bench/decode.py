@@ -75,7 +75,8 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
     el = torch.empty((), dtype=m.dtype).element_size()
     H, I, qs, kvs = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_size, cfg.kv_size
     n = len(reqs)
-    slots = torch.tensor([r.slot for r in reqs])
+    # the slot each request's adapter sits in (a finished request's own slot field is already -1)
+    slots = torch.tensor([engine.pool.slot_of(r.adapter) if r.adapter and engine.pool else -1 for r in reqs])
     total, touched = 0, []
     for layer in m.model.layers:
         total += (H * (qs + 2 * kvs) + qs * H) * el  # attention
@@ -102,7 +103,9 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
     names = [f"ad{i}" for i in range(n_adapters)]
     prompt_len, gen_len = (128, 128) if workload == "vllm" else (1024, steps + 1)
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    # sampled (not greedy) tokens: a dummy-weight model decoding greedily falls into repeating one token,
+    # and identical rows would all route to the same top-k experts; sampling keeps tokens spread over them
+    params = SamplingParams(max_tokens=gen_len, temperature=1.0, ignore_eos=True)
     ids = []
     for i in range(batch):
         prompt = torch.randint(0, engine.config.vocab_size, (prompt_len,), generator=g).tolist()
@@ -153,13 +156,22 @@ def run(args: argparse.Namespace) -> int:
         engine.step()
     engine.pop_finished("startup")
     startup_s = time.perf_counter() - t0
+    plan = getattr(engine, "memory_plan", None)
+    print(f"start-up to first token {startup_s:.1f} s (dummy weights, LoRA slots, "
+          f"{'CUDA graphs captured' if engine.runner.graphs is not None else 'eager'}); memory plan (GiB): "
+          f"{plan.as_gib() if plan else '-'}", flush=True)
     dev, dt = engine.device, engine.model.dtype
     targets = engine.model.lora_targets()
     for i in range(max(counts)):
         engine.registry.register(random_adapter(f"ad{i}", targets, args.lora_rank, i, dev, dt))
-    load_s = _adapter_load_time(engine, targets, args.lora_rank)
+    load_s, adapter_bytes = _adapter_load_time(engine, targets, args.lora_rank)
+    print(f"one adapter ({adapter_bytes / 1e9:.2f} GB, rank {args.lora_rank}) loaded from disk in {load_s:.2f} s",
+          flush=True)
     bw = hbm_bandwidth_gbs() if dev.type == "cuda" else None
     rows = []
+    head = {"hbm_gbs": bw, "startup_to_first_token_s": startup_s, "adapter_load_s": load_s,
+            "adapter_bytes": adapter_bytes, "graphs": engine.runner.graphs is not None,
+            "lora_overlap": args.lora_overlap == "on", "memory_plan_gib": plan.as_gib() if plan else None}
     for workload in args.workloads.split(","):
         for batch in batches:
             for n in counts:
@@ -169,18 +181,17 @@ def run(args: argparse.Namespace) -> int:
                          dtype=args.dtype, rank=args.lora_rank if n else 0)
                 r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw else None
                 rows.append(r)
+                write_result("decode", {**head, "rows": rows}, args.out)  # after every row: a cut-off run keeps its rows
                 fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
                 print(f"{workload:8s} batch {batch:4d} adapters {n}: {r['tokens_per_s']:9.1f} tok/s  step "
                       f"{r['step_ms']:7.2f} ms  floor {fl}  experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}",
                       flush=True)
-    path = write_result("decode", {"hbm_gbs": bw, "startup_to_first_token_s": startup_s,
-                                   "adapter_load_s": load_s, "graphs": engine.runner.graphs is not None,
-                                   "rows": rows}, args.out)
-    print(f"start-up to first token {startup_s:.1f} s; one adapter loaded from disk in {load_s:.2f} s\nresults: {path}")
+    path = write_result("decode", {**head, "rows": rows}, args.out)
+    print(f"results: {path}")
     return 0
 
 
-def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> float:
+def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> tuple[float, int]:
     """Write one random adapter in PEFT's target_parameters layout, then time reading, validating and
     copying it into a slot."""
     from safetensors.torch import save_file
@@ -204,6 +215,7 @@ def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> float:
         tensors[f"base_model.model.{p}.lora_B.weight"] = d.b.permute(1, 2, 0).reshape(d.b.shape[1], -1).contiguous()
     folder = tempfile.mkdtemp(prefix="moelora-adapter-")
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    nbytes = os.path.getsize(os.path.join(folder, "adapter_model.safetensors"))
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}, f)
     t0 = time.perf_counter()
@@ -214,4 +226,4 @@ def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> float:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     engine.unload_adapter("from_disk")
-    return dt
+    return dt, nbytes

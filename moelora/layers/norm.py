@@ -1,9 +1,15 @@
-"""RMSNorm module over the kernels' reference op."""
+"""RMSNorm module: the Triton kernel on a GPU, the reference op elsewhere."""
 
 import torch
 from torch import nn
 
 from moelora.kernels.norm import rms_norm_ref
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    from moelora.kernels._triton import HAS_TRITON
+
+    return x.is_cuda and HAS_TRITON
 
 
 class RMSNorm(nn.Module):
@@ -13,4 +19,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from moelora.kernels.norm_triton import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[0]
         return rms_norm_ref(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm on a GPU."""
+        if use_triton(x):
+            from moelora.kernels.norm_triton import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        r = x + residual
+        return rms_norm_ref(r, self.weight, self.eps), r

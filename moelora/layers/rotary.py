@@ -21,6 +21,9 @@ class RotaryEmbedding(nn.Module):
 
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
         self.register_buffer("inv_freq", inv_freq.float().to(device), persistent=False)
+        from moelora.kernels._triton import HAS_TRITON
+
+        self.fused_ok = HAS_TRITON and head_dim % 2 == 0  # the GPU's fused q/k-norm + rotary kernel applies
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D] · k: [T, Hkv, D] · positions: [T]."""

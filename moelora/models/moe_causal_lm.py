@@ -35,9 +35,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, x, positions, attn, kv_cache, lora):
-        x = x + self.self_attn(self.input_layernorm(x), positions, attn, kv_cache, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(self, x, residual, positions, attn, kv_cache, lora):
+        """x: this layer's input delta [T, H] (the embeddings for layer 0, with residual None) · residual: the
+        running hidden state before x is added. Returns (mlp output, residual): the hidden state after this
+        layer is their sum, added (fused into a norm) by the next layer or the final norm."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)
+        a = self.self_attn(h, positions, attn, kv_cache, lora)
+        h, residual = self.post_attention_layernorm.add_norm(a, residual)
+        return self.mlp(h, lora), residual
 
 
 class Backbone(nn.Module):
@@ -85,9 +94,10 @@ class MoECausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] · kv_caches: per layer (k_cache, v_cache) · returns hidden [T, H]."""
         x = self.model.embed_tokens(input_ids)  # [T, H]
+        residual = None
         for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, attn, cache, lora)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, attn, cache, lora)
+        return self.model.norm.add_norm(x, residual)[0]
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

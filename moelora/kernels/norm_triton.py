@@ -1,0 +1,114 @@
+"""Triton RMSNorm (optionally fused with the residual add) and the fused per-head q/k RMSNorm + rotary.
+
+One launch each instead of the 8 (norm) and ~20 (q/k norms + rotary) small torch ops of the references;
+rounding follows the references step by step (statistics in fp32, each product rounded to the input dtype
+where the reference rounds it), so outputs agree with them to the last bit up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora.kernels._triton import HAS_TRITON, require_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, D, sx, sr, sy, sro, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < D
+        x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(r_ptr + row * sr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(ro_ptr + row * sro + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        n = (xf * rstd).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * sy + offs, (n * w).to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, sqt, sqh, skt, skh, eps, scaling,
+                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        if h < Hq:
+            base = q_ptr + t * sqt + h * sqh
+            w_ptr = qw_ptr
+        else:
+            base = k_ptr + t * skt + (h - Hq) * skh
+            w_ptr = kw_ptr
+        offs = tl.arange(0, BLOCK_H)
+        mask = offs < HALF
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
+        dt = x1.dtype
+        if NORM:  # per-head RMSNorm over both halves, as rms_norm_ref
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
+            w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+            x1 = ((f1 * rstd).to(dt).to(tl.float32) * w1).to(dt)
+            x2 = ((f2 * rstd).to(dt).to(tl.float32) * w2).to(dt)
+        pos = tl.load(pos_ptr + t).to(tl.float32)
+        freq = pos * tl.load(inv_ptr + offs, mask=mask, other=0.0)
+        c = (tl.cos(freq) * scaling).to(dt).to(tl.float32)
+        s = (tl.sin(freq) * scaling).to(dt).to(tl.float32)
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        # y = x * cos + rotate_half(x) * sin, each product rounded to the dtype as the reference does
+        y1 = ((a1 * c).to(dt).to(tl.float32) + (-a2 * s).to(dt).to(tl.float32)).to(dt)
+        y2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+        tl.store(base + offs, y1, mask=mask)
+        tl.store(base + HALF + offs, y2, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Semantics (rms_norm_ref, with an optional residual add first):
+        if residual is not None: x = residual = (x + residual)      # in x.dtype, returned as the new residual
+        y = weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)
+    x, residual: [..., D] (last dim contiguous) · weight: [D] · returns (y [..., D], new residual or None)
+    """
+    require_triton()
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        r2 = residual.reshape(-1, D)
+        ro = torch.empty_like(y)
+    else:
+        r2 = ro = y  # unused
+    if rows:
+        _rms_norm_kernel[(rows,)](x2, r2, weight, y, ro, D, x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0),
+                                  eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(D))
+    return y.view(x.shape), (ro.view(x.shape) if residual is not None else None)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+    """In place, per token t and head h (neox rotary on the two halves), as rms_norm_ref then apply_rotary_ref:
+        if weights: q[t, h] = rms_norm(q[t, h], q_weight) ; k[t, h] = rms_norm(k[t, h], k_weight)
+        c, s = cos(positions[t] * inv_freq) * attention_scaling, sin(...) * attention_scaling   (fp32, then dtype)
+        x = cat(x1, x2) -> cat(x1 * c - x2 * s, x2 * c + x1 * s)   for x in q[t, h], k[t, h]
+    q: [T, Hq, D] · k: [T, Hkv, D] (last dim contiguous; views into the qkv output are fine) · positions: [T]
+    q_weight, k_weight: [D] or both None · inv_freq: [D/2] fp32
+    """
+    require_triton()
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError(f"qk_norm_rope: q and k need a contiguous head dim, got strides {q.stride()} and {k.stride()}")
+    norm = q_weight is not None
+    if T:
+        _qk_norm_rope_kernel[(T, Hq + Hkv)](
+            q, k, q_weight if norm else inv_freq, k_weight if norm else inv_freq, positions, inv_freq,
+            Hq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, attention_scaling,
+            HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), NORM=norm,
+        )
