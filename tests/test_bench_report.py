@@ -58,9 +58,12 @@ def test_plot_writes_every_png(report_json, tmp_path):
     pytest.importorskip("matplotlib")
     out = str(tmp_path / "png")
     assert main(["bench", "plot", report_json, report_json, "--out", out]) == 0  # two files merge
-    pngs = sorted(os.listdir(out))
-    assert [p.rsplit("-", 1)[1] for p in pngs] == ["floor.png", "kept.png", "peft.png", "tokens.png"]
-    assert all(os.path.getsize(os.path.join(out, p)) > 10_000 for p in pngs)
+    files = sorted(os.listdir(out))
+    assert [p.rsplit("-", 1)[1] for p in files] == ["floor.png", "kept.png", "peft.png", "summary.md", "tokens.png"]
+    assert all(os.path.getsize(os.path.join(out, p)) > 10_000 for p in files if p.endswith(".png"))
+    with open(os.path.join(out, next(p for p in files if p.endswith(".md")))) as f:
+        table = f.read()
+    assert "| batch | no adapter | 1 adapter | 2 adapters |" in table and "transformers + PEFT" in table
 
 
 def test_floor_and_share_arithmetic():

@@ -5,7 +5,8 @@
 - `<stem>-floor.png`: decode step time as a multiple of the byte-floor time;
 - `<stem>-kept.png`: share of the no-adapter throughput kept vs adapters, beside SGLang's published and
   vLLM 0.26's measured figures (`published.py`);
-- `<stem>-peft.png`: moelora vs transformers + PEFT, tokens/s vs batch.
+- `<stem>-peft.png`: moelora vs transformers + PEFT, tokens/s vs batch;
+- `<stem>-summary.md`: the same figures as markdown tables (`summary.py`).
 Several files (parts of one split run) are merged into one set of plots.
 """
 
@@ -16,6 +17,7 @@ import os
 
 from moelora.bench.figures import add_kept
 from moelora.bench.published import KEPT, VLLM_TOKENS_PER_S, kept_value
+from moelora.bench.summary import markdown
 
 ADAPTER_COLORS = {0: "#222222", 1: "#1f77b4", 2: "#17becf", 4: "#2ca02c", 8: "#d62728", 32: "#9467bd"}
 PLOTTED_ADAPTERS = (0, 1, 2, 4, 8)  # tokens/s and floor plots: the counts a reader compares first
@@ -253,5 +255,9 @@ def plot_files(files: list[str], out_dir: str | None = None) -> list[str]:
     out_dir = out_dir or os.path.dirname(os.path.abspath(files[0]))
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.splitext(os.path.basename(files[0]))[0]
-    return [fn(plt, d, os.path.join(out_dir, f"{stem}-{name}.png"))
-            for name, fn in (("tokens", plot_tokens), ("floor", plot_floor), ("kept", plot_kept), ("peft", plot_peft))]
+    paths = [fn(plt, d, os.path.join(out_dir, f"{stem}-{name}.png"))
+             for name, fn in (("tokens", plot_tokens), ("floor", plot_floor), ("kept", plot_kept), ("peft", plot_peft))]
+    table = os.path.join(out_dir, f"{stem}-summary.md")
+    with open(table, "w") as f:
+        f.write(markdown(d))
+    return paths + [table]

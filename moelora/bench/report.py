@@ -319,6 +319,9 @@ def run_report(args: argparse.Namespace) -> str:
     finally:
         bar.close()
         path = rep.save()
+    from moelora.bench.summary import markdown
+
+    print(markdown(rep.data))
     print(f"results: {path}")
     if not args.no_plot:
         try:
