@@ -28,6 +28,7 @@ from moelora.bench.figures import add_kept, floor_ms, matmul_flops, mean, prefil
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
 
+LABELS = {"deepseekv2lite": "DeepSeek-V2-Lite"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "fp8"}
 
 # grids: (quick, full, tiny); a command-line option replaces one entry
@@ -96,11 +97,15 @@ def _norm(name: str) -> str:
 
 
 def _preset(name: str, tiny: bool) -> dict | None:
-    """An HF config dict from moelora/bench/presets.py (PRESETS / TINY_PRESETS: name -> config), if present."""
+    """An HF config dict from moelora/bench/presets.py: the constant named like the model (DEEPSEEK_V2_LITE,
+    with _TINY for --tiny), or an entry of a PRESETS / TINY_PRESETS table; None if there is none."""
     try:
         from moelora.bench import presets
     except ImportError:
         return None
+    const = "".join(c if c.isalnum() else "_" for c in name).upper() + ("_TINY" if tiny else "")
+    if isinstance(getattr(presets, const, None), dict):
+        return dict(getattr(presets, const))
     table = getattr(presets, "TINY_PRESETS" if tiny else "PRESETS", None) or {}
     for key, cfg in table.items():
         if _norm(key) == _norm(name):
@@ -117,9 +122,9 @@ def model_configs(names: list[str], tiny: bool) -> tuple[list[tuple[str, dict]],
             continue
         cfg = _preset(name, tiny)
         if cfg is None:
-            notes.append(f"model {name!r}: no preset in moelora/bench/presets.py ({'TINY_PRESETS' if tiny else 'PRESETS'}); skipped")
+            notes.append(f"model {name!r}: no preset for it in moelora/bench/presets.py; skipped")
         else:
-            out.append((("tiny " if tiny else "") + name, cfg))
+            out.append((("tiny " if tiny else "") + LABELS.get(_norm(name), name), cfg))
     return out, notes
 
 
@@ -321,7 +326,8 @@ def run_report(args: argparse.Namespace) -> str:
         path = rep.save()
     from moelora.bench.summary import markdown
 
-    print(markdown(rep.data))
+    with open(path) as f:
+        print(markdown(json.load(f)))
     print(f"results: {path}")
     if not args.no_plot:
         try:
@@ -356,11 +362,16 @@ def _engine_cases(rep: Report, bar, g: dict, label: str, folder: str, dtype: str
     try:
         engine = _build_engine(folder, dtype, rank, slots, g, device, kv_bytes)
     except Exception as e:  # e.g. fp8 before the engine supports it
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         rep.note(f"{label} {dtype} rank {rank}: engine refused ({type(e).__name__}: {str(e)[:200]}); its cases skipped")
         bar.update(n_cases)
         rep.save()
         return
     _register_adapters(engine, slots, rank)
+    for n in sorted({0, min(1, slots)}):  # untimed: first replays, adapter loads, lazy initialisation
+        decode._case(engine, 1, n, "ctx1024", 4, seed=99)
     build_s = time.perf_counter() - t0
     rep.data["engines"].append({"model": label, "dtype": dtype, "rank": rank, "max_loras": slots, "build_s": build_s,
                                 "layers": engine.config.num_hidden_layers, "graphs": engine.runner.graphs is not None,
