@@ -20,8 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def report_json(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("report"))
     # the PEFT baseline runs 1 of the tiny model's 2 layers, so the scaling path is exercised
-    assert main(["bench", "report", "--tiny", "--out", out, "--hf-layers", "1", "--no-plot", "--device", "cpu"]) == 0
-    (path,) = glob.glob(os.path.join(out, "report-*-cpu.json"))
+    assert main(["bench", "report", "--tiny", "--out", out, "--hf-layers", "1", "--no-plot", "--device", "cpu",
+                 "--tag", "part1"]) == 0
+    (path,) = glob.glob(os.path.join(out, "report-*-cpu-part1.json"))
     return path
 
 

@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-mode", choices=["default", "static"], default="default",
                    help="transformers generate(): default (dynamic cache) or static (static cache + torch.compile, "
                         "compiles once per batch shape)")
+    p.add_argument("--tag", default=None,
+                   help="suffix of the JSON's name (report-<date>-<device>-TAG.json), for the parts of a split run")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNGs at the end")
 
 
@@ -269,8 +271,9 @@ def prefill_case(engine: LLMEngine, prompts: int, prompt_len: int, n_adapters: i
 class Report:
     """The JSON being built; saved after every case."""
 
-    def __init__(self, out_dir: str, settings: dict) -> None:
+    def __init__(self, out_dir: str, settings: dict, tag: str | None = None) -> None:
         self.out_dir = out_dir
+        self.suffix = f"-{tag}" if tag else ""
         self.data: dict = {"settings": settings, "notes": [], "ceilings": {}, "engines": [], "decode": [],
                            "prefill": [], "peft": None}
         self.path: str | None = None
@@ -281,7 +284,7 @@ class Report:
     def save(self) -> str:
         add_kept(self.data["decode"])
         add_kept(self.data["prefill"])
-        self.path = write_result("report", self.data, self.out_dir)
+        self.path = write_result("report", self.data, self.out_dir, self.suffix)
         return self.path
 
 
@@ -302,7 +305,7 @@ def run_report(args: argparse.Namespace) -> str:
     models, notes = model_configs(g["models"], args.tiny)
     settings = {k: (sorted(v) if isinstance(v, set) else v) for k, v in g.items()}
     settings.update(quick=args.quick, hf_mode=args.hf_mode, decode_prompt_len=128 if g["workload"] == "vllm" else 1024, decode_new_tokens=128 if g["workload"] == "vllm" else g["decode_steps"] + 1)
-    rep = Report(args.out, settings)
+    rep = Report(args.out, settings, args.tag)
     for n in notes:
         rep.note(n)
     rep.note("dummy (random) weights at the real dimensions; adapters on q/k/v/o and every expert's gate/up/down, "
