@@ -14,6 +14,7 @@ it measured; `moelora bench plot` draws the PNGs from one or more such files.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -29,7 +30,19 @@ from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
 
 LABELS = {"deepseekv2lite": "DeepSeek-V2-Lite"}
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "fp8"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+QUANTIZED = {"fp8": 1.0, "nvfp4": 0.5625}  # base-weight bytes per element (nvfp4: 4 bits + an e4m3 scale per 16)
+
+
+def engine_dtype(dtype: str) -> dict:
+    """EngineArgs fields for a report dtype: bf16/fp16/fp32 directly; fp8/nvfp4 as a quantized base with bf16
+    activations and LoRA (EngineArgs.quantization), or passed as the dtype (and refused) where the engine
+    has no quantization field."""
+    if dtype in QUANTIZED:
+        if "quantization" in {f.name for f in dataclasses.fields(EngineArgs)}:
+            return {"dtype": "bfloat16", "quantization": dtype}
+        return {"dtype": dtype}
+    return {"dtype": DTYPES.get(dtype, dtype)}
 
 # grids: (quick, full, tiny); a command-line option replaces one entry
 GRIDS: dict[str, dict] = {
@@ -57,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="decode,prefill,peft",
                    help="what to run, a comma list of decode, prefill, peft (default: all; the ceilings always)")
     p.add_argument("--models", default=None, help="comma list of qwen3-30b-a3b, deepseek-v2-lite")
-    p.add_argument("--dtypes", default=None, help="comma list of bf16, fp8 (fp8 is skipped with a note if refused)")
+    p.add_argument("--dtypes", default=None,
+                   help="comma list of bf16, fp8, nvfp4 (base weights; activations and LoRA bf16); default bf16,fp8 "
+                        "(--quick: bf16); one the engine refuses is skipped with a note")
     p.add_argument("--ranks", default=None, help="LoRA ranks (default 16,64; --quick 16)")
     p.add_argument("--batches", default=None, help="decode batch sizes (default 1,16,64,128,256)")
     p.add_argument("--adapter-counts", default=None, help="distinct adapters per batch (default 0,1,4,8,32)")
@@ -178,8 +193,8 @@ def _meta_sizes(folder: str, dtype: str, rank: int) -> dict:
     m = build_model(cfg, None, dtype="bfloat16", device="meta", load_format="none", max_loras=1, max_lora_rank=rank)
     weights = active = 0
     for name, p in m.named_parameters():
-        fp8 = dtype == "fp8" and p.dim() >= 2 and "embed" not in name and "lm_head" not in name
-        weights += p.numel() * (1 if fp8 else 2)
+        quantized = dtype in QUANTIZED and p.dim() >= 2 and "embed" not in name and "lm_head" not in name
+        weights += p.numel() * (QUANTIZED[dtype] if quantized else 2)
         if "embed" in name or "lm_head" in name:
             continue
         routed = ".experts." in name and "shared" not in name
@@ -194,7 +209,7 @@ def _kv_bytes(folder: str, dtype: str, tokens: int, block_size: int = 16) -> int
     from moelora.engine.kv_cache import KVCache
 
     cfg = ModelConfig.from_pretrained(folder)
-    kv_dtype = torch.bfloat16 if dtype in ("fp8", "bfloat16") else getattr(torch, dtype)
+    kv_dtype = torch.bfloat16 if dtype in QUANTIZED or dtype == "bfloat16" else getattr(torch, dtype)
     return KVCache.bytes_per_block(cfg, block_size, kv_dtype) * (-(-tokens // block_size))
 
 
@@ -210,7 +225,7 @@ def _slots_that_fit(device: torch.device, sizes: dict, kv_bytes: int, wanted: in
 def _build_engine(folder: str, dtype: str, rank: int, slots: int, g: dict, device: torch.device, kv_bytes: int | None) -> LLMEngine:
     max_seqs = max(max(g["batches"]), g["prefill_prompts"])
     return LLMEngine(EngineArgs(
-        model=folder, max_loras=max(slots, 1), max_lora_rank=rank, dtype=DTYPES.get(dtype, dtype),
+        model=folder, max_loras=max(slots, 1), max_lora_rank=rank, **engine_dtype(dtype),
         device=str(device), load_format="dummy", max_num_seqs=max_seqs, max_num_batched_tokens=8192,
         max_model_len=max(g["prefill_len"], _ctx_len(g)) + 64, kv_cache_memory_bytes=kv_bytes,
         max_graph_batch_size=max(g["batches"]),
@@ -354,7 +369,7 @@ def _engine_cases(rep: Report, bar, g: dict, label: str, folder: str, dtype: str
     bar.set_postfix_str(f"building {label} {dtype} r{rank}")
     sizes = _meta_sizes(folder, dtype, rank)
     kv_tokens = max(max(g["batches"]) * (_ctx_len(g) + 16), g["prefill_prompts"] * (g["prefill_len"] + 16))
-    kv_bytes = _kv_bytes(folder, DTYPES.get(dtype, dtype), kv_tokens) if device.type == "cuda" else None
+    kv_bytes = _kv_bytes(folder, engine_dtype(dtype)["dtype"], kv_tokens) if device.type == "cuda" else None
     wanted = max(g["adapter_counts"] + g["prefill_adapters"])
     slots = _slots_that_fit(device, sizes, kv_bytes or 0, wanted)
     skipped = [n for n in sorted(set(g["adapter_counts"] + g["prefill_adapters"])) if n > slots]
