@@ -135,7 +135,8 @@ def model_configs(names: list[str], tiny: bool) -> tuple[list[tuple[str, dict]],
     out, notes = [], []
     for name in names:
         if _norm(name) == _norm("qwen3-30b-a3b"):
-            out.append(("tiny Qwen3-MoE" if tiny else "Qwen3-30B-A3B", dict(decode.TINY if tiny else decode.QWEN3_30B_A3B)))
+            cfg = decode.TINY if tiny else decode.QWEN3_30B_A3B
+            out.append(("tiny Qwen3-MoE" if tiny else "Qwen3-30B-A3B", dict(cfg)))
             continue
         cfg = _preset(name, tiny)
         if cfg is None:
@@ -222,7 +223,8 @@ def _slots_that_fit(device: torch.device, sizes: dict, kv_bytes: int, wanted: in
     return max(0, min(wanted, int(free // sizes["slot_bytes"])))
 
 
-def _build_engine(folder: str, dtype: str, rank: int, slots: int, g: dict, device: torch.device, kv_bytes: int | None) -> LLMEngine:
+def _build_engine(folder: str, dtype: str, rank: int, slots: int, g: dict, device: torch.device,
+                  kv_bytes: int | None) -> LLMEngine:
     max_seqs = max(max(g["batches"]), g["prefill_prompts"])
     return LLMEngine(EngineArgs(
         model=folder, max_loras=max(slots, 1), max_lora_rank=rank, **engine_dtype(dtype),
@@ -242,7 +244,9 @@ def _ctx_len(g: dict) -> int:
 def _register_adapters(engine: LLMEngine, count: int, rank: int) -> None:
     """`count` adapters named ad0.. sharing one set of random factors (values do not change the speed;
     each adapter still gets its own slot)."""
-    dtype = engine.model.dtype if engine.model.dtype.is_floating_point and engine.model.dtype.itemsize >= 2 else torch.bfloat16
+    dtype = engine.model.dtype
+    if not dtype.is_floating_point or dtype.itemsize < 2:  # a quantized base: LoRA factors stay bf16
+        dtype = torch.bfloat16
     factors = decode.random_adapter("factors", engine.model.lora_targets(), rank, 0, engine.device, dtype)
     for i in range(count):
         engine.registry.register(decode.LoRAAdapter(name=f"ad{i}", path="<memory>", modules=factors.modules))
@@ -303,11 +307,14 @@ class Report:
         return self.path
 
 
+def _engine_case_count(g: dict) -> int:
+    decode_cases = len(g["batches"]) * len(g["adapter_counts"]) * ("decode" in g["parts"])
+    return decode_cases + len(g["prefill_adapters"]) * ("prefill" in g["parts"])
+
+
 def _case_count(g: dict, n_models: int) -> int:
-    per_engine = len(g["batches"]) * len(g["adapter_counts"]) * ("decode" in g["parts"])
-    per_engine += len(g["prefill_adapters"]) * ("prefill" in g["parts"])
     peft = len(g["hf_batches"]) * len(g["hf_adapter_counts"]) * ("peft" in g["parts"])
-    return n_models * len(g["dtypes"]) * len(g["ranks"]) * per_engine + peft
+    return n_models * len(g["dtypes"]) * len(g["ranks"]) * _engine_case_count(g) + peft
 
 
 def run_report(args: argparse.Namespace) -> str:
@@ -319,7 +326,9 @@ def run_report(args: argparse.Namespace) -> str:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     models, notes = model_configs(g["models"], args.tiny)
     settings = {k: (sorted(v) if isinstance(v, set) else v) for k, v in g.items()}
-    settings.update(quick=args.quick, hf_mode=args.hf_mode, decode_prompt_len=128 if g["workload"] == "vllm" else 1024, decode_new_tokens=128 if g["workload"] == "vllm" else g["decode_steps"] + 1)
+    vllm = g["workload"] == "vllm"
+    settings.update(quick=args.quick, hf_mode=args.hf_mode, decode_prompt_len=128 if vllm else 1024,
+                    decode_new_tokens=128 if vllm else g["decode_steps"] + 1)
     rep = Report(args.out, settings, args.tag)
     for n in notes:
         rep.note(n)
@@ -363,7 +372,7 @@ def run_report(args: argparse.Namespace) -> str:
 def _engine_cases(rep: Report, bar, g: dict, label: str, folder: str, dtype: str, rank: int,
                   device: torch.device, bw: float, tflops: float | None) -> None:
     """Every decode and prefill case of one engine (model, dtype, rank)."""
-    n_cases = len(g["batches"]) * len(g["adapter_counts"]) * ("decode" in g["parts"]) + len(g["prefill_adapters"]) * ("prefill" in g["parts"])
+    n_cases = _engine_case_count(g)
     if not n_cases:
         return
     bar.set_postfix_str(f"building {label} {dtype} r{rank}")
@@ -445,7 +454,8 @@ def _decode_row(engine: LLMEngine, g: dict, batch: int, n: int, rank: int, bw: f
     return r
 
 
-def _prefill_row(engine: LLMEngine, g: dict, n: int, rank: int, sizes: dict, tflops: float | None, common: dict) -> dict:
+def _prefill_row(engine: LLMEngine, g: dict, n: int, rank: int, sizes: dict, tflops: float | None,
+                 common: dict) -> dict:
     prefill_case(engine, 1, g["prefill_len"], n, seed=5)  # warm-up: kernels compile for these shapes
     r = prefill_case(engine, g["prefill_prompts"], g["prefill_len"], n, seed=6)
     tokens = r["prompts"] * r["prompt_len"]
@@ -474,14 +484,15 @@ def _peft_cases(rep: Report, bar, g: dict, models: list[tuple[str, dict]], devic
 
     def on_case(row: dict) -> None:
         bar.write(f"transformers + PEFT batch {row['batch']:4d} adapters {row['adapters']:2d}: "
-                  f"{row['tokens_per_s']:9.1f} tok/s (scaled; {row['tokens_per_s_measured']:.1f} measured, {row['passes']} passes)")
+                  f"{row['tokens_per_s']:9.1f} tok/s (scaled; {row['tokens_per_s_measured']:.1f} measured, "
+                  f"{row['passes']} passes)")
         bar.update()
 
     try:
         res = run_peft_baseline(cfg, full_layers=full, layers=layers, batches=g["hf_batches"],
                                 adapter_counts=g["hf_adapter_counts"], rank=g["ranks"][0], prompt_len=prompt_len,
-                                new_tokens=g["hf_new_tokens"], device=device, dtype=dtype, mode=rep.data["settings"]["hf_mode"],
-                                on_case=on_case)
+                                new_tokens=g["hf_new_tokens"], device=device, dtype=dtype,
+                                mode=rep.data["settings"]["hf_mode"], on_case=on_case)
     except Exception as e:
         rep.note(f"transformers + PEFT baseline failed: {type(e).__name__}: {str(e)[:300]}")
         return
