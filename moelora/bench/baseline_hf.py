@@ -3,8 +3,8 @@ Hugging Face model of the same configuration, with PEFT LoRA adapters (q/k/v/o a
 gate_up/down through `target_parameters`).
 
 PEFT refuses mixed-adapter batches on fused 3-D experts, so a batch of B rows over n adapters runs as n passes
-of about B/n rows, one adapter each; a mixed batch is tried too, and measured if PEFT accepts it. Decode time is the time of
-`generate(new_tokens)` minus `generate(1)` (the prefill and first token), so it counts decode steps only.
+of about B/n rows, one adapter each; a mixed batch is tried too, and measured if PEFT accepts it. Decode time runs
+from the first token's logits to the last's (a logits processor notes the times), so it counts decode steps only.
 The model may have fewer layers than the real one (time, memory); tokens/s is then scaled to the full layer
 count and both numbers are kept.
 """
@@ -38,20 +38,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _generate_s(model, ids: torch.Tensor, new_tokens: int, gen_kwargs: dict, **kw) -> float:
-    """Seconds for one generate() of exactly `new_tokens` tokens."""
-    _sync(ids.device)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **gen_kwargs, **kw)
-    _sync(ids.device)
-    return time.perf_counter() - t0
+class _StepClock:
+    """A logits processor that only notes the time each step's logits are ready (after a device sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
 
 
 def _decode_s(model, ids: torch.Tensor, new_tokens: int, gen_kwargs: dict, **kw) -> float:
-    """Decode-only seconds: generate(new_tokens) - generate(1)."""
-    return max(_generate_s(model, ids, new_tokens, gen_kwargs, **kw) - _generate_s(model, ids, 1, gen_kwargs, **kw), 1e-9)
+    """Seconds of the decode steps of one generate() of exactly `new_tokens` tokens: from the first token's
+    logits (the end of the prefill) to the last's, i.e. new_tokens - 1 steps."""
+    from transformers import LogitsProcessorList
+
+    clock = _StepClock(ids.device)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       logits_processor=LogitsProcessorList([clock]), **gen_kwargs, **kw)
+    return max(clock.times[-1] - clock.times[0], 1e-9)
 
 
 def run_peft_baseline(
@@ -75,7 +84,7 @@ def run_peft_baseline(
     def prompts(n: int) -> torch.Tensor:
         return torch.randint(0, config["vocab_size"], (n, prompt_len), generator=g).to(device)
 
-    _generate_s(model, prompts(1), 2, gen_kwargs)  # warm-up
+    _decode_s(model, prompts(1), 2, gen_kwargs)  # warm-up
     rows = []
 
     def record(batch: int, n: int, seconds: float, passes: int, mixed: bool) -> None:
@@ -98,7 +107,7 @@ def run_peft_baseline(
         for i in range(1, max(counts)):
             model.add_adapter(f"ad{i}", LoraConfig(**lora))
         model.eval()  # get_peft_model leaves it in training mode, where PEFT refuses adapter_names
-        _generate_s(model, prompts(1), 2, gen_kwargs)  # warm-up with LoRA
+        _decode_s(model, prompts(1), 2, gen_kwargs)  # warm-up with LoRA
         for b in batches:
             for n in counts:
                 seconds, sizes = 0.0, split_batch(b, n)
@@ -110,7 +119,7 @@ def run_peft_baseline(
             # last, because a refused mixed call leaves PEFT's forward hooks behind (the model is dropped after)
             mixed = [n for n in counts if n > 1]
             try:
-                _generate_s(model, prompts(2), 2, gen_kwargs, adapter_names=["ad0", "ad1"])
+                _decode_s(model, prompts(2), 2, gen_kwargs, adapter_names=["ad0", "ad1"])
             except Exception as e:  # PEFT 0.21: "lora.ParamWrapper does not support mixed adapter batches yet."
                 notes.append(f"PEFT refused a mixed-adapter batch ({type(e).__name__}: {str(e)[:160]}); "
                              "each batch of n adapters ran as n passes of one adapter")
