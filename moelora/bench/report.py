@@ -339,7 +339,7 @@ def run_report(args: argparse.Namespace) -> str:
     rep.data["ceilings"] = {"copy_gbs": bw, "matmul_tflops": {d: matmul_tflops(device, d) for d in ("bf16", "fp8")}}
     tflops = rep.data["ceilings"]["matmul_tflops"]["bf16"]
     rep.save()
-    bar = tqdm(total=_case_count(g, len(models)), desc="bench report", unit="case", dynamic_ncols=True)
+    bar = tqdm(total=_case_count(g, len(models)), desc="bench report", unit="case", dynamic_ncols=True, mininterval=2.0)
     try:
         for label, cfg in models:
             folder = _write_config(cfg)
