@@ -80,6 +80,18 @@ def _batch_axis(ax, batches: list[int]) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def _log_y(ax) -> None:
+    """A log y axis labelled with plain numbers (minor ticks too when the data span less than a decade)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    fmt = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}")
+    ax.yaxis.set_major_formatter(fmt)
+    lo, hi = ax.get_ylim()
+    ax.yaxis.set_minor_formatter(fmt if hi / max(lo, 1e-12) < 10 else NullFormatter())
+    ax.tick_params(axis="y", which="minor", labelsize=8)
+
+
 def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=12)
     ax.set_axis_off()
@@ -104,7 +116,7 @@ def plot_tokens(plt, d: dict, path: str) -> str:
                     ax.plot(ref["batch"], ref["tokens_per_s"], "^", color=_color(ref["adapters"]), markersize=9,
                             markeredgecolor="black", label=f"vLLM 0.26 (H200), {_adapters(ref['adapters'])}")
         _batch_axis(ax, batches)
-        ax.set_yscale("log")
+        _log_y(ax)
         ax.set_ylabel("decode tokens/s (log scale)")
         ax.set_title(f"{model}, {dtype}, LoRA rank {rank}")
         _legend(ax)
@@ -218,7 +230,7 @@ def plot_peft(plt, d: dict, path: str) -> str:
     layers = f"{peft['layers']} of {peft['full_layers']} layers, scaled to {peft['full_layers']}" \
         if peft["layers"] != peft["full_layers"] else f"{peft['layers']} layers"
     _batch_axis(ax, sorted({r["batch"] for r in peft["rows"]} | {r["batch"] for r in ours}))
-    ax.set_yscale("log")
+    _log_y(ax)
     ax.set_ylabel("decode tokens/s (log scale)")
     mixing = "mixed batches" if any(r.get("mixed_batch") for r in peft["rows"]) else \
         "one pass per adapter (PEFT refuses mixed batches)"
@@ -254,7 +266,8 @@ def plot_files(files: list[str], out_dir: str | None = None) -> list[str]:
     d = load(files)
     out_dir = out_dir or os.path.dirname(os.path.abspath(files[0]))
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.splitext(os.path.basename(files[0]))[0]
+    stems = [os.path.splitext(os.path.basename(f))[0] for f in files]
+    stem = os.path.commonprefix(stems).rstrip("-_") or stems[0]  # parts of a split run: their shared name
     paths = [fn(plt, d, os.path.join(out_dir, f"{stem}-{name}.png"))
              for name, fn in (("tokens", plot_tokens), ("floor", plot_floor), ("kept", plot_kept), ("peft", plot_peft))]
     table = os.path.join(out_dir, f"{stem}-summary.md")
