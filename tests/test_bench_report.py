@@ -48,10 +48,10 @@ def test_report_json_has_every_figure(report_json):
     assert all(r["tokens_per_s"] > 0 and r["flop_floor_s"] > 0 for r in d["prefill"])
     peft = d["peft"]
     assert peft["layers"] == 1 and peft["full_layers"] == 2
-    assert sorted((r["batch"], r["adapters"]) for r in peft["rows"] if not r["mixed_batch"]) == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    assert sorted((r["batch"], r["adapters"]) for r in peft["rows"] if not r["mixed_batch"]) == [(1, 0), (1, 2), (3, 0), (3, 2)]
     for r in peft["rows"]:
         assert r["tokens_per_s"] == pytest.approx(r["tokens_per_s_measured"] / 2)
-    assert next(r for r in peft["rows"] if (r["batch"], r["adapters"]) == (2, 2))["passes"] in (1, 2)
+    assert next(r for r in peft["rows"] if (r["batch"], r["adapters"]) == (3, 2))["passes"] in (1, 2)
     assert any("1 of 2 layers" in n for n in d["notes"])
 
 

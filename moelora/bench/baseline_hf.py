@@ -128,6 +128,10 @@ def run_peft_baseline(
                 for n in mixed:
                     names = [f"ad{i % n}" for i in range(b)]
                     record(b, n, _decode_s(model, prompts(b), new_tokens, gen_kwargs, adapter_names=names), 1, True)
+    notes.append(f"transformers generate() mode {mode!r}: " + (
+        "dynamic cache, SDPA attention, fused experts (transformers switches them to batched_mm for decoding); "
+        "--hf-mode static tries a static cache with torch.compile" if mode == "default" else
+        "static cache, compiled by generate() with torch.compile (compile time not counted)"))
     if layers != full_layers:
         notes.append(f"transformers + PEFT ran {layers} of {full_layers} layers; tokens_per_s is scaled by "
                      f"{layers}/{full_layers} (tokens_per_s_measured is the raw figure)")

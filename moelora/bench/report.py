@@ -55,7 +55,7 @@ GRIDS: dict[str, dict] = {
                   hf_layers=6, hf_batches="1,16,64", hf_adapter_counts="0,1,4", hf_new_tokens=16),
     "tiny": dict(models="qwen3-30b-a3b", dtypes="bf16,fp8", ranks="4", batches="1,3", adapter_counts="0,1,2",
                  workload="ctx", decode_steps=3, prefill_prompts=2, prefill_len=64, prefill_adapters="0,2",
-                 hf_layers=2, hf_batches="1,2", hf_adapter_counts="0,2", hf_new_tokens=3),
+                 hf_layers=2, hf_batches="1,3", hf_adapter_counts="0,2", hf_new_tokens=3),
 }
 RESERVE_BYTES = 8 << 30  # GPU memory left for activations, CUDA graphs and the allocator's slack
 
@@ -296,6 +296,7 @@ class Report:
         self.data: dict = {"settings": settings, "notes": [], "ceilings": {}, "engines": [], "decode": [],
                            "prefill": [], "peft": None}
         self.path: str | None = None
+        self.t0 = time.perf_counter()
 
     def note(self, text: str) -> None:
         self.data["notes"].append(text)
@@ -303,6 +304,7 @@ class Report:
     def save(self) -> str:
         add_kept(self.data["decode"])
         add_kept(self.data["prefill"])
+        self.data["elapsed_s"] = time.perf_counter() - self.t0
         self.path = write_result("report", self.data, self.out_dir, self.suffix)
         return self.path
 

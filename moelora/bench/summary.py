@@ -14,7 +14,12 @@ def markdown(d: dict) -> str:
     mm = c.get("matmul_tflops") or {}
     lines = [f"**{d.get('device')}**, {str(d.get('date', ''))[:16]} UTC, commit `{str(d.get('commit', ''))[:10]}`, "
              f"torch {d.get('torch', '?')}, Triton {d.get('triton', '—')}. Copy bandwidth {_fmt(c.get('copy_gbs'))} GB/s; "
-             f"matmul {_fmt(mm.get('bf16'), ',.1f')} TFLOP/s bf16, {_fmt(mm.get('fp8'), ',.1f')} fp8.", ""]
+             f"matmul {_fmt(mm.get('bf16'), ',.1f')} TFLOP/s bf16, {_fmt(mm.get('fp8'), ',.1f')} fp8. "
+             f"Run time {_fmt(d.get('elapsed_s'))} s.", ""]
+    for e in d.get("engines", []):
+        lines.append(f"- engine {e['model']} {e['dtype']} rank {e['rank']}: {e['layers']} layers, {e['max_loras']} LoRA "
+                     f"slots, CUDA graphs {'on' if e['graphs'] else 'off'}, built in {e['build_s']:.1f} s")
+    lines.append("")
     engines = list(dict.fromkeys((r["model"], r["dtype"], r["engine_rank"]) for r in d.get("decode", [])))
     for model, dtype, rank in engines:
         rows = [r for r in d["decode"] if (r["model"], r["dtype"], r["engine_rank"]) == (model, dtype, rank)]
@@ -48,8 +53,9 @@ def markdown(d: dict) -> str:
     if peft and peft.get("rows"):
         ours = {(r["batch"], r["adapters"]): r["tokens_per_s"] for r in d.get("decode", [])
                 if r["model"] == peft.get("model") and r["dtype"] == "bf16" and r["engine_rank"] == peft.get("rank")}
-        lines += [f"moelora vs transformers + PEFT ({peft.get('model')}, bf16, rank {peft.get('rank')}; PEFT ran "
-                  f"{peft['layers']} of {peft['full_layers']} layers, tokens/s scaled to {peft['full_layers']})", "",
+        layers = (f"PEFT ran {peft['layers']} of {peft['full_layers']} layers, tokens/s scaled to {peft['full_layers']}"
+                  if peft["layers"] != peft["full_layers"] else f"all {peft['layers']} layers")
+        lines += [f"moelora vs transformers + PEFT ({peft.get('model')}, bf16, rank {peft.get('rank')}; {layers})", "",
                   "| batch | adapters | moelora tokens/s | transformers + PEFT tokens/s | passes | moelora / PEFT |",
                   "|---:|---:|---:|---:|---:|---:|"]
         for r in peft["rows"]:
