@@ -99,6 +99,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from moelora.bench.decode import run as run_decode
 
         return run_decode(args)
+    if args.what == "report":
+        from moelora.bench.report import run_report
+
+        run_report(args)
+        return 0
+    if args.what == "plot":
+        from moelora.bench.plot import plot_files
+
+        for png in plot_files(args.files, args.out):
+            print(png)
+        return 0
     from moelora.bench.serve import main as serve_main
 
     return serve_main(args)
@@ -165,23 +176,55 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: `bench kernels` and `bench decode` (GPU), `bench serve` (a load generator against a running server)",
-        description="kernels: each multi-LoRA Triton kernel at Qwen3-30B-A3B expert shapes and a 4096-wide dense "
-        "layer, 1-256 tokens, 1-32 adapters, rank 16/64, beside a torch loop over adapters and the base GEMM. "
-        "decode: tokens/s and step time at Qwen3-30B-A3B or DeepSeek-V2-Lite (--preset) dimensions (dummy weights) beside the byte floor, with 0-8 "
-        "adapters, plus start-up and adapter-load times. serve: N concurrent clients against a running `moelora serve` (mixed adapters, streaming, optional early "
-        "disconnects): requests/s, tokens/s, TTFT and TPOT p50/p99, errors, and the server's KV/slot gauges. "
-        "Both write JSON (date, device, commit) under --out.",
+        help="benchmarks: kernels, decode, report (GPU); plot (PNGs from report JSON); serve (load generator)",
+        description="Each writes JSON (date, device, commit) under --out; `moelora bench WHAT --help` explains WHAT.",
     )
-    bench.add_argument("what", choices=["kernels", "decode", "serve"], help="what to measure")
-    bench.add_argument("--quick", action="store_true", help="kernels: a small subset of the cases")
-    bench.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
-    from moelora.bench.serve import add_arguments as _bench_serve_args
-
-    _bench_serve_args(bench)
+    bsub = bench.add_subparsers(dest="what", required=True, metavar="what")
+    kern = bsub.add_parser(
+        "kernels", help="each multi-LoRA Triton kernel against its byte floor (GPU)",
+        description="Each multi-LoRA Triton kernel at Qwen3-30B-A3B expert shapes and a 4096-wide dense layer, "
+        "1-256 tokens, 1-32 adapters, rank 16/64, beside a torch loop over adapters and the base GEMM.",
+    )
+    kern.add_argument("--quick", action="store_true", help="a small subset of the cases")
+    dec = bsub.add_parser(
+        "decode", help="model decode tokens/s at Qwen3-30B-A3B or DeepSeek-V2-Lite dimensions beside the byte floor (GPU)",
+        description="Tokens/s and step time at Qwen3-30B-A3B or DeepSeek-V2-Lite (--preset) dimensions (dummy weights) beside the byte floor, "
+        "with 0-8 adapters, plus start-up and adapter-load times.",
+    )
     from moelora.bench.decode import add_arguments as _bench_decode_args
 
-    _bench_decode_args(bench)
+    _bench_decode_args(dec)
+    rep = bsub.add_parser(
+        "report", help="the full comparison: ceilings, decode/prefill sweeps, transformers + PEFT, then plots (GPU)",
+        description="Measures the GPU's HBM bandwidth and matmul ceilings; runs decode sweeps (batch 1-256 x 0-32 "
+        "adapters x rank 16/64 x bf16/fp8) at Qwen3-30B-A3B and DeepSeek-V2-Lite dimensions with dummy weights, "
+        "each step beside its byte floor; prefill throughput on 2k-token prompts beside its FLOP floor; and the same "
+        "mixed-adapter decode workload on transformers + PEFT (fewer layers, scaled openly to the full count). "
+        "Writes report-<date>-<device>.json under --out after every case (a run cut short keeps what it measured), "
+        "then the PNGs if matplotlib is installed. Split a long run with --models/--dtypes/--ranks/--parts and "
+        "plot the files together.",
+    )
+    from moelora.bench.report import add_arguments as _bench_report_args
+
+    _bench_report_args(rep)
+    plot = bsub.add_parser(
+        "plot", help="PNG plots from one or more `bench report` JSON files (needs matplotlib; no GPU)",
+        description="Draws tokens/s vs batch (0/1/4/8 adapters), step time over the byte floor, the share of the "
+        "no-adapter throughput kept beside SGLang's published and vLLM 0.26's H200 figures, and moelora vs "
+        "transformers + PEFT. Several files (parts of one split run) are merged.",
+    )
+    plot.add_argument("files", nargs="+", metavar="FILE", help="report JSON files")
+    plot.add_argument("--out", default=None, help="folder for the PNGs (default: the first file's folder)")
+    srv_b = bsub.add_parser(
+        "serve", help="a load generator against a running `moelora serve`",
+        description="N concurrent clients against a running `moelora serve` (mixed adapters, streaming, optional "
+        "early disconnects): requests/s, tokens/s, TTFT and TPOT p50/p99, errors, and the server's KV/slot gauges.",
+    )
+    from moelora.bench.serve import add_arguments as _bench_serve_args
+
+    for sp in (kern, dec):
+        sp.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
+    _bench_serve_args(srv_b)
     bench.set_defaults(func=_cmd_bench)
 
     chk = sub.add_parser(

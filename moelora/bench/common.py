@@ -52,7 +52,8 @@ def hbm_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def write_result(kind: str, payload: dict, out_dir: str = "bench/results") -> str:
+def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffix: str = "") -> str:
+    """Write `payload` with date, device, commit and versions to <out_dir>/<kind>-<date>-<device><suffix>.json."""
     os.makedirs(out_dir, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     payload = {"kind": kind, "date": now.isoformat(timespec="seconds"), "device": device_name(),
@@ -64,7 +65,7 @@ def write_result(kind: str, payload: dict, out_dir: str = "bench/results") -> st
     except ImportError:
         pass
     dev = device_name().replace(" ", "-")
-    path = os.path.join(out_dir, f"{kind}-{now:%Y-%m-%d}-{dev}.json")
+    path = os.path.join(out_dir, f"{kind}-{now:%Y-%m-%d}-{dev}{suffix}.json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path

@@ -1,0 +1,108 @@
+"""`moelora bench report` end to end on a tiny model on the CPU (transformers + PEFT baseline included), the
+PNGs of `moelora bench plot`, and the floor / share / scaling arithmetic they rest on."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from moelora.bench import figures
+from moelora.bench.published import KEPT, VLLM_TOKENS_PER_S, kept_value
+from moelora.cli import build_parser, main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def report_json(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("report"))
+    # the PEFT baseline runs 1 of the tiny model's 2 layers, so the scaling path is exercised
+    assert main(["bench", "report", "--tiny", "--out", out, "--hf-layers", "1", "--no-plot", "--device", "cpu",
+                 "--tag", "part1"]) == 0
+    (path,) = glob.glob(os.path.join(out, "report-*-cpu-part1.json"))
+    return path
+
+
+def test_report_json_has_every_figure(report_json):
+    with open(report_json) as f:
+        d = json.load(f)
+    assert d["kind"] == "report" and d["device"] == "cpu" and d["commit"] and d["date"]
+    assert d["ceilings"]["copy_gbs"] > 0 and d["ceilings"]["matmul_tflops"]["bf16"] > 0
+    assert d["settings"]["batches"] == [1, 3] and d["settings"]["adapter_counts"] == [0, 1, 2]
+    (engine,) = [e for e in d["engines"] if e["dtype"] == "bf16"]
+    assert engine["max_loras"] == 2 and engine["rank"] == 4 and engine["slot_bytes"] > 0
+    bf16 = [r for r in d["decode"] if r["dtype"] == "bf16"]
+    assert sorted((r["batch"], r["adapters"]) for r in bf16) == [(b, n) for b in (1, 3) for n in (0, 1, 2)]
+    for r in bf16:
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["floor_bytes"] > 0
+        assert r["floor_ms"] == pytest.approx(figures.floor_ms(r["floor_bytes"], d["ceilings"]["copy_gbs"]))
+        assert r["step_over_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+        assert r["rank"] == (4 if r["adapters"] else 0) and r["kept"] is not None
+    assert all(r["kept"] == 1.0 for r in bf16 if r["adapters"] == 0)
+    # fp8: measured where the engine takes it, otherwise skipped with a note saying why
+    assert any(r["dtype"] == "fp8" for r in d["decode"]) or any("fp8" in n and "refused" in n for n in d["notes"])
+    assert sorted(r["adapters"] for r in d["prefill"] if r["dtype"] == "bf16") == [0, 2]
+    assert all(r["tokens_per_s"] > 0 and r["flop_floor_s"] > 0 for r in d["prefill"])
+    peft = d["peft"]
+    assert peft["layers"] == 1 and peft["full_layers"] == 2
+    assert sorted((r["batch"], r["adapters"]) for r in peft["rows"] if not r["mixed_batch"]) == [(1, 0), (1, 2), (3, 0), (3, 2)]
+    for r in peft["rows"]:
+        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_s_measured"] / 2)
+    assert next(r for r in peft["rows"] if (r["batch"], r["adapters"]) == (3, 2))["passes"] in (1, 2)
+    assert any("1 of 2 layers" in n for n in d["notes"])
+
+
+def test_plot_writes_every_png(report_json, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = str(tmp_path / "png")
+    assert main(["bench", "plot", report_json, report_json, "--out", out]) == 0  # two files merge
+    files = sorted(os.listdir(out))
+    assert [p.rsplit("-", 1)[1] for p in files] == ["floor.png", "kept.png", "peft.png", "summary.md", "tokens.png"]
+    assert all(os.path.getsize(os.path.join(out, p)) > 10_000 for p in files if p.endswith(".png"))
+    with open(os.path.join(out, next(p for p in files if p.endswith(".md")))) as f:
+        table = f.read()
+    assert "| batch | no adapter | 1 adapter | 2 adapters |" in table and "transformers + PEFT" in table
+
+
+def test_floor_and_share_arithmetic():
+    assert figures.floor_ms(4.25e9, 4250.0) == pytest.approx(1.0)  # 4.25 GB at 4,250 GB/s: 1 ms
+    assert figures.floor_ms(1e9, None) is None
+    assert figures.step_over_floor(3.0, 1.5) == pytest.approx(2.0)
+    assert figures.step_over_floor(3.0, None) is None
+    rows = [{"model": "m", "dtype": "bf16", "engine_rank": 16, "batch": 64, "adapters": 0, "tokens_per_s": 4000.0},
+            {"model": "m", "dtype": "bf16", "engine_rank": 16, "batch": 64, "adapters": 4, "tokens_per_s": 3000.0},
+            {"model": "m", "dtype": "bf16", "engine_rank": 64, "batch": 64, "adapters": 4, "tokens_per_s": 2000.0},
+            {"model": "m", "dtype": "fp8", "engine_rank": 16, "batch": 64, "adapters": 0, "tokens_per_s": 8000.0},
+            {"model": "m", "dtype": "fp8", "engine_rank": 16, "batch": 64, "adapters": 1, "tokens_per_s": 6000.0}]
+    figures.add_kept(rows)
+    assert [r["kept"] for r in rows] == [1.0, 0.75, None, 1.0, 0.75]  # rank-64 engine: no base row of its own
+    assert figures.scale_to_layers(120.0, 6, 48) == pytest.approx(15.0)
+    assert figures.split_batch(64, 4) == [16, 16, 16, 16]
+    assert figures.split_batch(10, 4) == [3, 3, 2, 2]
+    assert figures.split_batch(1, 8) == [1]
+    # 3.3e9 active weights x 2 FLOPs x 16k tokens at 790 TFLOP/s, no attention term
+    assert figures.prefill_flop_floor_s(3.3e9, 16384, 0.0, 790.0) == pytest.approx(2 * 3.3e9 * 16384 / 790e12)
+    assert figures.prefill_flop_floor_s(3.3e9, 16384, 0.0, None) is None
+
+
+def test_published_figures_are_well_formed():
+    assert all(e["source"] and 0 < kept_value(e)[1] <= kept_value(e)[2] <= 1 for e in KEPT)
+    assert kept_value({"kept": (0.54, 0.70)}) == pytest.approx((0.62, 0.54, 0.70))
+    vllm = {(r["dtype"], r["batch"], r["adapters"]): r["tokens_per_s"] for r in VLLM_TOKENS_PER_S}
+    for e in KEPT:  # vLLM's kept shares agree with its own tokens/s where both are single numbers
+        base = vllm.get((e["dtype"], e["batch"], 0))
+        if e["system"].startswith("vLLM") and base and not isinstance(e["kept"], tuple):
+            assert vllm[(e["dtype"], e["batch"], e["adapters"])] / base == pytest.approx(e["kept"], abs=0.01)
+
+
+def test_bench_subcommands_parse():
+    p = build_parser()
+    assert p.parse_args(["bench", "kernels", "--quick"]).quick
+    assert p.parse_args(["bench", "decode", "--tiny"]).out == "bench/results"
+    assert p.parse_args(["bench", "serve", "--url", "http://x"]).url == "http://x"
+    a = p.parse_args(["bench", "report", "--quick", "--models", "qwen3-30b-a3b", "--dtypes", "bf16"])
+    assert a.quick and a.what == "report" and a.models == "qwen3-30b-a3b"
+    assert p.parse_args(["bench", "plot", "a.json", "b.json"]).files == ["a.json", "b.json"]
