@@ -1,0 +1,47 @@
+"""Tiny FP8 checkpoints for tests: a tiny random model's linear weights quantized with the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import save_tiny_model, tmp
+from moelora.kernels.fp8 import dequantize_weight_block, quantize_weight_block
+
+BLOCK = (8, 16)  # block_n != block_k, so a transposed scale grid fails; both divide every fused slice of TINY
+TINY = dict(moe_intermediate_size=16, intermediate_size=32)  # q 32, kv 16, experts' I 16, dense I 32, hidden 32
+_QUANTIZED = re.compile(r".*(_proj\.weight|experts\.(gate_up_proj|down_proj))$")
+
+
+def write_fp8_checkpoint(root, family: str = "qwen3_moe", block=BLOCK, skip: tuple[str, ...] = (), seed: int = 0):
+    """(base transformers model, folder of the FP8 checkpoint, folder of its dequantized fp32 twin).
+    Every `*_proj.weight` (not the router `mlp.gate`, embeddings, norms, lm_head) becomes float8_e4m3fn with a
+    `weight_scale_inv` per block; names matching `skip` stay fp32 (as `modules_to_not_convert`)."""
+    src = tmp(root, "bf16")
+    base = save_tiny_model(family, src, seed=seed, **TINY)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    fp8, deq = {}, {}
+    for name, t in tensors.items():
+        if _QUANTIZED.match(name) and not any(s in name for s in skip):
+            q, s = quantize_weight_block(t, block)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            deq[name] = dequantize_weight_block(q, s, block)
+        else:
+            fp8[name] = deq[name] = t
+    out = {}
+    for kind, ts in (("fp8", fp8), ("deq", deq)):
+        path = tmp(root, kind)
+        save_file(ts, os.path.join(path, "model.safetensors"))
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        if kind == "fp8":
+            cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                          "weight_block_size": list(block), "modules_to_not_convert": list(skip)}
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        out[kind] = path
+    return base, out["fp8"], out["deq"], src
