@@ -86,10 +86,10 @@ def test_triton_gemms_interpreted_prequantized(T):
 
     g = torch.Generator().manual_seed(T)
     blk = (16, 16)
-    x, w, we = torch.randn(T, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(3, 40, 40, generator=g)
+    x, w, we = torch.randn(T, 40, generator=g), torch.randn(136, 40, generator=g), torch.randn(3, 40, 40, generator=g)
     xq, xs = quantize_act_group_ref(x, blk[1])
     q, s = quantize_weight_block(w, blk)
-    bias = torch.randn(24, generator=g)
+    bias = torch.randn(136, generator=g)  # N > 128: 64-wide tiles over 16-row scale blocks, a partial last tile
     y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
     ref = fp8_linear_ref(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)

@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--workloads", default="vllm,ctx1024", help="vllm (128 in / 128 out) and/or ctx1024")
     p.add_argument("--decode-steps", type=int, default=32, help="steps timed per ctx1024 case (default 32)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | fp8 (bf16 activations and LoRA, "
+                   "block-scaled FP8 base weights quantized from the dummy weights)")
     p.add_argument("--device", default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (a smoke test of the benchmark)")
@@ -66,13 +67,14 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
     """Bytes one decode step must read: weights (only touched experts), LoRA factors of the (adapter, expert)
     pairs used, KV of every sequence; and the experts touched per layer (from the last step's routing)."""
     cfg, m = engine.config, engine.model
-    el = torch.empty((), dtype=m.dtype).element_size()
+    el = torch.empty((), dtype=m.dtype).element_size()  # activations, KV, LoRA, router, lm_head
+    wel = 1 + 4 / 128**2 if engine.args.quantization == "fp8" else el  # FP8 base: a byte + one fp32 scale per block
     H, I, qs, kvs = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_size, cfg.kv_size
     n = len(reqs)
     slots = torch.tensor([r.slot for r in reqs])
     total, touched = 0, []
     for layer in m.model.layers:
-        total += (H * (qs + 2 * kvs) + qs * H) * el  # attention
+        total += (H * (qs + 2 * kvs) + qs * H) * wel  # attention
         mlp = layer.mlp
         ids = getattr(mlp, "last_topk_ids", None)
         if ids is None:
@@ -80,7 +82,7 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
         ids = ids[:n].cpu()
         experts = ids.unique()
         touched.append(int(experts.numel()))
-        total += cfg.num_experts * H * el + experts.numel() * 3 * H * I * el  # router + experts touched
+        total += cfg.num_experts * H * el + experts.numel() * 3 * H * I * wel  # router + experts touched
         lora_slots = slots[slots >= 0].unique()
         if lora_slots.numel():
             r = engine.args.max_lora_rank
@@ -133,8 +135,10 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     counts = [int(c) for c in args.adapter_counts.split(",")]
     t0 = time.perf_counter()
+    fp8 = args.dtype == "fp8"
     engine = LLMEngine(EngineArgs(
-        model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank, dtype=args.dtype,
+        model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank,
+        dtype="bfloat16" if fp8 else args.dtype, quantization="fp8" if fp8 else None,
         device=args.device, load_format="dummy", max_num_seqs=max(batches), max_num_batched_tokens=8192,
         max_model_len=2048, enforce_eager=args.enforce_eager,
     ))

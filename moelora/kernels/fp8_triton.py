@@ -125,13 +125,16 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"FP8 Triton GEMM: block_k must be a power of two >= 16, got weight_block_size {list(block)}")
     block_n = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
+    if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:  # few programs (decode): narrower tiles fill the SMs
+        block_n = 64
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
     a_fp8 = a.dtype == FP8_DTYPE
     sas = (a_scale.stride(0), a_scale.stride(1)) if a_fp8 else (0, 0)
     grid = (grid_m, triton.cdiv(N, block_n))
     _fp8_gemm_kernel[grid](
-        a, a_scale if a_fp8 else a, w3, s3, out, bias if bias is not None else out, ids, bexp,
+        a, a_scale if a_fp8 else a, w3, s3, out, bias if bias is not None else out,
+        ids if ids is not None else out, bexp if bexp is not None else out,
         M, N, K, a.stride(0), a.stride(1), *sas, w3.stride(0), w3.stride(1), w3.stride(2),
         s3.stride(0), s3.stride(1), s3.stride(2), out.stride(0), out.stride(1),
         FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
