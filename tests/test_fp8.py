@@ -323,3 +323,11 @@ def test_prompt_logprobs_with_lora_vs_peft_on_dequantized(tmp_path):
         assert (approx - ref).abs().mean() < 0.05, (approx - ref).abs().mean()
         assert (approx - ref).abs().max() > 1e-4  # W8A8 did quantize the activations
         assert (base_w8a8 - peft_logprobs(base, None, ids)).abs().mean() < 0.05
+
+
+def test_cli_quantization_fp8_on_cpu_is_a_clear_error():
+    from moelora.cli import build_parser, main
+
+    assert build_parser().parse_args(["serve", "--quantization", "fp8"]).quantization == "fp8"
+    with pytest.raises(RuntimeError, match=r"FP8 needs a CUDA GPU of compute capability >= 8.9; found cpu"):
+        main(["generate", "--quantization", "fp8", "--device", "cpu", "--prompt", "hi", "--max-tokens", "1"])
