@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from helpers import save_tiny_model, tmp
 from moelora.kernels.fp8 import dequantize_weight_block, quantize_weight_block
 
-BLOCK = (8, 16)  # block_n != block_k, so a transposed scale grid fails; both divide every fused slice of TINY
+BLOCK = (16, 32)  # block_n != block_k (a transposed scale grid fails); block_n divides every fused slice of TINY;
+# block_k >= 32: the smallest K tile of an fp8 tl.dot on the GPU
 TINY = dict(moe_intermediate_size=16, intermediate_size=32)  # q 32, kv 16, experts' I 16, dense I 32, hidden 32
 _QUANTIZED = re.compile(r".*(_proj\.weight|experts\.(gate_up_proj|down_proj))$")
 

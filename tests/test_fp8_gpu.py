@@ -192,8 +192,12 @@ def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
     run.load("ad", ad)
     rows = rows_of(7, [8, 5, 13])
     for ids, got, got_base in zip(rows, run.logprobs([(r, "ad") for r in rows]), run.logprobs([(r, None) for r in rows])):
-        assert (got - peft_logprobs(base, ad, ids)).abs().mean() < 0.05  # W8A8 + bf16 vs fp32 on dequantized
-        assert (got_base - peft_logprobs(base, None, ids)).abs().mean() < 0.05
+        # W8A8 + bf16 activations vs fp32 on the dequantized weights: mean |d log p| < 0.02 (the CPU W8A8 reference
+        # alone: ~0.0015); the adapter itself moves the log-probs by > 0.05, so LoRA errors cannot hide in it
+        ref, base_ref = peft_logprobs(base, ad, ids), peft_logprobs(base, None, ids)
+        assert (got - ref).abs().mean() < 0.02, (got - ref).abs().mean()
+        assert (got_base - base_ref).abs().mean() < 0.02
+        assert (ref - base_ref).abs().mean() > 0.05
 
 
 def test_demo_model_in_fp8_graphs_equal_eager_and_adapters_still_work():
