@@ -234,7 +234,7 @@ def test_fp8_checkpoint_loads_tensors_and_scales(ckpt):
     up = "model.layers.0.mlp.experts.3.up_proj.weight"
     assert torch.equal(ex.gate_up_proj[3, 16:].view(torch.uint8), raw[up].view(torch.uint8))
     assert torch.equal(ex.gate_up_proj_scale_inv[3, 1:], raw[up + "_scale_inv"])
-    assert m.model.layers[1].self_attn.o_proj.fp8 is None  # left unquantized by the checkpoint
+    assert m.model.layers[1].self_attn.o_proj.quant is None  # left unquantized by the checkpoint
     assert m.model.layers[0].mlp.gate.dtype == torch.float32  # the router stays in the activation dtype
 
 

@@ -123,7 +123,7 @@ def test_fp8_moe_layer_qwen3_shapes(T, lora):
     slots = torch.randint(-1, 8, (T,), generator=torch.Generator().manual_seed(T)).tolist()
     batch = LoRABatch.build(slots, 8, DEV) if lora else None
     y = ex(x, tw.bfloat16(), ti, batch)
-    ex.fp8 = Fp8State((128, 128), torch.bfloat16, "w8a8")  # the same weights through the torch reference
+    ex.quant = Fp8State((128, 128), torch.bfloat16, "w8a8")  # the same weights through the torch reference
     ref = ex(x, tw.bfloat16(), ti, batch)
     assert _rel(y, ref) < 2.0**-6
     # bf16 on the dequantized weights (the LoRA references on the same unquantized activations)
@@ -188,7 +188,7 @@ def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
     save_peft_adapter(base, ad, 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     run = Runner(fp8, max_loras=2, max_lora_rank=8, dtype="bfloat16", device=DEV)  # FP8 on a GPU: Triton
-    assert run.model.model.layers[0].mlp.experts.fp8 is not None
+    assert run.model.model.layers[0].mlp.experts.quant is not None
     run.load("ad", ad)
     rows = rows_of(7, [8, 5, 13])
     for ids, got, got_base in zip(rows, run.logprobs([(r, "ad") for r in rows]), run.logprobs([(r, None) for r in rows])):
@@ -216,7 +216,7 @@ def test_demo_model_in_fp8_graphs_equal_eager_and_adapters_still_work():
     eager = llm(True).generate(prompts, params, adapter=names)
     g = llm(False)
     assert g.engine.runner.graphs is not None
-    assert g.engine.model.model.layers[0].mlp.experts.fp8 is not None
+    assert g.engine.model.model.layers[0].mlp.experts.quant is not None
     out = g.generate(prompts, params, adapter=names)
     assert [o.token_ids for o in out] == [o.token_ids for o in eager]
     ok = sum(o.text == TRANSFORMS[n](t) for o, (n, t) in zip(out, rows))

@@ -2,7 +2,7 @@
 
 An FP8 module keeps `weight` (or `gate_up_proj` / `down_proj`) as float8_e4m3fn and a sibling fp32
 parameter `weight_scale_inv` (`gate_up_proj_scale_inv` / `down_proj_scale_inv`) with one scale per block
-(kernels/fp8.py), and `module.fp8` = Fp8State. The LoRA deltas always read the unquantized activations:
+(kernels/fp8.py), and `module.quant` = Fp8State (the module's forward calls its linear / experts). The LoRA deltas always read the unquantized activations:
 the base GEMM quantizes its input inside the kernel (or in the reference), and the LoRA kernels get `x`.
 
 Backends: None = the Triton kernels (CUDA, compute capability >= 8.9; anything else raises at conversion);
@@ -31,6 +31,12 @@ class Fp8State:
     block: tuple[int, int] = DEFAULT_BLOCK  # (block_n, block_k) of weight_scale_inv
     act_dtype: torch.dtype = torch.bfloat16  # the activations' (and LoRA factors') dtype
     reference: str | None = None  # None | "w8a8" | "dequant" (see the module doc)
+
+    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear_forward(module, x)
+
+    def experts(self, module: nn.Module, x, topk_weights, topk_ids, args) -> torch.Tensor:
+        return fp8_experts_forward(module, x, topk_weights, topk_ids, args)
 
 
 def check_backend(reference: str | None, device: torch.device | str) -> None:
@@ -68,7 +74,7 @@ def scale_name(weight_name: str) -> str:
 def to_fp8(module: nn.Module, state: Fp8State, quantize: bool) -> None:
     """Turn a LoRALinear or RoutedExperts into FP8 storage. quantize=True: quantize the weights it holds
     (online quantization of a bf16 checkpoint or dummy weights); False: empty storage for an FP8 checkpoint."""
-    if getattr(module, "fp8", None) is not None:
+    if getattr(module, "quant", None) is not None:
         return
     for name in _weight_names(module):
         w = getattr(module, name)
@@ -82,12 +88,12 @@ def to_fp8(module: nn.Module, state: Fp8State, quantize: bool) -> None:
             delattr(module, name)
             module.register_parameter(name, _fp8_param(shape, dev))
             module.register_parameter(scale_name(name), _scale_param(shape, state.block, dev))
-    module.fp8 = state
+    module.quant = state
 
 
 def dequantized(module: nn.Module, name: str) -> torch.Tensor:
     """The weight an FP8 module stands for, in its activation dtype (tests, and the 'dequant' backend)."""
-    st: Fp8State = module.fp8
+    st: Fp8State = module.quant
     return dequantize_weight_block(getattr(module, name), getattr(module, scale_name(name)), st.block, st.act_dtype)
 
 
@@ -96,7 +102,7 @@ def dequantized(module: nn.Module, name: str) -> torch.Tensor:
 
 def fp8_linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The base output of an FP8 LoRALinear: x [T, in] -> [T, sum(out)] in x.dtype (bias added)."""
-    st: Fp8State = module.fp8
+    st: Fp8State = module.quant
     if st.reference == "dequant":
         return F.linear(x, dequantized(module, "weight"), module.bias)
     if st.reference == "w8a8":
@@ -147,7 +153,7 @@ def fp8_experts_forward(module: nn.Module, x: torch.Tensor, topk_weights: torch.
     unquantized x and activations (Triton on a GPU, the references on the CPU)."""
     from moelora.kernels.moe import fused_moe_pairs
 
-    st: Fp8State = module.fp8
+    st: Fp8State = module.quant
     w_gu = Fp8ExpertWeight(module.gate_up_proj, module.gate_up_proj_scale_inv, st)
     w_d = Fp8ExpertWeight(module.down_proj, module.down_proj_scale_inv, st)
     if x.is_cuda:

@@ -8,7 +8,6 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
-from moelora.layers.fp8 import fp8_linear_forward
 from moelora.layers.lora import LoRAWeights, lora_active
 
 
@@ -55,17 +54,17 @@ class LoRALinear(nn.Module):
             nn.Parameter(torch.zeros(sum(out_features), dtype=dtype, device=device), requires_grad=False) if bias else None
         )
         self.lora: LoRAWeights | None = None
-        self.fp8 = None  # layers/fp8.py Fp8State when the weight is stored in FP8
+        self.quant = None  # a quantized base weight: layers/fp8.py Fp8State or layers/nvfp4.py Nvfp4State
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAWeights:
         self.lora = LoRAWeights(
             self.in_features, self.out_features, max_loras, max_lora_rank,
-            dtype=self.fp8.act_dtype if self.fp8 else self.weight.dtype, device=self.weight.device,
+            dtype=self.quant.act_dtype if self.quant else self.weight.dtype, device=self.weight.device,
         )
         return self.lora
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias) if self.fp8 is None else fp8_linear_forward(self, x)  # [T, sum(O)]
+        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.linear(self, x)  # [T, sum(O)]
         if lora_active(self.lora, lora):
             apply_dense_lora(x, self.lora, lora, y)
         return y

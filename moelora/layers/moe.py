@@ -9,7 +9,6 @@ from torch import nn
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
 from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
-from moelora.layers.fp8 import fp8_experts_forward
 from moelora.layers.linear import LoRALinear
 from moelora.layers.lora import LoRAWeights, lora_active
 
@@ -39,10 +38,10 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device), requires_grad=False)
         self.gate_up_lora: LoRAWeights | None = None
         self.down_lora: LoRAWeights | None = None
-        self.fp8 = None  # layers/fp8.py Fp8State when the expert weights are stored in FP8
+        self.quant = None  # quantized expert weights: layers/fp8.py Fp8State or layers/nvfp4.py Nvfp4State
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
-        dt, dev = self.fp8.act_dtype if self.fp8 else self.gate_up_proj.dtype, self.gate_up_proj.device
+        dt, dev = self.quant.act_dtype if self.quant else self.gate_up_proj.dtype, self.gate_up_proj.device
         self.gate_up_lora = LoRAWeights(self.hidden, [self.inter, self.inter], max_loras, max_lora_rank, self.num_experts, dt, dev)
         self.down_lora = LoRAWeights(self.inter, [self.hidden], max_loras, max_lora_rank, self.num_experts, dt, dev)
 
@@ -56,8 +55,8 @@ class RoutedExperts(nn.Module):
                 down_a=d.a, down_b=d.b_cat, down_scaling=d.scaling, down_ranks=d.rank_tensor,
                 gate_up_offsets=gu.slice_offsets, down_offsets=d.slice_offsets,
             )
-        if self.fp8 is not None:
-            return fp8_experts_forward(self, x, topk_weights, topk_ids, args)
+        if self.quant is not None:
+            return self.quant.experts(self, x, topk_weights, topk_ids, args)
         if x.is_cuda:
             from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
