@@ -149,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-lora-rank", type=int, default=64)
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU)")
     gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    gen.add_argument("--quantization", default=None, choices=["fp8"], help='fp8: block-scaled FP8 base weights (128x128 blocks; a bf16 checkpoint is quantized at load time; an FP8 checkpoint is FP8 anyway on a GPU). Needs a GPU of compute capability >= 8.9')
+    gen.add_argument("--quantization", default=None, choices=["fp8", "nvfp4"],
+                     help="fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 "
+                     "weight-only (ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 "
+                     "checkpoint stays quantized on a GPU without this flag")
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser(

@@ -222,7 +222,7 @@ def ckpt(tmp_path_factory):
 
 def test_fp8_checkpoint_loads_tensors_and_scales(ckpt):
     _, fp8, _, _ = ckpt
-    m = build_model(ModelConfig.from_pretrained(fp8), fp8, quantization="fp8", fp8_reference="dequant")
+    m = build_model(ModelConfig.from_pretrained(fp8), fp8, quantization="fp8", quant_reference="dequant")
     raw = load_file(os.path.join(fp8, "model.safetensors"))
     att = m.model.layers[0].self_attn.qkv_proj
     assert att.weight.dtype == FP8_DTYPE
@@ -249,7 +249,7 @@ def test_dequantized_fp8_model_equals_the_dequantized_checkpoint(ckpt):
 
 
 def _runner(path, reference, **kw) -> Runner:
-    q = dict(quantization="fp8", fp8_reference=reference) if reference else {}
+    q = dict(quantization="fp8", quant_reference=reference) if reference else {}
     return Runner(path, max_loras=2, max_lora_rank=8, build_kw=q, **kw)
 
 
@@ -270,30 +270,30 @@ def test_fp8_checkpoint_errors(ckpt, tmp_path):
     name = "model.layers.0.mlp.experts.2.down_proj.weight_scale_inv"
     missing = _edit_checkpoint(fp8, str(tmp_path / "missing"), lambda t: t.pop(name))
     with pytest.raises(WeightLoadError, match=r"experts.2.down_proj.weight' is float8_e4m3fn but .*_scale_inv' is missing"):
-        build_model(ModelConfig.from_pretrained(missing), missing, quantization="fp8", fp8_reference="dequant")
+        build_model(ModelConfig.from_pretrained(missing), missing, quantization="fp8", quant_reference="dequant")
     bad = _edit_checkpoint(fp8, str(tmp_path / "bad"), lambda t: t.__setitem__(name, torch.ones(2, 4)))
     with pytest.raises(WeightLoadError, match=r"down_proj.weight_scale_inv': expected shape \[2, 1\] .* found \[2, 4\]"):
-        build_model(ModelConfig.from_pretrained(bad), bad, quantization="fp8", fp8_reference="dequant")
+        build_model(ModelConfig.from_pretrained(bad), bad, quantization="fp8", quant_reference="dequant")
 
 
 def test_fused_slices_must_align_with_the_block(tmp_path):
     _, fp8, _, _ = write_fp8_checkpoint(tmp_path, block=(32, 16))  # gate rows 0:16 of 2I = 32, v_proj rows 48:64
     with pytest.raises(WeightLoadError, match=r"weight_scale_inv' fills rows \d+:\d+ of a fused weight, not aligned to the FP8 block of 32 rows"):
-        build_model(ModelConfig.from_pretrained(fp8), fp8, quantization="fp8", fp8_reference="dequant")
+        build_model(ModelConfig.from_pretrained(fp8), fp8, quantization="fp8", quant_reference="dequant")
 
 
 def test_online_quantization_and_dummy_weights(ckpt):
     _, _, _, src = ckpt
     cfg = ModelConfig.from_pretrained(src)
     ref = build_model(cfg, src)
-    m = build_model(cfg, src, quantization="fp8", fp8_reference="dequant")
+    m = build_model(cfg, src, quantization="fp8", quant_reference="dequant")
     for (n, p), mod in ((("qkv", ref.model.layers[0].self_attn.qkv_proj.weight), m.model.layers[0].self_attn.qkv_proj),
                         (("gu", ref.model.layers[0].mlp.experts.gate_up_proj), m.model.layers[0].mlp.experts)):
         wname = "weight" if n == "qkv" else "gate_up_proj"
         q, s = quantize_weight_block(p, (128, 128))
         assert getattr(mod, wname).dtype == FP8_DTYPE
         assert torch.equal(dequantized(mod, wname), dequantize_weight_block(q, s, (128, 128)))
-    d = build_model(cfg, None, load_format="dummy", quantization="fp8", fp8_reference="w8a8")
+    d = build_model(cfg, None, load_format="dummy", quantization="fp8", quant_reference="w8a8")
     assert d.model.layers[0].mlp.experts.down_proj.dtype == FP8_DTYPE
     assert d.model.layers[0].mlp.experts.down_proj_scale_inv.abs().min() > 0
 

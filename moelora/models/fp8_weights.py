@@ -21,24 +21,7 @@ from moelora.models.weights import WeightLoadError, checkpoint_files, resolve_na
 SCALE_SUFFIX = "_scale_inv"
 
 
-def fp8_block_size(cfg) -> tuple[int, int] | None:
-    """(block_n, block_k) of an FP8 checkpoint's quantization_config; None for an unquantized checkpoint."""
-    q = getattr(cfg.hf_config, "quantization_config", None) if cfg.hf_config is not None else None
-    if q is None:
-        return None
-    q = q if isinstance(q, dict) else q.to_dict()
-    method = q.get("quant_method")
-    if method != "fp8":
-        raise WeightLoadError(f"quantization_config quant_method {method!r} is not supported (moelora reads 'fp8' "
-                              "with weight_block_size)")
-    block = q.get("weight_block_size")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2):
-        raise WeightLoadError(f"quantization_config: fp8 without weight_block_size [n, k] (per-tensor FP8) is not "
-                              f"supported; found weight_block_size={block!r}")
-    return int(block[0]), int(block[1])
-
-
-def _tensor_files(path: str) -> dict[str, tuple[str, str]]:
+def tensor_files(path: str) -> dict[str, tuple[str, str]]:
     """checkpoint name -> (file, safetensors dtype string)."""
     out = {}
     for file in checkpoint_files(path):
@@ -60,7 +43,7 @@ class Fp8CheckpointLoader:
                  dequantize_all: bool) -> None:
         self.path, self.block = path, block
         self.cfg = model.config
-        self.files = _tensor_files(path)
+        self.files = tensor_files(path)
         params = dict(model.named_parameters())
         fp8_names = [n for n, (_, dt) in self.files.items() if dt == "F8_E4M3"]
         for n in fp8_names:

@@ -100,9 +100,10 @@ def resolve_name(name: str, cfg, params: dict[str, nn.Parameter]) -> tuple[str, 
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, path: str, show_progress: bool = False, fp8=None) -> None:
+def load_weights(model: nn.Module, path: str, show_progress: bool = False, mapper=None) -> None:
     """Fill every parameter of `model` from the checkpoint at `path` (a folder); a progress bar on request.
-    fp8: an fp8_weights.Fp8CheckpointLoader for a float8 checkpoint (maps the scales, dequantizes what stays bf16)."""
+    mapper: for a quantized checkpoint, fp8_weights.Fp8CheckpointLoader or nvfp4_weights.Nvfp4CheckpointLoader
+    (maps the scales, dequantizes the weights of modules that stay unquantized)."""
     params = dict(model.named_parameters())
     covered = {k: 0 for k in params}
     filled: set[tuple[str, str]] = set()  # (parameter, region) already written: a repeat must not count twice
@@ -111,8 +112,8 @@ def load_weights(model: nn.Module, path: str, show_progress: bool = False, fp8=N
     if show_progress:
         tensors = _progress(tensors, _count_tensors(path))
     for name, tensor in tensors:
-        if fp8 is not None:
-            resolved, tensor = fp8.resolve(name, tensor)
+        if mapper is not None:
+            resolved, tensor = mapper.resolve(name, tensor)
         else:
             resolved = resolve_name(name, cfg, params)
         if resolved is None:

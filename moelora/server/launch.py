@@ -25,7 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted (default 64)")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in CPU memory (default: all)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
-    p.add_argument("--quantization", default=None, choices=["fp8"], help='fp8: block-scaled FP8 base weights (128x128 blocks; a bf16 checkpoint is quantized at load time; an FP8 checkpoint is FP8 anyway on a GPU). Needs a GPU of compute capability >= 8.9')
+    p.add_argument("--quantization", default=None, choices=["fp8", "nvfp4"],
+                   help="fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 "
+                   "weight-only (ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 "
+                   "checkpoint stays quantized on a GPU without this flag")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, the checkpoint's on GPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")

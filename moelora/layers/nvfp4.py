@@ -1,0 +1,91 @@
+"""NVFP4 base weights (ModelOpt layout, kernels/nvfp4.py) for LoRALinear and RoutedExperts, weight-only.
+
+An NVFP4 module keeps `weight` (or `gate_up_proj` / `down_proj`) as packed uint8 [..., N, K/2], `<name>_scale`
+float8_e4m3fn [..., N, K/16], `<name>_scale_2` fp32 [..., N] (the global scale per row), and `module.quant` =
+Nvfp4State. The forward dequantizes the weights to the activation dtype and runs the bf16 path (Hopper has no
+FP4 tensor cores); the LoRA deltas read the activations as they are (nothing is quantized on the input side).
+This is the correctness path: dequantizing every expert per step costs more bytes than bf16 weights would;
+a kernel that dequantizes inside the expert GEMM is still to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.kernels.nvfp4 import GROUP, dequantize_nvfp4, quantize_nvfp4
+
+SUFFIXES = ("_scale", "_scale_2")
+
+
+@dataclass(frozen=True)
+class Nvfp4State:
+    act_dtype: torch.dtype = torch.bfloat16
+    reference: bool = False  # tests: allow the CPU (the computation is the same torch code)
+
+    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantized(module, "weight", x.dtype), module.bias)
+
+    def experts(self, module: nn.Module, x, topk_weights, topk_ids, args) -> torch.Tensor:
+        from moelora.kernels.moe import fused_moe_pairs, fused_moe_ref
+
+        w_gu, w_d = dequantized(module, "gate_up_proj", x.dtype), dequantized(module, "down_proj", x.dtype)
+        if x.is_cuda:
+            from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+
+            return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args,
+                                   moe_lora_shrink, moe_lora_expand, moe_lora_plan)
+        return fused_moe_ref(x, w_gu, w_d, topk_weights, topk_ids, module.act, args)
+
+
+def check_nvfp4_backend(reference: bool, device: torch.device | str) -> None:
+    if not reference and torch.device(device).type != "cuda":
+        raise RuntimeError(f"NVFP4 needs a CUDA GPU (weight-only, dequantized for the GEMM); found {torch.device(device).type}")
+
+
+def dequantized(module: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_nvfp4(getattr(module, name), getattr(module, name + "_scale"), getattr(module, name + "_scale_2"), dtype)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+@torch.no_grad()
+def to_nvfp4(module: nn.Module, state: Nvfp4State, quantize: bool) -> None:
+    """A LoRALinear or RoutedExperts -> NVFP4 storage; quantize=True quantizes the weights it holds (one global
+    scale per weight, as ModelOpt writes per checkpoint tensor), False leaves empty storage for a checkpoint."""
+    if getattr(module, "quant", None) is not None:
+        return
+    names = ["gate_up_proj", "down_proj"] if hasattr(module, "down_lora") else ["weight"]
+    for name in names:
+        w = getattr(module, name)
+        *lead, n, k = w.shape
+        if k % GROUP:
+            raise ValueError(f"NVFP4: {name} of shape {list(w.shape)}: the input dim must be a multiple of {GROUP}")
+        if quantize:
+            packed, scale, scale_2 = quantize_nvfp4(w.data)
+            scale_2 = scale_2.expand(*lead, n).contiguous()
+        else:
+            dev = w.device
+            packed = torch.zeros(*lead, n, k // 2, dtype=torch.uint8, device=dev)
+            scale = torch.zeros(*lead, n, k // GROUP, dtype=torch.float8_e4m3fn, device=dev)
+            scale_2 = torch.zeros(*lead, n, dtype=torch.float32, device=dev)
+        delattr(module, name)
+        module.register_parameter(name, _param(packed))
+        module.register_parameter(name + "_scale", _param(scale))
+        module.register_parameter(name + "_scale_2", _param(scale_2))
+    module.quant = state
+
+
+def quantize_model_nvfp4(model: nn.Module, reference: bool = False, skip=lambda name: False) -> None:
+    """Online NVFP4 quantization of every LoRALinear / RoutedExperts (MLA's kv_b_proj excepted, see layers/fp8.py)."""
+    from moelora.layers.fp8 import fp8_modules
+
+    check_nvfp4_backend(reference, model.device)
+    state = Nvfp4State(model.dtype, reference)
+    for m in fp8_modules(model, skip).values():
+        to_nvfp4(m, state, quantize=True)
