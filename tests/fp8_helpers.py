@@ -46,3 +46,35 @@ def write_fp8_checkpoint(root, family: str = "qwen3_moe", block=BLOCK, skip: tup
             json.dump(cfg, f)
         out[kind] = path
     return base, out["fp8"], out["deq"], src
+
+
+def write_nvfp4_checkpoint(root, family: str = "qwen3_moe", skip: tuple[str, ...] = (), seed: int = 0):
+    """Like write_fp8_checkpoint, in ModelOpt's NVFP4 layout: `X.weight` uint8 [N, K/2], `X.weight_scale` e4m3
+    [N, K/16], `X.weight_scale_2` and `X.input_scale` fp32 scalars. Returns (base, nvfp4 folder, dequantized folder)."""
+    from moelora.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    src = tmp(root, "bf16")
+    base = save_tiny_model(family, src, seed=seed, **TINY)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    q4, deq = {}, {}
+    for name, t in tensors.items():
+        if _QUANTIZED.match(name) and name.endswith("weight") and not any(s in name for s in skip):
+            p, s, s2 = quantize_nvfp4(t)
+            q4[name], q4[name[:-6] + "weight_scale"], q4[name[:-6] + "weight_scale_2"] = p, s, s2
+            q4[name[:-6] + "input_scale"] = torch.tensor(1.0)
+            deq[name] = dequantize_nvfp4(p, s, s2)
+        else:
+            q4[name] = deq[name] = t
+    out = {}
+    for kind, ts in (("nvfp4", q4), ("deq", deq)):
+        path = tmp(root, kind)
+        save_file(ts, os.path.join(path, "model.safetensors"))
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        if kind == "nvfp4":
+            cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                          "ignore": list(skip)}
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        out[kind] = path
+    return base, out["nvfp4"], out["deq"], src

@@ -222,3 +222,22 @@ def test_demo_model_in_fp8_graphs_equal_eager_and_adapters_still_work():
     ok = sum(o.text == TRANSFORMS[n](t) for o, (n, t) in zip(out, rows))
     print(f"demo in FP8: {ok}/{len(rows)} exact")
     assert ok >= 0.95 * len(rows)
+
+
+def test_nvfp4_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
+    """NVFP4 weight-only on the GPU: bf16 computation on the dequantized weights, so only bf16 rounding differs."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8_helpers import write_nvfp4_checkpoint
+
+    _, q4, deq, _ = write_nvfp4_checkpoint(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    ad = tmp(tmp_path, "ad")
+    save_peft_adapter(base, ad, 2, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    run = Runner(q4, max_loras=2, max_lora_rank=8, dtype="bfloat16", device=DEV)
+    assert run.model.model.layers[0].mlp.experts.quant is not None
+    run.load("ad", ad)
+    rows = rows_of(5, [8, 13])
+    for ids, got in zip(rows, run.logprobs([(r, "ad") for r in rows])):
+        assert (got - peft_logprobs(base, ad, ids)).abs().mean() < 0.02
