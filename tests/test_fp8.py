@@ -334,3 +334,17 @@ def test_cli_quantization_fp8_on_cpu_is_a_clear_error():
     assert build_parser().parse_args(["serve", "--quantization", "fp8"]).quantization == "fp8"
     with pytest.raises(RuntimeError, match=r"FP8 needs a CUDA GPU of compute capability >= 8.9; found cpu"):
         main(["generate", "--quantization", "fp8", "--device", "cpu", "--prompt", "hi", "--max-tokens", "1"])
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels compile for real (test_fp8_gpu.py)")
+def test_triton_kernels_compile_for_sm90_ahead_of_time():
+    """No GPU here, but Triton (with its bundled ptxas) compiles for sm_90: the fp8 tl.dot lowers (mma / wgmma) and
+    the in-kernel quantization rounds to nearest even, saturating. A subprocess: TRITON_INTERPRET=1 is set here."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "fp8_aot.py")
+    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok") == 4, r.stdout
