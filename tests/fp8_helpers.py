@@ -15,15 +15,16 @@ from moelora.kernels.fp8 import dequantize_weight_block, quantize_weight_block
 BLOCK = (16, 32)  # block_n != block_k (a transposed scale grid fails); block_n divides every fused slice of TINY;
 # block_k >= 32: the smallest K tile of an fp8 tl.dot on the GPU
 TINY = dict(moe_intermediate_size=16, intermediate_size=32)  # q 32, kv 16, experts' I 16, dense I 32, hidden 32
-_QUANTIZED = re.compile(r".*(_proj\.weight|experts\.(gate_up_proj|down_proj))$")
+_QUANTIZED = re.compile(r".*(_proj\.weight|_proj_with_mqa\.weight|experts\.(gate_up_proj|down_proj))$")
 
 
-def write_fp8_checkpoint(root, family: str = "qwen3_moe", block=BLOCK, skip: tuple[str, ...] = (), seed: int = 0):
+def write_fp8_checkpoint(root, family: str = "qwen3_moe", block=BLOCK, skip: tuple[str, ...] = (), seed: int = 0,
+                         **over):
     """(base transformers model, folder of the FP8 checkpoint, folder of its dequantized fp32 twin).
     Every `*_proj.weight` (not the router `mlp.gate`, embeddings, norms, lm_head) becomes float8_e4m3fn with a
     `weight_scale_inv` per block; names matching `skip` stay fp32 (as `modules_to_not_convert`)."""
     src = tmp(root, "bf16")
-    base = save_tiny_model(family, src, seed=seed, **TINY)
+    base = save_tiny_model(family, src, seed=seed, **{**TINY, **over})
     tensors = load_file(os.path.join(src, "model.safetensors"))
     fp8, deq = {}, {}
     for name, t in tensors.items():

@@ -348,3 +348,22 @@ def test_triton_kernels_compile_for_sm90_ahead_of_time():
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok") == 4, r.stdout
+
+
+def test_deepseek_v3_fp8_checkpoint_mla_kv_b_dequantized(tmp_path):
+    """DeepSeek-V3 (the reference FP8 checkpoint family): q_a / kv_a fused (rows 0:16 and 16:36), shared experts;
+    MLA's absorbed attention reads kv_b_proj's weight directly, so it is dequantized on load, the rest stays FP8."""
+    _, fp8, deq, _ = write_fp8_checkpoint(tmp_path, "deepseek_v3", q_lora_rank=16)
+    run = _runner(fp8, "w8a8")
+    attn = run.model.model.layers[0].self_attn
+    assert attn.fused_qkv_a_proj.weight.dtype == FP8_DTYPE and attn.kv_b_proj.quant is None
+    raw = load_file(os.path.join(fp8, "model.safetensors"))
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert torch.equal(attn.kv_b_proj.weight, dequantize_weight_block(raw[kv_b], raw[kv_b + "_scale_inv"], BLOCK))
+    assert run.model.model.layers[1].mlp.shared_experts.down_proj.quant is not None
+    rows = rows_of(4, [6, 1])
+    exact = _runner(deq, None).logprobs([(r, None) for r in rows])
+    for got, want, w8a8 in zip(_runner(fp8, "dequant").logprobs([(r, None) for r in rows]), exact,
+                               run.logprobs([(r, None) for r in rows])):
+        assert torch.allclose(got, want, atol=1e-5)
+        assert (w8a8 - want).abs().mean() < 0.01
