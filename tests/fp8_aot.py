@@ -1,11 +1,13 @@
 """Compile the FP8 Triton kernels for sm_90 without a GPU (run by test_fp8.py in a subprocess, without the
-interpreter): grouped with in-kernel quantization, dense, pre-quantized input, and the activation quantization."""
+interpreter): grouped with in-kernel quantization, dense, pre-quantized input, the activation quantization, and the
+NVFP4 weight-only GEMM (grouped and dense)."""
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moelora.kernels.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
+from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
 
 
 def compile_sm90(kernel, ptrs: dict, consts: dict, **opts):
@@ -27,3 +29,10 @@ q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_p
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"]
 print("ok act_quant")
+for grouped, block_m in [(True, 16), (False, 64)]:
+    ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
+            "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32"}
+    consts = dict(GROUPED=grouped, HAS_BIAS=not grouped, PRECISION=None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+    ptx = compile_sm90(_nvfp4_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3).asm["ptx"]
+    assert "mma" in ptx, (grouped, block_m)
+    print("ok nvfp4", grouped, block_m)

@@ -338,8 +338,9 @@ def test_cli_quantization_fp8_on_cpu_is_a_clear_error():
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels compile for real (test_fp8_gpu.py)")
 def test_triton_kernels_compile_for_sm90_ahead_of_time():
-    """No GPU here, but Triton (with its bundled ptxas) compiles for sm_90: the fp8 tl.dot lowers (mma / wgmma) and
-    the in-kernel quantization rounds to nearest even, saturating. A subprocess: TRITON_INTERPRET=1 is set here."""
+    """No GPU here, but Triton (with its bundled ptxas) compiles for sm_90: the fp8 tl.dot lowers (mma / wgmma),
+    the in-kernel quantization rounds to nearest even, saturating, and the NVFP4 weight-only GEMM compiles.
+    A subprocess: TRITON_INTERPRET=1 is set here."""
     import subprocess
     import sys
 
@@ -347,7 +348,7 @@ def test_triton_kernels_compile_for_sm90_ahead_of_time():
     script = os.path.join(os.path.dirname(__file__), "fp8_aot.py")
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok") == 4, r.stdout
+    assert r.stdout.count("ok") == 6, r.stdout
 
 
 def test_deepseek_v3_fp8_checkpoint_mla_kv_b_dequantized(tmp_path):

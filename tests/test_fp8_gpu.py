@@ -241,3 +241,49 @@ def test_nvfp4_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
     rows = rows_of(5, [8, 13])
     for ids, got in zip(rows, run.logprobs([(r, "ad") for r in rows])):
         assert (got - peft_logprobs(base, ad, ids)).abs().mean() < 0.02
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_nvfp4_gemms_qwen3_shapes(T):
+    """Weight-only NVFP4: the weights decoded in the kernel are exact in bf16, so kernel vs reference differs by the
+    bf16 output rounding and the accumulation order only (< 2^-7); vs the unquantized weights: 4-bit rounding."""
+    from moelora.kernels.nvfp4 import quantize_nvfp4
+    from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    w = torch.randn(4096, 2048, device=DEV, generator=g) * 2048**-0.5
+    p, s, s2 = quantize_nvfp4(w)
+    s2 = s2.expand(4096).contiguous()
+    x = torch.randn(T, 2048, device=DEV, generator=g).bfloat16()
+    y = nvfp4_linear(x, p, s, s2)
+    assert _rel(y, nvfp4_linear_ref(x, p, s, s2)) < KERNEL_TOL
+    assert _rel(y, x.float() @ w.T) < 0.15
+    we = torch.randn(E, 2 * I, H, device=DEV, generator=g) * H**-0.5
+    P, S, S2 = quantize_nvfp4(we)
+    S2 = S2.expand(E, 2 * I).contiguous()
+    pe = torch.randint(0, E, (T * K,), device=DEV, generator=g)
+    xx = torch.randn(T * K, H, device=DEV, generator=g).bfloat16()
+    assert _rel(nvfp4_grouped_gemm(xx, P, S, S2, pe), nvfp4_grouped_gemm_ref(xx, P, S, S2, pe)) < KERNEL_TOL
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_nvfp4_moe_layer_with_lora_equals_dequantized_bf16(T):
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.kernels.moe import route_topk_ref
+    from moelora.layers.nvfp4 import Nvfp4State, to_nvfp4
+
+    ex = _experts(True)  # FP8 weights and 8 LoRA slots; rebuild the stacks in NVFP4 from their dequantized values
+    gu, dn = dequantized_stack(ex, "gate_up_proj"), dequantized_stack(ex, "down_proj")
+    for name, w in (("gate_up_proj", gu), ("down_proj", dn)):
+        for suffix in ("", "_scale_inv"):
+            delattr(ex, name + suffix)
+        ex.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
+    ex.quant = None
+    to_nvfp4(ex, Nvfp4State(torch.bfloat16, False), quantize=True)
+    g = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    tw, ti = route_topk_ref(torch.randn(T, E, device=DEV, generator=g), K, True)
+    batch = LoRABatch.build([i % 9 - 1 for i in range(T)], 8, DEV)
+    y = ex(x, tw.bfloat16(), ti, batch)
+    ex.quant = Nvfp4State(torch.bfloat16, True)  # whole weights dequantized, the bf16 grouped path
+    assert _rel(y, ex(x, tw.bfloat16(), ti, batch)) < 2.0**-6

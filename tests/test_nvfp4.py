@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import kernel_cases  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without CUDA)
 from fp8_helpers import write_nvfp4_checkpoint
 from helpers import Runner, peft_logprobs, rows_of, save_peft_adapter, tmp
 from moelora.config import ModelConfig
@@ -108,3 +109,22 @@ def test_online_nvfp4_quantization(ckpt):
     ex, ex_ref = m.model.layers[0].mlp.experts, ref.model.layers[0].mlp.experts
     assert ex.down_proj.dtype == torch.uint8
     assert torch.equal(dequantized(ex, "down_proj", torch.float32), dequantize_nvfp4(*quantize_nvfp4(ex_ref.down_proj)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("T", [1, 5])
+def test_triton_weight_only_gemms_interpreted(T):
+    from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
+
+    g = torch.Generator().manual_seed(T)
+    x, w = torch.randn(T, 96, generator=g), torch.randn(72, 96, generator=g)  # N = 72: a partial 64-wide tile
+    p, s, s2 = quantize_nvfp4(w)
+    s2 = s2.expand(72) * torch.linspace(0.5, 2, 72)  # per-row global scales (fused slices differ)
+    b = torch.randn(72, generator=g)
+    assert torch.allclose(nvfp4_linear(x, p, s, s2, b), nvfp4_linear_ref(x, p, s, s2, b), rtol=1e-5, atol=1e-5)
+    W = torch.randn(3, 40, 96, generator=g)
+    P, S, S2 = quantize_nvfp4(W)
+    S2 = S2.expand(3, 40).contiguous()
+    pe = torch.randint(0, 3, (2 * T,), generator=g)
+    xx = torch.randn(2 * T, 96, generator=g)
+    assert torch.allclose(nvfp4_grouped_gemm(xx, P, S, S2, pe), nvfp4_grouped_gemm_ref(xx, P, S, S2, pe), rtol=1e-5, atol=1e-5)

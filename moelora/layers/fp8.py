@@ -134,9 +134,9 @@ class Fp8ExpertWeight:
             return fp8_grouped_matmul_ref(inp, self.weight, self.scale_inv, pair_exp, st.block)
         from moelora.kernels.fp8_triton import fp8_grouped_align, fp8_grouped_gemm
 
-        if "fp8_align" not in scratch:
-            scratch["fp8_align"] = fp8_grouped_align(pair_exp, num_experts)
-        return fp8_grouped_gemm(inp, self.weight, self.scale_inv, pair_exp, st.block, scratch["fp8_align"])
+        if "align" not in scratch:  # rows grouped by expert: computed once for gate_up and down
+            scratch["align"] = fp8_grouped_align(pair_exp, num_experts)
+        return fp8_grouped_gemm(inp, self.weight, self.scale_inv, pair_exp, st.block, scratch["align"])
 
 
 def _dequant_grouped(inp: torch.Tensor, w: torch.Tensor, pair_exp: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,10 @@
 
 An NVFP4 module keeps `weight` (or `gate_up_proj` / `down_proj`) as packed uint8 [..., N, K/2], `<name>_scale`
 float8_e4m3fn [..., N, K/16], `<name>_scale_2` fp32 [..., N] (the global scale per row), and `module.quant` =
-Nvfp4State. The forward dequantizes the weights to the activation dtype and runs the bf16 path (Hopper has no
-FP4 tensor cores); the LoRA deltas read the activations as they are (nothing is quantized on the input side).
-This is the correctness path: dequantizing every expert per step costs more bytes than bf16 weights would;
-a kernel that dequantizes inside the expert GEMM is still to do.
+Nvfp4State. On a GPU the Triton kernels (kernels/nvfp4_triton.py) decode the packed weights tile by tile inside
+the dense and the grouped expert GEMMs (Hopper has no FP4 tensor cores); `reference=True` (tests) dequantizes whole
+weights and runs the bf16 path instead, on any device. The LoRA deltas read the activations as they are
+(nothing is quantized on the input side).
 """
 
 from __future__ import annotations
@@ -27,18 +27,46 @@ class Nvfp4State:
     reference: bool = False  # tests: allow the CPU (the computation is the same torch code)
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.reference:
+            from moelora.kernels.nvfp4_triton import nvfp4_linear
+
+            return nvfp4_linear(x, module.weight, module.weight_scale, module.weight_scale_2, module.bias)
         return F.linear(x, dequantized(module, "weight", x.dtype), module.bias)
 
     def experts(self, module: nn.Module, x, topk_weights, topk_ids, args) -> torch.Tensor:
         from moelora.kernels.moe import fused_moe_pairs, fused_moe_ref
 
-        w_gu, w_d = dequantized(module, "gate_up_proj", x.dtype), dequantized(module, "down_proj", x.dtype)
+        if self.reference:
+            w_gu, w_d = dequantized(module, "gate_up_proj", x.dtype), dequantized(module, "down_proj", x.dtype)
+        else:
+            w_gu, w_d = Nvfp4ExpertWeight(module, "gate_up_proj"), Nvfp4ExpertWeight(module, "down_proj")
         if x.is_cuda:
             from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
             return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args,
                                    moe_lora_shrink, moe_lora_expand, moe_lora_plan)
         return fused_moe_ref(x, w_gu, w_d, topk_weights, topk_ids, module.act, args)
+
+
+class Nvfp4ExpertWeight:
+    """An NVFP4 expert stack [E, O, D] for fused_moe_pairs: its _ExpertGemm calls grouped_mm."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.packed, self.scale = getattr(module, name), getattr(module, name + "_scale")
+        self.scale_2 = getattr(module, name + "_scale_2")
+
+    @property
+    def shape(self) -> torch.Size:
+        E, O, half = self.packed.shape
+        return torch.Size((E, O, 2 * half))
+
+    def grouped_mm(self, inp: torch.Tensor, pair_exp: torch.Tensor, num_experts: int, scratch: dict) -> torch.Tensor:
+        from moelora.kernels.fp8_triton import fp8_grouped_align
+        from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm
+
+        if "align" not in scratch:  # rows grouped by expert: computed once for gate_up and down
+            scratch["align"] = fp8_grouped_align(pair_exp, num_experts)
+        return nvfp4_grouped_gemm(inp, self.packed, self.scale, self.scale_2, pair_exp, scratch["align"])
 
 
 def check_nvfp4_backend(reference: bool, device: torch.device | str) -> None:
