@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--workloads", default="vllm,ctx1024", help="vllm (128 in / 128 out) and/or ctx1024")
     p.add_argument("--decode-steps", type=int, default=32, help="steps timed per ctx1024 case (default 32)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | fp8 (bf16 activations and LoRA, "
-                   "block-scaled FP8 base weights quantized from the dummy weights)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | fp8 | nvfp4 (fp8, nvfp4: bf16 activations "
+                   "and LoRA, the base weights quantized from the dummy weights: block-scaled FP8, NVFP4 weight-only)")
     p.add_argument("--device", default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (a smoke test of the benchmark)")
@@ -68,7 +68,8 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
     pairs used, KV of every sequence; and the experts touched per layer (from the last step's routing)."""
     cfg, m = engine.config, engine.model
     el = torch.empty((), dtype=m.dtype).element_size()  # activations, KV, LoRA, router, lm_head
-    wel = 1 + 4 / 128**2 if engine.args.quantization == "fp8" else el  # FP8 base: a byte + one fp32 scale per block
+    # base weight bytes per element: FP8 a byte + one fp32 scale per 128x128 block; NVFP4 half a byte + an e4m3 per 16
+    wel = {"fp8": 1 + 4 / 128**2, "nvfp4": 0.5 + 1 / 16}.get(engine.args.quantization, el)
     H, I, qs, kvs = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_size, cfg.kv_size
     n = len(reqs)
     slots = torch.tensor([r.slot for r in reqs])
@@ -135,10 +136,10 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     counts = [int(c) for c in args.adapter_counts.split(",")]
     t0 = time.perf_counter()
-    fp8 = args.dtype == "fp8"
+    quant = args.dtype if args.dtype in ("fp8", "nvfp4") else None
     engine = LLMEngine(EngineArgs(
         model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank,
-        dtype="bfloat16" if fp8 else args.dtype, quantization="fp8" if fp8 else None,
+        dtype="bfloat16" if quant else args.dtype, quantization=quant,
         device=args.device, load_format="dummy", max_num_seqs=max(batches), max_num_batched_tokens=8192,
         max_model_len=2048, enforce_eager=args.enforce_eager,
     ))
