@@ -23,6 +23,10 @@ def test_packing_low_nibble_first():
     packed = pack_e2m1(torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8))
     assert packed.tolist() == [[0x21, 0x8F]]
     assert unpack_e2m1(packed).tolist() == [[0.5, 1.0, -6.0, -0.0]]
+    from moelora.kernels.nvfp4 import round_to_e2m1
+
+    v = torch.tensor([0.25, 0.26, 2.5, 2.51, 5.0, 7.0, -0.1, -1.2])  # ties go to the smaller magnitude; clamp at 6
+    assert round_to_e2m1(v).tolist() == [0, 1, 4, 5, 6, 7, 8, 10]
 
 
 def test_representable_weights_roundtrip_exactly():

@@ -36,11 +36,14 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
 
 
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive e2m1 magnitudes
+
+
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 code for each value (clamped to +-6; ties to the smaller magnitude): [...] -> [...] uint8."""
-    mag = _table(v.device)[:8]
-    idx = (v.abs().clamp(max=E2M1_MAX)[..., None] - mag).abs().argmin(-1)  # [...], first minimum on ties
-    return (idx + 8 * (v < 0).long()).to(torch.uint8)
+    mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=v.device)
+    idx = torch.bucketize(v.abs().float(), mids).to(torch.uint8)  # v == a midpoint -> the lower magnitude
+    return idx + 8 * (v < 0).to(torch.uint8)
 
 
 def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
