@@ -160,7 +160,7 @@ def test_fp8_linear_lora_reads_unquantized_activations(T):
     for s in range(4):
         for i, out in enumerate(lin.out_features):
             lin.lora.set_slot(i, s, torch.randn(16, 4096, device=DEV, generator=g) * 0.05,
-                              torch.randn(out, 16, device=DEV, generator=g) * 0.05, 2.0)
+                              torch.randn(out, 16, device=DEV, generator=g) * 0.25, 2.0)  # delta ~6x the base
     x = torch.randn(T, 4096, device=DEV, generator=g).bfloat16()
     slots = [i % 5 - 1 for i in range(T)]
     delta = (lin(x, LoRABatch.build(slots, 4, DEV)).float() - lin(x).float())
@@ -176,7 +176,10 @@ def test_fp8_linear_lora_reads_unquantized_activations(T):
 
     exact = lora_of(x)
     wrong = lora_of(dequantize_act_group(*quantize_act_group_ref(x), 128))
-    assert _rel(delta, exact) < 0.01 < _rel(wrong, exact)
+    # reading x: only bf16 rounding of y (~2^-9 |y|, |y| ~ |delta|) -> < 0.005; reading the e4m3 copy of x: the
+    # activation rounding, ~0.025 relative on Gaussian x (measured with the reference), so > 0.015
+    assert _rel(delta, exact) < 0.005
+    assert _rel(wrong, exact) > 0.015
 
 
 def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
