@@ -38,7 +38,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # None: 256 MiB on the CPU; 90% of free GPU memory after weights
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"  # "auto" | "dummy"
-    quantization: str | None = None  # None (the checkpoint's) | "fp8" (block-scaled FP8 base; bf16 quantized on load)
+    quantization: str | None = None  # None (the checkpoint's) | "fp8" (block-scaled W8A8) | "nvfp4" (weight-only)
     seed: int = 0
     show_progress: bool = False  # a progress bar while loading weights
     enforce_eager: bool = False  # no CUDA graphs (they are used on a GPU for bf16/fp16 decode steps)

@@ -167,7 +167,7 @@ class _ExpertGemm:
 
     def __call__(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """inp: [P, D] · w: [E, O, D] · returns [P, O]."""
-        if not isinstance(w, torch.Tensor):  # a quantized stack (layers/fp8.py Fp8ExpertWeight) runs its own GEMM
+        if not isinstance(w, torch.Tensor):  # a quantized stack (layers/fp8.py, layers/nvfp4.py) runs its own GEMM
             return w.grouped_mm(inp, self.pair_exp, self.E, self.scratch)
         if self.grouped and inp.dtype == torch.bfloat16:
             y_sorted = torch._grouped_mm(inp[self.order], w.transpose(1, 2), offs=self.offs)  # [P, O]
