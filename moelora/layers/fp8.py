@@ -2,8 +2,9 @@
 
 An FP8 module keeps `weight` (or `gate_up_proj` / `down_proj`) as float8_e4m3fn and a sibling fp32
 parameter `weight_scale_inv` (`gate_up_proj_scale_inv` / `down_proj_scale_inv`) with one scale per block
-(kernels/fp8.py), and `module.quant` = Fp8State (the module's forward calls its linear / experts). The LoRA deltas always read the unquantized activations:
-the base GEMM quantizes its input inside the kernel (or in the reference), and the LoRA kernels get `x`.
+(kernels/fp8.py), and `module.quant` = Fp8State (the module's forward calls its linear / experts). The LoRA
+deltas always read the unquantized activations: the base GEMM quantizes its input inside the kernel (or in the
+reference), and the LoRA kernels get `x`.
 
 Backends: None = the Triton kernels (CUDA, compute capability >= 8.9; anything else raises at conversion);
 "w8a8" = the torch reference of the kernels' semantics (activations quantized per token group; any device);
