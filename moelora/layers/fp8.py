@@ -135,6 +135,8 @@ class Fp8ExpertWeight:
             return fp8_grouped_matmul_ref(inp, self.weight, self.scale_inv, pair_exp, st.block)
         from moelora.kernels.fp8_triton import fp8_grouped_align, fp8_grouped_gemm
 
+        if inp.shape[0] == 0:
+            return inp.new_empty(0, self.weight.shape[1])
         if "align" not in scratch:  # rows grouped by expert: computed once for gate_up and down
             scratch["align"] = fp8_grouped_align(pair_exp, num_experts)
         return fp8_grouped_gemm(inp, self.weight, self.scale_inv, pair_exp, st.block, scratch["align"])

@@ -64,6 +64,8 @@ class Nvfp4ExpertWeight:
         from moelora.kernels.fp8_triton import fp8_grouped_align
         from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm
 
+        if inp.shape[0] == 0:
+            return inp.new_empty(0, self.packed.shape[1])
         if "align" not in scratch:  # rows grouped by expert: computed once for gate_up and down
             scratch["align"] = fp8_grouped_align(pair_exp, num_experts)
         return nvfp4_grouped_gemm(inp, self.packed, self.scale, self.scale_2, pair_exp, scratch["align"])
