@@ -72,7 +72,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.adapter is not None and args.adapter not in adapters:
         raise SystemExit(f"--adapter {args.adapter!r} is not among the --lora names {sorted(adapters)}")
     llm = LLM(args.model, adapters=adapters, max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank,
-              dtype=args.dtype, device=args.device, show_progress=True)
+              dtype=args.dtype, device=args.device, show_progress=True, quantization=args.quantization)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or None)
     prompts = args.prompt
@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-lora-rank", type=int, default=64)
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU)")
     gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    gen.add_argument("--quantization", default=None, choices=["fp8", "nvfp4"],
+                     help="fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 "
+                     "weight-only (ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 "
+                     "checkpoint stays quantized on a GPU without this flag")
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser(

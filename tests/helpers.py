@@ -119,11 +119,11 @@ class Runner:
     """moelora model + registry + slot pool on the CPU, for parity tests."""
 
     def __init__(self, model_path: str, max_loras: int = 4, max_lora_rank: int = 16, dtype: str = "float32",
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", build_kw: dict | None = None) -> None:
         self.cfg = ModelConfig.from_pretrained(model_path)
         self.device = device
         self.model = build_model(self.cfg, model_path, dtype=dtype, device=device, max_loras=max_loras,
-                                 max_lora_rank=max_lora_rank)
+                                 max_lora_rank=max_lora_rank, **(build_kw or {}))
         self.targets = self.model.lora_targets()
         self.registry = AdapterRegistry(self.targets, max_lora_rank)
         self.pool = SlotPool(self.targets, max_loras)

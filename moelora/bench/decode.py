@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--workloads", default="vllm,ctx1024", help="vllm (128 in / 128 out) and/or ctx1024")
     p.add_argument("--decode-steps", type=int, default=32, help="steps timed per ctx1024 case (default 32)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | fp8 | nvfp4 (fp8, nvfp4: bf16 activations "
+                   "and LoRA, the base weights quantized from the dummy weights: block-scaled FP8, NVFP4 weight-only)")
     p.add_argument("--device", default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--lora-overlap", default="on", choices=["on", "off"], help="side-stream LoRA overlap (default on)")
@@ -72,14 +73,16 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
     cfg, m = engine.config, engine.model
     if cfg.mla is not None:  # MLA: weights and latent cache counted from the model's tensors
         return floor_bytes_from_tensors(engine, reqs, ctx_len)
-    el = torch.empty((), dtype=m.dtype).element_size()
+    el = torch.empty((), dtype=m.dtype).element_size()  # activations, KV, LoRA, router, lm_head
+    # base weight bytes per element: FP8 a byte + one fp32 scale per 128x128 block; NVFP4 half a byte + an e4m3 per 16
+    wel = {"fp8": 1 + 4 / 128**2, "nvfp4": 0.5 + 1 / 16}.get(engine.args.quantization, el)
     H, I, qs, kvs = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_size, cfg.kv_size
     n = len(reqs)
     # the slot each request's adapter sits in (a finished request's own slot field is already -1)
     slots = torch.tensor([engine.pool.slot_of(r.adapter) if r.adapter and engine.pool else -1 for r in reqs])
     total, touched = 0, []
     for layer in m.model.layers:
-        total += (H * (qs + 2 * kvs) + qs * H) * el  # attention
+        total += (H * (qs + 2 * kvs) + qs * H) * wel  # attention
         mlp = layer.mlp
         ids = getattr(mlp, "last_topk_ids", None)
         if ids is None:
@@ -87,7 +90,7 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
         ids = ids[:n].cpu()
         experts = ids.unique()
         touched.append(int(experts.numel()))
-        total += cfg.num_experts * H * el + experts.numel() * 3 * H * I * el  # router + experts touched
+        total += cfg.num_experts * H * el + experts.numel() * 3 * H * I * wel  # router + experts touched
         lora_slots = slots[slots >= 0].unique()
         if lora_slots.numel():
             r = engine.args.max_lora_rank
@@ -145,8 +148,10 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     counts = [int(c) for c in args.adapter_counts.split(",")]
     t0 = time.perf_counter()
+    quant = args.dtype if args.dtype in ("fp8", "nvfp4") else None
     engine = LLMEngine(EngineArgs(
-        model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank, dtype=args.dtype,
+        model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank,
+        dtype="bfloat16" if quant else args.dtype, quantization=quant,
         device=args.device, load_format="dummy", max_num_seqs=max(batches), max_num_batched_tokens=8192,
         max_model_len=2048, enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap == "on",
         max_graph_batch_size=max(batches),

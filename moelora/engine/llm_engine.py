@@ -38,6 +38,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # None: 256 MiB on the CPU; on a GPU what the memory plan leaves
     gpu_memory_utilization: float = 0.9  # GPU: weights + slots + activations + graph pool + KV cache within this share
     load_format: str = "auto"  # "auto" | "dummy"
+    quantization: str | None = None  # None (the checkpoint's) | "fp8" (block-scaled W8A8) | "nvfp4" (weight-only)
     seed: int = 0
     show_progress: bool = False  # a progress bar while loading weights
     enforce_eager: bool = False  # no CUDA graphs (they are used on a GPU for bf16/fp16 decode steps)
@@ -58,7 +59,7 @@ class LLMEngine:
         self.model = build_model(
             self.config, args.model, dtype=dtype, device=self.device, max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
-            show_progress=args.show_progress,
+            show_progress=args.show_progress, quantization=args.quantization,
         )
         self.model.set_overlap(args.lora_overlap and self.device.type == "cuda")
         self.tokenizer = _maybe_tokenizer(args.model)

@@ -187,6 +187,7 @@ class _ExpertGemm:
 
     def __init__(self, pair_exp: torch.Tensor, num_experts: int) -> None:
         self.pair_exp, self.E = pair_exp, num_experts
+        self.scratch: dict = {}  # what a quantized weight's GEMM shares between gate_up and down (its alignment)
         self.grouped = pair_exp.is_cuda and hasattr(torch, "_grouped_mm")
         if self.grouped:
             self.order = torch.argsort(pair_exp)
@@ -196,6 +197,8 @@ class _ExpertGemm:
 
     def __call__(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """inp: [P, D] · w: [E, O, D] · returns [P, O]."""
+        if not isinstance(w, torch.Tensor):  # a quantized stack (layers/fp8.py, layers/nvfp4.py) runs its own GEMM
+            return w.grouped_mm(inp, self.pair_exp, self.E, self.scratch)
         if self.grouped and inp.dtype == torch.bfloat16:
             y_sorted = torch._grouped_mm(inp[self.order], w.transpose(1, 2), offs=self.offs)  # [P, O]
             y = torch.empty_like(y_sorted)

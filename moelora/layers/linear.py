@@ -54,16 +54,17 @@ class LoRALinear(nn.Module):
             nn.Parameter(torch.zeros(sum(out_features), dtype=dtype, device=device), requires_grad=False) if bias else None
         )
         self.lora: LoRAWeights | None = None
+        self.quant = None  # a quantized base weight: layers/fp8.py Fp8State or layers/nvfp4.py Nvfp4State
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAWeights:
         self.lora = LoRAWeights(
             self.in_features, self.out_features, max_loras, max_lora_rank,
-            dtype=self.weight.dtype, device=self.weight.device,
+            dtype=self.quant.act_dtype if self.quant else self.weight.dtype, device=self.weight.device,
         )
         return self.lora
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, sum(O)]
+        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.linear(self, x)  # [T, sum(O)]
         if lora_active(self.lora, lora):
             apply_dense_lora(x, self.lora, lora, y)
         return y

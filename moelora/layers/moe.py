@@ -40,9 +40,10 @@ class RoutedExperts(nn.Module):
         self.gate_up_lora: LoRAWeights | None = None
         self.down_lora: LoRAWeights | None = None
         self.overlap = False  # GPU: the LoRA chains on a side stream beside the base expert GEMMs
+        self.quant = None  # quantized expert weights: layers/fp8.py Fp8State or layers/nvfp4.py Nvfp4State
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
-        dt, dev = self.gate_up_proj.dtype, self.gate_up_proj.device
+        dt, dev = self.quant.act_dtype if self.quant else self.gate_up_proj.dtype, self.gate_up_proj.device
         self.gate_up_lora = LoRAWeights(self.hidden, [self.inter, self.inter], max_loras, max_lora_rank, self.num_experts, dt, dev)
         self.down_lora = LoRAWeights(self.inter, [self.hidden], max_loras, max_lora_rank, self.num_experts, dt, dev)
 
@@ -56,6 +57,8 @@ class RoutedExperts(nn.Module):
                 down_a=d.a, down_b=d.b_cat, down_scaling=d.scaling, down_ranks=d.rank_tensor,
                 gate_up_offsets=gu.slice_offsets, down_offsets=d.slice_offsets,
             )
+        if self.quant is not None:
+            return self.quant.experts(self, x, topk_weights, topk_ids, args)
         if x.is_cuda:
             from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 

@@ -100,8 +100,10 @@ def resolve_name(name: str, cfg, params: dict[str, nn.Parameter]) -> tuple[str, 
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, path: str, show_progress: bool = False) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path` (a folder); a progress bar on request."""
+def load_weights(model: nn.Module, path: str, show_progress: bool = False, mapper=None) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path` (a folder); a progress bar on request.
+    mapper: for a quantized checkpoint, fp8_weights.Fp8CheckpointLoader or nvfp4_weights.Nvfp4CheckpointLoader
+    (maps the scales, dequantizes the weights of modules that stay unquantized)."""
     params = dict(model.named_parameters())
     covered = {k: 0 for k in params}
     filled: set[tuple[str, str]] = set()  # (parameter, region) already written: a repeat must not count twice
@@ -110,7 +112,10 @@ def load_weights(model: nn.Module, path: str, show_progress: bool = False) -> No
     if show_progress:
         tensors = _progress(tensors, _count_tensors(path))
     for name, tensor in tensors:
-        resolved = resolve_name(name, cfg, params)
+        if mapper is not None:
+            resolved, tensor = mapper.resolve(name, tensor)
+        else:
+            resolved = resolve_name(name, cfg, params)
         if resolved is None:
             continue
         target, index = resolved

@@ -25,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted (default 64)")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in CPU memory (default: all)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
+    p.add_argument("--quantization", default=None, choices=["fp8", "nvfp4"],
+                   help="fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 "
+                   "weight-only (ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 "
+                   "checkpoint stays quantized on a GPU without this flag")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU, the checkpoint's on GPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
@@ -69,7 +73,7 @@ def build_from_args(args: argparse.Namespace):
         dtype=args.dtype, device=args.device, block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory, load_format=args.load_format, show_progress=True,
-        enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap == "on",
+        enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap == "on", quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, max_graph_batch_size=args.max_graph_batch_size,
     )
     engine = AsyncEngine(LLMEngine(eargs, adapters))

@@ -1,0 +1,229 @@
+"""Triton kernels for block-scaled FP8 (references: fp8.py): activation quantization, the dense
+block-scaled GEMM and the grouped GEMM of the routed experts over (token, k) pairs.
+
+One GEMM kernel serves both: a program owns BLOCK_M rows (dense: consecutive rows; grouped: a block of
+pairs of one expert from moe_lora_align with one slot) and BLOCK_N output columns, and walks K in steps
+of BLOCK_K inside one scale group. A bf16/fp16/fp32 input is quantized in the kernel, per row and group,
+exactly as quantize_act_group_ref does (so one launch per GEMM and no fp8 copy of the activations); a
+pre-quantized input (x_fp8, x_scale) is read as is. torch._scaled_mm is not used: torch 2.11 refuses
+1x128 / 128x128 block scales on sm90 (FIELD_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels.fp8 import (
+    FP8_DTYPE, FP8_MAX, dequantize_act_group, fp8_block_matmul_ref, fp8_grouped_matmul_ref, grouped_matmul_dequantized,
+    quantize_act_group_ref,
+)
+from moelora.kernels.moe_lora import moe_lora_align
+
+MIN_CAPABILITY = (8, 9)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, sxt, sqt, sst, FP8_MAX_C: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        offs = g * GROUP + tl.arange(0, BLOCK)
+        mask = (offs < K) & (tl.arange(0, BLOCK) < GROUP)
+        x = tl.load(x_ptr + t * sxt + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX_C
+        q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
+        tl.store(q_ptr + t * sqt + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + t * sst + g, scale)
+
+    @triton.jit
+    def _fp8_gemm_kernel(
+        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr,
+        M, N, K,
+        sam, sak, sasm, sasg, sbe, sbn, sbk, sbse, sbsn, sbsk, scm, scn,
+        FP8_MAX_C: tl.constexpr, A_FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+        GROUP_K: tl.constexpr, SCALE_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        if GROUPED:
+            e = tl.load(bexp_ptr + pid_m)
+            if e < 0:
+                return
+            rows = tl.load(ids_ptr + pid_m * BLOCK_M + offs_m).to(tl.int64)
+            e = e.to(tl.int64)
+        else:
+            rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+            e = 0
+        mask_m = rows < M
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        b_base = b_ptr + e * sbe + offs_n[:, None].to(tl.int64) * sbn
+        bs_base = bs_ptr + e * sbse + (offs_n // SCALE_N) * sbsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            mask_k = kk < K
+            a = tl.load(a_ptr + rows[:, None] * sam + kk[None, :] * sak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            if A_FP8:
+                a_s = tl.load(as_ptr + rows * sasm + (k0 // GROUP_K) * sasg, mask=mask_m, other=0.0)
+                a_q = a
+            else:  # quantize this row group here: BLOCK_K == GROUP_K, so the tile holds whole groups
+                af = a.to(tl.float32)
+                a_s = tl.maximum(tl.max(tl.abs(af), axis=1), 1e-12) / FP8_MAX_C  # [BLOCK_M]
+                a_q = tl.clamp(af / a_s[:, None], -FP8_MAX_C, FP8_MAX_C).to(b_ptr.dtype.element_ty)
+            b = tl.load(b_base + kk[None, :] * sbk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
+            b_s = tl.load(bs_base + (k0 // GROUP_K) * sbsk, mask=mask_n, other=0.0)  # [BN]
+            acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def check_fp8_device(device: torch.device | str) -> None:
+    """Clear error instead of a silent fallback: FP8 kernels need CUDA with compute capability >= 8.9."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise RuntimeError(f"FP8 needs a CUDA GPU of compute capability >= 8.9; found {device.type} "
+                           "(use dtype bfloat16, or the reference path in tests)")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        raise RuntimeError(f"FP8 needs a CUDA GPU of compute capability >= 8.9; found {torch.cuda.get_device_name(device)} "
+                           f"with compute capability {cap[0]}.{cap[1]}")
+
+
+def quantize_act_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics (quantize_act_group_ref):
+        x_scale[t, g] = max(max(|x[t, g*group:(g+1)*group]|), 1e-12) / 448 ; x_fp8 = e4m3(x / x_scale per group)
+    x: [T, K] (row stride free, unit column stride) · returns (x_fp8 [T, K] float8_e4m3fn, x_scale [T, ceil(K/group)] fp32)
+    """
+    require_triton()
+    T, K = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    G = triton.cdiv(K, group)
+    q = torch.empty(T, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(T, G, dtype=torch.float32, device=x.device)
+    if T:
+        _act_quant_kernel[(T, G)](x, q, s, K, x.stride(0), q.stride(0), s.stride(0), FP8_MAX_C=FP8_MAX,
+                                  GROUP=group, BLOCK=triton.next_power_of_2(group))
+    return q, s
+
+
+def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int) -> None:
+    M, K = a.shape
+    N = w.shape[-2]
+    bn, bk = block
+    block_k = bk
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"FP8 Triton GEMM: block_k must be a power of two >= 16, got weight_block_size {list(block)}")
+    block_n = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
+    if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:  # few programs (decode): narrower tiles fill the SMs
+        block_n = 64
+    w3 = w if w.dim() == 3 else w.unsqueeze(0)
+    s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
+    a_fp8 = a.dtype == FP8_DTYPE
+    sas = (a_scale.stride(0), a_scale.stride(1)) if a_fp8 else (0, 0)
+    grid = (grid_m, triton.cdiv(N, block_n))
+    _fp8_gemm_kernel[grid](
+        a, a_scale if a_fp8 else a, w3, s3, out, bias if bias is not None else out,
+        ids if ids is not None else out, bexp if bexp is not None else out,
+        M, N, K, a.stride(0), a.stride(1), *sas, w3.stride(0), w3.stride(1), w3.stride(2),
+        s3.stride(0), s3.stride(1), s3.stride(2), out.stride(0), out.stride(1),
+        FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
+        GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, num_stages=3,
+    )
+
+
+def _block_m(rows: int) -> int:
+    return 16 if rows <= 512 else 64
+
+
+def fp8_linear(
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Semantics (fp8_block_matmul_ref):
+        xq, xs = quantize_act_group(x, block_k)    (or x, x_scale when x is already float8)
+        y = deq(xq, xs) @ deq(w_fp8, w_scale_inv).T (+ bias)     # fp32 accumulation
+    x: [T, K] bf16/fp16/fp32, or float8 with x_scale [T, ceil(K/bk)] · w_fp8: [N, K] float8_e4m3fn
+    w_scale_inv: [ceil(N/bn), ceil(K/bk)] fp32 · bias: [N] or None
+    returns [T, N] in out_dtype, default x.dtype (bf16 for a float8 x)
+    """
+    require_triton()
+    T = x.shape[0]
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
+    out = torch.empty(T, w_fp8.shape[0], dtype=out_dtype, device=x.device)
+    if T == 0:
+        return out
+    bm = _block_m(T)
+    _launch(x, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm))
+    return out
+
+
+def fp8_linear_ref(x, w_fp8, w_scale_inv, block=(128, 128), bias=None, x_scale=None, out_dtype=None) -> torch.Tensor:
+    """fp8_linear's semantics in torch (the test oracle)."""
+    if x.dtype == FP8_DTYPE:
+        x = dequantize_act_group(x, x_scale, block[1])
+        out_dtype = out_dtype or torch.bfloat16
+    y = fp8_block_matmul_ref(x, w_fp8, w_scale_inv, block, bias)
+    return y.to(out_dtype or y.dtype)
+
+
+def fp8_grouped_gemm(
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, pair_exp: torch.Tensor,
+    block: tuple[int, int] = (128, 128), align: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Semantics (fp8_grouped_matmul_ref):
+        for p in range(P): y[p] = fp8_linear(x[p], w_fp8[pair_exp[p]], w_scale_inv[pair_exp[p]])
+    x: [P, K] bf16/fp16/fp32 (quantized per row and group in the kernel), or float8 with x_scale [P, ceil(K/bk)]
+    w_fp8: [E, N, K] float8_e4m3fn
+    w_scale_inv: [E, ceil(N/bn), ceil(K/bk)] fp32 · pair_exp: [P] int (expert of each row)
+    align: fp8_grouped_align(pair_exp, E) when the caller reuses it (gate_up and down share one)
+    returns [P, N] in x.dtype (bf16 for a float8 x), rows in x's order. No host synchronisation (CUDA-graph safe).
+    """
+    require_triton()
+    P = x.shape[0]
+    out_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
+    out = torch.empty(P, w_fp8.shape[1], dtype=out_dtype, device=x.device)
+    if P == 0:
+        return out
+    bm = _block_m(P)
+    sorted_ids, bexp = align if align is not None else fp8_grouped_align(pair_exp, w_fp8.shape[0], bm)
+    _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, bm, bexp.shape[0])
+    return out
+
+
+def fp8_grouped_gemm_ref(x, w_fp8, w_scale_inv, pair_exp, block=(128, 128), align=None, x_scale=None) -> torch.Tensor:
+    """fp8_grouped_gemm's semantics in torch (the test oracle)."""
+    if x.dtype == FP8_DTYPE:
+        xd = dequantize_act_group(x, x_scale, block[1])
+        return grouped_matmul_dequantized(xd, w_fp8, w_scale_inv, pair_exp, block, torch.bfloat16)
+    return fp8_grouped_matmul_ref(x, w_fp8, w_scale_inv, pair_exp, block)
+
+
+def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | None = None):
+    """Rows grouped by expert, each group padded to block_m (moe_lora_align with one slot): (sorted_ids [P_max]
+    int32, padding = P; block_expert [P_max / block_m] int32, -1 past the end)."""
+    P = pair_exp.numel()
+    bm = block_m or _block_m(P)
+    slots = torch.zeros(P, dtype=torch.int32, device=pair_exp.device)
+    if pair_exp.is_cuda:
+        from moelora.kernels.moe_lora_triton import moe_lora_align_fast as align
+    else:
+        align = moe_lora_align
+    return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
+
+
+__all__ = ["check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+           "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align"]

@@ -1,0 +1,199 @@
+"""FP8 base weights for LoRALinear and RoutedExperts: storage, online quantization, and the forward paths.
+
+An FP8 module keeps `weight` (or `gate_up_proj` / `down_proj`) as float8_e4m3fn and a sibling fp32
+parameter `weight_scale_inv` (`gate_up_proj_scale_inv` / `down_proj_scale_inv`) with one scale per block
+(kernels/fp8.py), and `module.quant` = Fp8State (the module's forward calls its linear / experts). The LoRA
+deltas always read the unquantized activations: the base GEMM quantizes its input inside the kernel (or in the
+reference), and the LoRA kernels get `x`.
+
+Backends: None = the Triton kernels (CUDA, compute capability >= 8.9; anything else raises at conversion);
+"w8a8" = the torch reference of the kernels' semantics (activations quantized per token group; any device);
+"dequant" = weight-only, weights dequantized to the activation dtype (tests: equals a model loaded with the
+dequantized weights). The references are for tests; nothing picks them silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.kernels.fp8 import (
+    DEFAULT_BLOCK, FP8_DTYPE, dequantize_weight_block, fp8_block_matmul_ref, quantize_weight_block,
+)
+
+REFERENCES = (None, "w8a8", "dequant")
+
+
+@dataclass(frozen=True)
+class Fp8State:
+    block: tuple[int, int] = DEFAULT_BLOCK  # (block_n, block_k) of weight_scale_inv
+    act_dtype: torch.dtype = torch.bfloat16  # the activations' (and LoRA factors') dtype
+    reference: str | None = None  # None | "w8a8" | "dequant" (see the module doc)
+
+    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear_forward(module, x)
+
+    def experts(self, module: nn.Module, x, topk_weights, topk_ids, args) -> torch.Tensor:
+        return fp8_experts_forward(module, x, topk_weights, topk_ids, args)
+
+
+def check_backend(reference: str | None, device: torch.device | str) -> None:
+    if reference not in REFERENCES:
+        raise ValueError(f"fp8 reference {reference!r}: use one of {REFERENCES}")
+    if reference is None:
+        from moelora.kernels.fp8_triton import check_fp8_device
+
+        check_fp8_device(device)
+
+
+# ---- storage -----------------------------------------------------------------------------------------------
+
+
+def _fp8_param(shape, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
+
+
+def _scale_param(w_shape, block, device) -> nn.Parameter:
+    *lead, n, k = w_shape
+    s = (*lead, -(-n // block[0]), -(-k // block[1]))
+    return nn.Parameter(torch.ones(s, dtype=torch.float32, device=device), requires_grad=False)
+
+
+def _weight_names(module: nn.Module) -> list[str]:
+    return ["gate_up_proj", "down_proj"] if hasattr(module, "down_lora") else ["weight"]
+
+
+def scale_name(weight_name: str) -> str:
+    """weight -> weight_scale_inv; gate_up_proj -> gate_up_proj_scale_inv (checkpoint names use the same rule)."""
+    return "weight_scale_inv" if weight_name == "weight" else f"{weight_name}_scale_inv"
+
+
+@torch.no_grad()
+def to_fp8(module: nn.Module, state: Fp8State, quantize: bool) -> None:
+    """Turn a LoRALinear or RoutedExperts into FP8 storage. quantize=True: quantize the weights it holds
+    (online quantization of a bf16 checkpoint or dummy weights); False: empty storage for an FP8 checkpoint."""
+    if getattr(module, "quant", None) is not None:
+        return
+    for name in _weight_names(module):
+        w = getattr(module, name)
+        if quantize:
+            q, s = quantize_weight_block(w.data, state.block)
+            delattr(module, name)
+            module.register_parameter(name, nn.Parameter(q, requires_grad=False))
+            module.register_parameter(scale_name(name), nn.Parameter(s, requires_grad=False))
+        else:
+            shape, dev = w.shape, w.device
+            delattr(module, name)
+            module.register_parameter(name, _fp8_param(shape, dev))
+            module.register_parameter(scale_name(name), _scale_param(shape, state.block, dev))
+    module.quant = state
+
+
+def dequantized(module: nn.Module, name: str) -> torch.Tensor:
+    """The weight an FP8 module stands for, in its activation dtype (tests, and the 'dequant' backend)."""
+    st: Fp8State = module.quant
+    return dequantize_weight_block(getattr(module, name), getattr(module, scale_name(name)), st.block, st.act_dtype)
+
+
+# ---- forward paths -----------------------------------------------------------------------------------------
+
+
+def fp8_linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The base output of an FP8 LoRALinear: x [T, in] -> [T, sum(out)] in x.dtype (bias added)."""
+    st: Fp8State = module.quant
+    if st.reference == "dequant":
+        return F.linear(x, dequantized(module, "weight"), module.bias)
+    if st.reference == "w8a8":
+        return fp8_block_matmul_ref(x, module.weight, module.weight_scale_inv, st.block, module.bias)
+    from moelora.kernels.fp8_triton import fp8_linear
+
+    return fp8_linear(x, module.weight, module.weight_scale_inv, st.block, module.bias)
+
+
+class Fp8ExpertWeight:
+    """An FP8 expert stack [E, O, D] for fused_moe_pairs: its _ExpertGemm calls grouped_mm(inp, pair_exp, E,
+    scratch), which quantizes inp inside the GEMM; the LoRA kernels of fused_moe_pairs keep the bf16 inp."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, state: Fp8State) -> None:
+        self.weight, self.scale_inv, self.state = weight, scale_inv, state
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def grouped_mm(self, inp: torch.Tensor, pair_exp: torch.Tensor, num_experts: int, scratch: dict) -> torch.Tensor:
+        """inp: [P, D] · pair_exp: [P] · returns [P, O] in inp.dtype; scratch keeps the alignment for the next GEMM."""
+        st = self.state
+        if st.reference == "dequant":
+            return _dequant_grouped(inp, dequantize_weight_block(self.weight, self.scale_inv, st.block, inp.dtype), pair_exp)
+        if st.reference == "w8a8":
+            from moelora.kernels.fp8 import fp8_grouped_matmul_ref
+
+            return fp8_grouped_matmul_ref(inp, self.weight, self.scale_inv, pair_exp, st.block)
+        from moelora.kernels.fp8_triton import fp8_grouped_align, fp8_grouped_gemm
+
+        if inp.shape[0] == 0:
+            return inp.new_empty(0, self.weight.shape[1])
+        if "align" not in scratch:  # rows grouped by expert: computed once for gate_up and down
+            scratch["align"] = fp8_grouped_align(pair_exp, num_experts)
+        return fp8_grouped_gemm(inp, self.weight, self.scale_inv, pair_exp, st.block, scratch["align"])
+
+
+def _dequant_grouped(inp: torch.Tensor, w: torch.Tensor, pair_exp: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(inp.shape[0], w.shape[1], dtype=inp.dtype, device=inp.device)
+    for e in torch.unique(pair_exp).tolist():
+        p = (pair_exp == e).nonzero().squeeze(1)
+        y[p] = inp[p] @ w[e].T
+    return y
+
+
+def fp8_experts_forward(module: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        args) -> torch.Tensor:
+    """RoutedExperts.forward on FP8 weights: fused_moe_pairs with FP8 expert GEMMs; LoRA kernels on the
+    unquantized x and activations (Triton on a GPU, the references on the CPU)."""
+    from moelora.kernels.moe import fused_moe_pairs
+
+    st: Fp8State = module.quant
+    w_gu = Fp8ExpertWeight(module.gate_up_proj, module.gate_up_proj_scale_inv, st)
+    w_d = Fp8ExpertWeight(module.down_proj, module.down_proj_scale_inv, st)
+    if x.is_cuda:
+        from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+        from moelora.kernels.streams import side_stream
+
+        side = side_stream(x.device) if getattr(module, "overlap", False) and args is not None else None
+        return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args,
+                               moe_lora_shrink, moe_lora_expand, moe_lora_plan, side)
+    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+
+    return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args, moe_lora_shrink_ref, moe_lora_expand_ref)
+
+
+# ---- whole model -------------------------------------------------------------------------------------------
+
+
+def fp8_modules(model: nn.Module, skip=lambda name: False) -> dict[str, nn.Module]:
+    """The modules FP8 applies to: every LoRALinear and RoutedExperts, except those `skip(name)` names and MLA's
+    kv_b_proj (its weight is read directly by the absorbed attention, so it stays in the activation dtype)."""
+    from moelora.layers.linear import LoRALinear
+
+    out = {}
+    for name, m in model.named_modules():
+        if not (isinstance(m, LoRALinear) or hasattr(m, "down_lora")):
+            continue
+        if name.endswith("kv_b_proj") or skip(name):
+            continue
+        out[name] = m
+    return out
+
+
+def quantize_model_fp8(model: nn.Module, block: tuple[int, int] = DEFAULT_BLOCK, reference: str | None = None,
+                       skip=lambda name: False) -> None:
+    """Online quantization: every FP8-capable module's weights -> e4m3 + weight_scale_inv, module by module
+    (the bf16 copy of one module is freed before the next is quantized)."""
+    check_backend(reference, model.device)
+    state = Fp8State(tuple(block), model.dtype, reference)
+    for m in fp8_modules(model, skip).values():
+        to_fp8(m, state, quantize=True)

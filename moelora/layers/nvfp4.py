@@ -1,0 +1,123 @@
+"""NVFP4 base weights (ModelOpt layout, kernels/nvfp4.py) for LoRALinear and RoutedExperts, weight-only.
+
+An NVFP4 module keeps `weight` (or `gate_up_proj` / `down_proj`) as packed uint8 [..., N, K/2], `<name>_scale`
+float8_e4m3fn [..., N, K/16], `<name>_scale_2` fp32 [..., N] (the global scale per row), and `module.quant` =
+Nvfp4State. On a GPU the Triton kernels (kernels/nvfp4_triton.py) decode the packed weights tile by tile inside
+the dense and the grouped expert GEMMs (Hopper has no FP4 tensor cores); `reference=True` (tests) dequantizes whole
+weights and runs the bf16 path instead, on any device. The LoRA deltas read the activations as they are
+(nothing is quantized on the input side).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.kernels.nvfp4 import GROUP, dequantize_nvfp4, quantize_nvfp4
+
+SUFFIXES = ("_scale", "_scale_2")
+
+
+@dataclass(frozen=True)
+class Nvfp4State:
+    act_dtype: torch.dtype = torch.bfloat16
+    reference: bool = False  # tests: allow the CPU (the computation is the same torch code)
+
+    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.reference:
+            from moelora.kernels.nvfp4_triton import nvfp4_linear
+
+            return nvfp4_linear(x, module.weight, module.weight_scale, module.weight_scale_2, module.bias)
+        return F.linear(x, dequantized(module, "weight", x.dtype), module.bias)
+
+    def experts(self, module: nn.Module, x, topk_weights, topk_ids, args) -> torch.Tensor:
+        from moelora.kernels.moe import fused_moe_pairs, fused_moe_ref
+
+        if self.reference:
+            w_gu, w_d = dequantized(module, "gate_up_proj", x.dtype), dequantized(module, "down_proj", x.dtype)
+        else:
+            w_gu, w_d = Nvfp4ExpertWeight(module, "gate_up_proj"), Nvfp4ExpertWeight(module, "down_proj")
+        if x.is_cuda:
+            from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+            from moelora.kernels.streams import side_stream
+
+            side = side_stream(x.device) if getattr(module, "overlap", False) and args is not None else None
+            return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args,
+                                   moe_lora_shrink, moe_lora_expand, moe_lora_plan, side)
+        return fused_moe_ref(x, w_gu, w_d, topk_weights, topk_ids, module.act, args)
+
+
+class Nvfp4ExpertWeight:
+    """An NVFP4 expert stack [E, O, D] for fused_moe_pairs: its _ExpertGemm calls grouped_mm."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.packed, self.scale = getattr(module, name), getattr(module, name + "_scale")
+        self.scale_2 = getattr(module, name + "_scale_2")
+
+    @property
+    def shape(self) -> torch.Size:
+        E, O, half = self.packed.shape
+        return torch.Size((E, O, 2 * half))
+
+    def grouped_mm(self, inp: torch.Tensor, pair_exp: torch.Tensor, num_experts: int, scratch: dict) -> torch.Tensor:
+        from moelora.kernels.fp8_triton import fp8_grouped_align
+        from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm
+
+        if inp.shape[0] == 0:
+            return inp.new_empty(0, self.packed.shape[1])
+        if "align" not in scratch:  # rows grouped by expert: computed once for gate_up and down
+            scratch["align"] = fp8_grouped_align(pair_exp, num_experts)
+        return nvfp4_grouped_gemm(inp, self.packed, self.scale, self.scale_2, pair_exp, scratch["align"])
+
+
+def check_nvfp4_backend(reference: bool, device: torch.device | str) -> None:
+    if not reference and torch.device(device).type != "cuda":
+        raise RuntimeError(f"NVFP4 needs a CUDA GPU (weight-only, dequantized for the GEMM); found {torch.device(device).type}")
+
+
+def dequantized(module: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_nvfp4(getattr(module, name), getattr(module, name + "_scale"), getattr(module, name + "_scale_2"), dtype)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+@torch.no_grad()
+def to_nvfp4(module: nn.Module, state: Nvfp4State, quantize: bool) -> None:
+    """A LoRALinear or RoutedExperts -> NVFP4 storage; quantize=True quantizes the weights it holds (one global
+    scale per weight, as ModelOpt writes per checkpoint tensor), False leaves empty storage for a checkpoint."""
+    if getattr(module, "quant", None) is not None:
+        return
+    names = ["gate_up_proj", "down_proj"] if hasattr(module, "down_lora") else ["weight"]
+    for name in names:
+        w = getattr(module, name)
+        *lead, n, k = w.shape
+        if k % GROUP:
+            raise ValueError(f"NVFP4: {name} of shape {list(w.shape)}: the input dim must be a multiple of {GROUP}")
+        if quantize:
+            packed, scale, scale_2 = quantize_nvfp4(w.data)
+            scale_2 = scale_2.expand(*lead, n).contiguous()
+        else:
+            dev = w.device
+            packed = torch.zeros(*lead, n, k // 2, dtype=torch.uint8, device=dev)
+            scale = torch.zeros(*lead, n, k // GROUP, dtype=torch.float8_e4m3fn, device=dev)
+            scale_2 = torch.zeros(*lead, n, dtype=torch.float32, device=dev)
+        delattr(module, name)
+        module.register_parameter(name, _param(packed))
+        module.register_parameter(name + "_scale", _param(scale))
+        module.register_parameter(name + "_scale_2", _param(scale_2))
+    module.quant = state
+
+
+def quantize_model_nvfp4(model: nn.Module, reference: bool = False, skip=lambda name: False) -> None:
+    """Online NVFP4 quantization of every LoRALinear / RoutedExperts (MLA's kv_b_proj excepted, see layers/fp8.py)."""
+    from moelora.layers.fp8 import fp8_modules
+
+    check_nvfp4_backend(reference, model.device)
+    state = Nvfp4State(model.dtype, reference)
+    for m in fp8_modules(model, skip).values():
+        to_nvfp4(m, state, quantize=True)

@@ -1,0 +1,38 @@
+"""Compile the FP8 Triton kernels for sm_90 without a GPU (run by test_fp8.py in a subprocess, without the
+interpreter): grouped with in-kernel quantization, dense, pre-quantized input, the activation quantization, and the
+NVFP4 weight-only GEMM (grouped and dense)."""
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moelora.kernels.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
+from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
+
+
+def compile_sm90(kernel, ptrs: dict, consts: dict, **opts):
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+for a_fp8, grouped, block_m in [(False, True, 16), (False, False, 64), (True, False, 16)]:
+    ptrs = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
+            "c_ptr": "*bf16", "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32"}
+    consts = dict(FP8_MAX_C=448.0, A_FP8=a_fp8, GROUPED=grouped, HAS_BIAS=not grouped, GROUP_K=128, SCALE_N=128,
+                  BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128)
+    ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3).asm["ptx"]
+    assert "e4m3" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (a_fp8, grouped, block_m)
+    print("ok gemm", a_fp8, grouped, block_m, "wgmma" if "wgmma" in ptx else "mma.sync")
+q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                 dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
+assert "cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"]
+print("ok act_quant")
+for grouped, block_m in [(True, 16), (False, 64)]:
+    ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
+            "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32"}
+    consts = dict(GROUPED=grouped, HAS_BIAS=not grouped, PRECISION=None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+    ptx = compile_sm90(_nvfp4_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3).asm["ptx"]
+    assert "mma" in ptx, (grouped, block_m)
+    print("ok nvfp4", grouped, block_m)

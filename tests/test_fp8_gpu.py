@@ -1,0 +1,295 @@
+"""FP8 on the GPU (compute capability >= 8.9): the compiled kernels at Qwen3-30B-A3B shapes against the torch
+references and against bf16 with the dequantized weights, LoRA on the unquantized activations, an FP8
+checkpoint + adapter against PEFT on the dequantized model, CUDA graphs, and the demo model in FP8.
+
+Bounds (kernels/fp8.py): the kernels vs the reference of the same quantization differ by the bf16 output
+rounding and the accumulation order: relative Frobenius error < 2^-7. FP8 vs exact (weights and activations
+rounded): <= sqrt(2) * 2^-4 (FP8_RMS_BOUND) for one GEMM. A MoE layer vs bf16 on the dequantized weights
+(only the two GEMMs' activations rounded, 2^-4 RMS each): < 2^-3.
+"""
+
+import random
+
+import pytest
+import torch
+
+from fp8_helpers import write_fp8_checkpoint
+from helpers import Runner, peft_logprobs, rows_of, save_peft_adapter, tmp
+from moelora.kernels.fp8 import (
+    FP8_RMS_BOUND, dequantize_act_group, dequantize_weight_block, fp8_error_bound, quantize_act_group_ref,
+    quantize_weight_block,
+)
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+H, I, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B routed experts
+TOKENS = [1, 3, 16, 64, 256]
+KERNEL_TOL = 2.0**-7
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def _needs_fp8():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_act_quant_kernel(T):
+    from moelora.kernels.fp8_triton import quantize_act_group
+
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16) * torch.logspace(-2, 2, T, device=DEV)[:, None].bfloat16()
+    q, s = quantize_act_group(x)
+    qr, sr = quantize_act_group_ref(x)
+    assert torch.allclose(s, sr, rtol=1e-6, atol=0)
+    diff = (q.float() - qr.float()).abs()
+    assert (diff <= 2.0**-3 * qr.float().abs() + 2.0**-9).all()  # at most one e4m3 step (a division ulp at a tie)
+    assert (diff > 0).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("shape", [(4096, 2048), (4096, 4096), (512, 2048)])  # q_proj, a 4096-wide layer, k_proj
+def test_fp8_linear(T, shape):
+    from moelora.kernels.fp8_triton import fp8_linear, fp8_linear_ref
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    N, Kd = shape
+    w = torch.randn(N, Kd, device=DEV, generator=g) * Kd**-0.5
+    x = torch.randn(T, Kd, device=DEV, generator=g).bfloat16()
+    q, s = quantize_weight_block(w)
+    bias = torch.randn(N, device=DEV, generator=g).bfloat16()
+    y = fp8_linear(x, q, s, bias=bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, N)
+    assert _rel(y, fp8_linear_ref(x, q, s, bias=bias)) < KERNEL_TOL
+    y = fp8_linear(x, q, s)
+    exact = x.float() @ w.T
+    assert _rel(y, exact) <= FP8_RMS_BOUND
+    assert ((y.float() - exact).abs() <= fp8_error_bound(x.float(), w) * 1.001 + 2.0**-8 * exact.abs() + 1e-3).all()
+    xq, xs = quantize_act_group_ref(x)  # the pre-quantized input path
+    assert _rel(fp8_linear(xq, q, s, x_scale=xs), fp8_linear_ref(xq, q, s, x_scale=xs)) < KERNEL_TOL
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+def test_fp8_grouped_gemm_qwen3_experts(T, which):
+    from moelora.kernels.fp8_triton import fp8_grouped_gemm, fp8_grouped_gemm_ref
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    N, D = (2 * I, H) if which == "gate_up" else (H, I)
+    w = torch.randn(E, N, D, device=DEV, generator=g) * D**-0.5
+    q, s = quantize_weight_block(w)
+    pair_exp = torch.randint(0, E, (T * K,), device=DEV, generator=g)
+    x = torch.randn(T * K, D, device=DEV, generator=g).bfloat16()
+    y = fp8_grouped_gemm(x, q, s, pair_exp)
+    assert _rel(y, fp8_grouped_gemm_ref(x, q, s, pair_exp)) < KERNEL_TOL
+    exact = torch.empty(T * K, N, device=DEV)
+    for e in pair_exp.unique().tolist():  # w[pair_exp] would take P * N * D * 4 bytes (26 GB at 256 tokens)
+        p = (pair_exp == e).nonzero().squeeze(1)
+        exact[p] = x[p].float() @ w[e].T
+    assert _rel(y, exact) <= FP8_RMS_BOUND
+
+
+def _experts(lora: bool, reference=None, seed: int = 0):
+    from moelora.layers.fp8 import Fp8State, to_fp8
+    from moelora.layers.moe import RoutedExperts
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ex = RoutedExperts(E, H, I, "silu", torch.bfloat16, DEV)
+    ex.gate_up_proj.copy_(torch.randn(E, 2 * I, H, device=DEV, generator=g) * H**-0.5)
+    ex.down_proj.copy_(torch.randn(E, H, I, device=DEV, generator=g) * I**-0.5)
+    to_fp8(ex, Fp8State((128, 128), torch.bfloat16, reference), quantize=True)
+    if lora:
+        ex.enable_lora(8, 16)
+        for s in range(8):
+            for w, experts in ((ex.gate_up_lora, E), (ex.down_lora, E)):
+                for i, out in enumerate(w.out_features):
+                    w.set_slot(i, s, torch.randn(experts, 16, w.in_features, device=DEV, generator=g) * w.in_features**-0.5,
+                               torch.randn(experts, out, 16, device=DEV, generator=g) * 0.25, 2.0)
+    return ex
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("lora", [False, True])
+def test_fp8_moe_layer_qwen3_shapes(T, lora):
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.kernels.moe import fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.layers.fp8 import Fp8State
+
+    ex = _experts(lora)
+    g = torch.Generator(device=DEV).manual_seed(100 + T)
+    x = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    tw, ti = route_topk_ref(torch.randn(T, E, device=DEV, generator=g), K, True)
+    slots = torch.randint(-1, 8, (T,), generator=torch.Generator().manual_seed(T)).tolist()
+    batch = LoRABatch.build(slots, 8, DEV) if lora else None
+    y = ex(x, tw.bfloat16(), ti, batch)
+    ex.quant = Fp8State((128, 128), torch.bfloat16, "w8a8")  # the same weights through the torch reference
+    ref = ex(x, tw.bfloat16(), ti, batch)
+    assert _rel(y, ref) < 2.0**-6
+    # bf16 on the dequantized weights (the LoRA references on the same unquantized activations)
+    args = _lora_args(ex, batch) if lora else None
+    bf16 = fused_moe_pairs(x, dequantized_stack(ex, "gate_up_proj"), dequantized_stack(ex, "down_proj"), tw.bfloat16(),
+                           ti, "silu", args, moe_lora_shrink, moe_lora_expand, moe_lora_plan)
+    assert _rel(y, bf16) < 2.0**-3
+
+
+def dequantized_stack(ex, name):
+    return dequantize_weight_block(getattr(ex, name), getattr(ex, f"{name}_scale_inv"), (128, 128), torch.bfloat16)
+
+
+def _lora_args(ex, lora):
+    from moelora.kernels.moe import ExpertLoRAArgs
+
+    gu, d = ex.gate_up_lora, ex.down_lora
+    return ExpertLoRAArgs(token_slots=lora.token_slots, gate_up_a=gu.a, gate_up_b=gu.b_cat, gate_up_scaling=gu.scaling,
+                          gate_up_ranks=gu.rank_tensor, down_a=d.a, down_b=d.b_cat, down_scaling=d.scaling,
+                          down_ranks=d.rank_tensor, gate_up_offsets=gu.slice_offsets, down_offsets=d.slice_offsets)
+
+
+@pytest.mark.parametrize("T", [3, 64])
+def test_fp8_linear_lora_reads_unquantized_activations(T):
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.layers.fp8 import Fp8State, to_fp8
+    from moelora.layers.linear import LoRALinear
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    lin = LoRALinear(4096, [4096, 512, 512], False, torch.bfloat16, DEV)
+    lin.weight.copy_(torch.randn(5120, 4096, device=DEV, generator=g) * 4096**-0.5)
+    to_fp8(lin, Fp8State((128, 128), torch.bfloat16, None), quantize=True)
+    lin.enable_lora(4, 16)
+    for s in range(4):
+        for i, out in enumerate(lin.out_features):
+            lin.lora.set_slot(i, s, torch.randn(16, 4096, device=DEV, generator=g) * 0.05,
+                              torch.randn(out, 16, device=DEV, generator=g) * 0.25, 2.0)  # delta ~6x the base
+    x = torch.randn(T, 4096, device=DEV, generator=g).bfloat16()
+    slots = [i % 5 - 1 for i in range(T)]
+    delta = (lin(x, LoRABatch.build(slots, 4, DEV)).float() - lin(x).float())
+
+    def lora_of(xx):
+        out = torch.zeros(T, 5120, device=DEV)
+        off = lin.lora.slice_offsets_host
+        for t, s in enumerate(slots):
+            if s >= 0:
+                for i in range(3):
+                    out[t, off[i]:off[i + 1]] = 2.0 * (lin.lora.b[i][s].float() @ (lin.lora.a[i, s].float() @ xx[t].float()))
+        return out
+
+    exact = lora_of(x)
+    wrong = lora_of(dequantize_act_group(*quantize_act_group_ref(x), 128))
+    # reading x: only bf16 rounding of y (~2^-9 |y|, |y| ~ |delta|) -> < 0.005; reading the e4m3 copy of x: the
+    # activation rounding, ~0.025 relative on Gaussian x (measured with the reference), so > 0.015
+    assert _rel(delta, exact) < 0.005
+    assert _rel(wrong, exact) > 0.015
+
+
+def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, fp8, deq, _ = write_fp8_checkpoint(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    ad = tmp(tmp_path, "ad")
+    save_peft_adapter(base, ad, 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    run = Runner(fp8, max_loras=2, max_lora_rank=8, dtype="bfloat16", device=DEV)  # FP8 on a GPU: Triton
+    assert run.model.model.layers[0].mlp.experts.quant is not None
+    run.load("ad", ad)
+    rows = rows_of(7, [8, 5, 13])
+    for ids, got, got_base in zip(rows, run.logprobs([(r, "ad") for r in rows]), run.logprobs([(r, None) for r in rows])):
+        # W8A8 + bf16 activations vs fp32 on the dequantized weights: mean |d log p| < 0.02 (the CPU W8A8 reference
+        # alone: ~0.0015); the adapter itself moves the log-probs by > 0.05, so LoRA errors cannot hide in it
+        ref, base_ref = peft_logprobs(base, ad, ids), peft_logprobs(base, None, ids)
+        assert (got - ref).abs().mean() < 0.02, (got - ref).abs().mean()
+        assert (got_base - base_ref).abs().mean() < 0.02
+        assert (ref - base_ref).abs().mean() > 0.05
+
+
+def test_demo_model_in_fp8_graphs_equal_eager_and_adapters_still_work():
+    from moelora import LLM, SamplingParams
+    from moelora.demo import ADAPTERS, TRANSFORMS, adapter_paths, make_prompt, model_path, random_input
+
+    rng = random.Random("fp8")
+    rows = [(name, random_input(rng)) for name in [None, *ADAPTERS] for _ in range(16)]
+    prompts, names = [make_prompt(t) for _, t in rows], [n for n, _ in rows]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+
+    def llm(eager):
+        return LLM(model_path(), adapters=adapter_paths(), max_loras=4, device=DEV, dtype="bfloat16",
+                   quantization="fp8", enforce_eager=eager, max_num_seqs=64)
+
+    eager = llm(True).generate(prompts, params, adapter=names)
+    g = llm(False)
+    assert g.engine.runner.graphs is not None
+    assert g.engine.model.model.layers[0].mlp.experts.quant is not None
+    out = g.generate(prompts, params, adapter=names)
+    assert [o.token_ids for o in out] == [o.token_ids for o in eager]
+    ok = sum(o.text == TRANSFORMS[n](t) for o, (n, t) in zip(out, rows))
+    print(f"demo in FP8: {ok}/{len(rows)} exact")
+    assert ok >= 0.95 * len(rows)
+
+
+def test_nvfp4_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
+    """NVFP4 weight-only on the GPU: bf16 computation on the dequantized weights, so only bf16 rounding differs."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8_helpers import write_nvfp4_checkpoint
+
+    _, q4, deq, _ = write_nvfp4_checkpoint(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    ad = tmp(tmp_path, "ad")
+    save_peft_adapter(base, ad, 2, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    run = Runner(q4, max_loras=2, max_lora_rank=8, dtype="bfloat16", device=DEV)
+    assert run.model.model.layers[0].mlp.experts.quant is not None
+    run.load("ad", ad)
+    rows = rows_of(5, [8, 13])
+    for ids, got in zip(rows, run.logprobs([(r, "ad") for r in rows])):
+        assert (got - peft_logprobs(base, ad, ids)).abs().mean() < 0.02
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_nvfp4_gemms_qwen3_shapes(T):
+    """Weight-only NVFP4: the weights decoded in the kernel are exact in bf16, so kernel vs reference differs by the
+    bf16 output rounding and the accumulation order only (< 2^-7); vs the unquantized weights: 4-bit rounding."""
+    from moelora.kernels.nvfp4 import quantize_nvfp4
+    from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    w = torch.randn(4096, 2048, device=DEV, generator=g) * 2048**-0.5
+    p, s, s2 = quantize_nvfp4(w)
+    s2 = s2.expand(4096).contiguous()
+    x = torch.randn(T, 2048, device=DEV, generator=g).bfloat16()
+    y = nvfp4_linear(x, p, s, s2)
+    assert _rel(y, nvfp4_linear_ref(x, p, s, s2)) < KERNEL_TOL
+    assert _rel(y, x.float() @ w.T) < 0.15
+    we = torch.randn(E, 2 * I, H, device=DEV, generator=g) * H**-0.5
+    P, S, S2 = quantize_nvfp4(we)
+    S2 = S2.expand(E, 2 * I).contiguous()
+    pe = torch.randint(0, E, (T * K,), device=DEV, generator=g)
+    xx = torch.randn(T * K, H, device=DEV, generator=g).bfloat16()
+    assert _rel(nvfp4_grouped_gemm(xx, P, S, S2, pe), nvfp4_grouped_gemm_ref(xx, P, S, S2, pe)) < KERNEL_TOL
+
+
+@pytest.mark.parametrize("T", [1, 64])
+def test_nvfp4_moe_layer_with_lora_equals_dequantized_bf16(T):
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.kernels.moe import route_topk_ref
+    from moelora.layers.nvfp4 import Nvfp4State, to_nvfp4
+
+    ex = _experts(True)  # FP8 weights and 8 LoRA slots; rebuild the stacks in NVFP4 from their dequantized values
+    gu, dn = dequantized_stack(ex, "gate_up_proj"), dequantized_stack(ex, "down_proj")
+    for name, w in (("gate_up_proj", gu), ("down_proj", dn)):
+        for suffix in ("", "_scale_inv"):
+            delattr(ex, name + suffix)
+        ex.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
+    ex.quant = None
+    to_nvfp4(ex, Nvfp4State(torch.bfloat16, False), quantize=True)
+    g = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    tw, ti = route_topk_ref(torch.randn(T, E, device=DEV, generator=g), K, True)
+    batch = LoRABatch.build([i % 9 - 1 for i in range(T)], 8, DEV)
+    y = ex(x, tw.bfloat16(), ti, batch)
+    ex.quant = Nvfp4State(torch.bfloat16, True)  # whole weights dequantized, the bf16 grouped path
+    assert _rel(y, ex(x, tw.bfloat16(), ti, batch)) < 2.0**-6

@@ -1,0 +1,134 @@
+"""NVFP4 (ModelOpt layout) weight-only on the CPU: packing, quantization, checkpoints, online quantization,
+and prompt log-probs with LoRA against PEFT on the dequantized model."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import kernel_cases  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without CUDA)
+from fp8_helpers import write_nvfp4_checkpoint
+from helpers import Runner, peft_logprobs, rows_of, save_peft_adapter, tmp
+from moelora.config import ModelConfig
+from moelora.kernels.nvfp4 import dequantize_nvfp4, pack_e2m1, quantize_nvfp4, unpack_e2m1
+from moelora.layers.nvfp4 import dequantized
+from moelora.models.loader import build_model
+from moelora.models.weights import WeightLoadError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_packing_low_nibble_first():
+    packed = pack_e2m1(torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8))
+    assert packed.tolist() == [[0x21, 0x8F]]
+    assert unpack_e2m1(packed).tolist() == [[0.5, 1.0, -6.0, -0.0]]
+    from moelora.kernels.nvfp4 import round_to_e2m1
+
+    v = torch.tensor([0.25, 0.26, 2.5, 2.51, 5.0, 7.0, -0.1, -1.2])  # ties go to the smaller magnitude; clamp at 6
+    assert round_to_e2m1(v).tolist() == [0, 1, 4, 5, 6, 7, 8, 10]
+
+
+def test_representable_weights_roundtrip_exactly():
+    g = torch.Generator().manual_seed(0)
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    codes = values[torch.randint(0, 8, (6, 64), generator=g)] * (torch.randint(0, 2, (6, 64), generator=g) * 2 - 1)
+    codes.view(6, 4, 16)[..., 0] = 6.0  # every group reaches the e2m1 maximum
+    w = codes * 2.0 ** torch.randint(-3, 3, (6, 4, 1), generator=g).repeat_interleave(16, 1).view(6, 64).float()
+    p, s, s2 = quantize_nvfp4(w)
+    assert p.shape == (6, 32) and s.shape == (6, 4) and s.dtype == torch.float8_e4m3fn and s2.dim() == 0
+    assert torch.allclose(dequantize_nvfp4(p, s, s2), w, rtol=1e-6, atol=0)
+    x = torch.randn(64, 96, generator=g)
+    assert ((dequantize_nvfp4(*quantize_nvfp4(x)) - x).norm() / x.norm()) < 0.15  # 4-bit: ~0.1 on Gaussian data
+    with pytest.raises(ValueError, match=r"multiple of 16; weight shape \[4, 40\]"):
+        quantize_nvfp4(torch.randn(4, 40))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_nvfp4_checkpoint(tmp_path_factory.mktemp("nvfp4"), skip=("layers.1.self_attn.o_proj",))
+
+
+def _runner(path, nvfp4: bool) -> Runner:
+    kw = dict(quantization="nvfp4", quant_reference="cpu-test") if nvfp4 else {}
+    return Runner(path, max_loras=2, max_lora_rank=8, build_kw=kw)
+
+
+def test_nvfp4_checkpoint_loads_and_equals_the_dequantized_model(ckpt):
+    _, q4, deq, _ = ckpt
+    run = _runner(q4, True)
+    m = run.model
+    raw = load_file(os.path.join(q4, "model.safetensors"))
+    att = m.model.layers[0].self_attn.qkv_proj
+    assert att.weight.dtype == torch.uint8 and att.weight.shape == (64, 16)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(att.weight[32:48], raw[k]) and torch.equal(att.weight_scale_2[32:48], raw[k + "_scale_2"].expand(16))
+    assert not torch.equal(att.weight_scale_2[:32], att.weight_scale_2[32:48])  # q and k: their own global scales
+    assert m.model.layers[1].self_attn.o_proj.quant is None
+    assert m.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.uint8
+    rows = rows_of(3, [7, 4])
+    for a, b, c in zip(run.logprobs([(r, None) for r in rows]), _runner(deq, False).logprobs([(r, None) for r in rows]),
+                       _runner(q4, False).logprobs([(r, None) for r in rows])):  # CPU without the flag: dequantized
+        assert torch.allclose(a, b, atol=1e-5) and torch.allclose(c, b, atol=1e-5)
+
+
+def test_nvfp4_with_lora_vs_peft_on_dequantized(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, q4, deq, _ = write_nvfp4_checkpoint(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    ad = tmp(tmp_path, "ad")
+    save_peft_adapter(base, ad, 2, r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    run = _runner(q4, True)
+    run.load("ad", ad)
+    rows = rows_of(9, [6, 9])
+    for ids, got in zip(rows, run.logprobs([(r, "ad") for r in rows])):
+        assert (got - peft_logprobs(base, ad, ids)).abs().max() < 1e-4  # weight-only: exact on the dequantized model
+
+
+def test_nvfp4_errors(ckpt, tmp_path):
+    _, q4, _, src = ckpt
+    cfg = ModelConfig.from_pretrained(src)
+    with pytest.raises(RuntimeError, match=r"NVFP4 needs a CUDA GPU .*; found cpu"):
+        build_model(cfg, src, quantization="nvfp4")
+    with pytest.raises(ValueError, match=r"is an nvfp4 checkpoint; quantization='fp8'"):
+        build_model(ModelConfig.from_pretrained(q4), q4, quantization="fp8")
+    from test_fp8 import _edit_checkpoint
+
+    name = "model.layers.0.mlp.experts.1.up_proj.weight_scale"
+    missing = _edit_checkpoint(q4, str(tmp_path / "missing"), lambda t: t.pop(name))
+    with pytest.raises(WeightLoadError, match=r"up_proj.weight' is packed NVFP4 \(uint8\) but .*weight_scale' is missing"):
+        build_model(ModelConfig.from_pretrained(missing), missing, quantization="nvfp4", quant_reference="cpu-test")
+    bad = _edit_checkpoint(q4, str(tmp_path / "bad"), lambda t: t.__setitem__(name, t[name][:, :1].contiguous()))
+    with pytest.raises(WeightLoadError, match=r"up_proj.weight_scale': expected shape \[16, 2\] .* found \[16, 1\]"):
+        build_model(ModelConfig.from_pretrained(bad), bad, quantization="nvfp4", quant_reference="cpu-test")
+
+
+def test_online_nvfp4_quantization(ckpt):
+    _, _, _, src = ckpt
+    cfg = ModelConfig.from_pretrained(src)
+    ref = build_model(cfg, src)
+    m = build_model(cfg, src, quantization="nvfp4", quant_reference="cpu-test")
+    ex, ex_ref = m.model.layers[0].mlp.experts, ref.model.layers[0].mlp.experts
+    assert ex.down_proj.dtype == torch.uint8
+    assert torch.equal(dequantized(ex, "down_proj", torch.float32), dequantize_nvfp4(*quantize_nvfp4(ex_ref.down_proj)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("T", [1, 5])
+def test_triton_weight_only_gemms_interpreted(T):
+    from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
+
+    g = torch.Generator().manual_seed(T)
+    x, w = torch.randn(T, 96, generator=g), torch.randn(72, 96, generator=g)  # N = 72: a partial 64-wide tile
+    p, s, s2 = quantize_nvfp4(w)
+    s2 = s2.expand(72) * torch.linspace(0.5, 2, 72)  # per-row global scales (fused slices differ)
+    b = torch.randn(72, generator=g)
+    assert torch.allclose(nvfp4_linear(x, p, s, s2, b), nvfp4_linear_ref(x, p, s, s2, b), rtol=1e-5, atol=1e-5)
+    W = torch.randn(3, 40, 96, generator=g)
+    P, S, S2 = quantize_nvfp4(W)
+    S2 = S2.expand(3, 40).contiguous()
+    pe = torch.randint(0, 3, (2 * T,), generator=g)
+    xx = torch.randn(2 * T, 96, generator=g)
+    assert torch.allclose(nvfp4_grouped_gemm(xx, P, S, S2, pe), nvfp4_grouped_gemm_ref(xx, P, S, S2, pe), rtol=1e-5, atol=1e-5)
