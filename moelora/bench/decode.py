@@ -46,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and LoRA, the base weights quantized from the dummy weights: block-scaled FP8, NVFP4 weight-only)")
     p.add_argument("--device", default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--lora-overlap", default="on", choices=["on", "off"], help="side-stream LoRA overlap (default on)")
+    p.add_argument("--lora-overlap", default="on", choices=["on", "off", "both"],
+                   help="side-stream LoRA overlap (default on); both: the sweep with it on, then the adapter cases "
+                        "again with it off (graphs recaptured)")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (a smoke test of the benchmark)")
 
 
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank,
         dtype="bfloat16" if quant else args.dtype, quantization=quant,
         device=args.device, load_format="dummy", max_num_seqs=max(batches), max_num_batched_tokens=8192,
-        max_model_len=2048, enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap == "on",
+        max_model_len=2048, enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap != "off",
         max_graph_batch_size=max(batches),
     ))
     engine.add_request("startup", [1, 2, 3], SamplingParams(max_tokens=1), None)
@@ -176,24 +178,38 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     head = {"hbm_gbs": bw, "startup_to_first_token_s": startup_s, "adapter_load_s": load_s,
             "adapter_bytes": adapter_bytes, "graphs": engine.runner.graphs is not None,
-            "lora_overlap": args.lora_overlap == "on", "memory_plan_gib": plan.as_gib() if plan else None}
-    for workload in args.workloads.split(","):
-        for batch in batches:
-            for n in counts:
-                r = _case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n)
-                r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
-                         + ("" if not args.layers else f" ({args.layers} layers)"),
-                         dtype=args.dtype, rank=args.lora_rank if n else 0)
-                r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw else None
-                rows.append(r)
-                write_result("decode", {**head, "rows": rows}, args.out)  # after every row: a cut-off run keeps its rows
-                fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
-                print(f"{workload:8s} batch {batch:4d} adapters {n}: {r['tokens_per_s']:9.1f} tok/s  step "
-                      f"{r['step_ms']:7.2f} ms  floor {fl}  experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}",
-                      flush=True)
+            "memory_plan_gib": plan.as_gib() if plan else None}
+    passes = [True, False] if args.lora_overlap == "both" else [args.lora_overlap == "on"]
+    cases = [(o, w, b, n) for o in passes for w in args.workloads.split(",") for b in batches for n in counts
+             if o == passes[0] or n > 0]
+    for overlap, workload, batch, n in cases:
+        if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state():
+            _recapture(engine, overlap)
+        r = _case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n)
+        r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
+                 + ("" if not args.layers else f" ({args.layers} layers)"),
+                 dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap)
+        r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw else None
+        rows.append(r)
+        write_result("decode", {**head, "rows": rows}, args.out)  # after every row: a cut-off run keeps its rows
+        fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
+        print(f"{workload:8s} batch {batch:4d} adapters {n}{'' if overlap else ' (overlap off)'}: {r['tokens_per_s']:9.1f} tok/s  step "
+              f"{r['step_ms']:7.2f} ms  floor {fl}  experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}",
+              flush=True)
     path = write_result("decode", {**head, "rows": rows}, args.out)
     print(f"results: {path}")
     return 0
+
+
+def _recapture(engine: LLMEngine, overlap: bool) -> None:
+    """Switch the side-stream overlap and capture the decode graphs again (they record the streams used)."""
+    engine.model.set_overlap(overlap and engine.device.type == "cuda")
+    g = engine.runner.graphs
+    if g is not None:
+        g.graphs.clear()
+        g._routing.clear()
+        torch.cuda.empty_cache()
+        g.capture()
 
 
 def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> tuple[float, int]:

@@ -118,6 +118,10 @@ class MoECausalLM(nn.Module):
             if hasattr(module, "overlap"):
                 module.overlap = bool(enabled)
 
+    def lora_overlap_state(self) -> bool:
+        """Whether any module has the side-stream overlap on."""
+        return any(getattr(m, "overlap", False) for m in self.modules())
+
     def lora_targets(self) -> dict[str, LoRATarget]:
         """Every adapter-addressable weight, by the module name PEFT uses for it."""
         if not self.max_loras:
