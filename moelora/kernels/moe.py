@@ -131,9 +131,14 @@ def fused_moe_pairs(
     K = topk_ids.shape[1]
     P = T * K
     inter = two_i // 2
+    from moelora.kernels.fused_moe_triton import TritonExperts, fast_path_ok  # Triton base path (fused_moe_triton.py)
+
+    fast = TritonExperts(topk_ids, E) if fast_path_ok(x, w_gate_up) else None
+    if fast is not None and lora is None and activation == "silu":
+        return fast.combine(fast(fast(x, w_gate_up, fuse_act=True), w_down), topk_weights)
     pair_exp = topk_ids.reshape(-1)
-    pair_tok = torch.arange(T, device=x.device).repeat_interleave(K)
-    gemm = _ExpertGemm(pair_exp, E)
+    pair_tok = torch.arange(T, device=x.device).repeat_interleave(K) if fast is None else None
+    gemm = fast or _ExpertGemm(pair_exp, E)
     kw = {}
     if lora is not None and plan is not None:
         kw["align"] = plan(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
@@ -142,7 +147,7 @@ def fused_moe_pairs(
     def project(inp, w, per_pair, parts):
         """y = base GEMM of one projection [P, O] + its LoRA delta; parts = (a, b, offsets, ranks, scaling,
         slice width) or None. The delta runs on the side stream when overlapping."""
-        y_in = inp if per_pair else inp[pair_tok]
+        y_in = inp if per_pair or fast is not None else inp[pair_tok]  # the Triton GEMM reads x[p // K] itself
         if parts is None:
             return gemm(y_in, w)
         a, b, offs, ranks, scaling, width = parts
@@ -173,10 +178,12 @@ def fused_moe_pairs(
     gu_parts = None if lora is None else (
         lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks, lora.gate_up_scaling, inter)
     gu = project(x, w_gate_up, False, gu_parts)  # [P, 2I], LoRA delta before the activation
-    act = _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]  # [P, I]
+    act = fast.act(gu, activation) if fast is not None else _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]  # [P, I]
     d_parts = None if lora is None else (
         lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H)
     o = project(act, w_down, True, d_parts)  # [P, H]
+    if fast is not None:
+        return fast.combine(o, topk_weights)
     out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
+from moelora.kernels.fused_moe_triton import route_topk, routing_kernel_ok
 from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
 from moelora.kernels.streams import fork, join, side_stream
 from moelora.layers.linear import LoRALinear
@@ -92,7 +93,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         logits = F.linear(x, self.gate)  # [T, E]
-        topk_weights, topk_ids = route_topk_ref(logits, self.top_k, self.renormalize)  # [T, K]
+        route = route_topk if routing_kernel_ok(logits) else route_topk_ref  # one Triton launch on CUDA
+        topk_weights, topk_ids = route(logits, self.top_k, self.renormalize)  # [T, K]
         self.last_topk_ids = topk_ids  # a reference, for statistics (experts touched per step)
         if self.shared_expert is None:
             return self.experts(x, topk_weights.to(x.dtype), topk_ids, lora)

@@ -1,0 +1,476 @@
+"""Triton routed-expert (fused MoE) base path: alignment of (token, k) pairs by expert, a grouped GEMM
+that reads its input rows by index and writes pair rows directly, SiLU-and-mul, the router-weighted
+combine over k, and the softmax + top-k router. No host synchronisation and static output sizes
+(they depend only on T, K, E and the block size), so every launcher can be captured in a CUDA graph.
+
+Pairs: p = t * K + k (pair-major, as fused_moe_pairs lays out its intermediates). Expert weights as
+transformers >= 5 stores them: gate_up [E, 2I, H] (gate rows first), down [E, H, I] (row-major; the GEMM
+reads w[e] transposed through its strides).
+
+Launches per MoE layer (no LoRA): route (1) + align (1) + gate_up GEMM with SiLU-and-mul fused (1) +
+down GEMM (1) + combine (1). With LoRA the gate_up GEMM writes gu [P, 2I] (the LoRA delta is added to
+it before the activation), then silu_and_mul (1).
+
+Torch references sit beside each kernel (`*_ref`); tests/test_kernels_fused_moe.py checks them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+# --------------------------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes of the grouped GEMM. block_m also fixes the padding of the alignment."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(num_pairs: int, fuse_act: bool = False) -> GemmConfig:
+    """Autotune-free configs by the number of (token, k) pairs P (Hopper; ~P/E rows per expert).
+    Decode (P <= 512, a few rows per expert): weight streaming dominates, so BLOCK_M 16, narrow N tiles
+    for many programs and long K tiles with deep pipelining. Prefill: 32/64/128-row blocks.
+    fuse_act: the gate_up GEMM with SiLU-and-mul fused keeps two accumulators (gate, up), so its N tile is halved."""
+    if num_pairs <= 512:
+        cfg = GemmConfig(16, 64, 128, 4, 4)
+    elif num_pairs <= 4096:
+        cfg = GemmConfig(32, 64, 64, 4, 4)
+    elif num_pairs <= 16384:
+        cfg = GemmConfig(64, 128, 64, 8, 3)
+    else:
+        cfg = GemmConfig(128, 128, 64, 8, 3)
+    if fuse_act:
+        cfg = GemmConfig(cfg.block_m, max(32, cfg.block_n // 2), cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------- alignment
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static size of sorted_pair_ids: every non-empty expert (at most min(E, P)) pads by < block_m."""
+    p_max = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return (p_max + block_m - 1) // block_m * block_m
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: pairs p = t*K + k grouped by expert e = topk_ids.flatten()[p] in increasing e, each group
+    in increasing p and padded with the value P to a multiple of block_m; the rest of the static buffer = P.
+        sorted_pair_ids[p_max] int32 · block_expert[p_max / block_m] int32 (expert of each block, -1 if unused)
+    topk_ids: [T, K] int · p_max = max_padded_pairs(T*K, E, block_m)
+    """
+    T, K = topk_ids.shape
+    P = T * K
+    p_max = max_padded_pairs(P, num_experts, block_m)
+    ids = topk_ids.reshape(-1).long().cpu()
+    sorted_ids = torch.full((p_max,), P, dtype=torch.int32)
+    block_expert = torch.full((p_max // block_m,), -1, dtype=torch.int32)
+    pos = 0
+    for e in range(num_experts):
+        pairs = (ids == e).nonzero().squeeze(1)
+        if pairs.numel() == 0:
+            continue
+        n = (pairs.numel() + block_m - 1) // block_m * block_m
+        sorted_ids[pos : pos + pairs.numel()] = pairs.to(torch.int32)
+        block_expert[pos // block_m : (pos + n) // block_m] = e
+        pos += n
+    return sorted_ids.to(topk_ids.device), block_expert.to(topk_ids.device)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_align_kernel(
+        ids_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, NUM_BLOCKS,
+        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):
+        # one program: counts per expert, padded offsets, stable placement, block -> expert map
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_p = tl.arange(0, BLOCK_P)
+        for p0 in range(0, P_MAX, BLOCK_P):  # padding everywhere first
+            tl.store(sorted_ptr + p0 + offs_p, tl.zeros((BLOCK_P,), tl.int32) + P, mask=p0 + offs_p < P_MAX)
+        counts = tl.zeros((BLOCK_E,), tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            pp = p0 + offs_p
+            e = tl.load(ids_ptr + pp, mask=pp < P, other=-1).to(tl.int32)
+            hit = (e[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
+            counts += tl.sum(hit, axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        fill = ends - padded  # next free position of each expert's group
+        tl.debug_barrier()  # the padding stores land before the pair stores (other threads, same addresses)
+        for p0 in range(0, P, BLOCK_P):
+            pp = p0 + offs_p
+            valid = pp < P
+            e = tl.load(ids_ptr + pp, mask=valid, other=-1).to(tl.int32)
+            hit = (e[:, None] == offs_e[None, :]).to(tl.int32)
+            rank = tl.cumsum(hit, axis=0)  # 1-based rank of each pair among this chunk's pairs of its expert
+            dest = tl.sum(hit * (fill[None, :] + rank - 1), axis=1)
+            tl.store(sorted_ptr + dest, pp.to(tl.int32), mask=valid)
+            fill += tl.sum(hit, axis=0)
+        total = tl.max(ends, axis=0)
+        for b0 in range(0, NUM_BLOCKS, BLOCK_P):
+            bb = b0 + offs_p
+            start = bb * BLOCK_M
+            # the expert whose padded range holds `start`: the number of groups ending at or before it
+            be = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), axis=1)
+            be = tl.where(start < total, be, -1)
+            tl.store(bexp_ptr + bb, be, mask=bb < NUM_BLOCKS)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align_ref in one Triton launch (one program; no sort, no host sync; stable inside each group).
+    topk_ids: [T, K] int · returns sorted_pair_ids [p_max] int32 (pad = T*K), block_expert [p_max/block_m] int32
+    """
+    require_triton()
+    T, K = topk_ids.shape
+    P = T * K
+    p_max = max_padded_pairs(P, num_experts, block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(p_max // block_m, dtype=torch.int32, device=dev)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    block_p = max(16, min(256, 16384 // block_e))
+    ids = topk_ids.reshape(-1)
+    _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, P, num_experts, p_max, p_max // block_m,
+                            BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=8)
+    return sorted_ids, block_expert
+
+
+# ----------------------------------------------------------------------------------------- grouped GEMM
+
+
+def expert_gemm_ref(
+    inp: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, gather_rows: bool,
+    pair_weights: torch.Tensor | None = None, fuse_act: bool = False,
+) -> torch.Tensor:
+    """Semantics: for p in range(T*K): e = topk_ids.flatten()[p]; row = inp[p // K] if gather_rows else inp[p]
+        y = w[e] @ row                                  # [O], fp32 accumulation
+        fuse_act: y = silu(y[:O/2]) * y[O/2:]           # gate rows first
+        out[p] = y * pair_weights[p] (if given)
+    inp: [T, D] (gather_rows) or [T*K, D] · w: [E, O, D] · pair_weights: [T*K] · returns [T*K, O or O/2]
+    """
+    T, K = topk_ids.shape
+    rows = inp.float()[torch.arange(T * K, device=inp.device) // K] if gather_rows else inp.float()
+    y = torch.einsum("pd,pod->po", rows, w.float()[topk_ids.reshape(-1).long()])
+    if fuse_act:
+        half = y.shape[1] // 2
+        y = F.silu(y[:, :half]) * y[:, half:]
+    if pair_weights is not None:
+        y = y * pair_weights.float()[:, None]
+    return y.to(inp.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _expert_gemm_kernel(
+        inp_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, pw_ptr,
+        N, D, P, HALF,
+        s_im, s_id, s_we, s_wn, s_wd, s_om, s_on,
+        ROW_DIV: tl.constexpr, FUSE_ACT: tl.constexpr, HAS_PW: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)  # n tiles of one block are neighbours: they share the block's input rows
+        b = tl.program_id(1)
+        e = tl.load(bexp_ptr + b)
+        if e < 0:
+            return
+        pairs = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = pairs < P
+        pairs = tl.where(mask_m, pairs, 0).to(tl.int64)
+        rows = pairs // ROW_DIV
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        offs_nc = tl.where(mask_n, offs_n, 0)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = inp_ptr + rows[:, None] * s_im + offs_k[None, :] * s_id  # [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + e.to(tl.int64) * s_we + offs_nc[None, :] * s_wn + offs_k[:, None] * s_wd  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FUSE_ACT:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                wt = tl.load(w_ptrs)
+            else:
+                mask_k = k0 + offs_k < D
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                wt = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
+            acc += tl.dot(a, wt, input_precision=PRECISION)
+            if FUSE_ACT:
+                if EVEN_K:
+                    wu = tl.load(w_ptrs + HALF * s_wn)
+                else:
+                    wu = tl.load(w_ptrs + HALF * s_wn, mask=mask_k[:, None], other=0.0)
+                acc_up += tl.dot(a, wu, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * s_id
+            w_ptrs += BLOCK_K * s_wd
+        if FUSE_ACT:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if HAS_PW:
+            acc = acc * tl.load(pw_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + pairs[:, None] * s_om + offs_n[None, :] * s_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def expert_gemm(
+    inp: torch.Tensor,
+    w: torch.Tensor,
+    align: tuple[torch.Tensor, torch.Tensor],
+    num_pairs: int,
+    top_k: int,
+    out: torch.Tensor,
+    gather_rows: bool,
+    pair_weights: torch.Tensor | None = None,
+    fuse_act: bool = False,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM over expert-aligned pairs (semantics: expert_gemm_ref, written into `out`):
+        for each block b of config.block_m entries of sorted_pair_ids with e = block_expert[b] >= 0:
+            for each valid pair p in the block: row = inp[p // K] if gather_rows else inp[p]
+                out[p] = (w[e] @ row) [silu(gate) * up if fuse_act] [* pair_weights[p]]
+    inp: [T, D] (gather_rows: the token rows, no x[pair_tok] copy) or [P, D] (per pair)
+    w: [E, O, D] (any strides) · align: moe_align(topk_ids, E, config.block_m) · num_pairs: P = T*K · top_k: K
+    out: [P, O] (or [P, O/2] with fuse_act) · pair_weights: [P] or None · returns out
+    """
+    require_triton()
+    cfg = config or pick_config(num_pairs, fuse_act)
+    sorted_ids, block_expert = align
+    D = inp.shape[1]
+    O = w.shape[1]
+    N = O // 2 if fuse_act else O
+    assert w.shape[2] == D and out.shape == (num_pairs, N), (inp.shape, w.shape, out.shape)
+    assert sorted_ids.shape[0] == block_expert.shape[0] * cfg.block_m, "align was made with another block_m"
+    grid = (triton.cdiv(N, cfg.block_n), block_expert.shape[0])
+    _expert_gemm_kernel[grid](
+        inp, w, out, sorted_ids, block_expert, pair_weights if pair_weights is not None else out,
+        N, D, num_pairs, N,
+        inp.stride(0), inp.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        ROW_DIV=top_k if gather_rows else 1, FUSE_ACT=fuse_act, HAS_PW=pair_weights is not None,
+        EVEN_K=D % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION=dot_precision(inp.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------- activation, combine
+
+
+def silu_and_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    """Semantics: silu(gu[:, :I]) * gu[:, I:] in fp32, rounded once · gu: [P, 2I] · returns [P, I]."""
+    half = gu.shape[1] // 2
+    g = gu.float()
+    return (F.silu(g[:, :half]) * g[:, half:]).to(gu.dtype)
+
+
+def moe_combine_ref(o: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Semantics: out[t] = sum_k topk_weights[t, k] * o[t*K + k] in fp32, rounded once to o.dtype
+    o: [T*K, H] · topk_weights: [T, K] · returns [T, H]."""
+    T, K = topk_weights.shape
+    return (o.view(T, K, -1).float() * topk_weights.float()[:, :, None]).sum(1).to(o.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _silu_and_mul_kernel(gu_ptr, out_ptr, I, s_gm, s_gn, s_om, s_on, BLOCK: tl.constexpr):
+        p = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < I
+        g = tl.load(gu_ptr + p * s_gm + offs * s_gn, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + p * s_gm + (offs + I) * s_gn, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + p * s_om + offs * s_on, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _combine_kernel(o_ptr, w_ptr, out_ptr, H, s_op, s_oh, s_wt, s_wk, s_ot, s_oh2,
+                        K: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < H
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in tl.static_range(K):
+            wk = tl.load(w_ptr + t * s_wt + k * s_wk).to(tl.float32)
+            acc += wk * tl.load(o_ptr + (t * K + k) * s_op + offs * s_oh, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * s_ot + offs * s_oh2, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul_ref in one launch · gu: [P, 2I] · out: [P, I] (made when None) · returns out."""
+    require_triton()
+    P, two_i = gu.shape
+    inter = two_i // 2
+    if out is None:
+        out = torch.empty(P, inter, dtype=gu.dtype, device=gu.device)
+    block = min(1024, max(16, triton.next_power_of_2(inter)))
+    if P:
+        _silu_and_mul_kernel[(P, triton.cdiv(inter, block))](gu, out, inter, gu.stride(0), gu.stride(1),
+                                                             out.stride(0), out.stride(1), BLOCK=block)
+    return out
+
+
+def moe_combine(o: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """moe_combine_ref in one launch (deterministic: a fixed k order, no atomics).
+    o: [T*K, H] · topk_weights: [T, K] · out: [T, H] (made in o.dtype when None) · returns out."""
+    require_triton()
+    T, K = topk_weights.shape
+    H = o.shape[1]
+    if out is None:
+        out = torch.empty(T, H, dtype=o.dtype, device=o.device)
+    block = min(1024, max(16, triton.next_power_of_2(H)))
+    if T:
+        _combine_kernel[(T, triton.cdiv(H, block))](o, topk_weights, out, H, o.stride(0), o.stride(1),
+                                                    topk_weights.stride(0), topk_weights.stride(1),
+                                                    out.stride(0), out.stride(1), K=K, BLOCK=block)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- routing
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _route_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, s_t, s_e,
+                           K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        mask = offs < E
+        x = tl.load(logits_ptr + t * s_t + offs * s_e, mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.exp(x - tl.max(x, axis=0))
+        x = tl.where(mask, x, 0.0)
+        probs = x / tl.sum(x, axis=0)
+        cur = tl.where(mask, probs, -1.0)  # probabilities are >= 0: masked lanes never win
+        offs_k = tl.arange(0, BLOCK_K)
+        w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for k in tl.static_range(K):
+            best = tl.max(cur, axis=0)
+            idx = tl.min(tl.where(cur == best, offs, BLOCK_E), axis=0)  # lowest index among ties
+            w = tl.where(offs_k == k, best, w)
+            ids = tl.where(offs_k == k, idx.to(tl.int64), ids)
+            cur = tl.where(offs == idx, -2.0, cur)
+        if RENORM:
+            w = w / tl.sum(w, axis=0)
+        tl.store(w_ptr + t * K + offs_k, w, mask=offs_k < K)
+        tl.store(ids_ptr + t * K + offs_k, ids, mask=offs_k < K)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.route_topk_ref in one launch: p = softmax(logits) (fp32); (w, ids) = topk(p, K) in decreasing p
+    (ties: the lowest expert id first); if renormalize: w /= w.sum(-1).
+    router_logits: [T, E] · returns topk_weights [T, K] fp32, topk_ids [T, K] int64."""
+    require_triton()
+    T, E = router_logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    if T:
+        _route_topk_kernel[(T,)](router_logits, w, ids, E, router_logits.stride(0), router_logits.stride(1),
+                                 K=top_k, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                                 BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORM=renormalize)
+    return w, ids
+
+
+# --------------------------------------------------------------------------------- the whole base path
+
+
+_FAST = {"enabled": os.environ.get("MOELORA_FUSED_MOE", "1") != "0", "cpu": False}
+
+
+def set_fast_path(enabled: bool = True, on_cpu: bool = False) -> None:
+    """enabled: fused_moe_pairs uses this file's kernels for the base GEMMs on CUDA (False: moe._ExpertGemm,
+    the torch._grouped_mm path; also MOELORA_FUSED_MOE=0). on_cpu: also on CPU tensors under
+    TRITON_INTERPRET=1 (tests only)."""
+    _FAST["enabled"], _FAST["cpu"] = bool(enabled), bool(on_cpu)
+
+
+def fast_path_ok(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
+    """The Triton base path: CUDA 16-bit inputs (CPU ones only when set_fast_path(on_cpu=True) under the interpreter)."""
+    from moelora.kernels._triton import interpreting
+
+    if not (HAS_TRITON and _FAST["enabled"]) or x.dtype != w_gate_up.dtype:
+        return False
+    if x.is_cuda:
+        return x.dtype in (torch.bfloat16, torch.float16)
+    return _FAST["cpu"] and interpreting()
+
+
+def routing_kernel_ok(router_logits: torch.Tensor) -> bool:
+    """route_topk (Triton) for CUDA logits when the fast path is enabled; otherwise route_topk_ref."""
+    return HAS_TRITON and _FAST["enabled"] and router_logits.is_cuda and router_logits.shape[1] <= 4096
+
+
+class TritonExperts:
+    """The base expert GEMMs of one MoE layer for fused_moe_pairs (same interface as moe._ExpertGemm:
+    gemm(inp, w) -> [P, O]), plus the activation and the combine. The alignment is computed once here
+    and serves both projections. inp may be per token ([T, D]: rows read as p // K, no gather copy)
+    or per pair ([P, D]); with K == 1 the two are the same."""
+
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int, config: GemmConfig | None = None) -> None:
+        self.T, self.K = topk_ids.shape
+        self.P = self.T * self.K
+        self.cfg = config or pick_config(self.P)
+        self.align = moe_align(topk_ids, num_experts, self.cfg.block_m)
+
+    def __call__(self, inp: torch.Tensor, w: torch.Tensor, fuse_act: bool = False) -> torch.Tensor:
+        """inp: [T, D] or [P, D] · w: [E, O, D] · returns [P, O] (fuse_act: silu(gate) * up, [P, O/2])."""
+        gather = inp.shape[0] != self.P
+        n = w.shape[1] // 2 if fuse_act else w.shape[1]
+        out = torch.empty(self.P, n, dtype=inp.dtype, device=inp.device)
+        cfg = self.cfg
+        if fuse_act:
+            cfg = GemmConfig(cfg.block_m, max(32, cfg.block_n // 2), cfg.block_k, cfg.num_warps, cfg.num_stages)
+        return expert_gemm(inp, w, self.align, self.P, self.K, out, gather, fuse_act=fuse_act, config=cfg)
+
+    def act(self, gu: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(gu[:, :I]) * gu[:, I:] · gu: [P, 2I] · returns [P, I] (one launch for silu)."""
+        if activation == "silu":
+            return silu_and_mul(gu)
+        from moelora.kernels.moe import _ACTIVATIONS
+
+        inter = gu.shape[1] // 2
+        return _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]
+
+    def combine(self, o: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """sum_k topk_weights[t, k] * o[t*K + k] · o: [P, H] · returns [T, H] in o.dtype."""
+        return moe_combine(o, topk_weights)
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """moe.fused_moe_ref without LoRA, in 4 launches (align, gate_up GEMM + SiLU-and-mul, down GEMM, combine):
+        out[t] = sum_k topk_weights[t, k] * W_d[e] (silu(W_g[e] x_t) * (W_u[e] x_t)),  e = topk_ids[t, k]
+    x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]
+    """
+    E = w_gate_up.shape[0]
+    experts = TritonExperts(topk_ids, E, config)
+    if activation == "silu":
+        act = experts(x, w_gate_up, fuse_act=True)  # [P, I]
+    else:
+        act = experts.act(experts(x, w_gate_up), activation)
+    o = experts(act, w_down)  # [P, H]
+    return experts.combine(o, topk_weights)
