@@ -135,22 +135,90 @@ if HAS_TRITON:
             tl.store(bexp_ptr + bb, be, mask=bb < NUM_BLOCKS)
 
 
+    @triton.jit
+    def _align_count_kernel(ids_ptr, counts_ptr, sorted_ptr, P, P_MAX, FILL,
+                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+        # program c: counts[c, e] = #pairs of chunk c on expert e; pads sorted_ids[c*FILL : (c+1)*FILL] with P
+        c = tl.program_id(0)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_p = tl.arange(0, BLOCK_P)
+        pp = c * BLOCK_P + offs_p
+        e = tl.load(ids_ptr + pp, mask=pp < P, other=-1).to(tl.int32)
+        hit = (e[:, None] == offs_e[None, :]).to(tl.int32)
+        tl.store(counts_ptr + c * BLOCK_E + offs_e, tl.sum(hit, axis=0))
+        for f0 in range(c * FILL, (c + 1) * FILL, BLOCK_P):
+            ff = f0 + offs_p
+            tl.store(sorted_ptr + ff, tl.zeros((BLOCK_P,), tl.int32) + P, mask=(ff < (c + 1) * FILL) & (ff < P_MAX))
+
+    @triton.jit
+    def _align_offsets_kernel(counts_ptr, base_ptr, bexp_ptr, C, NUM_BLOCKS,
+                              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+        # one program: base[c, e] = pairs of e in chunks before c (c < C), base[C, e] = start of e's group; block -> expert
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_c = tl.arange(0, BLOCK_C)
+        carry = tl.zeros((BLOCK_E,), tl.int32)
+        for c0 in range(0, C, BLOCK_C):
+            cc = c0 + offs_c
+            ptrs = cc[:, None] * BLOCK_E + offs_e[None, :]
+            tile = tl.load(counts_ptr + ptrs, mask=(cc < C)[:, None], other=0)
+            tl.store(base_ptr + ptrs, tl.cumsum(tile, axis=0) - tile + carry[None, :], mask=(cc < C)[:, None])
+            carry += tl.sum(tile, axis=0)
+        padded = (carry + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        tl.store(base_ptr + C * BLOCK_E + offs_e, ends - padded)  # row C: the start of each expert's group
+        total = tl.max(ends, axis=0)
+        for b0 in range(0, NUM_BLOCKS, BLOCK_C):
+            bb = b0 + offs_c
+            start = bb * BLOCK_M
+            be = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), axis=1)
+            tl.store(bexp_ptr + bb, tl.where(start < total, be, -1), mask=bb < NUM_BLOCKS)
+
+    @triton.jit
+    def _align_place_kernel(ids_ptr, base_ptr, sorted_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+        # program c: each pair of chunk c goes to base[C, e] + base[c, e] + (its rank among the chunk's pairs of e)
+        c = tl.program_id(0)
+        offs_e = tl.arange(0, BLOCK_E)
+        pp = c * BLOCK_P + tl.arange(0, BLOCK_P)
+        valid = pp < P
+        e = tl.load(ids_ptr + pp, mask=valid, other=-1).to(tl.int32)
+        hit = (e[:, None] == offs_e[None, :]).to(tl.int32)
+        base = tl.load(base_ptr + c * BLOCK_E + offs_e) + tl.load(base_ptr + C * BLOCK_E + offs_e)
+        dest = tl.sum(hit * (base[None, :] + tl.cumsum(hit, axis=0) - 1), axis=1)
+        tl.store(sorted_ptr + dest, pp.to(tl.int32), mask=valid)
+
+
+ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks of pairs
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_align_ref in one Triton launch (one program; no sort, no host sync; stable inside each group).
+    """moe_align_ref on the device: no sort, no atomics (stable inside each group), no host sync.
+    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program; larger P: count per chunk of pairs
+    (C programs), offsets (1 program), placement (C programs).
     topk_ids: [T, K] int · returns sorted_pair_ids [p_max] int32 (pad = T*K), block_expert [p_max/block_m] int32
     """
     require_triton()
     T, K = topk_ids.shape
     P = T * K
     p_max = max_padded_pairs(P, num_experts, block_m)
+    n_blocks = p_max // block_m
     dev = topk_ids.device
     sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(p_max // block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
-    _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, P, num_experts, p_max, p_max // block_m,
-                            BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=8)
+    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:
+        _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, P, num_experts, p_max, n_blocks,
+                                BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=8)
+        return sorted_ids, block_expert
+    C = triton.cdiv(P, block_p)
+    counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
+    base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)
+    _align_count_kernel[(C,)](ids, counts, sorted_ids, P, p_max, triton.cdiv(p_max, C),
+                              BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+    _align_offsets_kernel[(1,)](counts, base, block_expert, C, n_blocks,
+                                BLOCK_M=block_m, BLOCK_C=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8)
+    _align_place_kernel[(C,)](ids, base, sorted_ids, P, C, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
     return sorted_ids, block_expert
 
 
