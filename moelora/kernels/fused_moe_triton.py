@@ -44,21 +44,27 @@ class GemmConfig:
 
 
 def pick_config(num_pairs: int, fuse_act: bool = False) -> GemmConfig:
-    """Autotune-free configs by the number of (token, k) pairs P (Hopper; ~P/E rows per expert).
-    Decode (P <= 512, a few rows per expert): weight streaming dominates, so BLOCK_M 16, narrow N tiles
-    for many programs and long K tiles with deep pipelining. Prefill: 32/64/128-row blocks.
-    fuse_act: the gate_up GEMM with SiLU-and-mul fused keeps two accumulators (gate, up), so its N tile is halved."""
-    if num_pairs <= 512:
-        cfg = GemmConfig(16, 64, 128, 4, 4)
-    elif num_pairs <= 4096:
-        cfg = GemmConfig(32, 64, 64, 4, 4)
-    elif num_pairs <= 16384:
-        cfg = GemmConfig(64, 128, 64, 8, 3)
+    """Autotune-free configs by the number of (token, k) pairs P (Hopper; about P/E rows per expert).
+    Decode (P <= 1024, a few rows per expert): weight streaming dominates, so BLOCK_M 16, long K tiles,
+    enough N tiles for ~200+ programs. Prefill: 32/64/128-row blocks, wider N tiles, 8 warps for 128 rows.
+    fuse_act: the gate_up GEMM with SiLU-and-mul fused keeps two accumulators (gate, up), so its N tile is
+    halved (the same programs count as a [P, 2I] GEMM with the full tile). Tune with scripts/bench_fused_moe.py --sweep."""
+    if num_pairs <= 256:  # T <= 32 at top-8
+        cfg = GemmConfig(16, 64, 128, 4, 3)
+    elif num_pairs <= 1024:  # T <= 128
+        cfg = GemmConfig(16, 128, 128, 4, 3)
+    elif num_pairs <= 2048:  # T <= 256
+        cfg = GemmConfig(32, 128, 128, 4, 3)
+    elif num_pairs <= 4096:  # T <= 512
+        cfg = GemmConfig(64, 128, 64, 4, 3)
     else:
         cfg = GemmConfig(128, 128, 64, 8, 3)
-    if fuse_act:
-        cfg = GemmConfig(cfg.block_m, max(32, cfg.block_n // 2), cfg.block_k, cfg.num_warps, cfg.num_stages)
-    return cfg
+    return halved_n(cfg) if fuse_act else cfg
+
+
+def halved_n(cfg: GemmConfig) -> GemmConfig:
+    """The config of the gate_up GEMM with SiLU-and-mul fused: two accumulators, half the N tile."""
+    return GemmConfig(cfg.block_m, max(32, cfg.block_n // 2), cfg.block_k, cfg.num_warps, cfg.num_stages)
 
 
 # ------------------------------------------------------------------------------------------- alignment
@@ -502,9 +508,7 @@ class TritonExperts:
         gather = inp.shape[0] != self.P
         n = w.shape[1] // 2 if fuse_act else w.shape[1]
         out = torch.empty(self.P, n, dtype=inp.dtype, device=inp.device)
-        cfg = self.cfg
-        if fuse_act:
-            cfg = GemmConfig(cfg.block_m, max(32, cfg.block_n // 2), cfg.block_k, cfg.num_warps, cfg.num_stages)
+        cfg = halved_n(self.cfg) if fuse_act else self.cfg
         return expert_gemm(inp, w, self.align, self.P, self.K, out, gather, fuse_act=fuse_act, config=cfg)
 
     def act(self, gu: torch.Tensor, activation: str) -> torch.Tensor:
