@@ -213,9 +213,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
-    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:
+    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: chunks no larger than P
         _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, P, num_experts, p_max, n_blocks,
-                                BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=8)
+                                BLOCK_M=block_m, BLOCK_P=min(block_p, max(16, triton.next_power_of_2(P))), BLOCK_E=block_e, num_warps=8)
         return sorted_ids, block_expert
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
