@@ -198,6 +198,23 @@ def test_gpu_fused_moe_matches_reference(T, qwen_weights):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["all_same", "one_expert", "few_experts"])
+@pytest.mark.parametrize("T", [3, 256, 1024])
+def test_gpu_skewed_routing_other_shapes(T, mode, dtype):
+    """Hot experts (hundreds of rows on one expert), empty experts, DeepSeek-V2-Lite dims (E=64, top-6,
+    I=1408), fp16 too."""
+    E, K, hid, inter = 64, 6, 2048, 1408
+    gen = torch.Generator().manual_seed(T + 5)
+    w_gu, w_d = _weights(E, dtype, gen, hid, inter, "cuda")
+    x = torch.randn(T, hid, generator=gen).to("cuda", dtype)
+    weights, ids = _routing(T, E, K, gen, mode, "cuda")
+    ref = fused_moe_ref(x, w_gu, w_d, weights, ids)
+    got = fused_moe_pairs(x, w_gu, w_d, weights.to(dtype), ids, "silu", None, None, None)
+    assert _rel(got, ref) < BOUND[torch.bfloat16]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("T", [1, 64, 256])
 def test_gpu_fused_moe_pairs_with_lora(T, overlap, qwen_weights):
