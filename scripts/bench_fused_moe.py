@@ -69,7 +69,7 @@ def main() -> None:
         ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
     print(f"H={H} I={I} E={E} top-{K} bf16, {L} layers in rotation, CUDA graphs, lora={args.lora}")
     print(f"{'T':>6} {'experts':>8} {'MB':>8} | {'new µs':>8} {'GB/s':>7} | {'old µs':>8} {'GB/s':>7} | {'speedup':>7}"
-          f" | {'max rel err':>11}")
+          f" | {'rel err':>11}")
     for T in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(T, H, device=dev, dtype=dt)
         lora = None
