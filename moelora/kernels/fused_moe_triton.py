@@ -458,7 +458,8 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     if T:
         _route_topk_kernel[(T,)](router_logits, w, ids, E, router_logits.stride(0), router_logits.stride(1),
                                  K=top_k, BLOCK_E=max(16, triton.next_power_of_2(E)),
-                                 BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORM=renormalize)
+                                 BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORM=renormalize,
+                                 num_warps=1 if E <= 256 else 4)
     return w, ids
 
 
