@@ -3,8 +3,9 @@ the Triton fused path (fused_moe_triton.py) vs the old torch._grouped_mm path (m
 through fused_moe_pairs, replayed from CUDA graphs. Prints µs per layer, the bytes of the experts the
 routing touches (counted from topk_ids) and the achieved GB/s.
 
-Usage: python scripts/bench_fused_moe.py [--tokens 1,16,64,128,256,2048] [--lora] [--sweep]
---sweep: also times fused_moe_triton with several tile configs per T (for tuning pick_config).
+Usage: python scripts/bench_fused_moe.py [--tokens 1,16,64,128,256,2048] [--lora] [--sweep] [--profile]
+--sweep: also times fused_moe_triton with several tile configs per T (for tuning pick_config; ~1-2 min per T,
+so sweep a few T per call). --profile: the GPU ops of one layer forward, new path vs old.
 Defaults: Qwen3-30B-A3B (H=2048, I=768, E=128, top-8), bf16; 4 layers' weights in rotation so L2 holds none.
 """
 
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lora", action="store_true", help="4 adapters of rank 16 on every token (Triton LoRA kernels)")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also list the CUDA kernels of one layer forward per path")
     args = ap.parse_args()
     H, I, E, K, L = args.hidden, args.inter, args.experts, args.top_k, args.layers
     dev, dt = "cuda", torch.bfloat16
@@ -103,6 +105,18 @@ def main() -> None:
             fmt.set_fast_path(new)
             res[new] = graph_time_us(lambda li: layer(li, new), L)
             outs[new] = layer(0, new).float()
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for new in (True, False):
+                fmt.set_fast_path(new)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    layer(0, new)
+                    torch.cuda.synchronize()
+                kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
+                print(f"  T={T} {'new' if new else 'old'} path: {len(kernels)} GPU ops per layer forward")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         fmt.set_fast_path(True)
         err = ((outs[True] - outs[False]).norm() / outs[False].norm()).item()
         print(f"{T:>6} {touched:>8.1f} {mbytes:>8.1f} | {res[True]:>8.1f} {mbytes * 1e3 / res[True]:>7.0f} | "

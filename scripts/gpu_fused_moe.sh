@@ -8,5 +8,5 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe.py tests/test_kernels_moe_lora.py \
     tests/test_graphs_overlap.py tests/test_cuda_graphs.py 2>&1 | tee "$OUT/fused_moe_tests.log" | tail -8
-python3 scripts/bench_fused_moe.py 2>&1 | tee "$OUT/bench_fused_moe.log"
+python3 scripts/bench_fused_moe.py --profile 2>&1 | tee "$OUT/bench_fused_moe.log"
 python3 scripts/bench_fused_moe.py --lora --tokens 1,64,256 2>&1 | tee "$OUT/bench_fused_moe_lora.log"
