@@ -172,6 +172,19 @@ def test_fast_path_off_on_cpu_by_default():
     assert not fmt.fast_path_ok(x, torch.zeros(1, 8, 4))
 
 
+def test_fast_path_leaves_quantized_stacks_alone(fast_on_cpu):
+    """A weight that is not a plain tensor of x's dtype (an FP8 / NVFP4 expert stack) keeps _ExpertGemm."""
+
+    class Stack:  # what layers/fp8.py passes: a shape and its own grouped_mm
+        shape = torch.Size([4, 8, 4])
+
+    x, w = torch.zeros(2, 4), torch.zeros(4, 8, 4)
+    assert fmt.fast_path_ok(x, w, torch.zeros(4, 4, 4))
+    assert not fmt.fast_path_ok(x, Stack(), torch.zeros(4, 4, 4))
+    assert not fmt.fast_path_ok(x, w, Stack())
+    assert not fmt.fast_path_ok(x, w.half(), torch.zeros(4, 4, 4))
+
+
 # --------------------------------------------------------------------------------------------- GPU
 
 QE, QK, QH, QI = 128, 8, 2048, 768  # Qwen3-30B-A3B

@@ -476,12 +476,17 @@ def set_fast_path(enabled: bool = True, on_cpu: bool = False) -> None:
     _FAST["enabled"], _FAST["cpu"] = bool(enabled), bool(on_cpu)
 
 
-def fast_path_ok(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
-    """The Triton base path: CUDA 16-bit inputs (CPU ones only when set_fast_path(on_cpu=True) under the interpreter)."""
+def fast_path_ok(x: torch.Tensor, w_gate_up, w_down=None) -> bool:
+    """The Triton base path: CUDA 16-bit inputs and plain weight tensors of x's dtype (quantized stacks,
+    layers/fp8.py and layers/nvfp4.py, keep their own grouped GEMMs); CPU inputs only when
+    set_fast_path(on_cpu=True) under the interpreter."""
     from moelora.kernels._triton import interpreting
 
-    if not (HAS_TRITON and _FAST["enabled"]) or x.dtype != w_gate_up.dtype:
+    if not (HAS_TRITON and _FAST["enabled"]):
         return False
+    for w in (w_gate_up, w_down if w_down is not None else w_gate_up):
+        if not isinstance(w, torch.Tensor) or w.dtype != x.dtype or w.device != x.device:
+            return False
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16)
     return _FAST["cpu"] and interpreting()

@@ -133,7 +133,7 @@ def fused_moe_pairs(
     inter = two_i // 2
     from moelora.kernels.fused_moe_triton import TritonExperts, fast_path_ok  # Triton base path (fused_moe_triton.py)
 
-    fast = TritonExperts(topk_ids, E) if fast_path_ok(x, w_gate_up) else None
+    fast = TritonExperts(topk_ids, E) if fast_path_ok(x, w_gate_up, w_down) else None
     if fast is not None and lora is None and activation == "silu":
         return fast.combine(fast(fast(x, w_gate_up, fuse_act=True), w_down), topk_weights)
     pair_exp = topk_ids.reshape(-1)
