@@ -7,7 +7,7 @@ Pairs: p = t * K + k (pair-major, as fused_moe_pairs lays out its intermediates)
 transformers >= 5 stores them: gate_up [E, 2I, H] (gate rows first), down [E, H, I] (row-major; the GEMM
 reads w[e] transposed through its strides).
 
-Launches per MoE layer (no LoRA): route (1) + align (1) + gate_up GEMM with SiLU-and-mul fused (1) +
+Launches per MoE layer (no LoRA): route (1) + align (1; 3 above 2048 pairs) + gate_up GEMM with SiLU-and-mul fused (1) +
 down GEMM (1) + combine (1). With LoRA the gate_up GEMM writes gu [P, 2I] (the LoRA delta is added to
 it before the activation), then silu_and_mul (1).
 
