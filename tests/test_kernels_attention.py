@@ -1,26 +1,22 @@
-"""Paged attention Triton kernel vs the reference: prefill, chunked prefill against a cached prefix,
-decode, GQA, sliding windows, shuffled blocks, padding rows."""
+"""Paged attention Triton kernels (split-KV and legacy) vs the reference: prefill, chunked prefill against a
+cached prefix, decode over several partitions, GQA, head dims, sliding windows, shuffled blocks, padding
+rows; on the GPU also Qwen3-30B-A3B dims in bf16 and replay inside a CUDA graph."""
 
 import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, tolerance
 from moelora.kernels.attention import paged_attention_ref
-from moelora.kernels.attention_triton import paged_attention
+from moelora.kernels.attention_triton import choose_partition, paged_attention
 
 HQ, HKV, D = (32, 4, 128) if ON_GPU else (4, 2, 16)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_attention_matches_reference(block_size, window, dtype):
-    gen = torch.Generator().manual_seed(block_size + (window or 0))
-    # (tokens already cached, new tokens this step): prefill, chunked prefill, decode
-    seqs = [(0, 9), (7, 5), (12, 1), (0, 1), (30, 1)]
+def make_batch(seqs, Hq, Hkv, D, block_size, dtype, gen, pad_rows=2, extra_width=0, device=DEVICE):
+    """seqs: (cached, new) per sequence -> q [T + pad_rows, Hq, D], caches, tensors, host lens/qsl, T."""
     nb = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
-    k_cache = torch.randn(nb, block_size, HKV, D, generator=gen).to(DEVICE, dtype)
-    v_cache = torch.randn(nb, block_size, HKV, D, generator=gen).to(DEVICE, dtype)
+    k_cache = torch.randn(nb, block_size, Hkv, D, generator=gen).to(device, dtype)
+    v_cache = torch.randn(nb, block_size, Hkv, D, generator=gen).to(device, dtype)
     perm = torch.randperm(nb, generator=gen).tolist()  # blocks scattered over the cache
     tables, lens, qsl, token_seq = [], [], [0], []
     for b, (c, n) in enumerate(seqs):
@@ -30,16 +26,147 @@ def test_paged_attention_matches_reference(block_size, window, dtype):
         qsl.append(qsl[-1] + n)
         token_seq += [b] * n
     T = qsl[-1]
-    token_seq += [-1, -1]  # two padding rows
-    mb = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (mb - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(T + 2, HQ, D, generator=gen).to(DEVICE, dtype)
+    token_seq += [-1] * pad_rows
+    mb = max(len(t) for t in tables) + extra_width
+    bt = torch.tensor([t + [0] * (mb - len(t)) for t in tables], dtype=torch.int32, device=device)
+    q = torch.randn(T + pad_rows, Hq, D, generator=gen).to(device, dtype)
+    i32 = dict(dtype=torch.int32, device=device)
+    dev = (torch.tensor(token_seq, **i32), torch.tensor(lens, **i32), torch.tensor(qsl, **i32))
+    return q, k_cache, v_cache, bt, dev, lens, qsl, T
+
+
+def run_and_check(seqs, Hq, Hkv, D, block_size, dtype, window, seed, split=True, partition_size=None,
+                  extra_width=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k_cache, v_cache, bt, dev, lens, qsl, T = make_batch(seqs, Hq, Hkv, D, block_size, dtype, gen,
+                                                            extra_width=extra_width)
     scale = D**-0.5
-    ref = paged_attention_ref(q[:T], k_cache, v_cache, bt, lens, qsl, scale, window)
+    ref = paged_attention_ref(q[:T].float(), k_cache.float(), v_cache.float(), bt, lens, qsl, scale, window)
     out = torch.full_like(q, 7.0)
-    paged_attention(q, k_cache, v_cache, bt, torch.tensor(token_seq, dtype=torch.int32, device=DEVICE),
-                    torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                    torch.tensor(qsl, dtype=torch.int32, device=DEVICE), scale, window, out)
+    paged_attention(q, k_cache, v_cache, bt, *dev, scale, window, out, split=split, partition_size=partition_size)
     atol, rtol = tolerance(dtype)
-    torch.testing.assert_close(out[:T], ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out[:T].float(), ref, atol=atol, rtol=rtol)
     assert torch.all(out[T:] == 7.0), "padding rows must stay untouched"
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_attention_matches_reference(block_size, window, dtype, split):
+    # (tokens already cached, new tokens this step): prefill, chunked prefill, decode
+    seqs = [(0, 9), (7, 5), (12, 1), (0, 1), (30, 1)]
+    run_and_check(seqs, HQ, HKV, D, block_size, dtype, window, block_size + (window or 0), split=split)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partition_size", [64, 128, None])
+def test_split_decode_contexts(partition_size, dtype):
+    """Decode rows at contexts around block/tile/partition edges; with 64-position partitions 1100 spans 18."""
+    seqs = [(c - 1, 1) for c in (1, 15, 16, 17, 64, 65, 300, 1100)]
+    run_and_check(seqs, 4, 1, 64, 16, dtype, None, 1, partition_size=partition_size, extra_width=5)
+
+
+@pytest.mark.parametrize("groups,Hkv,D", [(1, 2, 64), (4, 1, 128), (8, 1, 64)])
+def test_split_gqa_and_head_dims(groups, Hkv, D):
+    seqs = [(299, 1), (16, 1), (130, 1)]
+    run_and_check(seqs, groups * Hkv, Hkv, D, 16, DTYPES[-1], None, groups, partition_size=64)
+
+
+@pytest.mark.parametrize("window", [1, 17, 100])
+def test_split_sliding_window(window):
+    """Windows shorter than, equal-ish to and spanning partitions (partitions before the window are skipped)."""
+    seqs = [(299, 1), (40, 1), (0, 1), (64, 20), (190, 1)]
+    run_and_check(seqs, 4, 2, 32, 16, DTYPES[0], window, window, partition_size=64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_mixed_prefill_decode(dtype):
+    """Prefill, chunked prefill across partition edges and decode rows in one flat batch."""
+    seqs = [(0, 20), (120, 12), (200, 1), (3, 1), (60, 9)]
+    run_and_check(seqs, 4, 2, 32, 4, dtype, None, 7, partition_size=64)
+
+
+def test_choose_partition_rules():
+    assert choose_partition(1, 32, 128, 1024) == (256, 4)
+    assert choose_partition(1, 32, 128, 100) == (256, 1)
+    assert choose_partition(1, 32, 128, 40960 * 8) == (1024, 320)  # at most MAX_PARTITIONS
+    part, n = choose_partition(8192, 32, 128, 8192)  # big prefill: workspace bound -> one partition
+    assert n == 1
+    part, n = choose_partition(256, 32, 128, 40960)
+    assert 256 * 32 * n * 128 <= 1 << 24
+    with pytest.raises(ValueError):
+        choose_partition(1, 32, 128, 1024, partition_size=100)
+
+
+# ---- GPU: Qwen3-30B-A3B dims (32 q heads, 4 kv heads, head_dim 128, block 16) in bf16 ----
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("batch,ctx", [(1, 1024), (1, 4096), (64, 1024), (64, 4096)])
+def test_gpu_qwen3_decode(batch, ctx):
+    gen = torch.Generator().manual_seed(batch + ctx)
+    lens = torch.randint(max(1, ctx // 2), ctx + 1, (batch,), generator=gen).tolist()
+    lens[0] = ctx
+    seqs = [(c - 1, 1) for c in lens]
+    run_and_check(seqs, 32, 4, 128, 16, torch.bfloat16, None, batch, extra_width=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_gpu_prefill_and_window():
+    seqs = [(0, 700), (1500, 300), (4000, 1), (33, 1)]
+    for window in (None, 1000):
+        run_and_check(seqs, 32, 4, 128, 16, torch.bfloat16, window, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_gpu_split_inside_cuda_graph():
+    """Capture once at a fixed table width, then change lengths and block tables in place and replay."""
+    Hq, Hkv, Dh, BS, B, width = 32, 4, 128, 16, 8, 256  # up to 4096 positions
+    gen = torch.Generator().manual_seed(0)
+    nb = B * width + 1
+    k_cache = torch.randn(nb, BS, Hkv, Dh, generator=gen).to("cuda", torch.bfloat16)
+    v_cache = torch.randn(nb, BS, Hkv, Dh, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.empty(B, Hq, Dh, dtype=torch.bfloat16, device="cuda")
+    bt = torch.zeros(B, width, dtype=torch.int32, device="cuda")
+    token_seq = torch.full((B,), -1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.ones(B, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    out = torch.zeros(B, Hq, Dh, dtype=torch.bfloat16, device="cuda")
+    scale = Dh**-0.5
+
+    def fill(lens: list[int]) -> list[int]:
+        n = len(lens)
+        perm = torch.randperm(nb - 1, generator=gen)[: B * width].view(B, width) + 1
+        q.copy_(torch.randn(B, Hq, Dh, generator=gen))
+        bt.copy_(perm.to(torch.int32))
+        token_seq.copy_(torch.tensor(list(range(n)) + [-1] * (B - n), dtype=torch.int32))
+        seq_lens.copy_(torch.tensor(lens + [1] * (B - n), dtype=torch.int32))
+        out.zero_()
+        return lens
+
+    def launch():
+        paged_attention(q, k_cache, v_cache, bt, token_seq, seq_lens, qsl, scale, None, out)
+
+    fill([5] * B)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for lens in ([1, 17, 300, 1024, 4096, 2000, 64, 4095], [4096] * 5, [1000, 3]):
+        lens = fill(lens)
+        graph.replay()
+        torch.cuda.synchronize()
+        n = len(lens)
+        ref = paged_attention_ref(q[:n].float(), k_cache.float(), v_cache.float(), bt[:n], lens, list(range(n + 1)), scale)
+        torch.testing.assert_close(out[:n].float(), ref, atol=3e-2, rtol=3e-2)
+        assert torch.all(out[n:] == 0), "padding rows must stay untouched"
+        eager = torch.zeros_like(out)
+        paged_attention(q, k_cache, v_cache, bt, token_seq, seq_lens, qsl, scale, None, eager)
+        assert torch.equal(eager, out), "replay must equal eager bit for bit (same shapes)"
