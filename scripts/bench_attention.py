@@ -1,4 +1,4 @@
-"""Decode paged-attention timing on the GPU: legacy kernel (split=False) vs split-KV, Qwen3-30B-A3B dims.
+"""Decode paged-attention timing on the GPU: legacy kernel (kernel="legacy") vs split-KV, Qwen3-30B-A3B dims.
 
     python scripts/bench_attention.py [--batches 1 16 64 128] [--contexts 128 1024] [--max-model-len 0]
 
@@ -75,7 +75,7 @@ def main() -> None:
             scale = D**-0.5
 
             def old():
-                paged_attention(q, k_cache, v_cache, bt, token_seq, seq_lens, qsl, scale, None, out_old, split=False)
+                paged_attention(q, k_cache, v_cache, bt, token_seq, seq_lens, qsl, scale, None, out_old, kernel="legacy")
 
             def new():
                 paged_attention(q, k_cache, v_cache, bt, token_seq, seq_lens, qsl, scale, None, out_new)

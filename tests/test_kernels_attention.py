@@ -35,7 +35,7 @@ def make_batch(seqs, Hq, Hkv, D, block_size, dtype, gen, pad_rows=2, extra_width
     return q, k_cache, v_cache, bt, dev, lens, qsl, T
 
 
-def run_and_check(seqs, Hq, Hkv, D, block_size, dtype, window, seed, split=True, partition_size=None,
+def run_and_check(seqs, Hq, Hkv, D, block_size, dtype, window, seed, kernel="auto", partition_size=None,
                   extra_width=0):
     gen = torch.Generator().manual_seed(seed)
     q, k_cache, v_cache, bt, dev, lens, qsl, T = make_batch(seqs, Hq, Hkv, D, block_size, dtype, gen,
@@ -43,20 +43,20 @@ def run_and_check(seqs, Hq, Hkv, D, block_size, dtype, window, seed, split=True,
     scale = D**-0.5
     ref = paged_attention_ref(q[:T].float(), k_cache.float(), v_cache.float(), bt, lens, qsl, scale, window)
     out = torch.full_like(q, 7.0)
-    paged_attention(q, k_cache, v_cache, bt, *dev, scale, window, out, split=split, partition_size=partition_size)
+    paged_attention(q, k_cache, v_cache, bt, *dev, scale, window, out, kernel=kernel, partition_size=partition_size)
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(out[:T].float(), ref, atol=atol, rtol=rtol)
     assert torch.all(out[T:] == 7.0), "padding rows must stay untouched"
 
 
-@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "legacy"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_attention_matches_reference(block_size, window, dtype, split):
+def test_paged_attention_matches_reference(block_size, window, dtype, kernel):
     # (tokens already cached, new tokens this step): prefill, chunked prefill, decode
     seqs = [(0, 9), (7, 5), (12, 1), (0, 1), (30, 1)]
-    run_and_check(seqs, HQ, HKV, D, block_size, dtype, window, block_size + (window or 0), split=split)
+    run_and_check(seqs, HQ, HKV, D, block_size, dtype, window, block_size + (window or 0), kernel=kernel)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -64,27 +64,48 @@ def test_paged_attention_matches_reference(block_size, window, dtype, split):
 def test_split_decode_contexts(partition_size, dtype):
     """Decode rows at contexts around block/tile/partition edges; with 64-position partitions 1100 spans 18."""
     seqs = [(c - 1, 1) for c in (1, 15, 16, 17, 64, 65, 300, 1100)]
-    run_and_check(seqs, 4, 1, 64, 16, dtype, None, 1, partition_size=partition_size, extra_width=5)
+    run_and_check(seqs, 4, 1, 64, 16, dtype, None, 1, kernel="decode", partition_size=partition_size,
+                  extra_width=5)
 
 
 @pytest.mark.parametrize("groups,Hkv,D", [(1, 2, 64), (4, 1, 128), (8, 1, 64)])
 def test_split_gqa_and_head_dims(groups, Hkv, D):
     seqs = [(299, 1), (16, 1), (130, 1)]
-    run_and_check(seqs, groups * Hkv, Hkv, D, 16, DTYPES[-1], None, groups, partition_size=64)
+    for kernel in ("decode", "prefill"):
+        run_and_check(seqs, groups * Hkv, Hkv, D, 16, DTYPES[-1], None, groups, kernel=kernel, partition_size=64)
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
 @pytest.mark.parametrize("window", [1, 17, 100])
-def test_split_sliding_window(window):
-    """Windows shorter than, equal-ish to and spanning partitions (partitions before the window are skipped)."""
+def test_sliding_window(window, kernel):
+    """Windows shorter than, equal-ish to and spanning partitions / tiles (partitions before the window
+    are skipped; prefill rows whose window starts past the block's first tile)."""
     seqs = [(299, 1), (40, 1), (0, 1), (64, 20), (190, 1)]
-    run_and_check(seqs, 4, 2, 32, 16, DTYPES[0], window, window, partition_size=64)
+    run_and_check(seqs, 4, 2, 32, 16, DTYPES[0], window, window, kernel=kernel, partition_size=64)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "decode", "prefill"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_mixed_prefill_decode(dtype):
-    """Prefill, chunked prefill across partition edges and decode rows in one flat batch."""
-    seqs = [(0, 20), (120, 12), (200, 1), (3, 1), (60, 9)]
-    run_and_check(seqs, 4, 2, 32, 4, dtype, None, 7, partition_size=64)
+def test_mixed_prefill_decode(dtype, kernel):
+    """Prefill, chunked prefill across partition edges and decode rows in one flat batch; 40 new rows of
+    one sequence span two 32-row query blocks of the prefill kernel (G = 4 -> BLOCK_M = 32)."""
+    seqs = [(0, 20), (120, 12), (200, 1), (3, 1), (60, 40)]
+    run_and_check(seqs, 8, 2, 32, 4, dtype, None, 7, kernel=kernel, partition_size=64)
+
+
+def test_prefill_rows_marked_padding_inside_a_sequence():
+    """Rows whose token_seq is -1 stay untouched even when query_start_loc puts them in a sequence (the
+    decode graphs' layout: query_start_loc = arange, padding rows -1)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k_cache, v_cache, bt, (ts, lens_t, qsl_t), lens, qsl, T = make_batch([(10, 1), (5, 1), (7, 1)], 4, 2, 16, 4,
+                                                                            torch.float32, gen, pad_rows=0)
+    ts[1] = -1
+    for kernel in ("decode", "prefill", "legacy"):
+        out = torch.full_like(q, 7.0)
+        paged_attention(q, k_cache, v_cache, bt, ts, lens_t, qsl_t, 0.25, None, out, kernel=kernel)
+        ref = paged_attention_ref(q, k_cache, v_cache, bt, lens, qsl, 0.25)
+        assert torch.all(out[1] == 7.0)
+        torch.testing.assert_close(out[[0, 2]], ref[[0, 2]], atol=1e-4, rtol=1e-4)
 
 
 def test_choose_partition_rules():
