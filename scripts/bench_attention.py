@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from moelora.kernels.attention_triton import choose_partition, paged_attention
+from moelora.kernels.attention_triton import choose_splits, paged_attention
 
 
 def bench(fn, calls: int, reps: int) -> float:
@@ -57,7 +57,7 @@ def main() -> None:
     BS, dt = args.block_size, torch.bfloat16
     dev = "cuda"
     print(f"{torch.cuda.get_device_name()} · Hq={Hq} Hkv={Hkv} D={D} block={BS} bf16 · µs per call (graph of {args.calls})")
-    print(f"{'batch':>5} {'ctx':>6} {'width':>6} {'PART':>5} {'parts':>5} {'KV MB':>8} "
+    print(f"{'batch':>5} {'ctx':>6} {'width':>6} {'splits':>6} {'KV MB':>8} "
           f"{'old µs':>9} {'old GB/s':>9} {'new µs':>8} {'new GB/s':>9} {'speedup':>8} {'max|diff|':>10}")
     for ctx in args.contexts:
         for B in args.batches:
@@ -83,8 +83,8 @@ def main() -> None:
             t_old, t_new = bench(old, args.calls, args.reps), bench(new, args.calls, args.reps)
             diff = (out_old.float() - out_new.float()).abs().max().item()
             kv_bytes = B * ctx * Hkv * D * 2 * k_cache.element_size()
-            part, nparts = choose_partition(B, Hq, D, width * BS)
-            print(f"{B:>5} {ctx:>6} {width:>6} {part:>5} {nparts:>5} {kv_bytes / 1e6:>8.2f} "
+            nsplit = choose_splits(B, Hkv, torch.cuda.get_device_properties(0).multi_processor_count)
+            print(f"{B:>5} {ctx:>6} {width:>6} {nsplit:>6} {kv_bytes / 1e6:>8.2f} "
                   f"{t_old:>9.1f} {kv_bytes / t_old / 1e3:>9.1f} {t_new:>8.1f} {kv_bytes / t_new / 1e3:>9.1f} "
                   f"{t_old / t_new:>7.1f}x {diff:>10.2e}")
             del k_cache, v_cache

@@ -1,5 +1,5 @@
 """Paged attention Triton kernels (split-KV and legacy) vs the reference: prefill, chunked prefill against a
-cached prefix, decode over several partitions, GQA, head dims, sliding windows, shuffled blocks, padding
+cached prefix, decode over several KV splits, GQA, head dims, sliding windows, shuffled blocks, padding
 rows; on the GPU also Qwen3-30B-A3B dims in bf16 and replay inside a CUDA graph."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, tolerance
 from moelora.kernels.attention import paged_attention_ref
-from moelora.kernels.attention_triton import choose_partition, paged_attention
+from moelora.kernels.attention_triton import choose_splits, paged_attention
 
 HQ, HKV, D = (32, 4, 128) if ON_GPU else (4, 2, 16)
 
@@ -35,15 +35,16 @@ def make_batch(seqs, Hq, Hkv, D, block_size, dtype, gen, pad_rows=2, extra_width
     return q, k_cache, v_cache, bt, dev, lens, qsl, T
 
 
-def run_and_check(seqs, Hq, Hkv, D, block_size, dtype, window, seed, kernel="auto", partition_size=None,
-                  extra_width=0):
+def run_and_check(seqs, Hq, Hkv, D, block_size, dtype, window, seed, kernel="auto", num_splits=None,
+                  min_tiles=None, extra_width=0):
     gen = torch.Generator().manual_seed(seed)
     q, k_cache, v_cache, bt, dev, lens, qsl, T = make_batch(seqs, Hq, Hkv, D, block_size, dtype, gen,
                                                             extra_width=extra_width)
     scale = D**-0.5
     ref = paged_attention_ref(q[:T].float(), k_cache.float(), v_cache.float(), bt, lens, qsl, scale, window)
     out = torch.full_like(q, 7.0)
-    paged_attention(q, k_cache, v_cache, bt, *dev, scale, window, out, kernel=kernel, partition_size=partition_size)
+    paged_attention(q, k_cache, v_cache, bt, *dev, scale, window, out, kernel=kernel, num_splits=num_splits,
+                    min_tiles=min_tiles)
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(out[:T].float(), ref, atol=atol, rtol=rtol)
     assert torch.all(out[T:] == 7.0), "padding rows must stay untouched"
@@ -60,11 +61,11 @@ def test_paged_attention_matches_reference(block_size, window, dtype, kernel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("partition_size", [64, 128, None])
-def test_split_decode_contexts(partition_size, dtype):
-    """Decode rows at contexts around block/tile/partition edges; with 64-position partitions 1100 spans 18."""
+@pytest.mark.parametrize("num_splits,min_tiles", [(1, 2), (3, 1), (64, 1), (None, None)])
+def test_split_decode_contexts(num_splits, min_tiles, dtype):
+    """Decode rows at contexts around block/tile/split edges; at (64, 1) 1100 keys span 18 one-tile splits."""
     seqs = [(c - 1, 1) for c in (1, 15, 16, 17, 64, 65, 300, 1100)]
-    run_and_check(seqs, 4, 1, 64, 16, dtype, None, 1, kernel="decode", partition_size=partition_size,
+    run_and_check(seqs, 4, 1, 64, 16, dtype, None, 1, kernel="decode", num_splits=num_splits, min_tiles=min_tiles,
                   extra_width=5)
 
 
@@ -72,25 +73,25 @@ def test_split_decode_contexts(partition_size, dtype):
 def test_split_gqa_and_head_dims(groups, Hkv, D):
     seqs = [(299, 1), (16, 1), (130, 1)]
     for kernel in ("decode", "prefill"):
-        run_and_check(seqs, groups * Hkv, Hkv, D, 16, DTYPES[-1], None, groups, kernel=kernel, partition_size=64)
+        run_and_check(seqs, groups * Hkv, Hkv, D, 16, DTYPES[-1], None, groups, kernel=kernel, num_splits=5, min_tiles=1)
 
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 @pytest.mark.parametrize("window", [1, 17, 100])
 def test_sliding_window(window, kernel):
-    """Windows shorter than, equal-ish to and spanning partitions / tiles (partitions before the window
-    are skipped; prefill rows whose window starts past the block's first tile)."""
+    """Windows shorter than, equal-ish to and spanning tiles and splits (splits start at the window's
+    tile; prefill rows whose window starts past the query block's first tile)."""
     seqs = [(299, 1), (40, 1), (0, 1), (64, 20), (190, 1)]
-    run_and_check(seqs, 4, 2, 32, 16, DTYPES[0], window, window, kernel=kernel, partition_size=64)
+    run_and_check(seqs, 4, 2, 32, 16, DTYPES[0], window, window, kernel=kernel, num_splits=5, min_tiles=1)
 
 
 @pytest.mark.parametrize("kernel", ["auto", "decode", "prefill"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_prefill_decode(dtype, kernel):
-    """Prefill, chunked prefill across partition edges and decode rows in one flat batch; 40 new rows of
+    """Prefill, chunked prefill across split edges and decode rows in one flat batch; 40 new rows of
     one sequence span two 32-row query blocks of the prefill kernel (G = 4 -> BLOCK_M = 32)."""
     seqs = [(0, 20), (120, 12), (200, 1), (3, 1), (60, 40)]
-    run_and_check(seqs, 8, 2, 32, 4, dtype, None, 7, kernel=kernel, partition_size=64)
+    run_and_check(seqs, 8, 2, 32, 4, dtype, None, 7, kernel=kernel, num_splits=5, min_tiles=1)
 
 
 def test_prefill_rows_marked_padding_inside_a_sequence():
@@ -108,16 +109,9 @@ def test_prefill_rows_marked_padding_inside_a_sequence():
         torch.testing.assert_close(out[[0, 2]], ref[[0, 2]], atol=1e-4, rtol=1e-4)
 
 
-def test_choose_partition_rules():
-    assert choose_partition(1, 32, 128, 1024) == (256, 4)
-    assert choose_partition(1, 32, 128, 100) == (256, 1)
-    assert choose_partition(1, 32, 128, 40960 * 8) == (1024, 320)  # at most MAX_PARTITIONS
-    part, n = choose_partition(8192, 32, 128, 8192)  # big prefill: workspace bound -> one partition
-    assert n == 1
-    part, n = choose_partition(256, 32, 128, 40960)
-    assert 256 * 32 * n * 128 <= 1 << 24
-    with pytest.raises(ValueError):
-        choose_partition(1, 32, 128, 1024, partition_size=100)
+def test_choose_splits_rule():
+    assert [choose_splits(T, 4, 132) for T in (1, 16, 64, 128, 132, 256)] == [64, 9, 3, 2, 1, 1]
+    assert choose_splits(1, 1, 8) == 32
 
 
 # ---- GPU: Qwen3-30B-A3B dims (32 q heads, 4 kv heads, head_dim 128, block 16) in bf16 ----

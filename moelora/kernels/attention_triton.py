@@ -3,15 +3,15 @@ and decode mixed), reading only device tensors (CUDA-graph safe). Reference: att
 
 Three kernels, each correct for any mix of rows (paged_attention picks one from shapes):
 
-* split-KV decode ("flash-decoding"): grid (query row t, KV head, partition). A partition is a fixed span
-  of PART cache positions; the program attends the G = Hq // Hkv query heads of its KV head (padded to
-  >= 16 rows) to the part of the row's causal range inside its partition, TILE_N keys at a time (block
-  ids gathered per key from the block table), with tl.dot (tensor cores) and an online softmax in fp32.
-  Partitions past the row's position (or before its sliding window) exit at once, so the grid depends
-  only on shapes (T, Hkv, block_tables.shape[1]) and works inside a CUDA graph. With more than one
-  partition each program writes its partial (max, sum, normalised acc) to an fp32 workspace and a
-  second kernel combines the partitions in index order (deterministic); with one partition the first
-  kernel writes the output directly.
+* split-KV decode ("flash-decoding"): grid (query row t, KV head, split), NUM_SPLITS from shapes only
+  (choose_splits: T, Hkv and the SM count), so the launch is the same whatever the lengths and works
+  inside a CUDA graph. A row's visible keys [lo, p] (lo = 0 or the window's start) are cut into at most
+  NUM_SPLITS chunks of whole TILE_N-key tiles (>= SPLIT_MIN_TILES each); a program attends the
+  G = Hq // Hkv query heads of its KV head (padded to >= 16 rows) to its chunk, a tile at a time (block
+  ids gathered per key from the block table), with tl.dot (tensor cores) and an online softmax in fp32;
+  programs without a chunk exit at once. With NUM_SPLITS > 1 each program writes its partial (max, sum,
+  normalised acc) to an fp32 workspace and a second kernel combines the chunks in index order
+  (deterministic); with NUM_SPLITS == 1 the first kernel writes the output directly.
 * tiled prefill: grid (query block, KV head) over ceil(T / BLOCK_M) + B query blocks (each sequence owns
   ceil(n_b / BLOCK_M) of them, found by a scan of query_start_loc; the rest exit); BLOCK_M rows x G heads
   = 128 tile rows share each K/V tile (tl.dot), causal and window masks per row.
@@ -21,14 +21,16 @@ Three kernels, each correct for any mix of rows (paged_attention picks one from 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, require_triton
 
 TILE_N = 64  # keys per inner step of the split kernel
-DEFAULT_PARTITION = 256  # cache positions per partition (multiple of TILE_N)
-MAX_PARTITIONS = 512  # partitions per row at most (PART doubles past that)
-MAX_WORKSPACE_ELEMS = 1 << 24  # fp32 elements of the partial-output workspace (64 MiB; PART doubles past that)
+SPLIT_PROGRAMS_PER_SM = 4  # split-KV grid target: this many (row, KV head, split) programs per SM
+MAX_SPLITS = 64  # splits per (row, KV head) at most
+SPLIT_MIN_TILES = 2  # each split covers at least this many tiles (128 keys)
 PREFILL_TILE_ROWS = 128  # (query row, head) pairs per program of the prefill kernel
 
 if HAS_TRITON:
@@ -89,34 +91,42 @@ if HAS_TRITON:
                  out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
     @triton.jit
-    def _paged_attn_split_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
-        scale, window, G, NUM_PARTS,
-        sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
-        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        TILE: tl.constexpr, PART: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        # program (t, kvh, part): query row t, its G heads of KV head kvh, cache positions
-        # [part * PART, (part + 1) * PART) intersected with the row's causal (and window) range
-        t = tl.program_id(0)
-        kvh = tl.program_id(1)
-        part = tl.program_id(2)
+    def _split_range(token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES,
+                     TILE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        """(b, pos, lo_key, tile_lo, tiles per split, active splits) of query row t; b < 0: padding."""
         b = tl.load(token_seq_ptr + t)
-        if b < 0:  # padding row
-            return
-        L = tl.load(seq_lens_ptr + b)
-        s0 = tl.load(qsl_ptr + b)
-        n = tl.load(qsl_ptr + b + 1) - s0
-        pos = L - n + (t - s0)  # position of this query token: it sees keys 0..pos
-        start = part * PART
-        lo_key = 0  # first key inside the window
+        bs = tl.maximum(b, 0)
+        L = tl.load(seq_lens_ptr + bs)
+        s0 = tl.load(qsl_ptr + bs)
+        n = tl.load(qsl_ptr + bs + 1) - s0
+        pos = L - n + (t - s0)  # position of this query token: it sees keys lo_key..pos
+        lo_key = pos * 0
         if HAS_WINDOW:
             lo_key = tl.maximum(pos - window + 1, 0)
-        if (start > pos) | (start + PART <= lo_key):  # partition past the causal end or before the window
+        tile_lo = lo_key // TILE
+        ntiles = pos // TILE + 1 - tile_lo
+        tps = tl.maximum((ntiles + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
+        return b, pos, lo_key, tile_lo, tps, (ntiles + tps - 1) // tps
+
+    @triton.jit
+    def _paged_attn_split_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
+        scale, window, G, NUM_SPLITS, MIN_TILES,
+        sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
+        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        # program (t, kvh, sp): query row t, its G heads of KV head kvh, the sp-th chunk of tps tiles of
+        # the row's key range [lo_key, pos] (tiles of TILE positions counted from lo_key's tile)
+        t = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        b, pos, lo_key, tile_lo, tps, n_active = _split_range(
+            token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES, TILE, HAS_WINDOW)
+        if (b < 0) | (sp >= n_active):  # padding row, or nothing left for this split
             return
-        k_lo = tl.maximum(start, (lo_key // TILE) * TILE)  # tile-aligned: the first tile holds key lo_key
-        k_hi = tl.minimum(start + PART, pos + 1)
+        k_lo = (tile_lo + sp * tps) * TILE  # its first tile holds a visible key (lo_key or k_lo itself)
+        k_hi = tl.minimum(k_lo + tps * TILE, pos + 1)
 
         offs_g = tl.arange(0, BLOCK_G)
         mask_g = offs_g < G
@@ -132,9 +142,7 @@ if HAS_TRITON:
         bt_row = bt_ptr + b.to(tl.int64) * sbt_b
         for k0 in range(k_lo, k_hi, TILE):
             key = k0 + offs_n  # [TILE] cache positions
-            valid = key < k_hi
-            if HAS_WINDOW:
-                valid = valid & (key >= lo_key)
+            valid = (key < k_hi) & (key >= lo_key)
             blk = tl.load(bt_row + key // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # [TILE] block ids
             slot = key % BLOCK_SIZE
             kv_mask = valid[:, None] & mask_d[None, :]
@@ -142,7 +150,7 @@ if HAS_TRITON:
                         mask=kv_mask, other=0.0).to(q.dtype)  # [TILE, BLOCK_D]
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, TILE] fp32
             s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds a valid key
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds a visible key
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -156,8 +164,8 @@ if HAS_TRITON:
             tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=mask_o)
         else:
-            # workspace: ws_o [T, Hq, NUM_PARTS, D], ws_m / ws_l [T, Hq, NUM_PARTS], all contiguous fp32
-            row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_PARTS + part  # [BLOCK_G]
+            # workspace: ws_o [T, Hq, NUM_SPLITS, D], ws_m / ws_l [T, Hq, NUM_SPLITS], all contiguous fp32
+            row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + sp  # [BLOCK_G]
             tl.store(ws_o_ptr + row[:, None] * D + offs_d[None, :], o, mask=mask_o)
             tl.store(ws_m_ptr + row, m_i, mask=mask_g)
             tl.store(ws_l_ptr + row, l_i, mask=mask_g)
@@ -165,28 +173,21 @@ if HAS_TRITON:
     @triton.jit
     def _paged_attn_reduce_kernel(
         out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
-        window, NUM_PARTS, so_t, so_h,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PART: tl.constexpr,
+        window, NUM_SPLITS, MIN_TILES, so_t, so_h,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TILE: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
     ):
-        # program (t, h): out[t, h] = sum_p w_p * o_p over the row's active partitions, in index order,
-        # w_p = l_p * exp(m_p - M) / sum_p' l_p' * exp(m_p' - M), M = max_p m_p
+        # program (t, h): out[t, h] = sum_s w_s * o_s over the row's active splits, in index order,
+        # w_s = l_s * exp(m_s - M) / sum_s' l_s' * exp(m_s' - M), M = max_s m_s
         t = tl.program_id(0)
         h = tl.program_id(1)
-        b = tl.load(token_seq_ptr + t)
+        b, pos, lo_key, tile_lo, tps, n_active = _split_range(
+            token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES, TILE, HAS_WINDOW)
         if b < 0:
             return
-        L = tl.load(seq_lens_ptr + b)
-        s0 = tl.load(qsl_ptr + b)
-        n = tl.load(qsl_ptr + b + 1) - s0
-        pos = L - n + (t - s0)
-        p_hi = pos // PART
-        p_lo = p_hi * 0
-        if HAS_WINDOW:
-            p_lo = tl.maximum(pos - window + 1, 0) // PART
-        row0 = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_PARTS
+        row0 = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
         offs_p = tl.arange(0, BLOCK_P)
-        active = (offs_p >= p_lo) & (offs_p <= p_hi)
+        active = offs_p < n_active
         m = tl.load(ws_m_ptr + row0 + offs_p, mask=active, other=float("-inf"))
         l = tl.load(ws_l_ptr + row0 + offs_p, mask=active, other=0.0)
         M = tl.max(m, axis=0)
@@ -194,11 +195,10 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         acc = tl.zeros((BLOCK_D,), tl.float32)
-        for pidx in range(p_lo, p_hi + 1):
-            w = tl.load(ws_l_ptr + row0 + pidx) * tl.exp(tl.load(ws_m_ptr + row0 + pidx) - M) / W  # 1.0 if alone
-            acc += w * tl.load(ws_o_ptr + (row0 + pidx) * D + offs_d, mask=mask_d, other=0.0)
+        for sp in range(0, n_active):
+            w = tl.load(ws_l_ptr + row0 + sp) * tl.exp(tl.load(ws_m_ptr + row0 + sp) - M) / W  # 1.0 if alone
+            acc += w * tl.load(ws_o_ptr + (row0 + sp) * D + offs_d, mask=mask_d, other=0.0)
         tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
-
 
     @triton.jit
     def _paged_attn_prefill_kernel(
@@ -277,23 +277,22 @@ if HAS_TRITON:
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
 
 
-def choose_partition(T: int, Hq: int, D: int, max_ctx: int, partition_size: int | None = None) -> tuple[int, int]:
-    """(PART, NUM_PARTS) of the split kernel, from shapes only (CUDA-graph safe).
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
-    Rules: PART = partition_size or DEFAULT_PARTITION (256 cache positions; a multiple of TILE_N); it doubles
-    while NUM_PARTS = ceil(max_ctx / PART) > MAX_PARTITIONS or the workspace T * Hq * NUM_PARTS * D fp32
-    would pass MAX_WORKSPACE_ELEMS (64 MiB). So decode batches (small T) get ~ctx/256 partitions per
-    (row, KV head) and large prefill batches end with one partition (no workspace, direct output).
-    The partition boundaries (PART) decide the order of the fp32 sums: same shapes -> same bits.
+
+def choose_splits(T: int, Hkv: int, num_sms: int = 132) -> int:
+    """Splits per (row, KV head) of the split-KV kernel, from shapes only (CUDA-graph safe).
+
+    Rule: enough programs to fill the GPU, SPLIT_PROGRAMS_PER_SM programs per SM:
+        NUM_SPLITS = clamp(ceil(SPLIT_PROGRAMS_PER_SM * num_sms / (T * Hkv)), 1, MAX_SPLITS)
+    e.g. on 132 SMs with Hkv = 4: T = 1 -> 64, 16 -> 9, 64 -> 3, 128 -> 2, >= 132 -> 1 (no workspace).
+    A row's key range is cut into min(NUM_SPLITS, ceil(tiles / SPLIT_MIN_TILES)) chunks of whole
+    TILE_N-key tiles; so short rows use fewer splits (the other programs exit at once) and the
+    workspace is only T * Hq * NUM_SPLITS * (D + 2) fp32 (~ a few MiB), whatever the table width.
     """
-    part = partition_size or DEFAULT_PARTITION
-    if part % TILE_N:
-        raise ValueError(f"partition_size must be a multiple of {TILE_N}, got {part}")
-    while True:
-        num_parts = max(1, -(-max_ctx // part))
-        if num_parts == 1 or (num_parts <= MAX_PARTITIONS and T * Hq * num_parts * D <= MAX_WORKSPACE_ELEMS):
-            return part, num_parts
-        part *= 2
+    return max(1, min(MAX_SPLITS, -(-SPLIT_PROGRAMS_PER_SM * num_sms // (T * Hkv))))
 
 
 def paged_attention(
@@ -308,7 +307,8 @@ def paged_attention(
     sliding_window: int | None,
     out: torch.Tensor,
     kernel: str = "auto",
-    partition_size: int | None = None,
+    num_splits: int | None = None,
+    min_tiles: int | None = None,
 ) -> None:
     """Semantics, per query row t of sequence b = token_seq[t] (-1: padding, left untouched), with
     L = seq_lens[b], s:e = query_start_loc[b]:query_start_loc[b+1], p = L - (e - s) + (t - s):
@@ -320,10 +320,13 @@ def paged_attention(
     kernel (every kernel computes the semantics above for any mix of rows; the choice is speed only):
       "auto": "decode" when T <= B (at most ~one row per sequence: decode batches, CUDA graphs), else
               "prefill" — shapes only, so a captured graph always launches the same kernels.
-      "decode": split-KV; partitions of PART cache positions from
-              choose_partition(T, Hq, D, block_tables.shape[1] * BS, partition_size); partial results go
-              to an fp32 workspace ([T, Hq, NUM_PARTS, D] + [2, T, Hq, NUM_PARTS], allocated here: inside a
-              graph capture it comes from the graph's pool), combined by a second kernel in a fixed order.
+      "decode": split-KV, grid (T, Hkv, NUM_SPLITS), NUM_SPLITS = num_splits or choose_splits(T, Hkv, SMs);
+              each row's visible keys are cut into chunks of whole 64-key tiles (at least min_tiles,
+              default SPLIT_MIN_TILES, per chunk); partial results go to an fp32 workspace
+              ([T, Hq, NUM_SPLITS, D] + [2, T, Hq, NUM_SPLITS], allocated here: inside a graph capture
+              it comes from the graph's pool), combined by a second kernel in a fixed order
+              (deterministic; the chunking depends on the row's length and NUM_SPLITS, so the bits
+              may change with T, not from run to run). NUM_SPLITS == 1: direct output, no workspace.
       "prefill": tiled; BLOCK_M rows of one sequence x G heads (128 tile rows) per (query block, KV head).
       "legacy": the first kernel (one program per (row, KV head), serial over blocks, no tensor cores).
     """
@@ -363,25 +366,29 @@ def paged_attention(
         return
     if kernel != "decode":
         raise ValueError(f"kernel must be auto, decode, prefill or legacy, got {kernel!r}")
-    part, num_parts = choose_partition(T, Hq, D, block_tables.shape[1] * BS, partition_size)
-    direct = num_parts == 1
+    if num_splits is None:
+        num_splits = choose_splits(T, Hkv, _num_sms(q.device.index or 0) if q.is_cuda else 132)
+    direct = num_splits == 1
     if direct:
         ws_o = ws_m = ws_l = out  # unused
     else:
-        ws_o = torch.empty(T, Hq, num_parts, D, dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty(2, T, Hq, num_parts, dtype=torch.float32, device=q.device)
+        ws_o = torch.empty(T, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty(2, T, Hq, num_splits, dtype=torch.float32, device=q.device)
         ws_m, ws_l = ws_ml[0], ws_ml[1]
-    _paged_attn_split_kernel[(T, Hkv, num_parts)](
+    min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
+    if min_tiles < 1 or num_splits < 1:
+        raise ValueError(f"num_splits and min_tiles must be >= 1, got {num_splits}, {min_tiles}")
+    _paged_attn_split_kernel[(T, Hkv, num_splits)](
         q, k_cache, v_cache, out, ws_o, ws_m, ws_l, block_tables, token_seq, seq_lens, query_start_loc,
-        scale, sliding_window or 0, G, num_parts, *strides,
+        scale, sliding_window or 0, G, num_splits, min_tiles, *strides,
         BLOCK_SIZE=BS, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
-        TILE=TILE_N, PART=part, HAS_WINDOW=has_window, DIRECT=direct, DOT_PRECISION=precision,
+        TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=direct, DOT_PRECISION=precision,
         num_warps=4, num_stages=2,
     )
     if not direct:
         _paged_attn_reduce_kernel[(T, Hq)](
             out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
-            sliding_window or 0, num_parts, out.stride(0), out.stride(1),
-            D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_parts), PART=part,
+            sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
+            D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_splits), TILE=TILE_N,
             HAS_WINDOW=has_window, num_warps=1,
         )
