@@ -73,7 +73,8 @@ def test_split_decode_contexts(num_splits, min_tiles, dtype):
 def test_split_gqa_and_head_dims(groups, Hkv, D):
     seqs = [(299, 1), (16, 1), (130, 1)]
     for kernel in ("decode", "prefill"):
-        run_and_check(seqs, groups * Hkv, Hkv, D, 16, DTYPES[-1], None, groups, kernel=kernel, num_splits=5, min_tiles=1)
+        run_and_check(seqs, groups * Hkv, Hkv, D, 16, DTYPES[-1], None, groups, kernel=kernel, num_splits=5,
+                      min_tiles=1)
 
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
@@ -98,8 +99,8 @@ def test_prefill_rows_marked_padding_inside_a_sequence():
     """Rows whose token_seq is -1 stay untouched even when query_start_loc puts them in a sequence (the
     decode graphs' layout: query_start_loc = arange, padding rows -1)."""
     gen = torch.Generator().manual_seed(3)
-    q, k_cache, v_cache, bt, (ts, lens_t, qsl_t), lens, qsl, T = make_batch([(10, 1), (5, 1), (7, 1)], 4, 2, 16, 4,
-                                                                            torch.float32, gen, pad_rows=0)
+    batch = make_batch([(10, 1), (5, 1), (7, 1)], 4, 2, 16, 4, torch.float32, gen, pad_rows=0)
+    q, k_cache, v_cache, bt, (ts, lens_t, qsl_t), lens, qsl, T = batch
     ts[1] = -1
     for kernel in ("decode", "prefill", "legacy"):
         out = torch.full_like(q, 7.0)
@@ -129,10 +130,12 @@ def test_gpu_qwen3_decode(batch, ctx):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-def test_gpu_prefill_and_window():
+@pytest.mark.parametrize("kernel", ["auto", "decode"])
+def test_gpu_prefill_and_window(kernel):
+    """Prefill, chunked prefill and decode rows in one batch (auto -> the tiled prefill kernel)."""
     seqs = [(0, 700), (1500, 300), (4000, 1), (33, 1)]
     for window in (None, 1000):
-        run_and_check(seqs, 32, 4, 128, 16, torch.bfloat16, window, 3)
+        run_and_check(seqs, 32, 4, 128, 16, torch.bfloat16, window, 3, kernel=kernel)
 
 
 @pytest.mark.gpu
@@ -179,7 +182,8 @@ def test_gpu_split_inside_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         n = len(lens)
-        ref = paged_attention_ref(q[:n].float(), k_cache.float(), v_cache.float(), bt[:n], lens, list(range(n + 1)), scale)
+        ref = paged_attention_ref(q[:n].float(), k_cache.float(), v_cache.float(), bt[:n], lens, list(range(n + 1)),
+                                  scale)
         torch.testing.assert_close(out[:n].float(), ref, atol=3e-2, rtol=3e-2)
         assert torch.all(out[n:] == 0), "padding rows must stay untouched"
         eager = torch.zeros_like(out)
