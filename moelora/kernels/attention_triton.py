@@ -135,6 +135,7 @@ if HAS_TRITON:
         heads = kvh * G + offs_g
         q = tl.load(q_ptr + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + offs_d[None, :],
                     mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        qk_scale = scale * 1.4426950408889634  # log2(e): softmax with exp2; m_i in log2 units
         m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
@@ -148,11 +149,11 @@ if HAS_TRITON:
             kv_mask = valid[:, None] & mask_d[None, :]
             k = tl.load(k_ptr + blk[:, None] * sk_b + slot[:, None] * sk_s + kvh * sk_h + offs_d[None, :],
                         mask=kv_mask, other=0.0).to(q.dtype)  # [TILE, BLOCK_D]
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, TILE] fp32
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, TILE] fp32, log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds a visible key
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + blk[:, None] * sv_b + slot[:, None] * sv_s + kvh * sv_h + offs_d[None, :],
                         mask=kv_mask, other=0.0).to(q.dtype)  # [TILE, BLOCK_D]
@@ -178,7 +179,7 @@ if HAS_TRITON:
         HAS_WINDOW: tl.constexpr,
     ):
         # program (t, h): out[t, h] = sum_s w_s * o_s over the row's active splits, in index order,
-        # w_s = l_s * exp(m_s - M) / sum_s' l_s' * exp(m_s' - M), M = max_s m_s
+        # w_s = l_s * 2^(m_s - M) / sum_s' l_s' * 2^(m_s' - M), M = max_s m_s (maxima in log2 units)
         t = tl.program_id(0)
         h = tl.program_id(1)
         b, pos, lo_key, tile_lo, tps, n_active = _split_range(
@@ -191,12 +192,12 @@ if HAS_TRITON:
         m = tl.load(ws_m_ptr + row0 + offs_p, mask=active, other=float("-inf"))
         l = tl.load(ws_l_ptr + row0 + offs_p, mask=active, other=0.0)
         M = tl.max(m, axis=0)
-        W = tl.sum(tl.where(active, l * tl.exp(m - M), 0.0), axis=0)
+        W = tl.sum(tl.where(active, l * tl.exp2(m - M), 0.0), axis=0)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         acc = tl.zeros((BLOCK_D,), tl.float32)
         for sp in range(0, n_active):
-            w = tl.load(ws_l_ptr + row0 + sp) * tl.exp(tl.load(ws_m_ptr + row0 + sp) - M) / W  # 1.0 if alone
+            w = tl.load(ws_l_ptr + row0 + sp) * tl.exp2(tl.load(ws_m_ptr + row0 + sp) - M) / W  # 1.0 if alone
             acc += w * tl.load(ws_o_ptr + (row0 + sp) * D + offs_d, mask=mask_d, other=0.0)
         tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
 
@@ -245,6 +246,7 @@ if HAS_TRITON:
         k_lo = pos_max * 0
         if HAS_WINDOW:
             k_lo = (tl.maximum(L - n + j * BLOCK_M - window + 1, 0) // TILE) * TILE
+        qk_scale = scale * 1.4426950408889634  # log2(e): softmax with exp2
         m_i = tl.full((BLOCK_M * BLOCK_G,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M * BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_M * BLOCK_G, BLOCK_D), tl.float32)
@@ -258,15 +260,15 @@ if HAS_TRITON:
             kv_mask = kvalid[:, None] & mask_d[None, :]
             k = tl.load(k_ptr + blk[:, None] * sk_b + slot[:, None] * sk_s + kvh * sk_h + offs_d[None, :],
                         mask=kv_mask, other=0.0).to(q.dtype)  # [TILE, BLOCK_D]
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [M, TILE]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE], log2 units
             allowed = key[None, :] <= pos[:, None]
             if HAS_WINDOW:
                 allowed = allowed & (key[None, :] > pos[:, None] - window)
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (window)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + blk[:, None] * sv_b + slot[:, None] * sv_s + kvh * sv_h + offs_d[None, :],
                         mask=kv_mask, other=0.0).to(q.dtype)
