@@ -2,6 +2,11 @@
 cached prefix, decode over several KV splits, GQA, head dims, sliding windows, shuffled blocks, padding
 rows; on the GPU also Qwen3-30B-A3B dims in bf16 and replay inside a CUDA graph."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,6 +118,28 @@ def test_prefill_rows_marked_padding_inside_a_sequence():
 def test_choose_splits_rule():
     assert [choose_splits(T, 4, 132) for T in (1, 16, 64, 128, 132, 256)] == [64, 9, 3, 2, 1, 1]
     assert choose_splits(1, 1, 8) == 32
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernels for real")
+def test_kernels_compile_for_sm90():
+    """Compile (not interpret) every attention kernel for sm_90 with Triton's bundled ptxas: the split kernel
+    must use mma + cp.async pipelining, the prefill kernel wgmma."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        res = subprocess.run([sys.executable, str(root / "scripts" / "compile_check_attention.py")], env=env,
+                             capture_output=True, text=True, timeout=600)
+    except FileNotFoundError:
+        pytest.skip("no python")
+    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr.lower():
+        pytest.skip("no bundled ptxas")
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    split = [ln for ln in lines if ln.startswith("_paged_attn_split_kernel")]
+    prefill = [ln for ln in lines if ln.startswith("_paged_attn_prefill_kernel")]
+    assert len(split) == 4 and all("mma=0 " not in ln and "cp.async=0 " not in ln for ln in split), split
+    assert len(prefill) == 2 and all("wgmma=0" not in ln for ln in prefill), prefill
 
 
 # ---- GPU: Qwen3-30B-A3B dims (32 q heads, 4 kv heads, head_dim 128, block 16) in bf16 ----
