@@ -59,7 +59,8 @@ def main() -> None:
                     args.arch, num_warps=1)
         BLOCK_G = triton.next_power_of_2(G)
         compile_one(at._paged_attn_prefill_kernel,
-                    {"BLOCK_SIZE": BS, "BLOCK_G": BLOCK_G, "BLOCK_M": max(1, at.PREFILL_TILE_ROWS // BLOCK_G), "D": D,
+                    {"BLOCK_SIZE": BS, "BLOCK_G": BLOCK_G, "BLOCK_M": max(1, at.PREFILL_TILE_ROWS // BLOCK_G),
+                     "BLOCK_B": 256, "D": D,
                      "BLOCK_D": BLOCK_D, "TILE": at.TILE_N, "HAS_WINDOW": window, "DOT_PRECISION": "tf32"},
                     args.arch, num_warps=8, num_stages=2)
         compile_one(at._paged_attn_kernel,

@@ -100,6 +100,14 @@ def test_mixed_prefill_decode(dtype, kernel):
     run_and_check(seqs, 8, 2, 32, 4, dtype, None, 7, kernel=kernel, num_splits=5, min_tiles=1)
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "legacy"])
+def test_sequences_without_new_rows(kernel):
+    """Sequences with no rows this step (query_start_loc repeats) between others (prefill kernel: their zero
+    query blocks in the cumulative count)."""
+    seqs = [(3, 4), (10, 0), (0, 20), (7, 0), (30, 1)]
+    run_and_check(seqs, 4, 2, 16, 4, torch.float32, None, 11, kernel=kernel, num_splits=3, min_tiles=1)
+
+
 def test_prefill_rows_marked_padding_inside_a_sequence():
     """Rows whose token_seq is -1 stay untouched even when query_start_loc puts them in a sequence (the
     decode graphs' layout: query_start_loc = arange, padding rows -1)."""

@@ -13,7 +13,7 @@ Three kernels, each correct for any mix of rows (paged_attention picks one from 
   normalised acc) to an fp32 workspace and a second kernel combines the chunks in index order
   (deterministic); with NUM_SPLITS == 1 the first kernel writes the output directly.
 * tiled prefill: grid (query block, KV head) over ceil(T / BLOCK_M) + B query blocks (each sequence owns
-  ceil(n_b / BLOCK_M) of them, found by a scan of query_start_loc; the rest exit); BLOCK_M rows x G heads
+  ceil(n_b / BLOCK_M) of them, found by a cumulative sum over query_start_loc; the rest exit); BLOCK_M rows x G heads
   = 128 tile rows share each K/V tile (tl.dot), causal and window masks per row.
 * legacy (kernel="legacy"): one program per (query row, KV head), a serial loop over the blocks with
   broadcast products (no tensor cores). Kept for comparison (scripts/bench_attention.py).
@@ -206,7 +206,7 @@ if HAS_TRITON:
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
         scale, window, G, B,
         sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
-        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, D: tl.constexpr,
         BLOCK_D: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         # program (i, kvh): the i-th query block over all sequences (sequence b owns ceil(n_b / BLOCK_M)
@@ -214,17 +214,16 @@ if HAS_TRITON:
         # BLOCK_M * BLOCK_G tile rows, against its causal key range TILE keys at a time (tl.dot)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
-        seq = pid * 0 - 1
-        j = pid * 0
-        cum = pid * 0
-        for bb in range(0, B):  # find this block's sequence (B loads of query_start_loc, cached)
-            nblk = (tl.load(qsl_ptr + bb + 1) - tl.load(qsl_ptr + bb) + BLOCK_M - 1) // BLOCK_M
-            hit = (pid >= cum) & (pid < cum + nblk)
-            seq = tl.where(hit, bb, seq)
-            j = tl.where(hit, pid - cum, j)
-            cum += nblk
-        if seq < 0:  # past the last block
+        # this block's sequence: the first b whose cumulative block count passes pid
+        offs_b = tl.arange(0, BLOCK_B)
+        mask_b = offs_b < B
+        start_b = tl.load(qsl_ptr + offs_b, mask=mask_b, other=0)
+        nblk = (tl.load(qsl_ptr + offs_b + 1, mask=mask_b, other=0) - start_b + BLOCK_M - 1) // BLOCK_M  # [BLOCK_B]
+        cum_end = tl.cumsum(nblk, axis=0)  # inclusive
+        seq = tl.sum(((cum_end <= pid) & mask_b).to(tl.int32), axis=0)
+        if seq >= B:  # past the last block
             return
+        j = pid - tl.sum(tl.where(offs_b < seq, nblk, 0), axis=0)  # block index within the sequence
         L = tl.load(seq_lens_ptr + seq)
         s0 = tl.load(qsl_ptr + seq)
         n = tl.load(qsl_ptr + seq + 1) - s0
@@ -362,7 +361,8 @@ def paged_attention(
         _paged_attn_prefill_kernel[(triton.cdiv(T, BLOCK_M) + B, Hkv)](
             q, k_cache, v_cache, out, block_tables, token_seq, seq_lens, query_start_loc,
             scale, sliding_window or 0, G, B, *strides,
-            BLOCK_SIZE=BS, BLOCK_G=BLOCK_G, BLOCK_M=BLOCK_M, D=D, BLOCK_D=BLOCK_D, TILE=TILE_N,
+            BLOCK_SIZE=BS, BLOCK_G=BLOCK_G, BLOCK_M=BLOCK_M, BLOCK_B=max(16, triton.next_power_of_2(B)), D=D,
+            BLOCK_D=BLOCK_D, TILE=TILE_N,
             HAS_WINDOW=has_window, DOT_PRECISION=precision, num_warps=8, num_stages=2,
         )
         return
