@@ -12,7 +12,7 @@ import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, tolerance
 from moelora.kernels.attention import paged_attention_ref
-from moelora.kernels.attention_triton import choose_splits, paged_attention
+from moelora.kernels.attention_triton import choose_splits, paged_attention, split_workspace_numel
 
 HQ, HKV, D = (32, 4, 128) if ON_GPU else (4, 2, 16)
 
@@ -121,6 +121,23 @@ def test_prefill_rows_marked_padding_inside_a_sequence():
         ref = paged_attention_ref(q, k_cache, v_cache, bt, lens, qsl, 0.25)
         assert torch.all(out[1] == 7.0)
         torch.testing.assert_close(out[[0, 2]], ref[[0, 2]], atol=1e-4, rtol=1e-4)
+
+
+def test_split_preallocated_workspace():
+    """A caller's workspace (e.g. allocated before a graph capture) gives the same bits; too small is refused."""
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, bt, dev, lens, qsl, T = make_batch([(200, 1), (70, 1), (5, 1)], 4, 2, 16, 16,
+                                                            torch.float32, gen)
+    outs = []
+    for ws in (None, torch.full((split_workspace_numel(T + 2, 4, 16, 4) + 5,), float("nan"))):
+        out = torch.zeros_like(q)
+        paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, out, kernel="decode", num_splits=4, min_tiles=1,
+                        workspace=ws)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError):
+        paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, outs[0], kernel="decode", num_splits=4,
+                        workspace=torch.empty(10))
 
 
 def test_choose_splits_rule():

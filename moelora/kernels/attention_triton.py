@@ -283,6 +283,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def split_workspace_numel(T: int, Hq: int, D: int, num_splits: int) -> int:
+    """fp32 elements of the split-KV workspace: partial outputs [T, Hq, S, D], maxima and sums [T, Hq, S]."""
+    return T * Hq * num_splits * (D + 2) if num_splits > 1 else 0
+
+
 def choose_splits(T: int, Hkv: int, num_sms: int = 132) -> int:
     """Splits per (row, KV head) of the split-KV kernel, from shapes only (CUDA-graph safe).
 
@@ -310,6 +315,7 @@ def paged_attention(
     kernel: str = "auto",
     num_splits: int | None = None,
     min_tiles: int | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> None:
     """Semantics, per query row t of sequence b = token_seq[t] (-1: padding, left untouched), with
     L = seq_lens[b], s:e = query_start_loc[b]:query_start_loc[b+1], p = L - (e - s) + (t - s):
@@ -324,8 +330,9 @@ def paged_attention(
       "decode": split-KV, grid (T, Hkv, NUM_SPLITS), NUM_SPLITS = num_splits or choose_splits(T, Hkv, SMs);
               each row's visible keys are cut into chunks of whole 64-key tiles (at least min_tiles,
               default SPLIT_MIN_TILES, per chunk); partial results go to an fp32 workspace
-              ([T, Hq, NUM_SPLITS, D] + [2, T, Hq, NUM_SPLITS], allocated here: inside a graph capture
-              it comes from the graph's pool), combined by a second kernel in a fixed order
+              ([T, Hq, NUM_SPLITS, D] + [2, T, Hq, NUM_SPLITS]: `workspace`, a flat fp32 tensor of
+              >= split_workspace_numel(T, Hq, D, NUM_SPLITS) elements, or allocated here — inside a
+              graph capture from the graph's pool), combined by a second kernel in a fixed order
               (deterministic; the chunking depends on the row's length and NUM_SPLITS, so the bits
               may change with T, not from run to run). NUM_SPLITS == 1: direct output, no workspace.
       "prefill": tiled; BLOCK_M rows of one sequence x G heads (128 tile rows) per (query block, KV head).
@@ -374,9 +381,13 @@ def paged_attention(
     if direct:
         ws_o = ws_m = ws_l = out  # unused
     else:
-        ws_o = torch.empty(T, Hq, num_splits, D, dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty(2, T, Hq, num_splits, dtype=torch.float32, device=q.device)
-        ws_m, ws_l = ws_ml[0], ws_ml[1]
+        n_ml = T * Hq * num_splits
+        need = split_workspace_numel(T, Hq, D, num_splits)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous():
+            raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {need} elements")
+        ws_o, ws_m, ws_l = workspace[: n_ml * D], workspace[n_ml * D : n_ml * (D + 1)], workspace[n_ml * (D + 1) : need]
     min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
     if min_tiles < 1 or num_splits < 1:
         raise ValueError(f"num_splits and min_tiles must be >= 1, got {num_splits}, {min_tiles}")
