@@ -129,7 +129,7 @@ def test_split_preallocated_workspace():
     q, k_cache, v_cache, bt, dev, lens, qsl, T = make_batch([(200, 1), (70, 1), (5, 1)], 4, 2, 16, 16,
                                                             torch.float32, gen)
     outs = []
-    for ws in (None, torch.full((split_workspace_numel(T + 2, 4, 16, 4) + 5,), float("nan"))):
+    for ws in (None, torch.full((split_workspace_numel(T + 2, 4, 16, 4) + 5,), float("nan"), device=DEVICE)):
         out = torch.zeros_like(q)
         paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, out, kernel="decode", num_splits=4, min_tiles=1,
                         workspace=ws)
