@@ -178,11 +178,12 @@ def test_fast_path_leaves_quantized_stacks_alone(fast_on_cpu):
     class Stack:  # what layers/fp8.py passes: a shape and its own grouped_mm
         shape = torch.Size([4, 8, 4])
 
-    x, w = torch.zeros(2, 4), torch.zeros(4, 8, 4)
-    assert fmt.fast_path_ok(x, w, torch.zeros(4, 4, 4))
-    assert not fmt.fast_path_ok(x, Stack(), torch.zeros(4, 4, 4))
+    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the path takes CUDA 16-bit, or the CPU interpreter
+    x, w, wd = (torch.zeros(*s, dtype=dt, device=DEVICE) for s in ((2, 4), (4, 8, 4), (4, 4, 4)))
+    assert fmt.fast_path_ok(x, w, wd)
+    assert not fmt.fast_path_ok(x, Stack(), wd)
     assert not fmt.fast_path_ok(x, w, Stack())
-    assert not fmt.fast_path_ok(x, w.half(), torch.zeros(4, 4, 4))
+    assert not fmt.fast_path_ok(x, w.half(), wd)
 
 
 # --------------------------------------------------------------------------------------------- GPU

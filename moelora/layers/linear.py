@@ -11,6 +11,15 @@ from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_s
 from moelora.layers.lora import LoRAWeights, lora_active
 
 
+_SINGLE_SLOT = {"enabled": True}
+
+
+def set_single_slot_fast_path(enabled: bool) -> None:
+    """Turn the cuBLAS single-adapter path off (tests that compare eager with graph replay bit for bit: a
+    graph always runs the grouped kernels)."""
+    _SINGLE_SLOT["enabled"] = bool(enabled)
+
+
 def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor) -> None:
     """y[t] += per slice i: scaling[i, s] * B_i[s] A_i[s] x[t], s = slot of token t (rows of slot -1 untouched).
 
@@ -18,7 +27,7 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
     shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
     x: [T, H] · y: [T, sum(out_i)]
     """
-    if lora.single_slot is not None and not lora.graph:
+    if lora.single_slot is not None and not lora.graph and _SINGLE_SLOT["enabled"]:
         g = lora.groups
         rows = None if lora.all_lora else g.sorted_token_ids[: g.counts[0]].long()
         lora_single_slot(x, w.a, w.b_cat, w.slice_offsets_host, w.ranks, w.scaling, lora.single_slot, rows, y)
