@@ -16,7 +16,7 @@ import torch
 from moelora.kernels._triton import HAS_TRITON, deterministic, dot_precision, require_triton
 from moelora.kernels.moe_lora import moe_lora_align
 
-GEMV_MAX_PAIRS = 512  # at most this many (token, k) pairs: the decode variant (64 tokens at top-8)
+GEMV_MAX_PAIRS = 2048  # at most this many (token, k) pairs: the decode variant (256 tokens at top-8); H200, 8 adapters, rank 16: GEMV ~0.07 us per pair (48 us at 512), tiled 241 us at 2048
 
 if HAS_TRITON:
     import triton
