@@ -2,9 +2,14 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # Triton decides at decoration time whether a @triton.jit function is interpreted: set this before any test
+    # module imports a kernel module (a kernel decorated without it cannot run on the CPU)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 

@@ -106,7 +106,10 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
 
 def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int) -> dict:
     names = [f"ad{i}" for i in range(n_adapters)]
-    prompt_len, gen_len = (128, 128) if workload == "vllm" else (1024, steps + 1)
+    # ctx1024: enough tokens that no request finishes inside the timed steps (requests whose prefill ended early
+    # decode during the later prefill steps), so every timed step holds the whole batch
+    prefill_steps = -(-batch * 1024 // engine.args.max_num_batched_tokens) + 2
+    prompt_len, gen_len = (128, 128) if workload == "vllm" else (1024, steps + 1 + prefill_steps)
     g = torch.Generator().manual_seed(seed)
     # sampled (not greedy) tokens: a dummy-weight model decoding greedily falls into repeating one token,
     # and identical rows would all route to the same top-k experts; sampling keeps tokens spread over them
@@ -122,13 +125,20 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
     torch.cuda.synchronize() if engine.device.type == "cuda" else None
     t0, done_steps, tokens = time.perf_counter(), 0, 0
     limit = steps if workload == "ctx1024" else 10**9
+    routing = None  # each MoE block's routing in the first step that served the whole batch (for the floor)
     while engine.has_unfinished_requests() and done_steps < limit:
-        tokens += len(engine.step())
+        served = len(engine.step())
+        tokens += served
         done_steps += 1
+        if routing is None and served == batch:
+            routing = [(m, m.last_topk_ids[:batch].clone()) for m in engine.model.modules()
+                       if getattr(m, "last_topk_ids", None) is not None]
     torch.cuda.synchronize() if engine.device.type == "cuda" else None
     dt = time.perf_counter() - t0
     reqs = [engine.requests[r] for r in ids]
-    floor, touched = _floor_bytes(engine, reqs, prompt_len + gen_len // 2)
+    for module, topk_ids in routing or []:
+        module.last_topk_ids = topk_ids
+    floor, touched = _floor_bytes(engine, reqs, prompt_len + (gen_len // 2 if workload == "vllm" else steps // 2))
     for r in ids:
         engine.abort_request(r)
         engine.pop_finished(r)

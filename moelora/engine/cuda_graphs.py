@@ -100,7 +100,7 @@ class DecodeGraphs:
             self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)
         graph, out = self.graphs[(bs, with_lora)]
         graph.replay()
-        for module, topk_ids in self._routing[(bs, with_lora)]:
+        for module, topk_ids in self._routing.get((bs, with_lora), ()):
             module.last_topk_ids = topk_ids
         self.replays[(bs, with_lora)] = self.replays.get((bs, with_lora), 0) + 1
         return out[:n]

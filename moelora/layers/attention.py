@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,11 @@ class AttentionMetadata:
     token_seq: torch.Tensor | None = None
     seq_lens_t: torch.Tensor | None = None
     query_start_loc_t: torch.Tensor | None = None
+
+
+# "auto" (split-KV decode, tiled prefill) or "legacy" (the first kernel: one program per row and KV head, serial
+# over blocks) — a fallback while the graph-vs-eager difference seen once with split-KV decode is open (issue 6)
+ATTENTION_KERNEL = os.environ.get("MOELORA_ATTENTION_KERNEL", "auto")
 
 
 class Attention(nn.Module):
@@ -91,7 +97,7 @@ class Attention(nn.Module):
 
             o = torch.zeros_like(q)  # [T, Hq, D]; padding rows stay 0
             paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
-                            attn.query_start_loc_t, self.scale, self.sliding_window, o)
+                            attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL)
         else:
             write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
             o = paged_attention_ref(
