@@ -108,11 +108,11 @@ if HAS_TRITON:
 
 def fused_dense_blocks(T: int, R: int, H: int, max_width: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_N): rows per block as lora_triton's (16/32/64 by T), the whole
-    padded rank, input/output tiles of 128 (64 at BLOCK_M 64 or rank > 64: the fp32 tile stays <= 64 registers
-    per thread at 4 warps)."""
+    padded rank, input/output tiles of 128 while BLOCK_M * BLOCK_R <= 1024, else 64 (sm_90, 4 warps: 64-178
+    registers at BLOCK_M 16-32, 194-245 at BLOCK_M 64 (wgmma), no spills: scripts/compile_check_lora_fused.py)."""
     block_m = 16 if T <= 16 else (32 if T <= 64 else 64)
     block_r = max(16, triton.next_power_of_2(R))
-    tile = 128 if block_m <= 32 and block_r <= 64 else 64
+    tile = 128 if block_m <= 32 and block_m * block_r <= 1024 else 64
     block_k = min(tile, max(16, triton.next_power_of_2(H)))
     block_n = min(tile, max(16, triton.next_power_of_2(max_width)))
     return block_m, block_r, block_k, block_n
