@@ -10,7 +10,8 @@ fused: moe_lora_fused / lora_fused_decode (1 launch); store: the fused kernel in
 Several layers' weights in rotation (--layers) so L2 does not hold a layer's factors between calls.
 
 Usage: python scripts/bench_lora_fused.py [--tokens 1,16,64,128] [--adapters 4,8] [--ranks 16,64] [--sweep]
---sweep: also the fused kernels at split_n 1/2/4/8/16 (to tune FUSED_TARGET_PROGRAMS); --cases gate_up,down,qkv,o
+--sweep: also the fused kernels at num_warps 4/8/16 x split_n 1/2/4/8/16 (to tune fused_num_warps and
+FUSED_TARGET_PROGRAMS); --cases gate_up,down,qkv,o
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def moe_case(site: str, T: int, n_ad: int, R: int, layers: int):
         moe_lora_shrink(x, a[li], ranks, ids, slots, E, h, per_pair, align=align)
         moe_lora_expand(h, b[li], off, ranks, scaling, ids, slots, E, y, wts, align=align)
 
-    def fused(li, split_n=None):
-        moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, y, per_pair, wts, split_n=split_n)
+    def fused(li, split_n=None, num_warps=None):
+        moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, y, per_pair, wts, split_n=split_n,
+                       num_warps=num_warps)
 
     def store(li):
         moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, wts, store=True)
@@ -131,8 +133,9 @@ def dense_case(site: str, T: int, n_ad: int, R: int, layers: int):
         lora_shrink(x, a[li], ranks, groups, h)
         lora_expand(h, b[li], off, ranks, scaling, groups, y)
 
-    def fused(li, split_n=None):
-        lora_fused_decode(x, a[li], b[li], off, ranks, scaling, groups, y, max_width=max(outs), split_n=split_n)
+    def fused(li, split_n=None, num_warps=None):
+        lora_fused_decode(x, a[li], b[li], off, ranks, scaling, groups, y, max_width=max(outs), split_n=split_n,
+                          num_warps=num_warps or 4)
 
     def store(li):
         lora_fused_decode(x, a[li], b[li], off, ranks, scaling, groups, delta, store=True, max_width=max(outs))
@@ -178,8 +181,11 @@ def main() -> None:
                     print(f"{case:>8} {T:4d} {n_ad:3d} {R:3d} | {t_cur:8.1f} {t_fused:8.1f} {t_store:8.1f} {floor:7.1f} | "
                           f"{t_cur / t_fused:6.2f}x {err:9.2e} | {info}", flush=True)
                     if args.sweep:
-                        sw = {s: graph_time_us(lambda li, s=s: fused(li, s), args.layers) for s in (1, 2, 4, 8, 16)}
-                        print("         split_n: " + "  ".join(f"{s}: {t:.1f}" for s, t in sw.items()), flush=True)
+                        for w in (4, 8, 16):
+                            sw = {s: graph_time_us(lambda li, s=s, w=w: fused(li, s, w), args.layers)
+                                  for s in (1, 2, 4, 8, 16)}
+                            print(f"         warps {w:2d} split_n: " + "  ".join(f"{s}: {t:.1f}" for s, t in sw.items()),
+                                  flush=True)
                     del current, fused, store, check
                     torch.cuda.empty_cache()
 

@@ -49,7 +49,7 @@ def compile_one(fn, types: dict, consts: dict, div16: tuple, arch: int, **opts) 
                        target=GPUTarget("cuda", arch, 32), options=opts)
     ptx = k.asm["ptx"]
     shown = {n: v for n, v in consts.items() if n.isupper() and n != "PRECISION"}
-    print(f"{fn.__name__:<26} {shown} y={types.get('y_ptr')} {_res_usage(k.asm['cubin'])} smem={k.metadata.shared} "
+    print(f"{fn.__name__:<26} {shown} warps={opts.get('num_warps')} y={types.get('y_ptr')} {_res_usage(k.asm['cubin'])} smem={k.metadata.shared} "
           f"mma={ptx.count('mma.sync')} wgmma={ptx.count('wgmma.mma_async')}", flush=True)
 
 
@@ -63,13 +63,15 @@ def main() -> None:
     moe_div16 = ("x_ptr", "a_ptr", "b_ptr", "y_ptr", "D", "sxm", "sa_i", "sa_s", "sa_e", "sa_r", "sb_s", "sb_e",
                  "sb_o", "syp")
     for R in (16, 32, 64, 128):
-        for site, D, width, per_pair, has_w in (("gate_up", H, I, False, False), ("down", I, H, True, True)):
-            block_r, block_d, block_n = mf.fused_blocks(R, D, width)
-            for store, y_t in ((False, "*bf16"), (True, "*fp32")):
-                consts = {"sxd": 1, "sa_d": 1, "sb_r": 1, "syo": 1, "X_PER_PAIR": per_pair, "HAS_W": has_w,
-                          "STORE": store, "BLOCK_R": block_r, "BLOCK_D": block_d, "BLOCK_N": block_n, "SPLIT_N": 2}
-                compile_one(mf._moe_lora_fused_kernel, {**moe_types, "y_ptr": y_t}, consts, moe_div16, arch,
-                            num_warps=4)
+        for site, D, width, per_pair, has_w, n in (("gate_up", H, I, False, False, 2), ("down", I, H, True, True, 1)):
+            for T in (1, 16, 64, 128, 256):
+                warps = mf.fused_num_warps(T * 8 * n)
+                block_r, block_d, block_n = mf.fused_blocks(R, D, width, warps)
+                for store, y_t in ((False, "*bf16"), (True, "*fp32")):
+                    consts = {"sxd": 1, "sa_d": 1, "sb_r": 1, "syo": 1, "X_PER_PAIR": per_pair, "HAS_W": has_w,
+                              "STORE": store, "BLOCK_R": block_r, "BLOCK_D": block_d, "BLOCK_N": block_n, "SPLIT_N": 2}
+                    compile_one(mf._moe_lora_fused_kernel, {**moe_types, "y_ptr": y_t}, consts, moe_div16, arch,
+                                num_warps=warps)
     dense_types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "off_ptr": "*i32", "ranks_ptr": "*i32",
                    "scale_ptr": "*fp32", "sorted_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32",
                    "start_ptr": "*i32"}

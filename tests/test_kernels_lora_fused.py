@@ -164,14 +164,19 @@ def test_moe_fused_larger_ranks(R):
 
 
 def test_moe_fused_split_n_does_not_change_results():
-    """SPLIT_N only spreads output tiles over programs: every split gives the same bits (fp32)."""
+    """SPLIT_N only spreads output tiles over programs: every split gives the same bits (fp32); the warp count
+    (and the tiles that scale with it) the same values."""
     gen = torch.Generator().manual_seed(31)
     c = _moe_case("down", "uniform", 3, torch.float32, gen)
     outs = []
     for split in (1, 2, 3, 64):
         y = c["y0"].clone()
-        _moe_call(moe_lora_fused, c, y, split_n=split)
+        _moe_call(moe_lora_fused, c, y, split_n=split, num_warps=4)
         outs.append(y)
+    for warps in (8, 16):
+        y = c["y0"].clone()
+        _moe_call(moe_lora_fused, c, y, num_warps=warps)
+        torch.testing.assert_close(y, outs[0], atol=1e-5, rtol=1e-5)
     for y in outs[1:]:
         assert torch.equal(y, outs[0])
 
@@ -335,9 +340,12 @@ def _dense_layer(T, dtype, gen, popularity):
 
 
 @pytest.mark.parametrize("popularity", ["with_base_rows", "identical"])
-def test_apply_dense_lora_switch_on_equals_off(popularity, fused_switch):
+def test_apply_dense_lora_switch_on_equals_off(popularity, fused_switch, monkeypatch):
+    from moelora.layers import linear
     from moelora.layers.linear import apply_dense_lora
 
+    calls = []
+    monkeypatch.setattr(linear, "lora_fused_decode", lambda *a, **kw: (calls.append(1), lora_fused_decode(*a, **kw)))
     gen = torch.Generator().manual_seed(71)
     dtype = DTYPES[0]
     w, batch, x = _dense_layer(9, dtype, gen, popularity)
@@ -351,6 +359,7 @@ def test_apply_dense_lora_switch_on_equals_off(popularity, fused_switch):
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(y_on, y_off, atol=atol, rtol=rtol)
     assert not torch.equal(y_on, y0)
+    assert len(calls) == 1  # the switch-off call took the existing path, the switch-on call the fused kernel
 
 
 def test_switch_env_default_off():

@@ -108,12 +108,13 @@ if HAS_TRITON:
 
 def fused_dense_blocks(T: int, R: int, H: int, max_width: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_N): rows per block as lora_triton's (16/32/64 by T), the whole
-    padded rank, input/output tiles of 128 while BLOCK_M * BLOCK_R <= 1024, else 64 (sm_90, 4 warps: 64-178
+    padded rank, input tiles of 256 at BLOCK_M 16 and rank <= 32, else input/output tiles of 128 while BLOCK_M * BLOCK_R <= 1024, else 64 (sm_90, 4 warps: 64-178
     registers at BLOCK_M 16-32, 194-245 at BLOCK_M 64 (wgmma), no spills: scripts/compile_check_lora_fused.py)."""
     block_m = 16 if T <= 16 else (32 if T <= 64 else 64)
     block_r = max(16, triton.next_power_of_2(R))
     tile = 128 if block_m <= 32 and block_m * block_r <= 1024 else 64
-    block_k = min(tile, max(16, triton.next_power_of_2(H)))
+    k_tile = 256 if block_m == 16 and block_r <= 32 else tile  # few tokens: fewer dependent steps over H
+    block_k = min(k_tile, max(16, triton.next_power_of_2(H)))
     block_n = min(tile, max(16, triton.next_power_of_2(max_width)))
     return block_m, block_r, block_k, block_n
 
@@ -130,6 +131,7 @@ def lora_fused_decode(
     store: bool = False,
     max_width: int | None = None,
     split_n: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """lora_shrink + lora_expand of all slices in one launch (h never leaves registers).
     Semantics (slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1] of y and rows o_i of b_cat):
@@ -142,6 +144,7 @@ def lora_fused_decode(
     scaling: [n, S] fp32 · groups: tokens grouped by slot · y: [T, O] updated in place
     store: write the delta (y may be uninitialised) · max_width: the widest slice (host int; default O // n),
     used only to size SPLIT_N · split_n: output splits per row block and slice (None: from the launch size)
+    num_warps: per program (bench sweeps)
     """
     require_triton()
     n, S, R, H = a.shape
@@ -164,7 +167,7 @@ def lora_fused_decode(
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         b_cat.stride(0), b_cat.stride(1), b_cat.stride(2), y.stride(0), y.stride(1),
         STORE=store, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n, SPLIT_N=split,
-        BLOCK_L=max(16, triton.next_power_of_2(L)), PRECISION=dot_precision(x.dtype), num_warps=4,
+        BLOCK_L=max(16, triton.next_power_of_2(L)), PRECISION=dot_precision(x.dtype), num_warps=num_warps,
     )
 
 
@@ -180,9 +183,11 @@ def lora_fused_decode_ref(
     store: bool = False,
     max_width: int | None = None,
     split_n: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """Reference of lora_fused_decode (same semantics and shapes): lora_shrink_ref into a zeroed fp32 h,
-    then lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). max_width, split_n ignored."""
+    then lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). max_width, split_n, num_warps
+    ignored."""
     n, _, R, _ = a.shape
     h = torch.zeros(n, x.shape[0], R, dtype=torch.float32, device=x.device)  # [n, T, R]
     lora_shrink_ref(x, a, ranks, groups, h)

@@ -12,8 +12,9 @@ P * n programs already fill the GPU, SPLIT_N = 1 and A is read once per pair (A 
 bytes of gate_up: 2 x R x H against 2I x R). At 1-8 tokens P * n is 16-128 programs, a few SMs
 of 132; there SPLIT_N > 1 spreads the output tiles over more programs, each re-reading the same A row
 block (from L2 after the first) — more parallel HBM streams for B and y at the cost of L2 reads.
-SPLIT_N comes from the launch size alone (fixed per batch size: CUDA-graph safe) and can be forced
-with `split_n` (bench_lora_fused.py sweeps it).
+SPLIT_N and the warps per program (4/8/16, tiles of 1024 elements per warp) come from the launch size
+alone (fixed per batch size: CUDA-graph safe) and can be forced with `split_n` / `num_warps`
+(bench_lora_fused.py sweeps them).
 
 store=True writes instead of adding: y[p, o_i] = the delta (0 for pairs of slot -1 and for slices of
 rank 0), so a side-stream delta buffer needs no zero-fill.
@@ -95,11 +96,18 @@ if HAS_TRITON:
                 tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
-def fused_blocks(R: int, D: int, max_width: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, BLOCK_N): rank tile = the whole padded rank; input / output tiles of ~4096
-    elements (32 fp32 registers per thread at 4 warps) with rows of >= 64 bytes."""
+def fused_num_warps(programs: int) -> int:
+    """Warps per program from the number of (pair, slice) programs: few programs (1-16 tokens) get more warps
+    and bigger tiles, so each program has more bytes in flight per loop iteration and fewer dependent
+    iterations over the input dim (a 4-warp program streaming 64 KiB of A in 8 KiB steps is latency-bound)."""
+    return 4 if programs >= 512 else (8 if programs >= 128 else 16)
+
+
+def fused_blocks(R: int, D: int, max_width: int, num_warps: int = 4) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, BLOCK_N): rank tile = the whole padded rank; input / output tiles of 1024 * num_warps
+    elements (32 fp32 values per thread) with rows of >= 64 bytes."""
     block_r = max(16, triton.next_power_of_2(R))
-    tile = max(32, min(256, 4096 // block_r))
+    tile = max(32, min(256 * num_warps, 1024 * num_warps // block_r))
     block_d = min(tile, max(16, triton.next_power_of_2(D)))
     block_n = min(tile, max(16, triton.next_power_of_2(max_width)))
     return block_r, block_d, block_n
@@ -128,6 +136,7 @@ def moe_lora_fused(
     pair_weights: torch.Tensor | None = None,
     store: bool = False,
     split_n: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
     Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
@@ -142,6 +151,7 @@ def moe_lora_fused(
     num_experts: E of the model (unused here: the signature of moe_lora_shrink) · y: [T*K, O] updated in place
     pair_weights: [T*K] or None · store: write the delta (y may be an uninitialised fp32 buffer)
     split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
+    num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
@@ -153,14 +163,15 @@ def moe_lora_fused(
         return
     ids = topk_ids.reshape(-1)
     max_width = triton.cdiv(O, n)  # a guess (equal slices) for SPLIT_N only: each program loops over all its tiles
-    block_r, block_d, block_n = fused_blocks(R, D, max_width)
+    warps = num_warps if num_warps is not None else fused_num_warps(P * n)
+    block_r, block_d, block_n = fused_blocks(R, D, max_width, warps)
     split = fused_split_n(P * n, max_width, block_n, split_n)
     w = pair_weights if pair_weights is not None else scaling
     _moe_lora_fused_kernel[(P, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, ids, token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=4,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=warps,
     )
 
 
@@ -179,9 +190,10 @@ def moe_lora_fused_ref(
     pair_weights: torch.Tensor | None = None,
     store: bool = False,
     split_n: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Reference of moe_lora_fused (same semantics and shapes): moe_lora_shrink_ref into a zeroed fp32 h,
-    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n is ignored."""
+    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored."""
     T, K = topk_ids.shape
     n, R = a.shape[0], a.shape[3]
     h = torch.zeros(T * K, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
