@@ -78,7 +78,7 @@ if HAS_TRITON:
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         offs_k = tl.arange(0, BLOCK_K)
-        a_base = a_ptr + i * sa_i + slot_c.to(tl.int64) * sa_s
+        a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s
         h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         k_end = tl.where(rank > 0, H, 0)  # store mode, rank 0: h = 0, zeros written below
         for k0 in range(0, k_end, BLOCK_K):

@@ -66,7 +66,7 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         # h = x_row @ A[i, s, e, :rank].T, fp32, the whole input dim in this program (store mode with rank 0:
         # no iteration, h = 0, the tiles below are written with zeros)
-        a_base = a_ptr + i * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
+        a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
         acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
         d_end = tl.where(rank > 0, D, 0)
         for d0 in range(0, d_end, BLOCK_D):
