@@ -107,9 +107,10 @@ if HAS_TRITON:
 
 
 def fused_dense_blocks(T: int, R: int, H: int, max_width: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_N): rows per block as lora_triton's (16/32/64 by T), the whole
-    padded rank, input tiles of 256 at BLOCK_M 16 and rank <= 32, else input/output tiles of 128 while BLOCK_M * BLOCK_R <= 1024, else 64 (sm_90, 4 warps: 64-178
-    registers at BLOCK_M 16-32, 194-245 at BLOCK_M 64 (wgmma), no spills: scripts/compile_check_lora_fused.py)."""
+    """(BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_N): rows per block as lora_triton's (16/32/64 by T), the whole padded
+    rank; input/output tiles of 128 while BLOCK_M * BLOCK_R <= 1024 (else 64), input tiles of 256 at BLOCK_M 16
+    and rank <= 32. sm_90, 4 warps: 64-178 registers at BLOCK_M 16-32, 166-245 at BLOCK_M 64 (wgmma), no spills
+    (scripts/compile_check_lora_fused.py)."""
     block_m = 16 if T <= 16 else (32 if T <= 64 else 64)
     block_r = max(16, triton.next_power_of_2(R))
     tile = 128 if block_m <= 32 and block_m * block_r <= 1024 else 64
