@@ -1,16 +1,17 @@
 """Fused decode kernel for routed-expert multi-LoRA: shrink and expand of every slice in one launch
 (reference: moe_lora_fused_ref below, composed of moe_lora.py's references).
 
-The unfused decode path is four launches per projection (zero h, shrink with split-K atomics into h
-[P, n, R] fp32, expand into y) and costs latency, not bytes, at decode sizes. Here one program per
+The unfused decode path is three launches per projection (zero h, shrink with split-K atomics into h
+[P, n, R] fp32, expand into y; four with the side stream's zeroed delta) and costs latency, not bytes,
+at decode sizes. Here one program per
 (pair p, slice i, output split j) computes h = x_row @ A[i, s, e, :r].T in fp32 registers (the whole
 input dim, no split-K, no atomics, no h buffer), then walks the output tiles j, j + SPLIT_N, ... of
 slice i: y[p, tile] += w * scaling * h @ B[s, e, tile, :r].T.
 
-Why (pair, slice, split) with h recomputed per split: at batch >= 16 tokens (P >= 128 pairs, top-8)
+Why (pair, slice, split) with h recomputed per split: from ~32 tokens (P >= 256 pairs, top-8)
 P * n programs already fill the GPU, SPLIT_N = 1 and A is read once per pair (A is ~3/4 of the
-bytes of gate_up: 2 x R x H against 2I x R). At 1-8 tokens P * n is 16-128 programs, a few SMs
-of 132; there SPLIT_N > 1 spreads the output tiles over more programs, each re-reading the same A row
+bytes of gate_up: 2 x R x H against 2I x R); recomputing h per output tile would multiply those reads.
+At 1-16 tokens P * n is 8-256 programs, a few SMs of 132; there SPLIT_N > 1 spreads the output tiles over more programs, each re-reading the same A row
 block (from L2 after the first) — more parallel HBM streams for B and y at the cost of L2 reads.
 SPLIT_N and the warps per program (4/8/16, tiles of 1024 elements per warp) come from the launch size
 alone (fixed per batch size: CUDA-graph safe) and can be forced with `split_n` / `num_warps`
