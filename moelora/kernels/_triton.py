@@ -31,6 +31,20 @@ def deterministic() -> bool:
     return _DETERMINISTIC[0]
 
 
+_FUSED_LORA = [os.environ.get("MOELORA_FUSED_LORA", "0") == "1"]
+
+
+def set_fused_lora(enabled: bool) -> None:
+    """Decode-sized LoRA deltas through the fused kernels (one launch per projection: shrink and expand in
+    one program, no h buffer, no zero-fill): fused_moe_pairs (P <= GEMV_MAX_PAIRS) and apply_dense_lora
+    (T <= FUSED_DENSE_MAX_TOKENS). Off by default until measured on a GPU; also on with MOELORA_FUSED_LORA=1."""
+    _FUSED_LORA[0] = bool(enabled)
+
+
+def fused_lora() -> bool:
+    return _FUSED_LORA[0]
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

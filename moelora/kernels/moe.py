@@ -124,6 +124,8 @@ def fused_moe_pairs(
     side_stream: a CUDA stream; when given (and P <= OVERLAP_MAX_PAIRS) each LoRA chain (shrink, then expand
     into a zeroed fp32 delta [P, O]) runs on it while the main stream runs the base expert GEMM; the main
     stream joins before adding the delta (gu + delta rounds once, exactly as the in-place expand does).
+    set_fused_lora(True) (kernels/_triton.py), P <= GEMV_MAX_PAIRS and shrink the Triton kernel or its reference:
+    each projection's LoRA delta is one fused launch (moe_lora_fused[_ref]; store mode into delta when overlapping).
     x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]
     """
     T, H = x.shape
@@ -143,6 +145,15 @@ def fused_moe_pairs(
     if lora is not None and plan is not None:
         kw["align"] = plan(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
     overlap = side_stream is not None and lora is not None and P <= OVERLAP_MAX_PAIRS
+    fused = None  # set_fused_lora(True), decode-sized P: shrink + expand in one launch (moe_lora_fused_triton.py)
+    if lora is not None:
+        from moelora.kernels._triton import fused_lora
+
+        if fused_lora():
+            from moelora.kernels.moe_lora_fused_triton import fused_for
+            from moelora.kernels.moe_lora_triton import GEMV_MAX_PAIRS
+
+            fused = fused_for(shrink) if P <= GEMV_MAX_PAIRS else None
 
     def project(inp, w, per_pair, parts):
         """y = base GEMM of one projection [P, O] + its LoRA delta; parts = (a, b, offsets, ranks, scaling,
@@ -154,7 +165,11 @@ def fused_moe_pairs(
         n, R = a.shape[0], a.shape[3]
         if offs is None:
             offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
-        h = torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
+        if fused is not None and not overlap:
+            y = gemm(y_in, w)
+            fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair)
+            return y
+        h = None if fused is not None else torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
         if not overlap:
             y = gemm(y_in, w)
             h.zero_()
@@ -166,10 +181,13 @@ def fused_moe_pairs(
         delta = torch.empty(P, w.shape[1], dtype=torch.float32, device=x.device)  # on main, before the fork
         main = fork(side_stream)
         with torch.cuda.stream(side_stream):
-            delta.zero_()
-            h.zero_()
-            shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
-            expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, **kw)
+            if fused is not None:  # store mode writes every entry of delta: no zero-fill, no h
+                fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, per_pair, store=True)
+            else:
+                delta.zero_()
+                h.zero_()
+                shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
+                expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, **kw)
         y = gemm(y_in, w)
         join(main, side_stream)
         y.add_(delta)  # computed in fp32, rounded once to y's dtype

@@ -1,0 +1,219 @@
+"""Fused decode kernel for routed-expert multi-LoRA: shrink and expand of every slice in one launch
+(reference: moe_lora_fused_ref below, composed of moe_lora.py's references).
+
+The unfused decode path is three launches per projection (zero h, shrink with split-K atomics into h
+[P, n, R] fp32, expand into y; four with the side stream's zeroed delta) and costs latency, not bytes,
+at decode sizes. Here one program per
+(pair p, slice i, output split j) computes h = x_row @ A[i, s, e, :r].T in fp32 registers (the whole
+input dim, no split-K, no atomics, no h buffer), then walks the output tiles j, j + SPLIT_N, ... of
+slice i: y[p, tile] += w * scaling * h @ B[s, e, tile, :r].T.
+
+Why (pair, slice, split) with h recomputed per split: from ~32 tokens (P >= 256 pairs, top-8)
+P * n programs already fill the GPU, SPLIT_N = 1 and A is read once per pair (A is ~3/4 of the
+bytes of gate_up: 2 x R x H against 2I x R); recomputing h per output tile would multiply those reads.
+At 1-16 tokens P * n is 8-256 programs, a few SMs of 132; there SPLIT_N > 1 spreads the output tiles over more programs, each re-reading the same A row
+block (from L2 after the first) — more parallel HBM streams for B and y at the cost of L2 reads.
+SPLIT_N and the warps per program (4/8/16, tiles of 1024 elements per warp) come from the launch size
+alone (fixed per batch size: CUDA-graph safe) and can be forced with `split_n` / `num_warps`
+(bench_lora_fused.py sweeps them).
+
+store=True writes instead of adding: y[p, o_i] = the delta (0 for pairs of slot -1 and for slices of
+rank 0), so a side-stream delta buffer needs no zero-fill.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+from moelora.kernels.moe_lora_triton import _a_strides, _b_strides
+
+FUSED_TARGET_PROGRAMS = 264  # SPLIT_N aims at this many programs: 2 per SM of an H200 (132 SMs)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _moe_lora_fused_kernel(
+        x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
+        D, S, K,
+        sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
+        X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
+    ):
+        p = tl.program_id(0)
+        i = tl.program_id(1)
+        pid_n = tl.program_id(2)
+        o0 = tl.load(off_ptr + i)
+        width = tl.load(off_ptr + i + 1) - o0
+        if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
+            return
+        t = p // K
+        slot = tl.load(slots_ptr + t)
+        slot_c = tl.maximum(slot, 0)
+        rank = tl.load(ranks_ptr + i * S + slot_c)
+        rank = tl.where(slot >= 0, rank, 0)
+        if not STORE:
+            if rank == 0:  # add mode: rows of slot -1 and slices of rank 0 stay untouched
+                return
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        row = p if X_PER_PAIR else t
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        offs_d = tl.arange(0, BLOCK_D)
+        # h = x_row @ A[i, s, e, :rank].T, fp32, the whole input dim in this program (store mode with rank 0:
+        # no iteration, h = 0, the tiles below are written with zeros)
+        a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
+        acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        d_end = tl.where(rank > 0, D, 0)
+        for d0 in range(0, d_end, BLOCK_D):
+            dd = d0 + offs_d
+            mask_d = dd < D
+            xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
+            at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d, mask=mask_r[:, None] & mask_d[None, :],
+                         other=0.0)
+            acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
+        scale = tl.load(scale_ptr + i * S + slot_c)
+        if HAS_W:
+            scale = scale * tl.load(w_ptr + p).to(tl.float32)
+        hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
+        b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
+        y_row = y_ptr + p.to(tl.int64) * syp
+        for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < width
+            bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
+                         mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
+            ptrs = y_row + (o0 + offs_n) * syo
+            if STORE:
+                tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask_n)
+            else:
+                y = tl.load(ptrs, mask=mask_n, other=0.0)
+                tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+def fused_num_warps(programs: int) -> int:
+    """Warps per program from the number of (pair, slice) programs: few programs (1-16 tokens) get more warps
+    and bigger tiles, so each program has more bytes in flight per loop iteration and fewer dependent
+    iterations over the input dim (a 4-warp program streaming 64 KiB of A in 8 KiB steps is latency-bound)."""
+    return 4 if programs >= 512 else (8 if programs >= 128 else 16)
+
+
+def fused_blocks(R: int, D: int, max_width: int, num_warps: int = 4) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, BLOCK_N): rank tile = the whole padded rank; input / output tiles of 1024 * num_warps
+    elements (32 fp32 values per thread) with rows of >= 64 bytes."""
+    block_r = max(16, triton.next_power_of_2(R))
+    tile = max(32, min(256 * num_warps, 1024 * num_warps // block_r))
+    block_d = min(tile, max(16, triton.next_power_of_2(D)))
+    block_n = min(tile, max(16, triton.next_power_of_2(max_width)))
+    return block_r, block_d, block_n
+
+
+def fused_split_n(programs: int, max_width: int, block_n: int, split_n: int | None = None) -> int:
+    """Output splits per (row, slice): enough programs for FUSED_TARGET_PROGRAMS, at most one per tile."""
+    tiles = triton.cdiv(max_width, block_n)
+    if split_n is not None:
+        return max(1, min(int(split_n), tiles))
+    return max(1, min(tiles, triton.cdiv(FUSED_TARGET_PROGRAMS, max(1, programs))))
+
+
+def moe_lora_fused(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_cat: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scaling: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    num_experts: int,
+    y: torch.Tensor,
+    x_per_pair: bool,
+    pair_weights: torch.Tensor | None = None,
+    store: bool = False,
+    split_n: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
+    Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
+        for p in range(T * K): t, e, s = p // K, topk_ids.flatten()[p], token_slots[p // K]
+            row = x[p] if x_per_pair else x[t];  w = pair_weights[p] if given else 1
+            for i: r = ranks[i, s] if s >= 0 else 0
+                delta = w * scaling[i, s] * (row @ a[i, s, e (0 if shared), :r].T) @ b_cat[s, e (0 if shared), o_i, :r].T
+                if r > 0:     y[p, o_i] = y[p, o_i] + delta      (store: y[p, o_i] = delta)
+                else:         untouched                          (store: y[p, o_i] = 0)
+    x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · b_cat: [S, E|1, O, R] · slice_offsets: [n+1] int32
+    ranks: [n, S] int32 · scaling: [n, S] fp32 · topk_ids: [T, K] int · token_slots: [T] int32
+    num_experts: E of the model (unused here: the signature of moe_lora_shrink) · y: [T*K, O] updated in place
+    pair_weights: [T*K] or None · store: write the delta (y may be an uninitialised fp32 buffer)
+    split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
+    num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
+    h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
+    """
+    require_triton()
+    n, S, _, R, D = a.shape
+    O = b_cat.shape[2]
+    T, K = topk_ids.shape
+    P = T * K
+    if P == 0:
+        return
+    ids = topk_ids.reshape(-1)
+    max_width = triton.cdiv(O, n)  # a guess (equal slices) for SPLIT_N only: each program loops over all its tiles
+    warps = num_warps if num_warps is not None else fused_num_warps(P * n)
+    block_r, block_d, block_n = fused_blocks(R, D, max_width, warps)
+    split = fused_split_n(P * n, max_width, block_n, split_n)
+    w = pair_weights if pair_weights is not None else scaling
+    _moe_lora_fused_kernel[(P, n, split)](
+        x, a, b_cat, y, slice_offsets, ranks, scaling, ids, token_slots, w, D, S, K,
+        x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
+        X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=warps,
+    )
+
+
+def moe_lora_fused_ref(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_cat: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scaling: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    num_experts: int,
+    y: torch.Tensor,
+    x_per_pair: bool,
+    pair_weights: torch.Tensor | None = None,
+    store: bool = False,
+    split_n: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Reference of moe_lora_fused (same semantics and shapes): moe_lora_shrink_ref into a zeroed fp32 h,
+    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored."""
+    T, K = topk_ids.shape
+    n, R = a.shape[0], a.shape[3]
+    h = torch.zeros(T * K, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
+    moe_lora_shrink_ref(x, a, ranks, topk_ids, token_slots, num_experts, h, x_per_pair)
+    if not store:
+        moe_lora_expand_ref(h, b_cat, slice_offsets, ranks, scaling, topk_ids, token_slots, num_experts, y, pair_weights)
+        return
+    delta = torch.zeros(y.shape, dtype=torch.float32, device=y.device)  # [P, O]
+    moe_lora_expand_ref(h, b_cat, slice_offsets, ranks, scaling, topk_ids, token_slots, num_experts, delta, pair_weights)
+    y.copy_(delta)
+
+
+def fused_for(shrink: Callable) -> Callable | None:
+    """The fused op matching an unfused shrink (fused_moe_pairs gets its kernels as arguments): the Triton
+    shrink -> moe_lora_fused, the reference shrink -> moe_lora_fused_ref, anything else -> None (unfused)."""
+    from moelora.kernels import moe_lora_triton
+
+    if shrink is moe_lora_shrink_ref:
+        return moe_lora_fused_ref
+    if HAS_TRITON and shrink is moe_lora_triton.moe_lora_shrink:
+        return moe_lora_fused
+    return None

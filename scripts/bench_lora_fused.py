@@ -1,0 +1,194 @@
+"""Time the fused decode LoRA kernels against the current path, µs per call from CUDA-graph replay.
+
+Cases (Qwen3-30B-A3B, bf16): routed-expert gate_up (H 2048 -> 2 x 768, own A per slice) and down (768 -> 2048,
+router weight), dense qkv (2048 -> 4096 + 512 + 512) and o_proj (4096 -> 2048); T = 1, 16, 64, 128 tokens
+(top-8: P = 8 ... 1024 pairs); 4 and 8 adapters (tokens round-robin); rank 16 and 64.
+current: what fused_moe_pairs' project() / apply_dense_lora run today (h.zero_, shrink, expand: 3 launches);
+fused: moe_lora_fused / lora_fused_decode (1 launch); store: the fused kernel in store mode into an fp32 delta
+(the side-stream variant). floor: bytes / measured HBM bandwidth, bytes = the factors of the (slot, expert) pairs
+(MoE) or slots (dense) the batch uses + x read + y read and written (the fused path has no h traffic).
+Several layers' weights in rotation (--layers) so L2 does not hold a layer's factors between calls.
+
+Usage: python scripts/bench_lora_fused.py [--tokens 1,16,64,128] [--adapters 4,8] [--ranks 16,64] [--sweep]
+--sweep: also the fused kernels at num_warps 4/8/16 x split_n 1/2/4/8/16 (to tune fused_num_warps and
+FUSED_TARGET_PROGRAMS); --cases gate_up,down,qkv,o
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from moelora.bench.common import hbm_bandwidth_gbs
+from moelora.kernels.groups import SlotGroups
+from moelora.kernels.lora_fused_triton import lora_fused_decode
+from moelora.kernels.lora_triton import lora_expand, lora_shrink
+from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
+from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+
+H, I, E, K = 2048, 768, 128, 8
+EL = 2  # bf16
+
+
+def graph_time_us(fn, layers: int, iters: int = 20) -> float:
+    """µs per call of fn(layer), replayed from one CUDA graph of `iters` rounds over the layers (best of 5)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for li in range(layers):
+            fn(li)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            for li in range(layers):
+                fn(li)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (iters * layers))
+    return best
+
+
+def moe_case(site: str, T: int, n_ad: int, R: int, layers: int):
+    """(current(li), fused(li, split_n), store(li), check() -> rel err, bytes) for one routed-expert projection."""
+    dev, dt = "cuda", torch.bfloat16
+    gen = torch.Generator().manual_seed(T * 131 + n_ad)
+    S = n_ad
+    slots = (torch.arange(T) % n_ad).to(torch.int32).to(dev)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(dev)
+    P = T * K
+    if site == "gate_up":
+        n, D, O, per_pair, outs = 2, H, 2 * I, False, [0, I, 2 * I]
+        x = torch.randn(T, H, device=dev, dtype=dt)
+        wts = None
+    else:
+        n, D, O, per_pair, outs = 1, I, H, True, [0, H]
+        x = torch.randn(P, I, device=dev, dtype=dt)
+        wts = torch.rand(P, device=dev)
+    a = [torch.randn(n, S, E, R, D, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
+    b = [torch.randn(S, E, O, R, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
+    ranks = torch.full((n, S), R, dtype=torch.int32, device=dev)
+    scaling = torch.ones(n, S, device=dev)
+    off = torch.tensor(outs, dtype=torch.int32, device=dev)
+    y = torch.randn(P, O, device=dev, dtype=dt)
+    delta = torch.empty(P, O, device=dev, dtype=torch.float32)
+    h = torch.empty(P, n, R, device=dev, dtype=torch.float32)
+
+    def current(li):  # fused_moe_pairs' project(), switch off
+        h.zero_()
+        align = moe_lora_plan(ids, slots, E, S)
+        moe_lora_shrink(x, a[li], ranks, ids, slots, E, h, per_pair, align=align)
+        moe_lora_expand(h, b[li], off, ranks, scaling, ids, slots, E, y, wts, align=align)
+
+    def fused(li, split_n=None, num_warps=None):
+        moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, y, per_pair, wts, split_n=split_n,
+                       num_warps=num_warps)
+
+    def store(li):
+        moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, wts, store=True)
+
+    def check() -> float:
+        y0 = y.clone()
+        current(0)
+        d_cur = (y.float() - y0.float())
+        y.copy_(y0)
+        store(0)
+        return ((delta - d_cur).norm() / d_cur.norm()).item()
+
+    used = int((slots.long().repeat_interleave(K) * E + ids.reshape(-1)).unique().numel())
+    nbytes = used * (n * R * D + O * R) * EL + x.numel() * EL + 2 * P * O * EL
+    return current, fused, store, check, nbytes, f"pairs={P} slot_expert={used}"
+
+
+def dense_case(site: str, T: int, n_ad: int, R: int, layers: int):
+    dev, dt = "cuda", torch.bfloat16
+    S = n_ad
+    slots = (torch.arange(T) % n_ad).to(torch.int32)
+    groups = SlotGroups.build(slots, S, dev)
+    D, outs = (H, [4096, 512, 512]) if site == "qkv" else (4096, [H])
+    n, O = len(outs), sum(outs)
+    off_l = [0]
+    for o in outs:
+        off_l.append(off_l[-1] + o)
+    a = [torch.randn(n, S, R, D, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
+    b = [torch.randn(S, O, R, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
+    ranks = torch.full((n, S), R, dtype=torch.int32, device=dev)
+    scaling = torch.ones(n, S, device=dev)
+    off = torch.tensor(off_l, dtype=torch.int32, device=dev)
+    x = torch.randn(T, D, device=dev, dtype=dt)
+    y = torch.randn(T, O, device=dev, dtype=dt)
+    delta = torch.empty(T, O, device=dev, dtype=torch.float32)
+    h = torch.empty(n, T, R, device=dev, dtype=torch.float32)
+
+    def current(li):  # apply_dense_lora in a graph (no single-slot cuBLAS path), switch off
+        h.zero_()
+        lora_shrink(x, a[li], ranks, groups, h)
+        lora_expand(h, b[li], off, ranks, scaling, groups, y)
+
+    def fused(li, split_n=None, num_warps=None):
+        lora_fused_decode(x, a[li], b[li], off, ranks, scaling, groups, y, max_width=max(outs), split_n=split_n,
+                          num_warps=num_warps or 4)
+
+    def store(li):
+        lora_fused_decode(x, a[li], b[li], off, ranks, scaling, groups, delta, store=True, max_width=max(outs))
+
+    def check() -> float:
+        y0 = y.clone()
+        current(0)
+        d_cur = (y.float() - y0.float())
+        y.copy_(y0)
+        store(0)
+        return ((delta - d_cur).norm() / d_cur.norm()).item()
+
+    used = len(groups.slot_ids)
+    nbytes = used * n * R * D * EL + used * O * R * EL + T * D * EL + 2 * T * O * EL
+    return current, fused, store, check, nbytes, f"D={D} outs={outs}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,16,64,128")
+    ap.add_argument("--adapters", default="4,8")
+    ap.add_argument("--ranks", default="16,64")
+    ap.add_argument("--cases", default="gate_up,down,qkv,o")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = hbm_bandwidth_gbs()
+    print(f"HBM {bw:.0f} GB/s measured; bf16; {args.layers} layers in rotation; CUDA-graph replay; µs per call")
+    print(f"{'case':>8} {'T':>4} {'ad':>3} {'R':>3} | {'current':>8} {'fused':>8} {'store':>8} {'floor':>7} | "
+          f"{'speedup':>7} {'rel err':>9} | info")
+    for R in (int(r) for r in args.ranks.split(",")):
+        for n_ad in (int(a) for a in args.adapters.split(",")):
+            for T in (int(t) for t in args.tokens.split(",")):
+                for case in args.cases.split(","):
+                    make = moe_case if case in ("gate_up", "down") else dense_case
+                    current, fused, store, check, nbytes, info = make(case, T, n_ad, R, args.layers)
+                    err = check()
+                    t_cur = graph_time_us(current, args.layers)
+                    t_fused = graph_time_us(fused, args.layers)
+                    t_store = graph_time_us(store, args.layers)
+                    floor = nbytes / (bw * 1e9) * 1e6
+                    print(f"{case:>8} {T:4d} {n_ad:3d} {R:3d} | {t_cur:8.1f} {t_fused:8.1f} {t_store:8.1f} {floor:7.1f} | "
+                          f"{t_cur / t_fused:6.2f}x {err:9.2e} | {info}", flush=True)
+                    if args.sweep:
+                        for w in (4, 8, 16):
+                            sw = {s: graph_time_us(lambda li, s=s, w=w: fused(li, s, w), args.layers)
+                                  for s in (1, 2, 4, 8, 16)}
+                            print(f"         warps {w:2d} split_n: " + "  ".join(f"{s}: {t:.1f}" for s, t in sw.items()),
+                                  flush=True)
+                    del current, fused, store, check
+                    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,449 @@
+"""Fused decode LoRA kernels (moe_lora_fused_triton.py, lora_fused_triton.py) vs their references, and the
+set_fused_lora switch in fused_moe_pairs / apply_dense_lora.
+
+CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes in fp32/fp16. GPU (marked gpu): Qwen3-30B-A3B
+shapes in bf16, CUDA-graph replay, the side-stream (store mode) path."""
+
+import pytest
+import torch
+
+from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, token_slots, tolerance
+from moelora.kernels._triton import fused_lora, set_fused_lora
+from moelora.kernels.groups import SlotGroups
+from moelora.kernels.lora_fused_triton import lora_fused_decode, lora_fused_decode_ref
+from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
+
+S = 4
+TOKENS = [1, 3, 7, 33]
+# CPU: small widths (gate/up 24 wide, down 48) with several output tiles at forced splits; GPU: Qwen3-30B-A3B
+E, K, H, I = (128, 8, 2048, 768) if ON_GPU else (8, 2, 48, 24)
+# dense: slices of different widths (qkv); GPU: Qwen3-30B-A3B's qkv (q 32x128, k/v 4x128 over H 2048)
+DH, DOUTS = (2048, [4096, 512, 512]) if ON_GPU else (40, [40, 24, 24])
+RANK_TABLE = [[16, 4, 0, 8], [8, 16, 4, 2], [2, 16, 8, 4]]  # per (slice, slot); rank 0 for slice 0 at slot 2
+
+
+def _ranks(n: int, R: int) -> torch.Tensor:
+    return (torch.tensor(RANK_TABLE[:n], dtype=torch.int32) * R // 16).to(torch.int32)
+
+
+def _offsets(outs: list[int]) -> list[int]:
+    off = [0]
+    for o in outs:
+        off.append(off[-1] + o)
+    return off
+
+
+def _moe_factors(n, D, outs, dtype, gen, R=16, shared_a=False, shared_b=False):
+    """a: [n, S, E|1, R, D] · b: [S, E|1, O, R], zero past each (slice, slot)'s rank as the slot pool writes them."""
+    ranks = _ranks(n, R)
+    a = torch.randn(n, S, 1 if shared_a else E, R, D, generator=gen) * 0.1
+    b = torch.randn(S, 1 if shared_b else E, sum(outs), R, generator=gen) * 0.1
+    off = _offsets(outs)
+    for i in range(n):
+        for s in range(S):
+            a[i, s, :, ranks[i, s]:] = 0
+            b[s, :, off[i]:off[i + 1], ranks[i, s]:] = 0
+    scaling = torch.rand(n, S, generator=gen) + 0.5
+    return (a.to(DEVICE, dtype), b.to(DEVICE, dtype), ranks.to(DEVICE), scaling.to(DEVICE),
+            torch.tensor(off, dtype=torch.int32, device=DEVICE))
+
+
+def _moe_case(site, popularity, T, dtype, gen, R=16, shared=False):
+    slots = token_slots(popularity, T, S, gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(DEVICE)
+    if site == "gate_up":  # input per token, two slices (gate, up) with their own A
+        n, D, outs, x, per_pair, w = 2, H, [I, I], torch.randn(T, H, generator=gen), False, None
+    else:  # down: input per pair, one slice, router weight applied
+        n, D, outs, x, per_pair = 1, I, [H], torch.randn(T * K, I, generator=gen), True
+        w = torch.rand(T * K, generator=gen).to(DEVICE)
+    a, b, ranks, scaling, off = _moe_factors(n, D, outs, dtype, gen, R, shared_a=shared and site == "gate_up",
+                                             shared_b=shared and site == "down")
+    y0 = torch.randn(T * K, sum(outs), generator=gen).to(DEVICE, dtype)
+    return dict(x=x.to(DEVICE, dtype), a=a, b=b, off=off, ranks=ranks, scaling=scaling, ids=ids, slots=slots,
+                per_pair=per_pair, w=w, y0=y0)
+
+
+def _moe_call(fn, c, y, **kw):
+    fn(c["x"], c["a"], c["b"], c["off"], c["ranks"], c["scaling"], c["ids"], c["slots"], E, y, c["per_pair"], c["w"], **kw)
+
+
+def _untouched_checks(y, y0, slots, ranks, off, rows_per_token):
+    """Rows of slot -1 and (slice, slot) pairs of rank 0 stay bit-identical (add mode)."""
+    base = (slots < 0).repeat_interleave(rows_per_token)
+    assert torch.equal(y[base], y0[base]), "rows without an adapter must stay untouched"
+    row_slot = slots.long().repeat_interleave(rows_per_token)
+    o = off.tolist()
+    for i in range(ranks.shape[0]):
+        for s in range(S):
+            if ranks[i, s] == 0:
+                rows = row_slot == s
+                assert torch.equal(y[rows, o[i]:o[i + 1]], y0[rows, o[i]:o[i + 1]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+def test_moe_fused_matches_reference(site, popularity, num_tokens, dtype):
+    gen = torch.Generator().manual_seed(num_tokens * 13 + len(popularity))
+    c = _moe_case(site, popularity, num_tokens, dtype, gen)
+    y_ref, y = c["y0"].clone(), c["y0"].clone()
+    _moe_call(moe_lora_fused_ref, c, y_ref)
+    _moe_call(moe_lora_fused, c, y)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    _untouched_checks(y, c["y0"], c["slots"], c["ranks"], c["off"], K)
+    if (c["slots"] >= 0).any():
+        assert not torch.equal(y, c["y0"])
+
+
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+@pytest.mark.parametrize("popularity", ["with_base_rows", "identical", "distinct"])
+def test_moe_fused_store_mode_writes_every_entry(site, popularity):
+    """store=True into an uninitialised (NaN) fp32 buffer: the delta where a slot has rank > 0, else exactly 0."""
+    gen = torch.Generator().manual_seed(17)
+    c = _moe_case(site, popularity, 7, DTYPES[0], gen)
+    P, O = c["y0"].shape
+    ref = torch.full((P, O), float("nan"), device=DEVICE)
+    got = ref.clone()
+    _moe_call(moe_lora_fused_ref, c, ref, store=True)
+    _moe_call(moe_lora_fused, c, got, store=True)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, atol=1e-4 if DTYPES[0] == torch.float32 else 2e-2, rtol=1e-3)
+    base = (c["slots"] < 0).repeat_interleave(K)
+    assert torch.equal(got[base], torch.zeros_like(got[base]))
+    # store then add onto y0 equals the in-place (add mode) result
+    y_add = c["y0"].clone()
+    _moe_call(moe_lora_fused, c, y_add)
+    atol, rtol = tolerance(DTYPES[0])
+    torch.testing.assert_close((c["y0"].float() + got).to(y_add.dtype), y_add, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+def test_moe_fused_shared_outer_matches_expanded_factors(site):
+    """gate_up A and down B with an expert dim of 1: the same as those factors copied to every expert."""
+    gen = torch.Generator().manual_seed(23)
+    c = _moe_case(site, "with_base_rows", 9, DTYPES[0], gen, shared=True)
+    assert (c["a"].shape[2] == 1) == (site == "gate_up") and (c["b"].shape[1] == 1) == (site == "down")
+    y_shared, y_full, y_ref = c["y0"].clone(), c["y0"].clone(), c["y0"].clone()
+    _moe_call(moe_lora_fused, c, y_shared)
+    _moe_call(moe_lora_fused_ref, c, y_ref)
+    full = dict(c, a=c["a"].expand(-1, -1, E, -1, -1).contiguous(), b=c["b"].expand(-1, E, -1, -1).contiguous())
+    _moe_call(moe_lora_fused, full, y_full)
+    atol, rtol = tolerance(DTYPES[0])
+    torch.testing.assert_close(y_shared, y_full, atol=atol, rtol=rtol)
+    torch.testing.assert_close(y_shared, y_ref, atol=atol, rtol=rtol)
+
+
+def test_moe_fused_gate_and_up_use_their_own_a():
+    """Zeroing up's A leaves the up columns untouched and the gate columns as before."""
+    gen = torch.Generator().manual_seed(29)
+    c = _moe_case("gate_up", "uniform", 5, DTYPES[0], gen)
+    y_both = c["y0"].clone()
+    _moe_call(moe_lora_fused, c, y_both)
+    a = c["a"].clone()
+    a[1] = 0
+    y_gate = c["y0"].clone()
+    _moe_call(moe_lora_fused, dict(c, a=a), y_gate)
+    assert torch.equal(y_gate[:, I:], c["y0"][:, I:])
+    assert torch.equal(y_gate[:, :I], y_both[:, :I])
+    assert not torch.equal(y_both[:, I:], c["y0"][:, I:])
+
+
+@pytest.mark.parametrize("R", [32, 64])
+def test_moe_fused_larger_ranks(R):
+    """Max rank 32/64 (rank tile and input/output tiles change), per-slot ranks below it and 0."""
+    gen = torch.Generator().manual_seed(R)
+    for site in ("gate_up", "down"):
+        c = _moe_case(site, "with_base_rows", 7, DTYPES[0], gen, R=R)
+        y_ref, y = c["y0"].clone(), c["y0"].clone()
+        _moe_call(moe_lora_fused_ref, c, y_ref)
+        _moe_call(moe_lora_fused, c, y)
+        atol, rtol = tolerance(DTYPES[0])
+        torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+
+
+def test_moe_fused_split_n_does_not_change_results():
+    """SPLIT_N only spreads output tiles over programs: every split gives the same bits (fp32); the warp count
+    (and the tiles that scale with it) the same values."""
+    gen = torch.Generator().manual_seed(31)
+    c = _moe_case("down", "uniform", 3, torch.float32, gen)
+    outs = []
+    for split in (1, 2, 3, 64):
+        y = c["y0"].clone()
+        _moe_call(moe_lora_fused, c, y, split_n=split, num_warps=4)
+        outs.append(y)
+    for warps in (8, 16):
+        y = c["y0"].clone()
+        _moe_call(moe_lora_fused, c, y, num_warps=warps)
+        torch.testing.assert_close(y, outs[0], atol=1e-5, rtol=1e-5)
+    for y in outs[1:]:
+        assert torch.equal(y, outs[0])
+
+
+# ---------------------------------------------------------------- dense
+
+
+def _dense_case(popularity, T, dtype, gen, R=16):
+    n = len(DOUTS)
+    ranks = _ranks(n, R)
+    a = torch.randn(n, S, R, DH, generator=gen) * 0.1
+    b = torch.randn(S, sum(DOUTS), R, generator=gen) * 0.1
+    off = _offsets(DOUTS)
+    for i in range(n):
+        for s in range(S):
+            a[i, s, ranks[i, s]:] = 0
+            b[s, off[i]:off[i + 1], ranks[i, s]:] = 0
+    slots = token_slots(popularity, T, S, gen)
+    return dict(x=torch.randn(T, DH, generator=gen).to(DEVICE, dtype), a=a.to(DEVICE, dtype), b=b.to(DEVICE, dtype),
+                off=torch.tensor(off, dtype=torch.int32, device=DEVICE), ranks=ranks.to(DEVICE),
+                scaling=(torch.rand(n, S, generator=gen) + 0.5).to(DEVICE), slots=slots,
+                groups=SlotGroups.build(slots, S, DEVICE),
+                y0=torch.randn(T, sum(DOUTS), generator=gen).to(DEVICE, dtype))
+
+
+def _dense_call(fn, c, y, **kw):
+    fn(c["x"], c["a"], c["b"], c["off"], c["ranks"], c["scaling"], c["groups"], y, max_width=max(DOUTS), **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_dense_fused_matches_reference(popularity, num_tokens, dtype):
+    gen = torch.Generator().manual_seed(num_tokens * 7 + len(popularity))
+    c = _dense_case(popularity, num_tokens, dtype, gen)
+    y_ref, y = c["y0"].clone(), c["y0"].clone()
+    _dense_call(lora_fused_decode_ref, c, y_ref)
+    _dense_call(lora_fused_decode, c, y)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    _untouched_checks(y, c["y0"], c["slots"].to(DEVICE), c["ranks"], c["off"], 1)
+
+
+@pytest.mark.parametrize("popularity", ["with_base_rows", "identical", "skewed"])
+@pytest.mark.parametrize("num_tokens", [1, 33])
+def test_dense_fused_store_mode_writes_every_entry(popularity, num_tokens):
+    gen = torch.Generator().manual_seed(41 + num_tokens)
+    c = _dense_case(popularity, num_tokens, DTYPES[0], gen)
+    ref = torch.full(c["y0"].shape, float("nan"), device=DEVICE)
+    got = ref.clone()
+    _dense_call(lora_fused_decode_ref, c, ref, store=True)
+    _dense_call(lora_fused_decode, c, got, store=True)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, atol=1e-4 if DTYPES[0] == torch.float32 else 2e-2, rtol=1e-3)
+    base = (c["slots"] < 0).to(DEVICE)
+    assert torch.equal(got[base], torch.zeros_like(got[base]))
+
+
+@pytest.mark.parametrize("R", [32, 64])
+def test_dense_fused_larger_ranks_and_splits(R):
+    gen = torch.Generator().manual_seed(50 + R)
+    c = _dense_case("with_base_rows", 7, torch.float32, gen, R=R)
+    y_ref = c["y0"].clone()
+    _dense_call(lora_fused_decode_ref, c, y_ref)
+    for split in (None, 1, 2, 7):
+        y = c["y0"].clone()
+        _dense_call(lora_fused_decode, c, y, split_n=split)
+        torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- the switch
+
+
+@pytest.fixture
+def fused_switch():
+    before = fused_lora()
+    yield set_fused_lora
+    set_fused_lora(before)
+
+
+def _moe_layer(T, dtype, gen, popularity="with_base_rows"):
+    from moelora.kernels.moe import ExpertLoRAArgs, route_topk_ref
+
+    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    w_gu = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(DEVICE, dtype)
+    w_d = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(DEVICE, dtype)
+    weights, ids = route_topk_ref(torch.randn(T, E, generator=gen).to(DEVICE), K, True)
+    a_gu, b_gu, r_gu, s_gu, off_gu = _moe_factors(2, H, [I, I], dtype, gen)
+    a_d, b_d, r_d, s_d, off_d = _moe_factors(1, I, [H], dtype, gen)
+    slots = token_slots(popularity, T, S, gen).to(DEVICE)
+    # offsets on the device up front, as the engine passes them (no host copy inside a graph capture)
+    return x, w_gu, w_d, weights, ids, ExpertLoRAArgs(slots, a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d, off_gu, off_d)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_fused_moe_pairs_switch_on_equals_off(kernels, fused_switch):
+    from moelora.kernels.moe import fused_moe_pairs
+    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+
+    gen = torch.Generator().manual_seed(61)
+    dtype = DTYPES[0]
+    x, w_gu, w_d, weights, ids, args = _moe_layer(11, dtype, gen)
+    ops = (moe_lora_shrink_ref, moe_lora_expand_ref, None) if kernels == "reference" else (
+        moe_lora_shrink, moe_lora_expand, moe_lora_plan)
+    fused_switch(False)
+    off = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+    fused_switch(True)
+    on = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+    fused_switch(False)
+    no_lora = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, *ops)
+    bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    rel = ((on.float() - off.float()).norm() / off.float().norm()).item()
+    assert rel < bound, f"relative error {rel:.2e} >= {bound}"
+    assert ((no_lora.float() - off.float()).norm() / off.float().norm()).item() > 10 * bound
+
+
+def test_fused_switch_takes_the_fused_kernel(fused_switch, monkeypatch):
+    """Switch on: fused_moe_pairs calls the fused op, never shrink/expand; off: never the fused op."""
+    from moelora.kernels import moe_lora_fused_triton as mf
+    from moelora.kernels.moe import fused_moe_pairs
+    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+
+    calls = {"fused": 0, "shrink": 0}
+    real = mf.moe_lora_fused_ref
+
+    def counting_fused(*a, **kw):
+        calls["fused"] += 1
+        real(*a, **kw)
+
+    def counting_shrink(*a, **kw):
+        calls["shrink"] += 1
+        moe_lora_shrink_ref(*a, **kw)
+
+    monkeypatch.setattr(mf, "moe_lora_fused_ref", counting_fused)
+    monkeypatch.setattr(mf, "fused_for", lambda shrink: counting_fused)
+    gen = torch.Generator().manual_seed(67)
+    x, w_gu, w_d, weights, ids, args = _moe_layer(3, DTYPES[0], gen)
+    fused_switch(True)
+    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, counting_shrink, moe_lora_expand_ref)
+    assert calls == {"fused": 2, "shrink": 0}
+    fused_switch(False)
+    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, counting_shrink, moe_lora_expand_ref)
+    assert calls == {"fused": 2, "shrink": 2}
+
+
+def _dense_layer(T, dtype, gen, popularity):
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.layers.lora import LoRAWeights
+
+    n = len(DOUTS)
+    w = LoRAWeights(DH, DOUTS, S, 16, dtype=dtype, device=DEVICE)
+    ranks = _ranks(n, 16)
+    for i in range(n):
+        for s in range(S):
+            r = int(ranks[i, s])
+            if r:
+                w.set_slot(i, s, torch.randn(r, DH, generator=gen) * 0.1, torch.randn(DOUTS[i], r, generator=gen) * 0.1,
+                           0.5 + 0.25 * s)
+    slots = token_slots(popularity, T, S, gen)
+    return w, LoRABatch.build(slots, S, DEVICE), torch.randn(T, DH, generator=gen).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("popularity", ["with_base_rows", "identical"])
+def test_apply_dense_lora_switch_on_equals_off(popularity, fused_switch, monkeypatch):
+    from moelora.layers import linear
+    from moelora.layers.linear import apply_dense_lora
+
+    calls = []
+    monkeypatch.setattr(linear, "lora_fused_decode", lambda *a, **kw: (calls.append(1), lora_fused_decode(*a, **kw)))
+    gen = torch.Generator().manual_seed(71)
+    dtype = DTYPES[0]
+    w, batch, x = _dense_layer(9, dtype, gen, popularity)
+    y0 = torch.randn(9, sum(DOUTS), generator=gen).to(DEVICE, dtype)
+    fused_switch(False)
+    y_off = y0.clone()
+    apply_dense_lora(x, w, batch, y_off)
+    fused_switch(True)
+    y_on = y0.clone()
+    apply_dense_lora(x, w, batch, y_on)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(y_on, y_off, atol=atol, rtol=rtol)
+    assert not torch.equal(y_on, y0)
+    assert len(calls) == 1  # the switch-off call took the existing path, the switch-on call the fused kernel
+
+
+def test_switch_env_default_off():
+    import subprocess
+    import sys
+
+    code = "from moelora.kernels._triton import fused_lora; print(fused_lora())"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MOELORA_FUSED_LORA"}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    on = subprocess.run([sys.executable, "-c", code], env={**env, "MOELORA_FUSED_LORA": "1"}, capture_output=True,
+                        text=True, check=True).stdout
+    assert (off.strip(), on.strip()) == ("False", "True")
+
+
+# ---------------------------------------------------------------- GPU: real shapes, bf16, graphs, side stream
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [16, 64])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 128, 256])
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+def test_gpu_moe_fused_qwen3_shapes(site, num_tokens, R):
+    gen = torch.Generator().manual_seed(num_tokens + R)
+    c = _moe_case(site, "uniform", num_tokens, torch.bfloat16, gen, R=R)
+    y_ref, y = c["y0"].clone(), c["y0"].clone()
+    _moe_call(moe_lora_fused_ref, c, y_ref)
+    _moe_call(moe_lora_fused, c, y)
+    torch.testing.assert_close(y, y_ref, atol=3e-2, rtol=3e-2)
+    d_ref = torch.empty(y.shape, dtype=torch.float32, device=DEVICE)
+    d = torch.empty_like(d_ref)
+    _moe_call(moe_lora_fused_ref, c, d_ref, store=True)
+    _moe_call(moe_lora_fused, c, d, store=True)
+    torch.testing.assert_close(d, d_ref, atol=3e-2, rtol=3e-2)  # the reference rounds h to bf16, the kernel keeps fp32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [16, 64])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 128, 256])
+@pytest.mark.parametrize("popularity", ["distinct", "with_base_rows"])
+def test_gpu_dense_fused_qwen3_qkv(popularity, num_tokens, R):
+    gen = torch.Generator().manual_seed(num_tokens + R)
+    c = _dense_case(popularity, num_tokens, torch.bfloat16, gen, R=R)
+    y_ref, y = c["y0"].clone(), c["y0"].clone()
+    _dense_call(lora_fused_decode_ref, c, y_ref)
+    _dense_call(lora_fused_decode, c, y)
+    torch.testing.assert_close(y, y_ref, atol=3e-2, rtol=3e-2)
+    _untouched_checks(y, c["y0"], c["slots"].to(DEVICE), c["ranks"], c["off"], 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch):
+    """Switch on: fused_moe_pairs (Triton base + fused LoRA; store mode on the side stream when overlapping)
+    equals the unfused path, and a CUDA-graph replay equals eager after new routing and slots are written."""
+    from moelora.kernels.moe import fused_moe_pairs
+    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.streams import side_stream
+
+    gen = torch.Generator().manual_seed(83)
+    x, w_gu, w_d, weights, ids, args = _moe_layer(64, torch.bfloat16, gen)
+    side = side_stream(x.device) if overlap else None
+    ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
+    fused_switch(False)
+    ref = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
+    fused_switch(True)
+    eager = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
+    rel = ((eager.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 1e-2
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
+    x2, _, _, weights2, ids2, args2 = _moe_layer(64, torch.bfloat16, gen, popularity="uniform")
+    x.copy_(x2)
+    weights.copy_(weights2)
+    ids.copy_(ids2)
+    args.token_slots.copy_(args2.token_slots)
+    g.replay()
+    torch.cuda.synchronize()
+    expect = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
+    torch.testing.assert_close(out, expect)  # bf16 tolerances: stale routing or slots would differ by far more
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() > 1e-1  # new inputs, new result
