@@ -40,7 +40,8 @@ def _make(root: str, family: str, **over) -> dict:
     base = save_tiny_model(family, tmp(d, "m"), **over)
     paths = {n: tmp(d, n) for n in "abc"}
     if family.startswith("deepseek"):
-        attn = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+        q = ["q_proj"] if family == "deepseek_v2" else ["q_a_proj", "q_b_proj"]
+        attn = q + ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
         save_peft_adapter(base, paths["a"], 1, r=4, lora_alpha=8, target_modules=attn, target_parameters=EXPERTS)
         save_peft_adapter(base, paths["b"], 2, r=8, lora_alpha=4, target_modules=["kv_b_proj", "gate_proj", "up_proj", "down_proj"])
     else:
@@ -112,6 +113,9 @@ def cases(tmp_path_factory):
     cs = {
         "qwen3": _make(root, "qwen3_moe"),
         "qwen3_kv1": _make(root, "qwen3_moe", num_key_value_heads=1),  # one KV head over 2 ranks: replicated
+        "qwen2": _make(root, "qwen2_moe"),  # qkv bias, a gated shared expert
+        "deepseek_v2": _make(root, "deepseek_v2"),  # MLA, grouped routing, dense first layer, shared expert
+        "deepseek_v2_q": _make(root, "deepseek_v2_q"),  # q_lora_rank (fused q_a/kv_a), attention biases, YaRN
     }
     torch.set_num_threads(1)
     refs = {k: run_case(c, ParallelState()) for k, c in cs.items()}
@@ -126,10 +130,45 @@ def _compare(name: str, got: dict, ref: dict) -> None:
     assert err < TOL, f"{name}: decode max |logprob diff| {err:.3g}"
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "ep2", "tp2ep2"])
 def test_parallel_matches_single_process(cases, tmp_path, tp, ep):
     cs, refs = cases
     names = list(cs)
     results = run_parallel(tp, ep, [cs[n] for n in names], str(tmp_path / "out.pt"))
     for n, got in zip(names, results):
         _compare(f"{n} tp={tp} ep={ep}", got, refs[n])
+
+
+def test_shard_errors_name_what_is_wrong(cases):
+    """No process group needed: the checks run before any collective."""
+    cs, _ = cases
+    cfg = ModelConfig.from_pretrained(cs["qwen3"]["model"])
+    model = build_model(cfg, cs["qwen3"]["model"], dtype="float32", max_loras=2, max_lora_rank=16)
+    with pytest.raises(ValueError, match="num_attention_heads = 4 does not split evenly over 3 ranks"):
+        shard_model(model, ParallelState(tp_size=3))
+    model = build_model(cfg, cs["qwen3"]["model"], dtype="float32", max_loras=2, max_lora_rank=16)
+    with pytest.raises(ValueError, match="num_experts = 8 does not split evenly over 3 ranks"):
+        shard_model(model, ParallelState(ep_size=3))
+    model = build_model(cfg, cs["qwen3"]["model"], dtype="float32", max_loras=2, max_lora_rank=16)
+    targets = model.lora_targets()
+    registry, pool = AdapterRegistry(targets, 16), SlotPool(targets, 2)
+    registry.load("a", cs["qwen3"]["adapters"]["a"])
+    pool.pin(registry.get("a"))
+    with pytest.raises(RuntimeError, match="before adapters are loaded"):
+        shard_model(model, ParallelState(ep_size=2))
+
+
+def test_lora_shard_cuts_factors():
+    from moelora.layers.lora import LoRAShard, LoRAWeights
+
+    w = LoRAWeights(6, [4], 2, 8, num_experts=2)  # rank 1 of 2 experts-parallel, row-parallel over in (12 -> 6)
+    w.shard = LoRAShard(12, (4,), 4, in_slice=slice(6, 12), expert_slice=slice(2, 4))
+    a, b = torch.randn(4, 3, 12), torch.randn(4, 4, 3)
+    w.set_slot(0, 1, a, b, 0.5)
+    assert torch.equal(w.a[0, 1, :, :3], a[2:4, :, 6:12]) and torch.equal(w.b[0][1, :, :, :3], b[2:4])
+    shared_a = torch.randn(1, 3, 12)  # shared outer: one factor for every expert, kept whole
+    w.set_slot(0, 0, shared_a, b, 1.0)
+    assert torch.equal(w.a[0, 0, 1, :3], shared_a[0, :, 6:12])
+    assert w.full_dims(0) == (12, 4, 4)
+    with pytest.raises(ValueError, match="do not fit the unsharded weight"):
+        w.set_slot(0, 0, torch.randn(4, 3, 6), b, 1.0)
