@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ class ParallelState:
     ep_rank: int = 0
     tp_group: dist.ProcessGroup | None = None  # the tp_size ranks that share this process's ep_rank
     world_group: dist.ProcessGroup | None = None  # every rank: the MoE layers' all-reduce
+    control_group: dist.ProcessGroup | None = None  # every rank, gloo: step metadata broadcast from rank 0 (CPU objects)
 
     @property
     def world_size(self) -> int:
@@ -49,11 +51,13 @@ def init_parallel(
     init_method: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    timeout: timedelta | None = None,
 ) -> ParallelState:
     """Join (or reuse) the default process group and make the tp groups.
 
     backend: "nccl" | "gloo" | None (NCCL when CUDA is available, else gloo). init_method/rank/world_size: as
-    torch.distributed.init_process_group takes them (None: from the environment, e.g. under torchrun).
+    torch.distributed.init_process_group takes them (None: from the environment, e.g. under torchrun);
+    timeout: of the rendezvous and of every collective of this process (None: torch's default).
     Every rank must call this with the same tp_size and ep_size (new_group is collective).
     """
     if tp_size < 1 or ep_size < 1:
@@ -63,6 +67,8 @@ def init_parallel(
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         kw = {} if rank is None else {"rank": rank, "world_size": world_size}
+        if timeout is not None:
+            kw["timeout"] = timeout
         dist.init_process_group(backend, init_method=init_method, **kw)
     world = dist.get_world_size()
     if world != tp_size * ep_size:
@@ -76,7 +82,8 @@ def init_parallel(
         g = dist.new_group([e * tp_size + t for t in range(tp_size)]) if tp_size > 1 else None
         if e == me // tp_size:
             tp_group = g
-    return ParallelState(tp_size, me % tp_size, ep_size, me // tp_size, tp_group, dist.group.WORLD)
+    control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return ParallelState(tp_size, me % tp_size, ep_size, me // tp_size, tp_group, dist.group.WORLD, control)
 
 
 def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

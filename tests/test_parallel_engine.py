@@ -1,0 +1,56 @@
+"""LLM(..., tensor_parallel_size=2 / expert_parallel_size=2) on the CPU: one worker process besides this one
+(gloo), the same greedy tokens and prompt log-probabilities as the single-process engine, slot evictions
+mirrored on the worker, and a killed worker raising a clear error within 30 s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import rows_of, save_peft_adapter, save_tiny_model, tmp
+from moelora.engine.llm import LLM
+from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.workers import WorkerFailed
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pareng")
+    base = save_tiny_model("qwen3_moe", tmp(d, "m"))
+    paths = {n: tmp(d, n) for n in "abc"}
+    save_peft_adapter(base, paths["a"], 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    save_peft_adapter(base, paths["b"], 2, r=8, lora_alpha=16, target_modules=["k_proj", "gate_proj", "up_proj", "down_proj"])
+    save_peft_adapter(base, paths["c"], 3, r=16, lora_alpha=16, target_parameters=["mlp.experts.down_proj"])
+    names = ["a", None, "b", "c", "a"]  # three adapters, two slots: slots are evicted and rewritten mid-run
+    prompts = rows_of(0, [7, 5, 9, 3, 6])
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    kw = dict(adapters=paths, max_loras=2, max_lora_rank=16, block_size=4, max_num_seqs=3)
+    ref = LLM(tmp(d, "m"), **kw).generate(prompts, params, adapter=names)
+    return tmp(d, "m"), kw, prompts, params, names, ref
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
+def test_llm_parallel_matches_single_process_and_worker_death_is_reported(setup, tp, ep):
+    model, kw, prompts, params, names, ref = setup
+    llm = LLM(model, tensor_parallel_size=tp, expert_parallel_size=ep, **kw)
+    try:
+        outs = llm.generate(prompts, params, adapter=names)
+        for o, r, n in zip(outs, ref, names):
+            assert o.outputs[0].token_ids == r.outputs[0].token_ids, f"adapter {n}"
+            for got, want in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
+                for tid, lp in want.items():
+                    assert abs(got[tid] - lp) < TOL, f"adapter {n}: prompt logprob of {tid}"
+        pid = llm.engine.workers.procs[0].pid
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailed, match=rf"worker rank 1 \(pid {pid}\) exited"):
+            llm.generate(prompts[:2], params, adapter=names[:2])
+        assert time.monotonic() - t0 < 30
+    finally:
+        llm.shutdown()
