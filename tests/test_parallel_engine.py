@@ -54,3 +54,28 @@ def test_llm_parallel_matches_single_process_and_worker_death_is_reported(setup,
         assert time.monotonic() - t0 < 30
     finally:
         llm.shutdown()
+
+
+def test_server_engine_stops_when_an_idle_worker_dies(setup):
+    """The server's engine thread polls the workers while idle: a killed worker ends it (and, through
+    on_fatal, uvicorn) with the error within 30 s, without any request arriving."""
+    from moelora.engine.llm_engine import EngineArgs, LLMEngine
+    from moelora.server.async_engine import AsyncEngine
+
+    model, kw, *_ = setup
+    adapters = kw["adapters"]
+    args = EngineArgs(model=model, tensor_parallel_size=2, **{k: v for k, v in kw.items() if k != "adapters"})
+    engine = AsyncEngine(LLMEngine(args, adapters))
+    fatal: list[str] = []
+    engine.on_fatal = fatal.append
+    engine.start()
+    try:
+        pid = engine.engine.workers.procs[0].pid
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while not fatal and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        assert fatal and f"worker rank 1 (pid {pid}) exited" in fatal[0], fatal
+        assert engine.fatal_error == fatal[0]
+    finally:
+        engine.engine.shutdown()

@@ -123,6 +123,11 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.send("unload", name)
 
+    def check_workers(self) -> None:
+        """Raise WorkerFailed if a worker process of a parallel engine has exited (nothing otherwise)."""
+        if self.workers is not None:
+            self.workers.check()
+
     def shutdown(self) -> None:
         """Stop the worker processes of a parallel engine (nothing otherwise)."""
         if self.workers is not None:
