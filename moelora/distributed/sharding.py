@@ -113,9 +113,6 @@ def _all_reduce_hook(group: dist.ProcessGroup | None):
 def shard_attention(attn: Attention, cfg: ModelConfig, ps: ParallelState, lora: tuple[int, int], name: str) -> None:
     """GQA attention over the tp group: query heads split; KV heads split, or replicated when fewer than ranks."""
     tp, r = ps.tp_size, ps.tp_rank
-    if attn.qk_norm == "full":
-        raise NotImplementedError(f"{name}: qk_norm over the whole projection (OLMoE) needs a cross-rank norm; "
-                                  "tensor parallelism does not support it yet")
     D, Hq, Hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
     q_heads = _part(Hq, r, tp, f"{name}: num_attention_heads")
     if Hkv >= tp:
@@ -129,6 +126,10 @@ def shard_attention(attn: Attention, cfg: ModelConfig, ps: ParallelState, lora: 
     kv = slice(kv_heads.start * D, kv_heads.stop * D)
     shard_column(attn.qkv_proj, [q, kv, kv], lora, f"{name}.qkv_proj")
     shard_row(attn.o_proj, q, r == 0, lora, f"{name}.o_proj")
+    if attn.qk_norm == "full":  # OLMoE: q/k norms over the whole projection; their statistics span the ranks
+        attn.q_norm = ParallelRMSNorm(attn.q_norm.weight[q], attn.q_norm.eps, attn.q_size, 1, ps.tp_group)
+        attn.k_norm = ParallelRMSNorm(attn.k_norm.weight[kv], attn.k_norm.eps, attn.kv_size,
+                                      max(1, tp // Hkv), ps.tp_group)
     attn.num_heads, attn.num_kv_heads = q_heads.stop - q_heads.start, kv_heads.stop - kv_heads.start
     attn.q_size, attn.kv_size = attn.num_heads * D, attn.num_kv_heads * D
     attn.o_proj.register_forward_hook(_all_reduce_hook(ps.tp_group))
@@ -184,6 +185,24 @@ def _local_experts_hook(first: int, count: int):
         return x, topk_weights.masked_fill(~mine, 0), local.masked_fill(~mine, 0), lora
 
     return hook
+
+
+class ParallelRMSNorm(nn.Module):
+    """RMSNorm over a dimension split across a group: y = w * x / sqrt(sum over all ranks of x^2 / full_dim + eps),
+    statistics in fp32 as rms_norm_ref. replicas: how many ranks hold each element (a replicated KV head is
+    counted that many times by the all-reduce)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, full_dim: int, replicas: int,
+                 group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = _param(weight)  # [D_local]
+        self.eps, self.full_dim, self.replicas, self.group = eps, full_dim, replicas, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # [T, D_local]
+        sq = all_reduce_(xf.pow(2).sum(-1, keepdim=True), self.group)  # [T, 1]
+        xf = xf * torch.rsqrt(sq / (self.full_dim * self.replicas) + self.eps)
+        return self.weight * xf.to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
