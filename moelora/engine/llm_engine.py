@@ -12,7 +12,7 @@ import torch
 from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import SlotPool
 from moelora.config import ModelConfig
-from moelora.distributed import ParallelState, kv_cache_config, shard_model
+from moelora.distributed import ParallelState, kv_cache_config
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import ModelRunner, StepOutput
 from moelora.engine.request import Request, Status
@@ -69,13 +69,17 @@ class LLMEngine:
                                           "pass kv_cache_memory_bytes")
             self.workers = WorkerGroup(args)
             ps = self.workers.state
-        self.model = build_model(
-            self.config, args.model, dtype=dtype, device=self.device, max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
-            show_progress=args.show_progress, quantization=args.quantization,
-        )
-        self.model.set_overlap(args.lora_overlap and self.device.type == "cuda")
-        shard_model(self.model, ps)  # nothing at tp = ep = 1
+        if self.workers is None:
+            self.model = build_model(
+                self.config, args.model, dtype=dtype, device=self.device, max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
+                show_progress=args.show_progress, quantization=args.quantization,
+            )
+            self.model.set_overlap(args.lora_overlap and self.device.type == "cuda")
+        else:
+            from moelora.engine.workers import build_sharded_model
+
+            self.model = build_sharded_model(self.config, args, dtype, self.device, ps, args.show_progress)
         self.kv_config = kv_cache_config(self.config, ps)  # this rank's KV heads
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else self.config.eos_token_ids)

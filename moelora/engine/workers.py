@@ -49,6 +49,26 @@ def worker_device(args, rank: int) -> torch.device:
     return torch.device(device)
 
 
+def build_sharded_model(cfg, args, dtype: str, device: torch.device, ps: ParallelState, show_progress: bool = False):
+    """build_model + shard_model for one rank. Split over several ranks on a GPU, the whole model is loaded into
+    host memory first and only this rank's shard moves to the device (a model that outgrows one GPU still
+    loads); on the CPU, or unsplit, it is built in place."""
+    from moelora.models.loader import build_model
+
+    if ps.is_parallel and args.quantization is not None:
+        raise NotImplementedError(f"quantization={args.quantization!r} with tensor/expert parallelism is not "
+                                  "supported yet (quantized shards)")
+    stage = torch.device("cpu") if ps.is_parallel else device
+    model = build_model(cfg, args.model, dtype=dtype, device=stage, max_loras=args.max_loras,
+                        max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
+                        show_progress=show_progress, quantization=args.quantization)
+    shard_model(model, ps)
+    if stage != device:
+        model.to(device)
+    model.set_overlap(args.lora_overlap and device.type == "cuda")
+    return model
+
+
 def _recv(ps: ParallelState) -> tuple[list, str, tuple]:
     box = [None]
     dist.broadcast_object_list(box, src=0, group=ps.control_group)
@@ -63,18 +83,13 @@ def worker_main(rank: int, world: int, port: int, args) -> None:
     from moelora.config import ModelConfig
     from moelora.engine.kv_cache import KVCache
     from moelora.engine.model_runner import ModelRunner
-    from moelora.models.loader import build_model
 
     ps = init_parallel(args.tensor_parallel_size, args.expert_parallel_size, _backend(args),
                        f"tcp://127.0.0.1:{port}", rank, world, timeout=_IDLE)
     try:
         device = worker_device(args, rank)
         cfg = ModelConfig.from_pretrained(args.model)
-        model = build_model(cfg, args.model, dtype=engine_dtype(args, device), device=device, max_loras=args.max_loras,
-                            max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
-                            quantization=args.quantization)
-        model.set_overlap(args.lora_overlap and device.type == "cuda")
-        shard_model(model, ps)
+        model = build_sharded_model(cfg, args, engine_dtype(args, device), device, ps)
         _, kind, (num_blocks,) = _recv(ps)
         if kind != "init":
             raise RuntimeError(f"rank {rank}: expected the 'init' message from rank 0, got {kind!r}")
