@@ -35,8 +35,12 @@ def setup(tmp_path_factory):
     return tmp(d, "m"), kw, prompts, params, names, ref
 
 
-def test_llm_parallel_matches_single_process_and_worker_death_is_reported(setup):
-    """TP=2 (EP's model side is covered by test_parallel.py; the engine path is the same)."""
+def test_llm_parallel_matches_single_process_and_worker_death_is_reported(setup, monkeypatch):
+    """TP=2 (EP's model side is covered by test_parallel.py; the engine path is the same). The worker is killed
+    with the pre-step check disabled, so rank 0 meets the dead peer inside a collective: gloo's error must come
+    out as WorkerFailed naming the worker."""
+    from moelora.engine.workers import WorkerGroup
+
     model, kw, prompts, params, names, ref = setup
     llm = LLM(model, tensor_parallel_size=2, **kw)
     try:
@@ -46,8 +50,11 @@ def test_llm_parallel_matches_single_process_and_worker_death_is_reported(setup)
             for got, want in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
                 for tid, lp in want.items():
                     assert abs(got[tid] - lp) < TOL, f"adapter {n}: prompt logprob of {tid}"
-        pid = llm.engine.workers.procs[0].pid
+        workers = llm.engine.workers
+        pid = workers.procs[0].pid
+        monkeypatch.setattr(workers, "check", lambda grace_s=0.0: WorkerGroup.check(workers, grace_s) if grace_s else None)
         os.kill(pid, signal.SIGKILL)
+        workers.procs[0].join(10)
         t0 = time.monotonic()
         with pytest.raises(WorkerFailed, match=rf"worker rank 1 \(pid {pid}\) exited"):
             llm.generate(prompts[:2], params, adapter=names[:2])
