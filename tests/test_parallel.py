@@ -113,6 +113,7 @@ def cases(tmp_path_factory):
     cs = {
         "qwen3": _make(root, "qwen3_moe"),
         "qwen3_kv1": _make(root, "qwen3_moe", num_key_value_heads=1),  # one KV head over 2 ranks: replicated
+        "qwen3_tied": _make(root, "qwen3_moe", tie_word_embeddings=True),  # logits from the split embedding
         "qwen2": _make(root, "qwen2_moe"),  # qkv bias, a gated shared expert
         "olmoe": _make(root, "olmoe"),  # q/k norms over the whole projection: statistics across ranks
         "deepseek_v2": _make(root, "deepseek_v2"),  # MLA, grouped routing, dense first layer, shared expert
