@@ -72,7 +72,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.adapter is not None and args.adapter not in adapters:
         raise SystemExit(f"--adapter {args.adapter!r} is not among the --lora names {sorted(adapters)}")
     llm = LLM(args.model, adapters=adapters, max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank,
-              dtype=args.dtype, device=args.device, show_progress=True, quantization=args.quantization)
+              dtype=args.dtype, device=args.device, show_progress=True, quantization=args.quantization,
+              tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or None)
     prompts = args.prompt
@@ -164,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 "
                      "weight-only (ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 "
                      "checkpoint stays quantized on a GPU without this flag")
+    gen.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
+                     help="ranks splitting attention heads, dense layers and the vocabulary (default 1)")
+    gen.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int, default=1,
+                     help="ranks splitting the routed experts (default 1)")
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser(

@@ -8,6 +8,7 @@ request holds and that is not pinned; an adapter in use is never evicted.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from moelora.adapters.registry import LoRAAdapter
 from moelora.layers.lora import LoRATarget
@@ -17,10 +18,29 @@ class NoFreeSlot(RuntimeError):
     pass
 
 
+def write_slot(targets: dict[str, LoRATarget], adapter: LoRAAdapter, slot: int) -> None:
+    """Write every target's slice of `slot`: the adapter's factors, or zeros where it has none."""
+    for name, t in targets.items():
+        mod = adapter.modules.get(name)
+        if mod is None:
+            t.weights.clear(t.slice_idx, slot)
+        else:
+            t.weights.set_slot(t.slice_idx, slot, mod.a, mod.b, mod.scaling)
+
+
+def clear_slot(targets: dict[str, LoRATarget], slot: int) -> None:
+    for t in targets.values():
+        t.weights.clear(t.slice_idx, slot)
+
+
 class SlotPool:
-    def __init__(self, targets: dict[str, LoRATarget], max_loras: int) -> None:
+    def __init__(self, targets: dict[str, LoRATarget], max_loras: int,
+                 on_change: Callable[[int, str | None], None] | None = None) -> None:
+        """on_change(slot, adapter name or None): called after a slot is written or cleared (tensor/expert
+        parallelism: the other ranks repeat the same writes into their shards)."""
         self.targets = targets
         self.max_loras = max_loras
+        self.on_change = on_change
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
         self._refs: dict[str, int] = {}
         self._pinned: set[str] = set()
@@ -82,8 +102,9 @@ class SlotPool:
         slot = self._slot_of.pop(name, None)
         self._pinned.discard(name)
         if slot is not None:
-            for t in self.targets.values():
-                t.weights.clear(t.slice_idx, slot)
+            clear_slot(self.targets, slot)
+            if self.on_change is not None:
+                self.on_change(slot, None)
 
     def _victim(self) -> str | None:
         for name in self._slot_of:  # oldest first
@@ -92,9 +113,6 @@ class SlotPool:
         return None
 
     def _write(self, adapter: LoRAAdapter, slot: int) -> None:
-        for name, t in self.targets.items():
-            mod = adapter.modules.get(name)
-            if mod is None:
-                t.weights.clear(t.slice_idx, slot)
-            else:
-                t.weights.set_slot(t.slice_idx, slot, mod.a, mod.b, mod.scaling)
+        write_slot(self.targets, adapter, slot)
+        if self.on_change is not None:
+            self.on_change(slot, adapter.name)

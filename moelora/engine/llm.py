@@ -18,12 +18,17 @@ class LLM:
         llm = LLM(model="path", adapters={"name": "path/to/adapter"}, max_loras=8, max_lora_rank=64)
         outs = llm.generate(["a", "b"], SamplingParams(max_tokens=8), adapter=["name", None])
 
-    Every keyword of EngineArgs is accepted (block_size, max_num_seqs, max_model_len, load_format, ...).
+    Every keyword of EngineArgs is accepted (block_size, max_num_seqs, max_model_len, load_format, ...);
+    tensor_parallel_size / expert_parallel_size > 1 start one worker process per extra rank.
     """
 
     def __init__(self, model: str, adapters: dict[str, str] | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs), adapters)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor/expert-parallel engine (they also stop when this process exits)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

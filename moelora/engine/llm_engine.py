@@ -12,6 +12,7 @@ import torch
 from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import SlotPool
 from moelora.config import ModelConfig
+from moelora.distributed import ParallelState, kv_cache_config
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import ModelRunner, StepOutput
 from moelora.engine.request import Request, Status
@@ -44,6 +45,8 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs (they are used on a GPU for bf16/fp16 decode steps)
     max_graph_batch_size: int = 64  # the largest decode batch a CUDA graph is captured for
     lora_overlap: bool = True  # GPU: routed-expert LoRA chains and shared experts on a side stream
+    tensor_parallel_size: int = 1  # ranks splitting attention heads, dense layers, vocabulary and expert widths
+    expert_parallel_size: int = 1  # ranks splitting the routed experts (world = tensor x expert parallel size)
 
 
 class LLMEngine:
@@ -56,28 +59,48 @@ class LLMEngine:
         dtype = args.dtype or ("float32" if self.device.type == "cpu" else "auto")
         self.config = ModelConfig.from_pretrained(args.model)
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
-        self.model = build_model(
-            self.config, args.model, dtype=dtype, device=self.device, max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
-            show_progress=args.show_progress, quantization=args.quantization,
-        )
-        self.model.set_overlap(args.lora_overlap and self.device.type == "cuda")
+        self.workers = None  # tensor/expert parallel: ranks 1..N-1 (engine/workers.py); this process is rank 0
+        ps = ParallelState()
+        if args.tensor_parallel_size * args.expert_parallel_size > 1:
+            from moelora.engine.workers import WorkerGroup
+
+            if self.device.type == "cuda" and args.kv_cache_memory_bytes is None:
+                raise NotImplementedError("tensor/expert parallelism on GPUs: the memory plan is not parallel yet; "
+                                          "pass kv_cache_memory_bytes")
+            self.workers = WorkerGroup(args)
+            ps = self.workers.state
+        if self.workers is None:
+            self.model = build_model(
+                self.config, args.model, dtype=dtype, device=self.device, max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
+                show_progress=args.show_progress, quantization=args.quantization,
+            )
+            self.model.set_overlap(args.lora_overlap and self.device.type == "cuda")
+        else:
+            from moelora.engine.workers import build_sharded_model
+
+            self.model = build_sharded_model(self.config, args, dtype, self.device, ps, args.show_progress)
+        self.kv_config = kv_cache_config(self.config, ps)  # this rank's KV heads
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else self.config.eos_token_ids)
-        self.kv = KVCache(self.config, self._num_blocks(), args.block_size, self.model.dtype, self.device)
+        self.kv = KVCache(self.kv_config, self._num_blocks(), args.block_size, self.model.dtype, self.device)
+        if self.workers is not None:
+            self.workers.send("init", self.kv.num_blocks)
         if args.max_loras:
             targets = self.model.lora_targets()
             self.registry: AdapterRegistry | None = AdapterRegistry(targets, args.max_lora_rank, args.max_cpu_loras)
-            self.pool: SlotPool | None = SlotPool(targets, args.max_loras)
+            self.pool: SlotPool | None = SlotPool(
+                targets, args.max_loras, on_change=self.workers.slot_changed if self.workers is not None else None)
         else:
             self.registry = self.pool = None
         self.scheduler = Scheduler(self.kv, self.pool, self.registry, args.max_num_seqs, args.max_num_batched_tokens)
-        graphs = (self.device.type == "cuda" and not args.enforce_eager
+        graphs = (self.device.type == "cuda" and not args.enforce_eager and self.workers is None
                   and self.model.dtype in (torch.bfloat16, torch.float16)
                   and getattr(self.model, "supports_cuda_graphs", False))
         self.runner = ModelRunner(self.model, self.kv, args.max_loras, cuda_graphs=graphs,
                                   max_graph_batch_size=min(args.max_graph_batch_size, args.max_num_seqs),
-                                  max_blocks_per_seq=-(-self.max_model_len // args.block_size))
+                                  max_blocks_per_seq=-(-self.max_model_len // args.block_size),
+                                  broadcast=self.workers.step if self.workers is not None else None)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._arrival = itertools.count()
@@ -89,6 +112,8 @@ class LLMEngine:
         if self.registry is None:
             raise ValueError("this engine was started with max_loras=0: no adapters can be loaded")
         self.registry.load(name, path)
+        if self.workers is not None:
+            self.workers.send("load", name, path)
 
     def unload_adapter(self, name: str) -> None:
         """Refuses while requests use the adapter (abort or finish them first)."""
@@ -99,6 +124,18 @@ class LLMEngine:
             raise RuntimeError(f"adapter {name!r} is used by {len(users)} unfinished requests ({users[:3]}...)")
         self.pool.evict(name)
         self.registry.unload(name)
+        if self.workers is not None:
+            self.workers.send("unload", name)
+
+    def check_workers(self) -> None:
+        """Raise WorkerFailed if a worker process of a parallel engine has exited (nothing otherwise)."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (nothing otherwise)."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def list_adapters(self) -> list[str]:
         return self.registry.names if self.registry else []
@@ -169,7 +206,11 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request can be scheduled (KV cache or LoRA slots exhausted with nothing running)")
             return []
-        out = self.runner.execute(chunks)
+        if self.workers is None:
+            out = self.runner.execute(chunks)
+        else:
+            with self.workers.guard("step"):
+                out = self.runner.execute(chunks)
         for c in chunks:
             c.request.num_computed += c.num_tokens
         self._record_prompt_logprobs(chunks, out)
@@ -239,7 +280,7 @@ class LLMEngine:
 
     def _num_blocks(self) -> int:
         a = self.args
-        per_block = KVCache.bytes_per_block(self.config, a.block_size, self.model.dtype)
+        per_block = KVCache.bytes_per_block(self.kv_config, a.block_size, self.model.dtype)
         cap = a.max_num_seqs * -(-self.max_model_len // a.block_size)  # no more than max_num_seqs full sequences
         self.memory_plan = None
         if a.kv_cache_memory_bytes is None and self.device.type == "cuda":

@@ -21,8 +21,11 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, max_loras: int, cuda_graphs: bool = False,
-                 max_graph_batch_size: int = 64, max_blocks_per_seq: int = 0) -> None:
+                 max_graph_batch_size: int = 64, max_blocks_per_seq: int = 0, broadcast=None) -> None:
+        """broadcast(seqs, sample_idx, prompt_idx): tensor/expert parallel, sends each eager step to the other
+        ranks (engine/workers.py) before this rank runs it."""
         self.model = model
+        self.broadcast = broadcast
         self.kv = kv
         self.max_loras = max(max_loras, 1)
         self.graphs = None
@@ -57,20 +60,29 @@ class ModelRunner:
         out = self._graph_step(chunks)
         if out is not None:
             return out
-        device = self.model.device
         seqs = [
             SeqChunk(c.request.all_ids[c.start : c.start + c.num_tokens], c.start, c.request.block_table, c.request.slot)
             for c in chunks
         ]
+        sample_idx = [i for i, c in enumerate(chunks) if c.samples]
+        prompt_idx = [i for i, c in enumerate(chunks)
+                      if c.request.wants_prompt_logprobs and c.start < len(c.request.prompt_ids)]
+        if self.broadcast is not None:  # tensor/expert parallel: the other ranks run the same step
+            self.broadcast(seqs, sample_idx, prompt_idx)
+        sample_logits, prompt_logits = self.forward_step(seqs, sample_idx, prompt_idx)
+        return StepOutput(sample_logits, [chunks[i] for i in sample_idx], prompt_logits)
+
+    @torch.no_grad()
+    def forward_step(self, seqs: list[SeqChunk], sample_idx: list[int],
+                     prompt_idx: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One forward over seqs; logits [S, V] of the last row of each seqs[i], i in sample_idx, and per i in
+        prompt_idx the logits [n_i, V] of all of seqs[i]'s rows. Every rank of a parallel model runs this with
+        the same arguments (its collectives pair up)."""
+        device = self.model.device
         fb = build_flat_batch(seqs, self.kv.block_size, device)
         lora = LoRABatch.build(fb.token_slots, self.max_loras, device)
         hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv.caches, lora)  # [T, H]
-        sampled = [c for c in chunks if c.samples]
-        rows = [fb.last_token_rows[i] for i, c in enumerate(chunks) if c.samples]
-        sample_logits = self.model.compute_logits(hidden[rows])
-        prompt_logits = {}
+        sample_logits = self.model.compute_logits(hidden[[fb.last_token_rows[i] for i in sample_idx]])
         q = fb.attn.query_start_loc
-        for i, c in enumerate(chunks):
-            if c.request.wants_prompt_logprobs and c.start < len(c.request.prompt_ids):
-                prompt_logits[i] = self.model.compute_logits(hidden[q[i] : q[i + 1]])
-        return StepOutput(sample_logits, sampled, prompt_logits)
+        prompt_logits = {i: self.model.compute_logits(hidden[q[i] : q[i + 1]]) for i in prompt_idx}
+        return sample_logits, prompt_logits

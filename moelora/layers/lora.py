@@ -45,6 +45,15 @@ class LoRAWeights(nn.Module):
         self.register_buffer("scaling", torch.zeros(n, max_loras, dtype=torch.float32, device=device))
         self.register_buffer("rank_tensor", torch.zeros(n, max_loras, dtype=torch.int32, device=device))
         self.ranks: list[list[int]] = [[0] * max_loras for _ in range(n)]
+        self.shard: LoRAShard | None = None  # set when the owning layer is split over ranks (moelora.distributed)
+
+    def full_dims(self, slice_idx: int) -> tuple[int, int, int | None]:
+        """(in_features, out_features of the slice, num_experts) of the whole, unsharded weight: what an
+        adapter's tensors are checked against."""
+        if self.shard is not None:
+            s = self.shard
+            return s.in_features, s.out_features[slice_idx], s.num_experts
+        return self.in_features, self.out_features[slice_idx], self.num_experts
 
     @property
     def b(self) -> list[torch.Tensor]:
@@ -58,7 +67,10 @@ class LoRAWeights(nn.Module):
 
     @torch.no_grad()
     def set_slot(self, slice_idx: int, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        """a: [(E,) r, in] · b: [(E,) out_i, r]; r <= max_lora_rank (checked by the adapter loader)."""
+        """a: [(E,) r, in] · b: [(E,) out_i, r]; r <= max_lora_rank (checked by the adapter loader).
+        On a sharded layer a and b are the whole adapter's factors: this rank's part is cut here."""
+        if self.shard is not None:
+            a, b = self.shard.local(slice_idx, a, b)
         r = a.shape[-2]
         self.clear(slice_idx, slot)
         self.a[slice_idx, slot, ..., :r, :] = a.to(self.a.dtype)
@@ -74,6 +86,40 @@ class LoRAWeights(nn.Module):
         self.scaling[slice_idx, slot] = 0.0
         self.rank_tensor[slice_idx, slot] = 0
         self.ranks[slice_idx][slot] = 0
+
+
+@dataclass(frozen=True)
+class LoRAShard:
+    """Which part of an adapter's factors one rank keeps for a layer split over ranks.
+
+    Column-parallel (output split): B keeps rows `out_slices[i]` of slice i, A whole. Row-parallel (input split):
+    A keeps columns `in_slice`, B whole; the rank's delta is then a partial sum, completed by the layer's
+    all-reduce. Expert-parallel: A and B keep experts `expert_slice` (a factor with an expert dim of 1, the
+    "shared outer" layout, is kept whole). in_features/out_features/num_experts: the whole weight's.
+    """
+
+    in_features: int
+    out_features: tuple[int, ...]
+    num_experts: int | None = None
+    in_slice: slice | None = None
+    out_slices: tuple[slice | None, ...] | None = None
+    expert_slice: slice | None = None
+
+    def local(self, slice_idx: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a: [(E,) r, in] · b: [(E,) out_i, r] -> this rank's [(E_local,) r, in_local], [(E_local,) out_local, r]."""
+        if a.shape[-1] != self.in_features or b.shape[-2] != self.out_features[slice_idx]:
+            raise ValueError(
+                f"LoRA factors A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the unsharded weight "
+                f"(in {self.in_features}, out {self.out_features[slice_idx]})"
+            )
+        if self.expert_slice is not None:
+            a = a[self.expert_slice] if a.dim() == 3 and a.shape[0] != 1 else a
+            b = b[self.expert_slice] if b.dim() == 3 and b.shape[0] != 1 else b
+        if self.in_slice is not None:
+            a = a[..., self.in_slice]
+        if self.out_slices is not None and self.out_slices[slice_idx] is not None:
+            b = b[..., self.out_slices[slice_idx], :]
+        return a, b
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,8 @@ class MoECausalLM(nn.Module):
         out: dict[str, LoRATarget] = {}
 
         def add(name: str, weights, slice_idx: int, experts: int | None = None) -> None:
-            out[name] = LoRATarget(name, weights, slice_idx, weights.in_features, weights.out_features[slice_idx], experts)
+            in_f, out_f, num_experts = weights.full_dims(slice_idx)  # the unsharded shapes under tensor/expert parallelism
+            out[name] = LoRATarget(name, weights, slice_idx, in_f, out_f, None if experts is None else num_experts)
 
         def add_linear(prefix: str, lin: LoRALinear, names: list[str]) -> None:
             for i, n in enumerate(names):

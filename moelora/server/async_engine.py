@@ -94,6 +94,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
         self.last_batch_size = 0
         self.on_step: Callable[[int], None] | None = None  # metrics hook: batch size of each step
+        # a failure that ends serving (a tensor/expert-parallel worker died): its message, and the server's hook
+        self.fatal_error: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -101,6 +104,9 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Finish in-flight requests for up to `timeout` seconds, then abort what is left and stop."""
+        if not self._thread.is_alive():  # never started, or ended by a fatal error (requests already ended)
+            self._stop = True
+            return
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -176,14 +182,20 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        from moelora.engine.workers import WorkerFailed
+
         while not self._stop:
             self._run_commands()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
             try:
+                if not self.engine.has_unfinished_requests():
+                    self.engine.check_workers()  # a worker that dies while the server idles is seen here
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
                 updated = self.engine.step()
+            except WorkerFailed as e:  # the model is gone: end every request, stop the engine and the server
+                self._fatal(str(e))
+                return
             except Exception as e:  # a bug: fail the requests in flight, keep serving
                 log.exception("engine step failed")
                 self._abort_all(f"internal error in the engine step: {e}")
@@ -237,6 +249,14 @@ class AsyncEngine:
             self.engine.pop_finished(request_id)
         if self._draining:
             self._finish_unloads()
+
+    def _fatal(self, message: str) -> None:
+        log.error("moelora: %s", message)
+        self.fatal_error = message
+        self._abort_all(message)
+        self._stop = True
+        if self.on_fatal is not None:
+            self.on_fatal(message)
 
     def _abort_all(self, error: str | None = None) -> None:
         """End every request in flight (shutdown, or an engine failure when `error` says what happened)."""

@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "KV cache together (default 0.9)")
     p.add_argument("--max-graph-batch-size", type=int, default=64,
                    help="largest decode batch captured as a CUDA graph; larger batches run eagerly (default 64)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
+                   help="ranks splitting attention heads, dense layers and the vocabulary (one process each; default 1)")
+    p.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int, default=1,
+                   help="ranks splitting the routed experts (world = tp x ep processes; default 1)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
     p.add_argument("--max-n", type=int, default=16, help="largest n per request (default 16)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -75,6 +79,7 @@ def build_from_args(args: argparse.Namespace):
         kv_cache_memory_bytes=args.kv_cache_memory, load_format=args.load_format, show_progress=True,
         enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap == "on", quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, max_graph_batch_size=args.max_graph_batch_size,
+        tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
     )
     engine = AsyncEngine(LLMEngine(eargs, adapters))
     settings = ServerSettings(served_model_name=served, model_path=model, api_key=args.api_key,
@@ -86,10 +91,16 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     engine, app = build_from_args(args)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    engine.on_fatal = lambda message: setattr(server, "should_exit", True)  # a dead worker stops the server
     engine.start()
     print(f"moelora: serving {app.state.settings.served_model_name!r} with adapters {engine.engine.list_adapters()} "
           f"on http://{args.host}:{args.port}/v1 ({engine.engine.device})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server.run()
+    engine.engine.shutdown()
+    if engine.fatal_error is not None:
+        print(f"moelora: stopped: {engine.fatal_error}", flush=True)
+        return 1
     return 0
 
 

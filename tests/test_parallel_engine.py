@@ -1,0 +1,88 @@
+"""LLM(..., tensor_parallel_size=2 / expert_parallel_size=2) on the CPU: one worker process besides this one
+(gloo), the same greedy tokens and prompt log-probabilities as the single-process engine, slot evictions
+mirrored on the worker, and a killed worker raising a clear error within 30 s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import rows_of, save_peft_adapter, save_tiny_model, tmp
+from moelora.engine.llm import LLM
+from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.workers import WorkerFailed
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pareng")
+    base = save_tiny_model("qwen3_moe", tmp(d, "m"))
+    paths = {n: tmp(d, n) for n in "abc"}
+    save_peft_adapter(base, paths["a"], 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    save_peft_adapter(base, paths["b"], 2, r=8, lora_alpha=16, target_modules=["k_proj", "gate_proj", "up_proj", "down_proj"])
+    save_peft_adapter(base, paths["c"], 3, r=16, lora_alpha=16, target_parameters=["mlp.experts.down_proj"])
+    names = ["a", None, "b", "c", "a"]  # three adapters, two slots: slots are evicted and rewritten mid-run
+    prompts = rows_of(0, [7, 5, 9, 3, 6])
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    kw = dict(adapters=paths, max_loras=2, max_lora_rank=16, block_size=4, max_num_seqs=3)
+    ref = LLM(tmp(d, "m"), **kw).generate(prompts, params, adapter=names)
+    return tmp(d, "m"), kw, prompts, params, names, ref
+
+
+def test_llm_parallel_matches_single_process_and_worker_death_is_reported(setup, monkeypatch):
+    """TP=2 (EP's model side is covered by test_parallel.py; the engine path is the same). The worker is killed
+    with the pre-step check disabled, so rank 0 meets the dead peer inside a collective: gloo's error must come
+    out as WorkerFailed naming the worker."""
+    from moelora.engine.workers import WorkerGroup
+
+    model, kw, prompts, params, names, ref = setup
+    llm = LLM(model, tensor_parallel_size=2, **kw)
+    try:
+        outs = llm.generate(prompts, params, adapter=names)
+        for o, r, n in zip(outs, ref, names):
+            assert o.outputs[0].token_ids == r.outputs[0].token_ids, f"adapter {n}"
+            for got, want in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
+                for tid, lp in want.items():
+                    assert abs(got[tid] - lp) < TOL, f"adapter {n}: prompt logprob of {tid}"
+        workers = llm.engine.workers
+        pid = workers.procs[0].pid
+        monkeypatch.setattr(workers, "check", lambda grace_s=0.0: WorkerGroup.check(workers, grace_s) if grace_s else None)
+        os.kill(pid, signal.SIGKILL)
+        workers.procs[0].join(10)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailed, match=rf"worker rank 1 \(pid {pid}\) exited"):
+            llm.generate(prompts[:2], params, adapter=names[:2])
+        assert time.monotonic() - t0 < 30
+    finally:
+        llm.shutdown()
+
+
+def test_server_engine_stops_when_an_idle_worker_dies(setup):
+    """The server's engine thread polls the workers while idle: a killed worker ends it (and, through
+    on_fatal, uvicorn) with the error within 30 s, without any request arriving."""
+    from moelora.engine.llm_engine import EngineArgs, LLMEngine
+    from moelora.server.async_engine import AsyncEngine
+
+    model, kw, *_ = setup
+    adapters = kw["adapters"]
+    args = EngineArgs(model=model, tensor_parallel_size=2, **{k: v for k, v in kw.items() if k != "adapters"})
+    engine = AsyncEngine(LLMEngine(args, adapters))
+    fatal: list[str] = []
+    engine.on_fatal = fatal.append
+    engine.start()
+    try:
+        pid = engine.engine.workers.procs[0].pid
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while not fatal and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        assert fatal and f"worker rank 1 (pid {pid}) exited" in fatal[0], fatal
+        assert engine.fatal_error == fatal[0]
+    finally:
+        engine.engine.shutdown()
