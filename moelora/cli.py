@@ -71,17 +71,38 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         adapters = {**adapter_paths(), **adapters}
     if args.adapter is not None and args.adapter not in adapters:
         raise SystemExit(f"--adapter {args.adapter!r} is not among the --lora names {sorted(adapters)}")
-    llm = LLM(args.model, adapters=adapters, max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank,
-              dtype=args.dtype, device=args.device, show_progress=True, quantization=args.quantization,
+    kw = dict(max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank, dtype=args.dtype,
+              device=args.device, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop or None)
-    prompts = args.prompt
-    if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    for out in llm.generate(prompts, params, adapter=args.adapter):
-        print(out.text)
+    launch = _torchrun_launch(args)
+    if launch is not None and launch.rank != 0:  # torchrun: ranks 1..N-1 follow rank 0's steps
+        from moelora.engine.llm_engine import EngineArgs
+        from moelora.engine.workers import run_worker
+
+        return run_worker(EngineArgs(model=args.model, **kw))
+    llm = LLM(args.model, adapters=adapters, show_progress=True, **kw)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop or None)
+        prompts = args.prompt
+        if args.chat:
+            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        for out in llm.generate(prompts, params, adapter=args.adapter):
+            print(out.text if not args.token_ids else " ".join(map(str, out.outputs[0].token_ids)), flush=True)
+    finally:
+        llm.shutdown()
     return 0
+
+
+def _torchrun_launch(args: argparse.Namespace):
+    """The torchrun launch this process belongs to (None without torchrun); exits with the reason when
+    WORLD_SIZE is not --tp x --ep."""
+    from moelora.distributed import check_launch
+
+    try:
+        return check_launch(args.tensor_parallel_size, args.expert_parallel_size)
+    except ValueError as e:
+        raise SystemExit(f"moelora: {e}") from None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -116,6 +137,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
+TORCHRUN_HELP = """\
+Tensor/expert parallelism: --tp N --ep M uses N x M ranks. On one host moelora starts the extra
+worker processes itself. Across several hosts (or to let torchrun manage the processes), start the
+command under torchrun on every node, with WORLD_SIZE = nnodes x nproc-per-node = tp x ep:
+
+  torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --master-addr HOST0 --master-port 29500 \\
+      -m moelora COMMAND --tp 8 --ep 2
+
+(R = 0 on HOST0, 1 on the other node; the model and adapter paths must exist on every node.)
+Global rank 0 schedules; the others follow its steps. NCCL on GPUs (GPU LOCAL_RANK per process),
+gloo on the CPU. A rank that exits stops rank 0 with an error (torchrun then stops the rest).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moelora",
@@ -144,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="generate text offline for one or more prompts, with or without an adapter",
         description="Loads the model (and any --lora adapters) and prints one completion per --prompt.",
+        epilog=TORCHRUN_HELP.replace("COMMAND", "generate --model /shared/model --prompt '...'"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gen.add_argument("--model", default=None,
                      help="model folder (config.json, safetensors, tokenizer.json); default: the bundled demo model "
@@ -165,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 "
                      "weight-only (ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 "
                      "checkpoint stays quantized on a GPU without this flag")
+    gen.add_argument("--token-ids", action="store_true", help="print the generated token ids instead of the text")
     gen.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
                      help="ranks splitting attention heads, dense layers and the vocabulary (default 1)")
     gen.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int, default=1,
@@ -177,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
         "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health and /metrics. A request picks its adapter "
         "with model=ADAPTER or model=BASE:ADAPTER; model=BASE means no adapter.",
+        epilog=TORCHRUN_HELP.replace("COMMAND", "serve --model /shared/model --host 0.0.0.0 --kv-cache-memory 8000000000")
+        + "\nRank 0 serves HTTP on --host/--port; the other ranks only run the model.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from moelora.server.launch import add_arguments as _serve_args
 

@@ -11,6 +11,7 @@ No module-level state: `init_parallel` returns the ParallelState that the shardi
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,11 +80,45 @@ def init_parallel(
     me = dist.get_rank()
     tp_group = None
     for e in range(ep_size):  # every rank creates every group, in the same order
-        g = dist.new_group([e * tp_size + t for t in range(tp_size)]) if tp_size > 1 else None
+        g = dist.new_group([e * tp_size + t for t in range(tp_size)], timeout=timeout) if tp_size > 1 else None
         if e == me // tp_size:
             tp_group = g
-    control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return ParallelState(tp_size, me % tp_size, ep_size, me // tp_size, tp_group, dist.group.WORLD, control)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """This process's place in a launch by torchrun (or any launcher that sets torchrun's variables)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def torchrun_env() -> LaunchEnv | None:
+    """RANK / LOCAL_RANK / WORLD_SIZE when RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are all set (as torchrun
+    sets them for every process it starts), else None."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return LaunchEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", "0")), int(env["WORLD_SIZE"]))
+
+
+def check_launch(tp_size: int, ep_size: int) -> LaunchEnv | None:
+    """Under torchrun with more than one process: the launch, after checking that WORLD_SIZE = tp_size x ep_size
+    (ValueError naming both otherwise). None without torchrun, or for a torchrun launch of one process that
+    asks for one rank."""
+    env = torchrun_env()
+    if env is None or (env.world_size == 1 and tp_size * ep_size == 1):
+        return None
+    if env.world_size != tp_size * ep_size:
+        raise ValueError(
+            f"torchrun started WORLD_SIZE={env.world_size} processes, but tensor_parallel_size (--tp) {tp_size} x "
+            f"expert_parallel_size (--ep) {ep_size} = {tp_size * ep_size} ranks: launch tp x ep processes in all "
+            "(--nnodes x --nproc-per-node), or change --tp/--ep"
+        )
+    return env
 
 
 def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import SlotPool
 from moelora.config import ModelConfig
-from moelora.distributed import ParallelState, kv_cache_config
+from moelora.distributed import ParallelState, check_launch, kv_cache_config
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import ModelRunner, StepOutput
 from moelora.engine.request import Request, Status
@@ -61,6 +61,7 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         self.workers = None  # tensor/expert parallel: ranks 1..N-1 (engine/workers.py); this process is rank 0
         ps = ParallelState()
+        check_launch(args.tensor_parallel_size, args.expert_parallel_size)  # under torchrun: WORLD_SIZE = tp x ep
         if args.tensor_parallel_size * args.expert_parallel_size > 1:
             from moelora.engine.workers import WorkerGroup
 

@@ -9,6 +9,12 @@ slot and eviction decisions: rank 0's) and run the same forward, whose collectiv
 Failure: a watchdog on rank 0 checks the worker processes before every message, and a collective that fails
 because a peer went away (gloo sees the closed connection at once) is re-raised as WorkerFailed naming the
 rank, its pid and exit code. Workers are daemons of rank 0, so they end with it.
+
+Under torchrun (`check_launch`: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, WORLD_SIZE = tp x ep; one or many
+nodes) nothing is spawned: every process joins the process group from the environment (env://), global rank 0
+is the engine and ranks 1..N-1 call `run_worker`. There are no child processes to watch, so rank 0 pings the
+workers when it has not heard from them for PING_INTERVAL_S (a broadcast and a gloo monitored barrier that names
+the ranks that did not answer), and any collective failing with a communication error becomes WorkerFailed.
 """
 
 from __future__ import annotations
@@ -24,13 +30,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moelora.distributed import ParallelState, free_port, init_parallel, kv_cache_config, shard_model
+from moelora.distributed import (ParallelState, check_launch, free_port, init_parallel, kv_cache_config,
+                                 shard_model)
 
 log = logging.getLogger(__name__)
 
 # rank 0's rendezvous and collective timeout (workers wait for the next step however long rank 0 is idle)
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("MOELORA_COLLECTIVE_TIMEOUT_S", "600"))
 _IDLE = timedelta(days=365)
+# torchrun: rank 0 pings the workers after this long without a completed step, and waits this long for answers
+PING_INTERVAL_S = float(os.environ.get("MOELORA_PING_INTERVAL_S", "2"))
+PING_TIMEOUT_S = float(os.environ.get("MOELORA_PING_TIMEOUT_S", "20"))
 
 
 class WorkerFailed(RuntimeError):
@@ -41,11 +51,15 @@ def engine_dtype(args, device: torch.device) -> str:
     return args.dtype or ("float32" if device.type == "cpu" else "auto")
 
 
-def worker_device(args, rank: int) -> torch.device:
+def worker_device(args, local_rank: int) -> torch.device:
+    """This rank's device: GPU `local_rank` of its host (made the current device), or the CPU."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda"):
-        torch.cuda.set_device(rank)
-        return torch.device("cuda", rank)
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but this host has "
+                               f"{torch.cuda.device_count()}: start at most that many processes per node")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device(device)
 
 
@@ -78,16 +92,109 @@ def _recv(ps: ParallelState) -> tuple[list, str, tuple]:
 def worker_main(rank: int, world: int, port: int, args) -> None:
     """Rank `rank` of a parallel engine started by WorkerGroup: build and shard the model, then serve rank 0's
     messages until "stop"."""
+    ps = init_parallel(args.tensor_parallel_size, args.expert_parallel_size, _backend(args),
+                       f"tcp://127.0.0.1:{port}", rank, world, timeout=_IDLE)
+    _worker_loop(ps, args, rank, rank)
+
+
+def run_worker(args) -> int:
+    """A rank other than 0 of a torchrun launch (`moelora serve`/`generate` call this on ranks 1..N-1; a script
+    using EngineArgs can too): join the process group from the environment, then repeat rank 0's steps until it
+    says "stop" (returns 0) or goes away (raises)."""
+    env = check_launch(args.tensor_parallel_size, args.expert_parallel_size)
+    if env is None or env.rank == 0:
+        raise RuntimeError("run_worker is for ranks 1..N-1 of a torchrun launch (RANK >= 1, WORLD_SIZE = tp x ep)")
+    if _backend(args) == "nccl":
+        worker_device(args, env.local_rank)  # before the NCCL group forms
+    ps = init_parallel(args.tensor_parallel_size, args.expert_parallel_size, _backend(args), "env://",
+                       env.rank, env.world_size, timeout=_IDLE)
+    beacon = _beacon()
+    if beacon is not None:
+        beacon.start(env.rank)
+    _worker_loop(ps, args, env.rank, env.local_rank, beacon)
+    return 0
+
+
+class _Beacon:
+    """torchrun: what rank 0 can learn about the workers from outside the process group, through the launch's
+    TCPStore (MASTER_ADDR:MASTER_PORT): each worker's host and pid, a heartbeat counter it bumps every
+    BEAT_S, and its exception if it raised one. With it rank 0's error names the rank that went away."""
+
+    BEAT_S = 0.5
+
+    def __init__(self) -> None:
+        import socket
+
+        self.prefix = f"moelora/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=timedelta(seconds=30))
+        self.host = socket.gethostname()
+
+    # worker side
+    def start(self, rank: int) -> None:
+        self.store.set(f"{self.prefix}who/{rank}", f"host {self.host}, pid {os.getpid()}")
+        self._stop = threading.Event()
+
+        def beat() -> None:
+            n = 0
+            while not self._stop.wait(self.BEAT_S):
+                n += 1
+                try:
+                    self.store.set(f"{self.prefix}beat/{rank}", str(n))
+                except Exception:  # noqa: BLE001 - the store (rank 0's side) is gone: nothing to tell
+                    return
+
+        threading.Thread(target=beat, daemon=True, name="moelora-beacon").start()
+
+    def error(self, rank: int, e: BaseException) -> None:
+        try:
+            self.store.set(f"{self.prefix}error/{rank}", _first_line(e))
+        except Exception:  # noqa: BLE001
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # rank 0 side
+    def _get(self, key: str) -> str | None:
+        key = self.prefix + key
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def diagnose(self, world: int) -> str:
+        """Which workers raised, or stopped beating over a few beats."""
+        try:
+            beats = {r: self._get(f"beat/{r}") for r in range(1, world)}
+            time.sleep(self.BEAT_S * 5)
+            out = []
+            for r in range(1, world):
+                who = self._get(f"who/{r}") or "not started"
+                err = self._get(f"error/{r}")
+                if err is not None:
+                    out.append(f"worker rank {r} ({who}) failed: {err}")
+                elif self._get(f"beat/{r}") == beats[r]:
+                    out.append(f"worker rank {r} ({who}) stopped (no heartbeat)")
+            return "; ".join(out) or "every worker still has a heartbeat"
+        except Exception as e:  # noqa: BLE001 - the store itself may be gone (hosted by a failed node)
+            return f"the workers' state is unknown ({_first_line(e)})"
+
+
+def _beacon() -> _Beacon | None:
+    try:
+        return _Beacon()
+    except Exception as e:  # noqa: BLE001 - without it only the names of the failed ranks are missing
+        log.warning("moelora: no worker beacon through the launch's store: %s", e)
+        return None
+
+
+def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _Beacon | None = None) -> None:
     from moelora.adapters.registry import AdapterRegistry
     from moelora.adapters.slots import clear_slot, write_slot
     from moelora.config import ModelConfig
     from moelora.engine.kv_cache import KVCache
     from moelora.engine.model_runner import ModelRunner
 
-    ps = init_parallel(args.tensor_parallel_size, args.expert_parallel_size, _backend(args),
-                       f"tcp://127.0.0.1:{port}", rank, world, timeout=_IDLE)
     try:
-        device = worker_device(args, rank)
+        device = worker_device(args, local_rank)
         cfg = ModelConfig.from_pretrained(args.model)
         model = build_sharded_model(cfg, args, engine_dtype(args, device), device, ps)
         _, kind, (num_blocks,) = _recv(ps)
@@ -106,6 +213,8 @@ def worker_main(rank: int, world: int, port: int, args) -> None:
                     write_slot(targets, registry.get(name), slot)
             if kind == "step":
                 runner.forward_step(*payload)
+            elif kind == "ping":
+                dist.monitored_barrier(group=ps.control_group, timeout=_IDLE)
             elif kind == "load":
                 registry.load(*payload)
             elif kind == "unload":
@@ -114,8 +223,14 @@ def worker_main(rank: int, world: int, port: int, args) -> None:
                 break
             else:
                 raise RuntimeError(f"rank {rank}: unknown message {kind!r} from rank 0")
+    except BaseException as e:
+        if beacon is not None:
+            beacon.error(rank, e)
+        raise
     finally:
-        dist.destroy_process_group()
+        if beacon is not None:
+            beacon.stop()
+        _leave_group()
 
 
 def _backend(args) -> str:
@@ -125,7 +240,8 @@ def _backend(args) -> str:
 
 class WorkerGroup:
     """Rank 0's side: starts ranks 1..N-1 (spawned processes, a free local port), joins the process group with
-    them, and sends them each step."""
+    them, and sends them each step. Under torchrun (external=True) the ranks are torchrun's processes: nothing is
+    spawned and the group forms from the environment."""
 
     def __init__(self, args) -> None:
         self.world = args.tensor_parallel_size * args.expert_parallel_size
@@ -134,6 +250,24 @@ class WorkerGroup:
                                "engine still running? call its shutdown() first)")
         self._events: list[tuple[int, str | None]] = []
         self._stopped = False
+        self.procs: list = []
+        launch = check_launch(args.tensor_parallel_size, args.expert_parallel_size)
+        self.external = launch is not None
+        if self.external:
+            if launch.rank != 0:
+                raise RuntimeError(
+                    f"under torchrun only rank 0 runs the engine; this is rank {launch.rank}: call "
+                    "moelora.engine.workers.run_worker(EngineArgs(...)) on ranks 1..N-1 (moelora serve and "
+                    "moelora generate do)")
+            if _backend(args) == "nccl":
+                worker_device(args, launch.local_rank)
+            self.state: ParallelState = init_parallel(
+                args.tensor_parallel_size, args.expert_parallel_size, _backend(args), "env://", 0, self.world,
+                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            self._last_ok = time.monotonic()
+            self.beacon = _beacon()
+            atexit.register(self.stop)
+            return
         port = free_port()
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, args=(r, self.world, port, args), daemon=True,
@@ -161,8 +295,13 @@ class WorkerGroup:
             raise WorkerFailed(f"could not form the process group of {self.world} ranks: {box['error']}")
         self.state: ParallelState = box["ps"]
 
-    def check(self, grace_s: float = 0.0) -> None:
-        """Raise WorkerFailed if a worker has exited (waiting up to grace_s for one to show its exit)."""
+    def check(self, grace_s: float = 0.0, ping: bool = False) -> None:
+        """Raise WorkerFailed if a worker has exited (waiting up to grace_s for one to show its exit). Under
+        torchrun: ping the workers if no step has completed for PING_INTERVAL_S (or now, with ping=True)."""
+        if self.external:
+            if not self._stopped and (ping or time.monotonic() - self._last_ok >= PING_INTERVAL_S):
+                self._ping()
+            return
         deadline = time.monotonic() + grace_s
         while True:
             dead = [(i + 1, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
@@ -179,6 +318,26 @@ class WorkerGroup:
                 "cannot continue (see the worker's traceback above, if any)"
             )
 
+    def _ping(self) -> None:
+        """torchrun: every worker must answer a monitored barrier within PING_TIMEOUT_S."""
+        msg, self._events = [(list(self._events), "ping", ())], []
+        try:
+            dist.broadcast_object_list(msg, src=0, group=self.state.control_group)
+            dist.monitored_barrier(group=self.state.control_group, timeout=timedelta(seconds=PING_TIMEOUT_S),
+                                   wait_all_ranks=True)
+        except Exception as e:  # noqa: BLE001 - re-raised as WorkerFailed
+            raise self._failed(f"a worker did not answer rank 0's ping: {_first_line(e)}") from e
+        self._last_ok = time.monotonic()
+
+    def _failed(self, what: str) -> WorkerFailed:
+        """torchrun: stop using the group and say so."""
+        self._stopped = True
+        _leave_group()
+        who = self.beacon.diagnose(self.world) if self.beacon is not None else "unknown"
+        return WorkerFailed(
+            f"tensor/expert-parallel worker failure under torchrun ({self.world} ranks): {who}. Rank 0 saw: {what}. "
+            "The engine cannot continue (see the worker's traceback and torchrun's error summary, if any)")
+
     def guard(self, what: str):
         """Context manager: an exception inside (a collective whose peer died) becomes WorkerFailed when a
         worker has exited."""
@@ -189,6 +348,13 @@ class WorkerGroup:
                 group.check()
 
             def __exit__(self, exc_type, exc, tb):
+                if group.external:
+                    if exc is None:
+                        if what == "step":  # a completed step had every rank in its collectives
+                            group._last_ok = time.monotonic()
+                    elif not isinstance(exc, WorkerFailed) and _is_comm_error(exc):
+                        raise group._failed(f"a collective failed during {what!r}: {_first_line(exc)}") from exc
+                    return False
                 if exc is not None and not isinstance(exc, WorkerFailed):
                     try:
                         group.check(grace_s=5.0)
@@ -231,6 +397,20 @@ class WorkerGroup:
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    """A collective that failed because a peer went away or timed out (not a bug in this rank's own step)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(
+        k in text for k in ("gloo", "nccl", "connection", "peer", "timed out", "broken pipe", "socket"))
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 def _leave_group() -> None:

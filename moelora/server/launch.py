@@ -53,10 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
 
 
-def build_from_args(args: argparse.Namespace):
-    from moelora.server.app import ServerSettings, build_app  # fastapi is imported only to serve
-    from moelora.server.async_engine import AsyncEngine
-
+def engine_args(args: argparse.Namespace) -> tuple[EngineArgs, dict[str, str], str]:
+    """(EngineArgs, adapters to load at start-up, the served model name) from the serve arguments."""
     adapters = {}
     for spec in args.lora:
         name, sep, path = spec.partition("=")
@@ -81,6 +79,15 @@ def build_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, max_graph_batch_size=args.max_graph_batch_size,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
     )
+    return eargs, adapters, served
+
+
+def build_from_args(args: argparse.Namespace):
+    from moelora.server.app import ServerSettings, build_app  # fastapi is imported only to serve
+    from moelora.server.async_engine import AsyncEngine
+
+    eargs, adapters, served = engine_args(args)
+    model = eargs.model
     engine = AsyncEngine(LLMEngine(eargs, adapters))
     settings = ServerSettings(served_model_name=served, model_path=model, api_key=args.api_key,
                               lora_roots=list(args.lora_root), max_body_bytes=args.max_body_bytes, max_n=args.max_n)
@@ -88,15 +95,34 @@ def build_from_args(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Serve HTTP; under torchrun, rank 0 does and ranks 1..N-1 run the worker loop."""
     import uvicorn
 
+    from moelora.distributed import check_launch
+
+    try:
+        launch = check_launch(args.tensor_parallel_size, args.expert_parallel_size)
+    except ValueError as e:
+        raise SystemExit(f"moelora: {e}") from None
+    if launch is not None and launch.rank != 0:
+        from moelora.engine.workers import run_worker
+
+        return run_worker(engine_args(args)[0])
     engine, app = build_from_args(args)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     engine.on_fatal = lambda message: setattr(server, "should_exit", True)  # a dead worker stops the server
     engine.start()
     print(f"moelora: serving {app.state.settings.served_model_name!r} with adapters {engine.engine.list_adapters()} "
           f"on http://{args.host}:{args.port}/v1 ({engine.engine.device})", flush=True)
-    server.run()
+    server.run()  # its lifespan has stopped the engine thread when this returns
+    workers = engine.engine.workers
+    if engine.fatal_error is None and workers is not None and workers.external:
+        from moelora.engine.workers import WorkerFailed
+
+        try:  # stopped by a signal: torchrun stops every rank when one fails; say so if that is why
+            workers.check(ping=True)
+        except WorkerFailed as e:
+            engine.fatal_error = str(e)
     engine.engine.shutdown()
     if engine.fatal_error is not None:
         print(f"moelora: stopped: {engine.fatal_error}", flush=True)

@@ -1,0 +1,106 @@
+"""Multi-node launch on the CPU: `torchrun --standalone --nproc-per-node 2 -m moelora generate --tp 2` prints
+the single-process greedy token ids (with an adapter, so sharded LoRA is on the path); a WORLD_SIZE that is not
+tp x ep is refused with the reason; and under torchrun's environment (set by hand, so that rank 0's own
+detection is what is tested, not torchrun's teardown) a killed worker stops `moelora serve` on rank 0 with an
+error within 30 s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import moelora
+from helpers import save_byte_tokenizer, save_peft_adapter, save_tiny_model, tmp
+from moelora.distributed import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(moelora.__file__)))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+PROMPTS = ["hello world", "moe"]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("torchrun")
+    base = save_tiny_model("qwen3_moe", tmp(d, "m"), vocab_size=260, eos_token_id=256)
+    save_byte_tokenizer(tmp(d, "m"))
+    save_peft_adapter(base, tmp(d, "a"), 1, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return tmp(d, "m"), tmp(d, "a")
+
+
+def _generate_args(model, adapter, tp: int) -> list[str]:
+    args = ["generate", "--model", model, "--lora", f"a={adapter}", "--adapter", "a", "--max-tokens", "6",
+            "--token-ids", "--device", "cpu", "--tp", str(tp)]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    return args
+
+
+def test_torchrun_generate_matches_single_process(model):
+    m, a = model
+    ref = subprocess.run([sys.executable, "-m", "moelora", *_generate_args(m, a, 1)], env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = [ln for ln in ref.stdout.splitlines() if ln.strip()]
+    assert len(want) == len(PROMPTS) and all(len(ln.split()) == 6 for ln in want), ref.stdout
+    run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "moelora",
+                          *_generate_args(m, a, 2)], env=_env(), capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [ln for ln in run.stdout.splitlines() if ln.strip()] == want, (run.stdout, run.stderr[-3000:])
+
+
+def test_torchrun_world_size_mismatch_is_refused(model):
+    m, a = model
+    run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "moelora",
+                          *_generate_args(m, a, 1)], env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "torchrun started WORLD_SIZE=2 processes, but tensor_parallel_size (--tp) 1 x expert_parallel_size " \
+           "(--ep) 1 = 1 ranks" in run.stderr, run.stderr[-3000:]
+
+
+def test_killed_worker_stops_rank0_server(model):
+    m, a = model
+    port, master = free_port(), free_port()
+    cmd = [sys.executable, "-m", "moelora", "serve", "--model", m, "--lora", f"a={a}", "--max-loras", "2",
+           "--max-lora-rank", "8", "--device", "cpu", "--tp", "2", "--port", str(port)]
+    common = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master), MOELORA_PING_INTERVAL_S="1")
+    procs = [subprocess.Popen(cmd, env=_env(RANK=str(r), LOCAL_RANK=str(r), **common), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        rank0, rank1 = procs
+        deadline = time.monotonic() + 90
+        lines = []
+        while time.monotonic() < deadline:
+            line = rank0.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "moelora: serving" in line:
+                break
+        assert any("moelora: serving" in ln for ln in lines), "".join(lines)
+        time.sleep(2)  # a few idle pings answered
+        assert rank0.poll() is None and rank1.poll() is None
+        rank1.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        out, _ = rank0.communicate(timeout=30)
+        assert time.monotonic() - t0 < 30
+        assert rank0.returncode == 1, out
+        assert "moelora: stopped: tensor/expert-parallel worker failure under torchrun (2 ranks): worker rank 1 (host " in out, out
+        assert "stopped (no heartbeat)" in out, out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
