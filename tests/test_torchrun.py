@@ -1,8 +1,8 @@
 """Multi-node launch on the CPU: `torchrun --standalone --nproc-per-node 2 -m moelora generate --tp 2` prints
 the single-process greedy token ids (with an adapter, so sharded LoRA is on the path); a WORLD_SIZE that is not
 tp x ep is refused with the reason; and under torchrun's environment (set by hand, so that rank 0's own
-detection is what is tested, not torchrun's teardown) a killed worker stops `moelora serve` on rank 0 with an
-error within 30 s."""
+detection is what is tested, not torchrun's teardown) `moelora serve --tp 2` answers HTTP on rank 0, and a
+killed worker stops it with an error naming the rank within 30 s."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from helpers import save_byte_tokenizer, save_peft_adapter, save_tiny_model, tmp
 from moelora.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(moelora.__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the torchrun script runs
 PROMPTS = ["hello world", "moe"]
 
 
@@ -55,7 +55,7 @@ def test_torchrun_generate_matches_single_process(model):
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = [ln for ln in ref.stdout.splitlines() if ln.strip()]
     assert len(want) == len(PROMPTS) and all(len(ln.split()) == 6 for ln in want), ref.stdout
-    run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "moelora",
+    run = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "moelora",
                           *_generate_args(m, a, 2)], env=_env(), capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     assert [ln for ln in run.stdout.splitlines() if ln.strip()] == want, (run.stdout, run.stderr[-3000:])
@@ -63,7 +63,7 @@ def test_torchrun_generate_matches_single_process(model):
 
 def test_torchrun_world_size_mismatch_is_refused(model):
     m, a = model
-    run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "moelora",
+    run = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "moelora",
                           *_generate_args(m, a, 1)], env=_env(), capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "torchrun started WORLD_SIZE=2 processes, but tensor_parallel_size (--tp) 1 x expert_parallel_size " \
@@ -90,7 +90,25 @@ def test_killed_worker_stops_rank0_server(model):
             if "moelora: serving" in line:
                 break
         assert any("moelora: serving" in ln for ln in lines), "".join(lines)
-        time.sleep(2)  # a few idle pings answered
+        import json
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps({"model": "a", "prompt": "hello", "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"content-type": "application/json"})
+        for _ in range(100):  # "serving" is printed just before uvicorn starts listening
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:  # rank 0 serves HTTP, rank 1 joins the steps
+                    assert json.load(r)["usage"]["completion_tokens"] == 4
+                break
+            except urllib.error.URLError as e:
+                if not isinstance(e.reason, ConnectionRefusedError):
+                    raise
+                time.sleep(0.2)
+        else:
+            raise AssertionError("rank 0 never listened")
+        time.sleep(3)  # idle: a few pings answered
         assert rank0.poll() is None and rank1.poll() is None
         rank1.send_signal(signal.SIGKILL)
         t0 = time.monotonic()

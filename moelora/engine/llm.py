@@ -19,7 +19,9 @@ class LLM:
         outs = llm.generate(["a", "b"], SamplingParams(max_tokens=8), adapter=["name", None])
 
     Every keyword of EngineArgs is accepted (block_size, max_num_seqs, max_model_len, load_format, ...);
-    tensor_parallel_size / expert_parallel_size > 1 start one worker process per extra rank.
+    tensor_parallel_size / expert_parallel_size > 1 start one worker process per extra rank. Under torchrun
+    (WORLD_SIZE = tp x ep) nothing is started: rank 0 builds the LLM and ranks 1..N-1 call
+    moelora.engine.workers.run_worker(EngineArgs(model, ...same keywords...)).
     """
 
     def __init__(self, model: str, adapters: dict[str, str] | None = None, **kwargs) -> None:
