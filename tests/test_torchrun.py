@@ -48,13 +48,14 @@ def _generate_args(model, adapter, tp: int) -> list[str]:
     return args
 
 
-def test_torchrun_generate_matches_single_process(model):
+def test_torchrun_generate_matches_single_process(model, capsys):
+    from moelora.cli import main
+
     m, a = model
-    ref = subprocess.run([sys.executable, "-m", "moelora", *_generate_args(m, a, 1)], env=_env(),
-                         capture_output=True, text=True, timeout=120)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    want = [ln for ln in ref.stdout.splitlines() if ln.strip()]
-    assert len(want) == len(PROMPTS) and all(len(ln.split()) == 6 for ln in want), ref.stdout
+    assert main(_generate_args(m, a, 1)) == 0  # the single-process reference, in this process
+    out = capsys.readouterr().out
+    want = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(want) == len(PROMPTS) and all(len(ln.split()) == 6 for ln in want), out
     run = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "moelora",
                           *_generate_args(m, a, 2)], env=_env(), capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -70,16 +71,35 @@ def test_torchrun_world_size_mismatch_is_refused(model):
            "(--ep) 1 = 1 ranks" in run.stderr, run.stderr[-3000:]
 
 
-def test_killed_worker_stops_rank0_server(model):
+def _rank1_child(agent: subprocess.Popen) -> int:
+    """The pid of torchrun's child with RANK=1."""
+    with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as f:
+        for pid in f.read().split():
+            with open(f"/proc/{pid}/environ", "rb") as e:
+                if b"\0RANK=1\0" in b"\0" + e.read():
+                    return int(pid)
+    raise AssertionError("no rank-1 child of torchrun")
+
+
+@pytest.mark.parametrize("launcher", ["env", "torchrun"])
+def test_killed_worker_stops_rank0_server(model, launcher):
+    """env: torchrun's variables set by hand (rank 0 must notice by itself, as it must for a rank on another
+    node); torchrun: the real agent, which SIGTERMs rank 0 at once: rank 0 still says which rank died."""
+    if launcher == "torchrun" and not os.path.exists("/proc/self/task"):
+        pytest.skip("finds torchrun's child through /proc")
     m, a = model
     port, master = free_port(), free_port()
-    cmd = [sys.executable, "-m", "moelora", "serve", "--model", m, "--lora", f"a={a}", "--max-loras", "2",
-           "--max-lora-rank", "8", "--device", "cpu", "--tp", "2", "--port", str(port)]
-    common = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master), MOELORA_PING_INTERVAL_S="1")
-    procs = [subprocess.Popen(cmd, env=_env(RANK=str(r), LOCAL_RANK=str(r), **common), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    args = ["-m", "moelora", "serve", "--model", m, "--lora", f"a={a}", "--max-loras", "2",
+            "--max-lora-rank", "8", "--device", "cpu", "--tp", "2", "--port", str(port)]
+    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if launcher == "env":
+        common = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master), MOELORA_PING_INTERVAL_S="1")
+        procs = [subprocess.Popen([sys.executable, *args], env=_env(RANK=str(r), LOCAL_RANK=str(r), **common),
+                                  **pipe) for r in (0, 1)]
+    else:
+        procs = [subprocess.Popen([*TORCHRUN, "--standalone", "--nproc-per-node", "2", *args], env=_env(), **pipe)]
     try:
-        rank0, rank1 = procs
+        rank0 = procs[0]
         deadline = time.monotonic() + 90
         lines = []
         while time.monotonic() < deadline:
@@ -109,12 +129,12 @@ def test_killed_worker_stops_rank0_server(model):
         else:
             raise AssertionError("rank 0 never listened")
         time.sleep(3)  # idle: a few pings answered
-        assert rank0.poll() is None and rank1.poll() is None
-        rank1.send_signal(signal.SIGKILL)
+        assert all(p.poll() is None for p in procs)
+        os.kill(procs[1].pid if launcher == "env" else _rank1_child(rank0), signal.SIGKILL)
         t0 = time.monotonic()
         out, _ = rank0.communicate(timeout=30)
         assert time.monotonic() - t0 < 30
-        assert rank0.returncode == 1, out
+        assert rank0.returncode == 1, out  # torchrun: its own exit status, 1 as well
         assert "moelora: stopped: tensor/expert-parallel worker failure under torchrun (2 ranks): worker rank 1 (host " in out, out
         assert "stopped (no heartbeat)" in out, out
     finally:

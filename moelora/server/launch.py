@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import threading
 import time
@@ -114,12 +115,18 @@ def serve(args: argparse.Namespace) -> int:
     engine.start()
     print(f"moelora: serving {app.state.settings.served_model_name!r} with adapters {engine.engine.list_adapters()} "
           f"on http://{args.host}:{args.port}/v1 ({engine.engine.device})", flush=True)
-    server.run()  # its lifespan has stopped the engine thread when this returns
     workers = engine.engine.workers
-    if engine.fatal_error is None and workers is not None and workers.external:
+    external = workers is not None and workers.external
+    if external:  # uvicorn re-raises the SIGTERM it shut down for: catch it to say why torchrun stopped us
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        server.run()  # its lifespan has stopped the engine thread when this returns
+    except _Terminated:
+        pass
+    if engine.fatal_error is None and external:
         from moelora.engine.workers import WorkerFailed
 
-        try:  # stopped by a signal: torchrun stops every rank when one fails; say so if that is why
+        try:  # torchrun stops every rank (SIGTERM) when one fails: if that is why, say which
             workers.check(ping=True)
         except WorkerFailed as e:
             engine.fatal_error = str(e)
@@ -128,6 +135,14 @@ def serve(args: argparse.Namespace) -> int:
         print(f"moelora: stopped: {engine.fatal_error}", flush=True)
         return 1
     return 0
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated(signum)
 
 
 def free_port() -> int:
