@@ -142,3 +142,30 @@ def test_killed_worker_stops_rank0_server(model, launcher):
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+
+
+def test_check_launch_and_the_engine_on_a_worker_rank(model, monkeypatch):
+    from moelora.distributed import check_launch
+    from moelora.engine.llm_engine import EngineArgs, LLMEngine
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert check_launch(2, 1) is None  # not under torchrun: moelora spawns its workers
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert check_launch(1, 1) is None  # torchrun with one process: a plain engine
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    env = check_launch(2, 2)
+    assert (env.rank, env.local_rank, env.world_size) == (3, 1, 4)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=4 processes, but tensor_parallel_size \(--tp\) 2 x "
+                                         r"expert_parallel_size \(--ep\) 1 = 2 ranks"):
+        check_launch(2, 1)
+    with pytest.raises(ValueError, match="WORLD_SIZE=4"):
+        LLMEngine(EngineArgs(model=model[0], device="cpu"))  # tp x ep = 1 under a 4-process launch
+    with pytest.raises(RuntimeError, match=r"only rank 0 runs the engine; this is rank 3: call "
+                                           r"moelora.engine.workers.run_worker"):
+        LLMEngine(EngineArgs(model=model[0], device="cpu", tensor_parallel_size=2, expert_parallel_size=2))
