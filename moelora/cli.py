@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
         "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health and /metrics. A request picks its adapter "
         "with model=ADAPTER or model=BASE:ADAPTER; model=BASE means no adapter.",
-        epilog=TORCHRUN_HELP.replace("COMMAND", "serve --model /shared/model --host 0.0.0.0 --kv-cache-memory 8000000000")
+        epilog=TORCHRUN_HELP.replace("COMMAND",
+                                     "serve --model /shared/model --host 0.0.0.0 --kv-cache-memory 8000000000")
         + "\nRank 0 serves HTTP on --host/--port; the other ranks only run the model.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -135,7 +135,8 @@ def test_killed_worker_stops_rank0_server(model, launcher):
         out, _ = rank0.communicate(timeout=30)
         assert time.monotonic() - t0 < 30
         assert rank0.returncode == 1, out  # torchrun: its own exit status, 1 as well
-        assert "moelora: stopped: tensor/expert-parallel worker failure under torchrun (2 ranks): worker rank 1 (host " in out, out
+        assert ("moelora: stopped: tensor/expert-parallel worker failure under torchrun (2 ranks): "
+                "worker rank 1 (host ") in out, out
         assert "stopped (no heartbeat)" in out, out
     finally:
         for p in procs:

@@ -125,7 +125,8 @@ class _Beacon:
     def __init__(self) -> None:
         import socket
 
-        self.prefix = f"moelora/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        run, restart = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"moelora/{run}/{restart}/"
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=timedelta(seconds=30))
         self.host = socket.gethostname()
