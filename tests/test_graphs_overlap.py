@@ -78,19 +78,45 @@ def _legacy_attention_logits(eng: LLMEngine, token_ids, positions, tables, slots
         attention.ATTENTION_KERNEL = before
 
 
+def _moe_routing(eng: LLMEngine, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per MoE layer: (sorted top-k expert ids [n, K], router logits [n, E] fp32) of the last forward."""
+    return [(m.last_topk_ids[:n].sort(-1).values.clone(), m.last_router_logits[:n].float().clone())
+            for m in eng.model.modules() if getattr(m, "last_router_logits", None) is not None]
+
+
+def _routing_flips(graph_r, eager_r, top_k: int) -> dict[int, tuple[int, float, float]]:
+    """Rows whose expert choice differs between two runs: row -> (first layer that differs, the eager router's
+    gap between its k-th and (k+1)-th logit there, the largest router-logit difference between the runs)."""
+    flips: dict[int, tuple[int, float, float]] = {}
+    for layer, ((gi, gl), (ei, el)) in enumerate(zip(graph_r, eager_r)):
+        for row in (gi != ei).any(-1).nonzero().flatten().tolist():
+            if row not in flips:
+                top = el[row].topk(top_k + 1).values
+                flips[row] = (layer, float(top[top_k - 1] - top[top_k]), float((gl[row] - el[row]).abs().max()))
+    return flips
+
+
 @torch.no_grad()
 def test_graph_replay_equals_eager_200_random_steps(model_dir):
     """200 decode steps: random batch sizes (most need padding to a bucket), random slots incl. -1, random
-    positions over a cache filled with random keys and values."""
+    positions over a cache filled with random keys and values.
+
+    Graph and eager run different kernel shapes (a padded bucket vs the exact batch; the single-slot fast
+    path in eager), so bf16 rounding differs. A row whose router picks a different expert in some layer
+    (a near-tie) legitimately ends far apart; such a row must be explained: at the first layer that differs,
+    the router logits of graph and eager differ by little (< 0.1) and the eager gap between its k-th and
+    (k+1)-th expert is within that difference. Every other row must match within bf16 tolerance, and
+    explained flips stay rare (<= 2% of rows)."""
     eng = _engine(model_dir, eager=False)
     g = eng.runner.graphs
     assert g is not None
+    top_k = eng.config.num_experts_per_tok
     for k, v in eng.kv.caches:
         k.normal_()
         v.normal_()
     rng = random.Random(7)
     bs_max = eng.kv.block_size
-    worst, flips = 0.0, 0
+    worst, flips, flipped_rows, rows = 0.0, 0, 0, 0
     for step in range(200):
         n = rng.randint(1, 64)
         slots = [rng.choice([-1, *range(8)]) for _ in range(n)]
@@ -102,24 +128,39 @@ def test_graph_replay_equals_eager_200_random_steps(model_dir):
             at += p // bs_max + 1
         token_ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
         graph_logits = eng.model.compute_logits(g.run(token_ids, positions, tables, slots)).clone()
+        graph_r = _moe_routing(eng, n)
         eager_logits = eng.model.compute_logits(_eager_hidden(eng, token_ids, positions, tables, slots))
-        diff = (graph_logits - eager_logits).abs().max().item()
+        eager_r = _moe_routing(eng, n)
+        rows += n
+        routed = _routing_flips(graph_r, eager_r, top_k)
+        for row, (layer, gap, moved) in routed.items():
+            assert moved < 0.1 and gap <= moved, (
+                f"step {step}, row {row} (slot {slots[row]}): layer {layer} routes differently in graph and eager "
+                f"without a near-tie: router logits differ by {moved:.4f}, the eager k-th/(k+1)-th gap is {gap:.4f}")
+        flipped_rows += len(routed)
+        same = torch.ones(n, dtype=torch.bool, device=eager_logits.device)
+        same[list(routed)] = False
+        diff = (graph_logits - eager_logits)[same].abs().max().item() if same.any() else 0.0
         worst = max(worst, diff)
         if diff >= 0.15:  # diagnose before failing: is either side unstable run to run (a race), or one wrong?
             again_g = eng.model.compute_logits(g.run(token_ids, positions, tables, slots)).clone()
             again_e = eng.model.compute_logits(_eager_hidden(eng, token_ids, positions, tables, slots))
             legacy = _legacy_attention_logits(eng, token_ids, positions, tables, slots)
+            row_diff = (graph_logits - eager_logits).abs().amax(-1)
             detail = (f"graph rerun moved {(again_g - graph_logits).abs().max().item():.4f}, eager rerun moved "
                       f"{(again_e - eager_logits).abs().max().item():.4f}; eager with the legacy attention kernel is "
                       f"{(legacy - eager_logits).abs().max().item():.4f} from eager, "
-                      f"{(legacy - graph_logits).abs().max().item():.4f} from the graph; positions {positions[:4]}")
+                      f"{(legacy - graph_logits).abs().max().item():.4f} from the graph; positions {positions[:4]}; "
+                      f"worst rows {row_diff.topk(min(3, n)).indices.tolist()}")
             raise AssertionError(f"step {step}: batch {n}, slots {slots[:8]}: logits differ by {diff}; {detail}")
-        top2 = eager_logits.topk(2, dim=-1).values
+        top2 = eager_logits[same].topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * diff  # rows whose argmax no bf16 rounding can flip
-        assert torch.equal(graph_logits.argmax(-1)[clear], eager_logits.argmax(-1)[clear]), f"step {step}"
+        assert torch.equal(graph_logits[same].argmax(-1)[clear], eager_logits[same].argmax(-1)[clear]), f"step {step}"
         flips += int((graph_logits.argmax(-1) != eager_logits.argmax(-1)).sum())
+    assert flipped_rows <= 0.02 * rows, f"{flipped_rows} of {rows} rows route differently in graph and eager"
     assert sum(v for (bs, lora), v in g.replays.items() if lora) >= 190  # nearly every step had an adapter row
-    print(f"worst logit difference {worst:.4f}; argmax differences on near-ties {flips}")
+    print(f"worst logit difference {worst:.4f}; argmax differences on near-ties {flips}; "
+          f"rows with a router near-tie {flipped_rows} of {rows}")
 
 
 @torch.no_grad()

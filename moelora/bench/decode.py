@@ -23,6 +23,7 @@ from moelora.bench.common import hbm_bandwidth_gbs, write_result
 from moelora.bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
+from moelora.kernels._triton import fused_lora, set_fused_lora
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
@@ -49,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-overlap", default="on", choices=["on", "off", "both"],
                    help="side-stream LoRA overlap (default on); both: the sweep with it on, then the adapter cases "
                         "again with it off (graphs recaptured)")
+    p.add_argument("--fused-lora", default="default", choices=["default", "on", "off", "both"],
+                   help="the fused decode LoRA kernels (one launch per projection; kernels/*_fused_triton.py): "
+                        "default keeps the engine's setting (MOELORA_FUSED_LORA); both: the sweep with the engine's "
+                        "setting, then the adapter cases again with it flipped (graphs recaptured)")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (a smoke test of the benchmark)")
 
 
@@ -189,21 +194,28 @@ def run(args: argparse.Namespace) -> int:
     head = {"hbm_gbs": bw, "startup_to_first_token_s": startup_s, "adapter_load_s": load_s,
             "adapter_bytes": adapter_bytes, "graphs": engine.runner.graphs is not None,
             "memory_plan_gib": plan.as_gib() if plan else None}
-    passes = [True, False] if args.lora_overlap == "both" else [args.lora_overlap == "on"]
-    cases = [(o, w, b, n) for o in passes for w in args.workloads.split(",") for b in batches for n in counts
-             if o == passes[0] or n > 0]
-    for overlap, workload, batch, n in cases:
-        if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state():
-            _recapture(engine, overlap)
+    overlaps = [True, False] if args.lora_overlap == "both" else [args.lora_overlap == "on"]
+    fused_mode = getattr(args, "fused_lora", "default")
+    if fused_mode in ("on", "off"):
+        _recapture(engine, overlaps[0], fused_mode == "on")
+    fused0 = fused_lora()
+    fuseds = [fused0, not fused0] if fused_mode == "both" else [fused0]
+    passes = [(o, f) for f in fuseds for o in overlaps]
+    cases = [(o, f, w, b, n) for o, f in passes for w in args.workloads.split(",") for b in batches for n in counts
+             if (o, f) == passes[0] or n > 0]
+    for overlap, fused, workload, batch, n in cases:
+        if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state() or fused != fused_lora():
+            _recapture(engine, overlap, fused)
         r = _case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n)
         r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
                  + ("" if not args.layers else f" ({args.layers} layers)"),
-                 dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap)
+                 dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap, fused_lora=fused)
         r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw else None
         rows.append(r)
         write_result("decode", {**head, "rows": rows}, args.out)  # after every row: a cut-off run keeps its rows
         fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
-        print(f"{workload:8s} batch {batch:4d} adapters {n}{'' if overlap else ' (overlap off)'}: {r['tokens_per_s']:9.1f} tok/s  step "
+        tags = ("" if overlap else " (overlap off)") + (" (fused LoRA)" if fused and n else "")
+        print(f"{workload:8s} batch {batch:4d} adapters {n}{tags}: {r['tokens_per_s']:9.1f} tok/s  step "
               f"{r['step_ms']:7.2f} ms  floor {fl}  experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}",
               flush=True)
     path = write_result("decode", {**head, "rows": rows}, args.out)
@@ -211,9 +223,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recapture(engine: LLMEngine, overlap: bool) -> None:
-    """Switch the side-stream overlap and capture the decode graphs again (they record the streams used)."""
+def _recapture(engine: LLMEngine, overlap: bool, fused: bool | None = None) -> None:
+    """Switch the side-stream overlap (and the fused LoRA kernels) and capture the decode graphs again (they
+    record the streams and kernels used)."""
     engine.model.set_overlap(overlap and engine.device.type == "cuda")
+    if fused is not None:
+        set_fused_lora(fused)
     g = engine.runner.graphs
     if g is not None:
         g.graphs.clear()

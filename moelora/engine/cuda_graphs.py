@@ -37,7 +37,8 @@ class DecodeGraphs:
         self.max_batch_size = B
         self.replays: dict[tuple[int, bool], int] = {}  # (bucket, with LoRA) -> replays, for tests and stats
         self.lora_layer_calls: dict[tuple[int, bool], int] = {}  # LoRA computations recorded into each graph
-        self._routing: dict[tuple[int, bool], list[tuple[torch.nn.Module, torch.Tensor]]] = {}
+        # per graph: (MoE block, its top-k ids, its router logits or None), outputs of the capture kept alive
+        self._routing: dict[tuple[int, bool], list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]]] = {}
 
     def _attn(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -65,8 +66,9 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[(bs, with_lora)] = (graph, out)
                 self.lora_layer_calls[(bs, with_lora)] = lora_work_count() - calls
-                # each MoE block's routing output of this graph (statistics read it after a replay)
-                self._routing[(bs, with_lora)] = [(m, m.last_topk_ids) for m in self.model.modules()
+                # each MoE block's routing output of this graph (statistics and tests read it after a replay)
+                self._routing[(bs, with_lora)] = [(m, m.last_topk_ids, getattr(m, "last_router_logits", None))
+                                                  for m in self.model.modules()
                                                   if getattr(m, "last_topk_ids", None) is not None]
         torch.cuda.synchronize()
 
@@ -100,7 +102,9 @@ class DecodeGraphs:
             self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)
         graph, out = self.graphs[(bs, with_lora)]
         graph.replay()
-        for module, topk_ids in self._routing.get((bs, with_lora), ()):
+        for module, topk_ids, router_logits in self._routing.get((bs, with_lora), ()):
             module.last_topk_ids = topk_ids
+            if router_logits is not None:
+                module.last_router_logits = router_logits
         self.replays[(bs, with_lora)] = self.replays.get((bs, with_lora), 0) + 1
         return out[:n]

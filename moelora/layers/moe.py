@@ -96,6 +96,7 @@ class MoEBlock(nn.Module):
         route = route_topk if routing_kernel_ok(logits) else route_topk_ref  # one Triton launch on CUDA
         topk_weights, topk_ids = route(logits, self.top_k, self.renormalize)  # [T, K]
         self.last_topk_ids = topk_ids  # a reference, for statistics (experts touched per step)
+        self.last_router_logits = logits  # a reference, for tests (is a routing difference a near-tie?)
         if self.shared_expert is None:
             return self.experts(x, topk_weights.to(x.dtype), topk_ids, lora)
         if not (self.experts.overlap and x.is_cuda):
