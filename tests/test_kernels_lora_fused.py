@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, token_slots, tolerance
-from moelora.kernels._triton import fused_lora, set_fused_lora
+from moelora.kernels._triton import fused_dense_lora, fused_lora, set_fused_dense_lora, set_fused_lora
 from moelora.kernels.groups import SlotGroups
 from moelora.kernels.lora_fused_triton import lora_fused_decode, lora_fused_decode_ref
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
@@ -257,6 +257,13 @@ def fused_switch():
     set_fused_lora(before)
 
 
+@pytest.fixture
+def fused_dense_switch():
+    before = fused_dense_lora()
+    yield set_fused_dense_lora
+    set_fused_dense_lora(before)
+
+
 def _moe_layer(T, dtype, gen, popularity="with_base_rows"):
     from moelora.kernels.moe import ExpertLoRAArgs, route_topk_ref
 
@@ -341,7 +348,7 @@ def _dense_layer(T, dtype, gen, popularity):
 
 
 @pytest.mark.parametrize("popularity", ["with_base_rows", "identical"])
-def test_apply_dense_lora_switch_on_equals_off(popularity, fused_switch, monkeypatch):
+def test_apply_dense_lora_switch_on_equals_off(popularity, fused_dense_switch, monkeypatch):
     from moelora.layers import linear
     from moelora.layers.linear import apply_dense_lora
 
@@ -351,10 +358,10 @@ def test_apply_dense_lora_switch_on_equals_off(popularity, fused_switch, monkeyp
     dtype = DTYPES[0]
     w, batch, x = _dense_layer(9, dtype, gen, popularity)
     y0 = torch.randn(9, sum(DOUTS), generator=gen).to(DEVICE, dtype)
-    fused_switch(False)
+    fused_dense_switch(False)
     y_off = y0.clone()
     apply_dense_lora(x, w, batch, y_off)
-    fused_switch(True)
+    fused_dense_switch(True)
     y_on = y0.clone()
     apply_dense_lora(x, w, batch, y_on)
     atol, rtol = tolerance(dtype)
@@ -363,16 +370,22 @@ def test_apply_dense_lora_switch_on_equals_off(popularity, fused_switch, monkeyp
     assert len(calls) == 1  # the switch-off call took the existing path, the switch-on call the fused kernel
 
 
-def test_switch_env_default_off():
+def test_switch_env_defaults():
+    """Routed-expert fused LoRA on unless MOELORA_FUSED_LORA=0; dense fused off unless MOELORA_FUSED_DENSE_LORA=1."""
+    import os
     import subprocess
     import sys
 
-    code = "from moelora.kernels._triton import fused_lora; print(fused_lora())"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "MOELORA_FUSED_LORA"}
-    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    on = subprocess.run([sys.executable, "-c", code], env={**env, "MOELORA_FUSED_LORA": "1"}, capture_output=True,
-                        text=True, check=True).stdout
-    assert (off.strip(), on.strip()) == ("False", "True")
+    code = ("from moelora.kernels._triton import fused_dense_lora, fused_lora; "
+            "print(fused_lora(), fused_dense_lora())")
+    env = {k: v for k, v in os.environ.items() if k not in ("MOELORA_FUSED_LORA", "MOELORA_FUSED_DENSE_LORA")}
+
+    def run(**extra):
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert run() == "True False"
+    assert run(MOELORA_FUSED_LORA="0", MOELORA_FUSED_DENSE_LORA="1") == "False True"
 
 
 # ---------------------------------------------------------------- GPU: real shapes, bf16, graphs, side stream

@@ -26,7 +26,7 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, group
         for i in range(a.shape[0]):
             r = rk[i][s]
             if r:
-                out[i, rows, :r] = (x[rows] @ a[i, s, :r].T).to(out.dtype)
+                out[i, rows, :r] = (x[rows].float() @ a[i, s, :r].float().T).to(out.dtype)  # fp32, as the kernels
 
 
 def lora_expand_ref(

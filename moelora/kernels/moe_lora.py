@@ -44,7 +44,8 @@ def moe_lora_shrink_ref(
             for i in range(a.shape[0]):
                 r = rk[i][s]
                 if r:
-                    out[pairs, i, :r] = (rows @ a[i, s, 0 if shared else e, :r].T).float()
+                    # fp32 products, like the kernels' fp32 accumulation (bf16 matmul output would round h)
+                    out[pairs, i, :r] = rows.float() @ a[i, s, 0 if shared else e, :r].float().T
 
 
 def moe_lora_expand_ref(

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
-from moelora.kernels._triton import HAS_TRITON, fused_lora, interpreting
+from moelora.kernels._triton import HAS_TRITON, fused_dense_lora, interpreting
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused_decode
 from moelora.layers.lora import LoRAWeights, lora_active
@@ -25,13 +25,13 @@ def set_single_slot_fast_path(enabled: bool) -> None:
 def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor) -> None:
     """y[t] += per slice i: scaling[i, s] * B_i[s] A_i[s] x[t], s = slot of token t (rows of slot -1 untouched).
 
-    set_fused_lora(True) and T <= FUSED_DENSE_MAX_TOKENS on a GPU (or under TRITON_INTERPRET): one fused launch.
+    set_fused_dense_lora(True) and T <= FUSED_DENSE_MAX_TOKENS on a GPU (or under TRITON_INTERPRET): one fused launch.
     One adapter in the batch: plain matmuls on that slot (cuBLAS on a GPU). Several: the grouped
     shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
     x: [T, H] · y: [T, sum(out_i)]
     """
-    if fused_lora() and HAS_TRITON and x.shape[0] <= FUSED_DENSE_MAX_TOKENS and (x.is_cuda or interpreting()):
-        # set_fused_lora(True): shrink + expand of all slices in one launch (kernels/lora_fused_triton.py)
+    if fused_dense_lora() and HAS_TRITON and x.shape[0] <= FUSED_DENSE_MAX_TOKENS and (x.is_cuda or interpreting()):
+        # set_fused_dense_lora(True): shrink + expand of all slices in one launch (kernels/lora_fused_triton.py)
         lora_fused_decode(x, w.a, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups, y,
                           max_width=max(w.out_features))
         return
