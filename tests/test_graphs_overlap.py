@@ -104,8 +104,9 @@ def test_graph_replay_equals_eager_200_random_steps(model_dir):
     Graph and eager run different kernel shapes (a padded bucket vs the exact batch; the single-slot fast
     path in eager), so bf16 rounding differs. A row whose router picks a different expert in some layer
     (a near-tie) legitimately ends far apart; such a row must be explained: at the first layer that differs,
-    the router logits of graph and eager differ by little (< 0.1) and the eager gap between its k-th and
-    (k+1)-th expert is within that difference. Every other row must match within bf16 tolerance, and
+    the router logits of graph and eager differ by little (< 0.1, a few bf16 steps) and the eager gap between
+    its k-th and (k+1)-th expert is within twice that difference (two logits moving in opposite directions by
+    at most d change their difference by at most 2d: a swap needs gap <= 2d). Every other row must match within bf16 tolerance, and
     explained flips stay rare (<= 2% of rows)."""
     eng = _engine(model_dir, eager=False)
     g = eng.runner.graphs
@@ -134,7 +135,7 @@ def test_graph_replay_equals_eager_200_random_steps(model_dir):
         rows += n
         routed = _routing_flips(graph_r, eager_r, top_k)
         for row, (layer, gap, moved) in routed.items():
-            assert moved < 0.1 and gap <= moved, (
+            assert moved < 0.1 and gap <= 2 * moved, (
                 f"step {step}, row {row} (slot {slots[row]}): layer {layer} routes differently in graph and eager "
                 f"without a near-tie: router logits differ by {moved:.4f}, the eager k-th/(k+1)-th gap is {gap:.4f}")
         flipped_rows += len(routed)
