@@ -185,7 +185,12 @@ def run(args: argparse.Namespace) -> int:
     dev, dt = engine.device, engine.model.dtype
     targets = engine.model.lora_targets()
     for i in range(max(counts)):
-        engine.registry.register(random_adapter(f"ad{i}", targets, args.lora_rank, i, dev, dt))
+        # drawn on the device (fast), kept on the host like any registered adapter: the KV cache took the
+        # GPU memory budget, and the slots hold what the batches use (loaded during prefill, untimed)
+        ad = random_adapter(f"ad{i}", targets, args.lora_rank, i, dev, dt)
+        engine.registry.register(LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(m.a.cpu(), m.b.cpu(), m.scaling)
+                                                                  for k, m in ad.modules.items()}))
+        del ad
     load_s, adapter_bytes = _adapter_load_time(engine, targets, args.lora_rank)
     print(f"one adapter ({adapter_bytes / 1e9:.2f} GB, rank {args.lora_rank}) loaded from disk in {load_s:.2f} s",
           flush=True)
