@@ -62,3 +62,22 @@ def test_bench_decode_tiny_deepseek_preset(tmp_path, capsys):
     assert [r["adapters"] for r in rows] == [0, 2] and all(r["model"] == "tiny DeepSeek-V2-Lite" for r in rows)
     assert rows[1]["floor_bytes"] > rows[0]["floor_bytes"]  # the adapters' factors count
     assert torch.tensor([r["tokens_per_s"] for r in rows]).gt(0).all()
+
+
+def test_bench_decode_tiny_tensor_parallel(tmp_path):
+    """--tp 2: a worker process beside this one (gloo on the CPU); the adapters reach every rank from disk, the
+    rows say tp2 and carry no byte floor (not modelled for shards), the workers are stopped at the end."""
+    import multiprocessing
+
+    p = argparse.ArgumentParser()
+    decode.add_arguments(p)
+    p.add_argument("--out")
+    args = p.parse_args(["--tiny", "--device", "cpu", "--tp", "2", "--batches", "2", "--adapter-counts", "0,2",
+                         "--workloads", "ctx1024", "--decode-steps", "1", "--out", str(tmp_path)])
+    assert decode.run(args) == 0
+    res = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
+    assert res["tensor_parallel_size"] == 2 and "floor_note" in res
+    rows = res["rows"]
+    assert [r["adapters"] for r in rows] == [0, 2] and all(r["model"].endswith("tp2 ep1") for r in rows)
+    assert all(r["floor_ms"] is None for r in rows) and all(r["tokens_per_s"] > 0 for r in rows)
+    assert not [c for c in multiprocessing.active_children() if c.is_alive()]  # workers stopped

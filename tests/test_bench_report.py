@@ -106,3 +106,24 @@ def test_bench_subcommands_parse():
     a = p.parse_args(["bench", "report", "--quick", "--models", "qwen3-30b-a3b", "--dtypes", "bf16"])
     assert a.quick and a.what == "report" and a.models == "qwen3-30b-a3b"
     assert p.parse_args(["bench", "plot", "a.json", "b.json"]).files == ["a.json", "b.json"]
+
+
+def test_prefill_warm_up_runs_the_timed_shapes(monkeypatch):
+    """The untimed warm-up of a prefill case runs as many prompts of the same length as the timed run, so the
+    chunked steps (and the Triton kernels compiled for them) are the same; a 1-prompt warm-up left Triton
+    compilation inside the first timed case on the H200."""
+    from moelora.bench import report
+
+    calls = []
+
+    def fake_prefill_case(engine, prompts, prompt_len, n_adapters, seed):
+        calls.append((prompts, prompt_len, n_adapters))
+        return {"prompts": prompts, "prompt_len": prompt_len, "adapters": n_adapters, "seconds": 1.0,
+                "tokens_per_s": prompts * prompt_len}
+
+    monkeypatch.setattr(report, "prefill_case", fake_prefill_case)
+    g = {"prefill_prompts": 8, "prefill_len": 2048}
+    sizes = {"attn_flops_per_ctx": 1.0, "active_params": 1e9}
+    row = report._prefill_row(None, g, 4, 16, sizes, 100.0, {"model": "m"})
+    assert calls == [(8, 2048, 4), (8, 2048, 4)]
+    assert row["tokens_per_s"] == 8 * 2048 and row["rank"] == 16

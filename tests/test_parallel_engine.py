@@ -86,3 +86,45 @@ def test_server_engine_stops_when_an_idle_worker_dies(setup):
         assert engine.fatal_error == fatal[0]
     finally:
         engine.engine.shutdown()
+
+
+def test_graph_decode_step_is_broadcast_before_the_replay():
+    """Rank 0's CUDA-graph decode step sends its inputs (token ids, positions, block tables, slots) to the
+    workers before replaying, so every rank replays the same captured graph (their collectives pair up); the
+    workers' replay is the same ModelRunner.replay. A step the graphs do not serve goes the eager way."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moelora.engine.model_runner import ModelRunner
+    from moelora.engine.scheduler import ScheduledChunk
+
+    events = []
+
+    class FakeGraphs:
+        max_batch_size = 4
+
+        def run(self, token_ids, positions, block_tables, slots):
+            events.append(("replay", token_ids, positions, block_tables, slots))
+            return torch.zeros(len(token_ids), 3)
+
+    model = SimpleNamespace(compute_logits=lambda h: h + 1.0)
+    runner = ModelRunner(model, None, 2, broadcast=lambda *a: events.append(("eager",)),
+                         broadcast_graph=lambda *a: events.append(("sent", *a)))
+    runner.graphs = FakeGraphs()
+
+    def chunk(ids, table, slot):
+        req = SimpleNamespace(all_ids=ids, num_tokens=len(ids), wants_prompt_logprobs=False, block_table=table,
+                              slot=slot, prompt_ids=ids[:1])
+        return ScheduledChunk(req, len(ids) - 1, 1)
+
+    out = runner.execute([chunk([5, 6, 7], [3], 1), chunk([8, 9], [4, 2], -1)])
+    sent = ("sent", [7, 9], [2, 1], [[3], [4, 2]], [1, -1])
+    assert events == [sent, ("replay", *sent[1:])]
+    assert torch.equal(out.sample_logits, torch.ones(2, 3))
+    assert torch.equal(runner.replay([1], [0], [[0]], [-1]), torch.ones(1, 3))  # what a worker runs
+    events.clear()
+    too_big = [chunk([1, 2], [0], -1) for _ in range(5)]  # past the largest graph: eager, broadcast as a step
+    runner.forward_step = lambda *a: (torch.zeros(5, 3), {})
+    runner.execute(too_big)
+    assert events == [("eager",)]

@@ -55,6 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default keeps the engine's setting (MOELORA_FUSED_LORA); both: the sweep with the engine's "
                         "setting, then the adapter cases again with it flipped (graphs recaptured)")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (a smoke test of the benchmark)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU; default 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (world = tp x ep; default 1)")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="KV cache bytes per rank (default: the memory plan; with --tp/--ep > 1 on GPUs, where the "
+                        "plan is not parallel yet, 16 GiB)")
 
 
 TINY = {**QWEN3_30B_A3B, "vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -166,13 +171,28 @@ def run(args: argparse.Namespace) -> int:
     counts = [int(c) for c in args.adapter_counts.split(",")]
     t0 = time.perf_counter()
     quant = args.dtype if args.dtype in ("fp8", "nvfp4") else None
+    tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
+    parallel = tp * ep > 1
+    kv_bytes = getattr(args, "kv_cache_memory", None)
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if parallel and kv_bytes is None and on_gpu:
+        kv_bytes = 16 << 30
     engine = LLMEngine(EngineArgs(
         model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank,
         dtype="bfloat16" if quant else args.dtype, quantization=quant,
         device=args.device, load_format="dummy", max_num_seqs=max(batches), max_num_batched_tokens=8192,
         max_model_len=2048, enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap != "off",
-        max_graph_batch_size=max(batches),
+        max_graph_batch_size=max(batches), tensor_parallel_size=tp, expert_parallel_size=ep,
+        kv_cache_memory_bytes=kv_bytes,
     ))
+    try:
+        return _sweep(engine, args, batches, counts, model_name, t0, parallel)
+    finally:
+        engine.shutdown()
+
+
+def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], counts: list[int], model_name: str,
+           t0: float, parallel: bool) -> int:
     engine.add_request("startup", [1, 2, 3], SamplingParams(max_tokens=1), None)
     while engine.has_unfinished_requests():
         engine.step()
@@ -188,9 +208,12 @@ def run(args: argparse.Namespace) -> int:
         # drawn on the device (fast), kept on the host like any registered adapter: the KV cache took the
         # GPU memory budget, and the slots hold what the batches use (loaded during prefill, untimed)
         ad = random_adapter(f"ad{i}", targets, args.lora_rank, i, dev, dt)
-        engine.registry.register(LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(m.a.cpu(), m.b.cpu(), m.scaling)
-                                                                  for k, m in ad.modules.items()}))
+        host = LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(m.a.cpu(), m.b.cpu(), m.scaling) for k, m in ad.modules.items()})
         del ad
+        if parallel:  # every rank loads it from disk (the workers take adapters by path) and keeps its shard
+            engine.load_adapter(host.name, _write_peft_adapter(engine, host, args.lora_rank))
+        else:
+            engine.registry.register(host)
     load_s, adapter_bytes = _adapter_load_time(engine, targets, args.lora_rank)
     print(f"one adapter ({adapter_bytes / 1e9:.2f} GB, rank {args.lora_rank}) loaded from disk in {load_s:.2f} s",
           flush=True)
@@ -198,7 +221,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     head = {"hbm_gbs": bw, "startup_to_first_token_s": startup_s, "adapter_load_s": load_s,
             "adapter_bytes": adapter_bytes, "graphs": engine.runner.graphs is not None,
-            "memory_plan_gib": plan.as_gib() if plan else None}
+            "memory_plan_gib": plan.as_gib() if plan else None,
+            "tensor_parallel_size": engine.args.tensor_parallel_size,
+            "expert_parallel_size": engine.args.expert_parallel_size}
+    if parallel:
+        head["floor_note"] = "no byte floor for sharded runs (each rank reads its own shard; not modelled yet)"
     overlaps = [True, False] if args.lora_overlap == "both" else [args.lora_overlap == "on"]
     fused_mode = getattr(args, "fused_lora", "default")
     if fused_mode in ("on", "off"):
@@ -213,9 +240,12 @@ def run(args: argparse.Namespace) -> int:
             _recapture(engine, overlap, fused)
         r = _case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n)
         r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
-                 + ("" if not args.layers else f" ({args.layers} layers)"),
+                 + ("" if not args.layers else f" ({args.layers} layers)")
+                 + (f" tp{engine.args.tensor_parallel_size} ep{engine.args.expert_parallel_size}" if parallel else ""),
                  dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap, fused_lora=fused)
-        r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw else None
+        if parallel:
+            r["floor_bytes"] = None
+        r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw and r["floor_bytes"] else None
         rows.append(r)
         write_result("decode", {**head, "rows": rows}, args.out)  # after every row: a cut-off run keeps its rows
         fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
@@ -242,12 +272,11 @@ def _recapture(engine: LLMEngine, overlap: bool, fused: bool | None = None) -> N
         g.capture()
 
 
-def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> tuple[float, int]:
-    """Write one random adapter in PEFT's target_parameters layout, then time reading, validating and
-    copying it into a slot."""
+def _write_peft_adapter(engine: LLMEngine, ad: LoRAAdapter, rank: int) -> str:
+    """Write an adapter in PEFT's layout (2-D keys for dense targets, target_parameters for the fused experts)
+    to a new temporary folder; returns the folder."""
     from safetensors.torch import save_file
 
-    ad = random_adapter("disk", targets, rank, 99, "cpu", torch.bfloat16)
     tensors = {}
     for name, mod in ad.modules.items():
         if mod.a.dim() == 2:
@@ -266,9 +295,17 @@ def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> tuple[float, in
         tensors[f"base_model.model.{p}.lora_B.weight"] = d.b.permute(1, 2, 0).reshape(d.b.shape[1], -1).contiguous()
     folder = tempfile.mkdtemp(prefix="moelora-adapter-")
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
-    nbytes = os.path.getsize(os.path.join(folder, "adapter_model.safetensors"))
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}, f)
+    return folder
+
+
+def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> tuple[float, int]:
+    """Write one random adapter in PEFT's target_parameters layout, then time reading, validating and
+    copying it into a slot."""
+    ad = random_adapter("disk", targets, rank, 99, "cpu", torch.bfloat16)
+    folder = _write_peft_adapter(engine, ad, rank)
+    nbytes = os.path.getsize(os.path.join(folder, "adapter_model.safetensors"))
     t0 = time.perf_counter()
     engine.load_adapter("from_disk", folder)
     engine.pool.acquire(engine.registry.get("from_disk"))

@@ -14,7 +14,7 @@ from moelora.adapters.slots import SlotPool
 from moelora.config import ModelConfig
 from moelora.distributed import ParallelState, check_launch, kv_cache_config
 from moelora.engine.kv_cache import KVCache
-from moelora.engine.model_runner import ModelRunner, StepOutput
+from moelora.engine.model_runner import ModelRunner, graph_settings, StepOutput
 from moelora.engine.request import Request, Status
 from moelora.engine.sampler import Sampler, apply_penalties, make_generator, prompt_logprobs
 from moelora.engine.sampling_params import SamplingParams
@@ -95,13 +95,12 @@ class LLMEngine:
         else:
             self.registry = self.pool = None
         self.scheduler = Scheduler(self.kv, self.pool, self.registry, args.max_num_seqs, args.max_num_batched_tokens)
-        graphs = (self.device.type == "cuda" and not args.enforce_eager and self.workers is None
-                  and self.model.dtype in (torch.bfloat16, torch.float16)
-                  and getattr(self.model, "supports_cuda_graphs", False))
-        self.runner = ModelRunner(self.model, self.kv, args.max_loras, cuda_graphs=graphs,
-                                  max_graph_batch_size=min(args.max_graph_batch_size, args.max_num_seqs),
-                                  max_blocks_per_seq=-(-self.max_model_len // args.block_size),
-                                  broadcast=self.workers.step if self.workers is not None else None)
+        # under tensor/expert parallelism the workers build their runners (and capture the same graphs) right
+        # after the "init" message: the captures' collectives pair up with these
+        self.runner = ModelRunner(self.model, self.kv, args.max_loras,
+                                  **graph_settings(args, self.model, self.device, self.max_model_len),
+                                  broadcast=self.workers.step if self.workers is not None else None,
+                                  broadcast_graph=self.workers.graph_step if self.workers is not None else None)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._arrival = itertools.count()

@@ -19,13 +19,30 @@ class StepOutput:
     prompt_logits: dict[int, torch.Tensor]  # index into chunks -> [n, V] logits of every row of that chunk
 
 
+def graph_settings(args, model, device: torch.device, max_model_len: int) -> dict:
+    """ModelRunner's CUDA-graph keywords from the engine arguments; every rank of a parallel engine derives
+    them the same way, so all ranks capture the same graphs in the same order (their collectives pair up)."""
+    return dict(
+        cuda_graphs=(device.type == "cuda" and not args.enforce_eager
+                     and model.dtype in (torch.bfloat16, torch.float16)
+                     and getattr(model, "supports_cuda_graphs", False)),
+        max_graph_batch_size=min(args.max_graph_batch_size, args.max_num_seqs),
+        max_blocks_per_seq=-(-max_model_len // args.block_size),
+    )
+
+
 class ModelRunner:
     def __init__(self, model, kv: KVCache, max_loras: int, cuda_graphs: bool = False,
-                 max_graph_batch_size: int = 64, max_blocks_per_seq: int = 0, broadcast=None) -> None:
+                 max_graph_batch_size: int = 64, max_blocks_per_seq: int = 0, broadcast=None,
+                 broadcast_graph=None) -> None:
         """broadcast(seqs, sample_idx, prompt_idx): tensor/expert parallel, sends each eager step to the other
-        ranks (engine/workers.py) before this rank runs it."""
+        ranks (engine/workers.py) before this rank runs it; broadcast_graph(token_ids, positions, block_tables,
+        slots): the same for a decode step replayed from a CUDA graph (every rank replays its own capture).
+        Under tensor/expert parallelism every rank constructs its runner at the same point (the captures'
+        collectives pair up)."""
         self.model = model
         self.broadcast = broadcast
+        self.broadcast_graph = broadcast_graph
         self.kv = kv
         self.max_loras = max(max_loras, 1)
         self.graphs = None
@@ -49,11 +66,18 @@ class ModelRunner:
             return None
         if any(c.num_tokens != 1 or not c.samples or c.request.wants_prompt_logprobs for c in chunks):
             return None
-        hidden = g.run(
-            [c.request.all_ids[c.start] for c in chunks], [c.start for c in chunks],
-            [c.request.block_table for c in chunks], [c.request.slot for c in chunks],
-        )
-        return StepOutput(self.model.compute_logits(hidden), list(chunks), {})
+        inputs = ([c.request.all_ids[c.start] for c in chunks], [c.start for c in chunks],
+                  [list(c.request.block_table) for c in chunks], [c.request.slot for c in chunks])
+        if self.broadcast_graph is not None:  # tensor/expert parallel: the other ranks replay the same step
+            self.broadcast_graph(*inputs)
+        return StepOutput(self.replay(*inputs), list(chunks), {})
+
+    @torch.no_grad()
+    def replay(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+               slots: list[int]) -> torch.Tensor:
+        """Decode one token per sequence from the captured graph of its batch bucket -> logits [n, V]
+        (compute_logits' collectives included: a parallel worker calls this for rank 0's graph steps)."""
+        return self.model.compute_logits(self.graphs.run(token_ids, positions, block_tables, slots))
 
     @torch.no_grad()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:

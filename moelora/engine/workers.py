@@ -2,7 +2,7 @@
 
 The engine's own process is rank 0: it schedules, owns the slot pool and the KV block tables, and before each
 eager step broadcasts the step's metadata (the flat batch's sequences and which rows want logits) over a gloo
-group; ranks 1..N-1 run `worker_main`: they hold their shard of the model and of the KV cache, repeat rank 0's
+group, before each CUDA-graph decode step its inputs (every rank captured the same graphs at start-up); ranks 1..N-1 run `worker_main`: they hold their shard of the model and of the KV cache, repeat rank 0's
 slot writes (events `(slot, adapter name | None)` sent with the next message, so every rank makes the same
 slot and eviction decisions: rank 0's) and run the same forward, whose collectives pair up with rank 0's.
 
@@ -192,7 +192,7 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
     from moelora.adapters.slots import clear_slot, write_slot
     from moelora.config import ModelConfig
     from moelora.engine.kv_cache import KVCache
-    from moelora.engine.model_runner import ModelRunner
+    from moelora.engine.model_runner import ModelRunner, graph_settings
 
     try:
         device = worker_device(args, local_rank)
@@ -204,7 +204,9 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
         kv = KVCache(kv_cache_config(cfg, ps), num_blocks, args.block_size, model.dtype, device)
         targets = model.lora_targets() if args.max_loras else {}
         registry = AdapterRegistry(targets, args.max_lora_rank, args.max_cpu_loras) if targets else None
-        runner = ModelRunner(model, kv, args.max_loras)
+        # the same CUDA graphs as rank 0, captured now (rank 0 captures right after sending "init")
+        max_model_len = args.max_model_len or cfg.max_position_embeddings
+        runner = ModelRunner(model, kv, args.max_loras, **graph_settings(args, model, device, max_model_len))
         while True:
             events, kind, payload = _recv(ps)
             for slot, name in events:
@@ -214,6 +216,8 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
                     write_slot(targets, registry.get(name), slot)
             if kind == "step":
                 runner.forward_step(*payload)
+            elif kind == "graph":
+                runner.replay(*payload)
             elif kind == "ping":
                 dist.monitored_barrier(group=ps.control_group, timeout=_IDLE)
             elif kind == "load":
@@ -379,6 +383,10 @@ class WorkerGroup:
     def step(self, seqs, sample_idx, prompt_idx) -> None:
         """ModelRunner.broadcast."""
         self.send("step", seqs, sample_idx, prompt_idx)
+
+    def graph_step(self, token_ids, positions, block_tables, slots) -> None:
+        """ModelRunner.broadcast_graph."""
+        self.send("graph", token_ids, positions, block_tables, slots)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Tell the workers to finish, wait for them, leave the process group."""
