@@ -100,6 +100,63 @@ def test_triton_gemms_interpreted_prequantized(T):
     assert ((ye.float() - re.float()).norm() / re.float().norm()) < 2**-7  # bf16 output rounding
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("gather_rows", [True, False])
+def test_fp8_expert_gemm_on_the_fast_path_alignment_interpreted(gather_rows):
+    """fp8_expert_gemm reads row p // K (gather_rows) or p on moe_align's blocks: equal to the reference."""
+    from moelora.kernels.fp8_triton import fp8_expert_gemm, fp8_expert_gemm_ref
+    from moelora.kernels.fused_moe_triton import moe_align
+
+    g = torch.Generator().manual_seed(5)
+    blk, T, K, E = (16, 16), 7, 3, 5
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[2] = torch.tensor([0, 1, 2])  # expert 4 may be empty; expert 0 well used
+    x = torch.randn(T if gather_rows else T * K, 40, generator=g)
+    xq, xs = quantize_act_group_ref(x, blk[1])
+    qe, se = quantize_weight_block(torch.randn(E, 24, 40, generator=g), blk)
+    align = moe_align(ids, E, 16)
+    y = fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 16, x_scale=xs)
+    ref = fp8_expert_gemm_ref(xq, qe, se, blk, ids, align, gather_rows, 16, x_scale=xs)
+    assert y.shape == (T * K, 24)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()) < 2**-7  # bf16 output rounding
+    with pytest.raises(ValueError, match="block_m=32"):
+        fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 32, x_scale=xs)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+def test_fp8_experts_on_the_triton_fast_path_equal_their_grouped_path():
+    """set_fast_path(quantized=True): FP8 expert stacks run on fused_moe_triton's alignment, activation and combine
+    (their GEMM reads the token rows in place); the same numbers as FP8's own grouped path. Both quantize the
+    activations in the kernel the same way, so the interpreter's float8 cast affects both alike."""
+    from moelora.kernels import fused_moe_triton as fmt
+    from moelora.kernels.moe import fused_moe_pairs, route_topk_ref
+    from moelora.layers.fp8 import Fp8ExpertWeight
+
+    g = torch.Generator().manual_seed(9)
+    blk, T, E, K, H, inter = (16, 16), 6, 4, 2, 32, 16
+    st = Fp8State(blk, torch.float32, None)
+    w_gu = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, 2 * inter, H, generator=g) * 0.2, blk), st)
+    w_d = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, H, inter, generator=g) * 0.2, blk), st)
+    x = torch.randn(T, H, generator=g)
+    weights, ids = route_topk_ref(torch.randn(T, E, generator=g), K, True)
+    calls = []
+    real = Fp8ExpertWeight.expert_gemm
+    Fp8ExpertWeight.expert_gemm = lambda self, *a: (calls.append(a[3]), real(self, *a))[1]
+    try:
+        fmt.set_fast_path(True, on_cpu=True, quantized=False)
+        assert not fmt.fast_path_ok(x, w_gu, w_d)
+        slow = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, None, None)
+        fmt.set_fast_path(True, on_cpu=True, quantized=True)
+        assert fmt.fast_path_ok(x, w_gu, w_d)
+        fast = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, None, None)
+    finally:
+        Fp8ExpertWeight.expert_gemm = real
+        fmt.set_fast_path(True, on_cpu=False, quantized=False)
+    assert calls == [True, False]  # gate_up read the token rows in place, down the pair rows
+    assert torch.allclose(fast, slow, rtol=1e-4, atol=1e-4)
+    assert not fmt.fast_path_ok(x, Fp8ExpertWeight(w_gu.weight, w_gu.scale_inv, Fp8State(blk, torch.float32, "w8a8")))
+
+
 # ---- layers: FP8 storage, and LoRA on the unquantized activations ----------------------------------------------
 
 

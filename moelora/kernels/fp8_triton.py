@@ -46,8 +46,10 @@ if HAS_TRITON:
         sam, sak, sasm, sasg, sbe, sbn, sbk, sbse, sbsn, sbsk, scm, scn,
         FP8_MAX_C: tl.constexpr, A_FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
         GROUP_K: tl.constexpr, SCALE_N: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_ROW_DIV: tl.constexpr = 1,
     ):
+        # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
+        # rows of the routed experts' gate_up, no [P, H] gather copy)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -61,6 +63,7 @@ if HAS_TRITON:
             rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
             e = 0
         mask_m = rows < M
+        a_rows = rows // A_ROW_DIV
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
@@ -70,9 +73,9 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             mask_k = kk < K
-            a = tl.load(a_ptr + rows[:, None] * sam + kk[None, :] * sak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            a = tl.load(a_ptr + a_rows[:, None] * sam + kk[None, :] * sak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             if A_FP8:
-                a_s = tl.load(as_ptr + rows * sasm + (k0 // GROUP_K) * sasg, mask=mask_m, other=0.0)
+                a_s = tl.load(as_ptr + a_rows * sasm + (k0 // GROUP_K) * sasg, mask=mask_m, other=0.0)
                 a_q = a
             else:  # quantize this row group here: BLOCK_K == GROUP_K, so the tile holds whole groups
                 af = a.to(tl.float32)
@@ -117,8 +120,9 @@ def quantize_act_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor,
     return q, s
 
 
-def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int) -> None:
-    M, K = a.shape
+def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
+            a_row_div: int = 1) -> None:
+    M, K = out.shape[0], a.shape[1]
     N = w.shape[-2]
     bn, bk = block
     block_k = bk
@@ -138,7 +142,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         M, N, K, a.stride(0), a.stride(1), *sas, w3.stride(0), w3.stride(1), w3.stride(2),
         s3.stride(0), s3.stride(1), s3.stride(2), out.stride(0), out.stride(1),
         FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
-        GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_ROW_DIV=a_row_div,
         num_warps=4, num_stages=3,
     )
 
@@ -212,6 +216,42 @@ def fp8_grouped_gemm_ref(x, w_fp8, w_scale_inv, pair_exp, block=(128, 128), alig
     return fp8_grouped_matmul_ref(x, w_fp8, w_scale_inv, pair_exp, block)
 
 
+def fp8_expert_gemm(
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
+    topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool, block_m: int,
+    x_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The FP8 grouped GEMM on the routed-expert fast path's alignment (fused_moe_triton.moe_align), reading
+    token rows in place. Semantics (fp8_expert_gemm_ref), pairs p = t * K + k, e = topk_ids.flatten()[p]:
+        row = x[p // K] if gather_rows else x[p]
+        y[p] = fp8_linear(row, w_fp8[e], w_scale_inv[e])       (row quantized per 128-group in the kernel)
+    x: [T, D] (gather_rows) or [P, D], bf16/fp16/fp32, or float8 with x_scale · w_fp8: [E, N, D] float8_e4m3fn
+    w_scale_inv: [E, ceil(N/bn), ceil(D/bk)] fp32 · topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m)
+    block_m: the alignment's block (>= 16) · returns [P, N] in x.dtype (bf16 for a float8 x). CUDA-graph safe.
+    """
+    require_triton()
+    T, K = topk_ids.shape
+    P = T * K
+    sorted_ids, bexp = align
+    if sorted_ids.shape[0] != bexp.shape[0] * block_m or block_m < 16:
+        raise ValueError(f"fp8_expert_gemm: align holds {sorted_ids.shape[0]} ids in {bexp.shape[0]} blocks; "
+                         f"expected blocks of block_m={block_m} (>= 16)")
+    out_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
+    out = torch.empty(P, w_fp8.shape[1], dtype=out_dtype, device=x.device)
+    if P:
+        _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, block_m, bexp.shape[0],
+                a_row_div=K if gather_rows else 1)
+    return out
+
+
+def fp8_expert_gemm_ref(x, w_fp8, w_scale_inv, block, topk_ids, align, gather_rows, block_m, x_scale=None):
+    """fp8_expert_gemm's semantics in torch (align and block_m are ignored: rows are matched by topk_ids)."""
+    T, K = topk_ids.shape
+    rows = torch.arange(T * K, device=x.device) // K if gather_rows else torch.arange(T * K, device=x.device)
+    xs = None if x_scale is None else x_scale[rows]
+    return fp8_grouped_gemm_ref(x[rows], w_fp8, w_scale_inv, topk_ids.reshape(-1), block, x_scale=xs)
+
+
 def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | None = None):
     """Rows grouped by expert, each group padded to block_m (moe_lora_align with one slot): (sorted_ids [P_max]
     int32, padding = P; block_expert [P_max / block_m] int32, -1 past the end)."""
@@ -226,4 +266,4 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
 
 
 __all__ = ["check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
-           "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align"]
+           "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

@@ -466,26 +466,35 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 # --------------------------------------------------------------------------------- the whole base path
 
 
-_FAST = {"enabled": os.environ.get("MOELORA_FUSED_MOE", "1") != "0", "cpu": False}
+_FAST = {"enabled": os.environ.get("MOELORA_FUSED_MOE", "1") != "0", "cpu": False,
+         "quantized": os.environ.get("MOELORA_FUSED_MOE_QUANT", "0") == "1"}
 
 
-def set_fast_path(enabled: bool = True, on_cpu: bool = False) -> None:
+def set_fast_path(enabled: bool = True, on_cpu: bool = False, quantized: bool | None = None) -> None:
     """enabled: fused_moe_pairs uses this file's kernels for the base GEMMs on CUDA (False: moe._ExpertGemm,
     the torch._grouped_mm path; also MOELORA_FUSED_MOE=0). on_cpu: also on CPU tensors under
-    TRITON_INTERPRET=1 (tests only)."""
+    TRITON_INTERPRET=1 (tests only). quantized: also for quantized stacks that offer `expert_gemm` on this
+    alignment (FP8: fp8_triton.fp8_expert_gemm) — their GEMMs with this path's alignment, activation and
+    combine (5 launches per layer instead of ~20). Off by default until measured on a GPU; on with
+    MOELORA_FUSED_MOE_QUANT=1. None: unchanged."""
     _FAST["enabled"], _FAST["cpu"] = bool(enabled), bool(on_cpu)
+    if quantized is not None:
+        _FAST["quantized"] = bool(quantized)
 
 
 def fast_path_ok(x: torch.Tensor, w_gate_up, w_down=None) -> bool:
-    """The Triton base path: CUDA 16-bit inputs and plain weight tensors of x's dtype (quantized stacks,
-    layers/fp8.py and layers/nvfp4.py, keep their own grouped GEMMs); CPU inputs only when
-    set_fast_path(on_cpu=True) under the interpreter."""
+    """The Triton base path: CUDA 16-bit inputs and plain weight tensors of x's dtype, or (set_fast_path(
+    quantized=True)) quantized stacks whose `fast_path` is True (they run their own GEMM on this path's
+    alignment); CPU inputs only when set_fast_path(on_cpu=True) under the interpreter."""
     from moelora.kernels._triton import interpreting
 
     if not (HAS_TRITON and _FAST["enabled"]):
         return False
     for w in (w_gate_up, w_down if w_down is not None else w_gate_up):
-        if not isinstance(w, torch.Tensor) or w.dtype != x.dtype or w.device != x.device:
+        if not isinstance(w, torch.Tensor):
+            if not (_FAST["quantized"] and getattr(w, "fast_path", False)):
+                return False
+        elif w.dtype != x.dtype or w.device != x.device:
             return False
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16)
@@ -506,12 +515,17 @@ class TritonExperts:
     def __init__(self, topk_ids: torch.Tensor, num_experts: int, config: GemmConfig | None = None) -> None:
         self.T, self.K = topk_ids.shape
         self.P = self.T * self.K
+        self.topk_ids = topk_ids
         self.cfg = config or pick_config(self.P)
         self.align = moe_align(topk_ids, num_experts, self.cfg.block_m)
 
-    def __call__(self, inp: torch.Tensor, w: torch.Tensor, fuse_act: bool = False) -> torch.Tensor:
-        """inp: [T, D] or [P, D] · w: [E, O, D] · returns [P, O] (fuse_act: silu(gate) * up, [P, O/2])."""
+    def __call__(self, inp: torch.Tensor, w, fuse_act: bool = False) -> torch.Tensor:
+        """inp: [T, D] or [P, D] · w: [E, O, D], or a quantized stack with expert_gemm(inp, topk_ids, align,
+        gather_rows, block_m) · returns [P, O] (fuse_act: silu(gate) * up, [P, O/2])."""
         gather = inp.shape[0] != self.P
+        if not isinstance(w, torch.Tensor):  # quantized: its GEMM on this alignment, then the activation kernel
+            y = w.expert_gemm(inp, self.topk_ids, self.align, gather, self.cfg.block_m)
+            return silu_and_mul(y) if fuse_act else y
         n = w.shape[1] // 2 if fuse_act else w.shape[1]
         out = torch.empty(self.P, n, dtype=inp.dtype, device=inp.device)
         cfg = halved_n(self.cfg) if fuse_act else self.cfg
