@@ -72,3 +72,19 @@ def test_two_gpus_bf16_same_greedy_tokens_where_clear(case, tp, ep):
             assert gt == rt, f"adapter {n}: token {i}"
             checked += 1
     assert checked >= 5, f"only {checked} clear tokens compared (largest prompt logprob difference {delta})"
+
+
+def test_two_gpus_memory_plan_without_kv_cache_memory(case):
+    """No kv_cache_memory_bytes: every rank profiles and plans its own GPU (the profiling forward's collectives
+    pair up) and all take the fewest blocks any rank can afford; the engine then serves a mixed batch."""
+    model, paths = case
+    llm = LLM(model, adapters=paths, device="cuda", dtype="bfloat16", max_loras=2, max_lora_rank=32, block_size=16,
+              max_num_seqs=8, tensor_parallel_size=2, gpu_memory_utilization=0.3)
+    try:
+        plan = llm.engine.memory_plan
+        assert plan is not None and 0 < llm.engine.kv.num_blocks <= plan.num_blocks
+        outs = llm.generate(rows_of(0, [7, 5]), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                            adapter=["a", None])
+        assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    finally:
+        llm.shutdown()

@@ -58,8 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU; default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (world = tp x ep; default 1)")
     p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="KV cache bytes per rank (default: the memory plan; with --tp/--ep > 1 on GPUs, where the "
-                        "plan is not parallel yet, 16 GiB)")
+                   help="KV cache bytes per rank (default: the GPU memory plan)")
 
 
 TINY = {**QWEN3_30B_A3B, "vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -174,9 +173,6 @@ def run(args: argparse.Namespace) -> int:
     tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
     parallel = tp * ep > 1
     kv_bytes = getattr(args, "kv_cache_memory", None)
-    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if parallel and kv_bytes is None and on_gpu:
-        kv_bytes = 16 << 30
     engine = LLMEngine(EngineArgs(
         model=folder, max_loras=max(max(counts), 1), max_lora_rank=args.lora_rank,
         dtype="bfloat16" if quant else args.dtype, quantization=quant,

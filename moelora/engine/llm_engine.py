@@ -6,6 +6,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,12 +15,15 @@ from moelora.adapters.slots import SlotPool
 from moelora.config import ModelConfig
 from moelora.distributed import ParallelState, check_launch, kv_cache_config
 from moelora.engine.kv_cache import KVCache
-from moelora.engine.model_runner import ModelRunner, graph_settings, StepOutput
+from moelora.engine.model_runner import ModelRunner, StepOutput, graph_settings
 from moelora.engine.request import Request, Status
 from moelora.engine.sampler import Sampler, apply_penalties, make_generator, prompt_logprobs
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
 from moelora.models.loader import build_model
+
+if TYPE_CHECKING:
+    from moelora.engine.memory import MemoryPlan
 
 
 @dataclass
@@ -65,9 +69,6 @@ class LLMEngine:
         if args.tensor_parallel_size * args.expert_parallel_size > 1:
             from moelora.engine.workers import WorkerGroup
 
-            if self.device.type == "cuda" and args.kv_cache_memory_bytes is None:
-                raise NotImplementedError("tensor/expert parallelism on GPUs: the memory plan is not parallel yet; "
-                                          "pass kv_cache_memory_bytes")
             self.workers = WorkerGroup(args)
             ps = self.workers.state
         if self.workers is None:
@@ -84,7 +85,13 @@ class LLMEngine:
         self.kv_config = kv_cache_config(self.config, ps)  # this rank's KV heads
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else self.config.eos_token_ids)
-        self.kv = KVCache(self.kv_config, self._num_blocks(), args.block_size, self.model.dtype, self.device)
+        planned = self.workers is not None and self.device.type == "cuda" and args.kv_cache_memory_bytes is None
+        if planned:  # every rank profiles (the forward's collectives pair up) and plans its own GPU
+            self.workers.send("plan")
+        num_blocks, self.memory_plan = kv_blocks(self.model, self.kv_config, args, self.max_model_len, self.device)
+        if planned:  # the KV cache of every rank holds the same blocks: the fewest any rank can afford
+            num_blocks = self.workers.agree_min(num_blocks)
+        self.kv = KVCache(self.kv_config, num_blocks, args.block_size, self.model.dtype, self.device)
         if self.workers is not None:
             self.workers.send("init", self.kv.num_blocks)
         if args.max_loras:
@@ -278,28 +285,30 @@ class LLMEngine:
         req.finish_reason = reason
         self.scheduler.finish(req)
 
-    def _num_blocks(self) -> int:
-        a = self.args
-        per_block = KVCache.bytes_per_block(self.kv_config, a.block_size, self.model.dtype)
-        cap = a.max_num_seqs * -(-self.max_model_len // a.block_size)  # no more than max_num_seqs full sequences
-        self.memory_plan = None
-        if a.kv_cache_memory_bytes is None and self.device.type == "cuda":
-            from moelora.engine.memory import GRAPH_MARGIN, plan_kv_blocks, profile_activations
 
-            tokens = max(a.max_num_batched_tokens, 1)
-            act = profile_activations(self.model, self.config, tokens, a.max_loras, a.block_size,
-                                      self.max_model_len, a.max_num_seqs, self.device)
-            graphs = not a.enforce_eager and getattr(self.model, "supports_cuda_graphs", False)
-            graph_reserve = (act * min(1.0, a.max_graph_batch_size / tokens) + GRAPH_MARGIN) if graphs else 0
-            free, total = torch.cuda.mem_get_info(self.device)
-            self.memory_plan = plan_kv_blocks(total, total - free, act, int(graph_reserve),
-                                              a.gpu_memory_utilization, per_block, cap)
-            return self.memory_plan.num_blocks
-        budget = a.kv_cache_memory_bytes if a.kv_cache_memory_bytes is not None else 256 << 20
-        n = min(budget // per_block, cap)
-        if n < 1:
-            raise RuntimeError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; raise it")
-        return int(n)
+def kv_blocks(model, kv_config: ModelConfig, a: EngineArgs, max_model_len: int,
+              device: torch.device) -> tuple[int, MemoryPlan | None]:
+    """KV blocks of this rank: on a GPU without kv_cache_memory_bytes, what the memory plan leaves after one
+    profiling forward (its MemoryPlan returned too); else kv_cache_memory_bytes (256 MiB on the CPU by default).
+    Never more than max_num_seqs full sequences. kv_config: this rank's KV shapes (kv_cache_config)."""
+    per_block = KVCache.bytes_per_block(kv_config, a.block_size, model.dtype)
+    cap = a.max_num_seqs * -(-max_model_len // a.block_size)  # no more than max_num_seqs full sequences
+    if a.kv_cache_memory_bytes is None and device.type == "cuda":
+        from moelora.engine.memory import GRAPH_MARGIN, plan_kv_blocks, profile_activations
+
+        tokens = max(a.max_num_batched_tokens, 1)
+        act = profile_activations(model, kv_config, tokens, a.max_loras, a.block_size, max_model_len,
+                                  a.max_num_seqs, device)
+        graphs = not a.enforce_eager and getattr(model, "supports_cuda_graphs", False)
+        graph_reserve = (act * min(1.0, a.max_graph_batch_size / tokens) + GRAPH_MARGIN) if graphs else 0
+        free, total = torch.cuda.mem_get_info(device)
+        plan = plan_kv_blocks(total, total - free, act, int(graph_reserve), a.gpu_memory_utilization, per_block, cap)
+        return plan.num_blocks, plan
+    budget = a.kv_cache_memory_bytes if a.kv_cache_memory_bytes is not None else 256 << 20
+    n = min(budget // per_block, cap)
+    if n < 1:
+        raise RuntimeError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; raise it")
+    return int(n), None
 
 
 def _maybe_tokenizer(path: str):

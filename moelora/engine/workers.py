@@ -198,14 +198,21 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
         device = worker_device(args, local_rank)
         cfg = ModelConfig.from_pretrained(args.model)
         model = build_sharded_model(cfg, args, engine_dtype(args, device), device, ps)
-        _, kind, (num_blocks,) = _recv(ps)
+        max_model_len = args.max_model_len or cfg.max_position_embeddings
+        _, kind, payload = _recv(ps)
+        if kind == "plan":  # GPU memory plan: profile with rank 0 (collectives pair up), agree on the fewest blocks
+            from moelora.engine.llm_engine import kv_blocks
+
+            mine, _ = kv_blocks(model, kv_cache_config(cfg, ps), args, max_model_len, device)
+            dist.all_reduce(torch.tensor([mine]), op=dist.ReduceOp.MIN, group=ps.control_group)
+            _, kind, payload = _recv(ps)
         if kind != "init":
             raise RuntimeError(f"rank {rank}: expected the 'init' message from rank 0, got {kind!r}")
+        (num_blocks,) = payload
         kv = KVCache(kv_cache_config(cfg, ps), num_blocks, args.block_size, model.dtype, device)
         targets = model.lora_targets() if args.max_loras else {}
         registry = AdapterRegistry(targets, args.max_lora_rank, args.max_cpu_loras) if targets else None
         # the same CUDA graphs as rank 0, captured now (rank 0 captures right after sending "init")
-        max_model_len = args.max_model_len or cfg.max_position_embeddings
         runner = ModelRunner(model, kv, args.max_loras, **graph_settings(args, model, device, max_model_len))
         while True:
             events, kind, payload = _recv(ps)
@@ -379,6 +386,13 @@ class WorkerGroup:
         msg, self._events = [(list(self._events), kind, payload)], []
         with self.guard(kind):
             dist.broadcast_object_list(msg, src=0, group=self.state.control_group)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's value (the workers contribute theirs after a "plan" message)."""
+        t = torch.tensor([int(value)])
+        with self.guard("plan"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.state.control_group)
+        return int(t.item())
 
     def step(self, seqs, sample_idx, prompt_idx) -> None:
         """ModelRunner.broadcast."""
