@@ -2,12 +2,7 @@
 # One device call over everything GPU-side: install, every GPU test file (summary in gpu_tests.log), the fused-MoE
 # layer micro-benchmark, then `moelora bench decode` (Qwen3-30B-A3B dims, 48 layers). Env: TESTS (pytest files),
 # BENCH_ARGS (extra bench decode arguments), T_TESTS / T_BENCH (timeouts in s). Files into $OUT (<= 5).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+source "$(dirname "$0")/gpu_prelude.sh"
 TESTS=${TESTS:-"tests/test_kernels_fused_moe.py tests/test_kernels_norm.py tests/test_graphs_overlap.py tests/test_cuda_graphs.py tests/test_parity.py tests/test_fp8_gpu.py tests/test_deepseek_gpu.py tests/test_kernels_mla_triton.py"}
 timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider -rfE $TESTS 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "passed|failed|^FAILED|^ERROR" | cut -c1-300 | tail -25

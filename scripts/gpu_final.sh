@@ -3,12 +3,7 @@
 # bf16 (Qwen3-30B-A3B, 48 layers), the LoRA overlap on vs off, FP8 (48 layers), DeepSeek-V2-Lite. Every part has
 # its own timeout, so one slow part cannot take the others' results. Files into $OUT: gpu_tests.log,
 # bench.log, and the decode JSON of each run under $OUT/{bf16,overlap,fp8,ds}/.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+source "$(dirname "$0")/gpu_prelude.sh"
 timeout ${T_TESTS:-170} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
     tests/test_cuda_graphs.py tests/test_graphs_overlap.py tests/test_deepseek_gpu.py \
     "tests/test_kernels_fused_moe.py::test_fast_path_leaves_quantized_stacks_alone" \

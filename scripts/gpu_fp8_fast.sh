@@ -3,11 +3,7 @@
 # MoE layer instead of ~20) — its GPU tests, then bench decode FP8 at batch 64/128 with 0/4/8 adapters with it
 # off and on. If on is faster, make it the default (fused_moe_triton._FAST["quantized"]).
 # Files: fp8_fast_tests.log, bench.log, off/ on/ decode-*.json.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+source "$(dirname "$0")/gpu_prelude.sh"
 timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_fp8_gpu.py tests/test_fp8.py \
     2>&1 | tee "$OUT/fp8_fast_tests.log" | grep -E "passed|failed|^FAILED|^ERROR" | cut -c1-400 | tail -10
 B="python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64,128 --adapter-counts 0,4,8"

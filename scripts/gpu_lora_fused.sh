@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fused decode LoRA kernels: their GPU tests (bf16, Qwen3-30B-A3B shapes, graph replay,
 # side-stream store mode), the existing LoRA kernel tests, then the timing table (fused vs current, byte floor).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+source "$(dirname "$0")/gpu_prelude.sh"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora_fused.py tests/test_kernels_lora.py \
     tests/test_kernels_moe_lora.py 2>&1 | tee "$OUT/lora_fused_tests.log" | tail -8
 # end to end with the switch on: graph replay vs eager, side-stream overlap, parity with PEFT on the GPU kernels

@@ -3,11 +3,7 @@
 # bf16; bf16 runs with CUDA graphs and the side-stream overlap on every rank), then bench decode at
 # Qwen3-30B-A3B dimensions for tp=1, tp=2 and ep=2 at batch 64 and 256 with 0 and 4 rank-16 adapters.
 # Files: parallel_tests.log, bench.log, tp1/ tp2/ ep2/ decode-*.json.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+source "$(dirname "$0")/gpu_prelude.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_parallel_gpu.py \
     2>&1 | tee "$OUT/parallel_tests.log" | grep -E "passed|failed|^FAILED|^ERROR" | cut -c1-400 | tail -10

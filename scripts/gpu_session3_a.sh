@@ -3,12 +3,7 @@
 # on the GPU (fused and unfused), the fused-vs-current LoRA kernel timings, and bench decode with the fused
 # LoRA kernels on and off (one engine, graphs recaptured). Files: graph_tests.log, lora_kernel_tests.log,
 # bench_lora_fused.log, bench.log, fused/decode-*.json.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+source "$(dirname "$0")/gpu_prelude.sh"
 timeout ${T_GRAPH:-200} python3 -m pytest -q -s -p no:cacheprovider -rfE --tb=short -m gpu \
     tests/test_graphs_overlap.py tests/test_cuda_graphs.py 2>&1 | tee "$OUT/graph_tests.log" \
     | grep -E "worst|passed|failed|^FAILED|^ERROR|Error" | cut -c1-600 | tail -12

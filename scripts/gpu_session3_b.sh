@@ -5,12 +5,7 @@
 #  2. bench decode bf16, Qwen3-30B-A3B 48 layers, the full grid of the GPU-engine issue (both workloads,
 #     batch 1/16/64/128 x 0/1/4/8 rank-16 adapters) in one engine.
 # Files: kernel_tests.log, engine_tests.log, bench.log, bf16/decode-*.json.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+source "$(dirname "$0")/gpu_prelude.sh"
 timeout ${T_ENG:-230} python3 -m pytest -q -s -p no:cacheprovider -rfE --tb=short tests/test_graphs_overlap.py \
     tests/test_cuda_graphs.py tests/test_parity.py tests/test_deepseek_gpu.py -m gpu \
     --deselect tests/test_graphs_overlap.py::test_memory_plan_within_budget > "$OUT/engine_tests.log" 2>&1 &

@@ -3,11 +3,7 @@
 # --quick` (ceilings, bf16 decode sweep, prefill, transformers + PEFT); bench decode FP8 (batch 64/128 x
 # 0/4/8/32 rank-16 adapters, vLLM workload) and DeepSeek-V2-Lite (both workloads, batch 1/64 x 0/4/8).
 # Files: graph_test.log, report.log, report-*.json, bench.log, fp8/decode-*.json, ds/decode-*.json.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+source "$(dirname "$0")/gpu_prelude.sh"
 timeout ${T_GRAPH:-90} python3 -m pytest -q -s -p no:cacheprovider -rfE --tb=short \
     tests/test_graphs_overlap.py::test_graph_replay_equals_eager_200_random_steps 2>&1 | tee "$OUT/graph_test.log" \
     | grep -E "worst|passed|failed|Error" | cut -c1-600 | tail -5

@@ -2,11 +2,7 @@
 # Session 3, device call D: bench decode FP8 (vLLM workload; batch 64/128 x 0/4/8/32 rank-16 adapters, then
 # batch 64 x 0/4/8 rank-64 adapters), then `moelora bench kernels` (MoE cases take the layer's fused dispatch).
 # Files: bench_d.log, fp8/decode-*.json, fp8r64/decode-*.json, kernels-*.json.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+source "$(dirname "$0")/gpu_prelude.sh"
 B="python3 -m moelora bench decode"
 timeout ${T_FP8:-170} $B --out "$OUT/fp8" --dtype fp8 --workloads vllm --batches 64,128 --adapter-counts 0,4,8,32 \
     2>&1 | tee "$OUT/bench_d.log" | grep -v "^WARN" | tail -11
