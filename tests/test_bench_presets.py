@@ -62,6 +62,7 @@ def test_bench_decode_tiny_deepseek_preset(tmp_path, capsys):
     assert [r["adapters"] for r in rows] == [0, 2] and all(r["model"] == "tiny DeepSeek-V2-Lite" for r in rows)
     assert rows[1]["floor_bytes"] > rows[0]["floor_bytes"]  # the adapters' factors count
     assert torch.tensor([r["tokens_per_s"] for r in rows]).gt(0).all()
+    assert all(0 < r["runner_ms"] <= r["step_ms"] and r["host_ms"] >= 0 for r in rows)  # runner time within the step
 
 
 def test_bench_decode_tiny_tensor_parallel(tmp_path):

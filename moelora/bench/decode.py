@@ -113,6 +113,47 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
     return total, touched
 
 
+class _RunnerTimer:
+    """Time of the model runner's execute() per step (the forward and the logits: on a GPU the span between CUDA
+    events recorded around it, i.e. device time plus any launch gaps inside; on the CPU wall time). The rest of
+    a step's wall time is the engine's host work: scheduling, metadata, sampling, detokenization."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.runner, self.cuda = engine.runner, engine.device.type == "cuda"
+        self.spans: list = []
+        self.on = False
+
+    def __enter__(self) -> "_RunnerTimer":
+        real = self.runner.execute
+
+        def timed(chunks):
+            if not self.on:
+                return real(chunks)
+            if self.cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                out = real(chunks)
+                e.record()
+                self.spans.append((s, e))
+                return out
+            t = time.perf_counter()
+            out = real(chunks)
+            self.spans.append(time.perf_counter() - t)
+            return out
+
+        self.runner.execute = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runner.execute  # back to the class's method
+
+    def total_ms(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(s.elapsed_time(e) for s, e in self.spans)
+        return sum(self.spans) * 1e3
+
+
 def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int) -> dict:
     names = [f"ad{i}" for i in range(n_adapters)]
     # ctx1024: enough tokens that no request finishes inside the timed steps (requests whose prefill ended early
@@ -135,15 +176,18 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
     t0, done_steps, tokens = time.perf_counter(), 0, 0
     limit = steps if workload == "ctx1024" else 10**9
     routing = None  # each MoE block's routing in the first step that served the whole batch (for the floor)
-    while engine.has_unfinished_requests() and done_steps < limit:
-        served = len(engine.step())
-        tokens += served
-        done_steps += 1
-        if routing is None and served == batch:
-            routing = [(m, m.last_topk_ids[:batch].clone()) for m in engine.model.modules()
-                       if getattr(m, "last_topk_ids", None) is not None]
-    torch.cuda.synchronize() if engine.device.type == "cuda" else None
-    dt = time.perf_counter() - t0
+    with _RunnerTimer(engine) as timer:
+        timer.on = True
+        while engine.has_unfinished_requests() and done_steps < limit:
+            served = len(engine.step())
+            tokens += served
+            done_steps += 1
+            if routing is None and served == batch:
+                routing = [(m, m.last_topk_ids[:batch].clone()) for m in engine.model.modules()
+                           if getattr(m, "last_topk_ids", None) is not None]
+        torch.cuda.synchronize() if engine.device.type == "cuda" else None
+        dt = time.perf_counter() - t0
+        runner_ms = timer.total_ms() / max(done_steps, 1)
     reqs = [engine.requests[r] for r in ids]
     for module, topk_ids in routing or []:
         module.last_topk_ids = topk_ids
@@ -151,9 +195,10 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
     for r in ids:
         engine.abort_request(r)
         engine.pop_finished(r)
+    step_ms = dt / max(done_steps, 1) * 1e3
     return {"batch": batch, "adapters": n_adapters, "workload": workload, "tokens_per_s": tokens / dt,
-            "step_ms": dt / max(done_steps, 1) * 1e3, "floor_bytes": floor, "experts_touched": touched,
-            "decode_steps": done_steps}
+            "step_ms": step_ms, "floor_bytes": floor, "experts_touched": touched, "decode_steps": done_steps,
+            "runner_ms": runner_ms, "host_ms": step_ms - runner_ms}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -247,7 +292,8 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
         fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
         tags = ("" if overlap else " (overlap off)") + (" (fused LoRA)" if fused and n else "")
         print(f"{workload:8s} batch {batch:4d} adapters {n}{tags}: {r['tokens_per_s']:9.1f} tok/s  step "
-              f"{r['step_ms']:7.2f} ms  floor {fl}  experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}",
+              f"{r['step_ms']:7.2f} ms (runner {r['runner_ms']:.2f})  floor {fl}  "
+              f"experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}",
               flush=True)
     path = write_result("decode", {**head, "rows": rows}, args.out)
     print(f"results: {path}")
