@@ -127,3 +127,26 @@ def test_prefill_warm_up_runs_the_timed_shapes(monkeypatch):
     row = report._prefill_row(None, g, 4, 16, sizes, 100.0, {"model": "m"})
     assert calls == [(8, 2048, 4), (8, 2048, 4)]
     assert row["tokens_per_s"] == 8 * 2048 and row["rank"] == 16
+
+
+def test_peft_baseline_takes_transformers_fastest_experts_implementation(monkeypatch):
+    """The transformers side is timed in its fastest experts implementation: each candidate is timed, the
+    fastest stays set, one that fails is reported as unavailable (not chosen)."""
+    from moelora.bench import baseline_hf
+
+    class Model:
+        impl = "grouped_mm"
+
+        def set_experts_implementation(self, impl):
+            if impl == "broken":
+                raise ValueError("not on this device")
+            self.impl = impl
+
+    speed = {"grouped_mm": 0.5, "eager": 0.2}
+    monkeypatch.setattr(baseline_hf, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm", "eager", "broken"))
+    monkeypatch.setattr(baseline_hf, "_decode_s", lambda model, ids, n, kw: speed[model.impl] * n)
+    m = Model()
+    import torch
+
+    note = baseline_hf._fastest_experts(m, torch.zeros(4, 3), {})
+    assert m.impl == "eager" and "'eager'" in note and "broken unavailable (ValueError)" in note

@@ -63,6 +63,32 @@ def _decode_s(model, ids: torch.Tensor, new_tokens: int, gen_kwargs: dict, **kw)
     return max(clock.times[-1] - clock.times[0], 1e-9)
 
 
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")  # grouped_mm: generate() decodes it as batched_mm on a GPU
+
+
+def _fastest_experts(model, ids: torch.Tensor, gen_kwargs: dict) -> str:
+    """transformers' fastest routed-experts implementation for this decode: each candidate times a short
+    generate() at the largest batch and the fastest stays set (its fastest generation mode, fairly chosen:
+    generate() turns grouped_mm into batched_mm for decoding on a GPU, which copies every token's expert
+    weights). Returns a note naming the choice and the timings."""
+    timings = {}
+    for impl in EXPERTS_IMPLEMENTATIONS:
+        try:
+            model.set_experts_implementation(impl)
+            _decode_s(model, ids, 2, gen_kwargs)  # warm-up of this implementation
+            timings[impl] = _decode_s(model, ids, 4, gen_kwargs)
+        except Exception as e:  # noqa: BLE001 - an implementation this build or device lacks
+            timings[impl] = f"unavailable ({type(e).__name__})"
+    usable = {k: v for k, v in timings.items() if isinstance(v, float)}
+    if not usable:
+        return f"transformers experts implementation: none of {list(timings)} ran ({timings}); left as loaded"
+    best = min(usable, key=usable.get)
+    model.set_experts_implementation(best)
+    shown = ", ".join(f"{k} {v * 1e3:.1f} ms" if isinstance(v, float) else f"{k} {v}" for k, v in timings.items())
+    return (f"transformers experts implementation {best!r}, the fastest for 3 decode steps at batch {ids.shape[0]} "
+            f"({shown}; generate() decodes grouped_mm as batched_mm on a GPU)")
+
+
 def run_peft_baseline(
     config: dict, *, full_layers: int, layers: int, batches: list[int], adapter_counts: list[int], rank: int,
     prompt_len: int, new_tokens: int, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
@@ -85,6 +111,7 @@ def run_peft_baseline(
         return torch.randint(0, config["vocab_size"], (n, prompt_len), generator=g).to(device)
 
     _decode_s(model, prompts(1), 2, gen_kwargs)  # warm-up
+    notes.append(_fastest_experts(model, prompts(max(batches)), gen_kwargs))
     rows = []
 
     def record(batch: int, n: int, seconds: float, passes: int, mixed: bool) -> None:
