@@ -15,34 +15,9 @@ import argparse
 
 import torch
 
+from moelora.bench.common import graph_time_us
 from moelora.kernels import fused_moe_triton as fmt
 from moelora.kernels.moe import ExpertLoRAArgs, fused_moe_pairs, route_topk_ref
-
-
-def graph_time_us(fn, layers: int, iters: int = 20) -> float:
-    """µs per call of fn(layer) replayed from one CUDA graph holding `iters` rounds over the layers."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for li in range(layers):
-            fn(li)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            for li in range(layers):
-                fn(li)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (iters * layers))
-    return best
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from moelora.bench.common import hbm_bandwidth_gbs
+from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
 from moelora.kernels.groups import SlotGroups
 from moelora.kernels.lora_fused_triton import lora_fused_decode
 from moelora.kernels.lora_triton import lora_expand, lora_shrink
@@ -29,32 +29,6 @@ from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_
 
 H, I, E, K = 2048, 768, 128, 8
 EL = 2  # bf16
-
-
-def graph_time_us(fn, layers: int, iters: int = 20) -> float:
-    """µs per call of fn(layer), replayed from one CUDA graph of `iters` rounds over the layers (best of 5)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for li in range(layers):
-            fn(li)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            for li in range(layers):
-                fn(li)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (iters * layers))
-    return best
 
 
 def moe_case(site: str, T: int, n_ad: int, R: int, layers: int):

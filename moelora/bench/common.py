@@ -44,6 +44,32 @@ def time_ms(fn, warmup: int = 5, rep: int = 50) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def graph_time_us(fn, layers: int, iters: int = 20) -> float:
+    """µs per call of fn(layer), replayed from one CUDA graph of `iters` rounds over the layers (best of 5)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for li in range(layers):
+            fn(li)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            for li in range(layers):
+                fn(li)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (iters * layers))
+    return best
+
+
 def hbm_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second (GB/s)."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
