@@ -269,7 +269,7 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
         head["floor_note"] = "no byte floor for sharded runs (each rank reads its own shard; not modelled yet)"
     overlaps = [True, False] if args.lora_overlap == "both" else [args.lora_overlap == "on"]
     fused_mode = getattr(args, "fused_lora", "default")
-    if fused_mode in ("on", "off"):
+    if fused_mode in ("on", "off") and (fused_mode == "on") != fused_lora():
         _recapture(engine, overlaps[0], fused_mode == "on")
     fused0 = fused_lora()
     fuseds = [fused0, not fused0] if fused_mode == "both" else [fused0]

@@ -67,7 +67,7 @@ class ModelRunner:
         if any(c.num_tokens != 1 or not c.samples or c.request.wants_prompt_logprobs for c in chunks):
             return None
         inputs = ([c.request.all_ids[c.start] for c in chunks], [c.start for c in chunks],
-                  [list(c.request.block_table) for c in chunks], [c.request.slot for c in chunks])
+                  [c.request.block_table for c in chunks], [c.request.slot for c in chunks])
         if self.broadcast_graph is not None:  # tensor/expert parallel: the other ranks replay the same step
             self.broadcast_graph(*inputs)
         return StepOutput(self.replay(*inputs), list(chunks), {})
