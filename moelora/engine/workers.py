@@ -66,19 +66,25 @@ def worker_device(args, local_rank: int) -> torch.device:
 def build_sharded_model(cfg, args, dtype: str, device: torch.device, ps: ParallelState, show_progress: bool = False):
     """build_model + shard_model for one rank. Split over several ranks on a GPU, the whole model is loaded into
     host memory first and only this rank's shard moves to the device (a model that outgrows one GPU still
-    loads); on the CPU, or unsplit, it is built in place."""
+    loads); dummy weights are drawn on the GPU (the unsharded model must fit there once); on the CPU, or
+    unsplit, it is built in place."""
     from moelora.models.loader import build_model
 
     if ps.is_parallel and args.quantization is not None:
         raise NotImplementedError(f"quantization={args.quantization!r} with tensor/expert parallelism is not "
                                   "supported yet (quantized shards)")
-    stage = torch.device("cpu") if ps.is_parallel else device
+    # dummy weights (benchmarks) are drawn on the GPU itself: drawing 30B random parameters in host memory in
+    # every rank took minutes; the whole unsharded model must then fit on one GPU once
+    on_device = not ps.is_parallel or (device.type == "cuda" and args.load_format == "dummy")
+    stage = device if on_device else torch.device("cpu")
     model = build_model(cfg, args.model, dtype=dtype, device=stage, max_loras=args.max_loras,
                         max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
                         show_progress=show_progress, quantization=args.quantization)
     shard_model(model, ps)
     if stage != device:
         model.to(device)
+    elif ps.is_parallel and device.type == "cuda":
+        torch.cuda.empty_cache()  # the unsharded weights' blocks, back to the GPU before the memory plan
     model.set_overlap(args.lora_overlap and device.type == "cuda")
     return model
 

@@ -467,7 +467,7 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 
 
 _FAST = {"enabled": os.environ.get("MOELORA_FUSED_MOE", "1") != "0", "cpu": False,
-         "quantized": os.environ.get("MOELORA_FUSED_MOE_QUANT", "0") == "1"}
+         "quantized": os.environ.get("MOELORA_FUSED_MOE_QUANT", "1") != "0"}
 
 
 def set_fast_path(enabled: bool = True, on_cpu: bool = False, quantized: bool | None = None) -> None:
