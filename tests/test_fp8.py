@@ -139,7 +139,7 @@ def test_fp8_experts_on_the_triton_fast_path_equal_their_grouped_path():
     w_d = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, H, inter, generator=g) * 0.2, blk), st)
     x = torch.randn(T, H, generator=g)
     weights, ids = route_topk_ref(torch.randn(T, E, generator=g), K, True)
-    calls = []
+    calls, default = [], fmt._FAST["quantized"]
     real = Fp8ExpertWeight.expert_gemm
     Fp8ExpertWeight.expert_gemm = lambda self, *a: (calls.append(a[3]), real(self, *a))[1]
     try:
@@ -151,7 +151,7 @@ def test_fp8_experts_on_the_triton_fast_path_equal_their_grouped_path():
         fast = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, None, None)
     finally:
         Fp8ExpertWeight.expert_gemm = real
-        fmt.set_fast_path(True, on_cpu=False, quantized=False)
+        fmt.set_fast_path(True, on_cpu=False, quantized=default)
     assert calls == [True, False]  # gate_up read the token rows in place, down the pair rows
     assert torch.allclose(fast, slow, rtol=1e-4, atol=1e-4)
     assert not fmt.fast_path_ok(x, Fp8ExpertWeight(w_gu.weight, w_gu.scale_inv, Fp8State(blk, torch.float32, "w8a8")))

@@ -325,6 +325,7 @@ def test_fp8_experts_fast_path_equal_their_grouped_path_qwen3_shapes(T):
         torch.tensor([0, inter, 2 * inter], dtype=torch.int32, device="cuda"),
         torch.tensor([0, H], dtype=torch.int32, device="cuda"))
     ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
+    default = fmt._FAST["quantized"]
     try:
         for args in (None, lora):
             fmt.set_fast_path(True, quantized=False)
@@ -343,4 +344,4 @@ def test_fp8_experts_fast_path_equal_their_grouped_path_qwen3_shapes(T):
             graph.replay()
             assert _rel(out, fast) < 1e-3
     finally:
-        fmt.set_fast_path(True, quantized=False)
+        fmt.set_fast_path(True, quantized=default)

@@ -535,10 +535,9 @@ class TritonExperts:
         """act(gu[:, :I]) * gu[:, I:] · gu: [P, 2I] · returns [P, I] (one launch for silu)."""
         if activation == "silu":
             return silu_and_mul(gu)
-        from moelora.kernels.moe import _ACTIVATIONS
+        from moelora.kernels.moe import act_and_mul
 
-        inter = gu.shape[1] // 2
-        return _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]
+        return act_and_mul(gu, activation)
 
     def combine(self, o: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """sum_k topk_weights[t, k] * o[t*K + k] · o: [P, H] · returns [T, H] in o.dtype."""

@@ -100,6 +100,12 @@ def _expert_lora(y, x, slots, e, a, b, scaling, ranks, width) -> None:
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 
+def act_and_mul(gu: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gu[:, :I]) * gu[:, I:] in fp32, rounded once to gu's dtype · gu: [P, 2I] · returns [P, I]."""
+    inter = gu.shape[1] // 2
+    return (_ACTIVATIONS[activation](gu[:, :inter].float()) * gu[:, inter:].float()).to(gu.dtype)
+
+
 OVERLAP_MAX_PAIRS = 4096  # side-stream overlap only for decode-sized batches (its fp32 delta buffers are [P, 2I])
 
 
@@ -196,7 +202,9 @@ def fused_moe_pairs(
     gu_parts = None if lora is None else (
         lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks, lora.gate_up_scaling, inter)
     gu = project(x, w_gate_up, False, gu_parts)  # [P, 2I], LoRA delta before the activation
-    act = fast.act(gu, activation) if fast is not None else _ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:]  # [P, I]
+    # [P, I], computed in fp32 and rounded once on both paths (as silu_and_mul): a quantized down projection
+    # re-quantizes it, and a bf16 rounding difference there flips FP8 roundings (~1% apart at Qwen3 shapes)
+    act = fast.act(gu, activation) if fast is not None else act_and_mul(gu, activation)
     d_parts = None if lora is None else (
         lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H)
     o = project(act, w_down, True, d_parts)  # [P, H]
