@@ -128,3 +128,40 @@ def test_graph_decode_step_is_broadcast_before_the_replay():
     runner.forward_step = lambda *a: (torch.zeros(5, 3), {})
     runner.execute(too_big)
     assert events == [("eager",)]
+
+
+def test_leaving_the_process_group_is_bounded(monkeypatch):
+    """A destroy_process_group that never returns (on the H200 it waited for a communicator that live CUDA
+    graphs held) is abandoned after the timeout and the group aborted, so that shutdown cannot hang."""
+    import threading
+
+    import torch.distributed as dist
+
+    from moelora.engine import workers
+
+    released, aborted = threading.Event(), []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: released.wait(30))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
+                        lambda *a, **k: (aborted.append(True), released.set()), raising=False)
+    t0 = time.perf_counter()
+    workers._leave_group(timeout_s=0.3)
+    assert time.perf_counter() - t0 < 5 and aborted == [True]
+    released.clear()
+    aborted.clear()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+    workers._leave_group(timeout_s=5)
+    assert aborted == []  # a destroy that returns is not aborted
+
+
+def test_parallel_shutdown_frees_the_graphs_before_the_workers_leave():
+    """LLMEngine.shutdown frees rank 0's CUDA graphs before stopping the workers (and leaving the group)."""
+    from types import SimpleNamespace
+
+    from moelora.engine.llm_engine import LLMEngine
+
+    calls = []
+    eng = SimpleNamespace(runner=SimpleNamespace(release_graphs=lambda: calls.append("release")),
+                          workers=SimpleNamespace(stop=lambda: calls.append("stop")))
+    LLMEngine.shutdown(eng)
+    assert calls == ["release", "stop"]

@@ -345,7 +345,8 @@ def _write_peft_adapter(engine: LLMEngine, ad: LoRAAdapter, rank: int) -> str:
 def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> tuple[float, int]:
     """Write one random adapter in PEFT's target_parameters layout, then time reading, validating and
     copying it into a slot."""
-    ad = random_adapter("disk", targets, rank, 99, "cpu", torch.bfloat16)
+    ad = random_adapter("disk", targets, rank, 99, engine.device, torch.bfloat16)  # drawn on the device (fast)
+    ad = LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(m.a.cpu(), m.b.cpu(), m.scaling) for k, m in ad.modules.items()})
     folder = _write_peft_adapter(engine, ad, rank)
     nbytes = os.path.getsize(os.path.join(folder, "adapter_model.safetensors"))
     t0 = time.perf_counter()

@@ -72,6 +72,16 @@ class DecodeGraphs:
                                                   if getattr(m, "last_topk_ids", None) is not None]
         torch.cuda.synchronize()
 
+    def release(self) -> None:
+        """Drop every captured graph and the pool they share. Under tensor/expert parallelism this must precede
+        leaving the process group: NCCL will not destroy a communicator whose collectives a live graph holds
+        (on the H200, destroy_process_group waited forever)."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self._routing.clear()
+        torch.cuda.synchronize()
+
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 

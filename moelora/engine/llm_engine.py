@@ -140,8 +140,10 @@ class LLMEngine:
             self.workers.check()
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a parallel engine (nothing otherwise)."""
+        """Stop the worker processes of a parallel engine (nothing otherwise). Every rank frees its CUDA graphs
+        before leaving the process group (graphs that captured NCCL collectives keep the communicator alive)."""
         if self.workers is not None:
+            self.runner.release_graphs()
             self.workers.stop()
 
     def list_adapters(self) -> list[str]:

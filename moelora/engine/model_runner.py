@@ -59,6 +59,12 @@ class ModelRunner:
                     f"or run with --enforce-eager ({e})"
                 ) from None
 
+    def release_graphs(self) -> None:
+        """Free the CUDA graphs (before a parallel rank leaves its process group); later steps run eagerly."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def _graph_step(self, chunks: list[ScheduledChunk]) -> StepOutput | None:
         """A pure decode step (one new token per sequence, nothing but sampling wanted) from a CUDA graph."""
         g = self.graphs

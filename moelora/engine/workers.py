@@ -200,6 +200,7 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
     from moelora.engine.kv_cache import KVCache
     from moelora.engine.model_runner import ModelRunner, graph_settings
 
+    runner = None
     try:
         device = worker_device(args, local_rank)
         cfg = ModelConfig.from_pretrained(args.model)
@@ -248,6 +249,11 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
     finally:
         if beacon is not None:
             beacon.stop()
+        if runner is not None:
+            try:
+                runner.release_graphs()  # before the process group goes (see DecodeGraphs.release)
+            except Exception as e:  # noqa: BLE001 - leaving anyway
+                log.warning("rank %d: freeing the CUDA graphs: %s", rank, e)
         _leave_group()
 
 
@@ -442,9 +448,33 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def _leave_group() -> None:
-    if dist.is_initialized():
+LEAVE_TIMEOUT_S = 20.0
+
+
+def _leave_group(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+    """destroy_process_group, bounded: if it has not returned after timeout_s (a peer gone, a communicator still
+    held), warn and abort the group instead, so that shutting down never hangs."""
+    if not dist.is_initialized():
+        return
+    errors: list[BaseException] = []
+
+    def destroy() -> None:
         try:
             dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - a group with a dead peer: nothing more to release
-            log.warning("leaving the process group: %s", e)
+            errors.append(e)
+
+    t = threading.Thread(target=destroy, name="moelora-leave-group", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("leaving the process group took over %.0f s (a peer gone or a collective pending): aborting it",
+                    timeout_s)
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception as e:  # noqa: BLE001 - nothing more to do
+                log.warning("aborting the process group: %s", e)
+    elif errors:
+        log.warning("leaving the process group: %s", errors[0])
