@@ -59,6 +59,20 @@ def fused_dense_lora() -> bool:
     return _FUSED_DENSE_LORA[0]
 
 
+_DENSE_LORA_OVERLAP = [os.environ.get("MOELORA_DENSE_LORA_OVERLAP", "0") == "1"]
+
+
+def set_dense_lora_overlap(enabled: bool) -> None:
+    """Dense (attention / dense MLP) LoRA chains on the side CUDA stream beside their base GEMM, in modules whose
+    `overlap` is on (--lora-overlap). Off by default until measured on a GPU; on with
+    MOELORA_DENSE_LORA_OVERLAP=1. CUDA graphs record the streams: set it before they are captured."""
+    _DENSE_LORA_OVERLAP[0] = bool(enabled)
+
+
+def dense_lora_overlap() -> bool:
+    return _DENSE_LORA_OVERLAP[0]
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

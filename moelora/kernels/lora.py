@@ -52,7 +52,8 @@ def lora_expand_ref(
             r = rk[i][s]
             if r:
                 delta = (h[i, rows, :r].float() @ b_cat[s, off[i] : off[i + 1], :r].T.float()) * scaling[i, s]
-                y[rows, off[i] : off[i + 1]] += delta.to(y.dtype)
+                cols = slice(off[i], off[i + 1])
+                y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)  # rounded once, as the kernels
 
 
 def lora_single_slot(

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
-from moelora.kernels._triton import HAS_TRITON, fused_dense_lora, interpreting
+from moelora.kernels._triton import HAS_TRITON, dense_lora_overlap, fused_dense_lora, interpreting
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused_decode
 from moelora.layers.lora import LoRAWeights, lora_active
@@ -22,13 +22,15 @@ def set_single_slot_fast_path(enabled: bool) -> None:
     _SINGLE_SLOT["enabled"] = bool(enabled)
 
 
-def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor) -> None:
+def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor,
+                     h: torch.Tensor | None = None) -> None:
     """y[t] += per slice i: scaling[i, s] * B_i[s] A_i[s] x[t], s = slot of token t (rows of slot -1 untouched).
 
     set_fused_dense_lora(True) and T <= FUSED_DENSE_MAX_TOKENS on a GPU (or under TRITON_INTERPRET): one fused launch.
     One adapter in the batch: plain matmuls on that slot (cuBLAS on a GPU). Several: the grouped
     shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
-    x: [T, H] · y: [T, sum(out_i)]
+    x: [T, H] · y: [T, sum(out_i)] (x's dtype, or fp32 for a delta buffer) · h: the shrink's fp32 buffer
+    [n_slices, T, max_lora_rank], zeroed here (given by a caller that allocates before a stream fork; else made)
     """
     if fused_dense_lora() and HAS_TRITON and x.shape[0] <= FUSED_DENSE_MAX_TOKENS and (x.is_cuda or interpreting()):
         # set_fused_dense_lora(True): shrink + expand of all slices in one launch (kernels/lora_fused_triton.py)
@@ -40,7 +42,9 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
         rows = None if lora.all_lora else g.sorted_token_ids[: g.counts[0]].long()
         lora_single_slot(x, w.a, w.b_cat, w.slice_offsets_host, w.ranks, w.scaling, lora.single_slot, rows, y)
         return
-    h = torch.zeros(w.num_slices, x.shape[0], w.max_lora_rank, dtype=torch.float32, device=x.device)  # [n, T, R]
+    if h is None:
+        h = torch.empty(w.num_slices, x.shape[0], w.max_lora_rank, dtype=torch.float32, device=x.device)  # [n, T, R]
+    h.zero_()
     if x.is_cuda:
         from moelora.kernels.lora_triton import lora_expand, lora_shrink
     else:
@@ -72,6 +76,7 @@ class LoRALinear(nn.Module):
         )
         self.lora: LoRAWeights | None = None
         self.quant = None  # a quantized base weight: layers/fp8.py Fp8State or layers/nvfp4.py Nvfp4State
+        self.overlap = False  # GPU (--lora-overlap, and set_dense_lora_overlap): LoRA on the side stream
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAWeights:
         self.lora = LoRAWeights(
@@ -80,8 +85,45 @@ class LoRALinear(nn.Module):
         )
         return self.lora
 
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> x W^T (+ bias) [T, sum(O)], from the bf16 or the quantized weight."""
+        return F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.linear(self, x)
+
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.linear(self, x)  # [T, sum(O)]
-        if lora_active(self.lora, lora):
-            apply_dense_lora(x, self.lora, lora, y)
+        if not lora_active(self.lora, lora):
+            return self.base(x)
+        if self.overlap and x.is_cuda and dense_lora_overlap():
+            return self._forward_overlapped(x, lora)
+        y = self.base(x)
+        apply_dense_lora(x, self.lora, lora, y)
         return y
+
+    def _forward_overlapped(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+        """The LoRA chain on the side stream beside the base GEMM (kernels/streams.py): its buffers are made on
+        the main stream before the fork, the delta [T, sum(O)] fp32 filled on the side stream, then added once
+        after the join — y + delta rounds once, as the in-place expand does (lora_delta_then_add)."""
+        from moelora.kernels.streams import fork, join, side_stream
+
+        side = side_stream(x.device)
+        delta, h = self._delta_buffers(x)
+        main = fork(side)
+        with torch.cuda.stream(side):
+            delta.zero_()
+            apply_dense_lora(x, self.lora, lora, delta, h)
+        y = self.base(x)
+        join(main, side)
+        return y.add_(delta)
+
+    def _delta_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.lora
+        delta = torch.empty(x.shape[0], sum(self.out_features), dtype=torch.float32, device=x.device)
+        h = torch.empty(w.num_slices, x.shape[0], w.max_lora_rank, dtype=torch.float32, device=x.device)
+        return delta, h
+
+    def lora_delta_then_add(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+        """The overlapped path's arithmetic on one stream (tests compare it with forward on any device):
+        y = base(x) + delta, delta computed into zeroed fp32 buffers."""
+        delta, h = self._delta_buffers(x)
+        delta.zero_()
+        apply_dense_lora(x, self.lora, lora, delta, h)
+        return self.base(x).add_(delta)
