@@ -165,3 +165,41 @@ def test_parallel_shutdown_frees_the_graphs_before_the_workers_leave():
                           workers=SimpleNamespace(stop=lambda: calls.append("stop")))
     LLMEngine.shutdown(eng)
     assert calls == ["release", "stop"]
+
+
+def test_dummy_model_too_big_for_one_gpu_is_drawn_in_host_memory(monkeypatch):
+    """Under TP/EP dummy weights are drawn on the GPU; when the unsharded model does not fit there, the rank
+    draws it in host memory instead (and moves only its shard), rather than failing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moelora.distributed import ParallelState
+    from moelora.engine import workers
+    from moelora.models import loader
+
+    tried, moved = [], []
+
+    class Fake:
+        def to(self, device):
+            moved.append(str(device))
+            return self
+
+        def set_overlap(self, on):
+            pass
+
+    def fake_build(cfg, path, device, **kw):
+        tried.append(torch.device(device).type)
+        if torch.device(device).type == "cuda":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return Fake()
+
+    monkeypatch.setattr(loader, "build_model", fake_build)
+    monkeypatch.setattr(workers, "shard_model", lambda model, ps: model)
+    args = SimpleNamespace(model=None, quantization=None, load_format="dummy", max_loras=2, max_lora_rank=8,
+                           seed=0, lora_overlap=False)
+    workers.build_sharded_model(None, args, "bfloat16", torch.device("cuda", 0), ParallelState(tp_size=2))
+    assert tried == ["cuda", "cpu"] and moved == ["cuda:0"]
+    tried.clear()
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # one rank, nothing to shard: the error stands
+        workers.build_sharded_model(None, args, "bfloat16", torch.device("cuda", 0), ParallelState())

@@ -77,9 +77,22 @@ def build_sharded_model(cfg, args, dtype: str, device: torch.device, ps: Paralle
     # every rank took minutes; the whole unsharded model must then fit on one GPU once
     on_device = not ps.is_parallel or (device.type == "cuda" and args.load_format == "dummy")
     stage = device if on_device else torch.device("cpu")
-    model = build_model(cfg, args.model, dtype=dtype, device=stage, max_loras=args.max_loras,
-                        max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
-                        show_progress=show_progress, quantization=args.quantization)
+
+    def build(where: torch.device):
+        return build_model(cfg, args.model, dtype=dtype, device=where, max_loras=args.max_loras,
+                           max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
+                           show_progress=show_progress, quantization=args.quantization)
+
+    try:
+        model = build(stage)
+    except torch.cuda.OutOfMemoryError:
+        if not ps.is_parallel:
+            raise
+        torch.cuda.empty_cache()  # the unsharded dummy model outgrows one GPU: draw it in host memory instead
+        log.warning("rank %d: the unsharded dummy model does not fit on %s; drawing it in host memory (slower)",
+                    ps.rank, device)
+        stage = torch.device("cpu")
+        model = build(stage)
     shard_model(model, ps)
     if stage != device:
         model.to(device)
