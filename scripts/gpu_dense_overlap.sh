@@ -7,7 +7,8 @@
 # Files: overlap_tests.log, bench-<dtypes>.log, <dtype>-off/ <dtype>-on/ decode-*.json.
 source "$(dirname "$0")/gpu_prelude.sh"
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_dense_lora_overlap.py \
+  MOELORA_DENSE_LORA_OVERLAP=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+      tests/test_dense_lora_overlap.py \
       tests/test_graphs_overlap.py::test_overlap_equals_serial "tests/test_fp8_gpu.py" -k "overlap or fast_path" \
       > "$OUT/overlap_tests.log" 2>&1
   grep -E "passed|failed|^FAILED|^ERROR" "$OUT/overlap_tests.log" | cut -c1-300 | tail -6
