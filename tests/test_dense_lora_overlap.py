@@ -45,19 +45,21 @@ def test_dense_overlap_is_off_by_default_and_needs_a_gpu():
     assert dense_lora_overlap() is False or __import__("os").environ.get("MOELORA_DENSE_LORA_OVERLAP") == "1"
     lin = _layer(torch.float32, "cpu")
     lin.overlap = True
+    prev = dense_lora_overlap()
     set_dense_lora_overlap(True)
     try:
         x = torch.randn(4, 64)
         lora = LoRABatch.build([0, 1, -1, 2], 3)
         assert torch.equal(lin(x, lora), lin.lora_delta_then_add(x, lora))  # CPU tensors: the serial path
     finally:
-        set_dense_lora_overlap(False)
+        set_dense_lora_overlap(prev)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.no_grad()
 def test_overlapped_forward_equals_serial_on_gpu_and_in_a_graph():
+    prev = dense_lora_overlap()
     set_deterministic(True)  # no split-K atomics: bit-for-bit comparisons
     lin = _layer(torch.bfloat16, "cuda")
     lin.overlap = True
@@ -90,5 +92,5 @@ def test_overlapped_forward_equals_serial_on_gpu_and_in_a_graph():
         torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)
         assert not torch.equal(outs[0][1], lin.base(x))
     finally:
-        set_dense_lora_overlap(False)
+        set_dense_lora_overlap(prev)
         set_deterministic(False)
