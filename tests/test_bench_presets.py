@@ -67,7 +67,7 @@ def test_bench_decode_tiny_deepseek_preset(tmp_path, capsys):
 
 def test_bench_decode_tiny_tensor_parallel(tmp_path):
     """--tp 2: a worker process beside this one (gloo on the CPU); the adapters reach every rank from disk, the
-    rows say tp2 and carry no byte floor (not modelled for shards), the workers are stopped at the end."""
+    rows say tp2 and carry the busiest rank's byte floor, the workers are stopped at the end."""
     import multiprocessing
 
     p = argparse.ArgumentParser()
@@ -80,5 +80,38 @@ def test_bench_decode_tiny_tensor_parallel(tmp_path):
     assert res["tensor_parallel_size"] == 2 and "floor_note" in res
     rows = res["rows"]
     assert [r["adapters"] for r in rows] == [0, 2] and all(r["model"].endswith("tp2 ep1") for r in rows)
-    assert all(r["floor_ms"] is None for r in rows) and all(r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["floor_bytes"] > 0 for r in rows) and rows[1]["floor_bytes"] > rows[0]["floor_bytes"]
+    assert all(r["floor_ms"] is None for r in rows) and all(r["tokens_per_s"] > 0 for r in rows)  # no GPU bandwidth
     assert not [c for c in multiprocessing.active_children() if c.is_alive()]  # workers stopped
+
+
+def test_floor_of_a_sharded_run_is_its_busiest_rank():
+    """_floor_bytes by hand on a 1-layer model: tp splits attention, KV, dense LoRA B / o's A, the experts' width
+    and lm_head; ep gives each group its own experts, and the floor is the group that reads the most."""
+    from types import SimpleNamespace
+
+    H, E, I, V, hd, r = 64, 8, 32, 100, 16, 4
+    cfg = SimpleNamespace(mla=None, hidden_size=H, num_experts=E, q_size=4 * hd, kv_size=2 * hd, num_key_value_heads=2,
+                          moe_intermediate_size=I, vocab_size=V, num_hidden_layers=1)
+    ids = torch.tensor([[0, 1], [1, 5]])  # two requests, top-2: experts 0, 1 (ep group 0) and 5 (group 1)
+    layer = SimpleNamespace(mlp=SimpleNamespace(last_topk_ids=ids))
+    reqs = [SimpleNamespace(adapter="a"), SimpleNamespace(adapter=None)]
+
+    def floor(tp, ep):
+        eng = SimpleNamespace(config=cfg, model=SimpleNamespace(dtype=torch.float32, model=SimpleNamespace(layers=[layer])),
+                              args=SimpleNamespace(quantization=None, tensor_parallel_size=tp, expert_parallel_size=ep,
+                                                   max_lora_rank=r),
+                              pool=SimpleNamespace(slot_of=lambda name: 0))
+        return decode._floor_bytes(eng, reqs, ctx_len=10)[0]
+
+    def expect(tp, ep_experts, ep_pairs):
+        qs, kvs, i = 4 * hd // tp, (2 * hd // tp if 2 >= tp else hd), I // tp
+        attn = H * (qs + 2 * kvs) + qs * H
+        dense_lora = r * (3 * H + qs + 2 * kvs + qs + H)  # one adapter slot in use
+        experts = ep_experts * 3 * H * i + ep_pairs * r * (2 * H + 2 * i + i + H)
+        return 4 * (attn + dense_lora + E * H + experts + -(-V // tp) * H + 2 * 10 * 2 * kvs)
+
+    assert floor(1, 1) == expect(1, 3, 2)  # experts 0, 1, 5 touched; adapter pairs (0, 0), (0, 1)
+    assert floor(2, 1) == expect(2, 3, 2)
+    assert floor(4, 1) == expect(4, 3, 2)  # 2 KV heads over 4 ranks: one replicated head each
+    assert floor(1, 2) == expect(1, 2, 2)  # group 0 (experts 0-3) holds 0, 1 and both pairs; group 1 only 5

@@ -80,20 +80,29 @@ def random_adapter(name: str, targets, rank: int, seed: int, device, dtype) -> L
 
 def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]:
     """Bytes one decode step must read: weights (only touched experts), LoRA factors of the (adapter, expert)
-    pairs used, KV of every sequence; and the experts touched per layer (from the last step's routing)."""
+    pairs used, KV of every sequence; and the experts touched per layer (from the last step's routing).
+    Tensor/expert parallel: the bytes of the rank that reads the most (ranks read in parallel): its shard of
+    attention, dense LoRA and lm_head (over tp), its KV heads, and its own experts (over ep) at I/tp width."""
     cfg, m = engine.config, engine.model
     if cfg.mla is not None:  # MLA: weights and latent cache counted from the model's tensors
         return floor_bytes_from_tensors(engine, reqs, ctx_len)
     el = torch.empty((), dtype=m.dtype).element_size()  # activations, KV, LoRA, router, lm_head
     # base weight bytes per element: FP8 a byte + one fp32 scale per 128x128 block; NVFP4 half a byte + an e4m3 per 16
     wel = {"fp8": 1 + 4 / 128**2, "nvfp4": 0.5 + 1 / 16}.get(engine.args.quantization, el)
-    H, I, qs, kvs = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_size, cfg.kv_size
+    tp, ep = engine.args.tensor_parallel_size, engine.args.expert_parallel_size
+    H, E, qs, kvs = cfg.hidden_size, cfg.num_experts, cfg.q_size // tp, cfg.kv_size
+    kvs = kvs // tp if cfg.num_key_value_heads >= tp else kvs // cfg.num_key_value_heads  # KV heads replicated
+    I = cfg.moe_intermediate_size // tp  # noqa: E741 - each expert's intermediate width on one rank
+    r = engine.args.max_lora_rank
     n = len(reqs)
     # the slot each request's adapter sits in (a finished request's own slot field is already -1)
     slots = torch.tensor([engine.pool.slot_of(r.adapter) if r.adapter and engine.pool else -1 for r in reqs])
-    total, touched = 0, []
+    lora_slots = int(slots[slots >= 0].unique().numel())
+    common, per_ep, touched = 0.0, [0.0] * ep, []  # every rank / the ranks of one ep group (their experts)
     for layer in m.model.layers:
-        total += (H * (qs + 2 * kvs) + qs * H) * wel  # attention
+        common += (H * (qs + 2 * kvs) + qs * H) * wel  # attention (q, k, v column-parallel; o row-parallel)
+        # q/k/v: A [r, H] replicated, B [out/tp, r]; o: A [r, qs/tp], B [H, r] replicated
+        common += lora_slots * r * (3 * H + qs + 2 * kvs + qs + H) * el
         mlp = layer.mlp
         ids = getattr(mlp, "last_topk_ids", None)
         if ids is None:
@@ -101,16 +110,17 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
         ids = ids[:n].cpu()
         experts = ids.unique()
         touched.append(int(experts.numel()))
-        total += cfg.num_experts * H * el + experts.numel() * 3 * H * I * wel  # router + experts touched
-        lora_slots = slots[slots >= 0].unique()
-        if lora_slots.numel():
-            r = engine.args.max_lora_rank
-            total += lora_slots.numel() * r * (4 * H + qs + 2 * kvs + qs + H) * el  # q/k/v/o factors
-            pairs = {(int(s), int(e)) for s, row in zip(slots.tolist(), ids.tolist()) if s >= 0 for e in row}
-            total += len(pairs) * r * (2 * H + 2 * I + I + H) * el  # gate/up A,B and down A,B per pair
-    total += cfg.vocab_size * H * el  # lm_head
-    total += n * ctx_len * cfg.num_hidden_layers * 2 * cfg.kv_size * el  # KV read
-    return total, touched
+        common += E * H * el  # router (replicated)
+        pairs = {(int(s), int(e)) for s, row in zip(slots.tolist(), ids.tolist()) if s >= 0 for e in row}
+        for g in range(ep):
+            lo, hi = g * E // ep, (g + 1) * E // ep
+            mine = int(((experts >= lo) & (experts < hi)).sum())
+            per_ep[g] += mine * 3 * H * I * wel  # gate, up, down of its touched experts
+            # gate/up A [r, H] and down B [H, r] whole, gate/up B and down A at I/tp, per (adapter, expert) pair
+            per_ep[g] += sum(lo <= e < hi for _, e in pairs) * r * (2 * H + 2 * I + I + H) * el
+    common += -(-cfg.vocab_size // tp) * H * el  # lm_head (vocabulary-parallel)
+    common += n * ctx_len * cfg.num_hidden_layers * 2 * kvs * el  # KV read
+    return int(common + max(per_ep)), touched
 
 
 class _RunnerTimer:
@@ -266,7 +276,9 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
             "tensor_parallel_size": engine.args.tensor_parallel_size,
             "expert_parallel_size": engine.args.expert_parallel_size}
     if parallel:
-        head["floor_note"] = "no byte floor for sharded runs (each rank reads its own shard; not modelled yet)"
+        head["floor_note"] = ("the floor of a sharded run: the bytes of the rank that reads the most (its shard of "
+                              "attention, dense LoRA and lm_head, its KV heads, its own touched experts and their "
+                              "LoRA pairs) at one GPU's bandwidth; MLA models have none yet")
     overlaps = [True, False] if args.lora_overlap == "both" else [args.lora_overlap == "on"]
     fused_mode = getattr(args, "fused_lora", "default")
     if fused_mode in ("on", "off") and (fused_mode == "on") != fused_lora():
@@ -284,7 +296,7 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
                  + ("" if not args.layers else f" ({args.layers} layers)")
                  + (f" tp{engine.args.tensor_parallel_size} ep{engine.args.expert_parallel_size}" if parallel else ""),
                  dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap, fused_lora=fused)
-        if parallel:
+        if parallel and engine.config.mla is not None:
             r["floor_bytes"] = None
         r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw and r["floor_bytes"] else None
         rows.append(r)
