@@ -78,6 +78,13 @@ def random_adapter(name: str, targets, rank: int, seed: int, device, dtype) -> L
     return LoRAAdapter(name=name, path="<memory>", modules=mods)
 
 
+def _host_random_adapter(name: str, targets, rank: int, seed: int, device, dtype) -> LoRAAdapter:
+    """random_adapter drawn on `device` (fast; drawing a 1.3 GB adapter with the CPU's randn took minutes
+    beside a worker) and returned in host memory, like any registered adapter."""
+    ad = random_adapter(name, targets, rank, seed, device, dtype)
+    return LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(m.a.cpu(), m.b.cpu(), m.scaling) for k, m in ad.modules.items()})
+
+
 def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]:
     """Bytes one decode step must read: weights (only touched experts), LoRA factors of the (adapter, expert)
     pairs used, KV of every sequence; and the experts touched per layer (from the last step's routing).
@@ -258,9 +265,7 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
     for i in range(max(counts)):
         # drawn on the device (fast), kept on the host like any registered adapter: the KV cache took the
         # GPU memory budget, and the slots hold what the batches use (loaded during prefill, untimed)
-        ad = random_adapter(f"ad{i}", targets, args.lora_rank, i, dev, dt)
-        host = LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(m.a.cpu(), m.b.cpu(), m.scaling) for k, m in ad.modules.items()})
-        del ad
+        host = _host_random_adapter(f"ad{i}", targets, args.lora_rank, i, dev, dt)
         if parallel:  # every rank loads it from disk (the workers take adapters by path) and keeps its shard
             engine.load_adapter(host.name, _write_peft_adapter(engine, host, args.lora_rank))
         else:
@@ -357,8 +362,7 @@ def _write_peft_adapter(engine: LLMEngine, ad: LoRAAdapter, rank: int) -> str:
 def _adapter_load_time(engine: LLMEngine, targets, rank: int) -> tuple[float, int]:
     """Write one random adapter in PEFT's target_parameters layout, then time reading, validating and
     copying it into a slot."""
-    ad = random_adapter("disk", targets, rank, 99, engine.device, torch.bfloat16)  # drawn on the device (fast)
-    ad = LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(m.a.cpu(), m.b.cpu(), m.scaling) for k, m in ad.modules.items()})
+    ad = _host_random_adapter("disk", targets, rank, 99, engine.device, torch.bfloat16)
     folder = _write_peft_adapter(engine, ad, rank)
     nbytes = os.path.getsize(os.path.join(folder, "adapter_model.safetensors"))
     t0 = time.perf_counter()
