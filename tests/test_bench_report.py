@@ -150,3 +150,32 @@ def test_peft_baseline_takes_transformers_fastest_experts_implementation(monkeyp
 
     note = baseline_hf._fastest_experts(m, torch.zeros(4, 3), {})
     assert m.impl == "eager" and "'eager'" in note and "broken unavailable (ValueError)" in note
+
+
+def test_parts_of_a_split_run_merge_in_order(tmp_path):
+    """Parts of a split report (any file order) give tables sorted by model, dtype (bf16 before fp8) and rank,
+    every part's engines, and the summed run time."""
+    from moelora.bench.plot import load
+    from moelora.bench.summary import markdown
+
+    def part(name: str, model: str, dtype: str, rank: int, elapsed: float) -> str:
+        rows = [{"model": model, "dtype": dtype, "engine_rank": rank, "batch": 1, "adapters": n, "rank": rank * (n > 0),
+                 "tokens_per_s": 100.0 - n, "step_ms": 10.0, "floor_ms": 5.0, "step_over_floor": 2.0} for n in (0, 1)]
+        d = {"kind": "report", "device": "X", "date": "2026-11-30", "commit": "abc", "elapsed_s": elapsed,
+             "ceilings": {"copy_gbs": 1.0, "matmul_tflops": {}}, "decode": rows, "prefill": [], "notes": [],
+             "peft": None, "engines": [{"model": model, "dtype": dtype, "rank": rank, "layers": 2, "max_loras": 2,
+                                        "graphs": True, "build_s": 1.0}]}
+        path = tmp_path / f"report-{name}.json"
+        path.write_text(json.dumps(d))
+        return str(path)
+
+    files = [part("c", "Qwen3", "fp8", 16, 3.0), part("b", "Qwen3", "bf16", 64, 2.0), part("a", "DeepSeek", "bf16", 16, 1.0),
+             part("d", "Qwen3", "bf16", 16, 4.0)]
+    d = load(files)
+    assert d["parts"] == 4 and d["elapsed_s"] == pytest.approx(10.0) and len(d["engines"]) == 4
+    table = markdown(d)
+    order = [table.index(f"— {m}, {dt}, rank {r} (") for m, dt, r in
+             (("DeepSeek", "bf16", 16), ("Qwen3", "bf16", 16), ("Qwen3", "bf16", 64), ("Qwen3", "fp8", 16))]
+    assert order == sorted(order)
+    assert "Run time 10 s (the sum of 4 parts" in table
+    assert table.index("engine DeepSeek bf16 rank 16") < table.index("engine Qwen3 fp8 rank 16")

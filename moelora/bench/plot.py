@@ -17,7 +17,7 @@ import os
 
 from moelora.bench.figures import add_kept
 from moelora.bench.published import KEPT, VLLM_TOKENS_PER_S, kept_value
-from moelora.bench.summary import markdown
+from moelora.bench.summary import markdown, panel_key as _panel_key
 
 ADAPTER_COLORS = {0: "#222222", 1: "#1f77b4", 2: "#17becf", 4: "#2ca02c", 8: "#d62728", 32: "#9467bd"}
 PLOTTED_ADAPTERS = (0, 1, 2, 4, 8)  # tokens/s and floor plots: the counts a reader compares first
@@ -26,13 +26,18 @@ OUR_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#d62728")  # moelora lines in th
 
 
 def load(files: list[str]) -> dict:
-    """One report from several files: rows concatenated; ceilings, device and date of the first file."""
+    """One report from several files: rows and engines concatenated, run times summed (`parts` counts the
+    files); ceilings, device, date and commit of the first file."""
     merged: dict = {}
     for path in files:
         with open(path) as f:
             d = json.load(f)
         if not merged:
-            merged = {**d, "decode": [], "prefill": [], "notes": [], "peft": None}
+            merged = {**d, "decode": [], "prefill": [], "notes": [], "peft": None, "engines": [], "elapsed_s": 0.0,
+                      "parts": 0}
+        merged["parts"] += 1
+        merged["elapsed_s"] += d.get("elapsed_s") or 0.0
+        merged["engines"] += d.get("engines", [])
         merged["decode"] += d.get("decode", [])
         merged["prefill"] += d.get("prefill", [])
         merged["notes"] += [n for n in d.get("notes", []) if n not in merged["notes"]]
@@ -50,13 +55,8 @@ def _color(n: int) -> str:
 
 
 def _engines(rows: list[dict]) -> list[tuple[str, str, int]]:
-    """(model, dtype, engine rank) in the order they first appear."""
-    seen: list[tuple[str, str, int]] = []
-    for r in rows:
-        k = (r["model"], r["dtype"], r["engine_rank"])
-        if k not in seen:
-            seen.append(k)
-    return seen
+    """(model, dtype, engine rank) of the rows, each once, sorted by `_panel_key`."""
+    return sorted({(r["model"], r["dtype"], r["engine_rank"]) for r in rows}, key=_panel_key)
 
 
 def _panels(plt, n: int, width: float = 6.0, height: float = 4.6):
@@ -153,7 +153,7 @@ def plot_kept(plt, d: dict, path: str) -> str:
     published figures without a count); moelora lines coloured by batch, dashed for rank 64; the published
     figures of the same precision class (bf16, or fp8/nvfp4) as markers."""
     ours = [r for r in d["decode"] if r["adapters"] > 0 and r.get("kept") is not None]
-    panels = list(dict.fromkeys((r["model"], r["dtype"]) for r in ours)) or [("", "bf16")]
+    panels = sorted({(r["model"], r["dtype"]) for r in ours}, key=_panel_key) or [("", "bf16")]
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 6 * len(panels)), squeeze=False)
     for ax, (model, dtype) in zip(axes[:, 0], panels):
         low = dtype not in ("bf16", "fp16", "fp32")
@@ -248,7 +248,7 @@ def _legend(ax) -> None:
 
 
 def _save(fig, path: str) -> str:
-    fig.tight_layout()
+    fig.set_layout_engine("constrained")  # keeps the suptitle clear of the first row's titles (tight_layout does not)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     import matplotlib.pyplot as plt
 

@@ -5,6 +5,16 @@ PEFT, and the run's notes."""
 from __future__ import annotations
 
 
+DTYPE_ORDER = ("fp32", "fp16", "bf16", "fp8", "nvfp4")
+
+
+def panel_key(k: tuple) -> tuple:
+    """Sort key of a (model, dtype[, rank]) table or plot panel: by model, then precision from wide to narrow,
+    then rank (the parts of a split run arrive in any order)."""
+    dtype = DTYPE_ORDER.index(k[1]) if k[1] in DTYPE_ORDER else len(DTYPE_ORDER)
+    return (k[0], dtype, *k[2:])
+
+
 def _fmt(x: float | None, spec: str = ",.0f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -15,12 +25,14 @@ def markdown(d: dict) -> str:
     lines = [f"**{d.get('device')}**, {str(d.get('date', ''))[:16]} UTC, commit `{str(d.get('commit', ''))[:10]}`, "
              f"torch {d.get('torch', '?')}, Triton {d.get('triton', '—')}. Copy bandwidth {_fmt(c.get('copy_gbs'))} GB/s; "
              f"matmul {_fmt(mm.get('bf16'), ',.1f')} TFLOP/s bf16, {_fmt(mm.get('fp8'), ',.1f')} fp8. "
-             f"Run time {_fmt(d.get('elapsed_s'))} s.", ""]
-    for e in d.get("engines", []):
+             f"Run time {_fmt(d.get('elapsed_s'))} s"
+             + (f" (the sum of {d['parts']} parts run one after another or side by side)." if d.get("parts", 1) > 1 else "."),
+             ""]
+    for e in sorted(d.get("engines", []), key=lambda e: panel_key((e["model"], e["dtype"], e["rank"]))):
         lines.append(f"- engine {e['model']} {e['dtype']} rank {e['rank']}: {e['layers']} layers, {e['max_loras']} LoRA "
                      f"slots, CUDA graphs {'on' if e['graphs'] else 'off'}, built in {e['build_s']:.1f} s")
     lines.append("")
-    engines = list(dict.fromkeys((r["model"], r["dtype"], r["engine_rank"]) for r in d.get("decode", [])))
+    engines = sorted({(r["model"], r["dtype"], r["engine_rank"]) for r in d.get("decode", [])}, key=panel_key)
     for model, dtype, rank in engines:
         rows = [r for r in d["decode"] if (r["model"], r["dtype"], r["engine_rank"]) == (model, dtype, rank)]
         counts = sorted({r["adapters"] for r in rows})
