@@ -79,6 +79,8 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: pairs p = t*K + k grouped by expert e = topk_ids.flatten()[p] in increasing e, each group
     in increasing p and padded with the value P to a multiple of block_m; the rest of the static buffer = P.
+    A pair whose id is outside [0, E) (-1: a pair another rank's expert takes, under expert parallelism) is
+    left out: no GEMM computes its row.
         sorted_pair_ids[p_max] int32 · block_expert[p_max / block_m] int32 (expert of each block, -1 if unused)
     topk_ids: [T, K] int · p_max = max_padded_pairs(T*K, E, block_m)
     """
@@ -129,7 +131,8 @@ if HAS_TRITON:
             hit = (e[:, None] == offs_e[None, :]).to(tl.int32)
             rank = tl.cumsum(hit, axis=0)  # 1-based rank of each pair among this chunk's pairs of its expert
             dest = tl.sum(hit * (fill[None, :] + rank - 1), axis=1)
-            tl.store(sorted_ptr + dest, pp.to(tl.int32), mask=valid)
+            # a pair on no expert of this rank (id -1) matches no column: it is left out, not stored at 0
+            tl.store(sorted_ptr + dest, pp.to(tl.int32), mask=valid & (tl.sum(hit, axis=1) > 0))
             fill += tl.sum(hit, axis=0)
         total = tl.max(ends, axis=0)
         for b0 in range(0, NUM_BLOCKS, BLOCK_P):
@@ -190,7 +193,7 @@ if HAS_TRITON:
         hit = (e[:, None] == offs_e[None, :]).to(tl.int32)
         base = tl.load(base_ptr + c * BLOCK_E + offs_e) + tl.load(base_ptr + C * BLOCK_E + offs_e)
         dest = tl.sum(hit * (base[None, :] + tl.cumsum(hit, axis=0) - 1), axis=1)
-        tl.store(sorted_ptr + dest, pp.to(tl.int32), mask=valid)
+        tl.store(sorted_ptr + dest, pp.to(tl.int32), mask=valid & (tl.sum(hit, axis=1) > 0))  # id -1: left out
 
 
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks of pairs
@@ -356,10 +359,12 @@ def silu_and_mul_ref(gu: torch.Tensor) -> torch.Tensor:
 
 
 def moe_combine_ref(o: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Semantics: out[t] = sum_k topk_weights[t, k] * o[t*K + k] in fp32, rounded once to o.dtype
+    """Semantics: out[t] = sum_k topk_weights[t, k] * o[t*K + k] in fp32 over the k with a weight != 0 (the row
+    of a weight-0 pair is never read: a pair left out of the alignment has no row), rounded once to o.dtype
     o: [T*K, H] · topk_weights: [T, K] · returns [T, H]."""
     T, K = topk_weights.shape
-    return (o.view(T, K, -1).float() * topk_weights.float()[:, :, None]).sum(1).to(o.dtype)
+    w = topk_weights.float()[:, :, None]
+    return torch.where(w != 0, o.view(T, K, -1).float() * w, 0.0).sum(1).to(o.dtype)
 
 
 if HAS_TRITON:
@@ -382,7 +387,9 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(K):
             wk = tl.load(w_ptr + t * s_wt + k * s_wk).to(tl.float32)
-            acc += wk * tl.load(o_ptr + (t * K + k) * s_op + offs * s_oh, mask=mask, other=0.0).to(tl.float32)
+            ok = tl.load(o_ptr + (t * K + k) * s_op + offs * s_oh, mask=mask, other=0.0).to(tl.float32)
+            # a weight-0 pair adds nothing, whatever its row holds (a pair left out of the alignment: never written)
+            acc += tl.where(wk != 0.0, wk * ok, 0.0)
         tl.store(out_ptr + t * s_ot + offs * s_oh2, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -58,6 +58,7 @@ def fused_moe_ref(
         a = act(gu[:I]) * gu[I:]                           # delta added before the activation
         o = W_d[e] a ; if s >= 0: o += sc_d[s] * B_d[s,e] A_d[s,e] a
         out_t += topk_weights[t, k] * o                    # the down delta is weighted like the base
+    A pair with e = -1 (another rank's expert under expert parallelism) adds nothing.
     x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights: [T, K] · topk_ids: [T, K]
     returns [T, H] in x.dtype
     """
@@ -70,6 +71,8 @@ def fused_moe_ref(
     gu_ranks = lora.gate_up_ranks.tolist() if lora is not None else None
     d_ranks = lora.down_ranks.tolist() if lora is not None else None
     for e in torch.unique(topk_ids).tolist():
+        if e < 0:  # a pair another rank's expert takes (expert parallelism): it adds nothing here
+            continue
         tok, kpos = (topk_ids == e).nonzero(as_tuple=True)
         xe = x[tok]  # [m, H]
         gu = xe @ w_gate_up[e].T  # [m, 2I]

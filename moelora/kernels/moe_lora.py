@@ -24,7 +24,7 @@ def moe_lora_shrink_ref(
 ) -> None:
     """Semantics:
         for p in range(T * K): t, e, s = p // K, topk_ids.flatten()[p], token_slots[p // K]
-            if s >= 0: for i: r = ranks[i, s]; out[p, i, :r] = row @ a[i, s, e (0 if shared), :r].T
+            if s >= 0 and e >= 0: for i: r = ranks[i, s]; out[p, i, :r] = row @ a[i, s, e (0 if shared), :r].T
                        with row = x[p] if x_per_pair else x[t]          (other entries untouched)
     x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · ranks: [n, S] int32 · topk_ids: [T, K] · token_slots: [T]
     num_experts: E of the model (the Triton kernels align pairs by slot * E + e)
@@ -39,6 +39,8 @@ def moe_lora_shrink_ref(
         if s < 0:
             continue
         for e in torch.unique(pair_exp[pair_slot == s]).tolist():
+            if e < 0:  # a pair another rank's expert takes (expert parallelism): no delta here
+                continue
             pairs = ((pair_slot == s) & (pair_exp == e)).nonzero().squeeze(1)
             rows = x[pairs] if x_per_pair else x[pairs // K]
             for i in range(a.shape[0]):
@@ -62,7 +64,7 @@ def moe_lora_expand_ref(
 ) -> None:
     """Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
         for p in range(T * K): e, s = topk_ids.flatten()[p], token_slots[p // K]
-            if s >= 0: for i with r = ranks[i, s] > 0:
+            if s >= 0 and e >= 0: for i with r = ranks[i, s] > 0:
                 y[p, o_i] += w[p] * scaling[i, s] * h[p, i, :r] @ b_cat[s, e (0 if shared), o_i, :r].T
         w = pair_weights (the router weights, [T*K]) or 1
     h: [T*K, n, R] fp32 · b_cat: [S, E|1, O, R] · slice_offsets: [n+1] int32 · ranks, scaling: [n, S]
@@ -77,6 +79,8 @@ def moe_lora_expand_ref(
         if s < 0:
             continue
         for e in torch.unique(pair_exp[pair_slot == s]).tolist():
+            if e < 0:  # a pair another rank's expert takes (expert parallelism): y[p] untouched
+                continue
             pairs = ((pair_slot == s) & (pair_exp == e)).nonzero().squeeze(1)
             for i in range(len(off) - 1):
                 r = rk[i][s]
@@ -96,7 +100,7 @@ def moe_lora_align(
 
     Returns sorted_pair_ids [P_max] int32 (pair ids; padding = T*K) and block_vexpert [P_max / block_m]
     int32 (the virtual expert of each block of block_m entries, -1 past the end). Pairs of tokens without
-    an adapter are left out. Sizes depend only on T, K, E, max_loras and block_m, and nothing is read back
+    an adapter, and pairs on expert -1, are left out. Sizes depend only on T, K, E, max_loras and block_m, and nothing is read back
     to the host, so the same buffers serve CUDA-graph replays.
     """
     T, K = topk_ids.shape
@@ -104,7 +108,8 @@ def moe_lora_align(
     V = max_loras * num_experts
     dev = topk_ids.device
     slot = token_slots.to(torch.int64).repeat_interleave(K)  # [P]
-    v = torch.where(slot >= 0, slot * num_experts + topk_ids.reshape(-1).to(torch.int64), torch.full_like(slot, V))
+    exp = topk_ids.reshape(-1).to(torch.int64)  # -1: another rank's expert (expert parallelism), left out too
+    v = torch.where((slot >= 0) & (exp >= 0), slot * num_experts + exp, torch.full_like(slot, V))
     counts = torch.zeros(V + 1, dtype=torch.int64, device=dev).scatter_add_(0, v, torch.ones_like(v))[:V]
     padded = (counts + block_m - 1) // block_m * block_m
     cum = torch.cumsum(padded, 0)

@@ -61,6 +61,8 @@ if HAS_TRITON:
             if rank == 0:  # add mode: rows of slot -1 and slices of rank 0 stay untouched
                 return
         e = tl.load(ids_ptr + p).to(tl.int64)
+        if e < 0:  # another rank's expert (expert parallelism): nothing written (its row is never read)
+            return
         row = p if X_PER_PAIR else t
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
@@ -147,6 +149,8 @@ def moe_lora_fused(
                 delta = w * scaling[i, s] * (row @ a[i, s, e (0 if shared), :r].T) @ b_cat[s, e (0 if shared), o_i, :r].T
                 if r > 0:     y[p, o_i] = y[p, o_i] + delta      (store: y[p, o_i] = delta)
                 else:         untouched                          (store: y[p, o_i] = 0)
+        a pair with e = -1 (another rank's expert under expert parallelism) leaves y[p] untouched in both
+        modes (its row is never read: the base path left it out too)
     x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · b_cat: [S, E|1, O, R] · slice_offsets: [n+1] int32
     ranks: [n, S] int32 · scaling: [n, S] fp32 · topk_ids: [T, K] int · token_slots: [T] int32
     num_experts: E of the model (unused here: the signature of moe_lora_shrink) · y: [T*K, O] updated in place

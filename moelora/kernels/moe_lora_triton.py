@@ -40,6 +40,8 @@ if HAS_TRITON:
         if rank == 0:
             return
         e = tl.load(ids_ptr + p).to(tl.int64)
+        if e < 0:  # another rank's expert (expert parallelism): no delta
+            return
         row = p if X_PER_PAIR else t
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
@@ -79,6 +81,8 @@ if HAS_TRITON:
         if rank == 0:
             return
         e = tl.load(ids_ptr + p).to(tl.int64)
+        if e < 0:  # another rank's expert (expert parallelism): y[p] untouched
+            return
         scale = tl.load(scale_ptr + i * S + slot)
         if HAS_W:
             scale = scale * tl.load(w_ptr + p).to(tl.float32)
@@ -201,7 +205,8 @@ def moe_lora_align_fast(
     V = max_loras * num_experts
     dev = topk_ids.device
     slot = token_slots.to(torch.int64).repeat_interleave(K)
-    v = torch.where(slot >= 0, slot * num_experts + topk_ids.reshape(-1).to(torch.int64), torch.full_like(slot, V))
+    exp = topk_ids.reshape(-1).to(torch.int64)  # -1: another rank's expert (expert parallelism), left out
+    v = torch.where((slot >= 0) & (exp >= 0), slot * num_experts + exp, torch.full_like(slot, V))
     counts = torch.zeros(V + 1, dtype=torch.int32, device=dev).scatter_add_(0, v, torch.ones_like(v, dtype=torch.int32))
     padded = (counts[:V] + block_m - 1) // block_m * block_m
     cum = torch.cumsum(padded, 0)

@@ -1,0 +1,179 @@
+"""Expert parallelism on the Triton base path: a (token, k) pair routed to another rank's expert gets expert id
+-1 and is left out of every kernel (alignment, expert GEMMs, LoRA shrink/expand and the fused LoRA kernel) and
+of the combine, instead of being computed on local expert 0 with weight 0. Under TRITON_INTERPRET=1 on the CPU
+(fp32), compiled on a GPU: the kernels match their references with such pairs, the combine never reads their
+rows, and two expert shards computed this way sum to the whole layer with mixed adapters."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernel_cases import DEVICE, DTYPES, token_slots, tolerance
+from moelora.distributed import sharding
+from moelora.kernels import _triton
+from moelora.kernels import fused_moe_triton as fmt
+from moelora.kernels import moe_lora_triton as mlt
+from moelora.kernels.moe import ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
+from moelora.kernels.moe_lora import moe_lora_align, moe_lora_expand_ref, moe_lora_shrink_ref
+from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DT = DTYPES[0]
+
+
+def _dropped(ids: torch.Tensor, gen: torch.Generator, share: float = 0.4) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids with about `share` of the pairs set to -1, and that mask [T, K]."""
+    drop = (torch.rand(ids.shape, generator=gen) < share).to(ids.device)
+    return ids.masked_fill(drop, -1), drop
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("T,E,K", [(1, 8, 4), (37, 16, 4), (133, 16, 8)])
+def test_align_leaves_out_pairs_on_expert_minus_one(T, E, K, chunked, monkeypatch):
+    if chunked:  # the three-launch variant of large P, at small shapes
+        monkeypatch.setattr(fmt, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0)
+    gen = torch.Generator().manual_seed(T + E)
+    _, ids = route_topk_ref(torch.randn(T, E, generator=gen).to(DEVICE), K, True)
+    ids, drop = _dropped(ids, gen)
+    sorted_ids, block_expert = fmt.moe_align(ids, E, 16)
+    ref_ids, ref_be = fmt.moe_align_ref(ids, E, 16)
+    assert torch.equal(sorted_ids, ref_ids) and torch.equal(block_expert, ref_be)
+    placed = sorted(p for p in sorted_ids.tolist() if p < T * K)
+    assert placed == (~drop).reshape(-1).nonzero().squeeze(1).tolist()  # every kept pair once, no dropped one
+
+
+def test_combine_never_reads_a_weight_zero_row():
+    gen = torch.Generator().manual_seed(5)
+    T, K, Hd = 6, 4, 40
+    o = torch.randn(T * K, Hd, generator=gen).to(DEVICE, DT)
+    w = torch.rand(T, K, generator=gen).to(DEVICE)
+    w[torch.rand(T, K, generator=gen).to(DEVICE) < 0.4] = 0
+    zeroed = o.clone()
+    zeroed[(w == 0).reshape(-1)] = 0
+    o[(w == 0).reshape(-1)] = float("nan")  # a row no GEMM wrote
+    want = (zeroed.view(T, K, Hd).float() * w[:, :, None]).sum(1).to(DT)
+    for got in (fmt.moe_combine(o, w), fmt.moe_combine_ref(o, w)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _lora(E: int, S: int, R: int, H: int, inter: int, gen: torch.Generator) -> tuple:
+    def fac(n, D, O):
+        ranks = torch.tensor([[8, 4, 0], [2, 8, 4]][:n], dtype=torch.int32)
+        a = torch.randn(n, S, E, R, D, generator=gen) * 0.2
+        b = torch.randn(S, E, O, R, generator=gen) * 0.2
+        for i in range(n):
+            for s in range(S):
+                a[i, s, :, ranks[i, s]:] = 0
+        return a.to(DEVICE, DT), b.to(DEVICE, DT), ranks.to(DEVICE), (torch.rand(n, S, generator=gen) + 0.5).to(DEVICE)
+
+    return fac(2, H, 2 * inter) + fac(1, inter, H)
+
+
+@pytest.mark.parametrize("variant", ["gemv", "tiled", "fused"])
+def test_lora_kernels_skip_pairs_on_expert_minus_one(variant):
+    gen = torch.Generator().manual_seed(11)
+    T, E, K, S, R, D, O = 13, 8, 4, 3, 8, 40, 24
+    _, ids = route_topk_ref(torch.randn(T, E, generator=gen).to(DEVICE), K, True)
+    ids, drop = _dropped(ids, gen)
+    slots = token_slots("with_base_rows", T, S, gen).to(DEVICE)
+    a, b, ranks, scaling = _lora(E, S, R, D, O // 2, gen)[:4]
+    off = torch.tensor([0, O // 2, O], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(T, D, generator=gen).to(DEVICE, DT)
+    y0 = torch.randn(T * K, O, generator=gen).to(DEVICE, DT)
+    h_ref = torch.zeros(T * K, 2, R, device=DEVICE)
+    moe_lora_shrink_ref(x, a, ranks, ids, slots, E, h_ref, False)
+    y_ref = y0.clone()
+    moe_lora_expand_ref(h_ref, b, off, ranks, scaling, ids, slots, E, y_ref)
+    y = y0.clone()
+    if variant == "fused":
+        moe_lora_fused(x, a, b, off, ranks, scaling, ids, slots, E, y, False)
+    else:
+        h = torch.zeros(T * K, 2, R, device=DEVICE)
+        mlt.moe_lora_shrink(x, a, ranks, ids, slots, E, h, False, variant=variant)
+        torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+        mlt.moe_lora_expand(h_ref, b, off, ranks, scaling, ids, slots, E, y, variant=variant)
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    gone = drop.reshape(-1)
+    assert torch.equal(y[gone], y0[gone]), "a pair on expert -1 must stay untouched"
+    assert not torch.equal(y[~gone], y0[~gone])  # the kept pairs did get their deltas
+
+
+def test_lora_alignments_leave_out_pairs_on_expert_minus_one():
+    gen = torch.Generator().manual_seed(12)
+    T, E, K, S = 29, 8, 4, 3
+    _, ids = route_topk_ref(torch.randn(T, E, generator=gen).to(DEVICE), K, True)
+    ids, drop = _dropped(ids, gen)
+    slots = token_slots("with_base_rows", T, S, gen).to(DEVICE)
+    keep = (~drop & (slots >= 0)[:, None]).reshape(-1).nonzero().squeeze(1).tolist()
+    for align in (moe_lora_align, mlt.moe_lora_align_fast):
+        sorted_ids, _ = align(ids, slots, E, S, 16)
+        assert sorted(p for p in sorted_ids.tolist() if p < T * K) == keep, align.__name__
+
+
+def _shard(args: ExpertLoRAArgs, es: slice) -> ExpertLoRAArgs:
+    """The LoRA of experts `es` (what a rank holds under expert parallelism)."""
+    return dataclasses.replace(args, gate_up_a=args.gate_up_a[:, :, es].contiguous(),
+                               gate_up_b=args.gate_up_b[:, es].contiguous(),
+                               down_a=args.down_a[:, :, es].contiguous(), down_b=args.down_b[:, es].contiguous())
+
+
+@pytest.fixture
+def fast_on_cpu():
+    fmt.set_fast_path(True, on_cpu=True)
+    yield
+    fmt.set_fast_path(True, on_cpu=False)
+
+
+@pytest.mark.parametrize("fused_lora", [True, False])
+@pytest.mark.parametrize("T,K,tiled", [(9, 4, False), (21, 4, True)])
+def test_two_expert_shards_sum_to_the_whole_layer(T, K, tiled, fused_lora, fast_on_cpu, monkeypatch):
+    """Each half of the experts, through the EP hook (pairs of the other half on expert -1) and fused_moe_pairs
+    with the Triton kernels, sums with the other half to fused_moe_ref of the whole layer (mixed adapters)."""
+    if tiled:  # the prefill LoRA variant (alignment by virtual expert) at a small P
+        monkeypatch.setattr(mlt, "GEMV_MAX_PAIRS", 0)
+    monkeypatch.setattr(_triton, "_FUSED_LORA", [fused_lora])
+    gen = torch.Generator().manual_seed(T)
+    E, S, R, H, inter = 16, 3, 8, 48, 24
+    x = torch.randn(T, H, generator=gen).to(DEVICE, DT)
+    w_gu = (torch.randn(E, 2 * inter, H, generator=gen) * H**-0.5).to(DEVICE, DT)
+    w_d = (torch.randn(E, H, inter, generator=gen) * inter**-0.5).to(DEVICE, DT)
+    weights, ids = route_topk_ref(torch.randn(T, E, generator=gen).to(DEVICE), K, True)
+    a_gu, b_gu, r_gu, s_gu, a_d, b_d, r_d, s_d = _lora(E, S, R, H, inter, gen)
+    args = ExpertLoRAArgs(token_slots("with_base_rows", T, S, gen).to(DEVICE), a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d)
+    ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
+    total = torch.zeros_like(ref, dtype=torch.float32)
+    for first in (0, E // 2):
+        es = slice(first, first + E // 2)
+        rank = SimpleNamespace(quant=None, gate_up_proj=w_gu[es].contiguous(), down_proj=w_d[es].contiguous())
+        _, w_loc, ids_loc, _ = sharding._local_experts_hook(first, E // 2)(rank, (x, weights, ids, args))
+        assert (ids_loc == -1).any() and bool((w_loc[ids_loc == -1] == 0).all())
+        total += fused_moe_pairs(x, rank.gate_up_proj, rank.down_proj, w_loc, ids_loc, "silu", _shard(args, es),
+                                 mlt.moe_lora_shrink, mlt.moe_lora_expand, mlt.moe_lora_plan).float()
+    rel = ((total - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < tolerance(DT)[0], f"relative error {rel:.2e}"
+
+
+def test_hook_keeps_the_weight_zero_masking_off_the_triton_path(monkeypatch):
+    """Where the layer's path indexes experts by id (fast path off, or switched off), non-local pairs go to
+    local expert 0 with weight 0, never -1."""
+    gen = torch.Generator().manual_seed(3)
+    w, ids = route_topk_ref(torch.randn(5, 8, generator=gen), 2, True)
+    rank = SimpleNamespace(quant=None, gate_up_proj=torch.zeros(4, 6, 3), down_proj=torch.zeros(4, 3, 3))
+    x = torch.zeros(5, 3)
+    fmt.set_fast_path(True, on_cpu=False)  # the CPU default: the reference path
+    _, w_loc, ids_loc, _ = sharding._local_experts_hook(4, 4)(rank, (x, w, ids, None))
+    mine = (ids >= 4)
+    assert bool((ids_loc >= 0).all()) and torch.equal(ids_loc[~mine], torch.zeros_like(ids_loc[~mine]))
+    assert torch.equal(w_loc[~mine], torch.zeros_like(w_loc[~mine])) and torch.equal(ids_loc[mine], ids[mine] - 4)
+    monkeypatch.setattr(sharding, "_EP_DROP", [False])
+    fmt.set_fast_path(True, on_cpu=True)
+    try:
+        assert bool((sharding._local_experts_hook(4, 4)(rank, (x, w, ids, None))[2] >= 0).all())
+    finally:
+        fmt.set_fast_path(True, on_cpu=False)
