@@ -96,9 +96,10 @@ def test_lora_kernels_skip_pairs_on_expert_minus_one(variant):
     else:
         h = torch.zeros(T * K, 2, R, device=DEVICE)
         mlt.moe_lora_shrink(x, a, ranks, ids, slots, E, h, False, variant=variant)
-        torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)  # fp32 on both sides
         mlt.moe_lora_expand(h_ref, b, off, ranks, scaling, ids, slots, E, y, variant=variant)
-    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    atol, rtol = tolerance(DT)  # bf16 on a GPU: the reference rounds the delta, then the sum (the kernels once)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     gone = drop.reshape(-1)
     assert torch.equal(y[gone], y0[gone]), "a pair on expert -1 must stay untouched"
     assert not torch.equal(y[~gone], y0[~gone])  # the kept pairs did get their deltas
@@ -138,6 +139,7 @@ def test_two_expert_shards_sum_to_the_whole_layer(T, K, tiled, fused_lora, fast_
     if tiled:  # the prefill LoRA variant (alignment by virtual expert) at a small P
         monkeypatch.setattr(mlt, "GEMV_MAX_PAIRS", 0)
     monkeypatch.setattr(_triton, "_FUSED_LORA", [fused_lora])
+    monkeypatch.setattr(sharding, "_EP_DROP", [True])
     gen = torch.Generator().manual_seed(T)
     E, S, R, H, inter = 16, 3, 8, 48, 24
     x = torch.randn(T, H, generator=gen).to(DEVICE, DT)

@@ -17,8 +17,8 @@ collectives in as forward hooks, so the modules of moelora.layers run unchanged 
 
 Expert parallelism dispatches the simplest correct way: activations are replicated (every rank holds every
 token after the attention all-reduce), every rank routes every token, computes only the (token, k) pairs whose
-expert it holds (the others get router weight 0 and expert id -1, which the Triton path leaves out of its
-alignment so no kernel computes them; on the other paths local expert 0, contributing exactly nothing), and the
+expert it holds (the others get router weight 0 and local expert 0, contributing exactly nothing; with
+set_ep_drop_nonlocal(True) expert id -1 on the Triton path, which leaves them out of every kernel), and the
 block's all-reduce sums the ranks' partial outputs. No all-to-all, no token permutation across ranks, and the
 combine is the same all-reduce that tensor parallelism needs anyway; the cost is that every rank touches every
 token (an all-to-all dispatch sends each token only to the ranks of its experts: the better choice at large
@@ -176,14 +176,15 @@ def shard_experts(ex: RoutedExperts, ps: ParallelState, lora: tuple[int, int], n
         ex.register_forward_pre_hook(_local_experts_hook(es.start, ex.num_experts))
 
 
-_EP_DROP = [os.environ.get("MOELORA_EP_DROP_NONLOCAL", "1") != "0"]
+_EP_DROP = [os.environ.get("MOELORA_EP_DROP_NONLOCAL", "0") == "1"]
 
 
 def set_ep_drop_nonlocal(enabled: bool) -> None:
     """Expert parallelism on the Triton base path (CUDA bf16/fp16 experts, unquantized): pairs routed to
     another rank's expert get expert id -1 and are left out of the alignment, so no GEMM or LoRA kernel of
     this rank computes them (off: they are computed on local expert 0 with router weight 0, as on every
-    other path). Also MOELORA_EP_DROP_NONLOCAL=0 turns it off."""
+    other path). Off by default until measured end to end on 2 GPUs (its kernels passed on an H200);
+    MOELORA_EP_DROP_NONLOCAL=1 turns it on."""
     _EP_DROP[0] = bool(enabled)
 
 
