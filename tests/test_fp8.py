@@ -425,3 +425,45 @@ def test_deepseek_v3_fp8_checkpoint_mla_kv_b_dequantized(tmp_path):
                                run.logprobs([(r, None) for r in rows])):
         assert torch.allclose(got, want, atol=1e-5)
         assert (w8a8 - want).abs().mean() < 0.01
+
+
+@pytest.mark.parametrize("gather_rows", [True, False])
+def test_fp8_prequantized_inputs_give_the_in_kernel_numbers(gather_rows, monkeypatch):
+    """set_fp8_prequant_min_rows(n): inputs of >= n rows are quantized once (quantize_act_group) before the dense,
+    grouped and expert GEMMs instead of inside them; the same formula, so the same outputs (on the CPU the
+    interpreter's float8 cast is used by both ways alike)."""
+    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.fused_moe_triton import moe_align
+
+    dev = "cuda" if ON_GPU else "cpu"
+    g = torch.Generator().manual_seed(8)
+    blk, T, K, E = ((128, 128), 37, 4, 6) if ON_GPU else ((16, 16), 13, 3, 5)
+    D, N = (256, 384) if ON_GPU else (40, 24)
+    dt = torch.bfloat16 if ON_GPU else torch.float32
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    x = torch.randn(T if gather_rows else T * K, D, generator=g).to(dev, dt)
+    q, s = quantize_weight_block(torch.randn(N, D, generator=g), blk)
+    qe, se = quantize_weight_block(torch.randn(E, N, D, generator=g), blk)
+    q, s, qe, se = q.to(dev), s.to(dev), qe.to(dev), se.to(dev)
+    align = moe_align(ids, E, 16)
+    pe = ids.reshape(-1)[: x.shape[0]]
+
+    def run():
+        return (ft.fp8_linear(x, q, s, blk), ft.fp8_grouped_gemm(x, qe, se, pe, blk),
+                ft.fp8_expert_gemm(x, qe, se, blk, ids, align, gather_rows, 16))
+
+    calls = []
+    real = ft.quantize_act_group
+    monkeypatch.setattr(ft, "quantize_act_group", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [0])
+    in_kernel = run()
+    assert not calls
+    monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [x.shape[0] + 1])  # below the threshold: still in the kernel
+    run()
+    assert not calls
+    monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [x.shape[0]])
+    pre = run()
+    assert len(calls) == 3
+    for a, b in zip(pre, in_kernel):
+        assert a.dtype == b.dtype == dt
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -5,11 +5,15 @@ One GEMM kernel serves both: a program owns BLOCK_M rows (dense: consecutive row
 pairs of one expert from moe_lora_align with one slot) and BLOCK_N output columns, and walks K in steps
 of BLOCK_K inside one scale group. A bf16/fp16/fp32 input is quantized in the kernel, per row and group,
 exactly as quantize_act_group_ref does (so one launch per GEMM and no fp8 copy of the activations); a
-pre-quantized input (x_fp8, x_scale) is read as is. torch._scaled_mm is not used: torch 2.11 refuses
+pre-quantized input (x_fp8, x_scale) is read as is. For many rows (prefill) the in-kernel quantization is
+repeated by every column tile; set_fp8_prequant_min_rows(n) quantizes inputs of >= n rows once beforehand
+(quantize_act_group, the same numbers) instead. torch._scaled_mm is not used: torch 2.11 refuses
 1x128 / 128x128 block scales on sm90 (FIELD_NOTES.md).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -147,6 +151,25 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     )
 
 
+_PREQUANT_MIN_ROWS = [int(os.environ.get("MOELORA_FP8_PREQUANT_MIN_ROWS", "0"))]
+
+
+def set_fp8_prequant_min_rows(rows: int) -> None:
+    """Inputs of at least `rows` rows (bf16/fp16/fp32) are quantized once by quantize_act_group before the GEMM
+    instead of inside it, where each of the N / BLOCK_N column tiles re-quantizes the same rows; the results
+    are the same (one formula). 0 (the default until measured): always in the kernel. Also
+    MOELORA_FP8_PREQUANT_MIN_ROWS=n."""
+    _PREQUANT_MIN_ROWS[0] = max(0, int(rows))
+
+
+def _prequantized(x: torch.Tensor, x_scale: torch.Tensor | None, group: int):
+    """(x, x_scale), quantized here when set_fp8_prequant_min_rows asks for it at this row count."""
+    n = _PREQUANT_MIN_ROWS[0]
+    if x.dtype == FP8_DTYPE or not n or x.shape[0] < n:
+        return x, x_scale
+    return quantize_act_group(x, group)
+
+
 def _block_m(rows: int) -> int:
     return 16 if rows <= 512 else 64
 
@@ -170,6 +193,7 @@ def fp8_linear(
     if T == 0:
         return out
     bm = _block_m(T)
+    x, x_scale = _prequantized(x, x_scale, block[1])
     _launch(x, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm))
     return out
 
@@ -204,6 +228,7 @@ def fp8_grouped_gemm(
         return out
     bm = _block_m(P)
     sorted_ids, bexp = align if align is not None else fp8_grouped_align(pair_exp, w_fp8.shape[0], bm)
+    x, x_scale = _prequantized(x, x_scale, block[1])
     _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, bm, bexp.shape[0])
     return out
 
@@ -239,6 +264,7 @@ def fp8_expert_gemm(
     out_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
     out = torch.empty(P, w_fp8.shape[1], dtype=out_dtype, device=x.device)
     if P:
+        x, x_scale = _prequantized(x, x_scale, block[1])  # gather_rows: the T token rows, once
         _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, block_m, bexp.shape[0],
                 a_row_div=K if gather_rows else 1)
     return out
