@@ -90,20 +90,33 @@ def run_case(case: dict, ps: ParallelState) -> dict:
     return {"prefill": prefill, "tokens": tokens, "decode": torch.stack(decode)}
 
 
-def _worker(rank: int, world: int, port: int, tp: int, ep: int, cases: list[dict], out: str) -> None:
+def _worker(rank: int, world: int, port: int, tp: int, ep: int, cases: list[dict], out: str, ep_drop: bool) -> None:
     torch.set_num_threads(1)
+    dropped = []
+    if ep_drop:  # non-local pairs on expert -1 (sharding.set_ep_drop_nonlocal); the CPU experts run fused_moe_ref
+        from moelora.distributed import sharding
+        from moelora.kernels.fused_moe_triton import set_fast_path
+
+        set_fast_path(True, on_cpu=True)
+        sharding.set_ep_drop_nonlocal(True)
+        real = sharding._drops_pairs
+        sharding._drops_pairs = lambda m, x: dropped.append(real(m, x)) or dropped[-1]
     ps = init_parallel(tp, ep, backend="gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        results = [run_case(c, ps) for c in cases]
+        results = []
+        for c in cases:
+            before = sum(dropped)
+            results.append(run_case(c, ps))
+            results[-1]["dropped"] = sum(dropped) - before  # this case's layer calls that left pairs out
         if rank == 0:
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-def run_parallel(tp: int, ep: int, cases: list[dict], out: str) -> list[dict]:
+def run_parallel(tp: int, ep: int, cases: list[dict], out: str, ep_drop: bool = False) -> list[dict]:
     world = tp * ep
-    mp.spawn(_worker, args=(world, free_port(), tp, ep, cases, out), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), tp, ep, cases, out, ep_drop), nprocs=world, join=True)
     return torch.load(out)
 
 
@@ -148,6 +161,17 @@ def test_parallel_matches_single_process(cases, tmp_path, tp, ep):
     results = run_parallel(tp, ep, [cs[n] for n in names], str(tmp_path / "out.pt"))
     for n, got in zip(names, results):
         _compare(f"{n} tp={tp} ep={ep}", got, refs[n])
+
+
+def test_ep_leaving_out_nonlocal_pairs_matches_single_process(cases, tmp_path):
+    """EP=2 with the non-local pairs on expert -1 (set_ep_drop_nonlocal; the experts' reference path skips
+    them as the Triton kernels do) gives the single-process results, and the hook did leave pairs out."""
+    cs, refs = cases
+    names = ["qwen3", "deepseek_v2"]
+    results = run_parallel(1, 2, [cs[n] for n in names], str(tmp_path / "out.pt"), ep_drop=True)
+    for n, got in zip(names, results):
+        assert got["dropped"] > 0, f"{n}: no layer left the non-local pairs out"
+        _compare(f"{n} ep=2, non-local pairs left out", got, refs[n])
 
 
 def test_shard_errors_name_what_is_wrong(cases):
