@@ -37,3 +37,25 @@ def token_slots(pattern: str, T: int, S: int, gen: torch.Generator) -> torch.Ten
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (3e-2, 3e-2)}[dtype]
+
+
+def expert_lora_args(T: int, E: int, dtype: torch.dtype, gen: torch.Generator, S: int = 3, R: int = 8,
+                     hidden: int = 48, inter: int = 24, device: str = DEVICE):
+    """Routed-expert LoRA of S slots over E experts (moe.ExpertLoRAArgs): gate_up with two slices of ranks
+    (8, 4, 0) / (2, 8, 4) per slot, down with ranks (8, 4, 0); factors ~0.2 * N(0, 1), A zero past each rank;
+    scalings in [0.5, 1.5); token slots of T tokens with base rows (-1)."""
+    from moelora.kernels.moe import ExpertLoRAArgs
+
+    def fac(n, D, O):
+        ranks = torch.tensor([[8, 4, 0], [2, 8, 4]][:n], dtype=torch.int32)
+        a = torch.randn(n, S, E, R, D, generator=gen) * 0.2
+        b = torch.randn(S, E, O, R, generator=gen) * 0.2
+        for i in range(n):
+            for s in range(S):
+                a[i, s, :, ranks[i, s]:] = 0
+        return a.to(device, dtype), b.to(device, dtype), ranks.to(device), (torch.rand(n, S, generator=gen) + 0.5).to(device)
+
+    a_gu, b_gu, r_gu, s_gu = fac(2, hidden, 2 * inter)
+    a_d, b_d, r_d, s_d = fac(1, inter, hidden)
+    slots = token_slots("with_base_rows", T, S, gen).to(device)
+    return ExpertLoRAArgs(slots, a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernel_cases import DEVICE, DTYPES, token_slots, tolerance
+from kernel_cases import DEVICE, DTYPES, expert_lora_args, token_slots, tolerance
 from moelora.distributed import sharding
 from moelora.kernels import _triton
 from moelora.kernels import fused_moe_triton as fmt
@@ -62,27 +62,14 @@ def test_combine_never_reads_a_weight_zero_row():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _lora(E: int, S: int, R: int, H: int, inter: int, gen: torch.Generator) -> tuple:
-    def fac(n, D, O):
-        ranks = torch.tensor([[8, 4, 0], [2, 8, 4]][:n], dtype=torch.int32)
-        a = torch.randn(n, S, E, R, D, generator=gen) * 0.2
-        b = torch.randn(S, E, O, R, generator=gen) * 0.2
-        for i in range(n):
-            for s in range(S):
-                a[i, s, :, ranks[i, s]:] = 0
-        return a.to(DEVICE, DT), b.to(DEVICE, DT), ranks.to(DEVICE), (torch.rand(n, S, generator=gen) + 0.5).to(DEVICE)
-
-    return fac(2, H, 2 * inter) + fac(1, inter, H)
-
-
 @pytest.mark.parametrize("variant", ["gemv", "tiled", "fused"])
 def test_lora_kernels_skip_pairs_on_expert_minus_one(variant):
     gen = torch.Generator().manual_seed(11)
     T, E, K, S, R, D, O = 13, 8, 4, 3, 8, 40, 24
     _, ids = route_topk_ref(torch.randn(T, E, generator=gen).to(DEVICE), K, True)
     ids, drop = _dropped(ids, gen)
-    slots = token_slots("with_base_rows", T, S, gen).to(DEVICE)
-    a, b, ranks, scaling = _lora(E, S, R, D, O // 2, gen)[:4]
+    lora = expert_lora_args(T, E, DT, gen, S, R, D, O // 2)  # its gate_up part: two slices of O // 2
+    a, b, ranks, scaling, slots = lora.gate_up_a, lora.gate_up_b, lora.gate_up_ranks, lora.gate_up_scaling, lora.token_slots
     off = torch.tensor([0, O // 2, O], dtype=torch.int32, device=DEVICE)
     x = torch.randn(T, D, generator=gen).to(DEVICE, DT)
     y0 = torch.randn(T * K, O, generator=gen).to(DEVICE, DT)
@@ -124,13 +111,6 @@ def _shard(args: ExpertLoRAArgs, es: slice) -> ExpertLoRAArgs:
                                down_a=args.down_a[:, :, es].contiguous(), down_b=args.down_b[:, es].contiguous())
 
 
-@pytest.fixture
-def fast_on_cpu():
-    fmt.set_fast_path(True, on_cpu=True)
-    yield
-    fmt.set_fast_path(True, on_cpu=False)
-
-
 @pytest.mark.parametrize("fused_lora", [True, False])
 @pytest.mark.parametrize("T,K,tiled", [(9, 4, False), (21, 4, True)])
 def test_two_expert_shards_sum_to_the_whole_layer(T, K, tiled, fused_lora, fast_on_cpu, monkeypatch):
@@ -146,8 +126,7 @@ def test_two_expert_shards_sum_to_the_whole_layer(T, K, tiled, fused_lora, fast_
     w_gu = (torch.randn(E, 2 * inter, H, generator=gen) * H**-0.5).to(DEVICE, DT)
     w_d = (torch.randn(E, H, inter, generator=gen) * inter**-0.5).to(DEVICE, DT)
     weights, ids = route_topk_ref(torch.randn(T, E, generator=gen).to(DEVICE), K, True)
-    a_gu, b_gu, r_gu, s_gu, a_d, b_d, r_d, s_d = _lora(E, S, R, H, inter, gen)
-    args = ExpertLoRAArgs(token_slots("with_base_rows", T, S, gen).to(DEVICE), a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d)
+    args = expert_lora_args(T, E, DT, gen, S, R, H, inter)
     ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
     total = torch.zeros_like(ref, dtype=torch.float32)
     for first in (0, E // 2):

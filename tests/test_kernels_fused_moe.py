@@ -7,9 +7,9 @@ plus CUDA-graph capture/replay."""
 import pytest
 import torch
 
-from kernel_cases import DEVICE, DTYPES, ON_GPU, token_slots
+from kernel_cases import DEVICE, DTYPES, expert_lora_args
 from moelora.kernels import fused_moe_triton as fmt
-from moelora.kernels.moe import ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
+from moelora.kernels.moe import fused_moe_pairs, fused_moe_ref, route_topk_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,29 +119,6 @@ def test_fused_moe_triton_matches_reference(T, K, mode, dtype):
     assert _rel(got, ref) < BOUND[dtype]
 
 
-def _lora_args(T, E, dtype, gen, S=3, R=8, hidden=H, inter=I, device=DEVICE):
-    def fac(n, D, O):
-        ranks = torch.tensor([[8, 4, 0], [2, 8, 4]][:n], dtype=torch.int32)
-        a = torch.randn(n, S, E, R, D, generator=gen) * 0.2
-        b = torch.randn(S, E, O, R, generator=gen) * 0.2
-        for i in range(n):
-            for s in range(S):
-                a[i, s, :, ranks[i, s]:] = 0
-        return a.to(device, dtype), b.to(device, dtype), ranks.to(device), (torch.rand(n, S, generator=gen) + 0.5).to(device)
-
-    a_gu, b_gu, r_gu, s_gu = fac(2, hidden, 2 * inter)
-    a_d, b_d, r_d, s_d = fac(1, inter, hidden)
-    slots = token_slots("with_base_rows", T, S, gen).to(device)
-    return ExpertLoRAArgs(slots, a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d)
-
-
-@pytest.fixture
-def fast_on_cpu():
-    fmt.set_fast_path(True, on_cpu=True)
-    yield
-    fmt.set_fast_path(True, on_cpu=False)
-
-
 @pytest.mark.parametrize("with_lora", [False, True])
 @pytest.mark.parametrize("T,K", [(1, 8), (7, 2), (133, 8)])
 def test_fused_moe_pairs_uses_triton_base(T, K, with_lora, fast_on_cpu, monkeypatch):
@@ -159,7 +136,7 @@ def test_fused_moe_pairs_uses_triton_base(T, K, with_lora, fast_on_cpu, monkeypa
     x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
     w_gu, w_d = _weights(E, dtype, gen)
     weights, ids = _routing(T, E, K, gen)
-    args = _lora_args(T, E, dtype, gen) if with_lora else None
+    args = expert_lora_args(T, E, dtype, gen) if with_lora else None
     ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
     got = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, moe_lora_shrink_ref, moe_lora_expand_ref)
     assert _rel(got, ref) < BOUND[dtype]
@@ -239,7 +216,7 @@ def test_gpu_fused_moe_pairs_with_lora(T, overlap, qwen_weights):
     w_gu, w_d = qwen_weights
     x = torch.randn(T, QH, generator=gen).to("cuda", torch.bfloat16)
     weights, ids = fmt.route_topk(torch.randn(T, QE, generator=gen).cuda(), QK, True)
-    args = _lora_args(T, QE, torch.bfloat16, gen, S=3, R=8, hidden=QH, inter=QI, device="cuda")
+    args = expert_lora_args(T, QE, torch.bfloat16, gen, S=3, R=8, hidden=QH, inter=QI, device="cuda")
     ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
     side = side_stream(x.device) if overlap else None
     got = fused_moe_pairs(x, w_gu, w_d, weights.to(x.dtype), ids, "silu", args,

@@ -67,6 +67,13 @@ def test_two_gpus_bf16_same_greedy_tokens_where_clear(case, tp, ep):
     delta = max(abs(g[tid] - w[tid]) for o, r in zip(got, ref) for g, w in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:])
                 for tid in g.keys() & w.keys())
     assert delta < 0.1, f"prompt log-probabilities differ by {delta}"
+    checked = _same_tokens_where_clear(got, ref, delta)
+    assert checked >= 5, f"only {checked} clear tokens compared (largest prompt logprob difference {delta})"
+
+
+def _same_tokens_where_clear(got: list, ref: list, delta: float) -> int:
+    """Asserts the same greedy tokens row by row up to the first whose reference top-2 margin is <= 2 * delta
+    (there rounding may flip it, and the rest of the row follows another prefix); returns how many it compared."""
     checked = 0
     for o, r, n in zip(got, ref, NAMES):
         for i, (gt, rt) in enumerate(zip(o.outputs[0].token_ids, r.outputs[0].token_ids)):
@@ -75,7 +82,7 @@ def test_two_gpus_bf16_same_greedy_tokens_where_clear(case, tp, ep):
                 break
             assert gt == rt, f"adapter {n}: token {i}"
             checked += 1
-    assert checked >= 5, f"only {checked} clear tokens compared (largest prompt logprob difference {delta})"
+    return checked
 
 
 def test_two_gpus_memory_plan_without_kv_cache_memory(case):
@@ -117,9 +124,4 @@ def test_two_gpus_bf16_ep_leaving_out_nonlocal_pairs_changes_nothing(case, monke
     delta = max(abs(g[tid] - w[tid]) for o, r in zip(got, ref) for g, w in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:])
                 for tid in g.keys() & w.keys())
     assert delta < 0.02, f"prompt log-probabilities differ by {delta}"
-    for o, r, n in zip(got, ref, NAMES):
-        for i, (gt, rt) in enumerate(zip(o.outputs[0].token_ids, r.outputs[0].token_ids)):
-            top = sorted(r.outputs[0].logprobs[i].values(), reverse=True)
-            if len(top) > 1 and top[0] - top[1] <= 2 * delta:
-                break
-            assert gt == rt, f"adapter {n}: token {i}"
+    assert _same_tokens_where_clear(got, ref, delta) >= 5
