@@ -115,3 +115,22 @@ def test_floor_of_a_sharded_run_is_its_busiest_rank():
     assert floor(2, 1) == expect(2, 3, 2)
     assert floor(4, 1) == expect(4, 3, 2)  # 2 KV heads over 4 ranks: one replicated head each
     assert floor(1, 2) == expect(1, 2, 2)  # group 0 (experts 0-3) holds 0, 1 and both pairs; group 1 only 5
+
+
+def test_bench_decode_profile_steps(tmp_path, capsys):
+    """--profile-steps: each row carries the time per kernel and step (on the CPU: operators), largest first,
+    and the largest are printed; without it the rows have no profile."""
+    p = argparse.ArgumentParser()
+    decode.add_arguments(p)
+    p.add_argument("--out")
+    args = p.parse_args(["--tiny", "--batches", "2", "--adapter-counts", "0,1", "--workloads", "vllm",
+                         "--profile-steps", "2", "--out", str(tmp_path)])
+    assert decode.run(args) == 0
+    rows = json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+    for r in rows:
+        prof = r["profile"]
+        assert prof["steps"] == 2 and prof["total_us"] > 0 and prof["kernels"]
+        us = [k["us"] for k in prof["kernels"] if k["name"] != "other"]
+        assert us == sorted(us, reverse=True) and sum(k["us"] for k in prof["kernels"]) == pytest.approx(prof["total_us"])
+        assert any("mm" in k["name"] or "linear" in k["name"] for k in prof["kernels"])  # the GEMMs are there
+    assert "profile (cpu operators, 2 steps)" in capsys.readouterr().out

@@ -20,6 +20,7 @@ import torch
 from moelora.adapters.normalize import ModuleLoRA
 from moelora.adapters.registry import LoRAAdapter
 from moelora.bench.common import hbm_bandwidth_gbs, write_result
+from moelora.bench.profile import format_profile, profile_steps as profile_steps_of
 from moelora.bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fused decode LoRA kernels (one launch per projection; kernels/*_fused_triton.py): "
                         "default keeps the engine's setting (MOELORA_FUSED_LORA); both: the sweep with the engine's "
                         "setting, then the adapter cases again with it flipped (graphs recaptured)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="per case, this many decode steps under torch.profiler before the timed ones (not timed): "
+                        "the time per kernel and step in the JSON row ('profile') and the largest printed")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (a smoke test of the benchmark)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU; default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (world = tp x ep; default 1)")
@@ -171,12 +175,13 @@ class _RunnerTimer:
         return sum(self.spans) * 1e3
 
 
-def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int) -> dict:
+def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int,
+          profile_steps: int = 0) -> dict:
     names = [f"ad{i}" for i in range(n_adapters)]
     # ctx1024: enough tokens that no request finishes inside the timed steps (requests whose prefill ended early
     # decode during the later prefill steps), so every timed step holds the whole batch
     prefill_steps = -(-batch * 1024 // engine.args.max_num_batched_tokens) + 2
-    prompt_len, gen_len = (128, 128) if workload == "vllm" else (1024, steps + 1 + prefill_steps)
+    prompt_len, gen_len = (128, 128) if workload == "vllm" else (1024, steps + 1 + prefill_steps + profile_steps)
     g = torch.Generator().manual_seed(seed)
     # sampled (not greedy) tokens: a dummy-weight model decoding greedily falls into repeating one token,
     # and identical rows would all route to the same top-k experts; sampling keeps tokens spread over them
@@ -189,6 +194,7 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
         ids.append(rid)
     while any(len(engine.requests[r].output_ids) == 0 for r in ids):  # prefill
         engine.step()
+    prof = profile_steps_of(engine.step, profile_steps, engine.device) if profile_steps else None  # untimed
     torch.cuda.synchronize() if engine.device.type == "cuda" else None
     t0, done_steps, tokens = time.perf_counter(), 0, 0
     limit = steps if workload == "ctx1024" else 10**9
@@ -215,7 +221,7 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
     step_ms = dt / max(done_steps, 1) * 1e3
     return {"batch": batch, "adapters": n_adapters, "workload": workload, "tokens_per_s": tokens / dt,
             "step_ms": step_ms, "floor_bytes": floor, "experts_touched": touched, "decode_steps": done_steps,
-            "runner_ms": runner_ms, "host_ms": step_ms - runner_ms}
+            "runner_ms": runner_ms, "host_ms": step_ms - runner_ms, **({"profile": prof} if prof else {})}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -296,7 +302,8 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
     for overlap, fused, workload, batch, n in cases:
         if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state() or fused != fused_lora():
             _recapture(engine, overlap, fused)
-        r = _case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n)
+        r = _case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n,
+                  profile_steps=getattr(args, "profile_steps", 0))
         r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
                  + ("" if not args.layers else f" ({args.layers} layers)")
                  + (f" tp{engine.args.tensor_parallel_size} ep{engine.args.expert_parallel_size}" if parallel else ""),
@@ -312,6 +319,8 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
               f"{r['step_ms']:7.2f} ms (runner {r['runner_ms']:.2f})  floor {fl}  "
               f"experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}",
               flush=True)
+        if "profile" in r:
+            print(format_profile(r["profile"]), flush=True)
     path = write_result("decode", {**head, "rows": rows}, args.out)
     print(f"results: {path}")
     return 0
