@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Planned first call of session 6 on nvidia-h200-x2 (~6 minutes). Nothing below has run on a GPU yet.
+#   GPU 0: the GPU runs of the session-5 CPU work (EP pair dropping kernels, FP8 pre-quantization), then FP8
+#          prefill with and without pre-quantization (scripts/gpu_fp8_prequant.sh);
+#   GPU 1: bench decode --profile-steps 3 at batch 64 with 0 and 4 adapters, bf16 then fp8: where the LoRA
+#          tax (~4.4 ms a step) goes, kernel by kernel (issue 7);
+#   then both: the 2-GPU test of EP pair dropping against the masking (bf16).
+# Second call: RUN_TESTS=0 bash scripts/gpu_ep_drop.sh (ep2 bench, off then on). Set MOELORA_COMMIT.
+# Files: g0.log (+ report-*-prequant-*.json), g1.log, prof-bf16/ prof-fp8/ decode-*.json, ep_test.log.
+D="$(dirname "$0")"
+source "$D/gpu_prelude.sh"
+( export CUDA_VISIBLE_DEVICES=0 SKIP_INSTALL=1
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_ep_dropped_pairs.py
+  T_P=120 bash "$D/gpu_fp8_prequant.sh" ) > "$OUT/g0.log" 2>&1 &
+( export CUDA_VISIBLE_DEVICES=1
+  for dt in bfloat16 fp8; do
+    timeout 120 python3 -m moelora bench decode --dtype $dt --workloads vllm --batches 64 --adapter-counts 0,4 \
+        --profile-steps 3 --out "$OUT/prof-${dt/bfloat16/bf16}"
+  done ) > "$OUT/g1.log" 2>&1
+wait
+timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_parallel_gpu.py -k "leaving_out_nonlocal" \
+    > "$OUT/ep_test.log" 2>&1
+for f in "$OUT"/*.log; do echo "== $f"; grep -v "^WARN" "$f" | grep -E "passed|failed|^FAILED|tok/s|prefill|  +[0-9.]+%|profile" | cut -c1-200 | head -60; done
