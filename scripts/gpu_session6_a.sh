@@ -18,6 +18,7 @@ source "$D/gpu_prelude.sh"
         --profile-steps 3 --out "$OUT/prof-${dt/bfloat16/bf16}"
   done ) > "$OUT/g1.log" 2>&1
 wait
+cat "$OUT/tests.log" "$OUT/prefill.log" >> "$OUT/g0.log" && rm -f "$OUT/tests.log" "$OUT/prefill.log"  # 8 files at most
 timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_parallel_gpu.py -k "leaving_out_nonlocal" \
     > "$OUT/ep_test.log" 2>&1
 for f in "$OUT"/*.log; do echo "== $f"; grep -v "^WARN" "$f" | grep -E "passed|failed|^FAILED|tok/s|prefill|  +[0-9.]+%|profile" | cut -c1-200 | head -60; done
