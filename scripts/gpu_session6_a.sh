@@ -6,7 +6,9 @@
 #          tax (~4.4 ms a step) goes, kernel by kernel (issue 7);
 #   then both: the 2-GPU test of EP pair dropping against the masking (bf16).
 # Second call: RUN_TESTS=0 bash scripts/gpu_ep_drop.sh (ep2 bench, off then on). Set MOELORA_COMMIT.
-# Files: g0.log (+ report-*-prequant-*.json), g1.log, prof-bf16/ prof-fp8/ decode-*.json, ep_test.log.
+#   GPU 1 last: FP8 decode with every GEMM input pre-quantized (MOELORA_FP8_PREQUANT_MIN_ROWS=1), batch 64/256.
+# Files: g0.log (+ report-*-prequant-*.json), g1.log, prof-bf16/ prof-fp8/ fp8-prequant/ decode-*.json,
+# ep_test.log (8).
 D="$(dirname "$0")"
 source "$D/gpu_prelude.sh"
 ( export CUDA_VISIBLE_DEVICES=0 SKIP_INSTALL=1
@@ -16,7 +18,11 @@ source "$D/gpu_prelude.sh"
   for dt in bfloat16 fp8; do
     timeout 120 python3 -m moelora bench decode --dtype $dt --workloads vllm --batches 64 --adapter-counts 0,4 \
         --profile-steps 3 --out "$OUT/prof-${dt/bfloat16/bf16}"
-  done ) > "$OUT/g1.log" 2>&1
+  done
+  # FP8 decode with every GEMM input quantized once beforehand (the gate_up GEMM re-quantizes each token row
+  # in each of its K x N/BLOCK_N programs): compare with the fp8 rows above (64) and the report (256)
+  MOELORA_FP8_PREQUANT_MIN_ROWS=1 timeout 120 python3 -m moelora bench decode --dtype fp8 --workloads vllm \
+      --batches 64,256 --adapter-counts 0,4 --out "$OUT/fp8-prequant" ) > "$OUT/g1.log" 2>&1
 wait
 cat "$OUT/tests.log" "$OUT/prefill.log" >> "$OUT/g0.log" && rm -f "$OUT/tests.log" "$OUT/prefill.log"  # 8 files at most
 timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_parallel_gpu.py -k "leaving_out_nonlocal" \
