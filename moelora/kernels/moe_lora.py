@@ -93,6 +93,16 @@ def moe_lora_expand_ref(
                 y[pairs, off[i] : off[i + 1]] += delta.to(y.dtype)
 
 
+def pair_virtual_experts(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int) -> torch.Tensor:
+    """v[p] = slot * E + expert of pair p = t * K + k, or V = max_loras * E (left out) for a token without an
+    adapter (slot -1) or a pair on expert -1 (another rank's expert under expert parallelism).
+    topk_ids: [T, K] · token_slots: [T] · returns [T*K] int64."""
+    K = topk_ids.shape[1]
+    slot = token_slots.to(torch.int64).repeat_interleave(K)  # [P]
+    exp = topk_ids.reshape(-1).to(torch.int64)
+    return torch.where((slot >= 0) & (exp >= 0), slot * num_experts + exp, torch.full_like(slot, max_loras * num_experts))
+
+
 def moe_lora_align(
     topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,9 +117,7 @@ def moe_lora_align(
     P = T * K
     V = max_loras * num_experts
     dev = topk_ids.device
-    slot = token_slots.to(torch.int64).repeat_interleave(K)  # [P]
-    exp = topk_ids.reshape(-1).to(torch.int64)  # -1: another rank's expert (expert parallelism), left out too
-    v = torch.where((slot >= 0) & (exp >= 0), slot * num_experts + exp, torch.full_like(slot, V))
+    v = pair_virtual_experts(topk_ids, token_slots, num_experts, max_loras)  # [P]
     counts = torch.zeros(V + 1, dtype=torch.int64, device=dev).scatter_add_(0, v, torch.ones_like(v))[:V]
     padded = (counts + block_m - 1) // block_m * block_m
     cum = torch.cumsum(padded, 0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, deterministic, dot_precision, require_triton
-from moelora.kernels.moe_lora import moe_lora_align
+from moelora.kernels.moe_lora import moe_lora_align, pair_virtual_experts
 
 GEMV_MAX_PAIRS = 2048  # at most this many (token, k) pairs: the decode variant (256 tokens at top-8); H200, 8 adapters, rank 16: GEMV ~0.07 us per pair (48 us at 512), tiled 241 us at 2048
 
@@ -204,9 +204,7 @@ def moe_lora_align_fast(
     P = T * K
     V = max_loras * num_experts
     dev = topk_ids.device
-    slot = token_slots.to(torch.int64).repeat_interleave(K)
-    exp = topk_ids.reshape(-1).to(torch.int64)  # -1: another rank's expert (expert parallelism), left out
-    v = torch.where((slot >= 0) & (exp >= 0), slot * num_experts + exp, torch.full_like(slot, V))
+    v = pair_virtual_experts(topk_ids, token_slots, num_experts, max_loras)  # [P]
     counts = torch.zeros(V + 1, dtype=torch.int32, device=dev).scatter_add_(0, v, torch.ones_like(v, dtype=torch.int32))
     padded = (counts[:V] + block_m - 1) // block_m * block_m
     cum = torch.cumsum(padded, 0)
