@@ -106,43 +106,31 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_align_kernel(
-        ids_ptr, sorted_ptr, bexp_ptr, P, E, P_MAX, NUM_BLOCKS,
+        ids_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS,
         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
-        # one program: counts per expert, padded offsets, stable placement, block -> expert map
-        offs_e = tl.arange(0, BLOCK_E)
-        offs_p = tl.arange(0, BLOCK_P)
-        for p0 in range(0, P_MAX, BLOCK_P):  # padding everywhere first
-            tl.store(sorted_ptr + p0 + offs_p, tl.zeros((BLOCK_P,), tl.int32) + P, mask=p0 + offs_p < P_MAX)
-        counts = tl.zeros((BLOCK_E,), tl.int32)
-        for p0 in range(0, P, BLOCK_P):
-            pp = p0 + offs_p
-            e = tl.load(ids_ptr + pp, mask=pp < P, other=-1).to(tl.int32)
-            hit = (e[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
-            counts += tl.sum(hit, axis=0)
+        # one program, P <= BLOCK_P: sort the keys e * BLOCK_P + p (stable by construction; pairs on no local
+        # expert get e = E and sort last), then pair i of the sorted order goes to i + shift[e], shift[e] =
+        # (padded start of e's group) - (pairs on experts below e); shift goes through global scratch
+        offs = tl.arange(0, BLOCK_P)
+        offs_e = tl.arange(0, BLOCK_E)  # BLOCK_E > E: bin E holds the pairs left out (and the slots past P)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        e = tl.where((e >= 0) & (e < E), e, E)
+        s = tl.sort(e * BLOCK_P + offs)  # [BLOCK_P]
+        se, sp = s // BLOCK_P, s % BLOCK_P
+        counts = tl.where(offs_e < E, tl.histogram(e, BLOCK_E), 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.cumsum(padded, axis=0)
-        fill = ends - padded  # next free position of each expert's group
-        tl.debug_barrier()  # the padding stores land before the pair stores (other threads, same addresses)
-        for p0 in range(0, P, BLOCK_P):
-            pp = p0 + offs_p
-            valid = pp < P
-            e = tl.load(ids_ptr + pp, mask=valid, other=-1).to(tl.int32)
-            hit = (e[:, None] == offs_e[None, :]).to(tl.int32)
-            rank = tl.cumsum(hit, axis=0)  # 1-based rank of each pair among this chunk's pairs of its expert
-            dest = tl.sum(hit * (fill[None, :] + rank - 1), axis=1)
-            # a pair on no expert of this rank (id -1) matches no column: it is left out, not stored at 0
-            tl.store(sorted_ptr + dest, pp.to(tl.int32), mask=valid & (tl.sum(hit, axis=1) > 0))
-            fill += tl.sum(hit, axis=0)
-        total = tl.max(ends, axis=0)
-        for b0 in range(0, NUM_BLOCKS, BLOCK_P):
-            bb = b0 + offs_p
-            start = bb * BLOCK_M
-            # the expert whose padded range holds `start`: the number of groups ending at or before it
-            be = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), axis=1)
-            be = tl.where(start < total, be, -1)
-            tl.store(bexp_ptr + bb, be, mask=bb < NUM_BLOCKS)
-
+        tl.store(shift_ptr + offs_e, tl.cumsum(padded, axis=0) - padded - (tl.cumsum(counts, axis=0) - counts))
+        for p0 in range(0, P_MAX, BLOCK_P):  # padding everywhere first
+            tl.store(sorted_ptr + p0 + offs, tl.zeros((BLOCK_P,), tl.int32) + P, mask=p0 + offs < P_MAX)
+        for b0 in range(0, NUM_BLOCKS, BLOCK_P):  # blocks of no expert: -1
+            tl.store(bexp_ptr + b0 + offs, tl.zeros((BLOCK_P,), tl.int32) - 1, mask=b0 + offs < NUM_BLOCKS)
+        tl.debug_barrier()  # shift and the fills land before the loads and stores below (other threads)
+        keep = se < E
+        dest = offs + tl.load(shift_ptr + se, mask=keep, other=0)
+        tl.store(sorted_ptr + dest, sp, mask=keep)
+        # every block of a group holds at least one real pair, so this writes each used block's expert
+        tl.store(bexp_ptr + dest // BLOCK_M, se, mask=keep)
 
     @triton.jit
     def _align_count_kernel(ids_ptr, counts_ptr, sorted_ptr, P, P_MAX, FILL,
@@ -201,7 +189,7 @@ ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks o
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_align_ref on the device: no sort, no atomics (stable inside each group), no host sync.
-    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program; larger P: count per chunk of pairs
+    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program (a sort of the pairs by expert); larger P: count per chunk of pairs
     (C programs), offsets (1 program), placement (C programs).
     topk_ids: [T, K] int · returns sorted_pair_ids [p_max] int32 (pad = T*K), block_expert [p_max/block_m] int32
     """
@@ -216,9 +204,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
-    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: chunks no larger than P
-        _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, P, num_experts, p_max, n_blocks,
-                                BLOCK_M=block_m, BLOCK_P=min(block_p, max(16, triton.next_power_of_2(P))), BLOCK_E=block_e, num_warps=8)
+    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: one sort of all pairs
+        block_e1 = triton.next_power_of_2(num_experts + 1)
+        shift = torch.empty(block_e1, dtype=torch.int32, device=dev)  # scratch
+        _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, shift, P, num_experts, p_max, n_blocks,
+                                BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
+                                num_warps=4 if P <= 512 else 8)
         return sorted_ids, block_expert
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
