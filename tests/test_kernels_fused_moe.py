@@ -102,6 +102,28 @@ def test_silu_and_mul_and_combine(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_activation_and_combine_add_a_lora_delta_as_add_would(dtype):
+    """The overlapped LoRA path hands its fp32 delta to the activation and combine kernels instead of a
+    y.add_(delta) pass: the sum must round once to y's dtype exactly as add_ does (the bits of the old path)."""
+    gen = torch.Generator().manual_seed(5)
+    gu = torch.randn(13, 2 * 40, generator=gen).to(DEVICE, dtype)
+    d_gu = torch.randn(13, 2 * 40, generator=gen).to(DEVICE) * 0.3
+    want = fmt.silu_and_mul(gu.clone().add_(d_gu))
+    assert torch.equal(fmt.silu_and_mul(gu, delta=d_gu), want)
+    assert not torch.equal(fmt.silu_and_mul(gu), want)  # the delta matters at these numbers
+    o = torch.randn(5 * 3, 70, generator=gen).to(DEVICE, dtype)
+    d_o = torch.randn(5 * 3, 70, generator=gen).to(DEVICE) * 0.3
+    w = torch.rand(5, 3, generator=gen).to(DEVICE)
+    w[1, 2] = 0.0  # a pair left out (weight 0): NaN in its delta row changes nothing
+    d_o[1 * 3 + 2] = float("nan")
+    got = fmt.moe_combine(o, w, delta=d_o)
+    want = fmt.moe_combine(o.clone().add_(torch.nan_to_num(d_o)), w)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="LoRA delta: expected fp32"):
+        fmt.moe_combine(o, w, delta=d_o.half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["random", "one_expert", "all_same", "few_experts"])
 @pytest.mark.parametrize("K", [1, 2, 8])
 @pytest.mark.parametrize("T", [1, 3, 7, 133])

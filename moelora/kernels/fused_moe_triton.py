@@ -361,56 +361,83 @@ def moe_combine_ref(o: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor
 if HAS_TRITON:
 
     @triton.jit
-    def _silu_and_mul_kernel(gu_ptr, out_ptr, I, s_gm, s_gn, s_om, s_on, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(gu_ptr, d_ptr, out_ptr, I, s_gm, s_gn, s_dm, s_dn, s_om, s_on,
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         p = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < I
-        g = tl.load(gu_ptr + p * s_gm + offs * s_gn, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + p * s_gm + (offs + I) * s_gn, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gu_ptr + p * s_gm + offs * s_gn, mask=mask, other=0.0)
+        u = tl.load(gu_ptr + p * s_gm + (offs + I) * s_gn, mask=mask, other=0.0)
+        if HAS_DELTA:  # gu + delta rounded once to gu's dtype, as gu.add_(delta) would store it
+            g = (g.to(tl.float32) + tl.load(d_ptr + p * s_dm + offs * s_dn, mask=mask, other=0.0)).to(g.dtype)
+            u = (u.to(tl.float32) + tl.load(d_ptr + p * s_dm + (offs + I) * s_dn, mask=mask, other=0.0)).to(u.dtype)
+        g = g.to(tl.float32)
+        u = u.to(tl.float32)
         tl.store(out_ptr + p * s_om + offs * s_on, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _combine_kernel(o_ptr, w_ptr, out_ptr, H, s_op, s_oh, s_wt, s_wk, s_ot, s_oh2,
-                        K: tl.constexpr, BLOCK: tl.constexpr):
+    def _combine_kernel(o_ptr, d_ptr, w_ptr, out_ptr, H, s_op, s_oh, s_dp, s_dh, s_wt, s_wk, s_ot, s_oh2,
+                        K: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(K):
             wk = tl.load(w_ptr + t * s_wt + k * s_wk).to(tl.float32)
-            ok = tl.load(o_ptr + (t * K + k) * s_op + offs * s_oh, mask=mask, other=0.0).to(tl.float32)
+            ok = tl.load(o_ptr + (t * K + k) * s_op + offs * s_oh, mask=mask, other=0.0)
+            if HAS_DELTA:  # o + delta rounded once to o's dtype, as o.add_(delta) would store it
+                dk = tl.load(d_ptr + (t * K + k) * s_dp + offs * s_dh, mask=mask, other=0.0)
+                ok = (ok.to(tl.float32) + dk).to(ok.dtype)
             # a weight-0 pair adds nothing, whatever its row holds (a pair left out of the alignment: never written)
-            acc += tl.where(wk != 0.0, wk * ok, 0.0)
+            acc += tl.where(wk != 0.0, wk * ok.to(tl.float32), 0.0)
         tl.store(out_ptr + t * s_ot + offs * s_oh2, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu_and_mul_ref in one launch · gu: [P, 2I] · out: [P, I] (made when None) · returns out."""
+def _delta_strides(delta: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(pointer argument, row stride, column stride) of an optional fp32 delta shaped like `like`."""
+    if delta is None:
+        return like, 0, 0
+    if delta.shape != like.shape or delta.dtype != torch.float32:
+        raise ValueError(f"LoRA delta: expected fp32 {tuple(like.shape)}, found {delta.dtype} {tuple(delta.shape)}")
+    return delta, delta.stride(0), delta.stride(1)
+
+
+def silu_and_mul(gu: torch.Tensor, out: torch.Tensor | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul_ref in one launch · gu: [P, 2I] · out: [P, I] (made when None) · returns out.
+    delta: [P, 2I] fp32 or None: the activation of gu + delta, the sum rounded once to gu's dtype first (the
+    numbers of gu.add_(delta) then silu_and_mul, one launch and no write of the sum)."""
     require_triton()
     P, two_i = gu.shape
     inter = two_i // 2
     if out is None:
         out = torch.empty(P, inter, dtype=gu.dtype, device=gu.device)
+    d, sdm, sdn = _delta_strides(delta, gu)
     block = min(1024, max(16, triton.next_power_of_2(inter)))
     if P:
-        _silu_and_mul_kernel[(P, triton.cdiv(inter, block))](gu, out, inter, gu.stride(0), gu.stride(1),
-                                                             out.stride(0), out.stride(1), BLOCK=block)
+        _silu_and_mul_kernel[(P, triton.cdiv(inter, block))](gu, d, out, inter, gu.stride(0), gu.stride(1), sdm, sdn,
+                                                             out.stride(0), out.stride(1),
+                                                             HAS_DELTA=delta is not None, BLOCK=block)
     return out
 
 
-def moe_combine(o: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def moe_combine(o: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor | None = None,
+                delta: torch.Tensor | None = None) -> torch.Tensor:
     """moe_combine_ref in one launch (deterministic: a fixed k order, no atomics).
-    o: [T*K, H] · topk_weights: [T, K] · out: [T, H] (made in o.dtype when None) · returns out."""
+    o: [T*K, H] · topk_weights: [T, K] · out: [T, H] (made in o.dtype when None) · returns out.
+    delta: [T*K, H] fp32 or None: combines o + delta, each sum rounded once to o's dtype first (the numbers
+    of o.add_(delta) then moe_combine; a weight-0 pair adds nothing, whatever its delta row holds)."""
     require_triton()
     T, K = topk_weights.shape
     H = o.shape[1]
     if out is None:
         out = torch.empty(T, H, dtype=o.dtype, device=o.device)
+    d, sdp, sdh = _delta_strides(delta, o)
     block = min(1024, max(16, triton.next_power_of_2(H)))
     if T:
-        _combine_kernel[(T, triton.cdiv(H, block))](o, topk_weights, out, H, o.stride(0), o.stride(1),
+        _combine_kernel[(T, triton.cdiv(H, block))](o, d, topk_weights, out, H, o.stride(0), o.stride(1), sdp, sdh,
                                                     topk_weights.stride(0), topk_weights.stride(1),
-                                                    out.stride(0), out.stride(1), K=K, BLOCK=block)
+                                                    out.stride(0), out.stride(1), K=K,
+                                                    HAS_DELTA=delta is not None, BLOCK=block)
     return out
 
 
@@ -529,17 +556,19 @@ class TritonExperts:
         cfg = halved_n(self.cfg) if fuse_act else self.cfg
         return expert_gemm(inp, w, self.align, self.P, self.K, out, gather, fuse_act=fuse_act, config=cfg)
 
-    def act(self, gu: torch.Tensor, activation: str) -> torch.Tensor:
-        """act(gu[:, :I]) * gu[:, I:] · gu: [P, 2I] · returns [P, I] (one launch for silu)."""
+    def act(self, gu: torch.Tensor, activation: str, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """act(g[:, :I]) * g[:, I:], g = gu (+ delta, rounded once to gu's dtype) · gu: [P, 2I] · delta: [P, 2I]
+        fp32 or None · returns [P, I] (one launch for silu, the delta read in it)."""
         if activation == "silu":
-            return silu_and_mul(gu)
+            return silu_and_mul(gu, delta=delta)
         from moelora.kernels.moe import act_and_mul
 
-        return act_and_mul(gu, activation)
+        return act_and_mul(gu if delta is None else gu.add_(delta), activation)
 
-    def combine(self, o: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """sum_k topk_weights[t, k] * o[t*K + k] · o: [P, H] · returns [T, H] in o.dtype."""
-        return moe_combine(o, topk_weights)
+    def combine(self, o: torch.Tensor, topk_weights: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_k topk_weights[t, k] * (o[t*K + k] (+ delta[t*K + k], rounded once to o's dtype)) · o: [P, H]
+        delta: [P, H] fp32 or None · returns [T, H] in o.dtype."""
+        return moe_combine(o, topk_weights, delta=delta)
 
 
 def fused_moe_triton(

@@ -132,7 +132,8 @@ def fused_moe_pairs(
     (topk_ids, token_slots, E, max_loras) -> alignment passed to the kernels as `align` (computed once per layer).
     side_stream: a CUDA stream; when given (and P <= OVERLAP_MAX_PAIRS) each LoRA chain (shrink, then expand
     into a zeroed fp32 delta [P, O]) runs on it while the main stream runs the base expert GEMM; the main
-    stream joins before adding the delta (gu + delta rounds once, exactly as the in-place expand does).
+    stream joins before adding the delta (gu + delta rounds once, exactly as the in-place expand does): on the
+    Triton fast path the activation and combine kernels read the delta and add it themselves (no extra pass).
     set_fused_lora(True) (kernels/_triton.py), P <= GEMV_MAX_PAIRS and shrink the Triton kernel or its reference:
     each projection's LoRA delta is one fused launch (moe_lora_fused[_ref]; store mode into delta when overlapping).
     x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]
@@ -165,11 +166,13 @@ def fused_moe_pairs(
             fused = fused_for(shrink) if P <= GEMV_MAX_PAIRS else None
 
     def project(inp, w, per_pair, parts):
-        """y = base GEMM of one projection [P, O] + its LoRA delta; parts = (a, b, offsets, ranks, scaling,
-        slice width) or None. The delta runs on the side stream when overlapping."""
+        """(y, delta): y = base GEMM of one projection [P, O] with its LoRA delta added, delta None; or, when
+        overlapping on the fast path, y the base GEMM alone and delta its LoRA delta [P, O] fp32, for the
+        consumer (activation or combine) to add (rounded once, as y.add_(delta)). parts = (a, b, offsets,
+        ranks, scaling, slice width) or None. The delta runs on the side stream when overlapping."""
         y_in = inp if per_pair or fast is not None else inp[pair_tok]  # the Triton GEMM reads x[p // K] itself
         if parts is None:
-            return gemm(y_in, w)
+            return gemm(y_in, w), None
         a, b, offs, ranks, scaling, width = parts
         n, R = a.shape[0], a.shape[3]
         if offs is None:
@@ -177,14 +180,14 @@ def fused_moe_pairs(
         if fused is not None and not overlap:
             y = gemm(y_in, w)
             fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair)
-            return y
+            return y, None
         h = None if fused is not None else torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
         if not overlap:
             y = gemm(y_in, w)
             h.zero_()
             shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
             expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, **kw)
-            return y
+            return y, None
         from moelora.kernels.streams import fork, join
 
         delta = torch.empty(P, w.shape[1], dtype=torch.float32, device=x.device)  # on main, before the fork
@@ -199,20 +202,21 @@ def fused_moe_pairs(
                 expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, **kw)
         y = gemm(y_in, w)
         join(main, side_stream)
-        y.add_(delta)  # computed in fp32, rounded once to y's dtype
-        return y
+        if fast is None:
+            return y.add_(delta), None  # computed in fp32, rounded once to y's dtype
+        return y, delta  # the fast path's activation / combine kernel adds it (same rounding, no extra pass)
 
     gu_parts = None if lora is None else (
         lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks, lora.gate_up_scaling, inter)
-    gu = project(x, w_gate_up, False, gu_parts)  # [P, 2I], LoRA delta before the activation
+    gu, gu_delta = project(x, w_gate_up, False, gu_parts)  # [P, 2I], LoRA delta before the activation
     # [P, I], computed in fp32 and rounded once on both paths (as silu_and_mul): a quantized down projection
     # re-quantizes it, and a bf16 rounding difference there flips FP8 roundings (~1% apart at Qwen3 shapes)
-    act = fast.act(gu, activation) if fast is not None else act_and_mul(gu, activation)
+    act = fast.act(gu, activation, gu_delta) if fast is not None else act_and_mul(gu, activation)
     d_parts = None if lora is None else (
         lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H)
-    o = project(act, w_down, True, d_parts)  # [P, H]
+    o, o_delta = project(act, w_down, True, d_parts)  # [P, H]
     if fast is not None:
-        return fast.combine(o, topk_weights)
+        return fast.combine(o, topk_weights, o_delta)
     out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)
 
