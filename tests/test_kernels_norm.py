@@ -58,3 +58,39 @@ def test_qk_norm_rope_in_place_on_qkv_views(device, dtype, norm):
     torch.testing.assert_close(q, rq, **tol)  # q and k were rewritten in place inside qkv
     torch.testing.assert_close(k, rk, **tol)
     assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_writes_the_kv_cache_as_write_kv_does(device, dtype, norm):
+    """kv_write: the same launch stores the rotated k and the v rows at slot_mapping, bit for bit what
+    write_kv_ref stores after a separate qk_norm_rope; other cache rows and slot -1 rows stay untouched."""
+    from moelora.kernels.attention import write_kv_ref
+    from moelora.kernels.norm_triton import qk_norm_rope
+
+    T, Hq, Hkv, D, NB, BS = 5, 4, 2, 16, 3, 4
+    g = torch.Generator().manual_seed(7 + int(norm))
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(device, dtype)
+    positions = torch.tensor([0, 3, 17, 500, 4095], device=device)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+    wq = (torch.rand(D, generator=g) + 0.5).to(device, dtype) if norm else None
+    wk = (torch.rand(D, generator=g) + 0.5).to(device, dtype) if norm else None
+    slots = torch.tensor([5, 0, 11, -1, 6], device=device)
+    caches = [torch.randn(NB, BS, Hkv, D, generator=g).to(device, dtype) for _ in range(2)]
+    want_kc, want_vc = (c.clone() for c in caches)
+
+    def views(t):
+        q, k, v = t.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        return q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+
+    ref = qkv.clone()
+    rq, rk, rv = views(ref)
+    qk_norm_rope(rq, rk, wq, wk, 1e-6, positions, inv_freq, 0.9)
+    write_kv_ref(rk, rv, want_kc, want_vc, slots)
+    q, k, v = views(qkv)
+    qk_norm_rope(q, k, wq, wk, 1e-6, positions, inv_freq, 0.9, kv_write=(v, caches[0], caches[1], slots))
+    assert torch.equal(qkv, ref)  # q, k rotated in place as before, v untouched
+    assert torch.equal(caches[0], want_kc) and torch.equal(caches[1], want_vc)
+    with pytest.raises(ValueError, match="k_cache must be contiguous"):
+        qk_norm_rope(q, k, wq, wk, 1e-6, positions, inv_freq, 0.9,
+                     kv_write=(v, caches[0].transpose(2, 3), caches[1], slots))

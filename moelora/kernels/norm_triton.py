@@ -32,18 +32,31 @@ if HAS_TRITON:
         tl.store(y_ptr + row * sy + offs, (n * w).to(x.dtype), mask=mask)
 
     @triton.jit
-    def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, sqt, sqh, skt, skh, eps, scaling,
-                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+    def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
+                             v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, sc_slot, sc_h,
+                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK_H)
+        mask = offs < HALF
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            wmask = mask & ((offs * 0 + slot) >= 0)  # a row of slot -1 is not written
+            if h >= Hq + Hkv:  # the v heads: copied into the cache as they are
+                hv = h - Hq - Hkv
+                src = v_ptr + t * svt + hv * svh
+                dst = vc_ptr + slot * sc_slot + hv * sc_h
+                v1 = tl.load(src + offs, mask=mask, other=0.0)
+                v2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
+                tl.store(dst + offs, v1.to(vc_ptr.dtype.element_ty), mask=wmask)
+                tl.store(dst + HALF + offs, v2.to(vc_ptr.dtype.element_ty), mask=wmask)
+                return
         if h < Hq:
             base = q_ptr + t * sqt + h * sqh
             w_ptr = qw_ptr
         else:
             base = k_ptr + t * skt + (h - Hq) * skh
             w_ptr = kw_ptr
-        offs = tl.arange(0, BLOCK_H)
-        mask = offs < HALF
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
         dt = x1.dtype
@@ -64,6 +77,11 @@ if HAS_TRITON:
         y2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
         tl.store(base + offs, y1, mask=mask)
         tl.store(base + HALF + offs, y2, mask=mask)
+        if WRITE_KV:
+            if h >= Hq:  # the k heads: the rotated k into the cache too
+                dst = kc_ptr + slot * sc_slot + (h - Hq) * sc_h
+                tl.store(dst + offs, y1.to(kc_ptr.dtype.element_ty), mask=wmask)
+                tl.store(dst + HALF + offs, y2.to(kc_ptr.dtype.element_ty), mask=wmask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -92,13 +110,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                 eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+                 eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
+                 kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """In place, per token t and head h (neox rotary on the two halves), as rms_norm_ref then apply_rotary_ref:
         if weights: q[t, h] = rms_norm(q[t, h], q_weight) ; k[t, h] = rms_norm(k[t, h], k_weight)
         c, s = cos(positions[t] * inv_freq) * attention_scaling, sin(...) * attention_scaling   (fp32, then dtype)
         x = cat(x1, x2) -> cat(x1 * c - x2 * s, x2 * c + x1 * s)   for x in q[t, h], k[t, h]
+    kv_write = (v, k_cache, v_cache, slot_mapping) or None: then also, in the same launch, the cache writes of
+    attention.write_kv_ref with the rotated k (a row with slot_mapping[t] < 0 is not written).
     q: [T, Hq, D] · k: [T, Hkv, D] (last dim contiguous; views into the qkv output are fine) · positions: [T]
     q_weight, k_weight: [D] or both None · inv_freq: [D/2] fp32
+    v: [T, Hkv, D] (last dim contiguous) · k_cache, v_cache: [NB, BS, Hkv, D] contiguous · slot_mapping: [T] int
     """
     require_triton()
     T, Hq, D = q.shape
@@ -106,9 +128,23 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     if q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError(f"qk_norm_rope: q and k need a contiguous head dim, got strides {q.stride()} and {k.stride()}")
     norm = q_weight is not None
+    heads = Hq + Hkv
+    if kv_write is not None:
+        v, k_cache, v_cache, slot_mapping = kv_write
+        want = (Hkv, D)
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if tuple(c.shape[2:]) != want or not c.is_contiguous():
+                raise ValueError(f"qk_norm_rope: {name} must be contiguous [blocks, block_size, {Hkv}, {D}], "
+                                 f"found {tuple(c.shape)} strides {c.stride()}")
+        if tuple(v.shape) != (T, Hkv, D) or v.stride(2) != 1:
+            raise ValueError(f"qk_norm_rope: v must be [{T}, {Hkv}, {D}] with a contiguous head dim, found {tuple(v.shape)}")
+        heads += Hkv
+        kv_args = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1), Hkv * D, D)
+    else:
+        kv_args = (q, q, q, positions, 0, 0, 0, 0)
     if T:
-        _qk_norm_rope_kernel[(T, Hq + Hkv)](
+        _qk_norm_rope_kernel[(T, heads)](
             q, k, q_weight if norm else inv_freq, k_weight if norm else inv_freq, positions, inv_freq,
-            Hq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, attention_scaling,
-            HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), NORM=norm,
+            Hq, Hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, attention_scaling, *kv_args,
+            HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), NORM=norm, WRITE_KV=kv_write is not None,
         )

@@ -80,19 +80,23 @@ class Attention(nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if q.is_cuda and self.rotary.fused_ok:  # one kernel: per-head q/k norms (Qwen3) and rotary, in place
+        k_cache, v_cache = kv_cache
+        kv_written = False
+        if q.is_cuda and self.rotary.fused_ok:  # one kernel: per-head q/k norms (Qwen3), rotary in place, KV writes
             from moelora.kernels.norm_triton import qk_norm_rope
 
             head = self.qk_norm == "head"
+            kv_written = attn.token_seq is not None  # the device path: every slot_mapping entry >= 0
             qk_norm_rope(q, k, self.q_norm.weight if head else None, self.k_norm.weight if head else None,
-                         self.q_norm.eps if head else 0.0, positions, self.rotary.inv_freq, self.rotary.attention_scaling)
+                         self.q_norm.eps if head else 0.0, positions, self.rotary.inv_freq, self.rotary.attention_scaling,
+                         kv_write=(v, k_cache, v_cache, attn.slot_mapping) if kv_written else None)
         else:
             if self.qk_norm == "head":
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(q, k, positions)
-        k_cache, v_cache = kv_cache
         if q.is_cuda and attn.token_seq is not None:
-            write_kv_direct(k, v, k_cache, v_cache, attn.slot_mapping)
+            if not kv_written:
+                write_kv_direct(k, v, k_cache, v_cache, attn.slot_mapping)
             from moelora.kernels.attention_triton import paged_attention
 
             o = torch.zeros_like(q)  # [T, Hq, D]; padding rows stay 0
