@@ -106,15 +106,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_align_kernel(
-        ids_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS,
-        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+        ids_ptr, slots_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS, TOP_K, NUM_EXPERTS,
+        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr,
     ):
         # one program, P <= BLOCK_P: sort the keys e * BLOCK_P + p (stable by construction; pairs on no local
         # expert get e = E and sort last), then pair i of the sorted order goes to i + shift[e], shift[e] =
-        # (padded start of e's group) - (pairs on experts below e); shift goes through global scratch
+        # (padded start of e's group) - (pairs on experts below e); shift goes through global scratch.
+        # HAS_SLOTS: group by virtual expert slot * NUM_EXPERTS + expert instead (E = max_loras * NUM_EXPERTS),
+        # slot = slots[p // TOP_K]; a pair of slot -1 or expert -1 is left out
         offs = tl.arange(0, BLOCK_P)
         offs_e = tl.arange(0, BLOCK_E)  # BLOCK_E > E: bin E holds the pairs left out (and the slots past P)
         e = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        if HAS_SLOTS:
+            sl = tl.load(slots_ptr + offs // TOP_K, mask=offs < P, other=-1).to(tl.int32)
+            e = tl.where((sl >= 0) & (e >= 0) & (e < NUM_EXPERTS), sl * NUM_EXPERTS + e, -1)
         e = tl.where((e >= 0) & (e < E), e, E)
         s = tl.sort(e * BLOCK_P + offs)  # [BLOCK_P]
         se, sp = s // BLOCK_P, s % BLOCK_P
@@ -187,6 +192,40 @@ if HAS_TRITON:
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks of pairs
 
 
+def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
+                       P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor):
+    """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots)."""
+    groups = num_experts * max_loras
+    block_e1 = triton.next_power_of_2(groups + 1)
+    shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)  # scratch
+    _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
+                            sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
+                            BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
+                            HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
+    return sorted_ids, block_expert
+
+
+LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS = 8192  # virtual experts (max_loras x E) the one-program alignment takes
+
+
+def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int,
+                               block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_lora.moe_lora_align (same groups, order and padding: stable) in one launch of one program, for
+    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS and max_loras * E < LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS (checked here).
+    topk_ids: [T, K] · token_slots: [T] int · returns sorted_pair_ids [P_max] int32, block_vexpert int32."""
+    require_triton()
+    T, K = topk_ids.shape
+    P = T * K
+    V = num_experts * max_loras
+    if P > ALIGN_ONE_PROGRAM_MAX_PAIRS or V >= LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS:
+        raise ValueError(f"moe_lora_align_one_program: {P} pairs over {V} virtual experts; at most "
+                         f"{ALIGN_ONE_PROGRAM_MAX_PAIRS} pairs and {LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS - 1} groups")
+    p_max = max_padded_pairs(P, V, block_m)
+    sorted_ids = torch.empty(p_max, dtype=torch.int32, device=topk_ids.device)
+    bvex = torch.empty(p_max // block_m, dtype=torch.int32, device=topk_ids.device)
+    return _align_one_program(topk_ids.reshape(-1), token_slots, K, num_experts, max_loras, P, block_m, sorted_ids, bvex)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_align_ref on the device: no sort, no atomics (stable inside each group), no host sync.
     P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program (a sort of the pairs by expert); larger P: count per chunk of pairs
@@ -205,12 +244,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
     if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: one sort of all pairs
-        block_e1 = triton.next_power_of_2(num_experts + 1)
-        shift = torch.empty(block_e1, dtype=torch.int32, device=dev)  # scratch
-        _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, shift, P, num_experts, p_max, n_blocks,
-                                BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
-                                num_warps=4 if P <= 512 else 8)
-        return sorted_ids, block_expert
+        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert)
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
     base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)
