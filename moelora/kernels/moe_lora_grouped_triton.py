@@ -9,6 +9,9 @@ one program per (block of BLOCK_M pairs of one group, slice i, output split j) r
 with tl.dot, fp32 accumulation), then walks the output tiles j, j + SPLIT_N, ... of slice i:
 y[p, tile] (+)= w[p] * scaling * h[p] @ B[s, e, tile, :r].T (fp32 products, as moe_lora_fused).
 
+Off by default (set_grouped_lora / MOELORA_GROUPED_LORA=1): measured slower than the per-pair kernel on the
+H200 (see set_grouped_lora). Kept, tested, for tuning.
+
 The alignment is moe_lora_align's (stable, padded to BLOCK_M), made in one launch by
 fused_moe_triton.moe_lora_align_one_program and shared by gate_up and down of a layer (`align`).
 """
