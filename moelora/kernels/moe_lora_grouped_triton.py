@@ -87,9 +87,12 @@ if HAS_TRITON:
             mask_n = offs_n < width
             bt = tl.load(b_base + (o0 + offs_n[None, :]) * sb_o + offs_r[:, None] * sb_r,
                          mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-            delta = tl.dot(hv, bt.to(tl.float32), input_precision="ieee")  # fp32 products, as moe_lora_fused
-            ptrs = y_ptr + pairs[:, None] * syp + (o0 + offs_n[None, :]) * syo
             mask = valid[:, None] & mask_n[None, :]
+            # fp32 products, as moe_lora_fused. The select keeps Triton from folding the add below into the
+            # dot's accumulator (dot(a, b, acc=y) rounds differently): add mode into y and store mode into a
+            # zeroed delta then added by the consumer must give the same bits (test_overlap_equals_serial)
+            delta = tl.where(mask, tl.dot(hv, bt.to(tl.float32), input_precision="ieee"), 0.0)
+            ptrs = y_ptr + pairs[:, None] * syp + (o0 + offs_n[None, :]) * syo
             y = tl.load(ptrs, mask=mask, other=0.0)
             tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
