@@ -8,13 +8,13 @@ shapes in bf16."""
 import pytest
 import torch
 
-from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, token_slots, tolerance
+from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, tolerance
 from moelora.kernels import moe_lora_grouped_triton as mg
 from moelora.kernels._triton import grouped_lora, set_grouped_lora
 from moelora.kernels.fused_moe_triton import moe_lora_align_one_program
 from moelora.kernels.moe_lora import moe_lora_align
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused_ref
-from test_kernels_lora_fused import E, K, S, _moe_call, _moe_case, _untouched_checks
+from test_kernels_lora_fused import E, K, _moe_call, _moe_case, _untouched_checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # CPU: 100 tokens put 25+ pairs on a group when all tokens share a slot (several blocks of 16 per group)
@@ -79,6 +79,23 @@ def test_grouped_store_mode_and_shared_factors(site):
     _moe_call(mg.moe_lora_grouped, full, y_full)
     _moe_call(mg.moe_lora_grouped, c, y_shared)
     torch.testing.assert_close(y_shared, y_full, atol=atol, rtol=rtol)
+
+
+def test_grouped_launch_overrides_do_not_change_results():
+    """split_n only spreads output tiles over programs (the same bits in fp32); block_d / num_warps / num_stages
+    change the tiling of the input dim (the same values to fp32 rounding)."""
+    gen = torch.Generator().manual_seed(53)
+    c = _moe_case("gate_up", "uniform", 33, torch.float32, gen)
+    base = c["y0"].clone()
+    _moe_call(mg.moe_lora_grouped, c, base, split_n=1)
+    for split in (2, 3, 64):
+        y = c["y0"].clone()
+        _moe_call(mg.moe_lora_grouped, c, y, split_n=split)
+        assert torch.equal(y, base)
+    for kw in (dict(block_d=16), dict(block_d=512, num_warps=8), dict(num_stages=2)):
+        y = c["y0"].clone()
+        _moe_call(mg.moe_lora_grouped, c, y, **kw)
+        torch.testing.assert_close(y, base, atol=1e-5, rtol=1e-5)
 
 
 def test_grouped_leaves_out_pairs_on_expert_minus_one():

@@ -16,7 +16,7 @@ from moelora.config import ModelConfig
 from moelora.distributed import ParallelState, check_launch, kv_cache_config
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import ModelRunner, StepOutput, graph_settings
-from moelora.engine.request import Request, Status
+from moelora.engine.request import Request
 from moelora.engine.sampler import Sampler, apply_penalties, make_generator, prompt_logprobs
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler

@@ -127,6 +127,10 @@ def moe_lora_grouped(
     pair_weights: torch.Tensor | None = None,
     store: bool = False,
     align: tuple[torch.Tensor, torch.Tensor] | None = None,
+    split_n: int | None = None,
+    block_d: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> None:
     """moe_lora_fused's semantics (kernels/moe_lora_fused_triton.py), one program per block of pairs of one
     (slot, expert) group. Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
@@ -142,6 +146,8 @@ def moe_lora_grouped(
     num_experts: E of the model (virtual expert = slot * E + e) · y: [T*K, O] · pair_weights: [T*K] or None
     align: moe_lora_grouped_align(topk_ids, token_slots, num_experts, S), made here when None
     h is fp32 (tl.dot, fp32 accumulation), the delta fp32 products, added in fp32 and rounded once to y's dtype.
+    split_n, block_d, num_warps, num_stages: launch overrides for tuning (scripts/bench_lora_fused.py --sweep);
+    None = the defaults (grouped_split_n, 128-wide input tiles, Triton's stages).
     """
     require_triton()
     n, S, _, R, D = a.shape
@@ -157,16 +163,19 @@ def moe_lora_grouped(
         raise ValueError(f"moe_lora_grouped: align holds {sorted_ids.shape[0]} pair ids in {bvex.shape[0]} blocks; "
                          f"expected blocks of {GROUPED_BLOCK_M} (moe_lora_grouped_align)")
     block_r = max(16, triton.next_power_of_2(R))
-    block_d = 128 if D >= 128 else max(16, triton.next_power_of_2(D))
+    block_d = min(block_d or 128, max(16, triton.next_power_of_2(D)))
     max_width = triton.cdiv(O, n)
     block_n = 128 if max_width >= 128 else max(16, triton.next_power_of_2(max_width))
-    split = grouped_split_n(P, S * num_experts, n, max_width, block_n)
+    tiles = triton.cdiv(max_width, block_n)
+    split = grouped_split_n(P, S * num_experts, n, max_width, block_n) if split_n is None else max(1, min(split_n, tiles))
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     w = pair_weights if pair_weights is not None else scaling
     _moe_lora_grouped_kernel[(bvex.shape[0], n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, sorted_ids, bvex, w, D, S, num_experts, K, P,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, BLOCK_M=GROUPED_BLOCK_M, BLOCK_R=block_r,
-        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, PRECISION=dot_precision(x.dtype), num_warps=4,
+        BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, PRECISION=dot_precision(x.dtype), num_warps=num_warps,
+        **extra,
     )
 
 

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moelora.engine.llm_engine import LLMEngine
