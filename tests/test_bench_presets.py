@@ -133,4 +133,26 @@ def test_bench_decode_profile_steps(tmp_path, capsys):
         us = [k["us"] for k in prof["kernels"] if k["name"] != "other"]
         assert us == sorted(us, reverse=True) and sum(k["us"] for k in prof["kernels"]) == pytest.approx(prof["total_us"])
         assert any("mm" in k["name"] or "linear" in k["name"] for k in prof["kernels"])  # the GEMMs are there
-    assert "profile (cpu operators, 2 steps)" in capsys.readouterr().out
+    base, lora = rows
+    assert "profile_tax" not in base and lora["profile_tax"]["total_us"] == pytest.approx(
+        lora["profile"]["total_us"] - base["profile"]["total_us"])
+    out = capsys.readouterr().out
+    assert "profile (cpu operators, 2 steps)" in out and "LoRA tax by kernel (profiled)" in out
+
+
+def test_profile_tax_is_the_per_kernel_difference():
+    """profile_tax: with-adapter minus no-adapter time per kernel, largest change first; a kernel only one side
+    has counts as 0 on the other; the kept rows plus "other" add up to the difference of the totals."""
+    from moelora.bench.profile import format_profile_tax, profile_tax
+
+    base = {"total_us": 100.0, "kernels": [{"name": "gemm", "us": 80.0}, {"name": "align", "us": 15.0},
+                                           {"name": "other", "us": 5.0}]}
+    lora = {"total_us": 130.0, "kernels": [{"name": "gemm", "us": 82.0}, {"name": "lora", "us": 30.0},
+                                           {"name": "align", "us": 10.0}, {"name": "other", "us": 8.0}]}
+    t = profile_tax(base, lora, top=2)
+    assert t["total_us"] == 30.0
+    assert [(k["name"], k["us"]) for k in t["kernels"]] == [("lora", 30.0), ("align", -5.0), ("other", 5.0)]
+    assert t["kernels"][0]["base_us"] == 0.0 and t["rest_count"] == 1
+    assert sum(k["us"] for k in t["kernels"]) == pytest.approx(t["total_us"])
+    text = format_profile_tax(t)
+    assert "+30 us per step" in text and "-5.0 us  (15.0 -> 10.0)  align" in text

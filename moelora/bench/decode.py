@@ -20,7 +20,7 @@ import torch
 from moelora.adapters.normalize import ModuleLoRA
 from moelora.adapters.registry import LoRAAdapter
 from moelora.bench.common import hbm_bandwidth_gbs, write_result
-from moelora.bench.profile import format_profile, profile_steps as profile_steps_of
+from moelora.bench.profile import format_profile, format_profile_tax, profile_tax, profile_steps as profile_steps_of
 from moelora.bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
@@ -321,6 +321,12 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
               flush=True)
         if "profile" in r:
             print(format_profile(r["profile"]), flush=True)
+            base = next((q for q in rows if q is not r and q["adapters"] == 0 and q["batch"] == batch
+                         and q.get("workload") == r.get("workload") and "profile" in q), None)
+            if n and base is not None:  # the same batch without adapters was profiled: where the tax goes
+                r["profile_tax"] = profile_tax(base["profile"], r["profile"])
+                print(format_profile_tax(r["profile_tax"]), flush=True)
+                write_result("decode", {**head, "rows": rows}, args.out)
     path = write_result("decode", {**head, "rows": rows}, args.out)
     print(f"results: {path}")
     return 0
