@@ -110,6 +110,9 @@ def _worker(rank: int, world: int, port: int, tp: int, ep: int, cases: list[dict
             results[-1]["dropped"] = sum(dropped) - before  # this case's layer calls that left pairs out
         if rank == 0:
             torch.save(results, out)
+        # every rank past its last collective before the groups go: tearing gloo down while a peer still sends
+        # aborted a rank now and then ("terminate called without an active exception", SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
