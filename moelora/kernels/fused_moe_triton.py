@@ -227,9 +227,9 @@ def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_align_ref on the device: no sort, no atomics (stable inside each group), no host sync.
-    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program (a sort of the pairs by expert); larger P: count per chunk of pairs
-    (C programs), offsets (1 program), placement (C programs).
+    """moe_align_ref on the device: no atomics (stable inside each group), no host sync.
+    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program (tl.sort of the pairs by expert, a histogram for
+    the group sizes); larger P: count per chunk of pairs (C programs), offsets (1 program), placement (C programs).
     topk_ids: [T, K] int · returns sorted_pair_ids [p_max] int32 (pad = T*K), block_expert [p_max/block_m] int32
     """
     require_triton()
