@@ -156,3 +156,24 @@ def test_profile_tax_is_the_per_kernel_difference():
     assert sum(k["us"] for k in t["kernels"]) == pytest.approx(t["total_us"])
     text = format_profile_tax(t)
     assert "+30 us per step" in text and "-5.0 us  (15.0 -> 10.0)  align" in text
+
+
+def test_bench_decode_repeat_reports_the_median_run(tmp_path, capsys):
+    """--repeat 3: each row is the median run by tokens/s, with all three runs' tokens/s and their spread; the
+    printed line says so. --repeat 0 is refused with the option's name."""
+    p = argparse.ArgumentParser()
+    decode.add_arguments(p)
+    p.add_argument("--out")
+    args = p.parse_args(["--tiny", "--batches", "2", "--adapter-counts", "0,1", "--workloads", "vllm",
+                         "--repeat", "3", "--out", str(tmp_path)])
+    assert decode.run(args) == 0
+    rows = json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+    assert len(rows) == 2
+    for r in rows:
+        tps = r["repeats_tokens_per_s"]
+        assert len(tps) == 3 and r["tokens_per_s"] == sorted(tps)[1]
+        assert r["repeat_spread"] == pytest.approx((max(tps) - min(tps)) / r["tokens_per_s"])
+    assert "median of 3, spread" in capsys.readouterr().out
+    args.repeat = 0
+    with pytest.raises(ValueError, match="--repeat must be at least 1"):
+        decode.run(args)

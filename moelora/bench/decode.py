@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per case, this many decode steps under torch.profiler before the timed ones (not timed): "
                         "the time per kernel and step in the JSON row ('profile') and the largest printed")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each case this many times (same requests) and report the median by tokens/s, with "
+                        "every run's tokens/s in the row ('repeats_tokens_per_s') and the spread printed; "
+                        "default 1")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (a smoke test of the benchmark)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU; default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (world = tp x ep; default 1)")
@@ -224,7 +228,27 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
             "runner_ms": runner_ms, "host_ms": step_ms - runner_ms, **({"profile": prof} if prof else {})}
 
 
+def _repeated_case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int,
+                   profile_steps: int = 0, repeat: int = 1) -> dict:
+    """_case `repeat` times with the same requests (the profile, if asked, on the first run only); the run with
+    the median tokens/s is returned, with every run's tokens/s ('repeats_tokens_per_s') and the spread
+    ((max - min) / median, 'repeat_spread') when repeat > 1."""
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    runs = [_case(engine, batch, n_adapters, workload, steps, seed, profile_steps if i == 0 else 0)
+            for i in range(repeat)]
+    if repeat == 1:
+        return runs[0]
+    tps = [r["tokens_per_s"] for r in runs]
+    median = sorted(runs, key=lambda r: r["tokens_per_s"])[(repeat - 1) // 2]
+    if "profile" in runs[0]:
+        median["profile"] = runs[0]["profile"]
+    return {**median, "repeats_tokens_per_s": tps, "repeat_spread": (max(tps) - min(tps)) / median["tokens_per_s"]}
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "repeat", 1) < 1:  # before the model is built
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
     presets = {"qwen3-30b-a3b": (QWEN3_30B_A3B, TINY, "Qwen3-30B-A3B"),
                "deepseek-v2-lite": (DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, "DeepSeek-V2-Lite")}
     full, tiny, model_name = presets[getattr(args, "preset", "qwen3-30b-a3b")]
@@ -302,8 +326,8 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
     for overlap, fused, workload, batch, n in cases:
         if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state() or fused != fused_lora():
             _recapture(engine, overlap, fused)
-        r = _case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n,
-                  profile_steps=getattr(args, "profile_steps", 0))
+        r = _repeated_case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n,
+                           profile_steps=getattr(args, "profile_steps", 0), repeat=getattr(args, "repeat", 1))
         r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
                  + ("" if not args.layers else f" ({args.layers} layers)")
                  + (f" tp{engine.args.tensor_parallel_size} ep{engine.args.expert_parallel_size}" if parallel else ""),
@@ -315,9 +339,11 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
         write_result("decode", {**head, "rows": rows}, args.out)  # after every row: a cut-off run keeps its rows
         fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
         tags = ("" if overlap else " (overlap off)") + (" (fused LoRA)" if fused and n else "")
+        reps = r.get("repeats_tokens_per_s")
+        spread = f"  median of {len(reps)}, spread {r['repeat_spread']:.1%}" if reps else ""
         print(f"{workload:8s} batch {batch:4d} adapters {n}{tags}: {r['tokens_per_s']:9.1f} tok/s  step "
               f"{r['step_ms']:7.2f} ms (runner {r['runner_ms']:.2f})  floor {fl}  "
-              f"experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}",
+              f"experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}{spread}",
               flush=True)
         if "profile" in r:
             print(format_profile(r["profile"]), flush=True)
