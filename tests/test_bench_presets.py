@@ -117,16 +117,22 @@ def test_floor_of_a_sharded_run_is_its_busiest_rank():
     assert floor(1, 2) == expect(1, 2, 2)  # group 0 (experts 0-3) holds 0, 1 and both pairs; group 1 only 5
 
 
-def test_bench_decode_profile_steps(tmp_path, capsys):
-    """--profile-steps: each row carries the time per kernel and step (on the CPU: operators), largest first,
-    and the largest are printed; without it the rows have no profile."""
+def _tiny_decode(tmp_path, *extra: str) -> tuple[argparse.Namespace, list[dict]]:
+    """bench decode on the tiny model, batch 2, 0 and 1 adapters, the vllm workload, plus `extra` options:
+    (the parsed args, the JSON rows)."""
     p = argparse.ArgumentParser()
     decode.add_arguments(p)
     p.add_argument("--out")
-    args = p.parse_args(["--tiny", "--batches", "2", "--adapter-counts", "0,1", "--workloads", "vllm",
-                         "--profile-steps", "2", "--out", str(tmp_path)])
+    args = p.parse_args(["--tiny", "--batches", "2", "--adapter-counts", "0,1", "--workloads", "vllm", *extra,
+                         "--out", str(tmp_path)])
     assert decode.run(args) == 0
-    rows = json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+    return args, json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+
+
+def test_bench_decode_profile_steps(tmp_path, capsys):
+    """--profile-steps: each row carries the time per kernel and step (on the CPU: operators), largest first,
+    and the largest are printed; without it the rows have no profile."""
+    _, rows = _tiny_decode(tmp_path, "--profile-steps", "2")
     for r in rows:
         prof = r["profile"]
         assert prof["steps"] == 2 and prof["total_us"] > 0 and prof["kernels"]
@@ -161,13 +167,7 @@ def test_profile_tax_is_the_per_kernel_difference():
 def test_bench_decode_repeat_reports_the_median_run(tmp_path, capsys):
     """--repeat 3: each row is the median run by tokens/s, with all three runs' tokens/s and their spread; the
     printed line says so. --repeat 0 is refused with the option's name."""
-    p = argparse.ArgumentParser()
-    decode.add_arguments(p)
-    p.add_argument("--out")
-    args = p.parse_args(["--tiny", "--batches", "2", "--adapter-counts", "0,1", "--workloads", "vllm",
-                         "--repeat", "3", "--out", str(tmp_path)])
-    assert decode.run(args) == 0
-    rows = json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+    args, rows = _tiny_decode(tmp_path, "--repeat", "3")
     assert len(rows) == 2
     for r in rows:
         tps = r["repeats_tokens_per_s"]
