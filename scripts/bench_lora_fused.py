@@ -5,15 +5,16 @@ router weight), dense qkv (2048 -> 4096 + 512 + 512) and o_proj (4096 -> 2048); 
 (top-8: P = 8 ... 1024 pairs); 4 and 8 adapters (tokens round-robin); rank 16 and 64.
 current: what fused_moe_pairs' project() / apply_dense_lora run today (h.zero_, shrink, expand: 3 launches);
 fused: moe_lora_fused / lora_fused_decode (1 launch); store: the fused kernel in store mode into an fp32 delta
-(the side-stream variant); grouped (routed experts only): moe_lora_grouped, pairs grouped by (slot, expert),
-its one-launch alignment made outside the timed call (fused_moe_pairs makes it once per layer; `align` column). floor: bytes / measured HBM bandwidth, bytes = the factors of the (slot, expert) pairs
+(the side-stream variant). floor: bytes / measured HBM bandwidth, bytes = the factors of the (slot, expert) pairs
 (MoE) or slots (dense) the batch uses + x read + y read and written (the fused path has no h traffic).
 Several layers' weights in rotation (--layers) so L2 does not hold a layer's factors between calls.
 
 Usage: python scripts/bench_lora_fused.py [--tokens 1,16,64,128] [--adapters 4,8] [--ranks 16,64] [--sweep]
 --sweep: also the fused kernels at num_warps 4/8/16 x split_n 1/2/4/8/16 (to tune fused_num_warps and
-FUSED_TARGET_PROGRAMS), and the grouped kernel at block_d 128/256/512 x split_n 1/2/4 x num_warps 4/8 x
-num_stages 2/3 (to tune moe_lora_grouped); --cases gate_up,down,qkv,o
+FUSED_TARGET_PROGRAMS); --cases gate_up,down,qkv,o
+(Session 7 swept a grouped (slot, expert) kernel here too: slower than the per-pair kernel in all 36 of its
+launch configurations for gate_up and down at 64 and 256 tokens, so it was removed;
+bench/results/gpu-session7-2026-11-30-NVIDIA-H200.log.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from moelora.kernels.groups import SlotGroups
 from moelora.kernels.lora_fused_triton import lora_fused_decode
 from moelora.kernels.lora_triton import lora_expand, lora_shrink
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
-from moelora.kernels.moe_lora_grouped_triton import moe_lora_grouped, moe_lora_grouped_align
 from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
 H, I, E, K = 2048, 768, 128, 8
@@ -72,30 +72,17 @@ def moe_case(site: str, T: int, n_ad: int, R: int, layers: int):
     def store(li):
         moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, wts, store=True)
 
-    g_align = moe_lora_grouped_align(ids, slots, E, S)
-
-    def align(li):
-        moe_lora_grouped_align(ids, slots, E, S)
-
-    def grouped(li, **kw):
-        moe_lora_grouped(x, a[li], b[li], off, ranks, scaling, ids, slots, E, y, per_pair, wts, align=g_align, **kw)
-
     def check() -> float:
         y0 = y.clone()
         current(0)
         d_cur = (y.float() - y0.float())
         y.copy_(y0)
         store(0)
-        err = ((delta - d_cur).norm() / d_cur.norm()).item()
-        grouped(0)
-        err_g = ((y.float() - y0.float() - d_cur).norm() / d_cur.norm()).item()
-        y.copy_(y0)
-        return max(err, err_g)
+        return ((delta - d_cur).norm() / d_cur.norm()).item()
 
     used = int((slots.long().repeat_interleave(K) * E + ids.reshape(-1)).unique().numel())
     nbytes = used * (n * R * D + O * R) * EL + x.numel() * EL + 2 * P * O * EL
-    extra = {"grouped": grouped, "align": align}
-    return current, fused, store, check, nbytes, f"pairs={P} slot_expert={used}", extra
+    return current, fused, store, check, nbytes, f"pairs={P} slot_expert={used}"
 
 
 def dense_case(site: str, T: int, n_ad: int, R: int, layers: int):
@@ -140,7 +127,7 @@ def dense_case(site: str, T: int, n_ad: int, R: int, layers: int):
 
     used = len(groups.slot_ids)
     nbytes = used * n * R * D * EL + used * O * R * EL + T * D * EL + 2 * T * O * EL
-    return current, fused, store, check, nbytes, f"D={D} outs={outs}", {}
+    return current, fused, store, check, nbytes, f"D={D} outs={outs}"
 
 
 def main() -> None:
@@ -155,39 +142,28 @@ def main() -> None:
     torch.manual_seed(0)
     bw = hbm_bandwidth_gbs()
     print(f"HBM {bw:.0f} GB/s measured; bf16; {args.layers} layers in rotation; CUDA-graph replay; µs per call")
-    print(f"{'case':>8} {'T':>4} {'ad':>3} {'R':>3} | {'current':>8} {'fused':>8} {'store':>8} {'grouped':>8} "
-          f"{'align':>6} {'floor':>7} | {'speedup':>7} {'rel err':>9} | info")
+    print(f"{'case':>8} {'T':>4} {'ad':>3} {'R':>3} | {'current':>8} {'fused':>8} {'store':>8} "
+          f"{'floor':>7} | {'speedup':>7} {'rel err':>9} | info")
     for R in (int(r) for r in args.ranks.split(",")):
         for n_ad in (int(a) for a in args.adapters.split(",")):
             for T in (int(t) for t in args.tokens.split(",")):
                 for case in args.cases.split(","):
                     make = moe_case if case in ("gate_up", "down") else dense_case
-                    current, fused, store, check, nbytes, info, extra = make(case, T, n_ad, R, args.layers)
+                    current, fused, store, check, nbytes, info = make(case, T, n_ad, R, args.layers)
                     err = check()
                     t_cur = graph_time_us(current, args.layers)
                     t_fused = graph_time_us(fused, args.layers)
                     t_store = graph_time_us(store, args.layers)
-                    t_grp = graph_time_us(extra["grouped"], args.layers) if extra else float("nan")
-                    t_align = graph_time_us(extra["align"], args.layers) if extra else float("nan")
                     floor = nbytes / (bw * 1e9) * 1e6
-                    print(f"{case:>8} {T:4d} {n_ad:3d} {R:3d} | {t_cur:8.1f} {t_fused:8.1f} {t_store:8.1f} {t_grp:8.1f} "
-                          f"{t_align:6.1f} {floor:7.1f} | {t_cur / t_fused:6.2f}x {err:9.2e} | {info}", flush=True)
+                    print(f"{case:>8} {T:4d} {n_ad:3d} {R:3d} | {t_cur:8.1f} {t_fused:8.1f} {t_store:8.1f} "
+                          f"{floor:7.1f} | {t_cur / t_fused:6.2f}x {err:9.2e} | {info}", flush=True)
                     if args.sweep:
                         for w in (4, 8, 16):
                             sw = {s: graph_time_us(lambda li, s=s, w=w: fused(li, s, w), args.layers)
                                   for s in (1, 2, 4, 8, 16)}
                             print(f"         warps {w:2d} split_n: " + "  ".join(f"{s}: {t:.1f}" for s, t in sw.items()),
                                   flush=True)
-                    if args.sweep and extra:
-                        for bd in (128, 256, 512):
-                            for w in (4, 8):
-                                sw = {(sn, st): graph_time_us(lambda li, kw=dict(block_d=bd, num_warps=w, split_n=sn,
-                                                                                 num_stages=st): extra["grouped"](li, **kw),
-                                                              args.layers)
-                                      for sn in (1, 2, 4) for st in (2, 3)}
-                                print(f"         grouped block_d {bd} warps {w} (split_n, stages): "
-                                      + "  ".join(f"{k}: {t:.1f}" for k, t in sw.items()), flush=True)
-                    current = fused = store = check = extra = None  # free this case before the next
+                    current = fused = store = check = None  # free this case before the next
                     torch.cuda.empty_cache()
 
 

@@ -391,23 +391,22 @@ def test_apply_dense_lora_switch_on_equals_off(popularity, fused_dense_switch, m
 
 
 def test_switch_env_defaults():
-    """Routed-expert fused LoRA on unless MOELORA_FUSED_LORA=0; dense fused off unless MOELORA_FUSED_DENSE_LORA=1;
-    grouped routed-expert LoRA off unless MOELORA_GROUPED_LORA=1."""
+    """Routed-expert fused LoRA on unless MOELORA_FUSED_LORA=0; dense fused off unless MOELORA_FUSED_DENSE_LORA=1."""
     import os
     import subprocess
     import sys
 
-    code = ("from moelora.kernels._triton import fused_dense_lora, fused_lora, grouped_lora; "
-            "print(fused_lora(), fused_dense_lora(), grouped_lora())")
+    code = ("from moelora.kernels._triton import fused_dense_lora, fused_lora; "
+            "print(fused_lora(), fused_dense_lora())")
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MOELORA_FUSED_LORA", "MOELORA_FUSED_DENSE_LORA", "MOELORA_GROUPED_LORA")}
+           if k not in ("MOELORA_FUSED_LORA", "MOELORA_FUSED_DENSE_LORA")}
 
     def run(**extra):
         return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
                               check=True).stdout.strip()
 
-    assert run() == "True False False"
-    assert run(MOELORA_FUSED_LORA="0", MOELORA_FUSED_DENSE_LORA="1", MOELORA_GROUPED_LORA="1") == "False True True"
+    assert run() == "True False"
+    assert run(MOELORA_FUSED_LORA="0", MOELORA_FUSED_DENSE_LORA="1") == "False True"
 
 
 # ---------------------------------------------------------------- GPU: real shapes, bf16, graphs, side stream

@@ -48,23 +48,6 @@ def fused_lora() -> bool:
     return _FUSED_LORA[0]
 
 
-_GROUPED_LORA = [os.environ.get("MOELORA_GROUPED_LORA", "0") == "1"]
-
-
-def set_grouped_lora(enabled: bool) -> None:
-    """With set_fused_lora on: routed-expert LoRA deltas of GROUPED_MIN_PAIRS..2,048 pairs through the grouped
-    kernel (kernels/moe_lora_grouped_triton.py: pairs grouped by (slot, expert), each group's A and B read once)
-    instead of the per-pair fused kernel. Off by default: on the H200 (session 6, Qwen3-30B-A3B fp8, rank 16,
-    4 adapters) decode was slower with it, 2,969 against 3,912 tok/s at batch 64 and 6,725 against 8,119 at
-    256 (the per-group programs are latency-bound: 16 dependent input tiles, then 12 output tiles).
-    On with MOELORA_GROUPED_LORA=1."""
-    _GROUPED_LORA[0] = bool(enabled)
-
-
-def grouped_lora() -> bool:
-    return _GROUPED_LORA[0]
-
-
 def set_fused_dense_lora(enabled: bool) -> None:
     """Dense (attention) LoRA deltas of T <= FUSED_DENSE_MAX_TOKENS tokens through the fused kernel
     (kernels/lora_fused_triton.py). Off by default: on the H200 it was slower than the shrink/expand kernels

@@ -135,8 +135,7 @@ def fused_moe_pairs(
     stream joins before adding the delta (gu + delta rounds once, exactly as the in-place expand does): on the
     Triton fast path the activation and combine kernels read the delta and add it themselves (no extra pass).
     set_fused_lora(True) (kernels/_triton.py), P <= GEMV_MAX_PAIRS and shrink the Triton kernel or its reference:
-    each projection's LoRA delta is one fused launch (moe_lora_fused[_ref]; store mode into delta when overlapping),
-    from GROUPED_MIN_PAIRS pairs the grouped kernel (moe_lora_grouped: one alignment by (slot, expert) per layer).
+    each projection's LoRA delta is one fused launch (moe_lora_fused[_ref]; store mode into delta when overlapping).
     x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]
     """
     T, H = x.shape
@@ -165,10 +164,6 @@ def fused_moe_pairs(
             from moelora.kernels.moe_lora_triton import GEMV_MAX_PAIRS
 
             fused = fused_for(shrink) if P <= GEMV_MAX_PAIRS else None
-            if fused is not None:  # from ~32 tokens: pairs grouped by (slot, expert), A and B read once a group
-                from moelora.kernels.moe_lora_grouped_triton import grouped_for
-
-                fused = grouped_for(shrink, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
 
     def project(inp, w, per_pair, parts):
         """(y, delta): y = base GEMM of one projection [P, O] with its LoRA delta added, delta None; or, when

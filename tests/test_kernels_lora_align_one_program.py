@@ -1,0 +1,36 @@
+"""The (slot, expert) alignment made in one program (fused_moe_triton.moe_lora_align_one_program, the
+one-program sort of moe_align with virtual experts slot * E + e): equal to moe_lora_align bit for bit, with
+expert-parallel pairs left out (expert -1), and its limits. Not used by the default decode path since the
+grouped expert-LoRA kernel it fed was removed (slower than the per-pair kernel in every configuration measured
+on the H200, README); kept as the alignment a grouped design would read.
+
+CPU: the Triton kernel under TRITON_INTERPRET=1; GPU: compiled."""
+
+import pytest
+import torch
+
+from kernel_cases import DEVICE
+from moelora.kernels.fused_moe_triton import moe_lora_align_one_program
+from moelora.kernels.moe_lora import moe_lora_align
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("ep_dropped", [False, True])
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("T,Kk,Ee,Ss", [(1, 2, 8, 2), (7, 4, 16, 3), (64, 8, 16, 4), (30, 8, 128, 8), (256, 8, 128, 4)])
+def test_one_program_lora_alignment_is_moe_lora_align(T, Kk, Ee, Ss, block_m, ep_dropped):
+    gen = torch.Generator().manual_seed(T + Ee)
+    ids = torch.stack([torch.randperm(Ee, generator=gen)[:Kk] for _ in range(T)])
+    if ep_dropped:  # expert parallelism leaving out another rank's pairs: expert -1
+        ids[torch.rand(T, Kk, generator=gen) < 0.4] = -1
+    slots = torch.randint(-1, Ss, (T,), generator=gen).to(torch.int32)
+    got = moe_lora_align_one_program(ids.to(DEVICE), slots.to(DEVICE), Ee, Ss, block_m)
+    want = moe_lora_align(ids, slots, Ee, Ss, block_m)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_one_program_lora_alignment_refuses_what_it_cannot_hold():
+    ids = torch.zeros(300, 8, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="2400 pairs over 512 virtual experts"):
+        moe_lora_align_one_program(ids, torch.zeros(300, dtype=torch.int32, device=DEVICE), 128, 4, 16)
