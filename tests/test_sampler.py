@@ -93,6 +93,25 @@ def test_seeded_sampling_reproducible_and_batch_independent() -> None:
     assert len({step[0] for step in alone}) > 1
 
 
+def test_unseeded_rows_draw_the_exponential_race_from_the_global_rng() -> None:
+    """Every row unseeded (the no-gather path): the tokens of argmax(softmax(x / T) / q), q ~ Exp(1) drawn as one
+    [B, V] block from torch's global RNG; a greedy row between them leaves their draws unchanged."""
+    logits = _logits(6, seed=2)
+    sampler = Sampler()
+    torch.manual_seed(7)
+    got = sampler.sample(logits, [SamplingParams(temperature=0.8)] * 6, [None] * 6).token_ids
+    torch.manual_seed(7)
+    q = torch.empty(6, V).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+    want = ((logits / 0.8).softmax(-1) / q).argmax(-1).tolist()
+    assert got == want
+    assert len(set(got)) > 1
+    mixed_logits = torch.cat([logits[:3], _logits(1, seed=4), logits[3:]])
+    rows = [SamplingParams(temperature=0.8)] * 3 + [SamplingParams(temperature=0)] + [SamplingParams(temperature=0.8)] * 3
+    torch.manual_seed(7)
+    mixed = sampler.sample(mixed_logits, rows, [None] * 7).token_ids
+    assert mixed[:3] + mixed[4:] == want and mixed[3] == int(mixed_logits[3].argmax())
+
+
 def test_different_seeds_differ() -> None:
     logits = _logits(1, seed=3) / 3  # flat-ish distribution
     a = _seeded_run(logits, [SamplingParams(seed=1)], steps=30)

@@ -8,6 +8,9 @@ writes into the cache's dummy block, attention skipped (token_seq -1).
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
 from moelora.adapters.metadata import LoRABatch
@@ -16,6 +19,43 @@ from moelora.layers.attention import AttentionMetadata
 from moelora.layers.lora import lora_work_count
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+def decode_host_inputs(token_ids: list[int], positions: list[int], block_tables: list[list[int]], bs: int,
+                       block_size: int, width: int, dummy_slot: int) -> dict[str, torch.Tensor]:
+    """The host tensors of one graph decode step of n = len(token_ids) sequences, padded to the bucket's bs rows:
+    input_ids [bs] int64 (0 past n), positions [bs] int64 (0), slot_mapping [bs] int64 (the KV slot of each
+    position, block_tables[i][p // block_size] * block_size + p % block_size; dummy_slot past n), token_seq [bs]
+    int32 (i, -1 past n), seq_lens [bs] int32 (p + 1, 1 past n), block_tables [bs, width] int32 (zero-padded).
+    Built with numpy in a few vectorized calls: a loop of per-row torch copies took ~4 ms at batch 256 (on the
+    CPU beside CI), a step's host time the GPU waits for; this takes ~0.25 ms."""
+    n = len(token_ids)
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)  # [n]
+    if n and lens.max() > width:
+        i = int(lens.argmax())
+        raise ValueError(f"sequence {i}: block table of {int(lens[i])} blocks; the graphs hold at most {width}")
+    flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int32, count=int(lens.sum()))
+    tables = np.zeros((bs, width), dtype=np.int32)
+    tables[np.repeat(np.arange(n), lens), np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+    pos = np.zeros(bs, dtype=np.int64)
+    pos[:n] = positions
+    blk = pos[:n] // block_size
+    short = np.nonzero(blk >= lens)[0]
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"sequence {i}: position {int(pos[i])} needs block {int(blk[i])} of a "
+                         f"{int(lens[i])}-block table")
+    ids = np.zeros(bs, dtype=np.int64)
+    ids[:n] = token_ids
+    slot_mapping = np.full(bs, dummy_slot, dtype=np.int64)
+    slot_mapping[:n] = tables[np.arange(n), blk].astype(np.int64) * block_size + pos[:n] % block_size
+    token_seq = np.full(bs, -1, dtype=np.int32)
+    token_seq[:n] = np.arange(n)
+    seq_lens = np.ones(bs, dtype=np.int32)
+    seq_lens[:n] = pos[:n] + 1
+    arrays = dict(input_ids=ids, positions=pos, slot_mapping=slot_mapping, token_seq=token_seq, seq_lens=seq_lens,
+                  block_tables=tables)
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
 class DecodeGraphs:
@@ -90,23 +130,11 @@ class DecodeGraphs:
         """One decode token per sequence -> hidden states [n, H] (a view of the graph's output)."""
         n = len(token_ids)
         bs = self.bucket(n)
-        BS = self.kv.block_size
         pad = bs - n
-        kv_slots = [bt[p // BS] * BS + p % BS for bt, p in zip(block_tables, positions)]
-        width = self.block_tables.shape[1]
-        tables = torch.zeros(bs, width, dtype=torch.int32)
-        for i, bt in enumerate(block_tables):
-            tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
-        host = {
-            "input_ids": torch.tensor(token_ids + [0] * pad, dtype=torch.int64),
-            "positions": torch.tensor(positions + [0] * pad, dtype=torch.int64),
-            "slot_mapping": torch.tensor(kv_slots + [self.dummy_slot] * pad, dtype=torch.int64),
-            "token_seq": torch.tensor(list(range(n)) + [-1] * pad, dtype=torch.int32),
-            "seq_lens": torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32),
-        }
+        host = decode_host_inputs(token_ids, positions, block_tables, bs, self.kv.block_size,
+                                  self.block_tables.shape[1], self.dummy_slot)
         for name, t in host.items():
             getattr(self, name)[:bs].copy_(t, non_blocking=True)
-        self.block_tables[:bs].copy_(tables, non_blocking=True)
         with_lora = any(s >= 0 for s in slots)
         if with_lora:
             self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)

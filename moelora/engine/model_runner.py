@@ -72,7 +72,7 @@ class ModelRunner:
             return None
         if any(c.num_tokens != 1 or not c.samples or c.request.wants_prompt_logprobs for c in chunks):
             return None
-        inputs = ([c.request.all_ids[c.start] for c in chunks], [c.start for c in chunks],
+        inputs = ([c.request.token_at(c.start) for c in chunks], [c.start for c in chunks],
                   [c.request.block_table for c in chunks], [c.request.slot for c in chunks])
         if self.broadcast_graph is not None:  # tensor/expert parallel: the other ranks replay the same step
             self.broadcast_graph(*inputs)
@@ -91,7 +91,7 @@ class ModelRunner:
         if out is not None:
             return out
         seqs = [
-            SeqChunk(c.request.all_ids[c.start : c.start + c.num_tokens], c.start, c.request.block_table, c.request.slot)
+            SeqChunk(c.request.ids_slice(c.start, c.start + c.num_tokens), c.start, c.request.block_table, c.request.slot)
             for c in chunks
         ]
         sample_idx = [i for i, c in enumerate(chunks) if c.samples]

@@ -43,6 +43,20 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids (a step reads one token of a long sequence)."""
+        P = len(self.prompt_ids)
+        if stop <= P:
+            return self.prompt_ids[start:stop]
+        if start >= P:
+            return self.output_ids[start - P : stop - P]
+        return self.prompt_ids[start:] + self.output_ids[: stop - P]
+
+    def token_at(self, i: int) -> int:
+        """all_ids[i] (0 <= i < num_tokens) without building all_ids."""
+        P = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < P else self.output_ids[i - P]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -140,13 +140,14 @@ class Sampler:
         logits = logits.float()
         device = logits.device
         logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-        token_ids = logits.argmax(dim=-1)  # [B]; first maximum = lowest id
-
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        # greedy rows: the first maximum (lowest id); not computed when every row samples
+        token_ids = logits.argmax(dim=-1) if len(random_rows) < batch else None  # [B]
         if random_rows:
             rp = [params[i] for i in random_rows]
-            idx = torch.tensor(random_rows, dtype=torch.int64, device=device)
-            x = logits[idx] / torch.tensor([p.temperature for p in rp], device=device)[:, None]  # [R, V]
+            every = len(random_rows) == batch  # no row gather (a [B, V] copy) when every row samples
+            idx = None if every else torch.tensor(random_rows, dtype=torch.int64, device=device)
+            x = (logits if every else logits[idx]) / torch.tensor([p.temperature for p in rp], device=device)[:, None]
             top_k = top_p = None
             if any(p.top_k_enabled for p in rp):
                 top_k = torch.tensor(
@@ -159,7 +160,11 @@ class Sampler:
             if any(p.min_p > 0.0 for p in rp):
                 x = _apply_min_p(x, torch.tensor([p.min_p for p in rp], dtype=torch.float32, device=device))
             probs = x.softmax(dim=-1)  # [R, V]
-            token_ids[idx] = self._draw(probs, [generators[i] for i in random_rows])
+            drawn = self._draw(probs, [generators[i] for i in random_rows])  # [R]; probs overwritten
+            if every:
+                token_ids = drawn
+            else:
+                token_ids[idx] = drawn
 
         chosen = logprobs.gather(1, token_ids[:, None])[:, 0]  # [B]
         top: list[list[tuple[int, float]] | None] = [None] * batch
@@ -179,18 +184,23 @@ class Sampler:
     def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One token per row by the exponential race: argmax(p / q), q ~ Exp(1), which samples p exactly.
 
-        probs: [R, V]. Each seeded row draws its own V exponentials from its own generator.
+        probs: [R, V], divided in place. Each seeded row draws its own V exponentials from its own generator;
+        the unseeded rows draw theirs together from torch's global RNG, in row order (the same numbers whether
+        or not seeded rows sit between them).
         """
-        q = torch.empty_like(probs)
         unseeded = [j for j, g in enumerate(generators) if g is None]
-        if unseeded:
-            q[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
-        for j, g in enumerate(generators):
-            if g is not None:
-                q[j].exponential_(generator=g)
+        if len(unseeded) == len(generators):
+            q = torch.empty_like(probs).exponential_()  # no gather or scatter of a [R, V] buffer
+        else:
+            q = torch.empty_like(probs)
+            if unseeded:
+                q[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
+            for j, g in enumerate(generators):
+                if g is not None:
+                    q[j].exponential_(generator=g)
         # a zero draw would turn a filtered token (p = 0) into 0/0 = nan, which argmax prefers
         q.clamp_min_(torch.finfo(q.dtype).tiny)
-        return (probs / q).argmax(dim=-1)
+        return probs.div_(q).argmax(dim=-1)
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list[dict | None]:

@@ -1,0 +1,61 @@
+"""The host tensors of a CUDA-graph decode step (engine/cuda_graphs.decode_host_inputs), built with numpy, against
+a row-by-row reference: ragged block tables, padding rows, and the errors for a short or too-wide table."""
+
+import pytest
+import torch
+
+from moelora.engine.cuda_graphs import decode_host_inputs
+
+
+def _reference(token_ids, positions, block_tables, bs, block_size, width, dummy_slot):
+    n, pad = len(token_ids), bs - len(token_ids)
+    tables = torch.zeros(bs, width, dtype=torch.int32)
+    for i, bt in enumerate(block_tables):
+        tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+    kv = [bt[p // block_size] * block_size + p % block_size for bt, p in zip(block_tables, positions)]
+    return {
+        "input_ids": torch.tensor(token_ids + [0] * pad, dtype=torch.int64),
+        "positions": torch.tensor(positions + [0] * pad, dtype=torch.int64),
+        "slot_mapping": torch.tensor(kv + [dummy_slot] * pad, dtype=torch.int64),
+        "token_seq": torch.tensor(list(range(n)) + [-1] * pad, dtype=torch.int32),
+        "seq_lens": torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32),
+        "block_tables": tables,
+    }
+
+
+@pytest.mark.parametrize("n,bs,block_size", [(1, 1, 16), (3, 4, 16), (37, 48, 16), (250, 256, 16), (5, 8, 1)])
+def test_decode_host_inputs_equal_the_row_by_row_reference(n, bs, block_size):
+    g = torch.Generator().manual_seed(n * 7 + bs)
+    width = 12
+    positions = torch.randint(0, width * block_size, (n,), generator=g).tolist()
+    # each table long enough for its position, some longer (blocks reserved ahead), block ids scattered
+    block_tables = [torch.randperm(4096, generator=g)[: min(width, p // block_size + 1 + int(k))].tolist()
+                    for p, k in zip(positions, torch.randint(0, 3, (n,), generator=g))]
+    token_ids = torch.randint(0, 151936, (n,), generator=g).tolist()
+    got = decode_host_inputs(token_ids, positions, block_tables, bs, block_size, width, dummy_slot=7 * block_size)
+    want = _reference(token_ids, positions, block_tables, bs, block_size, width, 7 * block_size)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+def test_decode_host_inputs_refuse_a_table_short_of_its_position():
+    with pytest.raises(ValueError, match="sequence 1: position 40 needs block 2 of a 2-block table"):
+        decode_host_inputs([1, 2], [3, 40], [[5], [6, 9]], 2, 16, 4, 0)
+
+
+def test_decode_host_inputs_refuse_a_table_wider_than_the_graphs():
+    with pytest.raises(ValueError, match="sequence 0: block table of 5 blocks; the graphs hold at most 4"):
+        decode_host_inputs([1], [3], [[5, 6, 7, 8, 9]], 1, 16, 4, 0)
+
+
+def test_request_ids_slice_and_token_at_equal_all_ids():
+    from moelora.engine.request import Request
+    from moelora.engine.sampling_params import SamplingParams
+
+    req = Request("r", [1, 2, 3, 4], SamplingParams(), None, 0, output_ids=[5, 6, 7])
+    ids = req.all_ids
+    for start in range(len(ids) + 1):
+        for stop in range(start, len(ids) + 1):
+            assert req.ids_slice(start, stop) == ids[start:stop], (start, stop)
+    assert [req.token_at(i) for i in range(len(ids))] == ids
