@@ -62,6 +62,29 @@ def test_torchrun_generate_matches_single_process(model, capsys):
     assert [ln for ln in run.stdout.splitlines() if ln.strip()] == want, (run.stdout, run.stderr[-3000:])
 
 
+def test_torchrun_two_nodes_generate_matches_single_process(model, capsys):
+    """Two torchrun agents, as on two nodes (--nnodes 2 --node-rank 0/1 --master-addr, one process each), meet
+    at the first one's address and run tp=2: the first node's rank 0 prints the single-process tokens."""
+    from moelora.cli import main
+
+    m, a = model
+    assert main(_generate_args(m, a, 1)) == 0
+    want = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    port = free_port()
+    agents = [subprocess.Popen([*TORCHRUN, "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
+                                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "moelora",
+                                *_generate_args(m, a, 2)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=180) for p in agents]
+    finally:
+        for p in agents:
+            p.kill()
+    assert [p.returncode for p in agents] == [0, 0], [o[1][-2000:] for o in outs]
+    assert [ln for ln in outs[0][0].splitlines() if ln.strip()] == want, outs[0]
+    assert not outs[1][0].strip(), "only rank 0 prints"
+
+
 def test_torchrun_world_size_mismatch_is_refused(model):
     m, a = model
     run = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "moelora",
