@@ -181,8 +181,9 @@ def test_logprobs_match_log_softmax() -> None:
     ]
     out = Sampler().sample(logits, params, [make_generator(0), None, None])
     ref = torch.log_softmax(logits, -1)
-    for b, tok in enumerate(out.token_ids):
-        assert out.logprobs[b] == pytest.approx(ref[b, tok].item(), abs=1e-5)
+    for b in (0, 2):  # the rows that asked for logprobs
+        assert out.logprobs[b] == pytest.approx(ref[b, out.token_ids[b]].item(), abs=1e-5)
+    assert out.logprobs[1] is None, "no logprob for a row that did not ask (no [B, V] log-softmax for it)"
     assert out.top_logprobs[1] is None and out.top_logprobs[2] == []
     top = out.top_logprobs[0]
     vals, ids = ref[0].topk(4)

@@ -85,13 +85,14 @@ def apply_penalties(
 class SamplerOutput:
     """One sampled token per row.
 
-    logprobs[b]: log_softmax(penalized logits)[b, token_ids[b]], i.e. before temperature and filters.
+    logprobs[b]: log_softmax(penalized logits)[b, token_ids[b]], i.e. before temperature and filters; None for
+    rows that did not ask for logprobs (no [B, V] log-softmax is computed for them).
     top_logprobs[b]: the params.logprobs most likely (token_id, logprob) under that same distribution,
     best first; None for rows that did not ask for logprobs.
     """
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
@@ -139,7 +140,6 @@ class Sampler:
             )
         logits = logits.float()
         device = logits.device
-        logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         # greedy rows: the first maximum (lowest id); not computed when every row samples
         token_ids = logits.argmax(dim=-1) if len(random_rows) < batch else None  # [B]
@@ -166,19 +166,24 @@ class Sampler:
             else:
                 token_ids[idx] = drawn
 
-        chosen = logprobs.gather(1, token_ids[:, None])[:, 0]  # [B]
         top: list[list[tuple[int, float]] | None] = [None] * batch
+        chosen: list[float | None] = [None] * batch
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
+            every = len(want) == batch
+            logprobs = torch.log_softmax(logits if every else logits[want], dim=-1)  # [W, V]
+            rows = token_ids if every else token_ids[want]
+            for i, lp in zip(want, logprobs.gather(1, rows[:, None])[:, 0].tolist()):
+                chosen[i] = lp
             k_max = min(max(params[i].logprobs for i in want), vocab_size)  # type: ignore[type-var]
-            vals, ids = logprobs[want].topk(k_max, dim=-1) if k_max > 0 else (None, None)
+            vals, ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None)
             for j, i in enumerate(want):
                 k = min(params[i].logprobs, vocab_size)  # type: ignore[type-var]
                 if k == 0:
                     top[i] = []
                 else:
                     top[i] = list(zip(ids[j, :k].tolist(), vals[j, :k].tolist()))  # type: ignore[index]
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen.tolist(), top_logprobs=top)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen, top_logprobs=top)
 
     @staticmethod
     def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
