@@ -12,6 +12,7 @@ freed, and it later recomputes its prompt and output so far.
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 from dataclasses import dataclass
 
 from moelora.adapters.registry import AdapterRegistry
@@ -60,12 +61,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledChunk] = []
         # 1. running requests, oldest first; preempt the newest when blocks run out
-        self.running.sort(key=lambda r: r.arrival)
+        self.running.sort(key=attrgetter("arrival"))
+        block_size = self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
-            while not self._reserve(req, req.num_computed + n):
+            n = min(len(req.prompt_ids) + len(req.output_ids) - req.num_computed, budget)
+            # most decode steps: the last block has room (no allocation, nothing to preempt)
+            while req.num_computed + n > len(req.block_table) * block_size and not self._reserve(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
@@ -111,7 +114,7 @@ class Scheduler:
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         need = self.kv.blocks_needed(num_tokens, len(req.block_table))
-        if need == 0:  # most decode steps: the last block has room
+        if need == 0:
             return True
         if need > self.kv.num_free_blocks:
             return False
