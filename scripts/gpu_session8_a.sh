@@ -3,7 +3,7 @@
 # Session 7 changed the host side of a graph decode step after its last GPU run: the graph's input tensors built
 # with numpy (DecodeGraphs.run -> decode_host_inputs), one token read without concatenating prompt and output,
 # no KV allocation call when a step needs no block, and sampling without the [B, V] gather/scatter or
-# log-softmax it did not need (scripts/bench_host_step.py on the CPU: batch 256 2.6 -> 0.5 ms, batch 64
+# log-softmax it did not need (scripts/bench_host_step.py on the CPU: batch 256 2.6 -> 0.4 ms, batch 64
 # 0.7 -> 0.2 ms a step). Expected on the H200: the step's host part (step - runner, plus the run() inputs
 # inside the runner's span) shrinks; tokens/s up a few percent at batch 256.
 #  1. GPU tests of what changed: CUDA-graph decode (graphs equal eager, padding, LoRA slots), the engine's
