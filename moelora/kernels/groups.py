@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -27,20 +28,20 @@ class SlotGroups:
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, max_loras: int, device: torch.device | str = "cpu") -> "SlotGroups":
-        """token_slots: [T] int32 on the host."""
+        """token_slots: [T] int32 on the host. Built with numpy (a decode step builds one per step; ten small
+        torch ops took ~75 µs on the CPU, this ~15 µs)."""
         host = token_slots.to(torch.int32).cpu()
-        key = torch.where(host < 0, torch.full_like(host, max_loras), host)
-        order = torch.argsort(key, stable=True).to(torch.int32)
-        ids, counts = torch.unique(host[host >= 0], return_counts=True)
-        L = max(max_loras, 1)
-        active = torch.full((L,), -1, dtype=torch.int32)
-        cnt = torch.zeros(L, dtype=torch.int32)
-        start = torch.zeros(L, dtype=torch.int32)
-        active[: len(ids)] = ids.to(torch.int32)
-        cnt[: len(ids)] = counts.to(torch.int32)
-        if len(ids):
-            start[1 : len(ids)] = torch.cumsum(counts, 0)[:-1].to(torch.int32)
+        h = host.numpy()
+        order = np.argsort(np.where(h < 0, max_loras, h), kind="stable").astype(np.int32)  # base tokens last
+        ids, counts = np.unique(h[h >= 0], return_counts=True)
+        L, k = max(max_loras, 1), len(ids)
+        active = np.full(L, -1, dtype=np.int32)
+        cnt = np.zeros(L, dtype=np.int32)
+        start = np.zeros(L, dtype=np.int32)
+        active[:k], cnt[:k] = ids, counts
+        start[1:k] = np.cumsum(counts)[:-1]
         return cls(
-            token_slots=host.to(device), sorted_token_ids=order.to(device), active_slots=active.to(device),
-            slot_counts=cnt.to(device), slot_starts=start.to(device), slot_ids=ids.tolist(), counts=counts.tolist(),
+            token_slots=host.to(device), sorted_token_ids=torch.from_numpy(order).to(device),
+            active_slots=torch.from_numpy(active).to(device), slot_counts=torch.from_numpy(cnt).to(device),
+            slot_starts=torch.from_numpy(start).to(device), slot_ids=ids.tolist(), counts=counts.tolist(),
         )
