@@ -12,8 +12,8 @@ freed, and it later recomputes its prompt and output so far.
 from __future__ import annotations
 
 from collections import deque
-from operator import attrgetter
 from dataclasses import dataclass
+from operator import attrgetter
 
 from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import SlotPool
@@ -67,8 +67,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(len(req.prompt_ids) + len(req.output_ids) - req.num_computed, budget)
+            end = req.num_computed + n
             # most decode steps: the last block has room (no allocation, nothing to preempt)
-            while req.num_computed + n > len(req.block_table) * block_size and not self._reserve(req, req.num_computed + n):
+            while end > len(req.block_table) * block_size and not self._reserve(req, end):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
