@@ -207,23 +207,17 @@ def _dense_call(fn, c, y, **kw):
     fn(c["x"], c["a"], c["b"], c["off"], c["ranks"], c["scaling"], c["groups"], y, max_width=max(DOUTS), **kw)
 
 
-def _assert_within_h_rounding(y: torch.Tensor, y_ref: torch.Tensor, c: dict) -> None:
-    """The dense fused kernel rounds h to the factors' dtype (bf16) before the expand; the reference keeps h in
-    fp32. Per element that moves the delta by at most u * sum_r scaling |h_r| |B_r| (u = 2^-8, bf16's unit
-    roundoff), and y and y_ref round separately (one ulp, <= 2^-7 |y_ref|); +2% and 1e-4 for the fp32 sums'
-    order. Unlike a tolerance relative to |y_ref| this holds where the base and the delta cancel (one element
-    in 655,360 of the Qwen3 qkv case with rank 64 did: |y_ref| 0.005 from terms of ~4)."""
+def _dense_ref_rounding_h(c: dict, y: torch.Tensor) -> None:
+    """lora_fused_decode_ref's arithmetic with h rounded to the factors' dtype before the expand, as the dense
+    fused kernel does (and as PEFT does: lora_A's output is in the adapter's dtype). The unrounded reference
+    differs from it by up to 2^-8 of sum_r scaling |h_r| |B_r| per element: on the H200 one element in 655,360
+    of the Qwen3 qkv case at rank 64 (base and delta cancelling to 0.005 from terms of ~4) then exceeded the
+    bf16 tolerance. Against this reference only h's fp32 summation order differs (a CPU emulation with another
+    order: 8 bf16 flips of h over all 20 GPU cases, the largest error 0.17 of the tolerance)."""
     n, _, R, _ = c["a"].shape
     h = torch.zeros(n, y.shape[0], R, dtype=torch.float32, device=y.device)  # [n, T, R]
     lora_shrink_ref(c["x"], c["a"], c["ranks"], c["groups"], h)
-    mag = torch.zeros(y.shape, dtype=torch.float32, device=y.device)  # [T, O]: sum_r scaling |h_r| |B_r|
-    lora_expand_ref(h.abs(), c["b"].abs(), c["off"], c["ranks"], c["scaling"].abs(), c["groups"], mag)
-    err = (y.float() - y_ref.float()).abs()
-    bound = 2.0 ** -8 * 1.02 * mag + 2.0 ** -7 * y_ref.float().abs() + 1e-4
-    worst = int(torch.argmax(err - bound))
-    t, o = divmod(worst, y.shape[1])
-    assert bool((err <= bound).all()), (f"y[{t}, {o}] = {y[t, o].item()} vs reference {y_ref[t, o].item()}: "
-                                        f"error {err[t, o].item():.4g} over the bf16 h-rounding bound {bound[t, o].item():.4g}")
+    lora_expand_ref(h.to(c["b"].dtype).float(), c["b"], c["off"], c["ranks"], c["scaling"], c["groups"], y)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -430,6 +424,21 @@ def test_gpu_moe_fused_qwen3_shapes(site, num_tokens, R):
     torch.testing.assert_close(d, d_ref, atol=3e-2, rtol=3e-2)  # the reference rounds h to bf16, the kernel keeps fp32
 
 
+@pytest.mark.parametrize("popularity", ["distinct", "with_base_rows"])
+def test_dense_fused_rounds_h_as_its_gpu_test_reference_does(popularity):
+    """The reference of the GPU qkv test (_dense_ref_rounding_h) models the kernel's arithmetic: in fp16 under
+    the interpreter (almost) every output equals it to the bit, where 8-10% differ from the unrounded reference
+    (allowing 1% for h's fp32 summation order, which can flip a rounding)."""
+    gen = torch.Generator().manual_seed(33)
+    c = _dense_case(popularity, 33, torch.float16, gen)
+    y_ref, y_unrounded, y = c["y0"].clone(), c["y0"].clone(), c["y0"].clone()
+    _dense_ref_rounding_h(c, y_ref)
+    _dense_call(lora_fused_decode_ref, c, y_unrounded)
+    _dense_call(lora_fused_decode, c, y)
+    assert (y != y_ref).float().mean().item() < 0.01
+    assert (y != y_unrounded).float().mean().item() > 0.03, "the case no longer tells the two references apart"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("R", [16, 64])
 @pytest.mark.parametrize("num_tokens", [1, 16, 64, 128, 256])
@@ -438,34 +447,10 @@ def test_gpu_dense_fused_qwen3_qkv(popularity, num_tokens, R):
     gen = torch.Generator().manual_seed(num_tokens + R)
     c = _dense_case(popularity, num_tokens, torch.bfloat16, gen, R=R)
     y_ref, y = c["y0"].clone(), c["y0"].clone()
-    _dense_call(lora_fused_decode_ref, c, y_ref)
+    _dense_ref_rounding_h(c, y_ref)
     _dense_call(lora_fused_decode, c, y)
-    _assert_within_h_rounding(y, y_ref, c)
+    torch.testing.assert_close(y, y_ref, atol=3e-2, rtol=3e-2)
     _untouched_checks(y, c["y0"], c["slots"].to(DEVICE), c["ranks"], c["off"], 1)
-
-
-@pytest.mark.parametrize("wrong", [False, True])
-def test_h_rounding_bound_holds_for_rounded_h_and_catches_a_wrong_slot(wrong):
-    """The bound of the GPU qkv test (_assert_within_h_rounding), on the CPU in bf16: met by the reference's
-    arithmetic with h rounded to bf16 (what the kernel does), broken when one token takes another slot's factors."""
-    gen = torch.Generator().manual_seed(5)
-    c = _dense_case("distinct", 8, torch.bfloat16, gen)
-    y_ref = c["y0"].clone()
-    _dense_call(lora_fused_decode_ref, c, y_ref)
-    n, _, R, _ = c["a"].shape
-    slots = c["slots"].clone()
-    if wrong:
-        slots[1] = (slots[1] + 1) % S
-    groups = SlotGroups.build(slots, S, DEVICE)
-    h = torch.zeros(n, 8, R, dtype=torch.float32, device=DEVICE)
-    lora_shrink_ref(c["x"], c["a"], c["ranks"], groups, h)
-    y = c["y0"].clone()
-    lora_expand_ref(h.to(torch.bfloat16).float(), c["b"], c["off"], c["ranks"], c["scaling"], groups, y)
-    if wrong:
-        with pytest.raises(AssertionError, match="h-rounding bound"):
-            _assert_within_h_rounding(y, y_ref, c)
-    else:
-        _assert_within_h_rounding(y, y_ref, c)
 
 
 @pytest.mark.gpu
