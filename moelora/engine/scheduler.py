@@ -66,7 +66,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.prompt_ids) + len(req.output_ids) - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget)
             end = req.num_computed + n
             # most decode steps: the last block has room (no allocation, nothing to preempt)
             while end > len(req.block_table) * block_size and not self._reserve(req, end):
@@ -115,8 +115,6 @@ class Scheduler:
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         need = self.kv.blocks_needed(num_tokens, len(req.block_table))
-        if need == 0:
-            return True
         if need > self.kv.num_free_blocks:
             return False
         req.block_table.extend(self.kv.allocate(need))
