@@ -101,6 +101,33 @@ def test_triton_gemms_interpreted_prequantized(T):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("cfg", [(16, 4, 2, 32), (32, 8, 4, 16), (128, 4, 3, 64)])
+def test_fp8_gemm_launch_configs_do_not_change_results(cfg):
+    """set_fp8_gemm_config (the sweep's knob: column tile, warps, stages, dense row block) gives the reference's
+    numbers for narrow, wide and partial tiles, and is undone by None."""
+    from moelora.kernels.fp8_triton import (
+        Fp8GemmConfig, fp8_gemm_config, fp8_linear, fp8_linear_ref, set_fp8_gemm_config,
+    )
+
+    g = torch.Generator().manual_seed(sum(cfg))
+    blk, T = (16, 16), 37
+    x, w = torch.randn(T, 40, generator=g), torch.randn(136, 40, generator=g)
+    xq, xs = quantize_act_group_ref(x, blk[1])
+    q, s = quantize_weight_block(w, blk)
+    ref = fp8_linear_ref(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
+    set_fp8_gemm_config("dense", Fp8GemmConfig(*cfg))
+    try:
+        assert fp8_gemm_config(3, 136, grouped=False) == Fp8GemmConfig(*cfg)
+        y = fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
+    finally:
+        set_fp8_gemm_config("dense", None)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    assert fp8_gemm_config(3, 136, grouped=False).block_n == 64  # the default again
+    with pytest.raises(ValueError, match="'dense' or 'expert'"):
+        set_fp8_gemm_config("router", None)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("gather_rows", [True, False])
 def test_fp8_expert_gemm_on_the_fast_path_alignment_interpreted(gather_rows):
     """fp8_expert_gemm reads row p // K (gather_rows) or p on moe_align's blocks: equal to the reference."""

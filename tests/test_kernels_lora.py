@@ -6,7 +6,7 @@ import torch
 from kernel_cases import DEVICE, DTYPES, NUM_TOKENS, ON_GPU, POPULARITY, token_slots, tolerance
 from moelora.kernels.groups import SlotGroups
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
-from moelora.kernels.lora_triton import lora_expand, lora_shrink
+from moelora.kernels.lora_triton import lora_expand, lora_shrink, lora_shrink_buffer
 
 S, R = 4, 16
 # CPU (interpreter): small widths with slices of different sizes; GPU: a 4096-wide layer's qkv shape
@@ -89,3 +89,37 @@ def test_single_slot_fast_path_reads_its_slot():
     lora_single_slot(x, a, b, off.tolist(), ranks.tolist(), scaling, 0, rows, slot0)
     assert (slot0 - fast).abs().max() > 10 * atol
     assert torch.equal(fast[[1, 4]], y0[[1, 4]])
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_partials_need_no_zeroed_buffer(split_k):
+    """The shrink stores split-K partial sums (no atomics), the expand adds them: the buffer may hold anything
+    beforehand (NaN here) and the result is the one-split result; the reference's partials sum to the same."""
+    gen = torch.Generator().manual_seed(11 + split_k)
+    dtype = DTYPES[0]
+    a, b, ranks, scaling, off = _weights(dtype, gen)
+    T = 24
+    slots = token_slots(POPULARITY[-1], T, S, gen)
+    groups = SlotGroups.build(slots, S, DEVICE)
+    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    n = len(OUTS)
+    parts = torch.full((split_k, n, T, R), float("nan"), device=DEVICE)
+    lora_shrink(x, a, ranks, groups, parts)
+    h_ref = torch.zeros(n, T, R, device=DEVICE)
+    lora_shrink_ref(x, a, ranks, groups, h_ref)
+    ref_parts = torch.full((split_k, n, T, R), float("nan"), device=DEVICE)
+    lora_shrink_ref(x, a, ranks, groups, ref_parts)
+    atol, rtol = tolerance(dtype)
+    for i in range(n):
+        for s in groups.slot_ids:
+            rows = (slots == s).to(DEVICE)
+            r = int(ranks[i, s])
+            torch.testing.assert_close(parts[:, i, rows, :r].sum(0), h_ref[i, rows, :r], atol=atol, rtol=rtol)
+            torch.testing.assert_close(ref_parts[:, i, rows, :r].sum(0), h_ref[i, rows, :r], atol=0, rtol=0)
+    y0 = torch.randn(T, sum(OUTS), generator=gen).to(DEVICE, dtype)
+    y, y_ref = y0.clone(), y0.clone()
+    lora_expand(parts, b, off, ranks, scaling, groups, y)
+    lora_expand_ref(h_ref, b, off, ranks, scaling, groups, y_ref)
+    assert not y.isnan().any(), "the expand read a partial the shrink did not write"
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    assert lora_shrink_buffer(n, T, R, H, "cpu").shape == (1, n, T, R)

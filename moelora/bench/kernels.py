@@ -15,7 +15,7 @@ import torch
 
 from moelora.bench.common import hbm_bandwidth_gbs, time_ms, write_result
 from moelora.kernels.groups import SlotGroups
-from moelora.kernels.lora_triton import lora_expand, lora_shrink
+from moelora.kernels.lora_triton import lora_expand, lora_shrink, lora_shrink_buffer
 from moelora.kernels._triton import fused_lora
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
 from moelora.kernels.moe_lora_triton import GEMV_MAX_PAIRS, moe_lora_expand, moe_lora_plan, moe_lora_shrink
@@ -39,10 +39,9 @@ def _dense_case(T: int, n_ad: int, R: int, H: int = 4096, O: int = 4096) -> dict
     x = torch.randn(T, H, device=dev, dtype=dt)
     y = torch.randn(T, O, device=dev, dtype=dt)
     w = torch.randn(O, H, device=dev, dtype=dt) * 0.01
-    h = torch.zeros(1, T, R, device=dev)
+    h = lora_shrink_buffer(1, T, R, H, dev)
 
     def kernels():
-        h.zero_()
         lora_shrink(x, a, ranks, groups, h)
         lora_expand(h, b, off, ranks, scaling, groups, y)
 

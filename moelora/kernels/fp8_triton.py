@@ -14,6 +14,7 @@ repeated by every column tile; set_fp8_prequant_min_rows(n) quantizes inputs of 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -124,6 +125,40 @@ def quantize_act_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor,
     return q, s
 
 
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Launch parameters of _fp8_gemm_kernel that do not change its results (the K step is the scale group).
+    block_m: rows per program of the dense GEMM (0: _block_m's choice; the grouped GEMM takes the alignment's)."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+    block_m: int = 0
+
+
+_CONFIG_OVERRIDE: dict[str, Fp8GemmConfig | None] = {"dense": None, "expert": None}
+
+
+def set_fp8_gemm_config(kind: str, config: Fp8GemmConfig | None) -> None:
+    """Force the launch parameters of the dense ("dense") or grouped-expert ("expert") FP8 GEMM; None: the
+    default of fp8_gemm_config. For scripts/sweep_fp8_gemm.py (tuning); results do not depend on it."""
+    if kind not in _CONFIG_OVERRIDE:
+        raise ValueError(f"set_fp8_gemm_config: kind must be 'dense' or 'expert', got {kind!r}")
+    _CONFIG_OVERRIDE[kind] = config
+
+
+def fp8_gemm_config(grid_m: int, N: int, grouped: bool) -> Fp8GemmConfig:
+    """Default launch parameters: 128-wide column tiles, 64 when that leaves under 256 programs (decode:
+    narrower tiles fill the 132 SMs); 4 warps, 3 stages. set_fp8_gemm_config overrides it."""
+    forced = _CONFIG_OVERRIDE["expert" if grouped else "dense"]
+    if forced is not None:
+        return forced
+    block_n = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
+    if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:
+        block_n = 64
+    return Fp8GemmConfig(block_n)
+
+
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
             a_row_div: int = 1) -> None:
     M, K = out.shape[0], a.shape[1]
@@ -132,9 +167,8 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     block_k = bk
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"FP8 Triton GEMM: block_k must be a power of two >= 16, got weight_block_size {list(block)}")
-    block_n = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
-    if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:  # few programs (decode): narrower tiles fill the SMs
-        block_n = 64
+    cfg = fp8_gemm_config(grid_m, N, ids is not None)
+    block_n = cfg.block_n
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
     a_fp8 = a.dtype == FP8_DTYPE
@@ -147,7 +181,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         s3.stride(0), s3.stride(1), s3.stride(2), out.stride(0), out.stride(1),
         FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
         GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_ROW_DIV=a_row_div,
-        num_warps=4, num_stages=3,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -194,7 +228,8 @@ def fp8_linear(
     out = torch.empty(T, w_fp8.shape[0], dtype=out_dtype, device=x.device)
     if T == 0:
         return out
-    bm = _block_m(T)
+    forced = _CONFIG_OVERRIDE["dense"]
+    bm = forced.block_m if forced is not None and forced.block_m else _block_m(T)
     x, x_scale = _prequantized(x, x_scale, block[1])
     _launch(x, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm))
     return out
@@ -293,5 +328,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

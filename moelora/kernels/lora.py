@@ -18,15 +18,18 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, group
         for i in range(n): for t in range(T):
             s = token_slots[t]
             if s >= 0: out[i, t, :ranks[i, s]] = x[t] @ a[i, s, :ranks[i, s]].T   (other entries untouched)
-    x: [T, H] · a: [n, S, R, H] · ranks: [n, S] int32 · groups: tokens grouped by slot · out: [n, T, R]
+    x: [T, H] · a: [n, S, R, H] · ranks: [n, S] int32 · groups: tokens grouped by slot
+    out: [n, T, R], or the kernel's split-K partials [split_k, n, T, R]: the sum in out[0], zeros in out[1:]
     """
     rk = ranks.tolist()
+    parts = out if out.dim() == 4 else out.unsqueeze(0)
     for s in groups.slot_ids:
         rows = (groups.token_slots == s).nonzero().squeeze(1)
         for i in range(a.shape[0]):
             r = rk[i][s]
             if r:
-                out[i, rows, :r] = (x[rows].float() @ a[i, s, :r].float().T).to(out.dtype)  # fp32, as the kernels
+                parts[0, i, rows, :r] = (x[rows].float() @ a[i, s, :r].float().T).to(out.dtype)  # fp32, as the kernels
+                parts[1:, i, rows, :r] = 0
 
 
 def lora_expand_ref(
@@ -42,9 +45,12 @@ def lora_expand_ref(
         for i in range(n): for t in range(T):
             s = token_slots[t]; r = ranks[i, s]
             if s >= 0 and r > 0: y[t, o_i] += scaling[i, s] * (h[i, t, :r] @ b_cat[s, o_i, :r].T)
-    h: [n, T, R] · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
+    h: [n, T, R], or split-K partials [split_k, n, T, R] (summed first) · b_cat: [S, O, R]
+    slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
     groups: tokens grouped by slot · y: [T, O] updated in place
     """
+    if h.dim() == 4:
+        h = h.sum(0)
     rk, off = ranks.tolist(), slice_offsets.tolist()
     for s in groups.slot_ids:
         rows = (groups.token_slots == s).nonzero().squeeze(1)

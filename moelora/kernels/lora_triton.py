@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, deterministic, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
 from moelora.kernels.groups import SlotGroups
 
 if HAS_TRITON:
@@ -21,7 +21,7 @@ if HAS_TRITON:
     def _shrink_kernel(
         x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
         H, R, S,
-        sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_i, so_m, so_r,
+        sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
@@ -56,19 +56,17 @@ if HAS_TRITON:
             xt = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             at = tl.load(a_base + offs_r[None, :] * sa_r + kk[:, None] * sa_k, mask=mask_r[None, :] & mask_k[:, None], other=0.0)
             acc += tl.dot(xt, at, input_precision=PRECISION)
-        ptrs = out_ptr + i * so_i + rows[:, None] * so_m + offs_r[None, :] * so_r
-        mask = mask_m[:, None] & mask_r[None, :]
-        if SPLIT_K == 1:
-            tl.store(ptrs, acc, mask=mask)
-        else:
-            tl.atomic_add(ptrs, acc, mask=mask)
+        # split sk stores its partial sum in out[sk] (no atomics, no zero-filled buffer; the expand adds them)
+        ptrs = out_ptr + sk * so_s + i * so_i + rows[:, None] * so_m + offs_r[None, :] * so_r
+        tl.store(ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
 
     @triton.jit
     def _expand_kernel(
         h_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
         O, S,
-        sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, sym, syo,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+        sh_s, sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, sym, syo,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         pid_mn = tl.program_id(0)
         i = tl.program_id(1)
@@ -101,8 +99,11 @@ if HAS_TRITON:
         for r0 in range(0, rank, BLOCK_R):
             rr = r0 + offs_r
             mask_rr = rr < rank
-            ht = tl.load(h_ptr + i * sh_i + rows[:, None] * sh_m + rr[None, :] * sh_r,
-                         mask=mask_m[:, None] & mask_rr[None, :], other=0.0)
+            h_ptrs = h_ptr + i * sh_i + rows[:, None] * sh_m + rr[None, :] * sh_r
+            mask_h = mask_m[:, None] & mask_rr[None, :]
+            ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
+            for sk in range(1, SPLIT_K):  # the shrink's split-K partial sums, added in a fixed order
+                ht += tl.load(h_ptrs + sk * sh_s, mask=mask_h, other=0.0)
             bt = tl.load(b_base + rr[:, None] * sb_r, mask=mask_rr[:, None] & mask_n[None, :], other=0.0)
             acc += tl.dot(ht.to(bt.dtype), bt, input_precision=PRECISION)
         ptrs = y_ptr + rows[:, None] * sym + (o0 + offs_n[None, :]) * syo
@@ -115,30 +116,53 @@ def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else (32 if num_tokens <= 64 else 64)
 
 
+def _block_k(H: int) -> int:
+    return 64 if H >= 64 else max(16, triton.next_power_of_2(H))
+
+
+def lora_shrink_splits(num_tokens: int, H: int) -> int:
+    """Split-K factor of lora_shrink for T tokens and input width H: few tokens (<= 64) split the input dim so
+    that enough programs stream A (the bytes that matter), up to 8 splits of >= 4 K tiles each; else 1."""
+    if not HAS_TRITON or num_tokens > 64:
+        return 1
+    return max(1, min(8, H // (_block_k(H) * 4)))
+
+
+def lora_shrink_buffer(n: int, num_tokens: int, R: int, H: int, device: torch.device | str) -> torch.Tensor:
+    """The shrink's output for lora_shrink / lora_expand: [split_k, n, T, R] fp32, uninitialised (every entry the
+    expand reads is written by the shrink; split_k = lora_shrink_splits on a GPU, 1 elsewhere)."""
+    splits = lora_shrink_splits(num_tokens, H) if torch.device(device).type == "cuda" else 1
+    return torch.empty(splits, n, num_tokens, R, dtype=torch.float32, device=device)
+
+
+def _as_parts(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 4 else t.unsqueeze(0)
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: SlotGroups, out: torch.Tensor) -> None:
-    """Semantics:
+    """Semantics (out [n, T, R] is out[0] of a [1, n, T, R] one):
         for i in range(n): for t in range(T):
             s = token_slots[t]
-            if s >= 0: out[i, t, :ranks[i, s]] = x[t] @ a[i, s, :ranks[i, s]].T   (other entries untouched)
+            if s >= 0: sum_k out[k, i, t, :ranks[i, s]] = x[t] @ a[i, s, :ranks[i, s]].T   (other entries untouched)
+        split k of out.shape[0] stores the partial sum over its share of the input dim (lora_expand adds them)
     x: [T, H] · a: [n, S, R, H] · ranks: [n, S] int32 · groups: tokens grouped by slot
-    out: [n, T, R] fp32, zero-filled by the caller (split-K accumulates into it atomically)
+    out: [split_k, n, T, R] or [n, T, R] fp32, any contents (lora_shrink_buffer makes one)
     """
     require_triton()
     n, S, R, H = a.shape
     T = x.shape[0]
+    parts = _as_parts(out)
+    split_k = parts.shape[0]
     L = groups.active_slots.shape[0]
     bm = _block_m(T)
     block_r = max(16, min(64, triton.next_power_of_2(R)))
-    block_k = 64 if H >= 64 else max(16, triton.next_power_of_2(H))
-    # few tokens: split the hidden dim so enough programs stream A (the bytes that matter)
-    split_k = 1 if T > 64 or deterministic() else max(1, min(8, H // (block_k * 4)))
     grid = (triton.cdiv(T, bm) * triton.cdiv(R, block_r), n * split_k, L)
     _shrink_kernel[grid](
-        x, a, out, ranks, groups.sorted_token_ids, groups.active_slots, groups.slot_counts, groups.slot_starts,
+        x, a, parts, ranks, groups.sorted_token_ids, groups.active_slots, groups.slot_counts, groups.slot_starts,
         H, R, S,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
+        parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
+        BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
     )
 
 
@@ -151,15 +175,17 @@ def lora_expand(
     groups: SlotGroups,
     y: torch.Tensor,
 ) -> None:
-    """Semantics (slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1] of y and rows o_i of b_cat):
+    """Semantics (slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1] of y and rows o_i of b_cat;
+    hs = h.sum(0) for the shrink's [split_k, n, T, R] partials, hs = h for [n, T, R]):
         for i in range(n): for t in range(T):
             s = token_slots[t]; r = ranks[i, s]
-            if s >= 0 and r > 0: y[t, o_i] += scaling[i, s] * (h[i, t, :r] @ b_cat[s, o_i, :r].T)
-    h: [n, T, R] fp32 · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32
+            if s >= 0 and r > 0: y[t, o_i] += scaling[i, s] * (hs[i, t, :r] @ b_cat[s, o_i, :r].T)
+    h: [split_k, n, T, R] or [n, T, R] fp32 · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32
     scaling: [n, S] fp32 · groups: tokens grouped by slot · y: [T, O] updated in place
     """
     require_triton()
-    n, T, R = h.shape
+    h = _as_parts(h)
+    _, n, T, R = h.shape
     S, O, _ = b_cat.shape
     L = groups.active_slots.shape[0]
     bm = _block_m(T)
@@ -170,7 +196,7 @@ def lora_expand(
         h, b_cat, y, slice_offsets, ranks, scaling, groups.sorted_token_ids, groups.active_slots,
         groups.slot_counts, groups.slot_starts,
         O, S,
-        h.stride(0), h.stride(1), h.stride(2), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
+        h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
         y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_R=block_r, PRECISION=dot_precision(b_cat.dtype),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=h.shape[0], PRECISION=dot_precision(b_cat.dtype),
     )

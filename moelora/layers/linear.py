@@ -22,6 +22,14 @@ def set_single_slot_fast_path(enabled: bool) -> None:
     _SINGLE_SLOT["enabled"] = bool(enabled)
 
 
+def dense_lora_h(w: LoRAWeights, x: torch.Tensor) -> torch.Tensor:
+    """The shrink's buffer for x [T, H]: [split_k, n_slices, T, max_lora_rank] fp32, uninitialised (the shrink
+    writes every entry the expand reads; split_k > 1 on a GPU at decode sizes: partial sums, added by the expand)."""
+    from moelora.kernels.lora_triton import lora_shrink_buffer
+
+    return lora_shrink_buffer(w.num_slices, x.shape[0], w.max_lora_rank, x.shape[1], x.device)
+
+
 def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor,
                      h: torch.Tensor | None = None) -> None:
     """y[t] += per slice i: scaling[i, s] * B_i[s] A_i[s] x[t], s = slot of token t (rows of slot -1 untouched).
@@ -30,7 +38,7 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
     One adapter in the batch: plain matmuls on that slot (cuBLAS on a GPU). Several: the grouped
     shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
     x: [T, H] · y: [T, sum(out_i)] (x's dtype, or fp32 for a delta buffer) · h: the shrink's fp32 buffer
-    [n_slices, T, max_lora_rank], zeroed here (given by a caller that allocates before a stream fork; else made)
+    dense_lora_h(w, x) (given by a caller that allocates before a stream fork; else made here; no zero-fill)
     """
     if fused_dense_lora() and HAS_TRITON and x.shape[0] <= FUSED_DENSE_MAX_TOKENS and (x.is_cuda or interpreting()):
         # set_fused_dense_lora(True): shrink + expand of all slices in one launch (kernels/lora_fused_triton.py)
@@ -43,8 +51,7 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
         lora_single_slot(x, w.a, w.b_cat, w.slice_offsets_host, w.ranks, w.scaling, lora.single_slot, rows, y)
         return
     if h is None:
-        h = torch.empty(w.num_slices, x.shape[0], w.max_lora_rank, dtype=torch.float32, device=x.device)  # [n, T, R]
-    h.zero_()
+        h = dense_lora_h(w, x)
     if x.is_cuda:
         from moelora.kernels.lora_triton import lora_expand, lora_shrink
     else:
@@ -117,8 +124,7 @@ class LoRALinear(nn.Module):
     def _delta_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.lora
         delta = torch.empty(x.shape[0], sum(self.out_features), dtype=torch.float32, device=x.device)
-        h = torch.empty(w.num_slices, x.shape[0], w.max_lora_rank, dtype=torch.float32, device=x.device)
-        return delta, h
+        return delta, dense_lora_h(w, x)
 
     def lora_delta_then_add(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """The overlapped path's arithmetic on one stream (tests compare it with forward on any device):

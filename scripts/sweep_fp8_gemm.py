@@ -1,0 +1,127 @@
+"""Sweep the FP8 block-scaled GEMM's launch parameters at Qwen3-30B-A3B decode shapes (GPU), µs per call from
+CUDA-graph replay beside the byte floor (weight bytes touched + scales, over the measured copy bandwidth).
+
+Shapes: routed experts gate_up (E 128, N 2 x 768, K 2048) and down (N 2048, K 768) on the fast path's alignment
+(fused_moe_triton.moe_align, block_m of pick_config), inputs quantized beforehand as the engine does; dense
+qkv (N 4096 + 512 + 512, K 2048) and o_proj (N 2048, K 4096). T = 64 and 256 tokens, top-8 routing drawn
+per token without repeats. Several layers' weights in rotation so L2 does not hold them between calls.
+Every config's output is checked against the default config's (the K step is the scale group, so the
+sums are the same; rel err must stay ~0).
+
+    python scripts/sweep_fp8_gemm.py [--tokens 64,256] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
+from moelora.kernels.fp8 import quantize_weight_block
+from moelora.kernels.fp8_triton import (
+    Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group, set_fp8_gemm_config,
+)
+from moelora.kernels.fused_moe_triton import moe_align, pick_config
+
+H, I, E, K, Q, KV = 2048, 768, 128, 8, 4096, 512
+BLOCK = (128, 128)
+
+
+def expert_case(site: str, T: int, layers: int):
+    dev = "cuda"
+    N, D = (2 * I, H) if site == "gate_up" else (H, I)
+    ws = [quantize_weight_block((torch.randn(E, N, D, device=dev) * D**-0.5).bfloat16(), BLOCK) for _ in range(layers)]
+    topk = torch.rand(T, E, device=dev).topk(K, dim=1).indices.to(torch.int32)
+    bm = pick_config(T * K).block_m
+    align = moe_align(topk, E, bm)
+    rows = T if site == "gate_up" else T * K
+    xq, xs = quantize_act_group(torch.randn(rows, D, device=dev).bfloat16())
+    touched = int(topk.unique().numel())
+    nbytes = touched * (N * D + 4 * N * D // 128**2)
+
+    def fn(li):
+        w, s = ws[li]
+        return fp8_expert_gemm(xq, w, s, BLOCK, topk, align, site == "gate_up", bm, x_scale=xs)
+
+    return fn, nbytes, f"touched={touched} block_m={bm}", align[1].shape[0]
+
+
+def dense_case(site: str, T: int, layers: int):
+    dev = "cuda"
+    N, D = (Q + 2 * KV, H) if site == "qkv" else (H, Q)
+    ws = [quantize_weight_block((torch.randn(N, D, device=dev) * D**-0.5).bfloat16(), BLOCK) for _ in range(layers)]
+    xq, xs = quantize_act_group(torch.randn(T, D, device=dev).bfloat16())
+    nbytes = N * D + 4 * N * D // 128**2
+
+    def fn(li):
+        w, s = ws[li]
+        return fp8_linear(xq, w, s, BLOCK, x_scale=xs)
+
+    return fn, nbytes, "", None
+
+
+def configs(kind: str) -> list[Fp8GemmConfig]:
+    out = []
+    for bn, warps, stages in itertools.product((64, 128, 256), (4, 8), (3, 4, 5)):
+        if bn == 256 and stages == 5:
+            continue
+        for bm in ((0,) if kind == "expert" else (16, 64)):
+            out.append(Fp8GemmConfig(bn, warps, stages, bm))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="64,256")
+    ap.add_argument("--cases", default="gate_up,down,qkv,o")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = hbm_bandwidth_gbs()
+    print(f"HBM {bw:.0f} GB/s measured (copy); fp8 e4m3, 128x128 weight blocks; µs per call (CUDA-graph replay)")
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        for case in args.cases.split(","):
+            kind = "expert" if case in ("gate_up", "down") else "dense"
+            layers = 2 if kind == "expert" else 8
+            fn, nbytes, info, grid_m = (expert_case if kind == "expert" else dense_case)(case, T, layers)
+            floor = nbytes / (bw * 1e9) * 1e6
+            set_fp8_gemm_config(kind, None)
+            ref = fn(0).float()
+            default = fp8_gemm_config(grid_m or 0, ref.shape[1], kind == "expert") if kind == "expert" else None
+            t_def = graph_time_us(fn, layers)
+            print(f"{case:>8} T={T:4d} default {t_def:7.1f} us  floor {floor:6.1f} us ({floor / t_def:5.1%} of HBM)"
+                  f"  {info} {default or ''}", flush=True)
+            best = (t_def, "default")
+            for cfg in configs(kind):
+                set_fp8_gemm_config(kind, cfg)
+                try:
+                    err = ((fn(0).float() - ref).norm() / ref.norm()).item()
+                    t = graph_time_us(fn, layers)
+                except Exception as exc:  # out of shared memory etc.: skip this config, say so
+                    print(f"           {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
+                    continue
+                finally:
+                    set_fp8_gemm_config(kind, None)
+                rows.append({"case": case, "tokens": T, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                             "num_stages": cfg.num_stages, "block_m": cfg.block_m, "us": t, "floor_us": floor,
+                             "default_us": t_def, "rel_err": err})
+                flag = " <" if t < best[0] else ""
+                if t < best[0]:
+                    best = (t, str(cfg))
+                print(f"           bn {cfg.block_n:3d} w {cfg.num_warps} st {cfg.num_stages} bm {cfg.block_m:2d}: "
+                      f"{t:7.1f} us ({floor / t:5.1%})  err {err:.1e}{flag}", flush=True)
+            print(f"  best {case} T={T}: {best[0]:.1f} us ({floor / best[0]:.1%} of HBM) with {best[1]}; "
+                  f"default {t_def:.1f} us", flush=True)
+            fn = None
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hbm_gbs": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
