@@ -3,7 +3,8 @@
 Cases (Qwen3-30B-A3B, bf16): routed-expert gate_up (H 2048 -> 2 x 768, own A per slice) and down (768 -> 2048,
 router weight), dense qkv (2048 -> 4096 + 512 + 512) and o_proj (4096 -> 2048); T = 1, 16, 64, 128 tokens
 (top-8: P = 8 ... 1024 pairs); 4 and 8 adapters (tokens round-robin); rank 16 and 64.
-current: what fused_moe_pairs' project() / apply_dense_lora run today (h.zero_, shrink, expand: 3 launches);
+current: what fused_moe_pairs' project() / apply_dense_lora run today (MoE: h.zero_, shrink, expand; dense: shrink
+into split-K partials, expand);
 fused: moe_lora_fused / lora_fused_decode (1 launch); store: the fused kernel in store mode into an fp32 delta
 (the side-stream variant). floor: bytes / measured HBM bandwidth, bytes = the factors of the (slot, expert) pairs
 (MoE) or slots (dense) the batch uses + x read + y read and written (the fused path has no h traffic).
@@ -26,7 +27,7 @@ import torch
 from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
 from moelora.kernels.groups import SlotGroups
 from moelora.kernels.lora_fused_triton import lora_fused_decode
-from moelora.kernels.lora_triton import lora_expand, lora_shrink
+from moelora.kernels.lora_triton import lora_expand, lora_shrink, lora_shrink_buffer
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
 from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
@@ -103,10 +104,9 @@ def dense_case(site: str, T: int, n_ad: int, R: int, layers: int):
     x = torch.randn(T, D, device=dev, dtype=dt)
     y = torch.randn(T, O, device=dev, dtype=dt)
     delta = torch.empty(T, O, device=dev, dtype=torch.float32)
-    h = torch.empty(n, T, R, device=dev, dtype=torch.float32)
+    h = lora_shrink_buffer(n, T, R, D, dev)  # split-K partials, as apply_dense_lora's buffer
 
     def current(li):  # apply_dense_lora in a graph (no single-slot cuBLAS path), switch off
-        h.zero_()
         lora_shrink(x, a[li], ranks, groups, h)
         lora_expand(h, b[li], off, ranks, scaling, groups, y)
 

@@ -5,8 +5,8 @@ Shapes: routed experts gate_up (E 128, N 2 x 768, K 2048) and down (N 2048, K 76
 (fused_moe_triton.moe_align, block_m of pick_config), inputs quantized beforehand as the engine does; dense
 qkv (N 4096 + 512 + 512, K 2048) and o_proj (N 2048, K 4096). T = 64 and 256 tokens, top-8 routing drawn
 per token without repeats. Several layers' weights in rotation so L2 does not hold them between calls.
-Every config's output is checked against the default config's (the K step is the scale group, so the
-sums are the same; rel err must stay ~0).
+Every config's output is checked against the default config's (the K step is the scale group, so the sums are the
+same up to split-K's order of adding the partials; rel err must stay at bf16 rounding, ~1e-3).
 
     python scripts/sweep_fp8_gemm.py [--tokens 64,256] [--json out.json]
 """
@@ -64,13 +64,10 @@ def dense_case(site: str, T: int, layers: int):
 
 
 def configs(kind: str) -> list[Fp8GemmConfig]:
-    out = []
-    for bn, warps, stages in itertools.product((64, 128, 256), (4, 8), (3, 4, 5)):
-        if bn == 256 and stages == 5:
-            continue
-        for bm in ((0,) if kind == "expert" else (16, 64)):
-            out.append(Fp8GemmConfig(bn, warps, stages, bm))
-    return out
+    if kind == "expert":
+        return [Fp8GemmConfig(bn, w, st) for bn, w, st in itertools.product((64, 128), (4,), (3, 4, 5))]
+    out = [Fp8GemmConfig(bn, 4, st, 64, sk) for bn, st, sk in itertools.product((64, 128), (3, 4), (1, 2, 4, 8))]
+    return out + [Fp8GemmConfig(64, 4, 4, 16, sk) for sk in (1, 4)]
 
 
 def main() -> None:
@@ -91,7 +88,7 @@ def main() -> None:
             floor = nbytes / (bw * 1e9) * 1e6
             set_fp8_gemm_config(kind, None)
             ref = fn(0).float()
-            default = fp8_gemm_config(grid_m or 0, ref.shape[1], kind == "expert") if kind == "expert" else None
+            default = fp8_gemm_config(grid_m or 0, ref.shape[1], kind == "expert") if kind == "expert" else "auto"
             t_def = graph_time_us(fn, layers)
             print(f"{case:>8} T={T:4d} default {t_def:7.1f} us  floor {floor:6.1f} us ({floor / t_def:5.1%} of HBM)"
                   f"  {info} {default or ''}", flush=True)
@@ -107,12 +104,12 @@ def main() -> None:
                 finally:
                     set_fp8_gemm_config(kind, None)
                 rows.append({"case": case, "tokens": T, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-                             "num_stages": cfg.num_stages, "block_m": cfg.block_m, "us": t, "floor_us": floor,
+                             "num_stages": cfg.num_stages, "block_m": cfg.block_m, "split_k": cfg.split_k, "us": t, "floor_us": floor,
                              "default_us": t_def, "rel_err": err})
                 flag = " <" if t < best[0] else ""
                 if t < best[0]:
                     best = (t, str(cfg))
-                print(f"           bn {cfg.block_n:3d} w {cfg.num_warps} st {cfg.num_stages} bm {cfg.block_m:2d}: "
+                print(f"           bn {cfg.block_n:3d} w {cfg.num_warps} st {cfg.num_stages} bm {cfg.block_m:2d} sk {cfg.split_k}: "
                       f"{t:7.1f} us ({floor / t:5.1%})  err {err:.1e}{flag}", flush=True)
             print(f"  best {case} T={T}: {best[0]:.1f} us ({floor / best[0]:.1%} of HBM) with {best[1]}; "
                   f"default {t_def:.1f} us", flush=True)

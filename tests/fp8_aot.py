@@ -17,14 +17,18 @@ def compile_sm90(kernel, ptrs: dict, consts: dict, **opts):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-for a_fp8, grouped, block_m in [(False, True, 16), (False, False, 64), (True, False, 16)]:
+for a_fp8, grouped, block_m, split_k in [(False, True, 16, 1), (False, False, 64, 1), (True, False, 16, 1),
+                                        (True, False, 64, 4)]:
     ptrs = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
-            "c_ptr": "*bf16", "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32"}
+            "c_ptr": "*bf16", "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32",
+            "cnt_ptr": "*i32"}
     consts = dict(FP8_MAX_C=448.0, A_FP8=a_fp8, GROUPED=grouped, HAS_BIAS=not grouped, GROUP_K=128, SCALE_N=128,
-                  BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128)
+                  BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, A_ROW_DIV=1, SPLIT_K=split_k)
     ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3).asm["ptx"]
     assert "e4m3" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (a_fp8, grouped, block_m)
-    print("ok gemm", a_fp8, grouped, block_m, "wgmma" if "wgmma" in ptx else "mma.sync")
+    if split_k > 1:  # the arrival count is a device-scope atomic, after a CTA barrier
+        assert "atom" in ptx and "bar.sync" in ptx, "split-K: no atomic count or barrier in the PTX"
+    print("ok gemm", a_fp8, grouped, block_m, split_k, "wgmma" if "wgmma" in ptx else "mma.sync")
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"]

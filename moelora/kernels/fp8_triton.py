@@ -46,17 +46,22 @@ if HAS_TRITON:
 
     @triton.jit
     def _fp8_gemm_kernel(
-        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr,
+        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr, ws_ptr, cnt_ptr,
         M, N, K,
         sam, sak, sasm, sasg, sbe, sbn, sbk, sbse, sbsn, sbsk, scm, scn,
         FP8_MAX_C: tl.constexpr, A_FP8: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
         GROUP_K: tl.constexpr, SCALE_N: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_ROW_DIV: tl.constexpr = 1,
+        SPLIT_K: tl.constexpr = 1,
     ):
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
+        # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
+        # stores its fp32 partial tile in ws[sk], then counts itself in cnt[tile]; the split that arrives last
+        # adds the SPLIT_K partials in order sk = 0, 1, ..., writes the output and resets the counter to 0
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        sk = tl.program_id(2)
         offs_m = tl.arange(0, BLOCK_M)
         if GROUPED:
             e = tl.load(bexp_ptr + pid_m)
@@ -75,7 +80,7 @@ if HAS_TRITON:
         b_base = b_ptr + e * sbe + offs_n[:, None].to(tl.int64) * sbn
         bs_base = bs_ptr + e * sbse + (offs_n // SCALE_N) * sbsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(sk * BLOCK_K, K, BLOCK_K * SPLIT_K):
             kk = k0 + offs_k
             mask_k = kk < K
             a = tl.load(a_ptr + a_rows[:, None] * sam + kk[None, :] * sak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -89,6 +94,19 @@ if HAS_TRITON:
             b = tl.load(b_base + kk[None, :] * sbk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
             b_s = tl.load(bs_base + (k0 // GROUP_K) * sbsk, mask=mask_n, other=0.0)  # [BN]
             acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        if SPLIT_K > 1:
+            tile_ws = ws_ptr + rows[:, None] * N + offs_n[None, :]  # ws: [SPLIT_K, M, N] fp32, contiguous
+            mask_c = mask_m[:, None] & mask_n[None, :]
+            tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
+            tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
+            tile = pid_m * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1)
+            if arrived != SPLIT_K - 1:
+                return
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(SPLIT_K):
+                acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
+            tl.store(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
@@ -127,13 +145,16 @@ def quantize_act_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor,
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """Launch parameters of _fp8_gemm_kernel that do not change its results (the K step is the scale group).
-    block_m: rows per program of the dense GEMM (0: _block_m's choice; the grouped GEMM takes the alignment's)."""
+    """Launch parameters of _fp8_gemm_kernel (the K step is the scale group). block_m: rows per program of the
+    dense GEMM (0: _block_m's choice; the grouped GEMM takes the alignment's). split_k: K splits of the dense
+    GEMM (0: fp8_split_k's choice; 1: none; the grouped GEMM never splits). Only split_k changes the fp32
+    summation order (partials added in split order); the rest gives the same sums."""
 
     block_n: int
     num_warps: int = 4
     num_stages: int = 3
     block_m: int = 0
+    split_k: int = 0
 
 
 _CONFIG_OVERRIDE: dict[str, Fp8GemmConfig | None] = {"dense": None, "expert": None}
@@ -147,16 +168,43 @@ def set_fp8_gemm_config(kind: str, config: Fp8GemmConfig | None) -> None:
     _CONFIG_OVERRIDE[kind] = config
 
 
+SPLIT_K_TARGET_PROGRAMS = 264  # dense split-K aims at this many programs: 2 per SM of an H200 (132 SMs)
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
 def fp8_gemm_config(grid_m: int, N: int, grouped: bool) -> Fp8GemmConfig:
-    """Default launch parameters: 128-wide column tiles, 64 when that leaves under 256 programs (decode:
-    narrower tiles fill the 132 SMs); 4 warps, 3 stages. set_fp8_gemm_config overrides it."""
+    """Default launch parameters (scripts/sweep_fp8_gemm.py on the H200, Qwen3-30B-A3B shapes, session 8):
+    grouped experts: 64-wide column tiles, 4 stages (gate_up / down at 256 tokens 124 -> 115 / 72 -> 66 us,
+    64 tokens unchanged at 99 / 54 us); dense: 64-wide column tiles (128 from 256 programs: prefill), 4 stages
+    at decode sizes (qkv at 64 tokens 11.7 -> 8.5 us with 64-row blocks). set_fp8_gemm_config overrides it."""
     forced = _CONFIG_OVERRIDE["expert" if grouped else "dense"]
     if forced is not None:
         return forced
+    if grouped:
+        return Fp8GemmConfig(64 if N >= 64 else max(16, triton.next_power_of_2(N)), 4, 4)
     block_n = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
-    if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:
-        block_n = 64
+    if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:  # decode: narrower tiles, more programs
+        return Fp8GemmConfig(64, 4, 4)
     return Fp8GemmConfig(block_n)
+
+
+def fp8_split_k(tiles: int, k_steps: int) -> int:
+    """K splits of a dense GEMM with `tiles` output tiles and `k_steps` steps of one scale group: enough
+    programs for SPLIT_K_TARGET_PROGRAMS, at most 8, each split keeping >= 2 K steps; 1 from 132 tiles."""
+    if tiles >= 132:
+        return 1
+    return max(1, min(8, k_steps // 2, triton.cdiv(SPLIT_K_TARGET_PROGRAMS, tiles)))
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The arrival counters of split-K tiles: int32 zeros, kept per (device, stream) and left at zero by every
+    launch, so launches in stream order (and in graph replays) can share them; two streams get two buffers."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    cnt = _COUNTERS.get(key)
+    if cnt is None or cnt.numel() < tiles:
+        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = cnt
+    return cnt
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
@@ -169,19 +217,27 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         raise ValueError(f"FP8 Triton GEMM: block_k must be a power of two >= 16, got weight_block_size {list(block)}")
     cfg = fp8_gemm_config(grid_m, N, ids is not None)
     block_n = cfg.block_n
+    grid_n = triton.cdiv(N, block_n)
+    split_k = 1
+    if ids is None:  # dense: split K when few output tiles (decode)
+        split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k))
+    ws, cnt = out, out
+    if split_k > 1:
+        ws = torch.empty(split_k, M, N, dtype=torch.float32, device=out.device)
+        cnt = _split_counters(out.device, grid_m * grid_n)
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
     a_fp8 = a.dtype == FP8_DTYPE
     sas = (a_scale.stride(0), a_scale.stride(1)) if a_fp8 else (0, 0)
-    grid = (grid_m, triton.cdiv(N, block_n))
+    grid = (grid_m, grid_n, split_k)
     _fp8_gemm_kernel[grid](
         a, a_scale if a_fp8 else a, w3, s3, out, bias if bias is not None else out,
-        ids if ids is not None else out, bexp if bexp is not None else out,
+        ids if ids is not None else out, bexp if bexp is not None else out, ws, cnt,
         M, N, K, a.stride(0), a.stride(1), *sas, w3.stride(0), w3.stride(1), w3.stride(2),
         s3.stride(0), s3.stride(1), s3.stride(2), out.stride(0), out.stride(1),
         FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
         GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_ROW_DIV=a_row_div,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -210,6 +266,12 @@ def _block_m(rows: int) -> int:
     return 16 if rows <= 512 else 64
 
 
+def _dense_block_m(rows: int) -> int:
+    """Rows per program of the dense GEMM: the whole batch up to 64 rows (each weight tile read once; the sweep:
+    qkv at 64 / 256 tokens 11.7 -> 8.5 / 27.4 -> 13.8 us against 16-row blocks), 64 beyond."""
+    return 16 if rows <= 16 else (32 if rows <= 32 else 64)
+
+
 def fp8_linear(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -229,7 +291,7 @@ def fp8_linear(
     if T == 0:
         return out
     forced = _CONFIG_OVERRIDE["dense"]
-    bm = forced.block_m if forced is not None and forced.block_m else _block_m(T)
+    bm = forced.block_m if forced is not None and forced.block_m else _dense_block_m(T)
     x, x_scale = _prequantized(x, x_scale, block[1])
     _launch(x, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm))
     return out
@@ -328,5 +390,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]
