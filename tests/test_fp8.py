@@ -521,4 +521,5 @@ def test_fp8_dense_split_k_sums_every_partial_once(split_k):
     finally:
         set_fp8_gemm_config("dense", None)
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values()), "a counter was left non-zero"
-    assert fp8_split_k(2 * 3, 5) == 2 and fp8_split_k(8, 32) == 8 and fp8_split_k(132, 32) == 1
+    assert fp8_split_k(80, 16) == 4 and fp8_split_k(80, 16, 64) == 1 and fp8_split_k(32, 32, 64) == 4
+    assert fp8_split_k(264, 32) == 1 and fp8_split_k(8, 32) == 8 and fp8_split_k(8, 5) == 1

@@ -12,7 +12,7 @@ import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, tolerance
 from moelora.kernels.attention import paged_attention_ref
-from moelora.kernels.attention_triton import choose_splits, paged_attention, split_workspace_numel
+from moelora.kernels.attention_triton import choose_splits, decode_kernel_chosen, paged_attention, split_workspace_numel
 
 HQ, HKV, D = (32, 4, 128) if ON_GPU else (4, 2, 16)
 
@@ -52,7 +52,10 @@ def run_and_check(seqs, Hq, Hkv, D, block_size, dtype, window, seed, kernel="aut
                     min_tiles=min_tiles)
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(out[:T].float(), ref, atol=atol, rtol=rtol)
-    assert torch.all(out[T:] == 7.0), "padding rows must stay untouched"
+    if decode_kernel_chosen(q.shape[0], bt.shape[0], kernel):
+        assert torch.all(out[T:] == 0), "the decode kernel writes 0 to padding rows"
+    else:
+        assert torch.all(out[T:] == 7.0), "padding rows must stay untouched"
 
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill", "legacy"])
@@ -109,17 +112,19 @@ def test_sequences_without_new_rows(kernel):
 
 
 def test_prefill_rows_marked_padding_inside_a_sequence():
-    """Rows whose token_seq is -1 stay untouched even when query_start_loc puts them in a sequence (the
-    decode graphs' layout: query_start_loc = arange, padding rows -1)."""
+    """Rows whose token_seq is -1 are padding even when query_start_loc puts them in a sequence (the decode
+    graphs' layout: query_start_loc = arange, padding rows -1): 0 from the decode kernel (direct or split, so
+    its output needs no zero-fill), untouched by the others."""
     gen = torch.Generator().manual_seed(3)
     batch = make_batch([(10, 1), (5, 1), (7, 1)], 4, 2, 16, 4, torch.float32, gen, pad_rows=0)
     q, k_cache, v_cache, bt, (ts, lens_t, qsl_t), lens, qsl, T = batch
     ts[1] = -1
-    for kernel in ("decode", "prefill", "legacy"):
+    for kernel, splits in (("decode", 1), ("decode", 3), ("prefill", None), ("legacy", None)):
         out = torch.full_like(q, 7.0)
-        paged_attention(q, k_cache, v_cache, bt, ts, lens_t, qsl_t, 0.25, None, out, kernel=kernel)
+        paged_attention(q, k_cache, v_cache, bt, ts, lens_t, qsl_t, 0.25, None, out, kernel=kernel,
+                        num_splits=splits, min_tiles=1)
         ref = paged_attention_ref(q, k_cache, v_cache, bt, lens, qsl, 0.25)
-        assert torch.all(out[1] == 7.0)
+        assert torch.all(out[1] == (0.0 if kernel == "decode" else 7.0)), (kernel, splits)
         torch.testing.assert_close(out[[0, 2]], ref[[0, 2]], atol=1e-4, rtol=1e-4)
 
 
@@ -237,7 +242,7 @@ def test_gpu_split_inside_cuda_graph():
         ref = paged_attention_ref(q[:n].float(), k_cache.float(), v_cache.float(), bt[:n], lens, list(range(n + 1)),
                                   scale)
         torch.testing.assert_close(out[:n].float(), ref, atol=3e-2, rtol=3e-2)
-        assert torch.all(out[n:] == 0), "padding rows must stay untouched"
+        assert torch.all(out[n:] == 0), "padding rows are written 0"
         eager = torch.zeros_like(out)
         paged_attention(q, k_cache, v_cache, bt, token_seq, seq_lens, qsl, scale, None, eager)
         assert torch.equal(eager, out), "replay must equal eager bit for bit (same shapes)"

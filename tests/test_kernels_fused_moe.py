@@ -71,6 +71,12 @@ def test_route_topk_matches_reference(E, K, renormalize):
         w_ref, ids_ref = route_topk_ref(logits, K, renormalize)
         assert torch.equal(ids, ids_ref) and ids.dtype == torch.int64
         torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+        # weights in the activations' dtype straight from the kernel (no cast launch): rounded once from fp32
+        w16, ids16 = fmt.route_topk(logits, K, renormalize, torch.float16)
+        w16_ref, _ = route_topk_ref(logits, K, renormalize, torch.float16)
+        assert w16.dtype == torch.float16 and torch.equal(ids16, ids_ref)
+        assert torch.equal(w16, w.to(torch.float16))  # the kernel's fp32 weights, rounded once
+        assert torch.equal(w16_ref, w_ref.to(torch.float16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -123,6 +123,13 @@ if HAS_TRITON:
         sp = tl.program_id(2)
         b, pos, lo_key, tile_lo, tps, n_active = _split_range(
             token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES, TILE, HAS_WINDOW)
+        if DIRECT:
+            if (b < 0) & (sp == 0):  # padding row, written 0 (no zero-filled output buffer needed)
+                offs_gp = tl.arange(0, BLOCK_G)
+                offs_dp = tl.arange(0, BLOCK_D)
+                tl.store(out_ptr + t.to(tl.int64) * so_t + (kvh * G + offs_gp)[:, None] * so_h + offs_dp[None, :],
+                         tl.zeros((BLOCK_G, BLOCK_D), dtype=out_ptr.dtype.element_ty),
+                         mask=(offs_gp < G)[:, None] & (offs_dp < D)[None, :])
         if (b < 0) | (sp >= n_active):  # padding row, or nothing left for this split
             return
         k_lo = (tile_lo + sp * tps) * TILE  # its first tile holds a visible key (lo_key or k_lo itself)
@@ -184,7 +191,11 @@ if HAS_TRITON:
         h = tl.program_id(1)
         b, pos, lo_key, tile_lo, tps, n_active = _split_range(
             token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES, TILE, HAS_WINDOW)
-        if b < 0:
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        if b < 0:  # padding row, written 0 (no zero-filled output buffer needed)
+            tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, tl.zeros((BLOCK_D,), tl.float32).to(
+                out_ptr.dtype.element_ty), mask=mask_d)
             return
         row0 = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
         offs_p = tl.arange(0, BLOCK_P)
@@ -193,8 +204,6 @@ if HAS_TRITON:
         l = tl.load(ws_l_ptr + row0 + offs_p, mask=active, other=0.0)
         M = tl.max(m, axis=0)
         W = tl.sum(tl.where(active, l * tl.exp2(m - M), 0.0), axis=0)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
         acc = tl.zeros((BLOCK_D,), tl.float32)
         for sp in range(0, n_active):
             w = tl.load(ws_l_ptr + row0 + sp) * tl.exp2(tl.load(ws_m_ptr + row0 + sp) - M) / W  # 1.0 if alone
@@ -301,6 +310,12 @@ def choose_splits(T: int, Hkv: int, num_sms: int = 132) -> int:
     return max(1, min(MAX_SPLITS, -(-SPLIT_PROGRAMS_PER_SM * num_sms // (T * Hkv))))
 
 
+def decode_kernel_chosen(num_tokens: int, num_seqs: int, kernel: str = "auto") -> bool:
+    """Whether paged_attention runs the split-KV "decode" kernel for T query rows over B sequences (it writes 0
+    to padding rows, so its output buffer needs no zero-fill): "auto" picks it when T <= B."""
+    return kernel == "decode" or (kernel == "auto" and num_tokens <= num_seqs)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -317,7 +332,8 @@ def paged_attention(
     min_tiles: int | None = None,
     workspace: torch.Tensor | None = None,
 ) -> None:
-    """Semantics, per query row t of sequence b = token_seq[t] (-1: padding, left untouched), with
+    """Semantics, per query row t of sequence b = token_seq[t] (-1: padding: written 0 by the "decode" kernel,
+    left untouched by "prefill" and "legacy"; decode_kernel_chosen says which one runs), with
     L = seq_lens[b], s:e = query_start_loc[b]:query_start_loc[b+1], p = L - (e - s) + (t - s):
         out[t, h] = softmax_j(q[t, h] . k[j, h // G] * scale) @ v[.., h // G] over cache positions j <= p
         (and j > p - sliding_window), k/v of sequence b read through block_tables[b]; G = Hq // Hkv
@@ -346,7 +362,7 @@ def paged_attention(
     if T == 0:
         return
     if kernel == "auto":
-        kernel = "decode" if T <= B else "prefill"
+        kernel = "decode" if decode_kernel_chosen(T, B, kernel) else "prefill"
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
                block_tables.stride(0))

@@ -168,7 +168,8 @@ def set_fp8_gemm_config(kind: str, config: Fp8GemmConfig | None) -> None:
     _CONFIG_OVERRIDE[kind] = config
 
 
-SPLIT_K_TARGET_PROGRAMS = 264  # dense split-K aims at this many programs: 2 per SM of an H200 (132 SMs)
+SPLIT_K_TARGET_PROGRAMS = 264  # dense split-K, 16-row blocks: this many programs (2 per SM of an H200's 132)
+SPLIT_K_TARGET_PROGRAMS_WIDE = 132  # 32/64-row blocks (4x the MMA work per K step): one per SM
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
@@ -188,12 +189,20 @@ def fp8_gemm_config(grid_m: int, N: int, grouped: bool) -> Fp8GemmConfig:
     return Fp8GemmConfig(block_n)
 
 
-def fp8_split_k(tiles: int, k_steps: int) -> int:
-    """K splits of a dense GEMM with `tiles` output tiles and `k_steps` steps of one scale group: enough
-    programs for SPLIT_K_TARGET_PROGRAMS, at most 8, each split keeping >= 2 K steps; 1 from 132 tiles."""
-    if tiles >= 132:
-        return 1
-    return max(1, min(8, k_steps // 2, triton.cdiv(SPLIT_K_TARGET_PROGRAMS, tiles)))
+def fp8_split_k(tiles: int, k_steps: int, block_m: int = 16) -> int:
+    """K splits of a dense GEMM with `tiles` output tiles of block_m rows and `k_steps` steps of one scale group:
+    a power of two <= 8 with >= 4 K steps per split: for 16-row blocks the smallest reaching 264 programs (2 per SM
+    of an H200), for wider blocks (4x the MMA work per K step) the largest staying within 132. The H200 sweep (session 8, qkv 2048 -> 5120 and o_proj 4096 -> 2048,
+    fp8): 1-16 tokens best at 4-8 splits (o_proj at 1 token 7.0 -> 6.2 us with 8), 64 tokens qkv best unsplit
+    (8.6 us; 2 splits 9.8), o_proj best at 4 (9.2 us; 8 splits 11.3), 256 tokens within 0.6 us of the best."""
+    splits = 1
+    while splits < 8 and k_steps >= splits * 8:
+        if block_m <= 16 and tiles * splits >= SPLIT_K_TARGET_PROGRAMS:
+            break
+        if block_m > 16 and tiles * splits * 2 > SPLIT_K_TARGET_PROGRAMS_WIDE:
+            break
+        splits *= 2
+    return splits
 
 
 def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -220,7 +229,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     grid_n = triton.cdiv(N, block_n)
     split_k = 1
     if ids is None:  # dense: split K when few output tiles (decode)
-        split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k))
+        split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
     ws, cnt = out, out
     if split_k > 1:
         ws = torch.empty(split_k, M, N, dtype=torch.float32, device=out.device)

@@ -502,17 +502,18 @@ if HAS_TRITON:
             cur = tl.where(offs == idx, -2.0, cur)
         if RENORM:
             w = w / tl.sum(w, axis=0)
-        tl.store(w_ptr + t * K + offs_k, w, mask=offs_k < K)
+        tl.store(w_ptr + t * K + offs_k, w.to(w_ptr.dtype.element_ty), mask=offs_k < K)
         tl.store(ids_ptr + t * K + offs_k, ids, mask=offs_k < K)
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """moe.route_topk_ref in one launch: p = softmax(logits) (fp32); (w, ids) = topk(p, K) in decreasing p
-    (ties: the lowest expert id first); if renormalize: w /= w.sum(-1).
-    router_logits: [T, E] · returns topk_weights [T, K] fp32, topk_ids [T, K] int64."""
+    (ties: the lowest expert id first); if renormalize: w /= w.sum(-1); w rounded once to out_dtype.
+    router_logits: [T, E] · returns topk_weights [T, K] out_dtype, topk_ids [T, K] int64."""
     require_triton()
     T, E = router_logits.shape
-    w = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    w = torch.empty(T, top_k, dtype=out_dtype, device=router_logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
     if T:
         _route_topk_kernel[(T,)](router_logits, w, ids, E, router_logits.stride(0), router_logits.stride(1),

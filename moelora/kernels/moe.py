@@ -32,15 +32,17 @@ class ExpertLoRAArgs:
     down_offsets: torch.Tensor | None = None  # [2] int32 (0, H)
 
 
-def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: p = softmax(logits) in fp32; (w, ids) = topk(p, top_k); if renormalize: w /= w.sum(-1)
-    router_logits: [T, E] · returns topk_weights [T, K] fp32, topk_ids [T, K] int64
+def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: p = softmax(logits) in fp32; (w, ids) = topk(p, top_k); if renormalize: w /= w.sum(-1);
+    w rounded once to out_dtype
+    router_logits: [T, E] · returns topk_weights [T, K] out_dtype, topk_ids [T, K] int64
     """
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return weights.to(out_dtype), ids
 
 
 def fused_moe_ref(

@@ -97,9 +97,11 @@ class Attention(nn.Module):
         if q.is_cuda and attn.token_seq is not None:
             if not kv_written:
                 write_kv_direct(k, v, k_cache, v_cache, attn.slot_mapping)
-            from moelora.kernels.attention_triton import paged_attention
+            from moelora.kernels.attention_triton import decode_kernel_chosen, paged_attention
 
-            o = torch.zeros_like(q)  # [T, Hq, D]; padding rows stay 0
+            # [T, Hq, D]; padding rows 0 (the decode kernel writes them; the others leave them as filled here)
+            decode = decode_kernel_chosen(T, attn.block_tables.shape[0], ATTENTION_KERNEL)
+            o = torch.empty_like(q) if decode else torch.zeros_like(q)
             paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
                             attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL)
         else:

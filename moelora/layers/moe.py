@@ -94,19 +94,19 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         logits = F.linear(x, self.gate)  # [T, E]
         route = route_topk if routing_kernel_ok(logits) else route_topk_ref  # one Triton launch on CUDA
-        topk_weights, topk_ids = route(logits, self.top_k, self.renormalize)  # [T, K]
+        topk_weights, topk_ids = route(logits, self.top_k, self.renormalize, x.dtype)  # [T, K], weights in x.dtype
         self.last_topk_ids = topk_ids  # a reference, for statistics (experts touched per step)
         self.last_router_logits = logits  # a reference, for tests (is a routing difference a near-tie?)
         if self.shared_expert is None:
-            return self.experts(x, topk_weights.to(x.dtype), topk_ids, lora)
+            return self.experts(x, topk_weights, topk_ids, lora)
         if not (self.experts.overlap and x.is_cuda):
-            return self.experts(x, topk_weights.to(x.dtype), topk_ids, lora) + self._shared(x, lora)
+            return self.experts(x, topk_weights, topk_ids, lora) + self._shared(x, lora)
         # the shared expert on the side stream while the routed experts run; the add after the join
         side = side_stream(x.device)
         main = fork(side)
         with torch.cuda.stream(side):
             shared = self._shared(x, lora)
-        out = self.experts(x, topk_weights.to(x.dtype), topk_ids, lora)
+        out = self.experts(x, topk_weights, topk_ids, lora)
         join(main, side)
         shared.record_stream(main)  # allocated on the side stream, read and freed on main
         return out + shared
