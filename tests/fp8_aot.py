@@ -7,6 +7,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moelora.kernels.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
+from moelora.kernels.fused_moe_triton import _silu_and_mul_kernel
+from moelora.kernels.norm_triton import _rms_norm_kernel
 from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
 
 
@@ -33,6 +35,15 @@ q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_p
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"]
 print("ok act_quant")
+# the producers that quantize their own outputs (QUANT_GROUP): a residual-add RMSNorm and SiLU-and-mul
+n = compile_sm90(_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                    "ro_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32"},
+                 dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128), num_warps=4)
+a = compile_sm90(_silu_and_mul_kernel, {"gu_ptr": "*bf16", "d_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+                                        "qs_ptr": "*fp32"}, dict(HAS_DELTA=True, BLOCK=1024, QUANT_GROUP=128),
+                 num_warps=4)
+assert all("cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] for k in (n, a))
+print("ok producers quantize")
 for grouped, block_m in [(True, 16), (False, 64)]:
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
             "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32"}

@@ -432,7 +432,7 @@ def test_triton_kernels_compile_for_sm90_ahead_of_time():
     script = os.path.join(os.path.dirname(__file__), "fp8_aot.py")
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok") == 7, r.stdout
+    assert r.stdout.count("ok") == 8, r.stdout
 
 
 def test_deepseek_v3_fp8_checkpoint_mla_kv_b_dequantized(tmp_path):
@@ -523,3 +523,34 @@ def test_fp8_dense_split_k_sums_every_partial_once(split_k):
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values()), "a counter was left non-zero"
     assert fp8_split_k(80, 16) == 4 and fp8_split_k(80, 16, 64) == 1 and fp8_split_k(32, 32, 64) == 4
     assert fp8_split_k(264, 32) == 1 and fp8_split_k(8, 32) == 8 and fp8_split_k(8, 5) == 1
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
+    """rms_norm and silu_and_mul with quant_group write, in the same launch, exactly what quantize_act_group
+    gives for their (rounded) outputs and attach it; an FP8 GEMM then reads it instead of quantizing (same result);
+    widths that are not a multiple of the group, or another group, are left to the GEMM."""
+    from moelora.kernels.fp8_triton import _prequantized, fp8_linear, quantize_act_group
+    from moelora.kernels.fused_moe_triton import silu_and_mul
+    from moelora.kernels.norm_triton import rms_norm
+
+    g = torch.Generator().manual_seed(8)
+    T, D, grp = 5, 48, 16
+    x, res = torch.randn(T, D, generator=g).half(), torch.randn(T, D, generator=g).half()
+    w = (torch.rand(D, generator=g) + 0.5).half()
+    y, _ = rms_norm(x, w, 1e-6, res, quant_group=grp)
+    gu = torch.randn(T, 2 * D, generator=g).half()
+    delta = torch.randn(T, 2 * D, generator=g) * 0.1
+    act = silu_and_mul(gu, delta=delta, quant_group=grp)
+    for out in (y, act):
+        q, s, group = out.fp8_act
+        q_ref, s_ref = quantize_act_group(out, grp)
+        assert group == grp and torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert _prequantized(out, None, grp)[0] is q and _prequantized(out, None, 2 * grp)[0] is not q
+    y_plain, _ = rms_norm(x, w, 1e-6, res)
+    assert torch.equal(y, y_plain) and not hasattr(y_plain, "fp8_act")
+    wq, ws = quantize_weight_block(torch.randn(24, D, generator=g), (16, grp))
+    assert torch.equal(fp8_linear(y, wq, ws, (16, grp)), fp8_linear(y_plain, wq, ws, (16, grp)))
+    odd, _ = rms_norm(torch.randn(T, 40, generator=g).half(), torch.ones(40).half(), 1e-6, quant_group=grp)
+    assert not hasattr(odd, "fp8_act")  # 40 is not a multiple of 16: the GEMM quantizes it itself

@@ -206,6 +206,42 @@ def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
         assert (ref - base_ref).abs().mean() > 0.05
 
 
+def test_norms_and_activation_quantize_for_the_fp8_gemms_without_changing_results(tmp_path):
+    """An FP8 model's decoder norms (tag_act_quant_norms) and the experts' SiLU-and-mul quantize their outputs for
+    the FP8 GEMMs in their own launch: the log-probs, with and without an adapter, are bit-equal to the model whose
+    GEMMs quantize their inputs themselves."""
+    from moelora.kernels.fp8_triton import quantize_act_group
+    from moelora.kernels.fused_moe_triton import silu_and_mul
+
+    base, fp8, _, _ = write_fp8_checkpoint(tmp_path)
+    run = Runner(fp8, max_loras=2, max_lora_rank=8, dtype="bfloat16", device=DEV)
+    norms = [m for m in run.model.modules() if getattr(m, "act_quant_group", None)]
+    assert len(norms) == 2 * len(run.model.model.layers), "input and post-attention norms of every layer"
+    ad = tmp(tmp_path, "ad")
+    save_peft_adapter(base, ad, 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    run.load("ad", ad)
+    rows = [(r, n) for r in rows_of(5, [8, 5, 13]) for n in (None, "ad")]
+    tagged = run.logprobs(rows)
+    for m in norms:
+        m.act_quant_group = None
+    import moelora.kernels.fused_moe_triton as fmt
+
+    orig = fmt.silu_and_mul
+    fmt.silu_and_mul = lambda gu, out=None, delta=None, quant_group=None: orig(gu, out, delta)
+    try:
+        plain = run.logprobs(rows)
+    finally:
+        fmt.silu_and_mul = orig
+    for a, b in zip(tagged, plain):
+        assert torch.equal(a, b)
+    gu = torch.randn(64, 2 * I, device=DEV).bfloat16()
+    act = silu_and_mul(gu, quant_group=128)
+    q, s, _ = act.fp8_act
+    q_ref, s_ref = quantize_act_group(act)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def test_demo_model_in_fp8_graphs_equal_eager_and_adapters_still_work():
     from moelora import LLM, SamplingParams
     from moelora.demo import ADAPTERS, TRANSFORMS, adapter_paths, make_prompt, model_path, random_input

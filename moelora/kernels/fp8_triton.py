@@ -45,6 +45,20 @@ if HAS_TRITON:
         tl.store(s_ptr + t * sst + g, scale)
 
     @triton.jit
+    def store_group_quant(v, q_row_ptr, s_row_ptr, offs0, N, FP8_MAX_C: tl.constexpr, GROUP: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """Producer-side activation quantization (a @triton.jit helper for other kernels' epilogues): v [BLOCK]
+        fp32, the values of columns offs0 .. offs0 + BLOCK of one row (0 past N; BLOCK and offs0 multiples of
+        GROUP) -> q_row[cols] = e4m3(v / scale), s_row[col // GROUP] = scale, the numbers of quantize_act_group."""
+        vg = tl.reshape(v, (BLOCK // GROUP, GROUP))
+        scale = tl.maximum(tl.max(tl.abs(vg), axis=1), 1e-12) / FP8_MAX_C  # [BLOCK // GROUP]
+        q = tl.reshape(tl.clamp(vg / scale[:, None], -FP8_MAX_C, FP8_MAX_C), (BLOCK,))
+        cols = offs0 + tl.arange(0, BLOCK)
+        tl.store(q_row_ptr + cols, q.to(q_row_ptr.dtype.element_ty), mask=cols < N)
+        groups = offs0 // GROUP + tl.arange(0, BLOCK // GROUP)
+        tl.store(s_row_ptr + groups, scale, mask=groups * GROUP < N)
+
+    @triton.jit
     def _fp8_gemm_kernel(
         a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr, ws_ptr, cnt_ptr,
         M, N, K,
@@ -263,8 +277,33 @@ def set_fp8_prequant_min_rows(rows: int) -> None:
     _PREQUANT_MIN_ROWS[0] = max(0, int(rows))
 
 
+def act_quant_buffers(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs for a producer kernel that quantizes its own output x [T, K] (store_group_quant): x_fp8 [T, K]
+    float8_e4m3fn and x_scale [T, K / group] fp32. Attach them with attach_act_quant."""
+    T, K = x.shape
+    return (torch.empty(T, K, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(T, K // group, dtype=torch.float32, device=x.device))
+
+
+def attach_act_quant(x: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Mark x as already quantized (quantize_act_group(x, group) == (x_fp8, x_scale)): an FP8 GEMM reading x then
+    skips its own quantization launch. The mark lives on this tensor object (a view or copy does not carry it);
+    x must not be changed in place afterwards. Returns x."""
+    x.fp8_act = (x_fp8, x_scale, group)
+    return x
+
+
+def act_quant_ok(K: int, group: int | None, block: int) -> bool:
+    """Whether a producer kernel of tile `block` can quantize a K-wide output in groups of `group`."""
+    return bool(group) and K % group == 0 and block % group == 0
+
+
 def _prequantized(x: torch.Tensor, x_scale: torch.Tensor | None, group: int):
-    """(x, x_scale), quantized here when set_fp8_prequant_min_rows asks for it at this row count."""
+    """(x, x_scale): the quantization its producer attached (attach_act_quant), else quantized here when
+    set_fp8_prequant_min_rows asks for it at this row count."""
+    mark = getattr(x, "fp8_act", None)
+    if mark is not None and x_scale is None and mark[2] == group and x.dtype != FP8_DTYPE:
+        return mark[0], mark[1]
     n = _PREQUANT_MIN_ROWS[0]
     if x.dtype == FP8_DTYPE or not n or x.shape[0] < n:
         return x, x_scale
@@ -399,5 +438,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

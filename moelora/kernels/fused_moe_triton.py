@@ -393,10 +393,11 @@ def moe_combine_ref(o: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor
 
 
 if HAS_TRITON:
+    from moelora.kernels.fp8_triton import store_group_quant
 
     @triton.jit
-    def _silu_and_mul_kernel(gu_ptr, d_ptr, out_ptr, I, s_gm, s_gn, s_dm, s_dn, s_om, s_on,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(gu_ptr, d_ptr, out_ptr, q_ptr, qs_ptr, I, s_gm, s_gn, s_dm, s_dn, s_om, s_on, s_qm,
+                             s_qsm, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0):
         p = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < I
@@ -407,7 +408,11 @@ if HAS_TRITON:
             u = (u.to(tl.float32) + tl.load(d_ptr + p * s_dm + (offs + I) * s_dn, mask=mask, other=0.0)).to(u.dtype)
         g = g.to(tl.float32)
         u = u.to(tl.float32)
-        tl.store(out_ptr + p * s_om + offs * s_on, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + p * s_om + offs * s_on, y, mask=mask)
+        if QUANT_GROUP > 0:  # the down projection's FP8 input, from the rounded output (no quantization launch)
+            store_group_quant(tl.where(mask, y.to(tl.float32), 0.0), q_ptr + p * s_qm, qs_ptr + p * s_qsm,
+                              tl.program_id(1) * BLOCK, I, 448.0, QUANT_GROUP, BLOCK)
 
     @triton.jit
     def _combine_kernel(o_ptr, d_ptr, w_ptr, out_ptr, H, s_op, s_oh, s_dp, s_dh, s_wt, s_wk, s_ot, s_oh2,
@@ -436,21 +441,32 @@ def _delta_strides(delta: torch.Tensor | None, like: torch.Tensor) -> tuple[torc
     return delta, delta.stride(0), delta.stride(1)
 
 
-def silu_and_mul(gu: torch.Tensor, out: torch.Tensor | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(gu: torch.Tensor, out: torch.Tensor | None = None, delta: torch.Tensor | None = None,
+                 quant_group: int | None = None) -> torch.Tensor:
     """silu_and_mul_ref in one launch · gu: [P, 2I] · out: [P, I] (made when None) · returns out.
     delta: [P, 2I] fp32 or None: the activation of gu + delta, the sum rounded once to gu's dtype first (the
-    numbers of gu.add_(delta) then silu_and_mul, one launch and no write of the sum)."""
+    numbers of gu.add_(delta) then silu_and_mul, one launch and no write of the sum).
+    quant_group: also quantize out per row and group as quantize_act_group(out, quant_group) would, in the same
+    launch, and attach it to out (fp8_triton.attach_act_quant: an FP8 down projection reads it); skipped when
+    I is not a multiple of the group."""
     require_triton()
+    from moelora.kernels.fp8_triton import act_quant_buffers, act_quant_ok, attach_act_quant
+
     P, two_i = gu.shape
     inter = two_i // 2
     if out is None:
         out = torch.empty(P, inter, dtype=gu.dtype, device=gu.device)
     d, sdm, sdn = _delta_strides(delta, gu)
     block = min(1024, max(16, triton.next_power_of_2(inter)))
+    quant = act_quant_ok(inter, quant_group, block) and P > 0
+    q, qs = act_quant_buffers(out, quant_group) if quant else (out, out)
     if P:
-        _silu_and_mul_kernel[(P, triton.cdiv(inter, block))](gu, d, out, inter, gu.stride(0), gu.stride(1), sdm, sdn,
-                                                             out.stride(0), out.stride(1),
-                                                             HAS_DELTA=delta is not None, BLOCK=block)
+        _silu_and_mul_kernel[(P, triton.cdiv(inter, block))](gu, d, out, q, qs, inter, gu.stride(0), gu.stride(1),
+                                                             sdm, sdn, out.stride(0), out.stride(1), q.stride(0),
+                                                             qs.stride(0), HAS_DELTA=delta is not None, BLOCK=block,
+                                                             QUANT_GROUP=quant_group if quant else 0)
+    if quant:
+        attach_act_quant(out, q, qs, quant_group)
     return out
 
 
@@ -578,14 +594,16 @@ class TritonExperts:
         self.topk_ids = topk_ids
         self.cfg = config or pick_config(self.P)
         self.align = moe_align(topk_ids, num_experts, self.cfg.block_m)
+        self.act_quant_group: int | None = None  # set by a quantized gate_up GEMM whose stack quantizes inputs
 
     def __call__(self, inp: torch.Tensor, w, fuse_act: bool = False) -> torch.Tensor:
         """inp: [T, D] or [P, D] · w: [E, O, D], or a quantized stack with expert_gemm(inp, topk_ids, align,
         gather_rows, block_m) · returns [P, O] (fuse_act: silu(gate) * up, [P, O/2])."""
         gather = inp.shape[0] != self.P
         if not isinstance(w, torch.Tensor):  # quantized: its GEMM on this alignment, then the activation kernel
+            self.act_quant_group = getattr(w, "act_quant_group", None)  # the activation quantizes for the down GEMM
             y = w.expert_gemm(inp, self.topk_ids, self.align, gather, self.cfg.block_m)
-            return silu_and_mul(y) if fuse_act else y
+            return silu_and_mul(y, quant_group=self.act_quant_group) if fuse_act else y
         n = w.shape[1] // 2 if fuse_act else w.shape[1]
         out = torch.empty(self.P, n, dtype=inp.dtype, device=inp.device)
         cfg = halved_n(self.cfg) if fuse_act else self.cfg
@@ -595,7 +613,7 @@ class TritonExperts:
         """act(g[:, :I]) * g[:, I:], g = gu (+ delta, rounded once to gu's dtype) · gu: [P, 2I] · delta: [P, 2I]
         fp32 or None · returns [P, I] (one launch for silu, the delta read in it)."""
         if activation == "silu":
-            return silu_and_mul(gu, delta=delta)
+            return silu_and_mul(gu, delta=delta, quant_group=self.act_quant_group)
         from moelora.kernels.moe import act_and_mul
 
         return act_and_mul(gu if delta is None else gu.add_(delta), activation)

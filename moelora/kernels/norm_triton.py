@@ -15,9 +15,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels.fp8_triton import store_group_quant
+
     @triton.jit
-    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, D, sx, sr, sy, sro, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, q_ptr, qs_ptr, D, sx, sr, sy, sro, sq, sqs, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < D
@@ -29,7 +31,11 @@ if HAS_TRITON:
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
         n = (xf * rstd).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * sy + offs, (n * w).to(x.dtype), mask=mask)
+        y = (n * w).to(x.dtype)
+        tl.store(y_ptr + row * sy + offs, y, mask=mask)
+        if QUANT_GROUP > 0:  # the next FP8 GEMM's input, from the rounded output (no quantization launch)
+            store_group_quant(tl.where(mask, y.to(tl.float32), 0.0), q_ptr + row * sq, qs_ptr + row * sqs, 0, D,
+                              448.0, QUANT_GROUP, BLOCK)
 
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
@@ -84,14 +90,19 @@ if HAS_TRITON:
                 tl.store(dst + HALF + offs, y2.to(kc_ptr.dtype.element_ty), mask=wmask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quant_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Semantics (rms_norm_ref, with an optional residual add first):
         if residual is not None: x = residual = (x + residual)      # in x.dtype, returned as the new residual
         y = weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)
     x, residual: [..., D] (last dim contiguous) · weight: [D] · returns (y [..., D], new residual or None)
+    quant_group: also quantize y [rows, D] per row and group as quantize_act_group(y, quant_group) would, in the
+    same launch, attached to y (fp8_triton.attach_act_quant: the next FP8 GEMM reads it); skipped when D is not
+    a multiple of the group.
     """
     require_triton()
+    from moelora.kernels.fp8_triton import act_quant_buffers, act_quant_ok, attach_act_quant
+
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
@@ -103,10 +114,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         ro = torch.empty_like(y)
     else:
         r2 = ro = y  # unused
+    block = triton.next_power_of_2(D)
+    quant = act_quant_ok(D, quant_group, block) and rows > 0
+    q, qs = act_quant_buffers(y, quant_group) if quant else (y, y)
     if rows:
-        _rms_norm_kernel[(rows,)](x2, r2, weight, y, ro, D, x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0),
-                                  eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(D))
-    return y.view(x.shape), (ro.view(x.shape) if residual is not None else None)
+        _rms_norm_kernel[(rows,)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
+                                  ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
+                                  BLOCK=block, QUANT_GROUP=quant_group if quant else 0)
+    out = y.view(x.shape)
+    if quant and x.dim() == 2:
+        attach_act_quant(out, q, qs, quant_group)
+    return out, (ro.view(x.shape) if residual is not None else None)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,

@@ -125,6 +125,12 @@ class Fp8ExpertWeight:
         return self.weight.shape
 
     @property
+    def act_quant_group(self) -> int | None:
+        """The group of the per-token activation quantization its Triton GEMMs read (None for the references):
+        a producer kernel may quantize their input itself (fp8_triton.attach_act_quant)."""
+        return self.state.block[1] if self.state.reference is None else None
+
+    @property
     def fast_path(self) -> bool:
         """The Triton kernels (not a reference mode): usable on fused_moe_triton's fast path."""
         return self.state.reference is None
@@ -210,3 +216,26 @@ def quantize_model_fp8(model: nn.Module, block: tuple[int, int] = DEFAULT_BLOCK,
     state = Fp8State(tuple(block), model.dtype, reference)
     for m in fp8_modules(model, skip).values():
         to_fp8(m, state, quantize=True)
+
+
+def _fp8_group(module: nn.Module | None) -> int | None:
+    st = getattr(module, "quant", None)
+    return st.block[1] if isinstance(st, Fp8State) and st.reference is None else None
+
+
+def tag_act_quant_norms(model: nn.Module) -> int:
+    """Let each decoder layer's RMSNorm quantize its output for the FP8 GEMMs that read it (kernels/norm_triton.py,
+    one launch fewer per GEMM): input_layernorm when the attention's fused qkv_proj is FP8 (Triton backend),
+    post_attention_layernorm when the routed experts (or a dense MLP's gate_up_proj) are. Returns the number of
+    norms tagged. Results do not change: the GEMMs would quantize the same tensor the same way."""
+    tagged = 0
+    for layer in model.modules():
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        pairs = [(getattr(layer, "input_layernorm", None), _fp8_group(getattr(attn, "qkv_proj", None))),
+                 (getattr(layer, "post_attention_layernorm", None),
+                  _fp8_group(getattr(mlp, "experts", None)) or _fp8_group(getattr(mlp, "gate_up_proj", None)))]
+        for norm, group in pairs:
+            if norm is not None and group is not None and hasattr(norm, "act_quant_group"):
+                norm.act_quant_group = group
+                tagged += 1
+    return tagged

@@ -17,12 +17,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        # set by tag_act_quant_norms when this norm feeds FP8 GEMMs: the kernel also quantizes its output per
+        # token and group of this size and attaches it (the GEMMs skip their quantization launch)
+        self.act_quant_group: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
             from moelora.kernels.norm_triton import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)[0]
+            return rms_norm(x, self.weight, self.eps, quant_group=self.act_quant_group)[0]
         return rms_norm_ref(x, self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +33,6 @@ class RMSNorm(nn.Module):
         if use_triton(x):
             from moelora.kernels.norm_triton import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group)
         r = x + residual
         return rms_norm_ref(r, self.weight, self.eps), r

@@ -8,7 +8,7 @@ import torch
 
 from moelora.config import ModelConfig
 from moelora.kernels.fp8 import DEFAULT_BLOCK
-from moelora.layers.fp8 import check_backend, quantize_model_fp8
+from moelora.layers.fp8 import check_backend, quantize_model_fp8, tag_act_quant_norms
 from moelora.layers.nvfp4 import check_nvfp4_backend, quantize_model_nvfp4
 from moelora.models.fp8_weights import Fp8CheckpointLoader
 from moelora.models.nvfp4_weights import Nvfp4CheckpointLoader
@@ -92,6 +92,8 @@ def build_model(
             quantize_model_fp8(model, DEFAULT_BLOCK, quant_reference)
         else:
             quantize_model_nvfp4(model, quant_reference is not None)
+    if method == "fp8":
+        tag_act_quant_norms(model)  # norms quantize their outputs for the FP8 GEMMs reading them
     if max_loras:
         model.enable_lora(max_loras, max_lora_rank)
     return model.eval()
