@@ -182,6 +182,7 @@ def set_fp8_gemm_config(kind: str, config: Fp8GemmConfig | None) -> None:
     _CONFIG_OVERRIDE[kind] = config
 
 
+_SPLIT_K_ENABLED = os.environ.get("MOELORA_FP8_SPLIT_K", "1") != "0"  # 0: never split the dense GEMM's K
 SPLIT_K_TARGET_PROGRAMS = 264  # dense split-K, 16-row blocks: this many programs (2 per SM of an H200's 132)
 SPLIT_K_TARGET_PROGRAMS_WIDE = 132  # 32/64-row blocks (4x the MMA work per K step): one per SM
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -242,7 +243,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     block_n = cfg.block_n
     grid_n = triton.cdiv(N, block_n)
     split_k = 1
-    if ids is None:  # dense: split K when few output tiles (decode)
+    if ids is None and (_SPLIT_K_ENABLED or cfg.split_k):  # dense: split K when few output tiles (decode)
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
     ws, cnt = out, out
     if split_k > 1:
@@ -293,9 +294,13 @@ def attach_act_quant(x: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor
     return x
 
 
+_PRODUCER_QUANT = os.environ.get("MOELORA_FP8_PRODUCER_QUANT", "1") != "0"  # 0: the GEMMs quantize their inputs
+
+
 def act_quant_ok(K: int, group: int | None, block: int) -> bool:
-    """Whether a producer kernel of tile `block` can quantize a K-wide output in groups of `group`."""
-    return bool(group) and K % group == 0 and block % group == 0
+    """Whether a producer kernel of tile `block` can quantize a K-wide output in groups of `group` (and producer
+    quantization is on: MOELORA_FP8_PRODUCER_QUANT=0 turns it off)."""
+    return _PRODUCER_QUANT and bool(group) and K % group == 0 and block % group == 0
 
 
 def _prequantized(x: torch.Tensor, x_scale: torch.Tensor | None, group: int):
