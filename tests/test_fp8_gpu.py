@@ -185,6 +185,49 @@ def test_fp8_linear_lora_reads_unquantized_activations(T):
     assert _rel(wrong, exact) > 0.015
 
 
+def test_dense_split_k_in_cuda_graphs():
+    """Split-K counters are never made inside a graph capture (its zero-fill would only be recorded: a graph replayed
+    before the one holding that memset read garbage counters and left output tiles unwritten; seen as an illegal
+    memory access in bench decode, session 8). A capture that finds none runs unsplit; once made eagerly, captured
+    graphs share them; replays in any order equal the reference on fresh inputs."""
+    from moelora.kernels import fp8_triton as ft
+
+    g = torch.Generator(device=DEV).manual_seed(4)
+    w = torch.randn(2048, 4096, device=DEV, generator=g) * 4096**-0.5  # o_proj: 8 splits at 8 tokens
+    q, s = quantize_weight_block(w)
+    x = torch.empty(8, 4096, device=DEV, dtype=torch.bfloat16)
+
+    def fill():
+        x.copy_(torch.randn(8, 4096, device=DEV, generator=g))
+        return ft.fp8_linear_ref(x, q, s)
+
+    fill()
+    ft.set_fp8_gemm_config("dense", ft.Fp8GemmConfig(64, 4, 4, 0, 1))
+    ft.fp8_linear(x, q, s)  # compile the unsplit variant eagerly
+    ft.set_fp8_gemm_config("dense", None)
+    ft._COUNTERS.clear()
+    graphs = []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = ft.fp8_linear(x, q, s)
+        graphs.append((graph, y))
+        assert not ft._COUNTERS, "counters allocated inside a capture"
+    ft.fp8_linear(x, q, s)  # eager: makes the counters (and compiles the split variant)
+    assert ft._COUNTERS
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = ft.fp8_linear(x, q, s)
+        graphs.append((graph, y))
+    for i in [3, 1, 2, 0, 3, 2, 1, 0] * 3:
+        ref = fill()
+        graphs[i][0].replay()
+        torch.cuda.synchronize()
+        assert _rel(graphs[i][1], ref) < KERNEL_TOL, i
+    assert int(next(iter(ft._COUNTERS.values())).abs().sum()) == 0
+
+
 def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -185,7 +185,7 @@ def set_fp8_gemm_config(kind: str, config: Fp8GemmConfig | None) -> None:
 _SPLIT_K_ENABLED = os.environ.get("MOELORA_FP8_SPLIT_K", "1") != "0"  # 0: never split the dense GEMM's K
 SPLIT_K_TARGET_PROGRAMS = 264  # dense split-K, 16-row blocks: this many programs (2 per SM of an H200's 132)
 SPLIT_K_TARGET_PROGRAMS_WIDE = 132  # 32/64-row blocks (4x the MMA work per K step): one per SM
-_COUNTERS: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def fp8_gemm_config(grid_m: int, N: int, grouped: bool) -> Fp8GemmConfig:
@@ -220,14 +220,19 @@ def fp8_split_k(tiles: int, k_steps: int, block_m: int = 16) -> int:
     return splits
 
 
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The arrival counters of split-K tiles: int32 zeros, kept per (device, stream) and left at zero by every
-    launch, so launches in stream order (and in graph replays) can share them; two streams get two buffers."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    cnt = _COUNTERS.get(key)
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The arrival counters of split-K tiles: int32 zeros, one buffer per device, left at zero by every launch, so
+    launches in stream order (and in graph replays) share it. Made eagerly only: inside a CUDA-graph capture an
+    allocation's zero-fill is only recorded, not run (a graph replayed before the one holding that memset would
+    read garbage counters), so a capture that finds no buffer gets None and the GEMM does not split. The engine's
+    warm-up run before each capture makes it. Split-K GEMMs on two streams at once would share it: none run so
+    (the side streams carry LoRA and shared-expert work beside grouped expert GEMMs, which never split)."""
+    cnt = _COUNTERS.get(device)
     if cnt is None or cnt.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = cnt
+        _COUNTERS[device] = cnt
     return cnt
 
 
@@ -247,8 +252,11 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
     ws, cnt = out, out
     if split_k > 1:
-        ws = torch.empty(split_k, M, N, dtype=torch.float32, device=out.device)
         cnt = _split_counters(out.device, grid_m * grid_n)
+        if cnt is None:  # first use inside a graph capture: no counters can be made here
+            cnt, split_k = out, 1
+        else:
+            ws = torch.empty(split_k, M, N, dtype=torch.float32, device=out.device)
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
     a_fp8 = a.dtype == FP8_DTYPE
