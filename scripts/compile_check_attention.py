@@ -23,7 +23,7 @@ from moelora.kernels import attention_triton as at  # noqa: E402
 
 PTRS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "ws_o_ptr": "*fp32",
         "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "bt_ptr": "*i32", "token_seq_ptr": "*i32", "seq_lens_ptr": "*i32",
-        "qsl_ptr": "*i32", "scale": "fp32"}
+        "qsl_ptr": "*i32", "scale": "fp32", "oq_ptr": "*fp8e4nv", "os_ptr": "*fp32"}
 DIV16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "ws_o_ptr", "bt_ptr", "token_seq_ptr", "seq_lens_ptr", "qsl_ptr",
          "sq_t", "sq_h", "sk_b", "sk_s", "sk_h", "sv_b", "sv_s", "sv_h", "so_t", "so_h", "sbt_b")
 
@@ -36,7 +36,7 @@ def compile_one(fn, consts: dict, arch: int, **opts) -> None:
     ptx = k.asm["ptx"]
     shown = {n: v for n, v in consts.items() if n.isupper() and n != "DOT_PRECISION"}
     print(f"{fn.__name__:<28} {shown} {opts} smem={k.metadata.shared} cp.async={ptx.count('cp.async.c')} "
-          f"mma={ptx.count('mma.sync')} wgmma={ptx.count('wgmma.mma_async')}")
+          f"mma={ptx.count('mma.sync')} wgmma={ptx.count('wgmma.mma_async')} e4m3={ptx.count('e4m3')}")
 
 
 def main() -> None:
@@ -49,13 +49,14 @@ def main() -> None:
     D, G, BS = args.head_dim, args.groups, args.block_size
     BLOCK_D = max(16, triton.next_power_of_2(D))
     for window in (False, True):
-        for direct in (False, True):
+        for direct, quant in ((False, False), (True, False), (True, True)) if window else ((False, False), (True, False)):
             compile_one(at._paged_attn_split_kernel,
                         {"BLOCK_SIZE": BS, "BLOCK_G": max(16, triton.next_power_of_2(G)), "D": D, "BLOCK_D": BLOCK_D,
-                         "TILE": at.TILE_N, "HAS_WINDOW": window, "DIRECT": direct, "DOT_PRECISION": "tf32"},
-                        args.arch, num_warps=4, num_stages=2)
+                         "TILE": at.TILE_N, "HAS_WINDOW": window, "DIRECT": direct, "DOT_PRECISION": "tf32",
+                         "QUANT": quant}, args.arch, num_warps=4, num_stages=2)
         compile_one(at._paged_attn_reduce_kernel,
-                    {"D": D, "BLOCK_D": BLOCK_D, "BLOCK_P": 64, "TILE": at.TILE_N, "HAS_WINDOW": window},
+                    {"D": D, "BLOCK_D": BLOCK_D, "BLOCK_P": 64, "TILE": at.TILE_N, "HAS_WINDOW": window,
+                     "QUANT": window},  # QUANT: the output also quantized per head for an FP8 o_proj
                     args.arch, num_warps=1)
         BLOCK_G = triton.next_power_of_2(G)
         compile_one(at._paged_attn_prefill_kernel,

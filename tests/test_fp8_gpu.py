@@ -285,6 +285,36 @@ def test_norms_and_activation_quantize_for_the_fp8_gemms_without_changing_result
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def test_producer_quantization_keeps_greedy_decode_with_graphs(tmp_path):
+    """FP8 with head_dim 128 (one o_proj scale group per head): the decode attention kernel, the norms and the
+    SiLU-and-mul quantize for their FP8 GEMMs; greedy decode under CUDA graphs gives the tokens of the run where
+    every GEMM quantizes its own input (MOELORA_FP8_PRODUCER_QUANT=0's path)."""
+    from helpers import save_tiny_model
+    from moelora import LLM, SamplingParams
+    from moelora.kernels import fp8_triton as ft
+
+    src = tmp(tmp_path, "m")
+    save_tiny_model("qwen3_moe", src, seed=2, hidden_size=256, head_dim=128, num_attention_heads=4,
+                    num_key_value_heads=2, moe_intermediate_size=128, intermediate_size=256)
+    prompts = rows_of(9, [5, 9, 3, 12, 7, 4, 8, 6])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(on: bool):
+        ft._PRODUCER_QUANT = on
+        llm = LLM(src, device=DEV, dtype="bfloat16", quantization="fp8", max_num_seqs=16)
+        attn = llm.engine.model.model.layers[0].self_attn
+        used = attn._o_proj_fp8_buffers(torch.empty(2, 4, 128, device=DEV)) is not None
+        return [o.token_ids for o in llm.generate(prompts, params)], used, llm.engine.runner.graphs is not None
+
+    try:
+        on, used_on, graphs = run(True)
+        off, used_off, _ = run(False)
+    finally:
+        ft._PRODUCER_QUANT = True
+    assert graphs and used_on and not used_off
+    assert on == off
+
+
 def test_demo_model_in_fp8_graphs_equal_eager_and_adapters_still_work():
     from moelora import LLM, SamplingParams
     from moelora.demo import ADAPTERS, TRANSFORMS, adapter_paths, make_prompt, model_path, random_input

@@ -168,7 +168,9 @@ def test_kernels_compile_for_sm90():
     lines = res.stdout.splitlines()
     split = [ln for ln in lines if ln.startswith("_paged_attn_split_kernel")]
     prefill = [ln for ln in lines if ln.startswith("_paged_attn_prefill_kernel")]
-    assert len(split) == 4 and all("mma=0 " not in ln and "cp.async=0 " not in ln for ln in split), split
+    assert len(split) == 5 and all(" mma=0 " not in ln and "cp.async=0 " not in ln for ln in split), split
+    quant = [ln for ln in lines if "'QUANT': True" in ln]  # the FP8 o_proj's input quantized in the kernel
+    assert len(quant) == 2 and all("e4m3=0" not in ln for ln in quant), quant
     assert len(prefill) == 2 and all("wgmma=0" not in ln for ln in prefill), prefill
 
 
@@ -246,3 +248,26 @@ def test_gpu_split_inside_cuda_graph():
         eager = torch.zeros_like(out)
         paged_attention(q, k_cache, v_cache, bt, token_seq, seq_lens, qsl, scale, None, eager)
         assert torch.equal(eager, out), "replay must equal eager bit for bit (same shapes)"
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_quantizes_its_output_per_head_for_an_fp8_o_proj(num_splits):
+    """out_fp8: the decode kernel (direct or split) also writes quantize_act_group(out.reshape(T, Hq * D), D), padding
+    rows included (zeros, the smallest scale), in the same launches; other kernels refuse it."""
+    from moelora.kernels.fp8 import FP8_DTYPE
+    from moelora.kernels.fp8_triton import quantize_act_group
+
+    gen = torch.Generator().manual_seed(21 + num_splits)
+    batch = make_batch([(10, 1), (5, 1), (33, 1)], 4, 2, 16, 4, DTYPES[-1], gen, pad_rows=2)
+    q, k_cache, v_cache, bt, dev, lens, qsl, T = batch
+    n = q.shape[0]
+    out = torch.full_like(q, 7.0)
+    oq = torch.empty(n, 4 * 16, dtype=FP8_DTYPE, device=DEVICE)
+    osc = torch.full((n, 4), float("nan"), device=DEVICE)
+    paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, out, kernel="decode", num_splits=num_splits,
+                    min_tiles=1, out_fp8=(oq, osc))
+    q_ref, s_ref = quantize_act_group(out.reshape(n, 64), 16)
+    assert torch.equal(osc, s_ref) and torch.equal(oq.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.all(out[T:] == 0)
+    with pytest.raises(ValueError, match="decode kernel"):
+        paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, out, kernel="prefill", out_fp8=(oq, osc))

@@ -109,13 +109,36 @@ if HAS_TRITON:
         return b, pos, lo_key, tile_lo, tps, (ntiles + tps - 1) // tps
 
     @triton.jit
+    def _store_head_quant(v, oq_ptr, os_ptr, t, heads, mask_h, Hq, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """v [NH, BLOCK_D] fp32: the (rounded) outputs of heads `heads` of row t, 0 past D -> e4m3 per head (one
+        group of D) into oq [T, Hq * D] and its scale into os [T, Hq], as quantize_act_group does."""
+        scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12) / 448.0  # [NH]
+        q = tl.clamp(v / scale[:, None], -448.0, 448.0)
+        offs_d = tl.arange(0, BLOCK_D)
+        row = t.to(tl.int64) * Hq
+        tl.store(oq_ptr + (row + heads)[:, None] * D + offs_d[None, :], q.to(oq_ptr.dtype.element_ty),
+                 mask=mask_h[:, None] & (offs_d < D)[None, :])
+        tl.store(os_ptr + row + heads, scale, mask=mask_h)
+
+    @triton.jit
+    def _store_one_head_quant(v, oq_ptr, os_ptr, idx, mask_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """_store_head_quant for one head: v [BLOCK_D] fp32 of head row idx = t * Hq + h."""
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / 448.0
+        q = tl.clamp(v / scale, -448.0, 448.0)
+        tl.store(oq_ptr + idx * D + tl.arange(0, BLOCK_D), q.to(oq_ptr.dtype.element_ty), mask=mask_d)
+        tl.store(os_ptr + idx, scale)
+
+    @triton.jit
     def _paged_attn_split_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
         scale, window, G, NUM_SPLITS, MIN_TILES,
         sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
     ):
+        # QUANT (DIRECT only): also out quantized per (row, head) for an FP8 o_proj: oq [T, Hq * D] e4m3 and
+        # os [T, Hq] fp32 (one scale group = one head: D == the GEMM's group), the numbers of quantize_act_group
         # program (t, kvh, sp): query row t, its G heads of KV head kvh, the sp-th chunk of tps tiles of
         # the row's key range [lo_key, pos] (tiles of TILE positions counted from lo_key's tile)
         t = tl.program_id(0)
@@ -127,9 +150,12 @@ if HAS_TRITON:
             if (b < 0) & (sp == 0):  # padding row, written 0 (no zero-filled output buffer needed)
                 offs_gp = tl.arange(0, BLOCK_G)
                 offs_dp = tl.arange(0, BLOCK_D)
+                zeros = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
                 tl.store(out_ptr + t.to(tl.int64) * so_t + (kvh * G + offs_gp)[:, None] * so_h + offs_dp[None, :],
-                         tl.zeros((BLOCK_G, BLOCK_D), dtype=out_ptr.dtype.element_ty),
-                         mask=(offs_gp < G)[:, None] & (offs_dp < D)[None, :])
+                         zeros.to(out_ptr.dtype.element_ty), mask=(offs_gp < G)[:, None] & (offs_dp < D)[None, :])
+                if QUANT:
+                    _store_head_quant(zeros, oq_ptr, os_ptr, t, kvh * G + offs_gp, offs_gp < G, tl.num_programs(1) * G, D,
+                                      BLOCK_D)
         if (b < 0) | (sp >= n_active):  # padding row, or nothing left for this split
             return
         k_lo = (tile_lo + sp * tps) * TILE  # its first tile holds a visible key (lo_key or k_lo itself)
@@ -169,8 +195,11 @@ if HAS_TRITON:
         o = acc / l_i[:, None]
         mask_o = mask_g[:, None] & mask_d[None, :]
         if DIRECT:
-            tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=mask_o)
+            ob = o.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :], ob, mask=mask_o)
+            if QUANT:
+                _store_head_quant(tl.where(mask_o, ob.to(tl.float32), 0.0), oq_ptr, os_ptr, t, heads, mask_g,
+                                  tl.num_programs(1) * G, D, BLOCK_D)
         else:
             # workspace: ws_o [T, Hq, NUM_SPLITS, D], ws_m / ws_l [T, Hq, NUM_SPLITS], all contiguous fp32
             row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + sp  # [BLOCK_G]
@@ -183,7 +212,7 @@ if HAS_TRITON:
         out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
         window, NUM_SPLITS, MIN_TILES, so_t, so_h,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TILE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
     ):
         # program (t, h): out[t, h] = sum_s w_s * o_s over the row's active splits, in index order,
         # w_s = l_s * 2^(m_s - M) / sum_s' l_s' * 2^(m_s' - M), M = max_s m_s (maxima in log2 units)
@@ -194,8 +223,11 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         if b < 0:  # padding row, written 0 (no zero-filled output buffer needed)
-            tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, tl.zeros((BLOCK_D,), tl.float32).to(
-                out_ptr.dtype.element_ty), mask=mask_d)
+            zeros = tl.zeros((BLOCK_D,), tl.float32)
+            tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, zeros.to(out_ptr.dtype.element_ty),
+                     mask=mask_d)
+            if QUANT:
+                _store_one_head_quant(zeros, oq_ptr, os_ptr, t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
             return
         row0 = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
         offs_p = tl.arange(0, BLOCK_P)
@@ -208,7 +240,11 @@ if HAS_TRITON:
         for sp in range(0, n_active):
             w = tl.load(ws_l_ptr + row0 + sp) * tl.exp2(tl.load(ws_m_ptr + row0 + sp) - M) / W  # 1.0 if alone
             acc += w * tl.load(ws_o_ptr + (row0 + sp) * D + offs_d, mask=mask_d, other=0.0)
-        tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
+        ob = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, ob, mask=mask_d)
+        if QUANT:
+            _store_one_head_quant(tl.where(mask_d, ob.to(tl.float32), 0.0), oq_ptr, os_ptr,
+                                  t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
 
     @triton.jit
     def _paged_attn_prefill_kernel(
@@ -331,6 +367,7 @@ def paged_attention(
     num_splits: int | None = None,
     min_tiles: int | None = None,
     workspace: torch.Tensor | None = None,
+    out_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Semantics, per query row t of sequence b = token_seq[t] (-1: padding: written 0 by the "decode" kernel,
     left untouched by "prefill" and "legacy"; decode_kernel_chosen says which one runs), with
@@ -339,6 +376,10 @@ def paged_attention(
         (and j > p - sliding_window), k/v of sequence b read through block_tables[b]; G = Hq // Hkv
     q: [T, Hq, D] · k_cache, v_cache: [NB, BS, Hkv, D] · block_tables: [B, max_blocks] int32
     token_seq: [T] int32 · seq_lens: [B] int32 · query_start_loc: [B+1] int32 · out: [T, Hq, D]
+
+    out_fp8: (q [T, Hq * D] float8_e4m3fn, scale [T, Hq] fp32) or None: the "decode" kernel also writes
+    quantize_act_group(out.reshape(T, Hq * D), D) there (padding rows included: zeros), for an FP8 o_proj whose
+    scale group is one head (D a power of two); other kernels raise.
 
     kernel (every kernel computes the semantics above for any mix of rows; the choice is speed only):
       "auto": "decode" when T <= B (at most ~one row per sequence: decode batches, CUDA graphs), else
@@ -363,6 +404,10 @@ def paged_attention(
         return
     if kernel == "auto":
         kernel = "decode" if decode_kernel_chosen(T, B, kernel) else "prefill"
+    if out_fp8 is not None and (kernel != "decode" or D & (D - 1)):
+        raise ValueError(f"out_fp8: the decode kernel with a power-of-two head dim only (kernel {kernel!r}, D={D})")
+    oq, os_ = out_fp8 if out_fp8 is not None else (None, None)
+    quant = dict(oq_ptr=oq, os_ptr=os_, QUANT=True) if out_fp8 is not None else {}
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
                block_tables.stride(0))
@@ -412,12 +457,12 @@ def paged_attention(
         scale, sliding_window or 0, G, num_splits, min_tiles, *strides,
         BLOCK_SIZE=BS, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
         TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=direct, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **(quant if direct else {}),
     )
     if not direct:
         _paged_attn_reduce_kernel[(T, Hq)](
             out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
             sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
             D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_splits), TILE=TILE_N,
-            HAS_WINDOW=has_window, num_warps=1,
+            HAS_WINDOW=has_window, num_warps=1, **quant,
         )

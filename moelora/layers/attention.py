@@ -102,8 +102,14 @@ class Attention(nn.Module):
             # [T, Hq, D]; padding rows 0 (the decode kernel writes them; the others leave them as filled here)
             decode = decode_kernel_chosen(T, attn.block_tables.shape[0], ATTENTION_KERNEL)
             o = torch.empty_like(q) if decode else torch.zeros_like(q)
+            o_fp8 = self._o_proj_fp8_buffers(q) if decode else None  # an FP8 o_proj's input, quantized in the kernel
             paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
-                            attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL)
+                            attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL,
+                            out_fp8=o_fp8)
+            if o_fp8 is not None:
+                from moelora.kernels.fp8_triton import attach_act_quant
+
+                return self.o_proj(attach_act_quant(o.reshape(T, self.q_size), *o_fp8, q.shape[2]), lora)
         else:
             write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
             o = paged_attention_ref(
@@ -111,3 +117,17 @@ class Attention(nn.Module):
                 self.sliding_window,
             )  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size), lora)
+
+    def _o_proj_fp8_buffers(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q [T, Hq * D] e4m3, scales [T, Hq]) for the decode kernel to quantize the attention output into, when
+        o_proj is FP8 (Triton) with one scale group per head (group == head dim) and producer quantization is on."""
+        from moelora.kernels.fp8 import FP8_DTYPE
+        from moelora.kernels.fp8_triton import act_quant_ok
+        from moelora.layers.fp8 import fp8_act_group
+
+        T, Hq, D = q.shape
+        group = fp8_act_group(self.o_proj)
+        if group != D or D & (D - 1) or not act_quant_ok(Hq * D, group, D):
+            return None
+        return (torch.empty(T, Hq * D, dtype=FP8_DTYPE, device=q.device),
+                torch.empty(T, Hq, dtype=torch.float32, device=q.device))

@@ -218,7 +218,8 @@ def quantize_model_fp8(model: nn.Module, block: tuple[int, int] = DEFAULT_BLOCK,
         to_fp8(m, state, quantize=True)
 
 
-def _fp8_group(module: nn.Module | None) -> int | None:
+def fp8_act_group(module: nn.Module | None) -> int | None:
+    """The activation scale group of an FP8 module on the Triton backend (its block_k), else None."""
     st = getattr(module, "quant", None)
     return st.block[1] if isinstance(st, Fp8State) and st.reference is None else None
 
@@ -231,9 +232,9 @@ def tag_act_quant_norms(model: nn.Module) -> int:
     tagged = 0
     for layer in model.modules():
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        pairs = [(getattr(layer, "input_layernorm", None), _fp8_group(getattr(attn, "qkv_proj", None))),
+        pairs = [(getattr(layer, "input_layernorm", None), fp8_act_group(getattr(attn, "qkv_proj", None))),
                  (getattr(layer, "post_attention_layernorm", None),
-                  _fp8_group(getattr(mlp, "experts", None)) or _fp8_group(getattr(mlp, "gate_up_proj", None)))]
+                  fp8_act_group(getattr(mlp, "experts", None)) or fp8_act_group(getattr(mlp, "gate_up_proj", None)))]
         for norm, group in pairs:
             if norm is not None and group is not None and hasattr(norm, "act_quant_group"):
                 norm.act_quant_group = group
