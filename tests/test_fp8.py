@@ -432,7 +432,7 @@ def test_triton_kernels_compile_for_sm90_ahead_of_time():
     script = os.path.join(os.path.dirname(__file__), "fp8_aot.py")
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok") == 8, r.stdout
+    assert r.stdout.count("ok") == 9, r.stdout
 
 
 def test_deepseek_v3_fp8_checkpoint_mla_kv_b_dequantized(tmp_path):
@@ -554,3 +554,48 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
     assert torch.equal(fp8_linear(y, wq, ws, (16, grp)), fp8_linear(y_plain, wq, ws, (16, grp)))
     odd, _ = rms_norm(torch.randn(T, 40, generator=g).half(), torch.ones(40).half(), 1e-6, quant_group=grp)
     assert not hasattr(odd, "fp8_act")  # 40 is not a multiple of 16: the GEMM quantizes it itself
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k):
+    """fp8_linear(lora=...) adds lora_expand's delta to the fp32 tile before its one rounding: slices whose
+    boundaries fall inside a column tile, slots of rank 0 for a slice, base rows (slot -1) untouched by LoRA,
+    the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once)."""
+    from moelora.kernels.fp8_triton import (
+        Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref, fp8_linear_ref, set_fp8_gemm_config,
+    )
+    from moelora.kernels.groups import SlotGroups
+    from moelora.kernels.lora_triton import lora_shrink
+
+    g = torch.Generator().manual_seed(60 + split_k)
+    blk, T, D, outs, S, R = (16, 16), 11, 48, [40, 24, 8], 3, 8
+    O = sum(outs)
+    x = torch.randn(T, D, generator=g)
+    xq, xs = quantize_act_group_ref(x, blk[1])
+    q, s = quantize_weight_block(torch.randn(O, D, generator=g), blk)
+    bias = torch.randn(O, generator=g)
+    a = torch.randn(3, S, R, D, generator=g) * 0.3
+    b = torch.randn(S, O, R, generator=g) * 0.3
+    ranks = torch.tensor([[8, 4, 0], [2, 8, 8], [8, 0, 5]], dtype=torch.int32)
+    for i, o0 in enumerate([0, 40, 64]):
+        for sl in range(S):
+            a[i, sl, ranks[i, sl]:] = 0
+            b[sl, o0:o0 + outs[i], ranks[i, sl]:] = 0
+    scaling = torch.rand(3, S, generator=g) + 0.5
+    off = torch.tensor([0, 40, 64, 72], dtype=torch.int32)
+    slots = torch.tensor([0, -1, 2, 1, 1, 0, -1, 2, 2, 0, 1], dtype=torch.int32)
+    groups = SlotGroups.build(slots, S)
+    h = torch.full((2, 3, T, R), float("nan"))
+    lora_shrink(x, a, ranks, groups, h)
+    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots)
+    set_fp8_gemm_config("dense", Fp8GemmConfig(32, 4, 2, 16, split_k))
+    try:
+        y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32, lora=lora)
+    finally:
+        set_fp8_gemm_config("dense", None)
+    ref = fp8_linear_lora_ref(xq, q, s, blk, bias, lora, groups, x_scale=xs, out_dtype=torch.float32)
+    base = fp8_linear_ref(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
+    assert not y.isnan().any() and torch.allclose(y[slots < 0], base[slots < 0], rtol=1e-5, atol=1e-5)
+    assert (y - base).abs().max() > 0.1  # the delta is there

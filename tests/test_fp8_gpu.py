@@ -228,6 +228,48 @@ def test_dense_split_k_in_cuda_graphs():
     assert int(next(iter(ft._COUNTERS.values())).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("T", [3, 64, 256])
+def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T):
+    """LoRALinear on an FP8 base with several adapters: the expand inside the FP8 GEMM's epilogue (default) against
+    the GEMM then the expand kernel (set_fp8_lora_epilogue(False)): the same numbers up to one bf16 rounding of the
+    sum (the kernel path rounds the base output first), base rows identical, in eager mode and in a CUDA graph."""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.kernels.fp8_triton import set_fp8_lora_epilogue
+    from moelora.layers.fp8 import Fp8State, to_fp8
+    from moelora.layers.linear import LoRALinear
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    lin = LoRALinear(2048, [4096, 512, 512], False, torch.bfloat16, DEV)
+    lin.weight.copy_(torch.randn(5120, 2048, device=DEV, generator=g) * 2048**-0.5)
+    to_fp8(lin, Fp8State((128, 128), torch.bfloat16, None), quantize=True)
+    lin.enable_lora(4, 16)
+    for s in range(4):
+        for i, out in enumerate(lin.out_features):
+            lin.lora.set_slot(i, s, torch.randn(16, 2048, device=DEV, generator=g) * 0.05,
+                              torch.randn(out, 16, device=DEV, generator=g) * 0.25, 2.0)
+    x = torch.randn(T, 2048, device=DEV, generator=g).bfloat16()
+    slots = [i % 5 - 1 for i in range(T)]
+    batch = LoRABatch.build(slots, 4, DEV)
+    try:
+        set_fp8_lora_epilogue(False)
+        kernel = lin(x, batch)
+        set_fp8_lora_epilogue(True)
+        fused = lin(x, batch)
+        graph = torch.cuda.CUDAGraph()
+        lin(x, batch)
+        with torch.cuda.graph(graph):
+            replayed = lin(x, batch)
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        set_fp8_lora_epilogue(True)
+    base = torch.tensor(slots, device=DEV) < 0
+    assert torch.equal(fused[base], kernel[base])
+    assert _rel(fused, kernel) < 2.0**-8
+    assert torch.equal(replayed, fused)
+    assert (fused.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
+
+
 def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -67,7 +67,14 @@ if HAS_TRITON:
         GROUP_K: tl.constexpr, SCALE_N: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_ROW_DIV: tl.constexpr = 1,
         SPLIT_K: tl.constexpr = 1,
+        lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None,
+        S=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
+        LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
+        LORA_PRECISION: tl.constexpr = "ieee",
     ):
+        # LORA_N > 0 (dense only): the multi-LoRA expand in the epilogue, lora_expand's semantics on the fp32 tile
+        # before its one rounding: acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype)
+        # @ lb[s, o_i, :r].T for rows t of slot s = lslot[t] >= 0, r = ranks[i, s] > 0
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
@@ -123,6 +130,27 @@ if HAS_TRITON:
             tl.store(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if LORA_N > 0:
+            row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
+            offs_r = tl.arange(0, LORA_BR)
+            for i in tl.static_range(LORA_N):
+                o0 = tl.load(loff_ptr + i)
+                col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
+                if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
+                    for slot in range(S):
+                        row_in = row_slot == slot
+                        rank = tl.load(lrank_ptr + i * S + slot)
+                        if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
+                            mask_r = offs_r < rank
+                            mask_h = row_in[:, None] & mask_r[None, :]
+                            h_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
+                            ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
+                            for sk in range(1, LORA_SK):  # the shrink's split-K partials, in order
+                                ht += tl.load(h_ptrs + sk * slh_s, mask=mask_h, other=0.0)
+                            bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                         mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                            acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
+                                lscale_ptr + i * S + slot)
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -236,8 +264,35 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return cnt
 
 
+@dataclass
+class Fp8LoRAEpilogue:
+    """A dense multi-LoRA expand for fp8_linear to add in its epilogue (kernels/lora_triton.lora_expand's
+    semantics, fp32, before the output's one rounding). h: the shrink's [split_k, n, T, R] fp32 (or [n, T, R])
+    · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
+    · token_slots: [T] int32 (-1: no adapter, row untouched)."""
+
+    h: torch.Tensor
+    b_cat: torch.Tensor
+    slice_offsets: torch.Tensor
+    ranks: torch.Tensor
+    scaling: torch.Tensor
+    token_slots: torch.Tensor
+
+    def kernel_args(self) -> dict:
+        from moelora.kernels._triton import dot_precision
+
+        h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
+        sk, n, _, R = h.shape
+        b = self.b_cat
+        return dict(lh_ptr=h, lb_ptr=b, loff_ptr=self.slice_offsets, lrank_ptr=self.ranks, lscale_ptr=self.scaling,
+                    lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
+                    slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
+                    LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
+                    LORA_PRECISION=dot_precision(b.dtype))
+
+
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
-            a_row_div: int = 1) -> None:
+            a_row_div: int = 1, lora: Fp8LoRAEpilogue | None = None) -> None:
     M, K = out.shape[0], a.shape[1]
     N = w.shape[-2]
     bn, bk = block
@@ -270,6 +325,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
         GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_ROW_DIV=a_row_div,
         SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **(lora.kernel_args() if lora is not None else {}),
     )
 
 
@@ -300,6 +356,19 @@ def attach_act_quant(x: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor
     x must not be changed in place afterwards. Returns x."""
     x.fp8_act = (x_fp8, x_scale, group)
     return x
+
+
+_LORA_EPILOGUE = [os.environ.get("MOELORA_FP8_LORA_EPILOGUE", "1") != "0"]
+
+
+def set_fp8_lora_epilogue(enabled: bool) -> None:
+    """Dense LoRA on an FP8 (Triton) LoRALinear: the expand inside the FP8 GEMM's epilogue (on by default; off, or
+    MOELORA_FP8_LORA_EPILOGUE=0: the GEMM, then the expand kernel adding into its bf16 output)."""
+    _LORA_EPILOGUE[0] = bool(enabled)
+
+
+def fp8_lora_epilogue() -> bool:
+    return _LORA_EPILOGUE[0]
 
 
 _PRODUCER_QUANT = os.environ.get("MOELORA_FP8_PRODUCER_QUANT", "1") != "0"  # 0: the GEMMs quantize their inputs
@@ -336,10 +405,12 @@ def _dense_block_m(rows: int) -> int:
 def fp8_linear(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    lora: Fp8LoRAEpilogue | None = None,
 ) -> torch.Tensor:
     """Semantics (fp8_block_matmul_ref):
         xq, xs = quantize_act_group(x, block_k)    (or x, x_scale when x is already float8)
         y = deq(xq, xs) @ deq(w_fp8, w_scale_inv).T (+ bias)     # fp32 accumulation
+        (+ lora: the expand of Fp8LoRAEpilogue added in fp32, rounded once with y: fp8_linear_lora_ref)
     x: [T, K] bf16/fp16/fp32, or float8 with x_scale [T, ceil(K/bk)] · w_fp8: [N, K] float8_e4m3fn
     w_scale_inv: [ceil(N/bn), ceil(K/bk)] fp32 · bias: [N] or None
     returns [T, N] in out_dtype, default x.dtype (bf16 for a float8 x)
@@ -354,8 +425,21 @@ def fp8_linear(
     forced = _CONFIG_OVERRIDE["dense"]
     bm = forced.block_m if forced is not None and forced.block_m else _dense_block_m(T)
     x, x_scale = _prequantized(x, x_scale, block[1])
-    _launch(x, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm))
+    _launch(x, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm), lora=lora)
     return out
+
+
+def fp8_linear_lora_ref(x, w_fp8, w_scale_inv, block, bias, lora: Fp8LoRAEpilogue, groups, x_scale=None,
+                        out_dtype=None) -> torch.Tensor:
+    """fp8_linear(..., lora=lora) in torch: the fp32 base output plus lora_expand_ref's delta, rounded once.
+    groups: the SlotGroups of lora.token_slots (the reference walks slots on the host)."""
+    from moelora.kernels.lora import lora_expand_ref
+
+    y = fp8_linear_ref(x, w_fp8, w_scale_inv, block, bias, x_scale, out_dtype=torch.float32)
+    h = lora.h if lora.h.dim() == 4 else lora.h.unsqueeze(0)
+    h = h.sum(0).to(lora.b_cat.dtype).float()  # the kernel rounds h to the factors' dtype, as lora_expand does
+    lora_expand_ref(h, lora.b_cat, lora.slice_offsets, lora.ranks, lora.scaling, groups, y)
+    return y.to(out_dtype or (torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype))
 
 
 def fp8_linear_ref(x, w_fp8, w_scale_inv, block=(128, 128), bias=None, x_scale=None, out_dtype=None) -> torch.Tensor:
@@ -451,5 +535,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

@@ -101,9 +101,34 @@ class LoRALinear(nn.Module):
             return self.base(x)
         if self.overlap and x.is_cuda and dense_lora_overlap():
             return self._forward_overlapped(x, lora)
+        if self._fp8_epilogue_ok(x, lora):
+            return self._forward_fp8_epilogue(x, lora)
         y = self.base(x)
         apply_dense_lora(x, self.lora, lora, y)
         return y
+
+    def _fp8_epilogue_ok(self, x: torch.Tensor, lora: LoRABatch) -> bool:
+        """The FP8 (Triton) base with the grouped LoRA kernels: the expand can run in the GEMM's epilogue."""
+        if self.quant is None or not x.is_cuda:
+            return False
+        from moelora.kernels.fp8_triton import fp8_lora_epilogue
+        from moelora.layers.fp8 import Fp8State
+
+        st = self.quant
+        return (fp8_lora_epilogue() and isinstance(st, Fp8State) and st.reference is None and not fused_dense_lora()
+                and not (lora.single_slot is not None and not lora.graph and _SINGLE_SLOT["enabled"]))
+
+    def _forward_fp8_epilogue(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+        """y = the FP8 GEMM with the LoRA expand added in its epilogue (one launch instead of two; the sum rounded
+        once): the shrink into split-K partials first (it reads the unquantized x), then fp8_linear(lora=...)."""
+        from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_linear
+        from moelora.kernels.lora_triton import lora_shrink
+
+        w = self.lora
+        h = dense_lora_h(w, x)
+        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h)
+        epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.quant.block, self.bias, lora=epi)
 
     def _forward_overlapped(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """The LoRA chain on the side stream beside the base GEMM (kernels/streams.py): its buffers are made on
