@@ -116,8 +116,16 @@ def main() -> None:
             fn = None
             torch.cuda.empty_cache()
     if args.json:
+        import datetime
+        import os
+
+        import triton
+
+        meta = {"kind": "sweep_fp8_gemm", "date": datetime.date.today().isoformat(),
+                "device": torch.cuda.get_device_name(), "commit": os.environ.get("MOELORA_COMMIT"),
+                "torch": torch.__version__, "triton": triton.__version__}
         with open(args.json, "w") as f:
-            json.dump({"hbm_gbs": bw, "rows": rows}, f, indent=1)
+            json.dump({**meta, "hbm_gbs": bw, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
