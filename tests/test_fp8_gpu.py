@@ -149,21 +149,29 @@ def _lora_args(ex, lora):
                           down_ranks=d.rank_tensor, gate_up_offsets=gu.slice_offsets, down_offsets=d.slice_offsets)
 
 
-@pytest.mark.parametrize("T", [3, 64])
-def test_fp8_linear_lora_reads_unquantized_activations(T):
-    from moelora.adapters.metadata import LoRABatch
+def _fp8_qkv_with_adapters(D: int, g: torch.Generator, device: str = DEV):
+    """A qkv LoRALinear (D -> 4096 + 512 + 512) on an FP8 base (Triton backend) with 4 rank-16 adapters, scaling 2,
+    whose deltas are ~6x the base output."""
     from moelora.layers.fp8 import Fp8State, to_fp8
     from moelora.layers.linear import LoRALinear
 
-    g = torch.Generator(device=DEV).manual_seed(T)
-    lin = LoRALinear(4096, [4096, 512, 512], False, torch.bfloat16, DEV)
-    lin.weight.copy_(torch.randn(5120, 4096, device=DEV, generator=g) * 4096**-0.5)
+    lin = LoRALinear(D, [4096, 512, 512], False, torch.bfloat16, device)
+    lin.weight.copy_(torch.randn(5120, D, device=device, generator=g) * D**-0.5)
     to_fp8(lin, Fp8State((128, 128), torch.bfloat16, None), quantize=True)
     lin.enable_lora(4, 16)
     for s in range(4):
         for i, out in enumerate(lin.out_features):
-            lin.lora.set_slot(i, s, torch.randn(16, 4096, device=DEV, generator=g) * 0.05,
-                              torch.randn(out, 16, device=DEV, generator=g) * 0.25, 2.0)  # delta ~6x the base
+            lin.lora.set_slot(i, s, torch.randn(16, D, device=device, generator=g) * 0.05,
+                              torch.randn(out, 16, device=device, generator=g) * 0.25, 2.0)
+    return lin
+
+
+@pytest.mark.parametrize("T", [3, 64])
+def test_fp8_linear_lora_reads_unquantized_activations(T):
+    from moelora.adapters.metadata import LoRABatch
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    lin = _fp8_qkv_with_adapters(4096, g)
     x = torch.randn(T, 4096, device=DEV, generator=g).bfloat16()
     slots = [i % 5 - 1 for i in range(T)]
     delta = (lin(x, LoRABatch.build(slots, 4, DEV)).float() - lin(x).float())
@@ -235,18 +243,9 @@ def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T):
     sum (the kernel path rounds the base output first), base rows identical, in eager mode and in a CUDA graph."""
     from moelora.adapters.metadata import LoRABatch
     from moelora.kernels.fp8_triton import set_fp8_lora_epilogue
-    from moelora.layers.fp8 import Fp8State, to_fp8
-    from moelora.layers.linear import LoRALinear
 
     g = torch.Generator(device=DEV).manual_seed(T)
-    lin = LoRALinear(2048, [4096, 512, 512], False, torch.bfloat16, DEV)
-    lin.weight.copy_(torch.randn(5120, 2048, device=DEV, generator=g) * 2048**-0.5)
-    to_fp8(lin, Fp8State((128, 128), torch.bfloat16, None), quantize=True)
-    lin.enable_lora(4, 16)
-    for s in range(4):
-        for i, out in enumerate(lin.out_features):
-            lin.lora.set_slot(i, s, torch.randn(16, 2048, device=DEV, generator=g) * 0.05,
-                              torch.randn(out, 16, device=DEV, generator=g) * 0.25, 2.0)
+    lin = _fp8_qkv_with_adapters(2048, g)
     x = torch.randn(T, 2048, device=DEV, generator=g).bfloat16()
     slots = [i % 5 - 1 for i in range(T)]
     batch = LoRABatch.build(slots, 4, DEV)
