@@ -234,9 +234,9 @@ def fp8_gemm_config(grid_m: int, N: int, grouped: bool) -> Fp8GemmConfig:
 
 def fp8_split_k(tiles: int, k_steps: int, block_m: int = 16) -> int:
     """K splits of a dense GEMM with `tiles` output tiles of block_m rows and `k_steps` steps of one scale group:
-    a power of two <= 8 with >= 4 K steps per split: for 16-row blocks the smallest reaching 264 programs (2 per SM
-    of an H200), for wider blocks (4x the MMA work per K step) the largest staying within 132. The H200 sweep (session 8, qkv 2048 -> 5120 and o_proj 4096 -> 2048,
-    fp8): 1-16 tokens best at 4-8 splits (o_proj at 1 token 7.0 -> 6.2 us with 8), 64 tokens qkv best unsplit
+    a power of two <= 8 with >= 4 K steps per split: for 16-row blocks the smallest reaching 264 programs (2 per
+    SM of an H200), for wider blocks (4x the MMA work per K step) the largest staying within 132. The H200 sweep
+    (session 8, qkv 2048 -> 5120 and o_proj 4096 -> 2048, fp8): 1-16 tokens best at 4-8 splits (o_proj at 1 token 7.0 -> 6.2 us with 8), 64 tokens qkv best unsplit
     (8.6 us; 2 splits 9.8), o_proj best at 4 (9.2 us; 8 splits 11.3), 256 tokens within 0.6 us of the best."""
     splits = 1
     while splits < 8 and k_steps >= splits * 8:
@@ -253,7 +253,9 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     launches in stream order (and in graph replays) share it. Made eagerly only: inside a CUDA-graph capture an
     allocation's zero-fill is only recorded, not run (a graph replayed before the one holding that memset would
     read garbage counters), so a capture that finds no buffer gets None and the GEMM does not split. The engine's
-    warm-up run before each capture makes it. Split-K GEMMs on two streams at once would share it: none run so
+    warm-up run before each capture makes it. It is never outgrown in use (a split launch has < 264 tiles against
+    the 4096 counters made; only a forced config could ask for more, and a replaced buffer would leave captured
+    graphs pointing at freed memory). Split-K GEMMs on two streams at once would share it: none run so
     (the side streams carry LoRA and shared-expert work beside grouped expert GEMMs, which never split)."""
     cnt = _COUNTERS.get(device)
     if cnt is None or cnt.numel() < tiles:
