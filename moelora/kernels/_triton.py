@@ -48,6 +48,21 @@ def fused_lora() -> bool:
     return _FUSED_LORA[0]
 
 
+_GROUPED_LORA = [os.environ.get("MOELORA_GROUPED_LORA", "0") == "1"]
+
+
+def set_grouped_lora(enabled: bool) -> None:
+    """With set_fused_lora on: routed-expert LoRA deltas of GROUPED_MIN_PAIRS..2,048 pairs through the grouped
+    kernel (kernels/moe_lora_grouped_triton.py: pairs grouped by (slot, expert), each group's A and B read once,
+    one alignment a layer) instead of the per-pair fused kernel. Off until measured on a GPU; on with
+    MOELORA_GROUPED_LORA=1. CUDA graphs keep the path they captured: set it before capture."""
+    _GROUPED_LORA[0] = bool(enabled)
+
+
+def grouped_lora() -> bool:
+    return _GROUPED_LORA[0]
+
+
 def set_fused_dense_lora(enabled: bool) -> None:
     """Dense (attention) LoRA deltas of T <= FUSED_DENSE_MAX_TOKENS tokens through the fused kernel
     (kernels/lora_fused_triton.py). Off by default: on the H200 it was slower than the shrink/expand kernels

@@ -137,7 +137,9 @@ def fused_moe_pairs(
     stream joins before adding the delta (gu + delta rounds once, exactly as the in-place expand does): on the
     Triton fast path the activation and combine kernels read the delta and add it themselves (no extra pass).
     set_fused_lora(True) (kernels/_triton.py), P <= GEMV_MAX_PAIRS and shrink the Triton kernel or its reference:
-    each projection's LoRA delta is one fused launch (moe_lora_fused[_ref]; store mode into delta when overlapping).
+    each projection's LoRA delta is one fused launch (moe_lora_fused[_ref]; store mode into delta when overlapping);
+    with set_grouped_lora(True) too, from GROUPED_MIN_PAIRS pairs, the grouped kernel (moe_lora_grouped: one
+    alignment by (slot, expert) a layer, made where the first delta runs and shared by gate_up and down).
     x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]
     """
     T, H = x.shape
@@ -159,13 +161,17 @@ def fused_moe_pairs(
     overlap = side_stream is not None and lora is not None and P <= OVERLAP_MAX_PAIRS
     fused = None  # set_fused_lora(True), decode-sized P: shrink + expand in one launch (moe_lora_fused_triton.py)
     if lora is not None:
-        from moelora.kernels._triton import fused_lora
+        from moelora.kernels._triton import fused_lora, grouped_lora
 
         if fused_lora():
             from moelora.kernels.moe_lora_fused_triton import fused_for
             from moelora.kernels.moe_lora_triton import GEMV_MAX_PAIRS
 
             fused = fused_for(shrink) if P <= GEMV_MAX_PAIRS else None
+            if fused is not None and grouped_lora():  # pairs grouped by (slot, expert): A and B read once a group
+                from moelora.kernels.moe_lora_grouped_triton import grouped_for
+
+                fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
 
     def project(inp, w, per_pair, parts):
         """(y, delta): y = base GEMM of one projection [P, O] with its LoRA delta added, delta None; or, when

@@ -1,0 +1,275 @@
+"""Grouped fused kernel for routed-expert multi-LoRA: shrink and expand of every slice in one launch, one program
+per block of pairs that share an (adapter slot, expert) (reference: moe_lora_fused_ref, the same semantics).
+
+Why: moe_lora_fused (one program per pair) reads A[i, s, e] and B[s, e] once per (token, k) pair. At decode
+batches, pairs of one slot often land on the same expert (64 tokens, 4 adapters, top-8 of 128: 512 pairs on
+~320 (slot, expert) groups; 256 tokens: 2048 pairs on ~510), so it reads the LoRA factors 1.6x (batch 64) to
+4x (batch 256) more than needed. Here the pairs are first sorted by virtual expert v = slot * E + e
+(`grouped_align`: fused_moe_triton.moe_lora_align_one_program, one launch of one program, made once per layer
+and shared by gate_up and down), and one program per (block of BLOCK_M pairs of one group, slice i, output
+split j) computes
+    h[M, R]  = X[rows] @ A[i, s, e, :r].T          (tl.dot, fp32 accumulation, pipelined loads over the input dim)
+    hv       = h * scaling[i, s] (* router weight of each row)
+    y[rows, tile] (+)= hv @ B[s, e, tile, :r].T    (each output tile of split j, j + SPLIT_N, ...)
+so A and B are read once per group. hv is fp32; on 16-bit factors the expand splits it into a high and a low
+16-bit part (two tensor-core dots; ~16 significant bits kept, against 8 for a plain cast), fp32 factors use an
+IEEE dot.
+
+store=True writes instead of adding (a side-stream delta buffer needs no zero-fill). Pairs of tokens without an
+adapter (slot -1) are in no group; in store mode cdiv(P, BLOCK_M) more programs write their rows' zeros. Pairs
+on expert -1 (another rank's expert under expert parallelism) are left untouched in both modes, as in
+moe_lora_fused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels.moe_lora_triton import _a_strides, _b_strides
+
+GROUPED_BLOCK_M = 16  # pairs per block: tl.dot's smallest M; decode groups hold 1-8 pairs
+GROUPED_TARGET_PROGRAMS = 264  # SPLIT_N aims at this many programs: 2 per SM of an H200 (132 SMs)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _moe_lora_grouped_kernel(
+        x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr, sorted_ptr, bvex_ptr,
+        D, S, E, K, P, NUM_BLOCKS,
+        sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
+        X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr, SPLIT_HV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT_N: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        i = tl.program_id(1)
+        pid_n = tl.program_id(2)
+        o0 = tl.load(off_ptr + i)
+        width = tl.load(off_ptr + i + 1) - o0
+        if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
+            return
+        offs_m = tl.arange(0, BLOCK_M)
+        if b >= NUM_BLOCKS:  # store mode only: zeros for the rows of tokens without an adapter
+            pp = (b - NUM_BLOCKS) * BLOCK_M + offs_m
+            valid = pp < P
+            sl = tl.load(slots_ptr + pp // K, mask=valid, other=0)
+            ex = tl.load(ids_ptr + pp, mask=valid, other=-1)
+            zero_rows = valid & (sl < 0) & (ex >= 0)
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+            for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                tl.store(y_ptr + pp.to(tl.int64)[:, None] * syp + (o0 + offs_n)[None, :] * syo, zeros,
+                         mask=zero_rows[:, None] & (offs_n < width)[None, :])
+            return
+        v = tl.load(bvex_ptr + b)
+        if v < 0:  # a block past the last group
+            return
+        slot = v // E
+        e = (v % E).to(tl.int64)
+        rank = tl.load(ranks_ptr + i * S + slot)
+        if not STORE:
+            if rank == 0:  # add mode: slices of rank 0 stay untouched
+                return
+        pairs = tl.load(sorted_ptr + b * BLOCK_M + offs_m)
+        mask_m = pairs < P
+        pairs = tl.where(mask_m, pairs, 0).to(tl.int64)
+        rows = pairs if X_PER_PAIR else pairs // K
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        offs_d = tl.arange(0, BLOCK_D)
+        # h = X[rows] @ A[i, s, e, :rank].T (store mode with rank 0: no iteration, h = 0, zeros written below)
+        a_base = a_ptr + i.to(tl.int64) * sa_i + slot.to(tl.int64) * sa_s + e * sa_e
+        acc_h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        d_end = tl.where(rank > 0, D, 0)
+        for d0 in range(0, d_end, BLOCK_D):
+            dd = d0 + offs_d
+            mask_d = dd < D
+            at = tl.load(a_base + offs_r[None, :] * sa_r + dd[:, None] * sa_d, mask=mask_r[None, :] & mask_d[:, None],
+                         other=0.0)  # [BLOCK_D, BLOCK_R]
+            xt = tl.load(x_ptr + rows[:, None] * sxm + dd[None, :] * sxd, mask=mask_m[:, None] & mask_d[None, :],
+                         other=0.0)  # [BLOCK_M, BLOCK_D]
+            acc_h += tl.dot(xt.to(at.dtype), at, input_precision=PRECISION)
+        hv = acc_h * tl.load(scale_ptr + i * S + slot)
+        if HAS_W:
+            hv = hv * tl.load(w_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        b_base = b_ptr + slot.to(tl.int64) * sb_s + e * sb_e
+        y_rows = y_ptr + pairs[:, None] * syp
+        for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < width
+            bt = tl.load(b_base + (o0 + offs_n[None, :]) * sb_o + offs_r[:, None] * sb_r,
+                         mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+            if SPLIT_HV:  # 16-bit B: hv = hi + lo, each rounded to B's dtype, two tensor-core dots
+                hi = hv.to(bt.dtype)
+                lo = (hv - hi.to(tl.float32)).to(bt.dtype)
+                delta = tl.dot(hi, bt) + tl.dot(lo, bt)
+            else:
+                delta = tl.dot(hv, bt.to(tl.float32), input_precision="ieee")
+            ptrs = y_rows + (o0 + offs_n)[None, :] * syo
+            mask = mask_m[:, None] & mask_n[None, :]
+            if STORE:
+                tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
+            else:
+                y = tl.load(ptrs, mask=mask, other=0.0)
+                tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Launch parameters of _moe_lora_grouped_kernel (scripts/sweep_moe_lora_grouped.py sweeps them)."""
+
+    block_d: int = 128
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _env_config() -> GroupedConfig:
+    """MOELORA_GROUPED_CONFIG=block_d,block_n,num_warps,num_stages (e.g. 256,128,4,3), else the defaults."""
+    import os
+
+    raw = os.environ.get("MOELORA_GROUPED_CONFIG", "")
+    if not raw:
+        return GroupedConfig()
+    try:
+        bd, bn, w, st = (int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"MOELORA_GROUPED_CONFIG={raw!r}: expected four integers block_d,block_n,num_warps,num_stages")
+    return GroupedConfig(bd, bn, w, st)
+
+
+_CONFIG = [_env_config()]
+
+
+def set_grouped_config(cfg: GroupedConfig | None) -> None:
+    """Replace the launch parameters (None: the defaults). CUDA graphs keep the kernels they captured."""
+    _CONFIG[0] = cfg or GroupedConfig()
+
+
+def grouped_config() -> GroupedConfig:
+    return _CONFIG[0]
+
+
+def grouped_ok(num_pairs: int, num_experts: int, max_loras: int) -> bool:
+    """Whether the one-program alignment takes this batch (P <= 2048 pairs, max_loras * E < 8192 groups)."""
+    from moelora.kernels.fused_moe_triton import ALIGN_ONE_PROGRAM_MAX_PAIRS, LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS
+
+    return 0 < num_pairs <= ALIGN_ONE_PROGRAM_MAX_PAIRS and num_experts * max_loras < LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS
+
+
+def grouped_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
+                  max_loras: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (slot, expert) grouping moe_lora_grouped reads: moe_lora.moe_lora_align's groups and order, blocks of
+    GROUPED_BLOCK_M, in one launch (fused_moe_triton.moe_lora_align_one_program). One per layer: gate_up and
+    down share it. topk_ids: [T, K] · token_slots: [T] · returns (sorted_pair_ids [P_max] int32, block_vexpert)."""
+    from moelora.kernels.fused_moe_triton import moe_lora_align_one_program
+
+    return moe_lora_align_one_program(topk_ids, token_slots, num_experts, max_loras, GROUPED_BLOCK_M)
+
+
+def grouped_split_n(programs: int, max_width: int, block_n: int, split_n: int | None = None) -> int:
+    """Output splits per (block, slice): enough programs for GROUPED_TARGET_PROGRAMS, at most one per tile."""
+    tiles = triton.cdiv(max_width, block_n)
+    if split_n is not None:
+        return max(1, min(int(split_n), tiles))
+    return max(1, min(tiles, triton.cdiv(GROUPED_TARGET_PROGRAMS, max(1, programs))))
+
+
+def moe_lora_grouped(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_cat: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scaling: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    num_experts: int,
+    y: torch.Tensor,
+    x_per_pair: bool,
+    pair_weights: torch.Tensor | None = None,
+    store: bool = False,
+    align: tuple[torch.Tensor, torch.Tensor] | None = None,
+    split_n: int | None = None,
+    config: GroupedConfig | None = None,
+) -> None:
+    """moe_lora_fused's semantics (shrink + expand of every slice, one launch), with A and B read once per
+    (slot, expert) group instead of once per pair:
+        for p in range(T * K): t, e, s = p // K, topk_ids.flatten()[p], token_slots[p // K]
+            row = x[p] if x_per_pair else x[t];  w = pair_weights[p] if given else 1
+            for i: r = ranks[i, s] if s >= 0 else 0
+                delta = w * scaling[i, s] * (row @ a[i, s, e (0 if shared), :r].T) @ b_cat[s, e (0 if shared), o_i, :r].T
+                if r > 0:     y[p, o_i] = y[p, o_i] + delta      (store: y[p, o_i] = delta)
+                else:         untouched                          (store: y[p, o_i] = 0)
+        pairs with e = -1 stay untouched in both modes
+    x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · b_cat: [S, E|1, O, R] · slice_offsets: [n+1] int32
+    ranks: [n, S] int32 · scaling: [n, S] fp32 · topk_ids: [T, K] int · token_slots: [T] int32
+    num_experts: E of the model (virtual expert = slot * E + e) · y: [T*K, O] updated in place
+    pair_weights: [T*K] or None · store: write the delta (y may be uninitialised)
+    align: grouped_align(topk_ids, token_slots, num_experts, S) (made here when None; pass it to share one
+    per layer) · split_n: output splits per (block, slice), None = from the launch size · config: launch
+    parameters (None: grouped_config()). Needs grouped_ok(T * K, num_experts, S).
+    h and the delta are fp32, the delta is rounded once to y's dtype.
+    """
+    require_triton()
+    n, S, _, R, D = a.shape
+    O = b_cat.shape[2]
+    T, K = topk_ids.shape
+    P = T * K
+    if P == 0:
+        return
+    if not grouped_ok(P, num_experts, S):
+        raise ValueError(f"moe_lora_grouped: {P} pairs over {S} x {num_experts} (slot, expert) groups is past the "
+                         "one-program alignment; use moe_lora_fused")
+    cfg = config or grouped_config()
+    sorted_ids, bvex = align if align is not None else grouped_align(topk_ids, token_slots, num_experts, S)
+    nb = bvex.shape[0]
+    max_width = triton.cdiv(O, n)  # a guess (equal slices) for SPLIT_N only
+    block_r = max(16, triton.next_power_of_2(R))
+    block_d = min(cfg.block_d, max(16, triton.next_power_of_2(D)))
+    block_n = min(cfg.block_n, max(16, triton.next_power_of_2(max_width)))
+    groups = min(P, S * num_experts)  # an upper bound on the blocks that do work (fixed per batch size)
+    split = grouped_split_n(groups * n, max_width, block_n, split_n)
+    zero_blocks = triton.cdiv(P, GROUPED_BLOCK_M) if store else 0
+    w = pair_weights if pair_weights is not None else scaling
+    f32 = b_cat.dtype == torch.float32
+    _moe_lora_grouped_kernel[(nb + zero_blocks, n, split)](
+        x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, sorted_ids, bvex,
+        D, S, num_experts, K, P, nb,
+        x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
+        X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store, SPLIT_HV=not f32,
+        BLOCK_M=GROUPED_BLOCK_M, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split,
+        PRECISION="ieee" if f32 else None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+GROUPED_MIN_PAIRS = 256  # below (1-31 tokens at top-8) few pairs share a group: the per-pair kernel
+
+
+def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
+                max_loras: int) -> Callable | None:
+    """For fused_moe_pairs: moe_lora_grouped in moe_lora_fused's signature, bound to one alignment per layer (made
+    on the first call, on whatever stream that call runs: the side stream when overlapping; the down projection's
+    call reuses it), when it applies: `fused` is the Triton per-pair kernel (not its reference) and
+    GROUPED_MIN_PAIRS <= P with grouped_ok. Otherwise None (keep the per-pair kernel)."""
+    from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
+
+    P = topk_ids.numel()
+    if fused is not moe_lora_fused or P < GROUPED_MIN_PAIRS or not grouped_ok(P, num_experts, max_loras):
+        return None
+    box: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights=None,
+                store=False):
+        if not box:
+            box.append(grouped_align(ids, slots, E, a.shape[1]))
+        moe_lora_grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights,
+                         store=store, align=box[0])
+
+    return grouped

@@ -1,0 +1,216 @@
+"""The grouped routed-expert LoRA kernel (moe_lora_grouped_triton.py: pairs grouped by (slot, expert), A and B
+read once a group) against moe_lora_fused_ref (the same semantics as the per-pair fused kernel), and the
+set_grouped_lora switch in fused_moe_pairs.
+
+CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes in fp32/fp16. GPU (marked gpu): Qwen3-30B-A3B
+shapes in bf16 against the per-pair kernel, and CUDA-graph replay."""
+
+import pytest
+import torch
+
+from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, tolerance
+from moelora.kernels import moe_lora_grouped_triton as mg
+from moelora.kernels._triton import grouped_lora, set_fused_lora, set_grouped_lora, fused_lora
+from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
+from test_kernels_lora_fused import E, K, _moe_call, _moe_case, _moe_layer, _untouched_checks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOKENS = [1, 5, 33]
+
+
+def _grouped(c, y, **kw):
+    _moe_call(mg.moe_lora_grouped, c, y, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+def test_grouped_matches_reference(site, popularity, num_tokens, dtype):
+    gen = torch.Generator().manual_seed(num_tokens * 17 + len(popularity))
+    c = _moe_case(site, popularity, num_tokens, dtype, gen)
+    y_ref, y = c["y0"].clone(), c["y0"].clone()
+    _moe_call(moe_lora_fused_ref, c, y_ref)
+    _grouped(c, y)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    _untouched_checks(y, c["y0"], c["slots"], c["ranks"], c["off"], K)
+    live = c["slots"][c["slots"] >= 0].long()
+    if (c["ranks"][:, live] > 0).any():  # some row has an adapter with a slice of rank > 0
+        assert not torch.equal(y, c["y0"])
+
+
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+@pytest.mark.parametrize("popularity", ["with_base_rows", "identical", "distinct"])
+def test_grouped_store_mode_writes_every_entry(site, popularity):
+    """store=True into a NaN-filled fp32 buffer: the delta where the slot has rank > 0, exactly 0 for rows of
+    tokens without an adapter (the extra zero programs) and for slices of rank 0; store then add equals add."""
+    gen = torch.Generator().manual_seed(19)
+    c = _moe_case(site, popularity, 9, DTYPES[0], gen)
+    P, O = c["y0"].shape
+    ref = torch.full((P, O), float("nan"), device=DEVICE)
+    got = ref.clone()
+    _moe_call(moe_lora_fused_ref, c, ref, store=True)
+    _grouped(c, got, store=True)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, atol=1e-4 if DTYPES[0] == torch.float32 else 2e-2, rtol=1e-3)
+    base = (c["slots"] < 0).repeat_interleave(K)
+    assert torch.equal(got[base], torch.zeros_like(got[base]))
+    y_add = c["y0"].clone()
+    _grouped(c, y_add)
+    atol, rtol = tolerance(DTYPES[0])
+    torch.testing.assert_close((c["y0"].float() + got).to(y_add.dtype), y_add, atol=atol, rtol=rtol)
+
+
+def test_grouped_leaves_expert_minus_one_pairs_untouched():
+    """Expert parallelism: pairs on expert -1 are in no group and no zero program, in both modes."""
+    gen = torch.Generator().manual_seed(37)
+    c = _moe_case("down", "with_base_rows", 11, DTYPES[0], gen)
+    drop = torch.rand(c["ids"].shape, generator=gen).to(DEVICE) < 0.4
+    c["ids"] = c["ids"].masked_fill(drop, -1)
+    rows = drop.reshape(-1)
+    y_ref, y = c["y0"].clone(), c["y0"].clone()
+    _moe_call(moe_lora_fused, c, y_ref)
+    _grouped(c, y)
+    atol, rtol = tolerance(DTYPES[0])
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    assert torch.equal(y[rows], c["y0"][rows])
+    d = torch.full(c["y0"].shape, float("nan"), device=DEVICE)
+    _grouped(c, d, store=True)
+    assert d[rows].isnan().all() and not d[~rows].isnan().any()
+
+
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+def test_grouped_shared_outer_factors(site):
+    gen = torch.Generator().manual_seed(43)
+    c = _moe_case(site, "with_base_rows", 9, DTYPES[0], gen, shared=True)
+    y_ref, y = c["y0"].clone(), c["y0"].clone()
+    _moe_call(moe_lora_fused_ref, c, y_ref)
+    _grouped(c, y)
+    atol, rtol = tolerance(DTYPES[0])
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("R", [32, 64])
+def test_grouped_larger_ranks(R):
+    gen = torch.Generator().manual_seed(47 + R)
+    for site in ("gate_up", "down"):
+        c = _moe_case(site, "skewed", 7, DTYPES[0], gen, R=R)
+        y_ref, y = c["y0"].clone(), c["y0"].clone()
+        _moe_call(moe_lora_fused_ref, c, y_ref)
+        _grouped(c, y)
+        atol, rtol = tolerance(DTYPES[0])
+        torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+
+
+def test_grouped_launch_parameters_do_not_change_results():
+    """Input/output tiles, warps, stages and output splits only change the schedule (fp32: equal to 1e-5);
+    the alignment passed in equals the one made inside."""
+    gen = torch.Generator().manual_seed(53)
+    c = _moe_case("gate_up", "uniform", 13, torch.float32, gen)
+    y0 = c["y0"].clone()
+    _grouped(c, y0)
+    align = mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])
+    for cfg, split in [(mg.GroupedConfig(16, 16, 4, 2), 1), (mg.GroupedConfig(32, 64, 8, 3), 2),
+                       (mg.GroupedConfig(64, 16, 4, 4), 64)]:
+        y = c["y0"].clone()
+        _grouped(c, y, align=align, config=cfg, split_n=split)
+        torch.testing.assert_close(y, y0, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_refuses_batches_past_the_alignment(monkeypatch):
+    from moelora.kernels import fused_moe_triton
+
+    c = _moe_case("down", "uniform", 9, DTYPES[0], torch.Generator().manual_seed(3))
+    monkeypatch.setattr(fused_moe_triton, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 9 * K - 1)
+    assert not mg.grouped_ok(9 * K, E, c["a"].shape[1])
+    with pytest.raises(ValueError, match="past the one-program alignment"):
+        _grouped(c, c["y0"].clone())
+
+
+@pytest.fixture
+def switches():
+    before = (fused_lora(), grouped_lora(), mg.GROUPED_MIN_PAIRS)
+    yield
+    set_fused_lora(before[0])
+    set_grouped_lora(before[1])
+    mg.GROUPED_MIN_PAIRS = before[2]
+
+
+@pytest.mark.parametrize("popularity", ["with_base_rows", "skewed"])
+def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypatch):
+    """The switch takes the grouped kernel (one alignment for gate_up and down) and gives the per-pair result."""
+    from moelora.kernels.moe import fused_moe_pairs
+    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+
+    mg.GROUPED_MIN_PAIRS = 1  # the small CPU case
+    calls = {"align": 0, "grouped": 0}
+    real_align, real_grouped = mg.grouped_align, mg.moe_lora_grouped
+    monkeypatch.setattr(mg, "grouped_align", lambda *a: (calls.__setitem__("align", calls["align"] + 1), real_align(*a))[1])
+    monkeypatch.setattr(mg, "moe_lora_grouped",
+                        lambda *a, **kw: (calls.__setitem__("grouped", calls["grouped"] + 1), real_grouped(*a, **kw)))
+    gen = torch.Generator().manual_seed(59)
+    dtype = DTYPES[0]
+    x, w_gu, w_d, weights, ids, args = _moe_layer(11, dtype, gen, popularity)
+    ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
+    set_fused_lora(True)
+    set_grouped_lora(False)
+    per_pair = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+    assert calls == {"align": 0, "grouped": 0}
+    set_grouped_lora(True)
+    grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+    assert calls == {"align": 1, "grouped": 2}
+    bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    rel = ((grouped.float() - per_pair.float()).norm() / per_pair.float().norm()).item()
+    assert rel < bound, f"relative error {rel:.2e} >= {bound}"
+
+
+def test_grouped_switch_env_default():
+    import os
+    import subprocess
+    import sys
+
+    code = "from moelora.kernels._triton import grouped_lora; print(grouped_lora())"
+    env = {k: v for k, v in os.environ.items() if k != "MOELORA_GROUPED_LORA"}
+    run = lambda **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,  # noqa: E731
+                                         text=True, check=True).stdout.strip()
+    assert run() == "False"
+    assert run(MOELORA_GROUPED_LORA="1") == "True"
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [32, 64, 256])
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+def test_gpu_grouped_equals_per_pair_at_qwen3_shapes(site, num_tokens):
+    """bf16, E=128, top-8, H=2048, I=768: the grouped kernel against the per-pair kernel (both fp32 h) and the
+    reference; store mode; graph replay bit-equal to eager."""
+    gen = torch.Generator().manual_seed(num_tokens + 7)
+    c = _moe_case(site, "with_base_rows", num_tokens, torch.bfloat16, gen)
+    y_pp, y_ref, y = c["y0"].clone(), c["y0"].clone(), c["y0"].clone()
+    _moe_call(moe_lora_fused, c, y_pp)
+    _moe_call(moe_lora_fused_ref, c, y_ref)
+    _grouped(c, y)
+    atol, rtol = tolerance(torch.bfloat16)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    d_pp, d_g = (y_pp.float() - c["y0"].float()), (y.float() - c["y0"].float())
+    assert ((d_g - d_pp).norm() / d_pp.norm()).item() < 2 ** -8
+    store = torch.full(c["y0"].shape, float("nan"), device=DEVICE)
+    _grouped(c, store, store=True)
+    assert not store.isnan().any()
+    align = mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])
+    eager = c["y0"].clone()
+    _grouped(c, eager, align=align)
+    replay = c["y0"].clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])  # captured too
+        _grouped(c, replay, align=align)
+    replay.copy_(c["y0"])
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replay, eager)
