@@ -20,12 +20,17 @@ import json
 import torch
 
 from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
+from moelora.kernels.fused_moe_triton import moe_align, pick_config
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
 from moelora.kernels.moe_lora_grouped_triton import GroupedConfig, grouped_align, moe_lora_grouped
 
 H, I, E, K = 2048, 768, 128, 8
 CONFIGS = [GroupedConfig(bd, bn, w, st) for bd, bn, w, st in itertools.product(
-    (128, 256), (64, 128, 256), (4, 8), (2, 3, 4))]
+    (128, 256), (128, 256), (4, 8), (3, 4))]
+
+
+def _key(cfg: GroupedConfig) -> str:
+    return f"d{cfg.block_d}-n{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}"
 
 
 def case(site: str, T: int, n_ad: int, R: int, layers: int):
@@ -48,15 +53,18 @@ def case(site: str, T: int, n_ad: int, R: int, layers: int):
     off = torch.tensor(outs, dtype=torch.int32, device=dev)
     delta = torch.empty(P, O, device=dev, dtype=torch.float32)
     align = grouped_align(ids, slots, E, S)
+    bm = pick_config(P).block_m  # the base expert GEMM's alignment, as fused_moe_pairs passes it
+    expert_align = (*moe_align(ids, E, bm), bm)
     used = int((slots.long().repeat_interleave(K) * E + ids.reshape(-1)).unique().numel())
     nbytes = used * (n * R * D + O * R) * 2 + x.numel() * 2 + P * O * 4
 
     def per_pair_fn(li):
         moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, store=True)
 
-    def grouped_fn(li, cfg=None):
+    def grouped_fn(li, cfg=None, by_expert=True):
         moe_lora_grouped(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, store=True,
-                         align=align, config=cfg)
+                         align=None if by_expert else align, expert_align=expert_align if by_expert else None,
+                         config=cfg)
 
     def align_fn(li):
         grouped_align(ids, slots, E, S)
@@ -86,28 +94,36 @@ def main() -> None:
         t_pp = graph_time_us(pp, args.layers)
         t_align = graph_time_us(al, args.layers)
         floor = nbytes / (bw * 1e9) * 1e6
-        best = None
-        sweep = {}
-        for cfg in CONFIGS:
-            delta.fill_(float("nan"))
-            grp(0, cfg)
-            err = ((delta - ref).norm() / ref.norm()).item()
-            t = graph_time_us(lambda li, cfg=cfg: grp(li, cfg), args.layers)
-            key = f"d{cfg.block_d}-n{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}"
-            sweep[key] = {"us": round(t, 2), "rel_err": err}
-            if err < 1e-2 and (best is None or t < best[1]):
-                best = (key, t)
-        print(f"{site:>7} T {T:4d} ad {n_ad} R {R:3d} | per-pair {t_pp:7.1f} | grouped best {best[1]:7.1f} ({best[0]}) "
-              f"| align {t_align:5.1f} | floor {floor:6.1f} | pairs {P} groups {used}", flush=True)
+        sweeps, bests = {}, {}
+        for mode, by_expert in (("expert", True), ("vexpert", False)):
+            best, sweep = None, {}
+            # by (slot, expert) (swept in call 1 of session 9): only at the by-expert-block best config
+            configs = CONFIGS if by_expert else [c for c in CONFIGS if _key(c) == bests["expert"][0]]
+            for cfg in configs:
+                delta.fill_(float("nan"))
+                grp(0, cfg, by_expert)
+                err = ((delta - ref).norm() / ref.norm()).item()
+                t = graph_time_us(lambda li, cfg=cfg: grp(li, cfg, by_expert), args.layers)
+                key = _key(cfg)
+                sweep[key] = {"us": round(t, 2), "rel_err": err}
+                if err < 1e-2 and (best is None or t < best[1]):
+                    best = (key, t)
+            sweeps[mode], bests[mode] = sweep, best
+        print(f"{site:>7} T {T:4d} ad {n_ad} R {R:3d} | per-pair {t_pp:7.1f} | by expert block {bests['expert'][1]:7.1f} "
+              f"({bests['expert'][0]}) | by (slot, expert) {bests['vexpert'][1]:7.1f} + align {t_align:5.1f} "
+              f"| floor {floor:6.1f} | pairs {P} groups {used}", flush=True)
         rows.append({"site": site, "tokens": T, "adapters": n_ad, "rank": R, "pairs": P, "groups": used,
                      "per_pair_us": round(t_pp, 2), "align_us": round(t_align, 2), "floor_us": round(floor, 2),
-                     "grouped_best": best[0], "grouped_best_us": round(best[1], 2), "grouped": sweep})
-    totals = {k: sum(r["grouped"][k]["us"] for r in rows) for k in rows[0]["grouped"]} if rows else {}
+                     "grouped_best": bests["expert"][0], "grouped_best_us": round(bests["expert"][1], 2),
+                     "vexpert_best": bests["vexpert"][0], "vexpert_best_us": round(bests["vexpert"][1], 2),
+                     "grouped": sweeps["expert"], "vexpert": sweeps["vexpert"]})
+    big = [r for r in rows if r["tokens"] >= 128] or rows  # where the grouped kernel would run
+    totals = {k: sum(r["grouped"][k]["us"] for r in big) for k in big[0]["grouped"]} if big else {}
     if totals:
         key = min(totals, key=totals.get)
-        cfg = next(c for c in CONFIGS if f"d{c.block_d}-n{c.block_n}-w{c.num_warps}-s{c.num_stages}" == key)
-        print(f"least total: {key} {totals[key]:.1f} µs over {len(rows)} cases; per-pair "
-              f"{sum(r['per_pair_us'] for r in rows):.1f}", flush=True)
+        cfg = next(c for c in CONFIGS if _key(c) == key)
+        print(f"least total (by expert block, >= 128 tokens): {key} {totals[key]:.1f} µs over {len(big)} cases; "
+              f"per-pair {sum(r['per_pair_us'] for r in big):.1f}", flush=True)
         if args.best_out:
             with open(args.best_out, "w") as f:
                 f.write(f"{cfg.block_d},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}\n")

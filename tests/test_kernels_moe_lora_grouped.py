@@ -19,20 +19,31 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOKENS = [1, 5, 33]
 
 
-def _grouped(c, y, **kw):
+def _grouped(c, y, mode="vexpert", **kw):
+    """mode "vexpert": grouped by its own (slot, expert) alignment; "expert16" / "expert32": by the base GEMM's
+    expert alignment (fused_moe_triton.moe_align) in blocks of 16 / 32, one program per slot of a block."""
+    if mode != "vexpert":
+        from moelora.kernels.fused_moe_triton import moe_align
+
+        bm = int(mode[len("expert"):])
+        kw["expert_align"] = (*moe_align(c["ids"], E, bm), bm)
     _moe_call(mg.moe_lora_grouped, c, y, **kw)
 
 
+MODES = ["vexpert", "expert16", "expert32"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_grouped_matches_reference(site, popularity, num_tokens, dtype):
+def test_grouped_matches_reference(site, popularity, num_tokens, dtype, mode):
     gen = torch.Generator().manual_seed(num_tokens * 17 + len(popularity))
     c = _moe_case(site, popularity, num_tokens, dtype, gen)
     y_ref, y = c["y0"].clone(), c["y0"].clone()
     _moe_call(moe_lora_fused_ref, c, y_ref)
-    _grouped(c, y)
+    _grouped(c, y, mode)
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     _untouched_checks(y, c["y0"], c["slots"], c["ranks"], c["off"], K)
@@ -41,9 +52,10 @@ def test_grouped_matches_reference(site, popularity, num_tokens, dtype):
         assert not torch.equal(y, c["y0"])
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("site", ["gate_up", "down"])
 @pytest.mark.parametrize("popularity", ["with_base_rows", "identical", "distinct"])
-def test_grouped_store_mode_writes_every_entry(site, popularity):
+def test_grouped_store_mode_writes_every_entry(site, popularity, mode):
     """store=True into a NaN-filled fp32 buffer: the delta where the slot has rank > 0, exactly 0 for rows of
     tokens without an adapter (the extra zero programs) and for slices of rank 0; store then add equals add."""
     gen = torch.Generator().manual_seed(19)
@@ -52,19 +64,20 @@ def test_grouped_store_mode_writes_every_entry(site, popularity):
     ref = torch.full((P, O), float("nan"), device=DEVICE)
     got = ref.clone()
     _moe_call(moe_lora_fused_ref, c, ref, store=True)
-    _grouped(c, got, store=True)
+    _grouped(c, got, mode, store=True)
     assert not got.isnan().any()
     torch.testing.assert_close(got, ref, atol=1e-4 if DTYPES[0] == torch.float32 else 2e-2, rtol=1e-3)
     base = (c["slots"] < 0).repeat_interleave(K)
     assert torch.equal(got[base], torch.zeros_like(got[base]))
     y_add = c["y0"].clone()
-    _grouped(c, y_add)
+    _grouped(c, y_add, mode)
     atol, rtol = tolerance(DTYPES[0])
     torch.testing.assert_close((c["y0"].float() + got).to(y_add.dtype), y_add, atol=atol, rtol=rtol)
 
 
-def test_grouped_leaves_expert_minus_one_pairs_untouched():
-    """Expert parallelism: pairs on expert -1 are in no group and no zero program, in both modes."""
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_leaves_expert_minus_one_pairs_untouched(mode):
+    """Expert parallelism: pairs on expert -1 are in no group and no zero program, in add and store mode."""
     gen = torch.Generator().manual_seed(37)
     c = _moe_case("down", "with_base_rows", 11, DTYPES[0], gen)
     drop = torch.rand(c["ids"].shape, generator=gen).to(DEVICE) < 0.4
@@ -72,34 +85,36 @@ def test_grouped_leaves_expert_minus_one_pairs_untouched():
     rows = drop.reshape(-1)
     y_ref, y = c["y0"].clone(), c["y0"].clone()
     _moe_call(moe_lora_fused, c, y_ref)
-    _grouped(c, y)
+    _grouped(c, y, mode)
     atol, rtol = tolerance(DTYPES[0])
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     assert torch.equal(y[rows], c["y0"][rows])
     d = torch.full(c["y0"].shape, float("nan"), device=DEVICE)
-    _grouped(c, d, store=True)
+    _grouped(c, d, mode, store=True)
     assert d[rows].isnan().all() and not d[~rows].isnan().any()
 
 
+@pytest.mark.parametrize("mode", ["vexpert", "expert16"])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_grouped_shared_outer_factors(site):
+def test_grouped_shared_outer_factors(site, mode):
     gen = torch.Generator().manual_seed(43)
     c = _moe_case(site, "with_base_rows", 9, DTYPES[0], gen, shared=True)
     y_ref, y = c["y0"].clone(), c["y0"].clone()
     _moe_call(moe_lora_fused_ref, c, y_ref)
-    _grouped(c, y)
+    _grouped(c, y, mode)
     atol, rtol = tolerance(DTYPES[0])
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("mode", ["vexpert", "expert16"])
 @pytest.mark.parametrize("R", [32, 64])
-def test_grouped_larger_ranks(R):
+def test_grouped_larger_ranks(R, mode):
     gen = torch.Generator().manual_seed(47 + R)
     for site in ("gate_up", "down"):
         c = _moe_case(site, "skewed", 7, DTYPES[0], gen, R=R)
         y_ref, y = c["y0"].clone(), c["y0"].clone()
         _moe_call(moe_lora_fused_ref, c, y_ref)
-        _grouped(c, y)
+        _grouped(c, y, mode)
         atol, rtol = tolerance(DTYPES[0])
         torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
@@ -138,18 +153,29 @@ def switches():
     mg.GROUPED_MIN_PAIRS = before[2]
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("popularity", ["with_base_rows", "skewed"])
-def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypatch):
-    """The switch takes the grouped kernel (one alignment for gate_up and down) and gives the per-pair result."""
+def test_fused_moe_pairs_grouped_equals_per_pair(popularity, fast, switches, monkeypatch):
+    """The switch takes the grouped kernel and gives the per-pair result. Without the Triton base path: one
+    (slot, expert) alignment for gate_up and down; with it: the base GEMM's alignment, no alignment launch."""
+    from moelora.kernels import fused_moe_triton as fmt
     from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
+    if fast:
+        monkeypatch.setitem(fmt._FAST, "enabled", True)
+        monkeypatch.setitem(fmt._FAST, "cpu", True)
     mg.GROUPED_MIN_PAIRS = 1  # the small CPU case
-    calls = {"align": 0, "grouped": 0}
+    calls = {"align": 0, "grouped": 0, "expert_align": 0}
     real_align, real_grouped = mg.grouped_align, mg.moe_lora_grouped
+
+    def counting_grouped(*a, **kw):
+        calls["grouped"] += 1
+        calls["expert_align"] += kw.get("expert_align") is not None
+        real_grouped(*a, **kw)
+
     monkeypatch.setattr(mg, "grouped_align", lambda *a: (calls.__setitem__("align", calls["align"] + 1), real_align(*a))[1])
-    monkeypatch.setattr(mg, "moe_lora_grouped",
-                        lambda *a, **kw: (calls.__setitem__("grouped", calls["grouped"] + 1), real_grouped(*a, **kw)))
+    monkeypatch.setattr(mg, "moe_lora_grouped", counting_grouped)
     gen = torch.Generator().manual_seed(59)
     dtype = DTYPES[0]
     x, w_gu, w_d, weights, ids, args = _moe_layer(11, dtype, gen, popularity)
@@ -157,10 +183,10 @@ def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypat
     set_fused_lora(True)
     set_grouped_lora(False)
     per_pair = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    assert calls == {"align": 0, "grouped": 0}
+    assert calls == {"align": 0, "grouped": 0, "expert_align": 0}
     set_grouped_lora(True)
     grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    assert calls == {"align": 1, "grouped": 2}
+    assert calls == ({"align": 0, "grouped": 2, "expert_align": 2} if fast else {"align": 1, "grouped": 2, "expert_align": 0})
     bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     rel = ((grouped.float() - per_pair.float()).norm() / per_pair.float().norm()).item()
     assert rel < bound, f"relative error {rel:.2e} >= {bound}"
@@ -184,9 +210,10 @@ def test_grouped_switch_env_default():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["vexpert", "expert16", "expert32"])
 @pytest.mark.parametrize("num_tokens", [32, 64, 256])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_gpu_grouped_equals_per_pair_at_qwen3_shapes(site, num_tokens):
+def test_gpu_grouped_equals_per_pair_at_qwen3_shapes(site, num_tokens, mode):
     """bf16, E=128, top-8, H=2048, I=768: the grouped kernel against the per-pair kernel (both fp32 h) and the
     reference; store mode; graph replay bit-equal to eager."""
     gen = torch.Generator().manual_seed(num_tokens + 7)
@@ -194,22 +221,27 @@ def test_gpu_grouped_equals_per_pair_at_qwen3_shapes(site, num_tokens):
     y_pp, y_ref, y = c["y0"].clone(), c["y0"].clone(), c["y0"].clone()
     _moe_call(moe_lora_fused, c, y_pp)
     _moe_call(moe_lora_fused_ref, c, y_ref)
-    _grouped(c, y)
+    _grouped(c, y, mode)
     atol, rtol = tolerance(torch.bfloat16)
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     d_pp, d_g = (y_pp.float() - c["y0"].float()), (y.float() - c["y0"].float())
     assert ((d_g - d_pp).norm() / d_pp.norm()).item() < 2 ** -8
     store = torch.full(c["y0"].shape, float("nan"), device=DEVICE)
-    _grouped(c, store, store=True)
+    _grouped(c, store, mode, store=True)
     assert not store.isnan().any()
-    align = mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])
+    if mode == "vexpert":
+        kw = {"align": mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])}
+    else:
+        from moelora.kernels.fused_moe_triton import moe_align
+
+        bm = int(mode[len("expert"):])
+        kw = {"expert_align": (*moe_align(c["ids"], E, bm), bm)}
     eager = c["y0"].clone()
-    _grouped(c, eager, align=align)
+    _moe_call(mg.moe_lora_grouped, c, eager, **kw)
     replay = c["y0"].clone()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])  # captured too
-        _grouped(c, replay, align=align)
+        _moe_call(mg.moe_lora_grouped, c, replay, **kw)
     replay.copy_(c["y0"])
     g.replay()
     torch.cuda.synchronize()

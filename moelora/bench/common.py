@@ -79,11 +79,13 @@ def hbm_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 
 
 def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffix: str = "") -> str:
-    """Write `payload` with date, device, commit and versions to <out_dir>/<kind>-<date>-<device><suffix>.json."""
+    """Write `payload` with date, device, commit, versions and the MOELORA_* switches set in the environment to
+    <out_dir>/<kind>-<date>-<device><suffix>.json."""
     os.makedirs(out_dir, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     payload = {"kind": kind, "date": now.isoformat(timespec="seconds"), "device": device_name(),
-               "commit": git_commit(), "torch": torch.__version__, **payload}
+               "commit": git_commit(), "torch": torch.__version__,
+               "env_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")}, **payload}
     try:
         import triton
 
