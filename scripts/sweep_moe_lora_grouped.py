@@ -1,6 +1,7 @@
 """Routed-expert LoRA at Qwen3-30B-A3B decode shapes (GPU): the per-pair fused kernel against the grouped kernel
 ((slot, expert) groups, kernels/moe_lora_grouped_triton.py) over launch configs, µs per call from CUDA-graph
-replay beside the byte floor. Both in store mode (the side-stream path the engine runs).
+replay beside the byte floor. Both in store mode (the side-stream path the engine runs); the grouped kernel's
+alignment (one a layer, shared by gate_up and down) timed on its own.
 
 Cases: gate_up (x [T, 2048] -> [P, 2 x 768], two slices) and down (x [P, 768] -> [P, 2048]); T tokens, top-8 of
 128 experts without repeats; adapters round-robin over the tokens; rank 16 (and --ranks). floor = bytes / copy
@@ -20,7 +21,6 @@ import json
 import torch
 
 from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
-from moelora.kernels.fused_moe_triton import moe_align, pick_config
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
 from moelora.kernels.moe_lora_grouped_triton import GroupedConfig, grouped_align, moe_lora_grouped
 
@@ -53,18 +53,15 @@ def case(site: str, T: int, n_ad: int, R: int, layers: int):
     off = torch.tensor(outs, dtype=torch.int32, device=dev)
     delta = torch.empty(P, O, device=dev, dtype=torch.float32)
     align = grouped_align(ids, slots, E, S)
-    bm = pick_config(P).block_m  # the base expert GEMM's alignment, as fused_moe_pairs passes it
-    expert_align = (*moe_align(ids, E, bm), bm)
     used = int((slots.long().repeat_interleave(K) * E + ids.reshape(-1)).unique().numel())
     nbytes = used * (n * R * D + O * R) * 2 + x.numel() * 2 + P * O * 4
 
     def per_pair_fn(li):
         moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, store=True)
 
-    def grouped_fn(li, cfg=None, by_expert=True):
+    def grouped_fn(li, cfg=None):
         moe_lora_grouped(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, store=True,
-                         align=None if by_expert else align, expert_align=expert_align if by_expert else None,
-                         config=cfg)
+                         align=align, config=cfg)
 
     def align_fn(li):
         grouped_align(ids, slots, E, S)
@@ -94,35 +91,26 @@ def main() -> None:
         t_pp = graph_time_us(pp, args.layers)
         t_align = graph_time_us(al, args.layers)
         floor = nbytes / (bw * 1e9) * 1e6
-        sweeps, bests = {}, {}
-        for mode, by_expert in (("expert", True), ("vexpert", False)):
-            best, sweep = None, {}
-            # by (slot, expert) (swept in call 1 of session 9): only at the by-expert-block best config
-            configs = CONFIGS if by_expert else [c for c in CONFIGS if _key(c) == bests["expert"][0]]
-            for cfg in configs:
-                delta.fill_(float("nan"))
-                grp(0, cfg, by_expert)
-                err = ((delta - ref).norm() / ref.norm()).item()
-                t = graph_time_us(lambda li, cfg=cfg: grp(li, cfg, by_expert), args.layers)
-                key = _key(cfg)
-                sweep[key] = {"us": round(t, 2), "rel_err": err}
-                if err < 1e-2 and (best is None or t < best[1]):
-                    best = (key, t)
-            sweeps[mode], bests[mode] = sweep, best
-        print(f"{site:>7} T {T:4d} ad {n_ad} R {R:3d} | per-pair {t_pp:7.1f} | by expert block {bests['expert'][1]:7.1f} "
-              f"({bests['expert'][0]}) | by (slot, expert) {bests['vexpert'][1]:7.1f} + align {t_align:5.1f} "
-              f"| floor {floor:6.1f} | pairs {P} groups {used}", flush=True)
+        best, sweep = None, {}
+        for cfg in CONFIGS:
+            delta.fill_(float("nan"))
+            grp(0, cfg)
+            err = ((delta - ref).norm() / ref.norm()).item()
+            t = graph_time_us(lambda li, cfg=cfg: grp(li, cfg), args.layers)
+            sweep[_key(cfg)] = {"us": round(t, 2), "rel_err": err}
+            if err < 1e-2 and (best is None or t < best[1]):
+                best = (_key(cfg), t)
+        print(f"{site:>7} T {T:4d} ad {n_ad} R {R:3d} | per-pair {t_pp:7.1f} | grouped best {best[1]:7.1f} ({best[0]}) "
+              f"+ align {t_align:5.1f} | floor {floor:6.1f} | pairs {P} groups {used}", flush=True)
         rows.append({"site": site, "tokens": T, "adapters": n_ad, "rank": R, "pairs": P, "groups": used,
                      "per_pair_us": round(t_pp, 2), "align_us": round(t_align, 2), "floor_us": round(floor, 2),
-                     "grouped_best": bests["expert"][0], "grouped_best_us": round(bests["expert"][1], 2),
-                     "vexpert_best": bests["vexpert"][0], "vexpert_best_us": round(bests["vexpert"][1], 2),
-                     "grouped": sweeps["expert"], "vexpert": sweeps["vexpert"]})
+                     "grouped_best": best[0], "grouped_best_us": round(best[1], 2), "grouped": sweep})
     big = [r for r in rows if r["tokens"] >= 128] or rows  # where the grouped kernel would run
     totals = {k: sum(r["grouped"][k]["us"] for r in big) for k in big[0]["grouped"]} if big else {}
     if totals:
         key = min(totals, key=totals.get)
         cfg = next(c for c in CONFIGS if _key(c) == key)
-        print(f"least total (by expert block, >= 128 tokens): {key} {totals[key]:.1f} µs over {len(big)} cases; "
+        print(f"least total (>= 128 tokens): {key} {totals[key]:.1f} µs over {len(big)} cases; "
               f"per-pair {sum(r['per_pair_us'] for r in big):.1f}", flush=True)
         if args.best_out:
             with open(args.best_out, "w") as f:

@@ -19,31 +19,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOKENS = [1, 5, 33]
 
 
-def _grouped(c, y, mode="vexpert", **kw):
-    """mode "vexpert": grouped by its own (slot, expert) alignment; "expert16" / "expert32": by the base GEMM's
-    expert alignment (fused_moe_triton.moe_align) in blocks of 16 / 32, one program per slot of a block."""
-    if mode != "vexpert":
-        from moelora.kernels.fused_moe_triton import moe_align
-
-        bm = int(mode[len("expert"):])
-        kw["expert_align"] = (*moe_align(c["ids"], E, bm), bm)
+def _grouped(c, y, **kw):
     _moe_call(mg.moe_lora_grouped, c, y, **kw)
 
 
-MODES = ["vexpert", "expert16", "expert32"]
-
-
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_grouped_matches_reference(site, popularity, num_tokens, dtype, mode):
+def test_grouped_matches_reference(site, popularity, num_tokens, dtype):
     gen = torch.Generator().manual_seed(num_tokens * 17 + len(popularity))
     c = _moe_case(site, popularity, num_tokens, dtype, gen)
     y_ref, y = c["y0"].clone(), c["y0"].clone()
     _moe_call(moe_lora_fused_ref, c, y_ref)
-    _grouped(c, y, mode)
+    _grouped(c, y)
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     _untouched_checks(y, c["y0"], c["slots"], c["ranks"], c["off"], K)
@@ -52,10 +41,9 @@ def test_grouped_matches_reference(site, popularity, num_tokens, dtype, mode):
         assert not torch.equal(y, c["y0"])
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("site", ["gate_up", "down"])
 @pytest.mark.parametrize("popularity", ["with_base_rows", "identical", "distinct"])
-def test_grouped_store_mode_writes_every_entry(site, popularity, mode):
+def test_grouped_store_mode_writes_every_entry(site, popularity):
     """store=True into a NaN-filled fp32 buffer: the delta where the slot has rank > 0, exactly 0 for rows of
     tokens without an adapter (the extra zero programs) and for slices of rank 0; store then add equals add."""
     gen = torch.Generator().manual_seed(19)
@@ -64,19 +52,18 @@ def test_grouped_store_mode_writes_every_entry(site, popularity, mode):
     ref = torch.full((P, O), float("nan"), device=DEVICE)
     got = ref.clone()
     _moe_call(moe_lora_fused_ref, c, ref, store=True)
-    _grouped(c, got, mode, store=True)
+    _grouped(c, got, store=True)
     assert not got.isnan().any()
     torch.testing.assert_close(got, ref, atol=1e-4 if DTYPES[0] == torch.float32 else 2e-2, rtol=1e-3)
     base = (c["slots"] < 0).repeat_interleave(K)
     assert torch.equal(got[base], torch.zeros_like(got[base]))
     y_add = c["y0"].clone()
-    _grouped(c, y_add, mode)
+    _grouped(c, y_add)
     atol, rtol = tolerance(DTYPES[0])
     torch.testing.assert_close((c["y0"].float() + got).to(y_add.dtype), y_add, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_grouped_leaves_expert_minus_one_pairs_untouched(mode):
+def test_grouped_leaves_expert_minus_one_pairs_untouched():
     """Expert parallelism: pairs on expert -1 are in no group and no zero program, in add and store mode."""
     gen = torch.Generator().manual_seed(37)
     c = _moe_case("down", "with_base_rows", 11, DTYPES[0], gen)
@@ -85,36 +72,34 @@ def test_grouped_leaves_expert_minus_one_pairs_untouched(mode):
     rows = drop.reshape(-1)
     y_ref, y = c["y0"].clone(), c["y0"].clone()
     _moe_call(moe_lora_fused, c, y_ref)
-    _grouped(c, y, mode)
+    _grouped(c, y)
     atol, rtol = tolerance(DTYPES[0])
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     assert torch.equal(y[rows], c["y0"][rows])
     d = torch.full(c["y0"].shape, float("nan"), device=DEVICE)
-    _grouped(c, d, mode, store=True)
+    _grouped(c, d, store=True)
     assert d[rows].isnan().all() and not d[~rows].isnan().any()
 
 
-@pytest.mark.parametrize("mode", ["vexpert", "expert16"])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_grouped_shared_outer_factors(site, mode):
+def test_grouped_shared_outer_factors(site):
     gen = torch.Generator().manual_seed(43)
     c = _moe_case(site, "with_base_rows", 9, DTYPES[0], gen, shared=True)
     y_ref, y = c["y0"].clone(), c["y0"].clone()
     _moe_call(moe_lora_fused_ref, c, y_ref)
-    _grouped(c, y, mode)
+    _grouped(c, y)
     atol, rtol = tolerance(DTYPES[0])
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("mode", ["vexpert", "expert16"])
 @pytest.mark.parametrize("R", [32, 64])
-def test_grouped_larger_ranks(R, mode):
+def test_grouped_larger_ranks(R):
     gen = torch.Generator().manual_seed(47 + R)
     for site in ("gate_up", "down"):
         c = _moe_case(site, "skewed", 7, DTYPES[0], gen, R=R)
         y_ref, y = c["y0"].clone(), c["y0"].clone()
         _moe_call(moe_lora_fused_ref, c, y_ref)
-        _grouped(c, y, mode)
+        _grouped(c, y)
         atol, rtol = tolerance(DTYPES[0])
         torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
@@ -153,29 +138,18 @@ def switches():
     mg.GROUPED_MIN_PAIRS = before[2]
 
 
-@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("popularity", ["with_base_rows", "skewed"])
-def test_fused_moe_pairs_grouped_equals_per_pair(popularity, fast, switches, monkeypatch):
-    """The switch takes the grouped kernel and gives the per-pair result. Without the Triton base path: one
-    (slot, expert) alignment for gate_up and down; with it: the base GEMM's alignment, no alignment launch."""
-    from moelora.kernels import fused_moe_triton as fmt
+def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypatch):
+    """The switch takes the grouped kernel (one alignment for gate_up and down) and gives the per-pair result;
+    below GROUPED_MIN_PAIRS the per-pair kernel."""
     from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
-    if fast:
-        monkeypatch.setitem(fmt._FAST, "enabled", True)
-        monkeypatch.setitem(fmt._FAST, "cpu", True)
-    mg.GROUPED_MIN_PAIRS = 1  # the small CPU case
-    calls = {"align": 0, "grouped": 0, "expert_align": 0}
+    calls = {"align": 0, "grouped": 0}
     real_align, real_grouped = mg.grouped_align, mg.moe_lora_grouped
-
-    def counting_grouped(*a, **kw):
-        calls["grouped"] += 1
-        calls["expert_align"] += kw.get("expert_align") is not None
-        real_grouped(*a, **kw)
-
     monkeypatch.setattr(mg, "grouped_align", lambda *a: (calls.__setitem__("align", calls["align"] + 1), real_align(*a))[1])
-    monkeypatch.setattr(mg, "moe_lora_grouped", counting_grouped)
+    monkeypatch.setattr(mg, "moe_lora_grouped",
+                        lambda *a, **kw: (calls.__setitem__("grouped", calls["grouped"] + 1), real_grouped(*a, **kw)))
     gen = torch.Generator().manual_seed(59)
     dtype = DTYPES[0]
     x, w_gu, w_d, weights, ids, args = _moe_layer(11, dtype, gen, popularity)
@@ -183,10 +157,13 @@ def test_fused_moe_pairs_grouped_equals_per_pair(popularity, fast, switches, mon
     set_fused_lora(True)
     set_grouped_lora(False)
     per_pair = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    assert calls == {"align": 0, "grouped": 0, "expert_align": 0}
     set_grouped_lora(True)
+    mg.GROUPED_MIN_PAIRS = ids.numel() + 1  # the batch is below the threshold: per-pair
+    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+    assert calls == {"align": 0, "grouped": 0}
+    mg.GROUPED_MIN_PAIRS = ids.numel()
     grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    assert calls == ({"align": 0, "grouped": 2, "expert_align": 2} if fast else {"align": 1, "grouped": 2, "expert_align": 0})
+    assert calls == {"align": 1, "grouped": 2}
     bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     rel = ((grouped.float() - per_pair.float()).norm() / per_pair.float().norm()).item()
     assert rel < bound, f"relative error {rel:.2e} >= {bound}"
@@ -201,8 +178,8 @@ def test_grouped_switch_env_default():
     env = {k: v for k, v in os.environ.items() if k != "MOELORA_GROUPED_LORA"}
     run = lambda **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,  # noqa: E731
                                          text=True, check=True).stdout.strip()
-    assert run() == "False"
-    assert run(MOELORA_GROUPED_LORA="1") == "True"
+    assert run() == "True"
+    assert run(MOELORA_GROUPED_LORA="0") == "False"
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -210,10 +187,9 @@ def test_grouped_switch_env_default():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["vexpert", "expert16", "expert32"])
 @pytest.mark.parametrize("num_tokens", [32, 64, 256])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_gpu_grouped_equals_per_pair_at_qwen3_shapes(site, num_tokens, mode):
+def test_gpu_grouped_equals_per_pair_at_qwen3_shapes(site, num_tokens):
     """bf16, E=128, top-8, H=2048, I=768: the grouped kernel against the per-pair kernel (both fp32 h) and the
     reference; store mode; graph replay bit-equal to eager."""
     gen = torch.Generator().manual_seed(num_tokens + 7)
@@ -221,27 +197,21 @@ def test_gpu_grouped_equals_per_pair_at_qwen3_shapes(site, num_tokens, mode):
     y_pp, y_ref, y = c["y0"].clone(), c["y0"].clone(), c["y0"].clone()
     _moe_call(moe_lora_fused, c, y_pp)
     _moe_call(moe_lora_fused_ref, c, y_ref)
-    _grouped(c, y, mode)
+    _grouped(c, y)
     atol, rtol = tolerance(torch.bfloat16)
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     d_pp, d_g = (y_pp.float() - c["y0"].float()), (y.float() - c["y0"].float())
     assert ((d_g - d_pp).norm() / d_pp.norm()).item() < 2 ** -8
     store = torch.full(c["y0"].shape, float("nan"), device=DEVICE)
-    _grouped(c, store, mode, store=True)
+    _grouped(c, store, store=True)
     assert not store.isnan().any()
-    if mode == "vexpert":
-        kw = {"align": mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])}
-    else:
-        from moelora.kernels.fused_moe_triton import moe_align
-
-        bm = int(mode[len("expert"):])
-        kw = {"expert_align": (*moe_align(c["ids"], E, bm), bm)}
+    align = mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])
     eager = c["y0"].clone()
-    _moe_call(mg.moe_lora_grouped, c, eager, **kw)
+    _grouped(c, eager, align=align)
     replay = c["y0"].clone()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        _moe_call(mg.moe_lora_grouped, c, replay, **kw)
+        _grouped(c, replay, align=mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1]))  # alignment captured too
     replay.copy_(c["y0"])
     g.replay()
     torch.cuda.synchronize()

@@ -37,6 +37,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels.fp8_triton import e4m3_groups
+
     @triton.jit
     def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
@@ -112,8 +114,7 @@ if HAS_TRITON:
     def _store_head_quant(v, oq_ptr, os_ptr, t, heads, mask_h, Hq, D: tl.constexpr, BLOCK_D: tl.constexpr):
         """v [NH, BLOCK_D] fp32: the (rounded) outputs of heads `heads` of row t, 0 past D -> e4m3 per head (one
         group of D) into oq [T, Hq * D] and its scale into os [T, Hq], as quantize_act_group does."""
-        scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12) / 448.0  # [NH]
-        q = tl.clamp(v / scale[:, None], -448.0, 448.0)
+        q, scale = e4m3_groups(v, 448.0)  # scale: [NH]
         offs_d = tl.arange(0, BLOCK_D)
         row = t.to(tl.int64) * Hq
         tl.store(oq_ptr + (row + heads)[:, None] * D + offs_d[None, :], q.to(oq_ptr.dtype.element_ty),
@@ -123,10 +124,10 @@ if HAS_TRITON:
     @triton.jit
     def _store_one_head_quant(v, oq_ptr, os_ptr, idx, mask_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
         """_store_head_quant for one head: v [BLOCK_D] fp32 of head row idx = t * Hq + h."""
-        scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / 448.0
-        q = tl.clamp(v / scale, -448.0, 448.0)
-        tl.store(oq_ptr + idx * D + tl.arange(0, BLOCK_D), q.to(oq_ptr.dtype.element_ty), mask=mask_d)
-        tl.store(os_ptr + idx, scale)
+        q, scale = e4m3_groups(tl.reshape(v, (1, BLOCK_D)), 448.0)  # one group: [1, BLOCK_D], [1]
+        tl.store(oq_ptr + idx * D + tl.arange(0, BLOCK_D), tl.reshape(q, (BLOCK_D,)).to(oq_ptr.dtype.element_ty),
+                 mask=mask_d)
+        tl.store(os_ptr + idx + tl.arange(0, 1), scale)
 
     @triton.jit
     def _paged_attn_split_kernel(

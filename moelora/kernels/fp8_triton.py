@@ -32,6 +32,14 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def e4m3_groups(vg, FP8_MAX_C: tl.constexpr):
+        """The one e4m3 group quantization every kernel uses (quantize_act_group's numbers): vg [G, GROUP] fp32, one
+        group a row -> (q [G, GROUP] fp32 in [-FP8_MAX, FP8_MAX], to be cast to e4m3 by the store; scale [G] =
+        max(amax, 1e-12) / FP8_MAX)."""
+        scale = tl.maximum(tl.max(tl.abs(vg), axis=1), 1e-12) / FP8_MAX_C
+        return tl.clamp(vg / scale[:, None], -FP8_MAX_C, FP8_MAX_C), scale
+
+    @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, sxt, sqt, sst, FP8_MAX_C: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
@@ -39,10 +47,9 @@ if HAS_TRITON:
         offs = g * GROUP + tl.arange(0, BLOCK)
         mask = (offs < K) & (tl.arange(0, BLOCK) < GROUP)
         x = tl.load(x_ptr + t * sxt + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX_C
-        q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
-        tl.store(q_ptr + t * sqt + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + t * sst + g, scale)
+        q, scale = e4m3_groups(tl.reshape(x, (1, BLOCK)), FP8_MAX_C)  # one group: [1, BLOCK], [1]
+        tl.store(q_ptr + t * sqt + offs, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + t * sst + g + tl.arange(0, 1), scale)
 
     @triton.jit
     def store_group_quant(v, q_row_ptr, s_row_ptr, offs0, N, FP8_MAX_C: tl.constexpr, GROUP: tl.constexpr,
@@ -50,9 +57,8 @@ if HAS_TRITON:
         """Producer-side activation quantization (a @triton.jit helper for other kernels' epilogues): v [BLOCK]
         fp32, the values of columns offs0 .. offs0 + BLOCK of one row (0 past N; BLOCK and offs0 multiples of
         GROUP) -> q_row[cols] = e4m3(v / scale), s_row[col // GROUP] = scale, the numbers of quantize_act_group."""
-        vg = tl.reshape(v, (BLOCK // GROUP, GROUP))
-        scale = tl.maximum(tl.max(tl.abs(vg), axis=1), 1e-12) / FP8_MAX_C  # [BLOCK // GROUP]
-        q = tl.reshape(tl.clamp(vg / scale[:, None], -FP8_MAX_C, FP8_MAX_C), (BLOCK,))
+        qg, scale = e4m3_groups(tl.reshape(v, (BLOCK // GROUP, GROUP)), FP8_MAX_C)  # scale: [BLOCK // GROUP]
+        q = tl.reshape(qg, (BLOCK,))
         cols = offs0 + tl.arange(0, BLOCK)
         tl.store(q_row_ptr + cols, q.to(q_row_ptr.dtype.element_ty), mask=cols < N)
         groups = offs0 // GROUP + tl.arange(0, BLOCK // GROUP)

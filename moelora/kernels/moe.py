@@ -138,8 +138,8 @@ def fused_moe_pairs(
     Triton fast path the activation and combine kernels read the delta and add it themselves (no extra pass).
     set_fused_lora(True) (kernels/_triton.py), P <= GEMV_MAX_PAIRS and shrink the Triton kernel or its reference:
     each projection's LoRA delta is one fused launch (moe_lora_fused[_ref]; store mode into delta when overlapping);
-    with set_grouped_lora(True) too, from GROUPED_MIN_PAIRS pairs, the grouped kernel (moe_lora_grouped: A and B
-    read once per (slot, expert) of each block of the base GEMM's alignment; no launch of its own for that).
+    with set_grouped_lora(True) too, from GROUPED_MIN_PAIRS pairs, the grouped kernel (moe_lora_grouped: one
+    alignment by (slot, expert) a layer, made where the first delta runs and shared by gate_up and down).
     x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]
     """
     T, H = x.shape
@@ -171,8 +171,7 @@ def fused_moe_pairs(
             if fused is not None and grouped_lora():  # pairs grouped by (slot, expert): A and B read once a group
                 from moelora.kernels.moe_lora_grouped_triton import grouped_for
 
-                base = None if fast is None else (*fast.align, fast.cfg.block_m)  # grouped by the base alignment
-                fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1], base) or fused
+                fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
 
     def project(inp, w, per_pair, parts):
         """(y, delta): y = base GEMM of one projection [P, O] with its LoRA delta added, delta None; or, when

@@ -15,6 +15,12 @@ so A and B are read once per group. hv is fp32; on 16-bit factors the expand spl
 16-bit part (two tensor-core dots; ~16 significant bits kept, against 8 for a plain cast), fp32 factors use an
 IEEE dot.
 
+Measured on the H200 (session 9; scripts/sweep_moe_lora_grouped.py, store mode, rank 16, 4 adapters): 42.7 against
+71.9 µs per call for gate_up and 32.2 against 51.3 for down at 256 tokens (the alignment 23 µs a layer more), but
+32.0 against 23.7 and 26.6 against 16.5 at 64 tokens, where the per-pair kernel's repeated reads mostly hit L2.
+Hence GROUPED_MIN_PAIRS. Session 7's grouped kernel,
+removed, was 3-4x slower: fp32 FMA dots in the expand and a zero-fill for store mode.
+
 store=True writes instead of adding (a side-stream delta buffer needs no zero-fill). Pairs of tokens without an
 adapter (slot -1) are in no group; in store mode cdiv(P, BLOCK_M) more programs write their rows' zeros. Pairs
 on expert -1 (another rank's expert under expert parallelism) are left untouched in both modes, as in
@@ -45,7 +51,7 @@ if HAS_TRITON:
         D, S, E, K, P, NUM_BLOCKS,
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr, SPLIT_HV: tl.constexpr,
-        RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr, PRECISION: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -56,9 +62,8 @@ if HAS_TRITON:
         if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
             return
         offs_m = tl.arange(0, BLOCK_M)
-        RUN_SLOTS: tl.constexpr = max(RUNS, 1)
-        if pid >= NUM_BLOCKS * RUN_SLOTS:  # store mode only: zeros for the rows of tokens without an adapter
-            pp = (pid - NUM_BLOCKS * RUN_SLOTS) * BLOCK_M + offs_m
+        if pid >= NUM_BLOCKS:  # store mode only: zeros for the rows of tokens without an adapter
+            pp = (pid - NUM_BLOCKS) * BLOCK_M + offs_m
             valid = pp < P
             sl = tl.load(slots_ptr + pp // K, mask=valid, other=0)
             ex = tl.load(ids_ptr + pp, mask=valid, other=-1)
@@ -69,27 +74,14 @@ if HAS_TRITON:
                 tl.store(y_ptr + pp.to(tl.int64)[:, None] * syp + (o0 + offs_n)[None, :] * syo, zeros,
                          mask=zero_rows[:, None] & (offs_n < width)[None, :])
             return
-        b = pid // RUN_SLOTS
-        v = tl.load(bvex_ptr + b)
+        v = tl.load(bvex_ptr + pid)  # the block's virtual expert v = slot * E + e
         if v < 0:  # a block past the last group
             return
-        pairs = tl.load(sorted_ptr + b * BLOCK_M + offs_m)
+        slot = v // E
+        e = (v % E).to(tl.int64)
+        pairs = tl.load(sorted_ptr + pid * BLOCK_M + offs_m)
         mask_m = pairs < P
         pairs = tl.where(mask_m, pairs, 0).to(tl.int64)
-        if RUNS == 0:  # blocks of one virtual expert v = slot * E + e
-            slot = v // E
-            e = (v % E).to(tl.int64)
-        else:  # blocks of one expert (the base GEMM's alignment): this program takes the block's run-th slot
-            run = pid % RUN_SLOTS
-            e = v.to(tl.int64)
-            sl = tl.load(slots_ptr + pairs // K, mask=mask_m, other=-1)  # -1: padding and rows without an adapter
-            earlier = (sl[:, None] == sl[None, :]) & (offs_m[None, :] < offs_m[:, None])
-            first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (sl >= 0)  # first row of each slot in the block
-            nth = tl.cumsum(first.to(tl.int32), axis=0) - 1
-            slot = tl.max(tl.where(first & (nth == run), sl, -1), axis=0)
-            if slot < 0:  # the block holds fewer slots
-                return
-            mask_m = mask_m & (sl == slot)
         rank = tl.load(ranks_ptr + i * S + slot)
         if not STORE:
             if rank == 0:  # add mode: slices of rank 0 stay untouched
@@ -140,9 +132,9 @@ class GroupedConfig:
     """Launch parameters of _moe_lora_grouped_kernel (scripts/sweep_moe_lora_grouped.py sweeps them)."""
 
     block_d: int = 128
-    block_n: int = 128
+    block_n: int = 256
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4  # the least total over 64/256 tokens x 4/8 adapters x gate_up/down (session 9, call 1)
 
 
 def _env_config() -> GroupedConfig:
@@ -211,7 +203,6 @@ def moe_lora_grouped(
     align: tuple[torch.Tensor, torch.Tensor] | None = None,
     split_n: int | None = None,
     config: GroupedConfig | None = None,
-    expert_align: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> None:
     """moe_lora_fused's semantics (shrink + expand of every slice, one launch), with A and B read once per
     (slot, expert) group instead of once per pair:
@@ -229,10 +220,6 @@ def moe_lora_grouped(
     align: grouped_align(topk_ids, token_slots, num_experts, S) (made here when None; pass it to share one
     per layer) · split_n: output splits per (block, slice), None = from the launch size · config: launch
     parameters (None: grouped_config()). Needs grouped_ok(T * K, num_experts, S).
-    expert_align: (sorted_pair_ids, block_expert, block_m) of the base expert GEMM (fused_moe_triton.moe_align:
-    blocks of one expert) to group by instead of `align`: no alignment launch of its own; one program per
-    (block, slot present in it), up to min(S, block_m) a block, so a (slot, expert) group split over two blocks
-    is read twice (rare at decode sizes: an expert takes ~P/E pairs).
     h and the delta are fp32, the delta is rounded once to y's dtype.
     """
     require_triton()
@@ -242,18 +229,14 @@ def moe_lora_grouped(
     P = T * K
     if P == 0:
         return
-    if expert_align is not None:
-        sorted_ids, bvex, block_m = expert_align
-        runs = min(S, block_m)
-        if sorted_ids.shape[0] != bvex.shape[0] * block_m:
-            raise ValueError(f"moe_lora_grouped: expert_align holds {sorted_ids.shape[0]} pair ids in "
-                             f"{bvex.shape[0]} blocks; expected blocks of block_m={block_m}")
-    else:
-        if not grouped_ok(P, num_experts, S):
-            raise ValueError(f"moe_lora_grouped: {P} pairs over {S} x {num_experts} (slot, expert) groups is past "
-                             "the one-program alignment; use moe_lora_fused or pass expert_align")
-        sorted_ids, bvex = align if align is not None else grouped_align(topk_ids, token_slots, num_experts, S)
-        block_m, runs = GROUPED_BLOCK_M, 0
+    if not grouped_ok(P, num_experts, S):
+        raise ValueError(f"moe_lora_grouped: {P} pairs over {S} x {num_experts} (slot, expert) groups is past "
+                         "the one-program alignment; use moe_lora_fused")
+    sorted_ids, bvex = align if align is not None else grouped_align(topk_ids, token_slots, num_experts, S)
+    block_m = GROUPED_BLOCK_M
+    if sorted_ids.shape[0] != bvex.shape[0] * block_m:
+        raise ValueError(f"moe_lora_grouped: align holds {sorted_ids.shape[0]} pair ids in {bvex.shape[0]} blocks; "
+                         f"expected blocks of {block_m} (grouped_align)")
     cfg = config or grouped_config()
     nb = bvex.shape[0]
     max_width = triton.cdiv(O, n)  # a guess (equal slices) for SPLIT_N only
@@ -265,42 +248,40 @@ def moe_lora_grouped(
     zero_blocks = triton.cdiv(P, block_m) if store else 0
     w = pair_weights if pair_weights is not None else scaling
     f32 = b_cat.dtype == torch.float32
-    _moe_lora_grouped_kernel[(nb * max(runs, 1) + zero_blocks, n, split)](
+    _moe_lora_grouped_kernel[(nb + zero_blocks, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, sorted_ids, bvex,
         D, S, num_experts, K, P, nb,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store, SPLIT_HV=not f32,
-        RUNS=runs, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split,
         PRECISION="ieee" if f32 else None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 # below this many (token, k) pairs few pairs share a (slot, expert) group: the per-pair kernel (MOELORA_GROUPED_MIN_PAIRS)
-GROUPED_MIN_PAIRS = int(os.environ.get("MOELORA_GROUPED_MIN_PAIRS", "256"))
+GROUPED_MIN_PAIRS = int(os.environ.get("MOELORA_GROUPED_MIN_PAIRS", "2048"))
 
 
 def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
-                max_loras: int, expert_align: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> Callable | None:
-    """For fused_moe_pairs: moe_lora_grouped in moe_lora_fused's signature when it applies (`fused` is the Triton
-    per-pair kernel, not its reference, and P >= GROUPED_MIN_PAIRS), else None (keep the per-pair kernel).
-    expert_align: the base expert GEMM's alignment (sorted_pair_ids, block_expert, block_m), made before the
-    side stream forks: the kernel groups by it, no alignment launch. Without it (no Triton base path): one
-    (slot, expert) alignment a layer (grouped_align, needs grouped_ok), made on the first call on whatever stream
-    that call runs (the side stream when overlapping); the down projection's call reuses it."""
+                max_loras: int) -> Callable | None:
+    """For fused_moe_pairs: moe_lora_grouped in moe_lora_fused's signature, bound to one alignment per layer (made
+    on the first call, on whatever stream that call runs: the side stream when overlapping; the down projection's
+    call reuses it), when it applies: `fused` is the Triton per-pair kernel (not its reference) and
+    GROUPED_MIN_PAIRS <= P with grouped_ok. Otherwise None (keep the per-pair kernel).
+    (Grouping by the base expert GEMM's own alignment instead, one program per (expert block, slot in it), saves
+    the alignment launch but was slower than this in all 12 cases swept on the H200: session 9, README.)"""
     from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
 
     P = topk_ids.numel()
-    if fused is not moe_lora_fused or P < GROUPED_MIN_PAIRS:
-        return None
-    if expert_align is None and not grouped_ok(P, num_experts, max_loras):
+    if fused is not moe_lora_fused or P < GROUPED_MIN_PAIRS or not grouped_ok(P, num_experts, max_loras):
         return None
     box: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights=None,
                 store=False):
-        if expert_align is None and not box:
+        if not box:
             box.append(grouped_align(ids, slots, E, a.shape[1]))
         moe_lora_grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights,
-                         store=store, align=box[0] if box else None, expert_align=expert_align)
+                         store=store, align=box[0])
 
     return grouped
