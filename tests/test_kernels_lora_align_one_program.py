@@ -1,8 +1,7 @@
 """The (slot, expert) alignment made in one program (fused_moe_triton.moe_lora_align_one_program, the
 one-program sort of moe_align with virtual experts slot * E + e): equal to moe_lora_align bit for bit, with
-expert-parallel pairs left out (expert -1), and its limits. Not used by the default decode path since the
-grouped expert-LoRA kernel it fed was removed (slower than the per-pair kernel in every configuration measured
-on the H200, README); kept as the alignment a grouped design would read.
+expert-parallel pairs left out (expert -1), and its limits. The grouped routed-expert LoRA kernel
+(moe_lora_grouped_triton.py, on from 2,048 pairs) reads it, one per layer.
 
 CPU: the Triton kernel under TRITON_INTERPRET=1; GPU: compiled."""
 
