@@ -36,10 +36,10 @@ from typing import Callable
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels.moe_lora_fused_triton import fused_split_n
 from moelora.kernels.moe_lora_triton import _a_strides, _b_strides
 
 GROUPED_BLOCK_M = 16  # pairs per block: tl.dot's smallest M; decode groups hold 1-8 pairs
-GROUPED_TARGET_PROGRAMS = 264  # SPLIT_N aims at this many programs: 2 per SM of an H200 (132 SMs)
 
 if HAS_TRITON:
     import triton
@@ -178,14 +178,6 @@ def grouped_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts
     return moe_lora_align_one_program(topk_ids, token_slots, num_experts, max_loras, GROUPED_BLOCK_M)
 
 
-def grouped_split_n(programs: int, max_width: int, block_n: int, split_n: int | None = None) -> int:
-    """Output splits per (block, slice): enough programs for GROUPED_TARGET_PROGRAMS, at most one per tile."""
-    tiles = triton.cdiv(max_width, block_n)
-    if split_n is not None:
-        return max(1, min(int(split_n), tiles))
-    return max(1, min(tiles, triton.cdiv(GROUPED_TARGET_PROGRAMS, max(1, programs))))
-
-
 def moe_lora_grouped(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -244,7 +236,7 @@ def moe_lora_grouped(
     block_d = min(cfg.block_d, max(16, triton.next_power_of_2(D)))
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(max_width)))
     groups = min(P, S * num_experts)  # an upper bound on the blocks that do work (fixed per batch size)
-    split = grouped_split_n(groups * n, max_width, block_n, split_n)
+    split = fused_split_n(groups * n, max_width, block_n, split_n)  # the per-pair kernel's rule and target
     zero_blocks = triton.cdiv(P, block_m) if store else 0
     w = pair_weights if pair_weights is not None else scaling
     f32 = b_cat.dtype == torch.float32
