@@ -216,3 +216,32 @@ def test_gpu_grouped_equals_per_pair_at_qwen3_shapes(site, num_tokens):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(replay, eager)
+
+
+def test_expert_alignment_threshold_leaves_the_lora_alignment(monkeypatch):
+    """MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS lowers only the base expert alignment's one-program limit: moe_align
+    takes its three-launch variant (same result), the grouped LoRA kernel keeps its one-program alignment."""
+    import os
+    import subprocess
+    import sys
+
+    from moelora.kernels import fused_moe_triton as fmt
+
+    c = _moe_case("gate_up", "uniform", 9, DTYPES[0], torch.Generator().manual_seed(71))
+    P = c["ids"].numel()
+    calls = []
+    real = fmt._align_one_program
+    monkeypatch.setattr(fmt, "_align_one_program", lambda *a, **kw: (calls.append(a[1] is not None), real(*a, **kw))[1])
+    monkeypatch.setattr(fmt, "EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS", P - 1)
+    got = fmt.moe_align(c["ids"], E, 16)
+    ref = fmt.moe_align_ref(c["ids"], E, 16)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert calls == []  # the chunked variant
+    assert mg.grouped_ok(P, E, c["a"].shape[1])
+    mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])
+    assert calls == [True]  # the LoRA alignment: one program, with slots
+    code = "from moelora.kernels import fused_moe_triton as f; print(f.EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS)"
+    env = {k: v for k, v in os.environ.items() if k != "MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS": "512"},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "512"

@@ -190,6 +190,9 @@ if HAS_TRITON:
 
 
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks of pairs
+# the base expert alignment alone (moe_align) may switch to the three launches earlier: at 2,048 pairs its one
+# program took 17 µs a layer on the H200 (session 9's profile, batch 256); not yet measured the other way
+EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS = int(os.environ.get("MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS", "2048"))
 
 
 def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
@@ -228,7 +231,8 @@ def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_align_ref on the device: no atomics (stable inside each group), no host sync.
-    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program (tl.sort of the pairs by expert, a histogram for
+    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS (and MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS, default the same): one
+    launch of one program (tl.sort of the pairs by expert, a histogram for
     the group sizes); larger P: count per chunk of pairs (C programs), offsets (1 program), placement (C programs).
     topk_ids: [T, K] int · returns sorted_pair_ids [p_max] int32 (pad = T*K), block_expert [p_max/block_m] int32
     """
@@ -243,7 +247,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
-    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: one sort of all pairs
+    if P <= min(ALIGN_ONE_PROGRAM_MAX_PAIRS, EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS):  # decode: one sort of all pairs
         return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert)
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
