@@ -141,7 +141,7 @@ def switches():
 @pytest.mark.parametrize("popularity", ["with_base_rows", "skewed"])
 def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypatch):
     """The switch takes the grouped kernel (one alignment for gate_up and down) and gives the per-pair result;
-    below GROUPED_MIN_PAIRS the per-pair kernel."""
+    below GROUPED_MIN_PAIRS, or above GROUPED_MAX_GROUPS (slot, expert) groups, the per-pair kernel."""
     from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
@@ -162,6 +162,10 @@ def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypat
     fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
     assert calls == {"align": 0, "grouped": 0}
     mg.GROUPED_MIN_PAIRS = ids.numel()
+    monkeypatch.setattr(mg, "GROUPED_MAX_GROUPS", E * args.gate_up_a.shape[1] - 1)  # more groups than measured
+    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+    assert calls == {"align": 0, "grouped": 0}
+    monkeypatch.setattr(mg, "GROUPED_MAX_GROUPS", E * args.gate_up_a.shape[1])
     grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
     assert calls == {"align": 1, "grouped": 2}
     bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]

@@ -252,6 +252,9 @@ def moe_lora_grouped(
 
 # below this many (token, k) pairs few pairs share a (slot, expert) group: the per-pair kernel (MOELORA_GROUPED_MIN_PAIRS)
 GROUPED_MIN_PAIRS = int(os.environ.get("MOELORA_GROUPED_MIN_PAIRS", "2048"))
+# max_loras x E up to this: what was measured (8 slots x 128 experts); the one-program alignment's histogram and
+# scan grow with it (up to 8,191 groups it runs, but its cost there is unmeasured), so above it: the per-pair kernel
+GROUPED_MAX_GROUPS = 1024
 
 
 def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
@@ -259,13 +262,16 @@ def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tens
     """For fused_moe_pairs: moe_lora_grouped in moe_lora_fused's signature, bound to one alignment per layer (made
     on the first call, on whatever stream that call runs: the side stream when overlapping; the down projection's
     call reuses it), when it applies: `fused` is the Triton per-pair kernel (not its reference) and
-    GROUPED_MIN_PAIRS <= P with grouped_ok. Otherwise None (keep the per-pair kernel).
+    GROUPED_MIN_PAIRS <= P with grouped_ok, and max_loras * E <= GROUPED_MAX_GROUPS. Otherwise None (keep the
+    per-pair kernel).
     (Grouping by the base expert GEMM's own alignment instead, one program per (expert block, slot in it), saves
     the alignment launch but was slower than this in all 12 cases swept on the H200: session 9, README.)"""
     from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
 
     P = topk_ids.numel()
     if fused is not moe_lora_fused or P < GROUPED_MIN_PAIRS or not grouped_ok(P, num_experts, max_loras):
+        return None
+    if num_experts * max_loras > GROUPED_MAX_GROUPS:
         return None
     box: list[tuple[torch.Tensor, torch.Tensor]] = []
 
