@@ -3,8 +3,8 @@ per block of pairs that share an (adapter slot, expert) (reference: moe_lora_fus
 
 Why: moe_lora_fused (one program per pair) reads A[i, s, e] and B[s, e] once per (token, k) pair. At decode
 batches, pairs of one slot often land on the same expert (64 tokens, 4 adapters, top-8 of 128: 512 pairs on
-~320 (slot, expert) groups; 256 tokens: 2048 pairs on ~510), so it reads the LoRA factors 1.6x (batch 64) to
-4x (batch 256) more than needed. Here the pairs are first sorted by virtual expert v = slot * E + e
+334 (slot, expert) groups in the sweep; 256 tokens: 2048 pairs on 505), so it reads the LoRA factors 1.5x
+(batch 64) to 4x (batch 256) more than needed. Here the pairs are first sorted by virtual expert v = slot * E + e
 (`grouped_align`: fused_moe_triton.moe_lora_align_one_program, one launch of one program, made once per layer
 and shared by gate_up and down), and one program per (block of BLOCK_M pairs of one group, slice i, output
 split j) computes
