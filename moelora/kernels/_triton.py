@@ -55,10 +55,10 @@ def set_grouped_lora(enabled: bool) -> None:
     """With set_fused_lora on: routed-expert LoRA deltas of GROUPED_MIN_PAIRS..2,048 pairs (default from 2,048:
     batch 256 at top-8; MOELORA_GROUPED_MIN_PAIRS) through the grouped kernel (kernels/moe_lora_grouped_triton.py:
     pairs grouped by (slot, expert), each group's A and B read once, one alignment a layer) instead of the per-pair
-    fused kernel. On by default: on the H200 (session 9, Qwen3-30B-A3B fp8, rank 16) batch 256 decoded 11,428
-    tok/s with 4 adapters and 10,358 with 8 against 10,090 / 9,773 per-pair; at batch 64 it was no faster
-    (4,182 against 4,194 with 4 adapters, 3,860 against 4,068 with 8). Off with MOELORA_GROUPED_LORA=0. CUDA graphs
-    keep the path they captured: set it before capture."""
+    fused kernel, when max_loras x E <= GROUPED_MAX_GROUPS. On by default: on the H200 (session 9, Qwen3-30B-A3B
+    fp8, rank 16, one run) batch 256 decoded 11,438 tok/s with 4 adapters and 10,341 with 8 against 10,565 /
+    9,809 per-pair; at batch 64 it was no faster (4,182 against 4,194 with 4 adapters, 3,860 against 4,068 with
+    8). Off with MOELORA_GROUPED_LORA=0. CUDA graphs keep the path they captured: set it before capture."""
     _GROUPED_LORA[0] = bool(enabled)
 
 
