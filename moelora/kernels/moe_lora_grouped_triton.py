@@ -63,16 +63,8 @@ if HAS_TRITON:
             return
         offs_m = tl.arange(0, BLOCK_M)
         if pid >= NUM_BLOCKS:  # store mode only: zeros for the rows of tokens without an adapter
-            pp = (pid - NUM_BLOCKS) * BLOCK_M + offs_m
-            valid = pp < P
-            sl = tl.load(slots_ptr + pp // K, mask=valid, other=0)
-            ex = tl.load(ids_ptr + pp, mask=valid, other=-1)
-            zero_rows = valid & (sl < 0) & (ex >= 0)
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
-            for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                tl.store(y_ptr + pp.to(tl.int64)[:, None] * syp + (o0 + offs_n)[None, :] * syo, zeros,
-                         mask=zero_rows[:, None] & (offs_n < width)[None, :])
+            grouped_zero_rows(y_ptr, slots_ptr, ids_ptr, pid - NUM_BLOCKS, pid_n, o0, width, K, P, syp, syo,
+                              BLOCK_M, BLOCK_N, SPLIT_N)
             return
         v = tl.load(bvex_ptr + pid)  # the block's virtual expert v = slot * E + e
         if v < 0:  # a block past the last group
@@ -105,14 +97,38 @@ if HAS_TRITON:
         hv = acc_h * tl.load(scale_ptr + i * S + slot)
         if HAS_W:
             hv = hv * tl.load(w_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-        b_base = b_ptr + slot.to(tl.int64) * sb_s + e * sb_e
-        y_rows = y_ptr + pairs[:, None] * syp
+        grouped_expand_tiles(hv, b_ptr + slot.to(tl.int64) * sb_s + e * sb_e, y_ptr + pairs[:, None] * syp, mask_m,
+                             offs_r, mask_r, o0, width, pid_n, sb_o, sb_r, syo, STORE, SPLIT_HV, BLOCK_N, SPLIT_N)
+
+    @triton.jit
+    def grouped_zero_rows(y_ptr, slots_ptr, ids_ptr, zb, pid_n, o0, width, K, P, syp, syo,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr):
+        """Store mode's zero program zb: y[p, o0 + tiles of split pid_n] = 0 for the pairs p of rows zb * BLOCK_M ...
+        that belong to tokens without an adapter (slot -1) and sit on a local expert (e >= 0)."""
+        pp = zb * BLOCK_M + tl.arange(0, BLOCK_M)
+        valid = pp < P
+        sl = tl.load(slots_ptr + pp // K, mask=valid, other=0)
+        ex = tl.load(ids_ptr + pp, mask=valid, other=-1)
+        zero_rows = valid & (sl < 0) & (ex >= 0)
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+        for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            tl.store(y_ptr + pp.to(tl.int64)[:, None] * syp + (o0 + offs_n)[None, :] * syo, zeros,
+                     mask=zero_rows[:, None] & (offs_n < width)[None, :])
+
+    @triton.jit
+    def grouped_expand_tiles(hv, b_base, y_rows, mask_m, offs_r, mask_r, o0, width, pid_n, sb_o, sb_r, syo,
+                             STORE: tl.constexpr, SPLIT_HV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr):
+        """The expand of one group block: y_rows[:, o0 + tile] (+)= hv @ B[tile, :r].T for the output tiles pid_n,
+        pid_n + SPLIT_N, ... of the slice's width. hv: [BLOCK_M, BLOCK_R] fp32 (scaling folded in) · b_base: B[s, e]
+        · y_rows: [BLOCK_M, 1] row pointers. 16-bit B (SPLIT_HV): hv = hi + lo, each rounded to B's dtype, two
+        tensor-core dots (~16 significant bits of hv kept); fp32 B: an IEEE dot."""
         for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < width
             bt = tl.load(b_base + (o0 + offs_n[None, :]) * sb_o + offs_r[:, None] * sb_r,
                          mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-            if SPLIT_HV:  # 16-bit B: hv = hi + lo, each rounded to B's dtype, two tensor-core dots
+            if SPLIT_HV:
                 hi = hv.to(bt.dtype)
                 lo = (hv - hi.to(tl.float32)).to(bt.dtype)
                 delta = tl.dot(hi, bt) + tl.dot(lo, bt)
@@ -121,32 +137,40 @@ if HAS_TRITON:
             ptrs = y_rows + (o0 + offs_n)[None, :] * syo
             mask = mask_m[:, None] & mask_n[None, :]
             if STORE:
-                tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.store(ptrs, delta.to(y_rows.dtype.element_ty), mask=mask)
             else:
                 y = tl.load(ptrs, mask=mask, other=0.0)
-                tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+                tl.store(ptrs, (y.to(tl.float32) + delta).to(y_rows.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    """Launch parameters of _moe_lora_grouped_kernel (scripts/sweep_moe_lora_grouped.py sweeps them)."""
+    """Launch parameters of the grouped kernels (scripts/sweep_moe_lora_grouped.py sweeps them). d_chunk 0: the
+    one-launch kernel (_moe_lora_grouped_kernel); d_chunk > 0: the two-pass kernels (moe_lora_grouped_split_triton.py),
+    pass 1 taking d_chunk input columns per program (block_d, num_stages: its tiles and pipeline), pass 2 one
+    block_n output tile per program; num_warps for both."""
 
     block_d: int = 128
     block_n: int = 256
     num_warps: int = 4
     num_stages: int = 4  # the least total over 64/256 tokens x 4/8 adapters x gate_up/down (session 9, call 1)
+    d_chunk: int = 0
 
 
 def _env_config() -> GroupedConfig:
-    """MOELORA_GROUPED_CONFIG=block_d,block_n,num_warps,num_stages (e.g. 256,128,4,3), else the defaults."""
+    """MOELORA_GROUPED_CONFIG=block_d,block_n,num_warps,num_stages[,d_chunk] (e.g. 256,128,4,3 or 128,128,4,3,512),
+    else the defaults."""
     raw = os.environ.get("MOELORA_GROUPED_CONFIG", "")
     if not raw:
         return GroupedConfig()
     try:
-        bd, bn, w, st = (int(v) for v in raw.split(","))
+        vals = [int(v) for v in raw.split(",")]
     except ValueError:
-        raise ValueError(f"MOELORA_GROUPED_CONFIG={raw!r}: expected four integers block_d,block_n,num_warps,num_stages")
-    return GroupedConfig(bd, bn, w, st)
+        vals = []
+    if len(vals) not in (4, 5):
+        raise ValueError(f"MOELORA_GROUPED_CONFIG={raw!r}: expected four or five integers "
+                         "block_d,block_n,num_warps,num_stages[,d_chunk]")
+    return GroupedConfig(*vals)
 
 
 _CONFIG = [_env_config()]
@@ -235,10 +259,19 @@ def moe_lora_grouped(
     block_r = max(16, triton.next_power_of_2(R))
     block_d = min(cfg.block_d, max(16, triton.next_power_of_2(D)))
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(max_width)))
+    w = pair_weights if pair_weights is not None else scaling
+    if cfg.d_chunk > 0:  # two passes: the shrink split over the input dim, then one output tile per program
+        from moelora.kernels.moe_lora_grouped_split_triton import grouped_two_pass
+
+        d_chunk = triton.cdiv(min(cfg.d_chunk, D), block_d) * block_d
+        split = split_n if split_n is not None else triton.cdiv(max_width, block_n)
+        grouped_two_pass(x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w,
+                         sorted_ids, bvex, num_experts, K, x_per_pair, pair_weights is not None, store, block_m,
+                         block_r, block_d, d_chunk, block_n, max(1, split), cfg.num_warps, cfg.num_stages)
+        return
     groups = min(P, S * num_experts)  # an upper bound on the blocks that do work (fixed per batch size)
     split = fused_split_n(groups * n, max_width, block_n, split_n)  # the per-pair kernel's rule and target
     zero_blocks = triton.cdiv(P, block_m) if store else 0
-    w = pair_weights if pair_weights is not None else scaling
     f32 = b_cat.dtype == torch.float32
     _moe_lora_grouped_kernel[(nb + zero_blocks, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, sorted_ids, bvex,
