@@ -1,6 +1,5 @@
 """Routed-expert LoRA at Qwen3-30B-A3B decode shapes (GPU): the per-pair fused kernel against the grouped kernel
-((slot, expert) groups, kernels/moe_lora_grouped_triton.py: one launch, or two passes with the shrink split over
-the input dim) over launch configs, µs per call from CUDA-graph
+((slot, expert) groups, kernels/moe_lora_grouped_triton.py) over launch configs, µs per call from CUDA-graph
 replay beside the byte floor. Both in store mode (the side-stream path the engine runs); the grouped kernel's
 alignment (one a layer, shared by gate_up and down) timed on its own.
 
@@ -26,14 +25,12 @@ from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
 from moelora.kernels.moe_lora_grouped_triton import GroupedConfig, grouped_align, moe_lora_grouped
 
 H, I, E, K = 2048, 768, 128, 8
-# the one-launch kernel at its default (session 9's sweep of 16 configs chose it) and the two-pass kernels
-# (moe_lora_grouped_split_triton.py) over input chunk x input tile x output tile x warps x stages
-CONFIGS = [GroupedConfig()] + [GroupedConfig(bd, bn, w, st, dc) for dc, bd, bn, w, st in itertools.product(
-    (256, 512), (64, 128), (64, 128, 256), (4,), (2, 3)) if bd <= dc]
+CONFIGS = [GroupedConfig(bd, bn, w, st) for bd, bn, w, st in itertools.product(
+    (128, 256), (128, 256), (4, 8), (3, 4))]
 
 
 def _key(cfg: GroupedConfig) -> str:
-    return f"d{cfg.block_d}-n{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}" + (f"-c{cfg.d_chunk}" if cfg.d_chunk else "")
+    return f"d{cfg.block_d}-n{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}"
 
 
 def case(site: str, T: int, n_ad: int, R: int, layers: int):
@@ -80,7 +77,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--json", default=None)
     ap.add_argument("--best-out", default=None, help="write the config with the least total time over all cases "
-                    "as MOELORA_GROUPED_CONFIG's value (block_d,block_n,num_warps,num_stages,d_chunk)")
+                    "as MOELORA_GROUPED_CONFIG's value (block_d,block_n,num_warps,num_stages)")
     args = ap.parse_args()
     bw = hbm_bandwidth_gbs()
     print(f"HBM {bw:.0f} GB/s; bf16; store mode; {args.layers} layers in rotation; µs per call", flush=True)
@@ -103,27 +100,21 @@ def main() -> None:
             sweep[_key(cfg)] = {"us": round(t, 2), "rel_err": err}
             if err < 1e-2 and (best is None or t < best[1]):
                 best = (_key(cfg), t)
-        one = sweep[_key(GroupedConfig())]["us"]
-        print(f"{site:>7} T {T:4d} ad {n_ad} R {R:3d} | per-pair {t_pp:7.1f} | one-launch {one:7.1f} | best {best[1]:7.1f} "
-              f"({best[0]}) + align {t_align:5.1f} | floor {floor:6.1f} | pairs {P} groups {used}", flush=True)
+        print(f"{site:>7} T {T:4d} ad {n_ad} R {R:3d} | per-pair {t_pp:7.1f} | grouped best {best[1]:7.1f} ({best[0]}) "
+              f"+ align {t_align:5.1f} | floor {floor:6.1f} | pairs {P} groups {used}", flush=True)
         rows.append({"site": site, "tokens": T, "adapters": n_ad, "rank": R, "pairs": P, "groups": used,
                      "per_pair_us": round(t_pp, 2), "align_us": round(t_align, 2), "floor_us": round(floor, 2),
                      "grouped_best": best[0], "grouped_best_us": round(best[1], 2), "grouped": sweep})
-    totals = {k: sum(r["grouped"][k]["us"] for r in rows) for k in rows[0]["grouped"]} if rows else {}
+    big = [r for r in rows if r["tokens"] >= 128] or rows  # where the grouped kernel would run
+    totals = {k: sum(r["grouped"][k]["us"] for r in big) for k in big[0]["grouped"]} if big else {}
     if totals:
         key = min(totals, key=totals.get)
         cfg = next(c for c in CONFIGS if _key(c) == key)
-        print(f"least total over {len(rows)} cases: {key} {totals[key]:.1f} µs; one-launch default "
-              f"{totals[_key(GroupedConfig())]:.1f}; per-pair {sum(r['per_pair_us'] for r in rows):.1f}; alignment "
-              f"{sum(r['align_us'] for r in rows) / 2:.1f} (one a layer: gate_up and down share it)", flush=True)
-        for T in sorted({r["tokens"] for r in rows}):
-            sub = [r for r in rows if r["tokens"] == T]
-            print(f"  T {T}: {key} {sum(r['grouped'][key]['us'] for r in sub):.1f} + align "
-                  f"{sum(r['align_us'] for r in sub) / 2:.1f} against per-pair {sum(r['per_pair_us'] for r in sub):.1f}",
-                  flush=True)
+        print(f"least total (>= 128 tokens): {key} {totals[key]:.1f} µs over {len(big)} cases; "
+              f"per-pair {sum(r['per_pair_us'] for r in big):.1f}", flush=True)
         if args.best_out:
             with open(args.best_out, "w") as f:
-                f.write(f"{cfg.block_d},{cfg.block_n},{cfg.num_warps},{cfg.num_stages},{cfg.d_chunk}\n")
+                f.write(f"{cfg.block_d},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hbm_gbs": bw, "rows": rows}, f, indent=1)

@@ -79,32 +79,3 @@ for block_d, store in [(128, True), (256, False)]:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     assert "mma" in ptx and "cp.async" in ptx, (block_d, store)
 print("ok grouped lora")
-# the two-pass grouped kernels (moe_lora_grouped_split_triton.py): pass 1's input loads pipelined (cp.async)
-from moelora.kernels.moe_lora_grouped_split_triton import _grouped_expand_kernel, _grouped_shrink_kernel  # noqa: E402
-
-
-def compile_divisible(kernel, ptrs: dict, consts: dict, div_ints: list[str], **opts):
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    div = [n for n in names if n.endswith("_ptr")] + div_ints
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
-
-
-for x_per_pair in (False, True):
-    ptx = compile_divisible(
-        _grouped_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "h_ptr": "*fp32", "ranks_ptr": "*i32",
-                                 "sorted_ptr": "*i32", "bvex_ptr": "*i32"},
-        dict(sxd=1, sa_d=1, X_PER_PAIR=x_per_pair, BLOCK_M=16, BLOCK_R=16, BLOCK_D=128, D_CHUNK=512, PRECISION=None),
-        ["D", "sxm", "sa_i", "sa_s", "sa_e", "sa_r", "sh_j", "sh_p", "sh_i"], num_warps=4, num_stages=3)
-    assert "mma" in ptx and "cp.async" in ptx, x_per_pair
-ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "ids_ptr", "slots_ptr", "sorted_ptr", "bvex_ptr")}
-ptrs.update(h_ptr="*fp32", b_ptr="*bf16", y_ptr="*fp32", scale_ptr="*fp32", w_ptr="*fp32")
-for store in (True, False):
-    ptx = compile_divisible(_grouped_expand_kernel, ptrs,
-                            dict(sb_r=1, syo=1, NUM_J=4, HAS_W=store, STORE=store, SPLIT_HV=True, BLOCK_M=16,
-                                 BLOCK_R=16, BLOCK_N=128, SPLIT_N=1),
-                            ["sh_j", "sh_p", "sh_i", "sb_s", "sb_e", "sb_o", "syp"], num_warps=4)
-    assert "mma" in ptx, store
-print("ok grouped lora two-pass")

@@ -19,7 +19,11 @@ Measured on the H200 (session 9; scripts/sweep_moe_lora_grouped.py, store mode, 
 71.9 µs per call for gate_up and 32.2 against 51.3 for down at 256 tokens (the alignment 23 µs a layer more), but
 32.0 against 23.7 and 26.6 against 16.5 at 64 tokens, where the per-pair kernel's repeated reads mostly hit L2.
 Hence GROUPED_MIN_PAIRS. Session 7's grouped kernel,
-removed, was 3-4x slower: fp32 FMA dots in the expand and a zero-fill for store mode.
+removed, was 3-4x slower: fp32 FMA dots in the expand and a zero-fill for store mode. Session 10 tried two passes
+(the shrink split over the input dim in chunks of 256/512 with deterministic partial sums, then one output tile per
+program) so that no program streams a whole A. Over 24 configs it was slower than this kernel for gate_up in all 4 cases
+(64/256 tokens x 4/8 adapters), faster only for down at 64 tokens (25.3 against 29.7 µs, 4 adapters; still above
+the per-pair 16.5), within 1 µs at 256 tokens; removed (bench/results/sweep-moe-lora-grouped-s10-call1-*).
 
 store=True writes instead of adding (a side-stream delta buffer needs no zero-fill). Pairs of tokens without an
 adapter (slot -1) are in no group; in store mode cdiv(P, BLOCK_M) more programs write their rows' zeros. Pairs
@@ -145,32 +149,24 @@ if HAS_TRITON:
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    """Launch parameters of the grouped kernels (scripts/sweep_moe_lora_grouped.py sweeps them). d_chunk 0: the
-    one-launch kernel (_moe_lora_grouped_kernel); d_chunk > 0: the two-pass kernels (moe_lora_grouped_split_triton.py),
-    pass 1 taking d_chunk input columns per program (block_d, num_stages: its tiles and pipeline), pass 2 one
-    block_n output tile per program; num_warps for both."""
+    """Launch parameters of _moe_lora_grouped_kernel (scripts/sweep_moe_lora_grouped.py sweeps them)."""
 
     block_d: int = 128
     block_n: int = 256
     num_warps: int = 4
     num_stages: int = 4  # the least total over 64/256 tokens x 4/8 adapters x gate_up/down (session 9, call 1)
-    d_chunk: int = 0
 
 
 def _env_config() -> GroupedConfig:
-    """MOELORA_GROUPED_CONFIG=block_d,block_n,num_warps,num_stages[,d_chunk] (e.g. 256,128,4,3 or 128,128,4,3,512),
-    else the defaults."""
+    """MOELORA_GROUPED_CONFIG=block_d,block_n,num_warps,num_stages (e.g. 256,128,4,3), else the defaults."""
     raw = os.environ.get("MOELORA_GROUPED_CONFIG", "")
     if not raw:
         return GroupedConfig()
     try:
-        vals = [int(v) for v in raw.split(",")]
+        bd, bn, w, st = (int(v) for v in raw.split(","))
     except ValueError:
-        vals = []
-    if len(vals) not in (4, 5):
-        raise ValueError(f"MOELORA_GROUPED_CONFIG={raw!r}: expected four or five integers "
-                         "block_d,block_n,num_warps,num_stages[,d_chunk]")
-    return GroupedConfig(*vals)
+        raise ValueError(f"MOELORA_GROUPED_CONFIG={raw!r}: expected four integers block_d,block_n,num_warps,num_stages")
+    return GroupedConfig(bd, bn, w, st)
 
 
 _CONFIG = [_env_config()]
@@ -259,19 +255,10 @@ def moe_lora_grouped(
     block_r = max(16, triton.next_power_of_2(R))
     block_d = min(cfg.block_d, max(16, triton.next_power_of_2(D)))
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(max_width)))
-    w = pair_weights if pair_weights is not None else scaling
-    if cfg.d_chunk > 0:  # two passes: the shrink split over the input dim, then one output tile per program
-        from moelora.kernels.moe_lora_grouped_split_triton import grouped_two_pass
-
-        d_chunk = triton.cdiv(min(cfg.d_chunk, D), block_d) * block_d
-        split = split_n if split_n is not None else triton.cdiv(max_width, block_n)
-        grouped_two_pass(x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w,
-                         sorted_ids, bvex, num_experts, K, x_per_pair, pair_weights is not None, store, block_m,
-                         block_r, block_d, d_chunk, block_n, max(1, split), cfg.num_warps, cfg.num_stages)
-        return
     groups = min(P, S * num_experts)  # an upper bound on the blocks that do work (fixed per batch size)
     split = fused_split_n(groups * n, max_width, block_n, split_n)  # the per-pair kernel's rule and target
     zero_blocks = triton.cdiv(P, block_m) if store else 0
+    w = pair_weights if pair_weights is not None else scaling
     f32 = b_cat.dtype == torch.float32
     _moe_lora_grouped_kernel[(nb + zero_blocks, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, sorted_ids, bvex,
