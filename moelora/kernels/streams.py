@@ -8,16 +8,31 @@ stream is pulled into the graph by the fork and leaves it at the join.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 _SIDE: dict[int, "torch.cuda.Stream"] = {}
+_PRIORITIES = {"normal": 0, "high": -1}  # torch: a lower number is a higher priority
+
+
+def side_stream_priority() -> int:
+    """The side stream's priority from MOELORA_SIDE_STREAM_PRIORITY: "normal" (0, the main stream's) or "high" (-1).
+    Why it matters: PyTorch instantiates CUDA graphs with cudaGraphInstantiateFlagUseNodePriority, so a kernel
+    captured on a high-priority stream keeps that priority on replay, and the block scheduler hands it SMs ahead of
+    the pending blocks of the main stream's kernel (the base expert GEMM, many waves) instead of after them."""
+    raw = os.environ.get("MOELORA_SIDE_STREAM_PRIORITY", "normal").strip().lower()
+    if raw not in _PRIORITIES:
+        raise ValueError(f"MOELORA_SIDE_STREAM_PRIORITY={raw!r}: expected one of {sorted(_PRIORITIES)}")
+    return _PRIORITIES[raw]
 
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream per GPU, created on first use (outside capture: the graph warm-up runs first)."""
+    """One side stream per GPU, created on first use (outside capture: the graph warm-up runs first), with
+    side_stream_priority()."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SIDE:
-        _SIDE[idx] = torch.cuda.Stream(device=idx)
+        _SIDE[idx] = torch.cuda.Stream(device=idx, priority=side_stream_priority())
     return _SIDE[idx]
 
 

@@ -1,0 +1,37 @@
+"""The side stream of the LoRA / shared-expert overlap: its priority switch (MOELORA_SIDE_STREAM_PRIORITY)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moelora.kernels.streams import side_stream_priority
+
+
+def test_side_stream_priority_env(monkeypatch):
+    monkeypatch.delenv("MOELORA_SIDE_STREAM_PRIORITY", raising=False)
+    assert side_stream_priority() == 0
+    monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "high")
+    assert side_stream_priority() == -1
+    monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", " Normal ")
+    assert side_stream_priority() == 0
+    monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "urgent")
+    with pytest.raises(ValueError, match="MOELORA_SIDE_STREAM_PRIORITY='urgent': expected one of"):
+        side_stream_priority()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("setting", ["normal", "high"])
+def test_gpu_side_stream_has_the_priority(setting):
+    """The stream made (in a fresh process: the stream is made once) carries the priority asked for; the main
+    stream keeps the default, so "high" ranks the side stream's kernels above the main stream's."""
+    code = ("import torch; from moelora.kernels.streams import side_stream; "
+            "print(side_stream(torch.device('cuda')).priority, torch.cuda.current_stream().priority)")
+    env = {**os.environ, "MOELORA_SIDE_STREAM_PRIORITY": setting}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    side, main = (int(v) for v in out.split())
+    assert main == 0
+    assert (side < main) if setting == "high" else (side == main)
