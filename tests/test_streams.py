@@ -12,7 +12,7 @@ from moelora.kernels.streams import side_stream_priority
 
 def test_side_stream_priority_env(monkeypatch):
     monkeypatch.delenv("MOELORA_SIDE_STREAM_PRIORITY", raising=False)
-    assert side_stream_priority() == 0
+    assert side_stream_priority() == -1  # high by default
     monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "high")
     assert side_stream_priority() == -1
     monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", " Normal ")
