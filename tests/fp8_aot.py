@@ -26,7 +26,7 @@ for a_fp8, grouped, block_m, split_k in [(False, True, 16, 1), (False, False, 64
             "cnt_ptr": "*i32"}
     consts = dict(FP8_MAX_C=448.0, A_FP8=a_fp8, GROUPED=grouped, HAS_BIAS=not grouped, GROUP_K=128, SCALE_N=128,
                   BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, A_ROW_DIV=1, SPLIT_K=split_k, LORA_N=0, LORA_SK=1,
-                  LORA_BR=16, LORA_PRECISION="ieee", LORA_SC=8, LORA_CHUNKS=1, LORA_STACKED=True)
+                  LORA_BR=16, LORA_PRECISION="ieee")
     ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3).asm["ptx"]
     assert "e4m3" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (a_fp8, grouped, block_m)
     if split_k > 1:  # the arrival count is a device-scope atomic, after a CTA barrier
@@ -35,12 +35,10 @@ for a_fp8, grouped, block_m, split_k in [(False, True, 16, 1), (False, False, 64
 # the dense GEMM with the multi-LoRA expand in its epilogue (3 slices, the shrink's partials, split-K)
 ptrs.update({"lh_ptr": "*fp32", "lb_ptr": "*bf16", "loff_ptr": "*i32", "lrank_ptr": "*i32", "lscale_ptr": "*fp32",
              "lslot_ptr": "*i32"})
-for stacked, sc, chunks in [(True, 8, 1), (True, 4, 2), (False, 8, 1)]:  # stacked (1 or 2 chunks), per slot
-    consts.update(A_FP8=True, GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, SPLIT_K=4, LORA_N=3, LORA_SK=8,
-                  LORA_BR=16 if sc == 8 else 32, LORA_PRECISION="tf32", LORA_SC=sc, LORA_CHUNKS=chunks,
-                  LORA_STACKED=stacked)
-    ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
-    assert "e4m3" in ptx and ptx.count("mma") >= 2, (stacked, sc, chunks)
+consts.update(A_FP8=True, GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, SPLIT_K=4, LORA_N=3, LORA_SK=8,
+              LORA_BR=16, LORA_PRECISION="tf32")
+ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
+assert "e4m3" in ptx and ptx.count("mma") >= 2
 print("ok gemm with the LoRA epilogue")
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)

@@ -558,18 +558,13 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("form", ["stacked", "stacked_in_2_chunks", "per_slot"])
-def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, form, monkeypatch):
+def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k):
     """fp8_linear(lora=...) adds lora_expand's delta to the fp32 tile before its one rounding: slices whose
     boundaries fall inside a column tile, slots of rank 0 for a slice, base rows (slot -1) untouched by LoRA,
-    the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once). Both
-    epilogue forms: stacked (one dot per chunk of slots; here also with 2 slots a chunk, so 3 slots take 2
-    chunks) and one slot at a time."""
+    the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once)."""
     from moelora.kernels.fp8_triton import (
         Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref, fp8_linear_ref, set_fp8_gemm_config,
-        set_fp8_lora_stacked,
     )
-    from moelora.kernels import fp8_triton as ft
     from moelora.kernels.groups import SlotGroups
     from moelora.kernels.lora_triton import lora_shrink
 
@@ -594,16 +589,11 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, form, monkeypa
     h = torch.full((2, 3, T, R), float("nan"))
     lora_shrink(x, a, ranks, groups, h)
     lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots)
-    if form == "stacked_in_2_chunks":
-        monkeypatch.setattr(ft, "LORA_STACK_COLUMNS", 32)  # 2 slots of padded rank 16 a dot
-        assert lora.kernel_args()["LORA_CHUNKS"] == 2
     set_fp8_gemm_config("dense", Fp8GemmConfig(32, 4, 2, 16, split_k))
-    set_fp8_lora_stacked(form != "per_slot")
     try:
         y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32, lora=lora)
     finally:
         set_fp8_gemm_config("dense", None)
-        set_fp8_lora_stacked(True)
     ref = fp8_linear_lora_ref(xq, q, s, blk, bias, lora, groups, x_scale=xs, out_dtype=torch.float32)
     base = fp8_linear_ref(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)

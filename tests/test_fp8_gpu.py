@@ -236,15 +236,13 @@ def test_dense_split_k_in_cuda_graphs():
     assert int(next(iter(ft._COUNTERS.values())).abs().sum()) == 0
 
 
-@pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("T", [3, 64, 256])
-def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, stacked):
-    """LoRALinear on an FP8 base with several adapters: the expand inside the FP8 GEMM's epilogue (default; stacked
-    or one slot at a time) against the GEMM then the expand kernel (set_fp8_lora_epilogue(False)): the same numbers
-    up to one bf16 rounding of the sum (the kernel path rounds the base output first), base rows identical, in eager
-    mode and in a CUDA graph."""
+def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T):
+    """LoRALinear on an FP8 base with several adapters: the expand inside the FP8 GEMM's epilogue (default) against
+    the GEMM then the expand kernel (set_fp8_lora_epilogue(False)): the same numbers up to one bf16 rounding of the
+    sum (the kernel path rounds the base output first), base rows identical, in eager mode and in a CUDA graph."""
     from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels.fp8_triton import set_fp8_lora_epilogue, set_fp8_lora_stacked
+    from moelora.kernels.fp8_triton import set_fp8_lora_epilogue
 
     g = torch.Generator(device=DEV).manual_seed(T)
     lin = _fp8_qkv_with_adapters(2048, g)
@@ -252,7 +250,6 @@ def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, stacke
     slots = [i % 5 - 1 for i in range(T)]
     batch = LoRABatch.build(slots, 4, DEV)
     try:
-        set_fp8_lora_stacked(stacked)
         set_fp8_lora_epilogue(False)
         kernel = lin(x, batch)
         set_fp8_lora_epilogue(True)
@@ -265,7 +262,6 @@ def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, stacke
         torch.cuda.synchronize()
     finally:
         set_fp8_lora_epilogue(True)
-        set_fp8_lora_stacked(True)
     base = torch.tensor(slots, device=DEV) < 0
     assert torch.equal(fused[base], kernel[base])
     assert _rel(fused, kernel) < 2.0**-8

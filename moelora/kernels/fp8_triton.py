@@ -76,16 +76,15 @@ if HAS_TRITON:
         lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None,
         S=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
-        LORA_PRECISION: tl.constexpr = "ieee", LORA_SC: tl.constexpr = 8, LORA_CHUNKS: tl.constexpr = 1,
-        LORA_STACKED: tl.constexpr = True,
+        LORA_PRECISION: tl.constexpr = "ieee",
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand in the epilogue, lora_expand's semantics on the fp32 tile
         # before its one rounding: acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype)
         # @ lb[s, o_i, :r].T for rows t of slot s = lslot[t] >= 0, r = ranks[i, s] > 0
-        # LORA_STACKED: every row's h read at once (its own slot's; the LORA_SK partials in one unrolled round), then
-        # per chunk of LORA_SC slots one dot of the rows' h placed in their slot's column block [BM, SC x BR] with
-        # those slots' B stacked [SC x BR, BN] (B rows of slots absent from the tile masked: not read), so the
-        # epilogue is ~2 rounds of loads instead of one round per (slot, partial)
+        # (session 10 tried a "stacked" form, every row's h in one round and one dot per chunk of 8 slots with their
+        # B stacked [128, BN]: slower on the H200, 11,231 / 10,168 against 11,747 / 10,537 tok/s at batch 256 with
+        # 4 / 8 adapters, same run (the cause was not measured; its [BM, 128] operands raise the kernel's register
+        # count, a likely one). Removed.)
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
@@ -144,57 +143,24 @@ if HAS_TRITON:
         if LORA_N > 0:
             row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
             offs_r = tl.arange(0, LORA_BR)
-            if LORA_STACKED:
-                has = mask_m & (row_slot >= 0)
-                slot_c = tl.maximum(row_slot, 0)
-                offs_q = tl.arange(0, LORA_SC * LORA_BR)  # stacked columns: (slot in chunk, r)
-                q_r = offs_q % LORA_BR
-                for i in tl.static_range(LORA_N):
-                    o0 = tl.load(loff_ptr + i)
-                    col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
-                    if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
-                        rank_m = tl.load(lrank_ptr + i * S + slot_c, mask=has, other=0)  # [BLOCK_M]
-                        scale_m = tl.load(lscale_ptr + i * S + slot_c, mask=has, other=0.0)
-                        mask_h = has[:, None] & (offs_r[None, :] < rank_m[:, None])
-                        h_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-                        ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
-                        for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
-                            ht += tl.load(h_ptrs + part * slh_s, mask=mask_h, other=0.0)
-                        ht = ht.to(lb_ptr.dtype.element_ty)  # [BLOCK_M, BR], rounded as lora_expand does
-                        h3 = tl.broadcast_to(ht[:, None, :], (BLOCK_M, LORA_SC, LORA_BR))
-                        hs = tl.reshape(h3, (BLOCK_M, LORA_SC * LORA_BR))  # [BLOCK_M, SC x BR]: h in every block
-                        lacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                        for c in tl.static_range(LORA_CHUNKS):
-                            q_slot = c * LORA_SC + offs_q // LORA_BR  # [SC x BR]
-                            sel = row_slot[:, None] == q_slot[None, :]  # [BLOCK_M, SC x BR]: the row's own block
-                            present = tl.max(sel.to(tl.int32), axis=0) > 0  # slots with rows in this tile
-                            rank_q = tl.load(lrank_ptr + i * S + q_slot, mask=q_slot < S, other=0)
-                            mask_b = present & (q_r < rank_q)
-                            bt = tl.load(lb_ptr + q_slot[:, None] * slb_s + offs_n[None, :] * slb_o
-                                         + q_r[:, None] * slb_r, mask=mask_b[:, None] & col_in[None, :],
-                                         other=0.0)  # [SC x BR, BLOCK_N]
-                            hm = tl.where(sel, hs, tl.zeros_like(hs))
-                            lacc += tl.dot(hm, bt, input_precision=LORA_PRECISION)
-                        acc += lacc * scale_m[:, None]
-            else:
-                for i in tl.static_range(LORA_N):
-                    o0 = tl.load(loff_ptr + i)
-                    col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
-                    if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
-                        for slot in range(S):
-                            row_in = row_slot == slot
-                            rank = tl.load(lrank_ptr + i * S + slot)
-                            if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
-                                mask_r = offs_r < rank
-                                mask_h = row_in[:, None] & mask_r[None, :]
-                                h_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-                                ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
-                                for sk in range(1, LORA_SK):  # the shrink's split-K partials, in order
-                                    ht += tl.load(h_ptrs + sk * slh_s, mask=mask_h, other=0.0)
-                                bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
-                                             mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
-                                acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
-                                    lscale_ptr + i * S + slot)
+            for i in tl.static_range(LORA_N):
+                o0 = tl.load(loff_ptr + i)
+                col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
+                if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
+                    for slot in range(S):
+                        row_in = row_slot == slot
+                        rank = tl.load(lrank_ptr + i * S + slot)
+                        if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
+                            mask_r = offs_r < rank
+                            mask_h = row_in[:, None] & mask_r[None, :]
+                            h_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
+                            ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
+                            for sk in range(1, LORA_SK):  # the shrink's split-K partials, in order
+                                ht += tl.load(h_ptrs + sk * slh_s, mask=mask_h, other=0.0)
+                            bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                         mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                            acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
+                                lscale_ptr + i * S + slot)
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -310,15 +276,6 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return cnt
 
 
-LORA_STACK_COLUMNS = 128  # the stacked epilogue's dot depth: slots x padded rank per dot (its B tile: 128 x BLOCK_N)
-_LORA_STACKED = [os.environ.get("MOELORA_FP8_LORA_STACKED", "1") != "0"]  # 0: one round of loads per (slot, partial)
-
-
-def set_fp8_lora_stacked(enabled: bool) -> None:
-    """The dense LoRA epilogue's form: stacked (default; ~2 rounds of loads) or one (slot, split) at a time."""
-    _LORA_STACKED[0] = bool(enabled)
-
-
 @dataclass
 class Fp8LoRAEpilogue:
     """A dense multi-LoRA expand for fp8_linear to add in its epilogue (kernels/lora_triton.lora_expand's
@@ -339,14 +296,11 @@ class Fp8LoRAEpilogue:
         h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
         sk, n, _, R = h.shape
         b = self.b_cat
-        S = b.shape[0]
-        br = max(16, triton.next_power_of_2(R))
-        sc = min(triton.next_power_of_2(S), max(1, LORA_STACK_COLUMNS // br))  # slots per stacked dot
         return dict(lh_ptr=h, lb_ptr=b, loff_ptr=self.slice_offsets, lrank_ptr=self.ranks, lscale_ptr=self.scaling,
-                    lslot_ptr=self.token_slots, S=S, slh_s=h.stride(0), slh_i=h.stride(1),
+                    lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
                     slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
-                    LORA_N=n, LORA_SK=sk, LORA_BR=br, LORA_PRECISION=dot_precision(b.dtype), LORA_SC=sc,
-                    LORA_CHUNKS=triton.cdiv(S, sc), LORA_STACKED=_LORA_STACKED[0])
+                    LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
+                    LORA_PRECISION=dot_precision(b.dtype))
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
