@@ -135,6 +135,20 @@ def test_fused_moe_pairs_with_the_expand_in_the_epilogue(triton_shrink, epilogue
         fmt.set_fast_path(True, on_cpu=False, quantized=default)
     torch.testing.assert_close(epilogue, default_path, atol=1e-4, rtol=1e-4)
     assert (epilogue - plain).abs().max() > 1e-2  # the LoRA delta is there
+    # from GROUPED_MIN_PAIRS pairs (grouped kernel on) the default path stays: no epilogue
+    from moelora.kernels import moe_lora_grouped_triton as mg
+    from moelora.kernels._triton import grouped_lora
+    from moelora.kernels.moe import _epilogue_lora_ok
+
+    set_fp8_moe_lora_epilogue(True)
+    before = mg.GROUPED_MIN_PAIRS
+    try:
+        mg.GROUPED_MIN_PAIRS = T * K
+        assert _epilogue_lora_ok(w_gu, w_d, T * K, ops[0]) is not grouped_lora()
+        mg.GROUPED_MIN_PAIRS = T * K + 1
+        assert _epilogue_lora_ok(w_gu, w_d, T * K, ops[0])
+    finally:
+        mg.GROUPED_MIN_PAIRS = before
     base_rows = args.token_slots < 0
     torch.testing.assert_close(epilogue[base_rows], plain[base_rows], atol=1e-5, rtol=1e-5)
 
@@ -157,7 +171,7 @@ def test_moe_lora_epilogue_switch_env_default():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("T", [8, 64, 256])
+@pytest.mark.parametrize("T", [8, 64, 128])  # below GROUPED_MIN_PAIRS: where the epilogue path runs
 def test_gpu_expand_in_the_epilogue_equals_the_default_path(T, epilogue_switch):
     """Qwen3-30B-A3B shapes, bf16 activations, FP8 experts, 4 adapter slots of rank 16 (tokens without an adapter
     too): the epilogue path against the default fused LoRA kernels (within bf16 rounding: h is rounded to bf16

@@ -233,12 +233,18 @@ def fused_moe_pairs(
 
 def _epilogue_lora_ok(w_gate_up, w_down, num_pairs: int, shrink) -> bool:
     """The routed-expert LoRA expand goes into the quantized expert GEMMs' epilogues (fp8_triton's
-    set_fp8_moe_lora_epilogue, off by default): both stacks offer it, decode-sized batches, and the shrink is the
-    Triton kernel or its reference (moe_lora_shrink_pairs or its reference runs instead)."""
+    set_fp8_moe_lora_epilogue, off by default): both stacks offer it, the batch is one the per-pair fused kernel
+    would take (up to GEMV_MAX_PAIRS pairs, and below GROUPED_MIN_PAIRS while the grouped kernel is on: from there
+    the grouped kernel beside the GEMMs on the side stream is what was measured best), and the shrink is the Triton
+    kernel or its reference (moe_lora_shrink_pairs or its reference runs instead)."""
+    from moelora.kernels import moe_lora_grouped_triton
+    from moelora.kernels._triton import grouped_lora
     from moelora.kernels.moe_lora import moe_lora_shrink_ref
     from moelora.kernels.moe_lora_triton import GEMV_MAX_PAIRS, moe_lora_shrink
 
     if not (getattr(w_gate_up, "lora_epilogue", False) and getattr(w_down, "lora_epilogue", False)):
+        return False
+    if grouped_lora() and num_pairs >= moe_lora_grouped_triton.GROUPED_MIN_PAIRS:
         return False
     return num_pairs <= GEMV_MAX_PAIRS and shrink in (moe_lora_shrink, moe_lora_shrink_ref)
 
