@@ -103,6 +103,29 @@ def test_incremental_detokenizer_invalid_bytes_emitted_once_complete(tmp_path: P
     assert detok2.flush() == "\ufffd"
 
 
+def test_incremental_detokenizer_backend_path_equals_the_transformers_decode(tokenizer: Tokenizer) -> None:
+    """The streaming detokenizer decodes with the Rust tokenizer directly (no transformers wrapper per call): the
+    same deltas as through hf.decode, for random ids (invalid byte runs and special tokens included), with and
+    without prompt context and special tokens skipped or kept."""
+    import random
+
+    assert tokenizer.backend is not None  # a fast tokenizer: the direct path is taken
+    rng = random.Random(7)
+    vocab = len(tokenizer.hf)
+    plain = Tokenizer.__new__(Tokenizer)
+    plain.__dict__.update(tokenizer.__dict__, backend=None)  # the same tokenizer through hf.decode
+    for trial in range(6):
+        ids = [rng.randrange(vocab) for _ in range(40)]
+        prompt = [rng.randrange(vocab) for _ in range(trial)]
+        skip = trial % 2 == 0
+        fast = IncrementalDetokenizer(tokenizer, prompt_ids=prompt, skip_special_tokens=skip)
+        slow = IncrementalDetokenizer(plain, prompt_ids=prompt, skip_special_tokens=skip)
+        got = [fast.add_token(i) for i in ids] + [fast.flush()]
+        want = [slow.add_token(i) for i in ids] + [slow.flush()]
+        assert got == want
+        assert "".join(got) != "" and fast.text == slow.text
+
+
 def test_eos_ids_include_generation_config(tmp_path: Path) -> None:
     folder = _build(tmp_path, 300)
     tok = Tokenizer(folder)
