@@ -89,8 +89,9 @@ from moelora.kernels.moe_lora_fused_triton import _moe_lora_fused_kernel  # noqa
 
 ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "ids_ptr", "slots_ptr")}
 ptrs.update(x_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", y_ptr="*fp32", scale_ptr="*fp32", w_ptr="*fp32")
-ptx = compile_sm90(_moe_lora_fused_kernel, ptrs, dict(X_PER_PAIR=False, HAS_W=False, STORE=False, BLOCK_R=16,
-                                                      BLOCK_D=256, BLOCK_N=256, SPLIT_N=1, SHRINK_ONLY=True),
-                   num_warps=4).asm["ptx"]
-assert "st.global" in ptx
-print("ok shrink only")
+for shrink_only in (True, False):  # and its usual mode (shrink + expand, store)
+    ptx = compile_sm90(_moe_lora_fused_kernel, ptrs, dict(X_PER_PAIR=False, HAS_W=False, STORE=not shrink_only,
+                                                          BLOCK_R=16, BLOCK_D=256, BLOCK_N=256, SPLIT_N=1,
+                                                          SHRINK_ONLY=shrink_only), num_warps=4).asm["ptx"]
+    assert "st.global" in ptx, shrink_only
+print("ok per-pair lora kernel, shrink only and whole")

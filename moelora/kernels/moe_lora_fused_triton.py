@@ -49,9 +49,12 @@ if HAS_TRITON:
         p = tl.program_id(0)
         i = tl.program_id(1)
         pid_n = tl.program_id(2)
-        o0 = tl.load(off_ptr + i)
-        width = tl.load(off_ptr + i + 1) - o0
-        if not SHRINK_ONLY:  # (shrink only: one split, no output slices)
+        if SHRINK_ONLY:  # one split, no output slices (off_ptr is not read)
+            o0 = 0
+            width = 0
+        else:
+            o0 = tl.load(off_ptr + i)
+            width = tl.load(off_ptr + i + 1) - o0
             if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
                 return
         t = p // K
@@ -209,7 +212,7 @@ def moe_lora_shrink_pairs(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor,
         return
     warps = fused_num_warps(P * n)
     _, block_d, block_n = fused_blocks(R, D, 16, warps)
-    _moe_lora_fused_kernel[(P, n, 1)](
+    _moe_lora_fused_kernel[(P, n, 1)](  # b, offsets, scaling, router weights: not read in shrink-only mode
         x, a, a, h, ranks, ranks, ranks, topk_ids.reshape(-1), token_slots, h, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), 0, 0, 0, 0, h.stride(0), h.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=False, STORE=False, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n,
