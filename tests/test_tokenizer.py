@@ -171,6 +171,18 @@ def _stream(checker: StopChecker, pieces: list[str]) -> list[str]:
     return out
 
 
+def test_stop_checker_without_stop_strings_passes_deltas_through() -> None:
+    """No stop strings: every delta is emitted as it comes (the fast path), exactly what the general path gives
+    when no stop string can match; flush adds nothing and the output is the whole text."""
+    deltas = ["héllo", " ", "", "日本", "語 🙂", " end"]
+    for stop in (None, []):
+        fast, general = StopChecker(stop), StopChecker(["\x00never"])
+        got = [fast.update(d) for d in deltas]
+        assert got == [general.update(d) for d in deltas] == deltas
+        assert fast.flush() == general.flush() == ""
+        assert fast.output_text == fast.text == "".join(deltas) and not fast.stopped
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_truncates(include: bool) -> None:
     c = StopChecker(["STOP"], include_stop_str_in_output=include)

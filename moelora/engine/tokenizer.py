@@ -168,6 +168,10 @@ class StopChecker:
         """Add newly decoded text; return what may be emitted now. Check .stopped afterwards."""
         if self.stopped:
             return ""
+        if not self.stop:  # nothing to find or hold back: all of it may go (what the general path returns too)
+            self.text += delta
+            self.emitted = len(self.text)
+            return delta
         max_len = max((len(s) for s in self.stop), default=0)
         # any match ends inside the new text: earlier text had none, or we would have stopped
         search_from = max(0, len(self.text) - max_len + 1)
