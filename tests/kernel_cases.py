@@ -59,3 +59,34 @@ def expert_lora_args(T: int, E: int, dtype: torch.dtype, gen: torch.Generator, S
     a_d, b_d, r_d, s_d = fac(1, inter, hidden)
     slots = token_slots("with_base_rows", T, S, gen).to(device)
     return ExpertLoRAArgs(slots, a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d)
+
+
+def qwen3_fp8_experts_with_lora(T: int, S: int = 4, R: int = 16):
+    """GPU tests: one Qwen3-30B-A3B MoE layer on an FP8 base (E 128, top-8, H 2048, I 768, 128x128 blocks) with S
+    adapter slots of rank R, drawn from a CUDA generator seeded with T: (w_gate_up, w_down, x [T, H] bf16,
+    topk_weights, topk_ids, ExpertLoRAArgs with tokens of slot -1 too)."""
+    from moelora.kernels.fp8 import quantize_weight_block
+    from moelora.kernels.moe import ExpertLoRAArgs, route_topk_ref
+    from moelora.layers.fp8 import Fp8ExpertWeight, Fp8State
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    E, K, H, inter = 128, 8, 2048, 768
+    st = Fp8State((128, 128), torch.bfloat16, None)
+    w_gu = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, 2 * inter, H, device="cuda", generator=g) * H**-0.5,
+                                                  (128, 128)), st)
+    w_d = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, H, inter, device="cuda", generator=g) * inter**-0.5,
+                                                 (128, 128)), st)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    weights, ids = route_topk_ref(torch.randn(T, E, device="cuda", generator=g), K, True)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    lora = ExpertLoRAArgs(
+        torch.randint(-1, S, (T,), device="cuda", generator=g, dtype=torch.int32),
+        torch.randn(2, S, E, R, H, generator=g, device="cuda").to(**bf) * 0.02,
+        torch.randn(S, E, 2 * inter, R, generator=g, device="cuda").to(**bf) * 0.02,
+        torch.ones(2, S, device="cuda"), torch.full((2, S), R, dtype=torch.int32, device="cuda"),
+        torch.randn(1, S, E, R, inter, generator=g, device="cuda").to(**bf) * 0.02,
+        torch.randn(S, E, H, R, generator=g, device="cuda").to(**bf) * 0.02,
+        torch.ones(1, S, device="cuda"), torch.full((1, S), R, dtype=torch.int32, device="cuda"),
+        torch.tensor([0, inter, 2 * inter], dtype=torch.int32, device="cuda"),
+        torch.tensor([0, H], dtype=torch.int32, device="cuda"))
+    return w_gu, w_d, x, weights, ids, lora

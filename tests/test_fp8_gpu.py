@@ -450,30 +450,12 @@ def test_fp8_experts_fast_path_equal_their_grouped_path_qwen3_shapes(T):
     """set_fast_path(quantized=True) at Qwen3-30B-A3B expert shapes in bf16: the FP8 GEMMs on the Triton fast
     path's alignment (token rows read in place, SiLU-and-mul and combine kernels) give FP8's grouped path's
     output up to bf16 rounding, with and without routed-expert LoRA, and inside a CUDA graph."""
+    from kernel_cases import qwen3_fp8_experts_with_lora
     from moelora.kernels import fused_moe_triton as fmt
-    from moelora.kernels.fp8 import quantize_weight_block
-    from moelora.kernels.moe import ExpertLoRAArgs, fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
-    from moelora.layers.fp8 import Fp8ExpertWeight, Fp8State
 
-    g = torch.Generator(device="cuda").manual_seed(T)
-    E, K, H, inter, S, R = 128, 8, 2048, 768, 4, 16
-    st = Fp8State((128, 128), torch.bfloat16, None)
-    w_gu = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, 2 * inter, H, device="cuda", generator=g) * H**-0.5, (128, 128)), st)
-    w_d = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, H, inter, device="cuda", generator=g) * inter**-0.5, (128, 128)), st)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    weights, ids = route_topk_ref(torch.randn(T, E, device="cuda", generator=g), K, True)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    lora = ExpertLoRAArgs(
-        torch.randint(-1, S, (T,), device="cuda", generator=g, dtype=torch.int32),
-        torch.randn(2, S, E, R, H, generator=g, device="cuda").to(**bf) * 0.02,
-        torch.randn(S, E, 2 * inter, R, generator=g, device="cuda").to(**bf) * 0.02,
-        torch.ones(2, S, device="cuda"), torch.full((2, S), R, dtype=torch.int32, device="cuda"),
-        torch.randn(1, S, E, R, inter, generator=g, device="cuda").to(**bf) * 0.02,
-        torch.randn(S, E, H, R, generator=g, device="cuda").to(**bf) * 0.02,
-        torch.ones(1, S, device="cuda"), torch.full((1, S), R, dtype=torch.int32, device="cuda"),
-        torch.tensor([0, inter, 2 * inter], dtype=torch.int32, device="cuda"),
-        torch.tensor([0, H], dtype=torch.int32, device="cuda"))
+    w_gu, w_d, x, weights, ids, lora = qwen3_fp8_experts_with_lora(T)
     ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
     default = fmt._FAST["quantized"]
     try:

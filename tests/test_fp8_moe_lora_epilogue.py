@@ -8,7 +8,7 @@ shapes in bf16, eager and graph replay."""
 import pytest
 import torch
 
-from kernel_cases import DEVICE, ON_GPU, expert_lora_args  # (sets TRITON_INTERPRET=1 without CUDA)
+from kernel_cases import DEVICE, ON_GPU, expert_lora_args, qwen3_fp8_experts_with_lora  # (sets TRITON_INTERPRET=1 without CUDA)
 from moelora.kernels import fused_moe_triton as fmt
 from moelora.kernels.fp8 import quantize_weight_block
 from moelora.kernels.fp8_triton import (
@@ -177,30 +177,9 @@ def test_gpu_expand_in_the_epilogue_equals_the_default_path(T, epilogue_switch):
     too): the epilogue path against the default fused LoRA kernels (within bf16 rounding: h is rounded to bf16
     before its dot, and the output rounds once instead of twice), base rows identical to no LoRA, and a CUDA-graph
     replay bit-equal to eager."""
-    from moelora.kernels.moe import ExpertLoRAArgs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
-    from moelora.layers.fp8 import Fp8ExpertWeight, Fp8State
 
-    g = torch.Generator(device="cuda").manual_seed(T)
-    E, K, H, inter, S, R = 128, 8, 2048, 768, 4, 16
-    st = Fp8State((128, 128), torch.bfloat16, None)
-    w_gu = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, 2 * inter, H, device="cuda", generator=g) * H**-0.5,
-                                                  (128, 128)), st)
-    w_d = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, H, inter, device="cuda", generator=g) * inter**-0.5,
-                                                 (128, 128)), st)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    weights, ids = route_topk_ref(torch.randn(T, E, device="cuda", generator=g), K, True)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    args = ExpertLoRAArgs(
-        torch.randint(-1, S, (T,), device="cuda", generator=g, dtype=torch.int32),
-        torch.randn(2, S, E, R, H, generator=g, device="cuda").to(**bf) * 0.02,
-        torch.randn(S, E, 2 * inter, R, generator=g, device="cuda").to(**bf) * 0.02,
-        torch.ones(2, S, device="cuda"), torch.full((2, S), R, dtype=torch.int32, device="cuda"),
-        torch.randn(1, S, E, R, inter, generator=g, device="cuda").to(**bf) * 0.02,
-        torch.randn(S, E, H, R, generator=g, device="cuda").to(**bf) * 0.02,
-        torch.ones(1, S, device="cuda"), torch.full((1, S), R, dtype=torch.int32, device="cuda"),
-        torch.tensor([0, inter, 2 * inter], dtype=torch.int32, device="cuda"),
-        torch.tensor([0, H], dtype=torch.int32, device="cuda"))
+    w_gu, w_d, x, weights, ids, args = qwen3_fp8_experts_with_lora(T)
     ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
     default = fmt._FAST["quantized"]
     try:
