@@ -257,7 +257,9 @@ def _lora_in_gemm_epilogue(x, w_gate_up, w_down, topk_weights, topk_ids, activat
     it like the base). The same function as fused_moe_ref; no side stream, no fp32 delta buffers."""
     from moelora.kernels.fp8_triton import Fp8LoRAEpilogue
     from moelora.kernels.moe_lora import moe_lora_shrink_ref
-    from moelora.kernels.moe_lora_fused_triton import moe_lora_shrink_pairs, moe_lora_shrink_pairs_ref
+    from moelora.kernels.moe_lora_fused_triton import (
+        moe_lora_shrink_pairs, moe_lora_shrink_pairs_ref, shrink_pairs_buffer,
+    )
 
     shrink_pairs = moe_lora_shrink_pairs_ref if shrink is moe_lora_shrink_ref else moe_lora_shrink_pairs
     T, H = x.shape
@@ -268,8 +270,8 @@ def _lora_in_gemm_epilogue(x, w_gate_up, w_down, topk_weights, topk_ids, activat
         n, R = a.shape[0], a.shape[3]
         if offs is None:
             offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
-        h = torch.empty(T * K, n, max(16, 1 << (R - 1).bit_length()), dtype=torch.float32, device=x.device)
-        shrink_pairs(inp, a, ranks, topk_ids, lora.token_slots, h, per_pair)  # [P, n, R'] fp32
+        h = shrink_pairs_buffer(T * K, n, R, x.device)  # [P, n, R'] fp32
+        shrink_pairs(inp, a, ranks, topk_ids, lora.token_slots, h, per_pair)
         epi = Fp8LoRAEpilogue(h.permute(1, 0, 2), b, offs, ranks, scaling, lora.token_slots, row_div=K)
         return fast(inp, w, lora=epi)
 

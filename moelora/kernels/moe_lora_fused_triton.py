@@ -188,6 +188,11 @@ def moe_lora_fused(
     )
 
 
+def shrink_pairs_buffer(num_pairs: int, n: int, R: int, device: torch.device | str) -> torch.Tensor:
+    """moe_lora_shrink_pairs' output: [P, n, R'] fp32 uninitialised, R' = max(16, next power of two >= R)."""
+    return torch.empty(num_pairs, n, max(16, 1 << (R - 1).bit_length()), dtype=torch.float32, device=device)
+
+
 def moe_lora_shrink_pairs(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, topk_ids: torch.Tensor,
                           token_slots: torch.Tensor, h: torch.Tensor, x_per_pair: bool) -> None:
     """The shrink alone, one program per (pair, slice) (moe_lora_fused's first half), for an expand that runs
@@ -198,13 +203,13 @@ def moe_lora_shrink_pairs(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor,
                 if r > 0 and e >= 0: h[p, i, :r] = row @ a[i, s, e (0 if shared), :r].T ; h[p, i, r:] = 0
                 (other rows untouched: an expand masks them by slot and rank)
     x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · ranks: [n, S] int32 · topk_ids: [T, K] · token_slots: [T] int32
-    h: [T*K, n, R'] fp32 with R' = max(16, next power of two >= R), contiguous in its last dim
+    h: [T*K, n, R'] fp32 with R' = max(16, next power of two >= R), contiguous in its last dim (shrink_pairs_buffer)
     """
     require_triton()
     n, S, _, R, D = a.shape
     T, K = topk_ids.shape
     P = T * K
-    block_r = max(16, triton.next_power_of_2(R))
+    block_r = max(16, triton.next_power_of_2(R))  # shrink_pairs_buffer's R'
     if h.shape != (P, n, block_r) or h.dtype != torch.float32 or h.stride(2) != 1:
         raise ValueError(f"moe_lora_shrink_pairs: h must be fp32 [{P}, {n}, {block_r}] with unit last stride, got "
                          f"{h.dtype} {list(h.shape)} strides {list(h.stride())}")
