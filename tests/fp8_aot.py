@@ -39,11 +39,6 @@ consts.update(A_FP8=True, GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64,
               LORA_BR=16, LORA_PRECISION="tf32")
 ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
 assert "e4m3" in ptx and ptx.count("mma") >= 2
-# the grouped expert GEMM with the routed-expert expand in its epilogue (B per expert, a pair's slot by p // top_k)
-consts.update(GROUPED=True, BLOCK_M=16, SPLIT_K=1, LORA_N=2, LORA_SK=1, LORA_PRECISION=None, LORA_ROW_DIV=8)
-ptrs.update(lb_ptr="*bf16")
-ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
-assert "e4m3" in ptx and ptx.count("mma") >= 2
 print("ok gemm with the LoRA epilogue")
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
@@ -84,14 +79,3 @@ for block_d, store in [(128, True), (256, False)]:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     assert "mma" in ptx and "cp.async" in ptx, (block_d, store)
 print("ok grouped lora")
-# the per-pair routed-expert kernel's shrink-only mode (for the expert GEMM's epilogue)
-from moelora.kernels.moe_lora_fused_triton import _moe_lora_fused_kernel  # noqa: E402
-
-ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "ids_ptr", "slots_ptr")}
-ptrs.update(x_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", y_ptr="*fp32", scale_ptr="*fp32", w_ptr="*fp32")
-for shrink_only in (True, False):  # and its usual mode (shrink + expand, store)
-    ptx = compile_sm90(_moe_lora_fused_kernel, ptrs, dict(X_PER_PAIR=False, HAS_W=False, STORE=not shrink_only,
-                                                          BLOCK_R=16, BLOCK_D=256, BLOCK_N=256, SPLIT_N=1,
-                                                          SHRINK_ONLY=shrink_only), num_warps=4).asm["ptx"]
-    assert "st.global" in ptx, shrink_only
-print("ok per-pair lora kernel, shrink only and whole")

@@ -74,14 +74,13 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_ROW_DIV: tl.constexpr = 1,
         SPLIT_K: tl.constexpr = 1,
         lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None,
-        S=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0, slb_e=0,
+        S=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
-        LORA_PRECISION: tl.constexpr = "ieee", LORA_ROW_DIV: tl.constexpr = 1,
+        LORA_PRECISION: tl.constexpr = "ieee",
     ):
-        # LORA_N > 0: the multi-LoRA expand in the epilogue, lora_expand's semantics on the fp32 tile before its
-        # one rounding: acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype)
-        # @ lb[s, (e,) o_i, :r].T for rows t of slot s = lslot[t // LORA_ROW_DIV] >= 0, r = ranks[i, s] > 0
-        # (grouped experts: rows are pairs, LORA_ROW_DIV = top_k, B per expert e via slb_e; dense: slb_e = 0)
+        # LORA_N > 0 (dense only): the multi-LoRA expand in the epilogue, lora_expand's semantics on the fp32 tile
+        # before its one rounding: acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype)
+        # @ lb[s, o_i, :r].T for rows t of slot s = lslot[t] >= 0, r = ranks[i, s] > 0
         # (session 10 tried a "stacked" form, every row's h in one round and one dot per chunk of 8 slots with their
         # B stacked [128, BN]: slower on the H200, 11,231 / 10,168 against 11,747 / 10,537 tok/s at batch 256 with
         # 4 / 8 adapters, same run (the cause was not measured; its [BM, 128] operands raise the kernel's register
@@ -142,7 +141,7 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if LORA_N > 0:
-            row_slot = tl.load(lslot_ptr + rows // LORA_ROW_DIV, mask=mask_m, other=-1)  # [BLOCK_M]
+            row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
             offs_r = tl.arange(0, LORA_BR)
             for i in tl.static_range(LORA_N):
                 o0 = tl.load(loff_ptr + i)
@@ -158,7 +157,7 @@ if HAS_TRITON:
                             ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
                             for sk in range(1, LORA_SK):  # the shrink's split-K partials, in order
                                 ht += tl.load(h_ptrs + sk * slh_s, mask=mask_h, other=0.0)
-                            bt = tl.load(lb_ptr + slot * slb_s + e * slb_e + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                            bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
                                          mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
                             acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
                                 lscale_ptr + i * S + slot)
@@ -279,12 +278,10 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 @dataclass
 class Fp8LoRAEpilogue:
-    """A multi-LoRA expand for an FP8 GEMM to add in its epilogue (kernels/lora_triton.lora_expand's semantics,
-    fp32, before the output's one rounding). Dense (fp8_linear): h the shrink's [split_k, n, T, R] fp32 (or
-    [n, T, R]) · b_cat [S, O, R]. Routed experts (fp8_expert_gemm, rows are (token, k) pairs): h [n, P, R] (any
-    strides) · b_cat [S, E|1, O, R] (B of the pair's expert) · row_div = top_k (a pair's slot is its token's).
-    slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32 · token_slots: [T] int32 (-1: no
-    adapter, row untouched)."""
+    """A dense multi-LoRA expand for fp8_linear to add in its epilogue (kernels/lora_triton.lora_expand's
+    semantics, fp32, before the output's one rounding). h: the shrink's [split_k, n, T, R] fp32 (or [n, T, R])
+    · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
+    · token_slots: [T] int32 (-1: no adapter, row untouched)."""
 
     h: torch.Tensor
     b_cat: torch.Tensor
@@ -292,7 +289,6 @@ class Fp8LoRAEpilogue:
     ranks: torch.Tensor
     scaling: torch.Tensor
     token_slots: torch.Tensor
-    row_div: int = 1
 
     def kernel_args(self) -> dict:
         from moelora.kernels._triton import dot_precision
@@ -300,14 +296,11 @@ class Fp8LoRAEpilogue:
         h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
         sk, n, _, R = h.shape
         b = self.b_cat
-        experts = b.dim() == 4
-        slb_e = (b.stride(1) if b.shape[1] > 1 else 0) if experts else 0
-        so, sr = (b.stride(2), b.stride(3)) if experts else (b.stride(1), b.stride(2))
         return dict(lh_ptr=h, lb_ptr=b, loff_ptr=self.slice_offsets, lrank_ptr=self.ranks, lscale_ptr=self.scaling,
                     lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
-                    slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=so, slb_r=sr, slb_e=slb_e,
+                    slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
                     LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
-                    LORA_PRECISION=dot_precision(b.dtype), LORA_ROW_DIV=self.row_div)
+                    LORA_PRECISION=dot_precision(b.dtype))
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
@@ -388,23 +381,6 @@ def set_fp8_lora_epilogue(enabled: bool) -> None:
 
 def fp8_lora_epilogue() -> bool:
     return _LORA_EPILOGUE[0]
-
-
-# routed experts: the expand in the FP8 expert GEMM's epilogue too (fused_moe_pairs, decode sizes); not yet measured
-# on a GPU, so off unless MOELORA_FP8_MOE_LORA_EPILOGUE=1
-_MOE_LORA_EPILOGUE = [os.environ.get("MOELORA_FP8_MOE_LORA_EPILOGUE", "0") == "1"]
-
-
-def set_fp8_moe_lora_epilogue(enabled: bool) -> None:
-    """Routed-expert LoRA on an FP8 base (fused_moe_pairs' fast path, up to GEMV_MAX_PAIRS pairs): True runs each
-    projection's shrink alone (moe_lora_shrink_pairs, main stream) and its expand in the FP8 expert GEMM's epilogue
-    (B read once per (slot, expert, column tile), no fp32 delta buffers, no side stream); False (default) keeps
-    the fused LoRA kernels beside the GEMMs. Also MOELORA_FP8_MOE_LORA_EPILOGUE=1."""
-    _MOE_LORA_EPILOGUE[0] = bool(enabled)
-
-
-def fp8_moe_lora_epilogue() -> bool:
-    return _MOE_LORA_EPILOGUE[0]
 
 
 _PRODUCER_QUANT = os.environ.get("MOELORA_FP8_PRODUCER_QUANT", "1") != "0"  # 0: the GEMMs quantize their inputs
@@ -524,7 +500,7 @@ def fp8_grouped_gemm_ref(x, w_fp8, w_scale_inv, pair_exp, block=(128, 128), alig
 def fp8_expert_gemm(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
     topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool, block_m: int,
-    x_scale: torch.Tensor | None = None, lora: Fp8LoRAEpilogue | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The FP8 grouped GEMM on the routed-expert fast path's alignment (fused_moe_triton.moe_align), reading
     token rows in place. Semantics (fp8_expert_gemm_ref), pairs p = t * K + k, e = topk_ids.flatten()[p]:
@@ -533,8 +509,6 @@ def fp8_expert_gemm(
     x: [T, D] (gather_rows) or [P, D], bf16/fp16/fp32, or float8 with x_scale · w_fp8: [E, N, D] float8_e4m3fn
     w_scale_inv: [E, ceil(N/bn), ceil(D/bk)] fp32 · topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m)
     block_m: the alignment's block (>= 16) · returns [P, N] in x.dtype (bf16 for a float8 x). CUDA-graph safe.
-    lora: a routed-expert Fp8LoRAEpilogue (h [n, P, R], b_cat [S, E|1, N, R], row_div = K): each pair's LoRA
-    expand added to its fp32 row before the one rounding (moe_lora_expand's semantics, h rounded to B's dtype).
     """
     require_triton()
     T, K = topk_ids.shape
@@ -548,7 +522,7 @@ def fp8_expert_gemm(
     if P:
         x, x_scale = _prequantized(x, x_scale, block[1])  # gather_rows: the T token rows, once
         _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, block_m, bexp.shape[0],
-                a_row_div=K if gather_rows else 1, lora=lora)
+                a_row_div=K if gather_rows else 1)
     return out
 
 
@@ -573,5 +547,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_moe_lora_epilogue", "fp8_moe_lora_epilogue", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

@@ -152,8 +152,6 @@ def fused_moe_pairs(
     fast = TritonExperts(topk_ids, E) if fast_path_ok(x, w_gate_up, w_down) else None
     if fast is not None and lora is None and activation == "silu":
         return fast.combine(fast(fast(x, w_gate_up, fuse_act=True), w_down), topk_weights)
-    if fast is not None and lora is not None and _epilogue_lora_ok(w_gate_up, w_down, P, shrink):
-        return _lora_in_gemm_epilogue(x, w_gate_up, w_down, topk_weights, topk_ids, activation, lora, fast, shrink)
     pair_exp = topk_ids.reshape(-1)
     pair_tok = torch.arange(T, device=x.device).repeat_interleave(K) if fast is None else None
     gemm = fast or _ExpertGemm(pair_exp, E)
@@ -229,58 +227,6 @@ def fused_moe_pairs(
         return fast.combine(o, topk_weights, o_delta)
     out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)
-
-
-def _epilogue_lora_ok(w_gate_up, w_down, num_pairs: int, shrink) -> bool:
-    """The routed-expert LoRA expand goes into the quantized expert GEMMs' epilogues (fp8_triton's
-    set_fp8_moe_lora_epilogue, off by default): both stacks offer it, the batch is one the per-pair fused kernel
-    would take (up to GEMV_MAX_PAIRS pairs, and below GROUPED_MIN_PAIRS while the grouped kernel is on: from there
-    the grouped kernel beside the GEMMs on the side stream is what was measured best), and the shrink is the Triton
-    kernel or its reference (moe_lora_shrink_pairs or its reference runs instead)."""
-    from moelora.kernels import moe_lora_grouped_triton
-    from moelora.kernels._triton import grouped_lora
-    from moelora.kernels.moe_lora import moe_lora_shrink_ref
-    from moelora.kernels.moe_lora_triton import GEMV_MAX_PAIRS, moe_lora_shrink
-
-    if not (getattr(w_gate_up, "lora_epilogue", False) and getattr(w_down, "lora_epilogue", False)):
-        return False
-    if grouped_lora() and num_pairs >= moe_lora_grouped_triton.GROUPED_MIN_PAIRS:
-        return False
-    return num_pairs <= GEMV_MAX_PAIRS and shrink in (moe_lora_shrink, moe_lora_shrink_ref)
-
-
-def _lora_in_gemm_epilogue(x, w_gate_up, w_down, topk_weights, topk_ids, activation, lora: ExpertLoRAArgs, fast,
-                           shrink) -> torch.Tensor:
-    """fused_moe_pairs with each projection's LoRA expand in its expert GEMM's epilogue: h = the shrink alone
-    (moe_lora_shrink_pairs, on this stream), then the GEMM adds scaling * h @ B[s, e].T to each pair's fp32 row
-    before its one rounding (gate_up before the activation; down before the router-weighted combine, which weights
-    it like the base). The same function as fused_moe_ref; no side stream, no fp32 delta buffers."""
-    from moelora.kernels.fp8_triton import Fp8LoRAEpilogue
-    from moelora.kernels.moe_lora import moe_lora_shrink_ref
-    from moelora.kernels.moe_lora_fused_triton import (
-        moe_lora_shrink_pairs, moe_lora_shrink_pairs_ref, shrink_pairs_buffer,
-    )
-
-    shrink_pairs = moe_lora_shrink_pairs_ref if shrink is moe_lora_shrink_ref else moe_lora_shrink_pairs
-    T, H = x.shape
-    K = topk_ids.shape[1]
-    inter = w_gate_up.shape[1] // 2
-
-    def project(inp, w, a, b, offs, ranks, scaling, width, per_pair):
-        n, R = a.shape[0], a.shape[3]
-        if offs is None:
-            offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
-        h = shrink_pairs_buffer(T * K, n, R, x.device)  # [P, n, R'] fp32
-        shrink_pairs(inp, a, ranks, topk_ids, lora.token_slots, h, per_pair)
-        epi = Fp8LoRAEpilogue(h.permute(1, 0, 2), b, offs, ranks, scaling, lora.token_slots, row_div=K)
-        return fast(inp, w, lora=epi)
-
-    gu = project(x, w_gate_up, lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks,
-                 lora.gate_up_scaling, inter, False)  # [P, 2I], the delta added before the activation
-    act = fast.act(gu, activation)  # [P, I]
-    o = project(act, w_down, lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H,
-                True)  # [P, H]
-    return fast.combine(o, topk_weights)
 
 
 class _ExpertGemm:

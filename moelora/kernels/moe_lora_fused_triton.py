@@ -44,19 +44,14 @@ if HAS_TRITON:
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        SHRINK_ONLY: tl.constexpr = False,
     ):
         p = tl.program_id(0)
         i = tl.program_id(1)
         pid_n = tl.program_id(2)
-        if SHRINK_ONLY:  # one split, no output slices (off_ptr is not read)
-            o0 = 0
-            width = 0
-        else:
-            o0 = tl.load(off_ptr + i)
-            width = tl.load(off_ptr + i + 1) - o0
-            if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
-                return
+        o0 = tl.load(off_ptr + i)
+        width = tl.load(off_ptr + i + 1) - o0
+        if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
+            return
         t = p // K
         slot = tl.load(slots_ptr + t)
         slot_c = tl.maximum(slot, 0)
@@ -84,9 +79,6 @@ if HAS_TRITON:
             at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d, mask=mask_r[:, None] & mask_d[None, :],
                          other=0.0)
             acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
-        if SHRINK_ONLY:  # y is h [P, n, BLOCK_R] fp32: h[p, i, :] = the unscaled shrink (zeros past the rank)
-            tl.store(y_ptr + p.to(tl.int64) * syp + i * syo + offs_r, acc_h)
-            return
         scale = tl.load(scale_ptr + i * S + slot_c)
         if HAS_W:
             scale = scale * tl.load(w_ptr + p).to(tl.float32)
@@ -186,54 +178,6 @@ def moe_lora_fused(
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=warps,
     )
-
-
-def shrink_pairs_buffer(num_pairs: int, n: int, R: int, device: torch.device | str) -> torch.Tensor:
-    """moe_lora_shrink_pairs' output: [P, n, R'] fp32 uninitialised, R' = max(16, next power of two >= R)."""
-    return torch.empty(num_pairs, n, max(16, 1 << (R - 1).bit_length()), dtype=torch.float32, device=device)
-
-
-def moe_lora_shrink_pairs(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, topk_ids: torch.Tensor,
-                          token_slots: torch.Tensor, h: torch.Tensor, x_per_pair: bool) -> None:
-    """The shrink alone, one program per (pair, slice) (moe_lora_fused's first half), for an expand that runs
-    elsewhere (the FP8 expert GEMM's epilogue, fp8_triton.Fp8LoRAEpilogue). Semantics (moe_lora_shrink_pairs_ref):
-        for p in range(T * K): t, e, s = p // K, topk_ids.flatten()[p], token_slots[p // K]
-            row = x[p] if x_per_pair else x[t]
-            for i: r = ranks[i, s] if s >= 0 else 0
-                if r > 0 and e >= 0: h[p, i, :r] = row @ a[i, s, e (0 if shared), :r].T ; h[p, i, r:] = 0
-                (other rows untouched: an expand masks them by slot and rank)
-    x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · ranks: [n, S] int32 · topk_ids: [T, K] · token_slots: [T] int32
-    h: [T*K, n, R'] fp32 with R' = max(16, next power of two >= R), contiguous in its last dim (shrink_pairs_buffer)
-    """
-    require_triton()
-    n, S, _, R, D = a.shape
-    T, K = topk_ids.shape
-    P = T * K
-    block_r = max(16, triton.next_power_of_2(R))  # shrink_pairs_buffer's R'
-    if h.shape != (P, n, block_r) or h.dtype != torch.float32 or h.stride(2) != 1:
-        raise ValueError(f"moe_lora_shrink_pairs: h must be fp32 [{P}, {n}, {block_r}] with unit last stride, got "
-                         f"{h.dtype} {list(h.shape)} strides {list(h.stride())}")
-    if P == 0:
-        return
-    warps = fused_num_warps(P * n)
-    _, block_d, block_n = fused_blocks(R, D, 16, warps)
-    _moe_lora_fused_kernel[(P, n, 1)](  # b, offsets, scaling, router weights: not read in shrink-only mode
-        x, a, a, h, ranks, ranks, ranks, topk_ids.reshape(-1), token_slots, h, D, S, K,
-        x.stride(0), x.stride(1), *_a_strides(a), 0, 0, 0, 0, h.stride(0), h.stride(1),
-        X_PER_PAIR=x_per_pair, HAS_W=False, STORE=False, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT_N=1, SHRINK_ONLY=True, num_warps=warps,
-    )
-
-
-def moe_lora_shrink_pairs_ref(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, topk_ids: torch.Tensor,
-                              token_slots: torch.Tensor, h: torch.Tensor, x_per_pair: bool) -> None:
-    """Reference of moe_lora_shrink_pairs (same semantics and shapes; here every row is written, zeros where the
-    kernel leaves a row untouched): moe_lora_shrink_ref into a zeroed fp32 [P, n, R]."""
-    n, R = a.shape[0], a.shape[3]
-    hr = torch.zeros(topk_ids.numel(), n, R, dtype=torch.float32, device=x.device)
-    moe_lora_shrink_ref(x, a, ranks, topk_ids, token_slots, a.shape[2], hr, x_per_pair)
-    h.zero_()
-    h[:, :, :R] = hr
 
 
 def moe_lora_fused_ref(
