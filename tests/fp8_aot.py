@@ -12,10 +12,12 @@ from moelora.kernels.norm_triton import _rms_norm_kernel
 from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
 
 
-def compile_sm90(kernel, ptrs: dict, consts: dict, **opts):
+def compile_sm90(kernel, ptrs: dict, consts: dict, div16=(), **opts):
+    """div16: argument names Triton's JIT would see as multiples of 16 (pointers, row strides) at run time."""
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -56,9 +58,12 @@ print("ok producers quantize")
 for grouped, block_m in [(True, 16), (False, 64)]:
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
             "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32"}
-    consts = dict(GROUPED=grouped, HAS_BIAS=not grouped, PRECISION=None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
-    ptx = compile_sm90(_nvfp4_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3).asm["ptx"]
+    consts = dict(GROUPED=grouped, HAS_BIAS=not grouped, PRECISION=None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128,
+                  EVEN_K=True, sak=1, swk=1, ssk=1, s2n=1, scn=1)  # unit strides: the JIT specializes them
+    ptx = compile_sm90(_nvfp4_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3,
+                       div16=[*ptrs, "K", "sam", "swe", "swn", "sse", "ssn", "s2e", "scm"]).asm["ptx"]
     assert "mma" in ptx, (grouped, block_m)
+    assert "cp.async.cg.shared.global" in ptx, (grouped, block_m)  # the packed bytes: 16-byte pipelined copies
     print("ok nvfp4", grouped, block_m)
 # the grouped routed-expert LoRA kernel (not FP8, compiled here beside them), store and add mode; unit strides as
 # Triton specializes them, so the input loads are pipelined (cp.async)

@@ -132,3 +132,42 @@ def test_triton_weight_only_gemms_interpreted(T):
     pe = torch.randint(0, 3, (2 * T,), generator=g)
     xx = torch.randn(2 * T, 96, generator=g)
     assert torch.allclose(nvfp4_grouped_gemm(xx, P, S, S2, pe), nvfp4_grouped_gemm_ref(xx, P, S, S2, pe), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("K", [304, 256])  # a partial last K step (masked loads), whole K steps (unmasked)
+def test_triton_decode_of_every_code_and_scale(dtype, K):
+    """The kernels decode e2m1 through e4m3 bit patterns (code s|ee|m -> s|0ee0|m00, the 2^6 in the scale): every
+    one of the 16 codes (signed zeros and the subnormal 0.5 too), group scales across e4m3's range (subnormal
+    ones included), per-row global scales; K of whole K steps or a partial last one."""
+    from moelora.kernels.nvfp4 import pack_e2m1
+    from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
+
+    g = torch.Generator().manual_seed(5)
+    N = 40
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)
+    p = pack_e2m1(codes)
+    scale_values = torch.tensor([2.0**-9, 2.0**-7, 0.013671875, 0.5, 1.0, 1.75, 24.0, 448.0])
+    s = scale_values[torch.randint(0, 8, (N, K // 16), generator=g)].to(torch.float8_e4m3fn)
+    assert torch.equal(scale_values.to(torch.float8_e4m3fn).float(), scale_values)  # exact in e4m3
+    s2 = torch.rand(N, generator=g) + 0.5
+    x = (torch.randn(3, K, generator=g) * 0.1).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3  # relative to the output's norm: scales span 2^-9..448
+
+    def close(a, b):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
+
+    close(nvfp4_linear(x, p, s, s2), nvfp4_linear_ref(x, p, s, s2))
+    w = dequantize_nvfp4(p, s, s2)
+    eye = torch.eye(K, dtype=dtype)  # the decoded weights themselves, column by column (x = I)
+    got = nvfp4_linear(eye, p, s, s2).float().T  # [N, K]
+    torch.testing.assert_close(got, w.to(dtype).float(), rtol=1e-3 if dtype == torch.float16 else 1e-6, atol=0)
+    assert got[0, 8].item() == 0.0  # code 8: -0
+    assert (got[0, 1] / s2[0]).item() == pytest.approx(0.5 * s[0, 0].float().item(), rel=1e-3)  # code 1: 0.5
+    P3 = torch.stack([p, p.flip(0), p.roll(1, 0)])
+    S3, S23 = torch.stack([s, s.flip(0), s.roll(1, 0)]), torch.stack([s2, s2.flip(0), s2])
+    pe = torch.tensor([2, 0, 1, 2, 2, 0])
+    xx = (torch.randn(6, K, generator=g) * 0.1).to(dtype)
+    close(nvfp4_grouped_gemm(xx, P3, S3, S23, pe), nvfp4_grouped_gemm_ref(xx, P3, S3, S23, pe))

@@ -15,21 +15,20 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _e2m1_value(code):
-        """e2m1 code (int32 in [0, 16)) -> fp32: bit 3 sign, bits 1-2 exponent, bit 0 mantissa."""
-        e = (code >> 1) & 3
-        m = (code & 1).to(tl.float32)
-        v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-        return tl.where(code >= 8, -v, v)
-
-    @triton.jit
     def _nvfp4_gemm_kernel(
         a_ptr, w_ptr, s_ptr, s2_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr,
         M, N, K,
         sam, sak, swe, swn, swk, sse, ssn, ssk, s2e, s2n, scm, scn,
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     ):
+        """One [BLOCK_M, BLOCK_N] output tile. Per K step the packed bytes [BLOCK_N, BLOCK_K / 2] are read once
+        (contiguous), and each nibble plane becomes e4m3 bits with a few byte operations: an e2m1 code s|ee|m is
+        the e4m3 value s|0ee0|m00 (= the e2m1 value x 2^-6, e = 0 landing on e4m3's subnormals), so the hardware
+        FP8 conversion decodes it and the 2^6 goes into the group scale. The even elements (low nibbles) and the
+        odd ones (high nibbles) are two dots against the activations' even and odd columns."""
+        HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // 16  # e4m3 scales per row and K step (one per 16 elements)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -45,20 +44,34 @@ if HAS_TRITON:
         mask_m = rows < M
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
+        offs_j = tl.arange(0, HALF)  # byte (element pair) within the K step
+        offs_g = tl.arange(0, GROUPS)
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + e * swe + offs_n[:, None].to(tl.int64) * swn
         s_rows = s_ptr + e * sse + offs_n[:, None].to(tl.int64) * ssn
+        a_rows = a_ptr + rows[:, None] * sam
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            mask_k = kk < K
-            a = tl.load(a_ptr + rows[:, None] * sam + kk[None, :] * sak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            wmask = mask_n[:, None] & mask_k[None, :]
-            byte = tl.load(w_rows + (kk[None, :] // 2) * swk, mask=wmask, other=0).to(tl.int32)  # [BN, BK]
-            code = (byte >> ((kk[None, :] % 2) * 4)) & 15  # element 2j: low nibble, 2j + 1: high
-            scale = tl.load(s_rows + (kk[None, :] // 16) * ssk, mask=wmask, other=0.0).to(tl.float32)
-            w = (_e2m1_value(code) * scale).to(a.dtype)  # exact in bf16: 2 mantissa bits x 4
-            acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+            jj = k0 // 2 + offs_j  # [HALF] byte columns
+            gg = k0 // 16 + offs_g  # [GROUPS] scale columns
+            kk = k0 + offs_k  # [BLOCK_K] activation columns
+            if EVEN_K:  # no K mask: the loads vectorize
+                byte = tl.load(w_rows + jj[None, :] * swk, mask=mask_n[:, None], other=0)  # [BN, HALF] u8
+                sc = tl.load(s_rows + gg[None, :] * ssk, mask=mask_n[:, None], other=0.0)  # [BN, GROUPS] e4m3
+                a = tl.load(a_rows + kk[None, :] * sak, mask=mask_m[:, None], other=0.0)  # [BM, BLOCK_K]
+            else:
+                byte = tl.load(w_rows + jj[None, :] * swk, mask=mask_n[:, None] & (jj < K // 2)[None, :], other=0)
+                sc = tl.load(s_rows + gg[None, :] * ssk, mask=mask_n[:, None] & (gg < K // 16)[None, :], other=0.0)
+                a = tl.load(a_rows + kk[None, :] * sak, mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
+            lo = ((byte & 7) << 2) | ((byte & 8) << 4)  # element 2j: e4m3 bits of the low nibble
+            hi = ((byte >> 2) & 28) | (byte & 128)  # element 2j + 1: the high nibble
+            sc = sc.to(tl.float32) * 64.0  # the 2^6 of the e4m3 encoding folded in
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, GROUPS, 8)), (BLOCK_N, HALF))  # per byte
+            w_lo = (lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(a.dtype)  # exact
+            w_hi = (hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(a.dtype)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))  # [BM, HALF] each: columns 2j and 2j + 1
+            acc += tl.dot(a_even, tl.trans(w_lo), input_precision=PRECISION)
+            acc += tl.dot(a_odd, tl.trans(w_hi), input_precision=PRECISION)
         acc *= tl.load(s2_ptr + e * s2e + offs_n * s2n, mask=mask_n, other=0.0)[None, :]  # the per-row global scale
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -66,8 +79,20 @@ if HAS_TRITON:
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+# Launch configuration (scripts/bench_nvfp4_gemm.py sweeps it): block_n output columns a program (fewer when N is
+# smaller), block_k elements per K step (block_k / 2 packed bytes a row; K need only be a multiple of 16: masked).
+# dense_block_m: rows a program in the dense linear, 0 = the batch up to 64 rows (each weight tile read once).
+CONFIG = dict(block_n=64, block_k=128, num_warps=4, num_stages=3, dense_block_m=0)
+
+
 def _block_m(rows: int) -> int:
     return 16 if rows <= 512 else 64
+
+
+def _dense_block_m(rows: int) -> int:
+    if CONFIG["dense_block_m"]:
+        return CONFIG["dense_block_m"]
+    return 16 if rows <= 16 else (32 if rows <= 32 else 64)
 
 
 def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_m: int) -> None:
@@ -79,7 +104,8 @@ def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_
     w3 = packed if packed.dim() == 3 else packed.unsqueeze(0)
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
     g2 = scale_2 if scale_2.dim() == 2 else scale_2.unsqueeze(0)
-    block_n = 64 if N >= 64 else max(16, triton.next_power_of_2(N))
+    block_n = CONFIG["block_n"] if N >= CONFIG["block_n"] else max(16, triton.next_power_of_2(N))
+    block_k = CONFIG["block_k"]
     grid = (grid_m, triton.cdiv(N, block_n))
     _nvfp4_gemm_kernel[grid](
         x, w3, s3, g2, out, bias if bias is not None else out,
@@ -87,7 +113,8 @@ def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_
         M, N, K, x.stride(0), x.stride(1), w3.stride(0), w3.stride(1), w3.stride(2),
         s3.stride(0), s3.stride(1), s3.stride(2), g2.stride(0), g2.stride(1), out.stride(0), out.stride(1),
         GROUPED=ids is not None, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )
 
 
@@ -100,7 +127,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sca
     T = x.shape[0]
     out = torch.empty(T, packed.shape[0], dtype=x.dtype, device=x.device)
     if T:
-        bm = _block_m(T)
+        bm = _dense_block_m(T)
         _launch(x, packed, scale, scale_2, out, bias, None, None, bm, triton.cdiv(T, bm))
     return out
 
