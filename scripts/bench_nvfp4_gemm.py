@@ -1,8 +1,10 @@
 """NVFP4 weight-only GEMMs on the GPU at Qwen3-30B-A3B decode shapes: the session-11 kernel (nibble planes through
-e4m3 bit patterns, kernels/nvfp4_triton.py) over a sweep of its launch configurations, against the kernel it
+e4m3 bit patterns or inline PTX, kernels/nvfp4_triton.py) over a sweep of its launch configurations (decode
+mode, tile sizes, dense split-K), against the kernel it
 replaced (scripts/_nvfp4_v1_kernel.py: per-element decode with exp2), each beside its byte floor (packed weights +
 scales + activations + output at the measured copy bandwidth). Checks each result against the reference.
-Usage: python scripts/bench_nvfp4_gemm.py OUT.json"""
+Writes the best configuration per kind (least time summed over its cases) to best.json beside OUT.json, in
+MOELORA_NVFP4_GEMM_CONFIG's format. Usage: python scripts/bench_nvfp4_gemm.py OUT.json"""
 
 import json
 import os
@@ -59,12 +61,14 @@ def main(out_path: str) -> None:
         w = torch.randn(N, Kd, device="cuda") * Kd**-0.5
         p, s, s2 = quantize_nvfp4(w)
         s2 = s2.expand(N).contiguous()
-        x = torch.randn(64, Kd, device="cuda").bfloat16()
-        cases.append((f"{name} T 64", "dense", x, p, s, s2, None))
-    configs = [dict(block_n=64, block_k=128, num_warps=4, num_stages=3), dict(block_n=128, block_k=128, num_warps=4, num_stages=3),
-               dict(block_n=128, block_k=128, num_warps=8, num_stages=3), dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
-               dict(block_n=128, block_k=256, num_warps=8, num_stages=3), dict(block_n=64, block_k=128, num_warps=4, num_stages=4),
-               dict(block_n=32, block_k=256, num_warps=4, num_stages=3)]
+        for T in (64, 128):
+            x = torch.randn(T, Kd, device="cuda").bfloat16()
+            cases.append((f"{name} T {T}", "dense", x, p, s, s2, None))
+    grouped_cfgs = [dict(block_n=bn, block_k=128, num_warps=4, num_stages=3, decode=d) for bn in (64, 128) for d in (0, 1, 2)]
+    grouped_cfgs += [dict(block_n=128, block_k=128, num_warps=8, num_stages=3, decode=2),
+                     dict(block_n=128, block_k=256, num_warps=4, num_stages=3, decode=2)]
+    dense_cfgs = [dict(block_n=bn, block_k=128, num_warps=4, num_stages=3, decode=d, block_m=bm, split_k=sk)
+                  for bn in (64, 128) for d in (0, 2) for bm in (0, 16) for sk in (0, 1)]
     rows = []
     print(f"copy bandwidth {bw:.0f} GB/s; µs per call")
     for label, kind, x, p, s, s2, pe in cases:
@@ -75,39 +79,50 @@ def main(out_path: str) -> None:
         floor = nbytes / bw / 1e3
         if kind == "grouped":
             ref = v2.nvfp4_grouped_gemm_ref(x, p, s, s2, pe)
-            old = lambda: v1.nvfp4_grouped_gemm(x, p, s, s2, pe, align)  # noqa: E731
             align = fp8_grouped_align(pe, p.shape[0])
+            old = lambda: v1.nvfp4_grouped_gemm(x, p, s, s2, pe, align)  # noqa: E731
             new = lambda: v2.nvfp4_grouped_gemm(x, p, s, s2, pe, align)  # noqa: E731
         else:
             ref = v2.nvfp4_linear_ref(x, p, s, s2)
             old = lambda: v1.nvfp4_linear(x, p, s, s2)  # noqa: E731
             new = lambda: v2.nvfp4_linear(x, p, s, s2)  # noqa: E731
-        row = dict(case=label, floor_us=floor, bytes=nbytes, v1_us=timed(old), v1_rel=rel(old(), ref), configs=[])
-        for cfg in configs:
-            for dbm in ((0, 16) if kind == "dense" else (0,)):
-                v2.CONFIG.update(cfg, dense_block_m=dbm)
-                try:
-                    row["configs"].append(dict(cfg, dense_block_m=dbm, us=timed(new), rel=rel(new(), ref)))
-                except Exception as err:  # a configuration out of resources: noted, not fatal
-                    row["configs"].append(dict(cfg, dense_block_m=dbm, error=repr(err)[:200]))
-        ok = [c for c in row["configs"] if "us" in c]
+        row = dict(case=label, kind=kind, floor_us=floor, bytes=nbytes, v1_us=timed(old), v1_rel=rel(old(), ref),
+                   configs=[])
+        for cfg in (grouped_cfgs if kind == "grouped" else dense_cfgs):
+            v2.CONFIG[kind] = dict(cfg)
+            try:
+                row["configs"].append(dict(cfg, us=timed(new), rel=rel(new(), ref)))
+            except Exception as err:  # a configuration out of resources: noted, not fatal
+                row["configs"].append(dict(cfg, error=repr(err)[:200]))
+        ok = [c for c in row["configs"] if "us" in c and c["rel"] < 2.0**-7]
         best = min(ok, key=lambda c: c["us"])
-        dflt = ok[0]
-        print(f"{label:16s} floor {floor:7.1f} | v1 {row['v1_us']:8.1f} (rel {row['v1_rel']:.1e}) | default "
-              f"{dflt['us']:7.1f} (rel {dflt['rel']:.1e}) | best {best['us']:7.1f} "
-              f"{best['block_n']}x{best['block_k']} w{best['num_warps']} s{best['num_stages']} bm{best['dense_block_m']}")
+        print(f"{label:16s} floor {floor:7.1f} | v1 {row['v1_us']:8.1f} (rel {row['v1_rel']:.1e}) | first "
+              f"{row['configs'][0].get('us', -1):7.1f} | best {best['us']:7.1f} "
+              + " ".join(f"{k}={v}" for k, v in best.items() if k not in ("us", "rel")))
+        bad = [c for c in row["configs"] if "us" not in c or c["rel"] >= 2.0**-7]
+        for c in bad:
+            print("   FAILED or wrong:", c)
         rows.append(row)
-    totals = {}
-    for row in rows:
-        for c in row["configs"]:
-            if "us" in c:
-                key = f"{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} bm{c['dense_block_m']}"
-                totals[key] = totals.get(key, 0.0) + c["us"]
-    print("sum over cases:", ", ".join(f"{k} {v:.0f}" for k, v in sorted(totals.items(), key=lambda kv: kv[1])[:5]))
+    best_cfg = {}
+    for kind in ("grouped", "dense"):
+        totals: dict = {}
+        for row in rows:
+            if row["kind"] != kind:
+                continue
+            for c in row["configs"]:
+                key = json.dumps({k: v for k, v in c.items() if k not in ("us", "rel", "error")}, sort_keys=True)
+                ok = "us" in c and c["rel"] < 2.0**-7
+                totals[key] = totals.get(key, 0.0) + (c["us"] if ok else float("inf"))
+        ranked = sorted(totals.items(), key=lambda kv: kv[1])
+        best_cfg[kind] = json.loads(ranked[0][0])
+        print(f"{kind}: sum over its cases, best five:", "; ".join(f"{k} {v:.0f}" for k, v in ranked[:5]))
+    print("best:", json.dumps(best_cfg))
+    with open(os.path.join(os.path.dirname(out_path), "best.json"), "w") as f:
+        json.dump(best_cfg, f)
     meta = dict(device=torch.cuda.get_device_name(), commit=os.environ.get("MOELORA_COMMIT", "?"), copy_gb_s=bw,
                 torch=torch.__version__)
     with open(out_path, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, totals=totals), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, best=best_cfg), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -422,6 +422,37 @@ def test_nvfp4_gemms_qwen3_shapes(T):
     assert _rel(nvfp4_grouped_gemm(xx, P, S, S2, pe), nvfp4_grouped_gemm_ref(xx, P, S, S2, pe)) < KERNEL_TOL
 
 
+@pytest.mark.parametrize("decode", [0, 1, 2])
+@pytest.mark.parametrize("T", [1, 64, 256])
+def test_nvfp4_decode_modes_and_split_k_qwen3_shapes(T, decode, monkeypatch):
+    """Every decode mode of the NVFP4 kernel (scales in fp32, in bf16, inline PTX on bf16 pairs) and the dense
+    kernel with K split 1 / 4 / 8 ways: the reference's numbers within bf16 output rounding and the K sum's order,
+    at the Qwen3-30B-A3B projections (o_proj's 4,096-wide input, the experts' gate_up and down); a split launch
+    twice gives the same bits (the partials are added in split order)."""
+    from moelora.kernels import nvfp4_triton as nt
+    from moelora.kernels.nvfp4 import quantize_nvfp4
+
+    g = torch.Generator(device=DEV).manual_seed(T + decode)
+    w = torch.randn(H, 4096, device=DEV, generator=g) * 4096**-0.5
+    p, s, s2 = quantize_nvfp4(w)
+    s2 = s2.expand(H).contiguous()
+    x = torch.randn(T, 4096, device=DEV, generator=g).bfloat16()
+    ref = nt.nvfp4_linear_ref(x, p, s, s2)
+    for split_k in (1, 4, 8):
+        monkeypatch.setitem(nt.CONFIG, "dense", dict(nt.CONFIG["dense"], decode=decode, split_k=split_k))
+        y = nt.nvfp4_linear(x, p, s, s2)
+        assert _rel(y, ref) < KERNEL_TOL, (split_k, _rel(y, ref))
+        assert torch.equal(nt.nvfp4_linear(x, p, s, s2), y)
+    monkeypatch.setitem(nt.CONFIG, "grouped", dict(nt.CONFIG["grouped"], decode=decode))
+    for N, D in ((2 * I, H), (H, I)):
+        we = torch.randn(E, N, D, device=DEV, generator=g) * D**-0.5
+        P, S, S2 = quantize_nvfp4(we)
+        S2 = S2.expand(E, N).contiguous()
+        pe = torch.randint(0, E, (T * K,), device=DEV, generator=g)
+        xx = torch.randn(T * K, D, device=DEV, generator=g).bfloat16()
+        assert _rel(nt.nvfp4_grouped_gemm(xx, P, S, S2, pe), nt.nvfp4_grouped_gemm_ref(xx, P, S, S2, pe)) < KERNEL_TOL
+
+
 @pytest.mark.parametrize("T", [1, 64])
 def test_nvfp4_moe_layer_with_lora_equals_dequantized_bf16(T):
     from moelora.adapters.metadata import LoRABatch

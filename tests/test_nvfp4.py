@@ -171,3 +171,27 @@ def test_triton_decode_of_every_code_and_scale(dtype, K):
     pe = torch.tensor([2, 0, 1, 2, 2, 0])
     xx = (torch.randn(6, K, generator=g) * 0.1).to(dtype)
     close(nvfp4_grouped_gemm(xx, P3, S3, S23, pe), nvfp4_grouped_gemm_ref(xx, P3, S3, S23, pe))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("decode", [0, 1, 2])  # 2 (inline PTX) runs as 1 here: no GPU
+def test_triton_dense_split_k_and_decode_modes(split_k, decode, monkeypatch):
+    """The dense kernel with K split (partials in a workspace, added in split order by the last arriving split):
+    the reference's numbers, the same bits on a second call, and the arrival counters left at zero; both
+    decode modes (scales applied in fp32 or in the activations' dtype) give the same weights."""
+    from moelora.kernels import nvfp4_triton as nt
+    from moelora.kernels.fp8_triton import _COUNTERS
+
+    monkeypatch.setitem(nt.CONFIG, "dense", dict(nt.CONFIG["dense"], split_k=split_k, decode=decode))
+    g = torch.Generator().manual_seed(split_k)
+    N, K = 72, 1024  # 8 K steps of 128
+    p, s, s2 = quantize_nvfp4(torch.randn(N, K, generator=g))
+    s2 = s2.expand(N).contiguous()
+    x, b = torch.randn(5, K, generator=g), torch.randn(N, generator=g)
+    y, ref = nt.nvfp4_linear(x, p, s, s2, b), nt.nvfp4_linear_ref(x, p, s, s2, b)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-6  # fp32: the K sum's order differs only
+    assert torch.equal(nt.nvfp4_linear(x, p, s, s2, b), y)
+    assert int(_COUNTERS[torch.device("cpu")].abs().sum()) == 0
+    assert nt.nvfp4_split_k(80, 16) == 4 and nt.nvfp4_split_k(32, 32) == 8 and nt.nvfp4_split_k(300, 16) == 1
+    assert nt.nvfp4_split_k(80, 4) == 2  # >= 2 K steps a split

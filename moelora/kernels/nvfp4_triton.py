@@ -5,6 +5,9 @@ shares fp8_triton's alignment (rows grouped by expert, padded to BLOCK_M; no hos
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
@@ -14,23 +17,69 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    # Four packed bytes (eight e2m1 codes; byte i holds elements 2i, low nibble, and 2i + 1) -> the four low-nibble
+    # and the four high-nibble elements as bf16 pairs, times their group scales ($5, $6: bf16 pairs). prmt spreads
+    # bytes 0/1 (2/3) into the two 16-bit lanes; a nibble s|ee|m becomes the bf16 bits s|0000000ee|m000000, the
+    # value x 2^-126 (ee = 0, m = 1: a bf16 subnormal, which fma.bf16x2 keeps), so one fma by 2^126 and one by the
+    # scale give code x scale exactly (<= 6 significant bits).
+    _E2M1X4_TO_BF16 = tl.constexpr("""{
+    .reg .b32 t<2>, m<4>, s<4>, u, z;
+    mov.b32 u, 0x7E807E80;
+    mov.b32 z, 0x80008000;
+    prmt.b32 t0, $4, 0, 0x4140;
+    prmt.b32 t1, $4, 0, 0x4342;
+    shl.b32 m0, t0, 6;
+    and.b32 m0, m0, 0x01C001C0;
+    shl.b32 s0, t0, 12;
+    and.b32 s0, s0, 0x80008000;
+    or.b32 m0, m0, s0;
+    shl.b32 m1, t1, 6;
+    and.b32 m1, m1, 0x01C001C0;
+    shl.b32 s1, t1, 12;
+    and.b32 s1, s1, 0x80008000;
+    or.b32 m1, m1, s1;
+    shl.b32 m2, t0, 2;
+    and.b32 m2, m2, 0x01C001C0;
+    shl.b32 s2, t0, 8;
+    and.b32 s2, s2, 0x80008000;
+    or.b32 m2, m2, s2;
+    shl.b32 m3, t1, 2;
+    and.b32 m3, m3, 0x01C001C0;
+    shl.b32 s3, t1, 8;
+    and.b32 s3, s3, 0x80008000;
+    or.b32 m3, m3, s3;
+    fma.rn.bf16x2 m0, m0, u, z;
+    fma.rn.bf16x2 m1, m1, u, z;
+    fma.rn.bf16x2 m2, m2, u, z;
+    fma.rn.bf16x2 m3, m3, u, z;
+    fma.rn.bf16x2 $0, m0, $5, z;
+    fma.rn.bf16x2 $1, m1, $6, z;
+    fma.rn.bf16x2 $2, m2, $5, z;
+    fma.rn.bf16x2 $3, m3, $6, z;
+    }""")
+
     @triton.jit
     def _nvfp4_gemm_kernel(
-        a_ptr, w_ptr, s_ptr, s2_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr,
+        a_ptr, w_ptr, s_ptr, s2_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr, ws_ptr, cnt_ptr,
         M, N, K,
         sam, sak, swe, swn, swk, sse, ssn, ssk, s2e, s2n, scm, scn,
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        DECODE: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
     ):
         """One [BLOCK_M, BLOCK_N] output tile. Per K step the packed bytes [BLOCK_N, BLOCK_K / 2] are read once
         (contiguous), and each nibble plane becomes e4m3 bits with a few byte operations: an e2m1 code s|ee|m is
         the e4m3 value s|0ee0|m00 (= the e2m1 value x 2^-6, e = 0 landing on e4m3's subnormals), so the hardware
         FP8 conversion decodes it and the 2^6 goes into the group scale. The even elements (low nibbles) and the
-        odd ones (high nibbles) are two dots against the activations' even and odd columns."""
+        odd ones (high nibbles) are two dots against the activations' even and odd columns.
+        SPLIT_K > 1 (dense decode: few output tiles): split sk takes the K steps sk, sk + SPLIT_K, ..., stores its
+        fp32 partial in ws[sk] and counts itself in cnt[tile]; the split arriving last adds the partials in order
+        sk = 0, 1, ... (deterministic), writes the output and resets the counter (fp8_triton's scheme)."""
         HALF: tl.constexpr = BLOCK_K // 2
         GROUPS: tl.constexpr = BLOCK_K // 16  # e4m3 scales per row and K step (one per 16 elements)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        sk = tl.program_id(2)
         offs_m = tl.arange(0, BLOCK_M)
         if GROUPED:
             e = tl.load(bexp_ptr + pid_m)
@@ -51,7 +100,7 @@ if HAS_TRITON:
         s_rows = s_ptr + e * sse + offs_n[:, None].to(tl.int64) * ssn
         a_rows = a_ptr + rows[:, None] * sam
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(sk * BLOCK_K, K, BLOCK_K * SPLIT_K):
             jj = k0 // 2 + offs_j  # [HALF] byte columns
             gg = k0 // 16 + offs_g  # [GROUPS] scale columns
             kk = k0 + offs_k  # [BLOCK_K] activation columns
@@ -65,13 +114,37 @@ if HAS_TRITON:
                 a = tl.load(a_rows + kk[None, :] * sak, mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
             lo = ((byte & 7) << 2) | ((byte & 8) << 4)  # element 2j: e4m3 bits of the low nibble
             hi = ((byte >> 2) & 28) | (byte & 128)  # element 2j + 1: the high nibble
+            sc_raw = sc
             sc = sc.to(tl.float32) * 64.0  # the 2^6 of the e4m3 encoding folded in
             sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, GROUPS, 8)), (BLOCK_N, HALF))  # per byte
-            w_lo = (lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(a.dtype)  # exact
-            w_hi = (hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(a.dtype)
+            if DECODE == 2:  # bf16 in inline PTX, four bytes a register (see _E2M1X4_TO_BF16)
+                sb = tl.reshape(tl.broadcast_to(sc_raw.to(tl.float32).to(tl.bfloat16)[:, :, None], (BLOCK_N, GROUPS, 8)),
+                                (BLOCK_N, HALF))
+                w_lo, w_hi = tl.inline_asm_elementwise(_E2M1X4_TO_BF16, "=r,=r,=r,=r,r,r,r", [byte, sb],
+                                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            elif DECODE == 0:  # products in fp32, then rounded (exactly) to the activations' dtype
+                w_lo = (lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(a.dtype)
+                w_hi = (hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(a.dtype)
+            else:  # DECODE 1, in the activations' dtype: code x scale has <= 6 significant bits, exact in bf16 / fp16
+                sc = sc.to(a.dtype)
+                w_lo = lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(a.dtype) * sc
+                w_hi = hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(a.dtype) * sc
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))  # [BM, HALF] each: columns 2j and 2j + 1
             acc += tl.dot(a_even, tl.trans(w_lo), input_precision=PRECISION)
             acc += tl.dot(a_odd, tl.trans(w_hi), input_precision=PRECISION)
+        if SPLIT_K > 1:
+            tile_ws = ws_ptr + rows[:, None] * N + offs_n[None, :]  # ws: [SPLIT_K, M, N] fp32, contiguous
+            mask_c = mask_m[:, None] & mask_n[None, :]
+            tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
+            tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
+            tile = pid_m * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1)
+            if arrived != SPLIT_K - 1:
+                return
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(SPLIT_K):
+                acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
+            tl.store(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
         acc *= tl.load(s2_ptr + e * s2e + offs_n * s2n, mask=mask_n, other=0.0)[None, :]  # the per-row global scale
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -79,10 +152,19 @@ if HAS_TRITON:
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-# Launch configuration (scripts/bench_nvfp4_gemm.py sweeps it): block_n output columns a program (fewer when N is
-# smaller), block_k elements per K step (block_k / 2 packed bytes a row; K need only be a multiple of 16: masked).
-# dense_block_m: rows a program in the dense linear, 0 = the batch up to 64 rows (each weight tile read once).
-CONFIG = dict(block_n=64, block_k=128, num_warps=4, num_stages=3, dense_block_m=0)
+# Launch configuration, per kind (scripts/bench_nvfp4_gemm.py sweeps it on the GPU): block_n output columns a
+# program (fewer when N is smaller); block_k elements a K step (block_k / 2 packed bytes a row; K need only be a
+# multiple of 16: masked); decode: 0 the scale applied in fp32, 1 in the activations' dtype, 2 inline PTX (bf16
+# activations on a GPU only; 1 elsewhere): the same weights each way;
+# dense only: block_m rows a program (0: the batch up to 64 rows, each weight tile decoded once), split_k (0: as
+# nvfp4_split_k picks). MOELORA_NVFP4_GEMM_CONFIG (JSON {"grouped": {...}, "dense": {...}}) overrides entries.
+CONFIG = {
+    "grouped": dict(block_n=64, block_k=128, num_warps=4, num_stages=3, decode=0),
+    "dense": dict(block_n=64, block_k=128, num_warps=4, num_stages=3, decode=0, block_m=0, split_k=0),
+}
+for _kind, _cfg in json.loads(os.environ.get("MOELORA_NVFP4_GEMM_CONFIG", "{}")).items():
+    CONFIG[_kind].update(_cfg)
+SPLIT_K_TARGET_PROGRAMS = 264  # dense split-K: the fewest splits reaching this many programs (2 per SM of an H200)
 
 
 def _block_m(rows: int) -> int:
@@ -90,31 +172,60 @@ def _block_m(rows: int) -> int:
 
 
 def _dense_block_m(rows: int) -> int:
-    if CONFIG["dense_block_m"]:
-        return CONFIG["dense_block_m"]
+    if CONFIG["dense"]["block_m"]:
+        return CONFIG["dense"]["block_m"]
     return 16 if rows <= 16 else (32 if rows <= 32 else 64)
 
 
+def nvfp4_split_k(tiles: int, k_steps: int) -> int:
+    """K splits of a dense GEMM with `tiles` output tiles and `k_steps` K steps: the smallest power of two <= 8
+    that reaches SPLIT_K_TARGET_PROGRAMS programs, keeping >= 2 K steps a split (decode: a handful of output
+    tiles, each a long serial decode loop otherwise)."""
+    splits = 1
+    while splits < 8 and tiles * splits < SPLIT_K_TARGET_PROGRAMS and k_steps >= splits * 4:
+        splits *= 2
+    return splits
+
+
+def _decode_mode(decode: int, x: torch.Tensor) -> int:
+    """The inline-PTX decode (2) needs bf16 activations on a GPU (no interpreter): 1 otherwise."""
+    from moelora.kernels._triton import interpreting
+
+    return 1 if decode == 2 and (x.dtype != torch.bfloat16 or not x.is_cuda or interpreting()) else decode
+
+
 def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_m: int) -> None:
+    from moelora.kernels.fp8_triton import _split_counters  # the split-K arrival counters (shared scheme)
+
     M, K = x.shape
     N = packed.shape[-2]
     if packed.shape[-1] * 2 != K or scale.shape[-1] * GROUP != K:
         raise ValueError(f"NVFP4 GEMM: input width {K} does not match packed weight {list(packed.shape)} and "
                          f"scale {list(scale.shape)}")
+    cfg = CONFIG["grouped" if ids is not None else "dense"]
     w3 = packed if packed.dim() == 3 else packed.unsqueeze(0)
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
     g2 = scale_2 if scale_2.dim() == 2 else scale_2.unsqueeze(0)
-    block_n = CONFIG["block_n"] if N >= CONFIG["block_n"] else max(16, triton.next_power_of_2(N))
-    block_k = CONFIG["block_k"]
-    grid = (grid_m, triton.cdiv(N, block_n))
-    _nvfp4_gemm_kernel[grid](
+    block_n = cfg["block_n"] if N >= cfg["block_n"] else max(16, triton.next_power_of_2(N))
+    block_k = cfg["block_k"]
+    grid_n = triton.cdiv(N, block_n)
+    split_k, ws, cnt = 1, out, out
+    if ids is None:
+        split_k = cfg["split_k"] or nvfp4_split_k(grid_m * grid_n, triton.cdiv(K, block_k))
+        if split_k > 1:
+            cnt = _split_counters(out.device, grid_m * grid_n)
+            if cnt is None:  # first use inside a graph capture: no counters can be made there
+                cnt, split_k = out, 1
+            else:
+                ws = torch.empty(split_k, M, N, dtype=torch.float32, device=out.device)
+    _nvfp4_gemm_kernel[(grid_m, grid_n, split_k)](
         x, w3, s3, g2, out, bias if bias is not None else out,
-        ids if ids is not None else out, bexp if bexp is not None else out,
+        ids if ids is not None else out, bexp if bexp is not None else out, ws, cnt,
         M, N, K, x.stride(0), x.stride(1), w3.stride(0), w3.stride(1), w3.stride(2),
         s3.stride(0), s3.stride(1), s3.stride(2), g2.stride(0), g2.stride(1), out.stride(0), out.stride(1),
         GROUPED=ids is not None, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        DECODE=_decode_mode(cfg["decode"], x), SPLIT_K=split_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
