@@ -16,25 +16,39 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _nvfp4_v1_kernel as v1  # noqa: E402
 from moelora.kernels import nvfp4_triton as v2  # noqa: E402
 from moelora.kernels.fp8_triton import fp8_grouped_align  # noqa: E402
+from moelora.kernels.fused_moe_triton import moe_align, pick_config  # noqa: E402
 from moelora.kernels.nvfp4 import quantize_nvfp4  # noqa: E402
 
 
-def timed(fn, iters=40) -> float:
-    fn()
+def timed(fn, iters=20, replays=5) -> float:
+    """µs per call, from a CUDA graph of `iters` calls (no host launch time, as in the engine's decode graphs);
+    fn(i) is the i-th call (the dense cases rotate weight copies so that L2 holds none of them)."""
+    fn(0)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            fn(i)
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(replays):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3  # µs
+    return start.elapsed_time(end) / (iters * replays) * 1e3
 
 
 def copy_bw() -> float:
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    us = timed(lambda: b.copy_(a), 10)
+    us = timed(lambda i: b.copy_(a), 4, 3)
     return 2 * a.numel() / us / 1e3  # GB/s
 
 
@@ -53,45 +67,49 @@ def main(out_path: str) -> None:
         s2 = s2.expand(E, N).contiguous()
         del w
         for T in (64, 128, 256):
-            P = T * K_TOP
-            pe = torch.randint(0, E, (P,), device="cuda")
-            x = torch.randn(P, Kd, device="cuda").bfloat16()
-            cases.append((f"{name} T {T}", "grouped", x, p, s, s2, pe))
+            ids = torch.stack([torch.randperm(E, device="cuda")[:K_TOP] for _ in range(T)])  # [T, top_k]
+            x = torch.randn(T * K_TOP, Kd, device="cuda").bfloat16()
+            cases.append((f"{name} T {T}", "grouped", x, p, s, s2, ids))
     for name, N, Kd in (("qkv", 5120, H), ("o_proj", H, 4096)):
         w = torch.randn(N, Kd, device="cuda") * Kd**-0.5
         p, s, s2 = quantize_nvfp4(w)
         s2 = s2.expand(N).contiguous()
+        copies = [(p.clone(), s.clone(), s2.clone()) for _ in range(20)]  # 20 x ~6 MB: none stays in L2
         for T in (64, 128):
             x = torch.randn(T, Kd, device="cuda").bfloat16()
-            cases.append((f"{name} T {T}", "dense", x, p, s, s2, None))
-    grouped_cfgs = [dict(block_n=bn, block_k=128, num_warps=4, num_stages=3, decode=d) for bn in (64, 128) for d in (0, 1, 2)]
-    grouped_cfgs += [dict(block_n=128, block_k=128, num_warps=8, num_stages=3, decode=2),
-                     dict(block_n=128, block_k=256, num_warps=4, num_stages=3, decode=2)]
+            cases.append((f"{name} T {T}", "dense", x, p, s, s2, copies))
+    grouped_cfgs = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=3, decode=d) for bn, bk, w, d in (
+        (128, 128, 4, 2), (64, 128, 4, 0), (128, 128, 4, 0), (64, 128, 4, 2), (128, 128, 8, 2), (256, 128, 8, 2),
+        (128, 256, 4, 2), (128, 128, 4, 1))]
     dense_cfgs = [dict(block_n=bn, block_k=128, num_warps=4, num_stages=3, decode=d, block_m=bm, split_k=sk)
                   for bn in (64, 128) for d in (0, 2) for bm in (0, 16) for sk in (0, 1)]
     rows = []
     print(f"copy bandwidth {bw:.0f} GB/s; µs per call")
     for label, kind, x, p, s, s2, pe in cases:
-        experts = pe.unique().numel() if pe is not None else 1
-        nbytes = (p[0].numel() + s[0].numel() + s2[0].numel() * 4) * experts if pe is not None else \
+        grouped = kind == "grouped"
+        experts = pe.unique().numel() if grouped else 1  # pe: topk_ids [T, top_k] (grouped)
+        nbytes = (p[0].numel() + s[0].numel() + s2[0].numel() * 4) * experts if grouped else \
             p.numel() + s.numel() + s2.numel() * 4
         nbytes += x.numel() * 2 + x.shape[0] * p.shape[-2] * 2
         floor = nbytes / bw / 1e3
         if kind == "grouped":
-            ref = v2.nvfp4_grouped_gemm_ref(x, p, s, s2, pe)
-            align = fp8_grouped_align(pe, p.shape[0])
-            old = lambda: v1.nvfp4_grouped_gemm(x, p, s, s2, pe, align)  # noqa: E731
-            new = lambda: v2.nvfp4_grouped_gemm(x, p, s, s2, pe, align)  # noqa: E731
+            flat = pe.reshape(-1)
+            ref = v2.nvfp4_grouped_gemm_ref(x, p, s, s2, flat)
+            align_v1 = fp8_grouped_align(flat, p.shape[0])
+            bm = pick_config(flat.numel()).block_m  # the engine's fast path: TritonExperts' alignment
+            align = moe_align(pe, p.shape[0], bm)
+            old = lambda i: v1.nvfp4_grouped_gemm(x, p, s, s2, flat, align_v1)  # noqa: E731
+            new = lambda i: v2.nvfp4_expert_gemm(x, p, s, s2, pe, align, False, bm)  # noqa: E731
         else:
-            ref = v2.nvfp4_linear_ref(x, p, s, s2)
-            old = lambda: v1.nvfp4_linear(x, p, s, s2)  # noqa: E731
-            new = lambda: v2.nvfp4_linear(x, p, s, s2)  # noqa: E731
-        row = dict(case=label, kind=kind, floor_us=floor, bytes=nbytes, v1_us=timed(old), v1_rel=rel(old(), ref),
+            ref, copies = v2.nvfp4_linear_ref(x, p, s, s2), pe
+            old = lambda i: v1.nvfp4_linear(x, *copies[i % len(copies)])  # noqa: E731
+            new = lambda i: v2.nvfp4_linear(x, *copies[i % len(copies)])  # noqa: E731
+        row = dict(case=label, kind=kind, floor_us=floor, bytes=nbytes, v1_us=timed(old), v1_rel=rel(old(0), ref),
                    configs=[])
         for cfg in (grouped_cfgs if kind == "grouped" else dense_cfgs):
             v2.CONFIG[kind] = dict(cfg)
             try:
-                row["configs"].append(dict(cfg, us=timed(new), rel=rel(new(), ref)))
+                row["configs"].append(dict(cfg, us=timed(new), rel=rel(new(0), ref)))
             except Exception as err:  # a configuration out of resources: noted, not fatal
                 row["configs"].append(dict(cfg, error=repr(err)[:200]))
         ok = [c for c in row["configs"] if "us" in c and c["rel"] < 2.0**-7]

@@ -55,11 +55,11 @@ a = compile_sm90(_silu_and_mul_kernel, {"gu_ptr": "*bf16", "d_ptr": "*fp32", "ou
                  num_warps=4)
 assert all("cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] for k in (n, a))
 print("ok producers quantize")
-for grouped, block_m, split_k, decode in [(True, 16, 1, 0), (False, 64, 4, 1), (True, 16, 1, 2)]:
+for grouped, block_m, split_k, decode, row_div in [(True, 16, 1, 0, 1), (False, 64, 4, 1, 1), (True, 16, 1, 2, 8)]:
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
             "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     consts = dict(GROUPED=grouped, HAS_BIAS=not grouped, PRECISION=None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128,
-                  EVEN_K=True, DECODE=decode, SPLIT_K=split_k,
+                  EVEN_K=True, DECODE=decode, SPLIT_K=split_k, A_ROW_DIV=row_div,
                   sak=1, swk=1, ssk=1, s2n=1, scn=1)  # unit strides: the JIT specializes them
     ptx = compile_sm90(_nvfp4_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3,
                        div16=[*ptrs, "K", "sam", "swe", "swn", "sse", "ssn", "s2e", "scm"]).asm["ptx"]

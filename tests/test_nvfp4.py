@@ -195,3 +195,68 @@ def test_triton_dense_split_k_and_decode_modes(split_k, decode, monkeypatch):
     assert int(_COUNTERS[torch.device("cpu")].abs().sum()) == 0
     assert nt.nvfp4_split_k(80, 16) == 4 and nt.nvfp4_split_k(32, 32) == 8 and nt.nvfp4_split_k(300, 16) == 1
     assert nt.nvfp4_split_k(80, 4) == 2  # >= 2 K steps a split
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("gather_rows", [True, False])
+def test_triton_expert_gemm_on_the_fast_path_alignment(gather_rows):
+    """nvfp4_expert_gemm on fused_moe_triton's alignment: token rows read in place (row p // top_k) or per pair,
+    the reference's numbers (fp32)."""
+    from moelora.kernels.fused_moe_triton import moe_align
+    from moelora.kernels.nvfp4_triton import nvfp4_expert_gemm, nvfp4_expert_gemm_ref
+
+    g = torch.Generator().manual_seed(7)
+    T, K, E, N, D = 5, 2, 4, 40, 64
+    P3, S3, S23 = quantize_nvfp4(torch.randn(E, N, D, generator=g))
+    S23 = S23.expand(E, N) * torch.linspace(0.5, 2, N)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    x = torch.randn(T if gather_rows else T * K, D, generator=g)
+    align = moe_align(ids, E, 16)
+    y = nvfp4_expert_gemm(x, P3, S3, S23, ids, align, gather_rows, 16)
+    torch.testing.assert_close(y, nvfp4_expert_gemm_ref(x, P3, S3, S23, ids, align, gather_rows, 16), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="expected blocks of block_m=32"):
+        nvfp4_expert_gemm(x, P3, S3, S23, ids, align, gather_rows, 32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+def test_nvfp4_experts_take_the_triton_fast_path_with_lora():
+    """NVFP4 expert stacks on fused_moe_triton's fast path (TritonExperts: expert_gemm on its alignment, the
+    SiLU-and-mul and combine kernels) with routed-expert LoRA: fused_moe_ref's numbers on the dequantized
+    weights (fp32), and the fast path is the one taken (expert_gemm called, grouped_mm not)."""
+    from kernel_cases import expert_lora_args
+    from moelora.kernels import fused_moe_triton as fmt
+    from moelora.kernels.moe import fused_moe_pairs, fused_moe_ref, route_topk_ref
+    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.layers.nvfp4 import Nvfp4ExpertWeight
+
+    g = torch.Generator().manual_seed(9)
+    T, E, K, H, inter = 6, 4, 2, 48, 32
+    mod = torch.nn.Module()
+    for name, shape in (("gate_up_proj", (E, 2 * inter, H)), ("down_proj", (E, H, inter))):
+        p, s, s2 = quantize_nvfp4(torch.randn(*shape, generator=g) * 0.2)
+        setattr(mod, name, p)
+        setattr(mod, name + "_scale", s)
+        setattr(mod, name + "_scale_2", s2.expand(*shape[:2]).contiguous())
+    w_gu, w_d = Nvfp4ExpertWeight(mod, "gate_up_proj"), Nvfp4ExpertWeight(mod, "down_proj")
+    x = torch.randn(T, H, generator=g)
+    weights, ids = route_topk_ref(torch.randn(T, E, generator=g), K, True)
+    args = expert_lora_args(T, E, torch.float32, g, hidden=H, inter=inter)
+    calls = []
+    real_fast, real_slow = Nvfp4ExpertWeight.expert_gemm, Nvfp4ExpertWeight.grouped_mm
+    Nvfp4ExpertWeight.expert_gemm = lambda self, *a: (calls.append("fast"), real_fast(self, *a))[1]
+    Nvfp4ExpertWeight.grouped_mm = lambda self, *a: (calls.append("slow"), real_slow(self, *a))[1]
+    default = fmt._FAST["quantized"]
+    try:
+        fmt.set_fast_path(True, on_cpu=True, quantized=True)
+        got = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, moe_lora_shrink, moe_lora_expand,
+                              moe_lora_plan)
+    finally:
+        Nvfp4ExpertWeight.expert_gemm, Nvfp4ExpertWeight.grouped_mm = real_fast, real_slow
+        fmt.set_fast_path(True, on_cpu=False, quantized=default)
+    assert calls == ["fast", "fast"]
+    deq = [dequantize_nvfp4(getattr(mod, n), getattr(mod, n + "_scale"), getattr(mod, n + "_scale_2"))
+           for n in ("gate_up_proj", "down_proj")]
+    ref = fused_moe_ref(x, *deq, weights, ids, "silu", args)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert (ref - fused_moe_ref(x, *deq, weights, ids, "silu", None)).abs().max() > 1e-2  # the LoRA delta is there

@@ -237,17 +237,21 @@ class _ExpertGemm:
         self.pair_exp, self.E = pair_exp, num_experts
         self.scratch: dict = {}  # what a quantized weight's GEMM shares between gate_up and down (its alignment)
         self.grouped = pair_exp.is_cuda and hasattr(torch, "_grouped_mm")
-        if self.grouped:
-            self.order = torch.argsort(pair_exp)
-            counts = torch.zeros(num_experts, dtype=torch.int32, device=pair_exp.device)
-            counts.scatter_add_(0, pair_exp, torch.ones_like(pair_exp, dtype=torch.int32))
-            self.offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        self.order: torch.Tensor | None = None  # made at the first bf16 grouped GEMM (quantized stacks need none)
+
+    def _sort(self) -> None:
+        self.order = torch.argsort(self.pair_exp)
+        counts = torch.zeros(self.E, dtype=torch.int32, device=self.pair_exp.device)
+        counts.scatter_add_(0, self.pair_exp, torch.ones_like(self.pair_exp, dtype=torch.int32))
+        self.offs = torch.cumsum(counts, 0, dtype=torch.int32)
 
     def __call__(self, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """inp: [P, D] · w: [E, O, D] · returns [P, O]."""
         if not isinstance(w, torch.Tensor):  # a quantized stack (layers/fp8.py, layers/nvfp4.py) runs its own GEMM
             return w.grouped_mm(inp, self.pair_exp, self.E, self.scratch)
         if self.grouped and inp.dtype == torch.bfloat16:
+            if self.order is None:
+                self._sort()
             y_sorted = torch._grouped_mm(inp[self.order], w.transpose(1, 2), offs=self.offs)  # [P, O]
             y = torch.empty_like(y_sorted)
             y[self.order] = y_sorted

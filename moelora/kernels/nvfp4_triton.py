@@ -65,7 +65,7 @@ if HAS_TRITON:
         sam, sak, swe, swn, swk, sse, ssn, ssk, s2e, s2n, scm, scn,
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        DECODE: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
+        DECODE: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, A_ROW_DIV: tl.constexpr = 1,
     ):
         """One [BLOCK_M, BLOCK_N] output tile. Per K step the packed bytes [BLOCK_N, BLOCK_K / 2] are read once
         (contiguous), and each nibble plane becomes e4m3 bits with a few byte operations: an e2m1 code s|ee|m is
@@ -98,7 +98,7 @@ if HAS_TRITON:
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + e * swe + offs_n[:, None].to(tl.int64) * swn
         s_rows = s_ptr + e * sse + offs_n[:, None].to(tl.int64) * ssn
-        a_rows = a_ptr + rows[:, None] * sam
+        a_rows = a_ptr + (rows // A_ROW_DIV)[:, None] * sam  # A_ROW_DIV = top_k: token rows read in place
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(sk * BLOCK_K, K, BLOCK_K * SPLIT_K):
             jj = k0 // 2 + offs_j  # [HALF] byte columns
@@ -159,8 +159,10 @@ if HAS_TRITON:
 # dense only: block_m rows a program (0: the batch up to 64 rows, each weight tile decoded once), split_k (0: as
 # nvfp4_split_k picks). MOELORA_NVFP4_GEMM_CONFIG (JSON {"grouped": {...}, "dense": {...}}) overrides entries.
 CONFIG = {
-    "grouped": dict(block_n=64, block_k=128, num_warps=4, num_stages=3, decode=0),
-    "dense": dict(block_n=64, block_k=128, num_warps=4, num_stages=3, decode=0, block_m=0, split_k=0),
+    # session 11 call 4 (H200, Qwen3-30B-A3B experts): 128-wide tiles and the PTX decode, gate_up / down at 64
+    # tokens 217 -> 116 / 118 -> 71 us (the first version of this kernel: 3,700 / 1,130 us)
+    "grouped": dict(block_n=128, block_k=128, num_warps=4, num_stages=3, decode=2),
+    "dense": dict(block_n=128, block_k=128, num_warps=4, num_stages=3, decode=2, block_m=0, split_k=0),
 }
 for _kind, _cfg in json.loads(os.environ.get("MOELORA_NVFP4_GEMM_CONFIG", "{}")).items():
     CONFIG[_kind].update(_cfg)
@@ -194,10 +196,10 @@ def _decode_mode(decode: int, x: torch.Tensor) -> int:
     return 1 if decode == 2 and (x.dtype != torch.bfloat16 or not x.is_cuda or interpreting()) else decode
 
 
-def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_m: int) -> None:
+def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_m: int, a_row_div: int = 1) -> None:
     from moelora.kernels.fp8_triton import _split_counters  # the split-K arrival counters (shared scheme)
 
-    M, K = x.shape
+    M, K = out.shape[0], x.shape[1]
     N = packed.shape[-2]
     if packed.shape[-1] * 2 != K or scale.shape[-1] * GROUP != K:
         raise ValueError(f"NVFP4 GEMM: input width {K} does not match packed weight {list(packed.shape)} and "
@@ -225,7 +227,7 @@ def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_
         s3.stride(0), s3.stride(1), s3.stride(2), g2.stride(0), g2.stride(1), out.stride(0), out.stride(1),
         GROUPED=ids is not None, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        DECODE=_decode_mode(cfg["decode"], x), SPLIT_K=split_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DECODE=_decode_mode(cfg["decode"], x), SPLIT_K=split_k, A_ROW_DIV=a_row_div, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -268,6 +270,35 @@ def nvfp4_grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     sorted_ids, bexp = align if align is not None else fp8_grouped_align(pair_exp, packed.shape[0], bm)
     _launch(x, packed, scale, scale_2, out, None, sorted_ids, bexp, bm, bexp.shape[0])
     return out
+
+
+def nvfp4_expert_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
+                      topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool,
+                      block_m: int) -> torch.Tensor:
+    """The grouped GEMM on the routed-expert fast path's alignment (fused_moe_triton.moe_align), token rows read
+    in place. Semantics (nvfp4_expert_gemm_ref), pairs p = t * K + k, e = topk_ids.flatten()[p]:
+        y[p] = nvfp4_linear(x[p // K] if gather_rows else x[p], packed[e], scale[e], scale_2[e])
+    x: [T, D] (gather_rows) or [P, D] · packed: [E, N, D/2] uint8 · scale: [E, N, D/16] e4m3 · scale_2: [E, N]
+    topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m) · returns [P, N] in x.dtype. CUDA-graph safe."""
+    require_triton()
+    T, K = topk_ids.shape
+    P = T * K
+    sorted_ids, bexp = align
+    if sorted_ids.shape[0] != bexp.shape[0] * block_m or block_m < 16:
+        raise ValueError(f"nvfp4_expert_gemm: align holds {sorted_ids.shape[0]} ids in {bexp.shape[0]} blocks; "
+                         f"expected blocks of block_m={block_m} (>= 16)")
+    out = torch.empty(P, packed.shape[1], dtype=x.dtype, device=x.device)
+    if P:
+        _launch(x, packed, scale, scale_2, out, None, sorted_ids, bexp, block_m, bexp.shape[0],
+                a_row_div=K if gather_rows else 1)
+    return out
+
+
+def nvfp4_expert_gemm_ref(x, packed, scale, scale_2, topk_ids, align, gather_rows, block_m) -> torch.Tensor:
+    """nvfp4_expert_gemm's semantics in torch (align and block_m are ignored: rows are matched by topk_ids)."""
+    T, K = topk_ids.shape
+    rows = torch.arange(T * K, device=x.device)
+    return nvfp4_grouped_gemm_ref(x[rows // K if gather_rows else rows], packed, scale, scale_2, topk_ids.reshape(-1))
 
 
 def nvfp4_grouped_gemm_ref(x, packed, scale, scale_2, pair_exp, align=None) -> torch.Tensor:

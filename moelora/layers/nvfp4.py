@@ -51,7 +51,12 @@ class Nvfp4State:
 
 
 class Nvfp4ExpertWeight:
-    """An NVFP4 expert stack [E, O, D] for fused_moe_pairs: its _ExpertGemm calls grouped_mm."""
+    """An NVFP4 expert stack [E, O, D] for fused_moe_pairs: on the Triton fast path (fused_moe_triton.TritonExperts:
+    one alignment, token rows read in place, the SiLU-and-mul and combine kernels) TritonExperts calls expert_gemm;
+    otherwise moe._ExpertGemm calls grouped_mm."""
+
+    fast_path = True  # the Triton kernels (reference mode dequantizes whole stacks instead: no such object)
+    act_quant_group = None  # weight-only: the activations stay as they are
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.packed, self.scale = getattr(module, name), getattr(module, name + "_scale")
@@ -61,6 +66,13 @@ class Nvfp4ExpertWeight:
     def shape(self) -> torch.Size:
         E, O, half = self.packed.shape
         return torch.Size((E, O, 2 * half))
+
+    def expert_gemm(self, inp: torch.Tensor, topk_ids: torch.Tensor, align, gather_rows: bool,
+                    block_m: int) -> torch.Tensor:
+        """TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype."""
+        from moelora.kernels.nvfp4_triton import nvfp4_expert_gemm
+
+        return nvfp4_expert_gemm(inp, self.packed, self.scale, self.scale_2, topk_ids, align, gather_rows, block_m)
 
     def grouped_mm(self, inp: torch.Tensor, pair_exp: torch.Tensor, num_experts: int, scratch: dict) -> torch.Tensor:
         from moelora.kernels.fp8_triton import fp8_grouped_align
