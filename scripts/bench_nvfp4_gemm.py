@@ -1,8 +1,8 @@
-"""NVFP4 weight-only GEMMs on the GPU at Qwen3-30B-A3B decode shapes: the session-11 kernel (nibble planes through
-e4m3 bit patterns or inline PTX, kernels/nvfp4_triton.py) over a sweep of its launch configurations (decode
-mode, tile sizes, dense split-K), against the kernel it
-replaced (scripts/_nvfp4_v1_kernel.py: per-element decode with exp2), each beside its byte floor (packed weights +
-scales + activations + output at the measured copy bandwidth). Checks each result against the reference.
+"""NVFP4 weight-only GEMMs on the GPU at Qwen3-30B-A3B decode shapes (kernels/nvfp4_triton.py) over a sweep of
+their launch configurations (decode mode, tile sizes, dense split-K), timed in CUDA graphs, each beside its byte
+floor (packed weights + scales + activations + output at the copy bandwidth measured the same way). Checks each
+result against the reference. (Sessions 11's calls 3-4 also timed the kernel this one replaced: results under
+bench/results/sweep-nvfp4-gemm-s11-*.)
 Writes the best configuration per kind (least time summed over its cases) to best.json beside OUT.json, in
 MOELORA_NVFP4_GEMM_CONFIG's format. Usage: python scripts/bench_nvfp4_gemm.py OUT.json"""
 
@@ -12,12 +12,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _nvfp4_v1_kernel as v1  # noqa: E402
-from moelora.kernels import nvfp4_triton as v2  # noqa: E402
-from moelora.kernels.fp8_triton import fp8_grouped_align  # noqa: E402
-from moelora.kernels.fused_moe_triton import moe_align, pick_config  # noqa: E402
-from moelora.kernels.nvfp4 import quantize_nvfp4  # noqa: E402
+from moelora.kernels import nvfp4_triton as v2
+from moelora.kernels.fused_moe_triton import moe_align, pick_config
+from moelora.kernels.nvfp4 import quantize_nvfp4
 
 
 def timed(fn, iters=20, replays=5) -> float:
@@ -95,16 +92,13 @@ def main(out_path: str) -> None:
         if kind == "grouped":
             flat = pe.reshape(-1)
             ref = v2.nvfp4_grouped_gemm_ref(x, p, s, s2, flat)
-            align_v1 = fp8_grouped_align(flat, p.shape[0])
             bm = pick_config(flat.numel()).block_m  # the engine's fast path: TritonExperts' alignment
             align = moe_align(pe, p.shape[0], bm)
-            old = lambda i: v1.nvfp4_grouped_gemm(x, p, s, s2, flat, align_v1)  # noqa: E731
             new = lambda i: v2.nvfp4_expert_gemm(x, p, s, s2, pe, align, False, bm)  # noqa: E731
         else:
             ref, copies = v2.nvfp4_linear_ref(x, p, s, s2), pe
-            old = lambda i: v1.nvfp4_linear(x, *copies[i % len(copies)])  # noqa: E731
             new = lambda i: v2.nvfp4_linear(x, *copies[i % len(copies)])  # noqa: E731
-        row = dict(case=label, kind=kind, floor_us=floor, bytes=nbytes, v1_us=timed(old), v1_rel=rel(old(0), ref),
+        row = dict(case=label, kind=kind, floor_us=floor, bytes=nbytes, 
                    configs=[])
         for cfg in (grouped_cfgs if kind == "grouped" else dense_cfgs):
             v2.CONFIG[kind] = dict(cfg)
@@ -114,7 +108,7 @@ def main(out_path: str) -> None:
                 row["configs"].append(dict(cfg, error=repr(err)[:200]))
         ok = [c for c in row["configs"] if "us" in c and c["rel"] < 2.0**-7]
         best = min(ok, key=lambda c: c["us"])
-        print(f"{label:16s} floor {floor:7.1f} | v1 {row['v1_us']:8.1f} (rel {row['v1_rel']:.1e}) | first "
+        print(f"{label:16s} floor {floor:7.1f} | first "
               f"{row['configs'][0].get('us', -1):7.1f} | best {best['us']:7.1f} "
               + " ".join(f"{k}={v}" for k, v in best.items() if k not in ("us", "rel")))
         bad = [c for c in row["configs"] if "us" not in c or c["rel"] >= 2.0**-7]
