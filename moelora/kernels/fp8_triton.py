@@ -65,6 +65,25 @@ if HAS_TRITON:
         tl.store(s_row_ptr + groups, scale, mask=groups * GROUP < N)
 
     @triton.jit
+    def split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk, tile, SPLIT_K: tl.constexpr):
+        """The split-K epilogue of a [BLOCK_M, BLOCK_N] fp32 tile (this file's GEMM and nvfp4_triton's): split sk
+        stores its partial in ws[sk] ([SPLIT_K, M, N] fp32, contiguous) and counts itself in cnt[tile]; the split
+        arriving last adds the partials in order sk = 0, 1, ... (deterministic) and resets the counter to 0 for
+        the next launch (stream order). Returns (the sum on the last split, else acc unchanged; whether last):
+        the caller returns unless last."""
+        tile_ws = ws_ptr + rows[:, None] * N + offs_n[None, :]
+        mask_c = mask_m[:, None] & mask_n[None, :]
+        tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
+        tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
+        last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT_K - 1
+        if last:
+            acc = tl.zeros_like(acc)
+            for j in range(SPLIT_K):
+                acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
+            tl.store(cnt_ptr + tile, 0)
+        return acc, last
+
+    @triton.jit
     def _fp8_gemm_kernel(
         a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr, ws_ptr, cnt_ptr,
         M, N, K,
@@ -126,18 +145,10 @@ if HAS_TRITON:
             b_s = tl.load(bs_base + (k0 // GROUP_K) * sbsk, mask=mask_n, other=0.0)  # [BN]
             acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None] * b_s[None, :]
         if SPLIT_K > 1:
-            tile_ws = ws_ptr + rows[:, None] * N + offs_n[None, :]  # ws: [SPLIT_K, M, N] fp32, contiguous
-            mask_c = mask_m[:, None] & mask_n[None, :]
-            tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
-            tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
-            tile = pid_m * tl.num_programs(1) + pid_n
-            arrived = tl.atomic_add(cnt_ptr + tile, 1)
-            if arrived != SPLIT_K - 1:
+            acc, last = split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk,
+                                       pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+            if not last:
                 return
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(SPLIT_K):
-                acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
-            tl.store(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if LORA_N > 0:

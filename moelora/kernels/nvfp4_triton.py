@@ -17,6 +17,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels.fp8_triton import split_k_reduce  # the split-K epilogue both GEMMs share
+
     # Four packed bytes (eight e2m1 codes; byte i holds elements 2i, low nibble, and 2i + 1) -> the four low-nibble
     # and the four high-nibble elements as bf16 pairs, times their group scales ($5, $6: bf16 pairs). prmt spreads
     # bytes 0/1 (2/3) into the two 16-bit lanes; a nibble s|ee|m becomes the bf16 bits s|0000000ee|m000000, the
@@ -133,18 +135,10 @@ if HAS_TRITON:
             acc += tl.dot(a_even, tl.trans(w_lo), input_precision=PRECISION)
             acc += tl.dot(a_odd, tl.trans(w_hi), input_precision=PRECISION)
         if SPLIT_K > 1:
-            tile_ws = ws_ptr + rows[:, None] * N + offs_n[None, :]  # ws: [SPLIT_K, M, N] fp32, contiguous
-            mask_c = mask_m[:, None] & mask_n[None, :]
-            tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
-            tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
-            tile = pid_m * tl.num_programs(1) + pid_n
-            arrived = tl.atomic_add(cnt_ptr + tile, 1)
-            if arrived != SPLIT_K - 1:
+            acc, last = split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk,
+                                       pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+            if not last:
                 return
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(SPLIT_K):
-                acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
-            tl.store(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
         acc *= tl.load(s2_ptr + e * s2e + offs_n * s2n, mask=mask_n, other=0.0)[None, :]  # the per-row global scale
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
