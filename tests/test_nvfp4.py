@@ -201,7 +201,7 @@ def test_triton_dense_split_k_and_decode_modes(split_k, decode, monkeypatch):
 @pytest.mark.parametrize("gather_rows", [True, False])
 def test_triton_expert_gemm_on_the_fast_path_alignment(gather_rows):
     """nvfp4_expert_gemm on fused_moe_triton's alignment: token rows read in place (row p // top_k) or per pair,
-    the reference's numbers (fp32)."""
+    the reference's numbers (fp32); pairs on expert -1 (expert parallelism) leave the other rows as they were."""
     from moelora.kernels.fused_moe_triton import moe_align
     from moelora.kernels.nvfp4_triton import nvfp4_expert_gemm, nvfp4_expert_gemm_ref
 
@@ -215,6 +215,11 @@ def test_triton_expert_gemm_on_the_fast_path_alignment(gather_rows):
     y = nvfp4_expert_gemm(x, P3, S3, S23, ids, align, gather_rows, 16)
     torch.testing.assert_close(y, nvfp4_expert_gemm_ref(x, P3, S3, S23, ids, align, gather_rows, 16), rtol=1e-5,
                                atol=1e-5)
+    dropped = ids.clone()
+    dropped[1, 0] = dropped[3, 1] = -1  # pairs another rank's experts take (expert parallelism): no GEMM row
+    y2 = nvfp4_expert_gemm(x, P3, S3, S23, dropped, moe_align(dropped, E, 16), gather_rows, 16)
+    kept = dropped.reshape(-1) >= 0
+    torch.testing.assert_close(y2[kept], y[kept], rtol=0, atol=0)
     with pytest.raises(ValueError, match="expected blocks of block_m=32"):
         nvfp4_expert_gemm(x, P3, S3, S23, ids, align, gather_rows, 32)
 
