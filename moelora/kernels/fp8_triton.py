@@ -524,10 +524,7 @@ def fp8_expert_gemm(
     require_triton()
     T, K = topk_ids.shape
     P = T * K
-    sorted_ids, bexp = align
-    if sorted_ids.shape[0] != bexp.shape[0] * block_m or block_m < 16:
-        raise ValueError(f"fp8_expert_gemm: align holds {sorted_ids.shape[0]} ids in {bexp.shape[0]} blocks; "
-                         f"expected blocks of block_m={block_m} (>= 16)")
+    sorted_ids, bexp = expert_align_blocks("fp8_expert_gemm", align, block_m)
     out_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
     out = torch.empty(P, w_fp8.shape[1], dtype=out_dtype, device=x.device)
     if P:
@@ -535,6 +532,15 @@ def fp8_expert_gemm(
         _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, block_m, bexp.shape[0],
                 a_row_div=K if gather_rows else 1)
     return out
+
+
+def expert_align_blocks(caller: str, align: tuple[torch.Tensor, torch.Tensor], block_m: int):
+    """(sorted_ids, block_expert) of a moe_align result, checked to hold blocks of block_m (>= 16) rows."""
+    sorted_ids, bexp = align
+    if sorted_ids.shape[0] != bexp.shape[0] * block_m or block_m < 16:
+        raise ValueError(f"{caller}: align holds {sorted_ids.shape[0]} ids in {bexp.shape[0]} blocks; "
+                         f"expected blocks of block_m={block_m} (>= 16)")
+    return sorted_ids, bexp
 
 
 def fp8_expert_gemm_ref(x, w_fp8, w_scale_inv, block, topk_ids, align, gather_rows, block_m, x_scale=None):

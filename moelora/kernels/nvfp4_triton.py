@@ -275,13 +275,12 @@ def nvfp4_expert_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
         y[p] = nvfp4_linear(x[p // K] if gather_rows else x[p], packed[e], scale[e], scale_2[e])
     x: [T, D] (gather_rows) or [P, D] · packed: [E, N, D/2] uint8 · scale: [E, N, D/16] e4m3 · scale_2: [E, N]
     topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m) · returns [P, N] in x.dtype. CUDA-graph safe."""
+    from moelora.kernels.fp8_triton import expert_align_blocks
+
     require_triton()
     T, K = topk_ids.shape
     P = T * K
-    sorted_ids, bexp = align
-    if sorted_ids.shape[0] != bexp.shape[0] * block_m or block_m < 16:
-        raise ValueError(f"nvfp4_expert_gemm: align holds {sorted_ids.shape[0]} ids in {bexp.shape[0]} blocks; "
-                         f"expected blocks of block_m={block_m} (>= 16)")
+    sorted_ids, bexp = expert_align_blocks("nvfp4_expert_gemm", align, block_m)
     out = torch.empty(P, packed.shape[1], dtype=x.dtype, device=x.device)
     if P:
         _launch(x, packed, scale, scale_2, out, None, sorted_ids, bexp, block_m, bexp.shape[0],
