@@ -1,7 +1,8 @@
 """Triton weight-only NVFP4 GEMMs (references: nvfp4.py): the packed e2m1 weights are decoded and scaled in
 registers, tile by tile, and multiplied with the activations in their own dtype (Hopper has no FP4 tensor
-cores). One kernel for the dense linear and the routed experts' grouped GEMM over (token, k) pairs, which
-shares fp8_triton's alignment (rows grouped by expert, padded to BLOCK_M; no host synchronisation)."""
+cores). One kernel for the dense linear (split-K at decode sizes) and the routed experts' grouped GEMM over
+(token, k) pairs on an alignment (rows grouped by expert, padded to BLOCK_M; no host synchronisation): the
+fused-MoE fast path's (nvfp4_expert_gemm, token rows read in place) or fp8_triton's (nvfp4_grouped_gemm)."""
 
 from __future__ import annotations
 
