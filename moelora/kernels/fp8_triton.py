@@ -287,6 +287,18 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return cnt
 
 
+def split_k_buffers(out: torch.Tensor, tiles: int, split_k: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(split_k, ws, cnt) for a launch whose kernel ends in split_k_reduce: the partials' workspace
+    [split_k, M, N] fp32 and the arrival counters; split_k 1 (out standing in for both) when no split is asked
+    or when the counters do not exist yet inside a graph capture (_split_counters). out: [M, N]."""
+    if split_k <= 1:
+        return 1, out, out
+    cnt = _split_counters(out.device, tiles)
+    if cnt is None:  # first use inside a graph capture: no counters can be made here
+        return 1, out, out
+    return split_k, torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device), cnt
+
+
 @dataclass
 class Fp8LoRAEpilogue:
     """A dense multi-LoRA expand for fp8_linear to add in its epilogue (kernels/lora_triton.lora_expand's
@@ -328,13 +340,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     split_k = 1
     if ids is None and (_SPLIT_K_ENABLED or cfg.split_k):  # dense: split K when few output tiles (decode)
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
-    ws, cnt = out, out
-    if split_k > 1:
-        cnt = _split_counters(out.device, grid_m * grid_n)
-        if cnt is None:  # first use inside a graph capture: no counters can be made here
-            cnt, split_k = out, 1
-        else:
-            ws = torch.empty(split_k, M, N, dtype=torch.float32, device=out.device)
+    split_k, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k)
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
     a_fp8 = a.dtype == FP8_DTYPE

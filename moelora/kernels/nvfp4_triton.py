@@ -193,7 +193,7 @@ def _decode_mode(decode: int, x: torch.Tensor) -> int:
 
 
 def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_m: int, a_row_div: int = 1) -> None:
-    from moelora.kernels.fp8_triton import _split_counters  # the split-K arrival counters (shared scheme)
+    from moelora.kernels.fp8_triton import split_k_buffers  # the split-K workspace and counters (shared)
 
     M, K = out.shape[0], x.shape[1]
     N = packed.shape[-2]
@@ -207,15 +207,10 @@ def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_
     block_n = cfg["block_n"] if N >= cfg["block_n"] else max(16, triton.next_power_of_2(N))
     block_k = cfg["block_k"]
     grid_n = triton.cdiv(N, block_n)
-    split_k, ws, cnt = 1, out, out
-    if ids is None:
+    split_k = 1  # grouped: never split
+    if ids is None:  # dense: split K when few output tiles (decode)
         split_k = cfg["split_k"] or nvfp4_split_k(grid_m * grid_n, triton.cdiv(K, block_k))
-        if split_k > 1:
-            cnt = _split_counters(out.device, grid_m * grid_n)
-            if cnt is None:  # first use inside a graph capture: no counters can be made there
-                cnt, split_k = out, 1
-            else:
-                ws = torch.empty(split_k, M, N, dtype=torch.float32, device=out.device)
+    split_k, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k)
     _nvfp4_gemm_kernel[(grid_m, grid_n, split_k)](
         x, w3, s3, g2, out, bias if bias is not None else out,
         ids if ids is not None else out, bexp if bexp is not None else out, ws, cnt,
