@@ -69,7 +69,8 @@ def main() -> None:
                 block_r, block_d, block_n = mf.fused_blocks(R, D, width, warps)
                 for store, y_t in ((False, "*bf16"), (True, "*fp32")):
                     consts = {"sxd": 1, "sa_d": 1, "sb_r": 1, "syo": 1, "X_PER_PAIR": per_pair, "HAS_W": has_w,
-                              "STORE": store, "BLOCK_R": block_r, "BLOCK_D": block_d, "BLOCK_N": block_n, "SPLIT_N": 2}
+                              "STORE": store, "BLOCK_R": block_r, "BLOCK_D": block_d, "BLOCK_N": block_n, "SPLIT_N": 2,
+                              "N_SLICES": n}
                     compile_one(mf._moe_lora_fused_kernel, {**moe_types, "y_ptr": y_t}, consts, moe_div16, arch,
                                 num_warps=warps)
     dense_types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "off_ptr": "*i32", "ranks_ptr": "*i32",

@@ -182,6 +182,33 @@ def test_moe_fused_split_n_does_not_change_results():
         assert torch.equal(y, outs[0])
 
 
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+def test_moe_fused_max_programs_loops_over_every_item(site, store, monkeypatch):
+    """Fewer programs than (pair, slice, split) items, each looping over items: the same bits as one program an
+    item (each item's arithmetic is unchanged), also through MOELORA_FUSED_LORA_PROGRAMS; rows of slot -1 stay
+    untouched in add mode and get zeros in store mode (the skip conditions hold inside the loop too)."""
+    gen = torch.Generator().manual_seed(37)
+    c = _moe_case(site, "with_base_rows", 7, torch.float32, gen)
+    assert (c["slots"] < 0).any() and (c["slots"] >= 0).any()
+
+    def run(**kw):
+        y = torch.full_like(c["y0"], float("nan"), dtype=torch.float32) if store else c["y0"].clone()
+        _moe_call(moe_lora_fused, c, y, store=store, split_n=2, **kw)
+        return y
+
+    one_each = run(max_programs=0)
+    for cap in (1, 3, 5, 16):
+        assert torch.equal(run(max_programs=cap), one_each), cap
+    monkeypatch.setenv("MOELORA_FUSED_LORA_PROGRAMS", "3")
+    assert torch.equal(run(), one_each)
+    ref = torch.full_like(one_each, float("nan")) if store else c["y0"].clone()
+    _moe_call(moe_lora_fused_ref, c, ref, store=store)
+    torch.testing.assert_close(one_each, ref, atol=1e-4, rtol=1e-4)
+    if not store:
+        _untouched_checks(one_each, c["y0"], c["slots"], c["ranks"], c["off"], K)
+
+
 # ---------------------------------------------------------------- dense
 
 

@@ -12,6 +12,7 @@ draws per step, so its tokens do not depend on which other requests share the ba
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +122,28 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Turns a batch of (already penalized) logits into one token per row."""
+    """Turns a batch of (already penalized) logits into one token per row.
+
+    fused: the one-pass kernel (kernels/sample_triton.py: Gumbel-max over the raw logits, greedy rows in the
+    same pass) for batches whose rows ask for nothing but a temperature (no top-k / top-p / min-p, no per-request
+    seed); None (default) = on for CUDA logits when Triton is present (MOELORA_FUSED_SAMPLER=0 turns it off).
+    It draws the same distribution as the torch path (the exponential race below), from other random numbers.
+    last_path: "fused" or "torch", the path the last call took."""
+
+    def __init__(self, fused: bool | None = None) -> None:
+        if fused is None and os.environ.get("MOELORA_FUSED_SAMPLER", "1") == "0":
+            fused = False
+        self.fused = fused
+        self.last_path = ""
+
+    def _fast_path_ok(self, logits: torch.Tensor, params: list[SamplingParams],
+                      generators: list[torch.Generator | None]) -> bool:
+        from moelora.kernels._triton import HAS_TRITON
+
+        if self.fused is False or not HAS_TRITON or (self.fused is None and not logits.is_cuda):
+            return False
+        return all(not p.top_k_enabled and p.top_p >= 1.0 and p.min_p <= 0.0 and (p.greedy or g is None)
+                   for p, g in zip(params, generators))
 
     def sample(
         self,
@@ -129,8 +151,8 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> SamplerOutput:
-        """logits: [B, V] fp32, penalties already applied (see apply_penalties).
-        params, generators: one per row; a None generator draws from torch's global RNG.
+        """logits: [B, V] (fp32 after penalties, else the model's dtype), penalties already applied (see
+        apply_penalties). params, generators: one per row; a None generator draws from torch's global RNG.
         """
         batch, vocab_size = logits.shape
         if len(params) != batch or len(generators) != batch:
@@ -138,8 +160,19 @@ class Sampler:
                 f"Sampler.sample: logits have {batch} rows but got {len(params)} params and "
                 f"{len(generators)} generators"
             )
-        logits = logits.float()
         device = logits.device
+        if self._fast_path_ok(logits, params, generators):
+            from moelora.kernels.sample_triton import gumbel_argmax
+
+            self.last_path = "fused"
+            inv_temp = torch.tensor([0.0 if p.greedy else 1.0 / p.temperature for p in params],
+                                    dtype=torch.float32, device=device)
+            seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)  # no host synchronisation
+            token_ids = gumbel_argmax(logits, inv_temp, seed)
+            return self._with_logprobs(logits.float() if any(p.logprobs is not None for p in params) else logits,
+                                       params, token_ids)
+        self.last_path = "torch"
+        logits = logits.float()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         # greedy rows: the first maximum (lowest id); not computed when every row samples
         token_ids = logits.argmax(dim=-1) if len(random_rows) < batch else None  # [B]
@@ -165,7 +198,12 @@ class Sampler:
                 token_ids = drawn
             else:
                 token_ids[idx] = drawn
+        return self._with_logprobs(logits, params, token_ids)
 
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor) -> SamplerOutput:
+        """The output for token_ids [B], with the logprobs the rows ask for (log_softmax of logits [B, V] fp32)."""
+        batch, vocab_size = logits.shape
         top: list[list[tuple[int, float]] | None] = [None] * batch
         chosen: list[float | None] = [None] * batch
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
