@@ -31,12 +31,15 @@ def test_matches_reference_with_given_uniforms(dtype, chunks):
 
 
 def test_greedy_ties_take_the_lowest_id_across_chunks():
-    logits = torch.zeros(3, V, device=DEVICE)
-    logits[0, [V - 5, 1500, 7]] = 4.0  # 7 in the first chunk
-    logits[1, [V - 5, 1500]] = 4.0  # 1500 in the second chunk of two (chunks of 2 x 1,024 columns here)
+    """Ties: the lowest column, whether the maxima share a lane (7 and 7 + 512), sit in two lanes of one chunk,
+    or in two chunks (two chunks of 2,048 columns here)."""
+    logits = torch.zeros(4, V, device=DEVICE)
+    logits[0, [V - 5, 1500, 519, 7]] = 4.0
+    logits[1, [V - 5, 2100]] = 4.0  # both in the second chunk, two lanes
     logits[2, V - 1] = 4.0  # the very last column
-    got = gumbel_argmax(logits, torch.zeros(3, device=DEVICE), 0, chunks=2)
-    assert got.tolist() == [7, 1500, V - 1]
+    logits[3, [V - 5, 1500]] = 4.0  # one in each chunk
+    got = gumbel_argmax(logits, torch.zeros(4, device=DEVICE), 0, chunks=2)
+    assert got.tolist() == [7, 2100, V - 1, 1500]
 
 
 def test_in_kernel_draws_depend_on_the_seed_only():

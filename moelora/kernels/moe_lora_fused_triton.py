@@ -34,13 +34,6 @@ from moelora.kernels.moe_lora_triton import _a_strides, _b_strides
 
 FUSED_TARGET_PROGRAMS = 264  # SPLIT_N aims at this many programs: 2 per SM of an H200 (132 SMs)
 
-
-def fused_max_programs() -> int:
-    """The launch's program cap (MOELORA_FUSED_LORA_PROGRAMS, read at each launch: CUDA graphs keep what they
-    captured). 0 (default): one program per work item. N > 0: at most N programs, each looping over items, so
-    the side stream's LoRA kernel holds fewer SM slots beside the base expert GEMM it overlaps."""
-    return int(os.environ.get("MOELORA_FUSED_LORA_PROGRAMS", "0"))
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -48,66 +41,104 @@ if HAS_TRITON:
     @triton.jit
     def _moe_lora_fused_kernel(
         x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
-        D, S, K, P, NUM_ITEMS,
+        D, S, K,
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        N_SLICES: tl.constexpr,
+        UNROLL: tl.constexpr = 0, D_C: tl.constexpr = 0, W_C: tl.constexpr = 0,
     ):
-        # work items w = (pid_n * n + i) * P + p (pairs fastest, as a (P, n, SPLIT_N) grid); program g runs
-        # g, g + G, g + 2G, ... (G = the grid: one item each by default, fewer programs looping with max_programs)
-        for w in range(tl.program_id(0), NUM_ITEMS, tl.num_programs(0)):
-            p = w % P
-            i = (w // P) % N_SLICES
-            pid_n = w // (P * N_SLICES)
-            o0 = tl.load(off_ptr + i)
-            width = tl.load(off_ptr + i + 1) - o0
-            t = p // K
-            slot = tl.load(slots_ptr + t)
-            slot_c = tl.maximum(slot, 0)
-            rank = tl.load(ranks_ptr + i * S + slot_c)
-            rank = tl.where(slot >= 0, rank, 0)
-            e = tl.load(ids_ptr + p).to(tl.int64)
-            # nothing to do for: a split past this slice's width (a narrower slice); another rank's expert (expert
-            # parallelism: its row is never read); in add mode rows of slot -1 and slices of rank 0 (untouched)
-            active = (pid_n * BLOCK_N < width) & (e >= 0)
-            if not STORE:
-                active = active & (rank > 0)
-            if active:
-                row = p if X_PER_PAIR else t
-                offs_r = tl.arange(0, BLOCK_R)
-                mask_r = offs_r < rank
-                offs_d = tl.arange(0, BLOCK_D)
-                # h = x_row @ A[i, s, e, :rank].T, fp32, the whole input dim in this program (store mode with
-                # rank 0: no iteration, h = 0, the tiles below are written with zeros)
-                a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
-                acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-                d_end = tl.where(rank > 0, D, 0)
-                for d0 in range(0, d_end, BLOCK_D):
-                    dd = d0 + offs_d
-                    mask_d = dd < D
+        p = tl.program_id(0)
+        i = tl.program_id(1)
+        pid_n = tl.program_id(2)
+        o0 = tl.load(off_ptr + i)
+        width = tl.load(off_ptr + i + 1) - o0
+        if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
+            return
+        t = p // K
+        slot = tl.load(slots_ptr + t)
+        slot_c = tl.maximum(slot, 0)
+        rank = tl.load(ranks_ptr + i * S + slot_c)
+        rank = tl.where(slot >= 0, rank, 0)
+        if not STORE:
+            if rank == 0:  # add mode: rows of slot -1 and slices of rank 0 stay untouched
+                return
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        if e < 0:  # another rank's expert (expert parallelism): nothing written (its row is never read)
+            return
+        row = p if X_PER_PAIR else t
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        offs_d = tl.arange(0, BLOCK_D)
+        # h = x_row @ A[i, s, e, :rank].T, fp32, the whole input dim in this program (store mode with rank 0:
+        # no iteration, h = 0, the tiles below are written with zeros)
+        a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
+        acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        if UNROLL > 0:  # D_C = D known at compile time: elementwise partial sums, one reduction after the loop (no
+            # cross-thread reduction, no barrier between tiles), so the tiles' loads can be issued back to back
+            # (UNROLL tiles a loop trip: UNROLL = D_C / BLOCK_D unrolls the whole input dim)
+            acc2 = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+            for d1 in range(0, D_C, BLOCK_D * UNROLL):
+                for u in tl.static_range(UNROLL):
+                    dd = d1 + u * BLOCK_D + offs_d
+                    mask_d = dd < D  # (rank 0: mask_r is empty, no A read)
                     xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
                     at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d,
                                  mask=mask_r[:, None] & mask_d[None, :], other=0.0)
-                    acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
-                scale = tl.load(scale_ptr + i * S + slot_c)
-                if HAS_W:
-                    scale = scale * tl.load(w_ptr + p).to(tl.float32)
-                hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
-                b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
-                y_row = y_ptr + p.to(tl.int64) * syp
-                for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+                    acc2 += at.to(tl.float32) * xv[None, :]
+            acc_h = tl.sum(acc2, axis=1)
+        else:
+            d_end = tl.where(rank > 0, D, 0)
+            for d0 in range(0, d_end, BLOCK_D):
+                dd = d0 + offs_d
+                mask_d = dd < D
+                xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
+                at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d,
+                             mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+                acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
+        scale = tl.load(scale_ptr + i * S + slot_c)
+        if HAS_W:
+            scale = scale * tl.load(w_ptr + p).to(tl.float32)
+        hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
+        b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
+        y_row = y_ptr + p.to(tl.int64) * syp
+        if UNROLL > 0:  # W_C >= every slice's width: this program's tiles pid_n, pid_n + SPLIT_N, ... unrolled
+            for j in tl.static_range(0, tl.cdiv(W_C, BLOCK_N * SPLIT_N)):
+                n0 = pid_n * BLOCK_N + j * BLOCK_N * SPLIT_N
+                if n0 < width:
                     offs_n = n0 + tl.arange(0, BLOCK_N)
-                    mask_n = offs_n < width
-                    bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
-                                 mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-                    delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
-                    ptrs = y_row + (o0 + offs_n) * syo
-                    if STORE:
-                        tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask_n)
-                    else:
-                        y = tl.load(ptrs, mask=mask_n, other=0.0)
-                        tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
+                    _expand_tile(b_base, y_row, hv, offs_n, offs_r, mask_r, o0, width, sb_o, sb_r, syo, STORE)
+        else:
+            for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                _expand_tile(b_base, y_row, hv, offs_n, offs_r, mask_r, o0, width, sb_o, sb_r, syo, STORE)
+
+    @triton.jit
+    def _expand_tile(b_base, y_row, hv, offs_n, offs_r, mask_r, o0, width, sb_o, sb_r, syo, STORE: tl.constexpr):
+        """y_row[o0 + offs_n] (+)= B[o0 + offs_n, :r] @ hv for the columns offs_n < width (one output tile)."""
+        mask_n = offs_n < width
+        bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
+                     mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
+        ptrs = y_row + (o0 + offs_n) * syo
+        if STORE:
+            tl.store(ptrs, delta.to(y_row.dtype.element_ty), mask=mask_n)
+        else:
+            y = tl.load(ptrs, mask=mask_n, other=0.0)
+            tl.store(ptrs, (y.to(tl.float32) + delta).to(y_row.dtype.element_ty), mask=mask_n)
+
+
+def fused_unroll() -> int:
+    """MOELORA_FUSED_LORA_UNROLL=U: the per-pair kernel's input-dim loop unrolled U tiles a trip (its output
+    tiles fully), 0 = the plain loops (read at each launch; CUDA graphs keep what they captured). Off by
+    default until measured on the H200."""
+    return int(os.environ.get("MOELORA_FUSED_LORA_UNROLL", "0"))
+
+
+def unroll_consts(unroll: int, D: int, O: int) -> dict:
+    """The kernel's UNROLL constants: UNROLL tiles per input-dim trip, D_C = D, W_C = O (a bound on every slice's
+    width known without reading the offsets: the unrolled tiles past a slice's width are skipped by a uniform
+    branch). unroll 0: the loops."""
+    return {"UNROLL": int(unroll), "D_C": D, "W_C": O} if unroll else {"UNROLL": 0, "D_C": 0, "W_C": 0}
 
 
 def fused_num_warps(programs: int) -> int:
@@ -151,7 +182,7 @@ def moe_lora_fused(
     store: bool = False,
     split_n: int | None = None,
     num_warps: int | None = None,
-    max_programs: int | None = None,
+    unroll: int | None = None,
 ) -> None:
     """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
     Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
@@ -169,8 +200,9 @@ def moe_lora_fused(
     pair_weights: [T*K] or None · store: write the delta (y may be an uninitialised fp32 buffer)
     split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
     num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
-    max_programs: at most this many programs, each looping over work items (pair, slice, split) — fewer SMs
-    held by the side stream's LoRA beside the base expert GEMM; None = fused_max_programs() (0: one program an item)
+    unroll: U > 0 unrolls the input-dim loop U tiles a trip and the output tiles fully (D and the widest slice
+    as constants), the shrink summed elementwise over its tiles and reduced once (another fp32 summation order):
+    each program issues U tile loads back to back instead of one per loop trip; 0 = the loops; None = fused_unroll()
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
@@ -186,14 +218,12 @@ def moe_lora_fused(
     block_r, block_d, block_n = fused_blocks(R, D, max_width, warps)
     split = fused_split_n(P * n, max_width, block_n, split_n)
     w = pair_weights if pair_weights is not None else scaling
-    items = P * n * split
-    cap = fused_max_programs() if max_programs is None else int(max_programs)
-    grid = (min(items, cap) if cap > 0 else items,)
-    _moe_lora_fused_kernel[grid](
-        x, a, b_cat, y, slice_offsets, ranks, scaling, ids, token_slots, w, D, S, K, P, items,
+    _moe_lora_fused_kernel[(P, n, split)](
+        x, a, b_cat, y, slice_offsets, ranks, scaling, ids, token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, N_SLICES=n, num_warps=warps,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=warps,
+        **unroll_consts(min(fused_unroll() if unroll is None else unroll, triton.cdiv(D, block_d)), D, O),
     )
 
 
