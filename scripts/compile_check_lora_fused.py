@@ -71,7 +71,7 @@ def main() -> None:
                     for unroll in (0, 4, 8):
                         consts = {"sxd": 1, "sa_d": 1, "sb_r": 1, "syo": 1, "X_PER_PAIR": per_pair, "HAS_W": has_w,
                                   "STORE": store, "BLOCK_R": block_r, "BLOCK_D": block_d, "BLOCK_N": block_n,
-                                  "SPLIT_N": 1 if T >= 32 else 2, **mf.unroll_consts(min(unroll, -(-D // block_d)), D, width * n)}
+                                  "SPLIT_N": 1 if T >= 32 else 2, **mf.unroll_consts(unroll, D, width * n, block_d, block_n, 1 if T >= 32 else 2)}
                         compile_one(mf._moe_lora_fused_kernel, {**moe_types, "y_ptr": y_t}, consts, moe_div16, arch,
                                     num_warps=warps)
     dense_types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "off_ptr": "*i32", "ranks_ptr": "*i32",

@@ -443,7 +443,7 @@ def test_switch_env_defaults():
 @pytest.mark.gpu
 @pytest.mark.parametrize("unroll", [0, 4, 8])
 @pytest.mark.parametrize("R", [16, 64])
-@pytest.mark.parametrize("num_tokens", [1, 16, 64, 128, 256])
+@pytest.mark.parametrize("num_tokens", [1, 64, 256])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
 def test_gpu_moe_fused_qwen3_shapes(site, num_tokens, R, unroll):
     gen = torch.Generator().manual_seed(num_tokens + R)

@@ -104,6 +104,8 @@ def test_sampler_fast_path_is_taken_and_keeps_greedy_rows_exact():
     s.sample(logits, params, [None, g] + [None] * (B - 2))  # a seeded sampled row
     assert s.last_path == "torch"
     assert Sampler(fused=False).sample(logits, params, [None] * B).token_ids[0] == greedy[0]
+    out = s.sample(logits, [SamplingParams(temperature=0.0)] * B, [None] * B)  # all greedy: one argmax in torch
+    assert s.last_path == "torch" and out.token_ids == greedy
 
 
 @pytest.mark.gpu
@@ -127,6 +129,8 @@ def test_fast_path_matches_torch_path_distribution_on_gpu():
         n = toks.numel()
         sd = (want * (1 - want) / n).sqrt().cpu()
         assert ((counts[fused] - want.cpu()).abs() <= 5 * sd + 1e-3).all(), (fused, counts[fused], want)
-    greedy = [SamplingParams(temperature=0.0)] * B
-    assert Sampler(fused=True).sample(logits, greedy, [None] * B).token_ids == logits.float().argmax(1).tolist()
+    mixed = [SamplingParams(temperature=0.0)] * (B - 1) + [SamplingParams(temperature=1.0)]  # greedy rows in-kernel
+    s = Sampler(fused=True)
+    got = s.sample(logits, mixed, [None] * B).token_ids
+    assert s.last_path == "fused" and got[:-1] == logits[:-1].float().argmax(1).tolist()
     assert math.isclose(float(counts[True].sum()), 1.0, abs_tol=1e-3)  # nothing outside the peak (p < 1e-6)

@@ -101,8 +101,8 @@ if HAS_TRITON:
         hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
         b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
         y_row = y_ptr + p.to(tl.int64) * syp
-        if UNROLL > 0:  # W_C >= every slice's width: this program's tiles pid_n, pid_n + SPLIT_N, ... unrolled
-            for j in tl.static_range(0, tl.cdiv(W_C, BLOCK_N * SPLIT_N)):
+        if UNROLL > 0:  # W_C tiles a program (cdiv(widest slice, BLOCK_N * SPLIT_N)): pid_n, pid_n + SPLIT_N, ...
+            for j in tl.static_range(0, W_C):
                 n0 = pid_n * BLOCK_N + j * BLOCK_N * SPLIT_N
                 if n0 < width:
                     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -134,11 +134,14 @@ def fused_unroll() -> int:
     return int(os.environ.get("MOELORA_FUSED_LORA_UNROLL", "0"))
 
 
-def unroll_consts(unroll: int, D: int, O: int) -> dict:
-    """The kernel's UNROLL constants: UNROLL tiles per input-dim trip, D_C = D, W_C = O (a bound on every slice's
-    width known without reading the offsets: the unrolled tiles past a slice's width are skipped by a uniform
-    branch). unroll 0: the loops."""
-    return {"UNROLL": int(unroll), "D_C": D, "W_C": O} if unroll else {"UNROLL": 0, "D_C": 0, "W_C": 0}
+def unroll_consts(unroll: int, D: int, O: int, block_d: int, block_n: int, split_n: int) -> dict:
+    """The kernel's UNROLL constants: UNROLL tiles per input-dim trip (at most the tiles of D), D_C = D, W_C = the
+    output tiles a program visits for a slice as wide as O (a bound on every slice's width known without reading
+    the offsets: the unrolled tiles past a slice's width are skipped by a uniform branch). unroll 0: the loops.
+    (Computed here: Triton 3.6 does not fold tl.cdiv of constexprs into a static_range bound.)"""
+    if not unroll:
+        return {"UNROLL": 0, "D_C": 0, "W_C": 0}
+    return {"UNROLL": min(int(unroll), -(-D // block_d)), "D_C": D, "W_C": -(-O // (block_n * split_n))}
 
 
 def fused_num_warps(programs: int) -> int:
@@ -223,7 +226,7 @@ def moe_lora_fused(
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=warps,
-        **unroll_consts(min(fused_unroll() if unroll is None else unroll, triton.cdiv(D, block_d)), D, O),
+        **unroll_consts(fused_unroll() if unroll is None else unroll, D, O, block_d, block_n, split),
     )
 
 
