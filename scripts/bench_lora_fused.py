@@ -12,7 +12,7 @@ Several layers' weights in rotation (--layers) so L2 does not hold a layer's fac
 
 Usage: python scripts/bench_lora_fused.py [--tokens 1,16,64,128] [--adapters 4,8] [--ranks 16,64] [--sweep]
 --sweep: also the fused kernels at num_warps 4/8/16 x split_n 1/2/4/8/16 (to tune fused_num_warps and
-FUSED_TARGET_PROGRAMS); --cases gate_up,down,qkv,o; --unroll 0,2,4,8: the MoE store mode at those unroll factors
+FUSED_TARGET_PROGRAMS); --cases gate_up,down,qkv,o
 (Session 7 swept a grouped (slot, expert) kernel here too: slower than the per-pair kernel in all 36 of its
 launch configurations for gate_up and down at 64 and 256 tokens, so it was removed;
 bench/results/gpu-session7-2026-11-30-NVIDIA-H200.log.)
@@ -70,9 +70,8 @@ def moe_case(site: str, T: int, n_ad: int, R: int, layers: int):
         moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, y, per_pair, wts, split_n=split_n,
                        num_warps=num_warps)
 
-    def store(li, unroll=None):
-        moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, wts, store=True,
-                       unroll=unroll)
+    def store(li):
+        moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, wts, store=True)
 
     def check() -> float:
         y0 = y.clone()
@@ -139,7 +138,6 @@ def main() -> None:
     ap.add_argument("--cases", default="gate_up,down,qkv,o")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--unroll", default="", help="MoE cases: also store mode at these unroll factors (e.g. 0,2,4,8)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = hbm_bandwidth_gbs()
@@ -159,11 +157,6 @@ def main() -> None:
                     floor = nbytes / (bw * 1e9) * 1e6
                     print(f"{case:>8} {T:4d} {n_ad:3d} {R:3d} | {t_cur:8.1f} {t_fused:8.1f} {t_store:8.1f} "
                           f"{floor:7.1f} | {t_cur / t_fused:6.2f}x {err:9.2e} | {info}", flush=True)
-                    if args.unroll and make is moe_case:
-                        su = {u: graph_time_us(lambda li, u=u: store(li, u), args.layers)
-                              for u in (int(v) for v in args.unroll.split(","))}
-                        print("         store, unroll: " + "  ".join(f"{u}: {t:.1f}" for u, t in su.items()),
-                              flush=True)
                     if args.sweep:
                         for w in (4, 8, 16):
                             sw = {s: graph_time_us(lambda li, s=s, w=w: fused(li, s, w), args.layers)

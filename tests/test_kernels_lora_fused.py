@@ -182,40 +182,6 @@ def test_moe_fused_split_n_does_not_change_results():
         assert torch.equal(y, outs[0])
 
 
-@pytest.mark.parametrize("store", [False, True])
-@pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_moe_fused_unrolled_loops_match_the_loops(site, store, monkeypatch):
-    """unroll=U (the input-dim loop unrolled U tiles a trip, the output tiles fully, those past a slice's width
-    skipped, the shrink reduced once after its tiles): the loops' values to fp32 summation-order rounding, also
-    with several output splits and through MOELORA_FUSED_LORA_UNROLL; rows of slot -1 and (slice, slot)s of
-    rank 0 bit-identical to the loops (untouched in add mode, zero in store mode)."""
-    gen = torch.Generator().manual_seed(41)
-    c = _moe_case(site, "with_base_rows", 7, torch.float32, gen)
-    assert (c["slots"] < 0).any() and (c["slots"] >= 0).any() and (c["ranks"] == 0).any()
-
-    def run(**kw):
-        y = torch.full_like(c["y0"], float("nan"), dtype=torch.float32) if store else c["y0"].clone()
-        _moe_call(moe_lora_fused, c, y, store=store, num_warps=4, **kw)
-        return y
-
-    for split, unroll in ((1, 1), (2, 2), (1, 3), (2, 64)):  # 3: a partial last trip; 64: all tiles in one
-        looped = run(unroll=0, split_n=split)
-        unrolled = run(unroll=unroll, split_n=split)
-        torch.testing.assert_close(unrolled, looped, atol=1e-5, rtol=1e-5)
-        assert not unrolled.isnan().any()
-        if not store:
-            _untouched_checks(unrolled, c["y0"], c["slots"], c["ranks"], c["off"], K)
-    monkeypatch.setenv("MOELORA_FUSED_LORA_UNROLL", "64")
-    assert torch.equal(run(split_n=2), unrolled)
-    ref = torch.full_like(looped, float("nan")) if store else c["y0"].clone()
-    _moe_call(moe_lora_fused_ref, c, ref, store=store)
-    torch.testing.assert_close(looped, ref, atol=1e-4, rtol=1e-4)
-    if not store:
-        _untouched_checks(looped, c["y0"], c["slots"], c["ranks"], c["off"], K)
-    else:
-        assert not looped.isnan().any()
-
-
 # ---------------------------------------------------------------- dense
 
 
@@ -441,21 +407,20 @@ def test_switch_env_defaults():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("unroll", [0, 4, 8])
 @pytest.mark.parametrize("R", [16, 64])
-@pytest.mark.parametrize("num_tokens", [1, 64, 256])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 128, 256])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_gpu_moe_fused_qwen3_shapes(site, num_tokens, R, unroll):
+def test_gpu_moe_fused_qwen3_shapes(site, num_tokens, R):
     gen = torch.Generator().manual_seed(num_tokens + R)
     c = _moe_case(site, "uniform", num_tokens, torch.bfloat16, gen, R=R)
     y_ref, y = c["y0"].clone(), c["y0"].clone()
     _moe_call(moe_lora_fused_ref, c, y_ref)
-    _moe_call(moe_lora_fused, c, y, unroll=unroll)
+    _moe_call(moe_lora_fused, c, y)
     torch.testing.assert_close(y, y_ref, atol=3e-2, rtol=3e-2)
     d_ref = torch.empty(y.shape, dtype=torch.float32, device=DEVICE)
     d = torch.empty_like(d_ref)
     _moe_call(moe_lora_fused_ref, c, d_ref, store=True)
-    _moe_call(moe_lora_fused, c, d, store=True, unroll=unroll)
+    _moe_call(moe_lora_fused, c, d, store=True)
     torch.testing.assert_close(d, d_ref, atol=3e-2, rtol=3e-2)  # the reference rounds h to bf16, the kernel keeps fp32
 
 

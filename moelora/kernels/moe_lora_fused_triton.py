@@ -23,7 +23,6 @@ rank 0), so a side-stream delta buffer needs no zero-fill.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -45,7 +44,6 @@ if HAS_TRITON:
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        UNROLL: tl.constexpr = 0, D_C: tl.constexpr = 0, W_C: tl.constexpr = 0,
     ):
         p = tl.program_id(0)
         i = tl.program_id(1)
@@ -73,75 +71,32 @@ if HAS_TRITON:
         # no iteration, h = 0, the tiles below are written with zeros)
         a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
         acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        if UNROLL > 0:  # D_C = D known at compile time: elementwise partial sums, one reduction after the loop (no
-            # cross-thread reduction, no barrier between tiles), so the tiles' loads can be issued back to back
-            # (UNROLL tiles a loop trip: UNROLL = D_C / BLOCK_D unrolls the whole input dim)
-            acc2 = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-            for d1 in range(0, D_C, BLOCK_D * UNROLL):
-                for u in tl.static_range(UNROLL):
-                    dd = d1 + u * BLOCK_D + offs_d
-                    mask_d = dd < D  # (rank 0: mask_r is empty, no A read)
-                    xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
-                    at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d,
-                                 mask=mask_r[:, None] & mask_d[None, :], other=0.0)
-                    acc2 += at.to(tl.float32) * xv[None, :]
-            acc_h = tl.sum(acc2, axis=1)
-        else:
-            d_end = tl.where(rank > 0, D, 0)
-            for d0 in range(0, d_end, BLOCK_D):
-                dd = d0 + offs_d
-                mask_d = dd < D
-                xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
-                at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d,
-                             mask=mask_r[:, None] & mask_d[None, :], other=0.0)
-                acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
+        d_end = tl.where(rank > 0, D, 0)
+        for d0 in range(0, d_end, BLOCK_D):
+            dd = d0 + offs_d
+            mask_d = dd < D
+            xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
+            at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d, mask=mask_r[:, None] & mask_d[None, :],
+                         other=0.0)
+            acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
         scale = tl.load(scale_ptr + i * S + slot_c)
         if HAS_W:
             scale = scale * tl.load(w_ptr + p).to(tl.float32)
         hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
         b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
         y_row = y_ptr + p.to(tl.int64) * syp
-        if UNROLL > 0:  # W_C tiles a program (cdiv(widest slice, BLOCK_N * SPLIT_N)): pid_n, pid_n + SPLIT_N, ...
-            for j in tl.static_range(0, W_C):
-                n0 = pid_n * BLOCK_N + j * BLOCK_N * SPLIT_N
-                if n0 < width:
-                    offs_n = n0 + tl.arange(0, BLOCK_N)
-                    _expand_tile(b_base, y_row, hv, offs_n, offs_r, mask_r, o0, width, sb_o, sb_r, syo, STORE)
-        else:
-            for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                _expand_tile(b_base, y_row, hv, offs_n, offs_r, mask_r, o0, width, sb_o, sb_r, syo, STORE)
-
-    @triton.jit
-    def _expand_tile(b_base, y_row, hv, offs_n, offs_r, mask_r, o0, width, sb_o, sb_r, syo, STORE: tl.constexpr):
-        """y_row[o0 + offs_n] (+)= B[o0 + offs_n, :r] @ hv for the columns offs_n < width (one output tile)."""
-        mask_n = offs_n < width
-        bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
-                     mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
-        ptrs = y_row + (o0 + offs_n) * syo
-        if STORE:
-            tl.store(ptrs, delta.to(y_row.dtype.element_ty), mask=mask_n)
-        else:
-            y = tl.load(ptrs, mask=mask_n, other=0.0)
-            tl.store(ptrs, (y.to(tl.float32) + delta).to(y_row.dtype.element_ty), mask=mask_n)
-
-
-def fused_unroll() -> int:
-    """MOELORA_FUSED_LORA_UNROLL=U: the per-pair kernel's input-dim loop unrolled U tiles a trip (its output
-    tiles fully), 0 = the plain loops (read at each launch; CUDA graphs keep what they captured). Off by
-    default until measured on the H200."""
-    return int(os.environ.get("MOELORA_FUSED_LORA_UNROLL", "0"))
-
-
-def unroll_consts(unroll: int, D: int, O: int, block_d: int, block_n: int, split_n: int) -> dict:
-    """The kernel's UNROLL constants: UNROLL tiles per input-dim trip (at most the tiles of D), D_C = D, W_C = the
-    output tiles a program visits for a slice as wide as O (a bound on every slice's width known without reading
-    the offsets: the unrolled tiles past a slice's width are skipped by a uniform branch). unroll 0: the loops.
-    (Computed here: Triton 3.6 does not fold tl.cdiv of constexprs into a static_range bound.)"""
-    if not unroll:
-        return {"UNROLL": 0, "D_C": 0, "W_C": 0}
-    return {"UNROLL": min(int(unroll), -(-D // block_d)), "D_C": D, "W_C": -(-O // (block_n * split_n))}
+        for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < width
+            bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
+                         mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
+            ptrs = y_row + (o0 + offs_n) * syo
+            if STORE:
+                tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask_n)
+            else:
+                y = tl.load(ptrs, mask=mask_n, other=0.0)
+                tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 def fused_num_warps(programs: int) -> int:
@@ -185,7 +140,6 @@ def moe_lora_fused(
     store: bool = False,
     split_n: int | None = None,
     num_warps: int | None = None,
-    unroll: int | None = None,
 ) -> None:
     """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
     Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
@@ -203,9 +157,6 @@ def moe_lora_fused(
     pair_weights: [T*K] or None · store: write the delta (y may be an uninitialised fp32 buffer)
     split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
     num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
-    unroll: U > 0 unrolls the input-dim loop U tiles a trip and the output tiles fully (D and the widest slice
-    as constants), the shrink summed elementwise over its tiles and reduced once (another fp32 summation order):
-    each program issues U tile loads back to back instead of one per loop trip; 0 = the loops; None = fused_unroll()
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
@@ -226,7 +177,6 @@ def moe_lora_fused(
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=warps,
-        **unroll_consts(fused_unroll() if unroll is None else unroll, D, O, block_d, block_n, split),
     )
 
 
