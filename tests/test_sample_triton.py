@@ -134,3 +134,28 @@ def test_fast_path_matches_torch_path_distribution_on_gpu():
     got = s.sample(logits, mixed, [None] * B).token_ids
     assert s.last_path == "fused" and got[:-1] == logits[:-1].float().argmax(1).tolist()
     assert math.isclose(float(counts[True].sum()), 1.0, abs_tol=1e-3)  # nothing outside the peak (p < 1e-6)
+
+
+def test_auto_mode_keeps_cpu_logits_on_the_torch_path():
+    s = Sampler()
+    s.sample(torch.randn(4, 64), [SamplingParams(temperature=1.0)] * 4, [None] * 4)
+    assert s.last_path == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_auto_mode_takes_the_kernel_for_large_cuda_batches_only(monkeypatch):
+    """Sampler() (auto): the torch path for CUDA batches below FUSED_SAMPLER_MIN_ROWS (slower there end to end on
+    the H200), the kernel from that size; MOELORA_FUSED_SAMPLER=0 turns it off."""
+    from moelora.engine.sampler import FUSED_SAMPLER_MIN_ROWS
+
+    p = SamplingParams(temperature=1.0)
+    s = Sampler()
+    for rows, path in ((64, "torch"), (FUSED_SAMPLER_MIN_ROWS, "fused")):
+        s.sample(torch.randn(rows, 1000, device="cuda"), [p] * rows, [None] * rows)
+        assert s.last_path == path, rows
+    monkeypatch.setenv("MOELORA_FUSED_SAMPLER", "0")
+    off = Sampler()
+    rows = FUSED_SAMPLER_MIN_ROWS
+    off.sample(torch.randn(rows, 1000, device="cuda"), [p] * rows, [None] * rows)
+    assert off.last_path == "torch"

@@ -121,15 +121,21 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+FUSED_SAMPLER_MIN_ROWS = 256  # measured faster end to end at batch 256, slower at 64 (128: not measured)
+
+
 class Sampler:
     """Turns a batch of (already penalized) logits into one token per row.
 
     fused: the one-pass kernel (kernels/sample_triton.py: Gumbel-max over the raw logits, greedy rows in the
     same pass) for batches whose rows ask for nothing but a temperature (no top-k / top-p / min-p, no per-request
     seed) and that sample at least one row (an all-greedy batch is one argmax: the torch path is faster there);
-    None (default) = on for CUDA logits when Triton is present (MOELORA_FUSED_SAMPLER=0 turns it off). On the
-    H200 (Qwen3's vocabulary, bf16 logits, temperature 1, the call timed with its host work): 0.185 against
-    0.305 ms at batch 64, 0.394 against 0.829 ms at 256 (scripts/bench_sampler.py).
+    None (default) = on for CUDA logits of at least FUSED_SAMPLER_MIN_ROWS rows when Triton is present
+    (MOELORA_FUSED_SAMPLER=0 turns it off). On the H200 (Qwen3-30B-A3B fp8, `bench decode`, no adapter, one run
+    each way, session 12): batch 256 decoded 15,077 against 14,730 tok/s (128/128) and 11,597 against 11,065
+    (ctx1024); batch 64 5,370 against 5,452 and 4,621 against 4,669 — there its two Triton launches cost the
+    host more than the four passes it saves on the GPU (alone, timed with its host work: 0.185 against 0.305 ms
+    at batch 64, 0.394 against 0.829 ms at 256; scripts/bench_sampler.py). True: the kernel whatever the size.
     It draws the same distribution as the torch path (the exponential race below), from other random numbers.
     last_path: "fused" or "torch", the path the last call took."""
 
@@ -143,7 +149,9 @@ class Sampler:
                       generators: list[torch.Generator | None]) -> bool:
         from moelora.kernels._triton import HAS_TRITON
 
-        if self.fused is False or not HAS_TRITON or (self.fused is None and not logits.is_cuda):
+        if self.fused is False or not HAS_TRITON:
+            return False
+        if self.fused is None and (not logits.is_cuda or logits.shape[0] < FUSED_SAMPLER_MIN_ROWS):
             return False
         if all(p.greedy for p in params):  # argmax alone: the torch path is faster (0.09 against 0.21 ms, b64)
             return False
