@@ -1,6 +1,7 @@
 """Time one decode step's sampling on the GPU: the Sampler's one-pass kernel (kernels/sample_triton.py) against its
 torch path, at Qwen3's vocabulary (151,936) in bf16, temperature 1 (the `bench decode` setting) and greedy.
 CUDA events around Sampler.sample (the .tolist() synchronisation included), median of 50 after 5 warm-ups.
+"T=0": every row greedy but the last (T=1), so that the fused path runs (an all-greedy batch takes the torch path).
 
 Usage: python scripts/bench_sampler.py [--batches 64,256] [--vocab 151936] [--out FILE.json]"""
 
@@ -40,7 +41,7 @@ def main() -> None:
     for B in (int(b) for b in a.batches.split(",")):
         logits = torch.randn(B, a.vocab, device="cuda").to(torch.bfloat16)
         for temp in (1.0, 0.0):
-            params = [SamplingParams(temperature=temp)] * B
+            params = [SamplingParams(temperature=temp)] * (B - 1) + [SamplingParams(temperature=1.0)]
             row = {"batch": B, "vocab": a.vocab, "temperature": temp}
             for fused in (False, True):
                 s = Sampler(fused=fused)
