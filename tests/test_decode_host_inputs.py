@@ -59,3 +59,67 @@ def test_request_ids_slice_and_token_at_equal_all_ids():
         for stop in range(start, len(ids) + 1):
             assert req.ids_slice(start, stop) == ids[start:stop], (start, stop)
     assert [req.token_at(i) for i in range(len(ids))] == ids
+
+
+def _step_views_equal(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+def test_incremental_host_inputs_equal_a_rebuild_over_many_steps():
+    """DecodeHostInputs (kept buffers, block tables updated in place) gives decode_host_inputs' arrays at every
+    step of a random run: sequences decode (a new block every block_size positions, extended in place), finish
+    and are replaced, are preempted (a new list, shorter), swap rows, the batch shrinks and grows across buckets;
+    and a list rewritten in place behind its back (same object, same length) is caught by the last-block guard."""
+    from moelora.engine.graph_inputs import DecodeHostInputs
+
+    g = torch.Generator().manual_seed(5)
+    block_size, width, max_batch = 4, 16, 16
+    host = DecodeHostInputs(max_batch, width, block_size, dummy_slot=99 * block_size)
+    next_block = iter(range(10_000, 100_000))
+    seqs = []  # [position, block table list]
+
+    def new_seq():
+        p = int(torch.randint(0, 20, (1,), generator=g))
+        return [p, [next(next_block) for _ in range(p // block_size + 1)]]
+
+    for step in range(300):
+        r = torch.rand(1, generator=g).item()
+        if r < 0.1 and len(seqs) < max_batch:
+            seqs.insert(int(torch.randint(0, len(seqs) + 1, (1,), generator=g)), new_seq())
+        elif r < 0.18 and seqs:
+            seqs.pop(int(torch.randint(0, len(seqs), (1,), generator=g)))
+        elif r < 0.22 and len(seqs) > 1:
+            i, j = torch.randperm(len(seqs), generator=g)[:2].tolist()
+            seqs[i], seqs[j] = seqs[j], seqs[i]
+        elif r < 0.25 and seqs:  # preempted and resumed: a new, shorter list
+            s = seqs[int(torch.randint(0, len(seqs), (1,), generator=g))]
+            s[0] = s[0] % block_size
+            s[1] = [next(next_block)]
+        for s in seqs:  # decode one token; past the table's end the scheduler extends it in place
+            s[0] += 1
+            if s[0] // block_size >= len(s[1]):
+                if len(s[1]) == width:
+                    s[0], s[1] = 0, [next(next_block)]
+                else:
+                    s[1].extend([next(next_block)])
+        if step == 150 and seqs:  # an in-place rewrite of a whole list (not what the scheduler does)
+            s = seqs[0]
+            s[1][:] = [next(next_block) for _ in s[1]]
+        n = len(seqs)
+        bs = next(b for b in (1, 2, 4, 8, 16) if b >= max(n, 1))
+        ids = torch.randint(0, 1000, (n,), generator=g).tolist()
+        pos, tables = [s[0] for s in seqs], [s[1] for s in seqs]
+        want = decode_host_inputs(ids, pos, tables, bs, block_size, width, 99 * block_size)
+        _step_views_equal(host.build(ids, pos, tables, bs), want)
+
+
+def test_incremental_host_inputs_raise_as_the_rebuild_does():
+    from moelora.engine.graph_inputs import DecodeHostInputs
+
+    host = DecodeHostInputs(4, 4, 16, dummy_slot=0)
+    with pytest.raises(ValueError, match="sequence 1: position 40 needs block 2 of a 2-block table"):
+        host.build([1, 2], [3, 40], [[5], [6, 9]], 2)
+    with pytest.raises(ValueError, match="sequence 0: block table of 5 blocks; the graphs hold at most 4"):
+        host.build([1], [3], [[5, 6, 7, 8, 9]], 1)

@@ -8,12 +8,14 @@ writes into the cache's dummy block, attention skipped (token_seq -1).
 
 from __future__ import annotations
 
+import os
 from itertools import chain
 
 import numpy as np
 import torch
 
 from moelora.adapters.metadata import LoRABatch
+from moelora.engine.graph_inputs import DecodeHostInputs
 from moelora.engine.kv_cache import KVCache
 from moelora.layers.attention import AttentionMetadata
 from moelora.layers.lora import lora_work_count
@@ -73,6 +75,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
         self.lora_batches = {bs: LoRABatch.static(bs, self.max_loras, dev) for bs in self.buckets}
+        # the step's host arrays, kept between steps (block tables updated in place; pinned: asynchronous copies)
+        self.host = DecodeHostInputs(B, max_blocks_per_seq, kv.block_size, self.dummy_slot, pin=dev.type == "cuda")
+        self.incremental = os.environ.get("MOELORA_INCREMENTAL_HOST_INPUTS", "1") != "0"
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the last step's host-to-device copies
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.max_batch_size = B
         self.replays: dict[tuple[int, bool], int] = {}  # (bucket, with LoRA) -> replays, for tests and stats
@@ -131,10 +137,17 @@ class DecodeGraphs:
         n = len(token_ids)
         bs = self.bucket(n)
         pad = bs - n
-        host = decode_host_inputs(token_ids, positions, block_tables, bs, self.kv.block_size,
-                                  self.block_tables.shape[1], self.dummy_slot)
+        if self.incremental:
+            if self._copied is not None:  # the kept host buffers are rewritten only once their last copy is done
+                self._copied.synchronize()
+            host = self.host.build(token_ids, positions, block_tables, bs)
+        else:  # MOELORA_INCREMENTAL_HOST_INPUTS=0: every array rebuilt from the lists (pageable memory)
+            host = decode_host_inputs(token_ids, positions, block_tables, bs, self.kv.block_size,
+                                      self.block_tables.shape[1], self.dummy_slot)
         for name, t in host.items():
             getattr(self, name)[:bs].copy_(t, non_blocking=True)
+        if self.incremental and self._copied is not None:
+            self._copied.record()
         with_lora = any(s >= 0 for s in slots)
         if with_lora:
             self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)
