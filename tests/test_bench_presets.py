@@ -177,3 +177,14 @@ def test_bench_decode_repeat_reports_the_median_run(tmp_path, capsys):
     args.repeat = 0
     with pytest.raises(ValueError, match="--repeat must be at least 1"):
         decode.run(args)
+
+
+def test_bench_decode_async_scheduling(tmp_path):
+    """--async-scheduling: the rows say so, every request's tokens are counted (the same tokens served as
+    without it: 128 a request of the vllm workload)."""
+    _, sync_rows = _tiny_decode(tmp_path / "sync")
+    _, rows = _tiny_decode(tmp_path / "async", "--async-scheduling")
+    assert [r["async_scheduling"] for r in rows] == [True, True]
+    assert not any(r["async_scheduling"] for r in sync_rows)
+    for a, s in zip(rows, sync_rows):
+        assert a["decode_steps"] == s["decode_steps"] and a["tokens_per_s"] > 0

@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and LoRA, the base weights quantized from the dummy weights: block-scaled FP8, NVFP4 weight-only)")
     p.add_argument("--device", default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch each decode step before the last one's tokens are read (engine/async_step.py)")
     p.add_argument("--lora-overlap", default="on", choices=["on", "off", "both"],
                    help="side-stream LoRA overlap (default on); both: the sweep with it on, then the adapter cases "
                         "again with it off (graphs recaptured)")
@@ -151,18 +153,18 @@ class _RunnerTimer:
     def __enter__(self) -> "_RunnerTimer":
         real = self.runner.execute
 
-        def timed(chunks):
+        def timed(chunks, *args):
             if not self.on:
-                return real(chunks)
+                return real(chunks, *args)
             if self.cuda:
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
-                out = real(chunks)
+                out = real(chunks, *args)
                 e.record()
                 self.spans.append((s, e))
                 return out
             t = time.perf_counter()
-            out = real(chunks)
+            out = real(chunks, *args)
             self.spans.append(time.perf_counter() - t)
             return out
 
@@ -271,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, load_format="dummy", max_num_seqs=max(batches), max_num_batched_tokens=8192,
         max_model_len=2048, enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap != "off",
         max_graph_batch_size=max(batches), tensor_parallel_size=tp, expert_parallel_size=ep,
-        kv_cache_memory_bytes=kv_bytes,
+        kv_cache_memory_bytes=kv_bytes, async_scheduling=getattr(args, "async_scheduling", False),
     ))
     try:
         return _sweep(engine, args, batches, counts, model_name, t0, parallel)
@@ -331,7 +333,8 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
         r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
                  + ("" if not args.layers else f" ({args.layers} layers)")
                  + (f" tp{engine.args.tensor_parallel_size} ep{engine.args.expert_parallel_size}" if parallel else ""),
-                 dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap, fused_lora=fused)
+                 dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap, fused_lora=fused,
+                 async_scheduling=engine.async_scheduling)
         if parallel and engine.config.mla is not None:
             r["floor_bytes"] = None
         r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw and r["floor_bytes"] else None

@@ -132,8 +132,10 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     @torch.no_grad()
-    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """One decode token per sequence -> hidden states [n, H] (a view of the graph's output)."""
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], slots: list[int],
+            input_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode token per sequence -> hidden states [n, H] (a view of the graph's output).
+        input_tokens: [n] int64 on the device, the input ids instead of token_ids (asynchronous scheduling)."""
         n = len(token_ids)
         bs = self.bucket(n)
         pad = bs - n
@@ -148,6 +150,8 @@ class DecodeGraphs:
             getattr(self, name)[:bs].copy_(t, non_blocking=True)
         if self.incremental and self._copied is not None:
             self._copied.record()
+        if input_tokens is not None:  # after the host copy: these ids win
+            self.input_ids[:n].copy_(input_tokens)
         with_lora = any(s >= 0 for s in slots)
         if with_lora:
             self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)

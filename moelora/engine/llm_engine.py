@@ -14,6 +14,7 @@ from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import SlotPool
 from moelora.config import ModelConfig
 from moelora.distributed import ParallelState, check_launch, kv_cache_config
+from moelora.engine.async_step import PLACEHOLDER, PendingStep, can_defer, launch_sampling, schedule_ahead
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import ModelRunner, StepOutput, graph_settings
 from moelora.engine.request import Request
@@ -51,6 +52,9 @@ class EngineArgs:
     lora_overlap: bool = True  # GPU: routed-expert LoRA chains and shared experts on a side stream
     tensor_parallel_size: int = 1  # ranks splitting attention heads, dense layers, vocabulary and expert widths
     expert_parallel_size: int = 1  # ranks splitting the routed experts (world = tensor x expert parallel size)
+    # schedule and launch the next decode step before reading this step's tokens (engine/async_step.py); single
+    # rank only, off by default until measured on the GPU
+    async_scheduling: bool = False
 
 
 class LLMEngine:
@@ -109,6 +113,9 @@ class LLMEngine:
                                   broadcast=self.workers.step if self.workers is not None else None,
                                   broadcast_graph=self.workers.graph_step if self.workers is not None else None)
         self.sampler = Sampler()
+        self.async_scheduling = args.async_scheduling and self.workers is None
+        self._pending: PendingStep | None = None  # asynchronous scheduling: a step launched, its tokens not read
+        self.ahead_steps = 0  # steps launched before the previous step's tokens were read (stats and tests)
         self.requests: dict[str, Request] = {}
         self._arrival = itertools.count()
         for name, path in (adapters or {}).items():
@@ -186,9 +193,11 @@ class LLMEngine:
             return
         self.scheduler.finish(req)
         req.finish_reason = "abort"
+        if req.output_ids and req.output_ids[-1] == PLACEHOLDER:  # a token still on the device: dropped
+            req.output_ids.pop()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._pending is not None
 
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)
@@ -209,21 +218,57 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one scheduled step; returns the requests that got new tokens or finished."""
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("no request can be scheduled (KV cache or LoRA slots exhausted with nothing running)")
-            return []
+        """Run one scheduled step; returns the requests that got new tokens or finished.
+        With async_scheduling, a decode step's tokens stay on the device while the next step is scheduled and
+        launched from them (engine/async_step.py); this call then returns the earlier step's requests."""
+        if self._pending is None:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError(
+                        "no request can be scheduled (KV cache or LoRA slots exhausted with nothing running)")
+                return []
+            out = self._execute(chunks)
+            for c in chunks:
+                c.request.num_computed += c.num_tokens
+            self._record_prompt_logprobs(chunks, out)
+            if not (self.async_scheduling and can_defer(out)):
+                return self._sample(out)
+            self._pending = launch_sampling(self.sampler, out)
+        pending, self._pending = self._pending, None
+        ahead = schedule_ahead(self.scheduler, self.kv, pending, self.max_model_len)
+        if ahead is not None:
+            out = self._execute(ahead.chunks, ahead.input_tokens)
+            for c in ahead.chunks:
+                c.request.num_computed += 1
+            self.ahead_steps += 1
+            self._pending = launch_sampling(self.sampler, out) if can_defer(out) else None
+            if self._pending is None:  # cannot happen for chunks schedule_ahead accepts; kept safe
+                raise RuntimeError("a step scheduled ahead could not defer its sampling")
+        return self._read(pending)
+
+    def _execute(self, chunks, input_tokens=None) -> StepOutput:
         if self.workers is None:
-            out = self.runner.execute(chunks)
-        else:
-            with self.workers.guard("step"):
-                out = self.runner.execute(chunks)
-        for c in chunks:
-            c.request.num_computed += c.num_tokens
-        self._record_prompt_logprobs(chunks, out)
-        return self._sample(out)
+            return self.runner.execute(chunks, input_tokens)
+        with self.workers.guard("step"):
+            return self.runner.execute(chunks)
+
+    def _read(self, pending: PendingStep) -> list[Request]:
+        """The tokens of a step launched earlier: placeholders replaced, stop checks; requests finished (or
+        aborted) while it ran are skipped (their rows were computed for nothing)."""
+        now = time.monotonic()
+        reqs = []
+        for req, t in pending.read():
+            if req.finished:  # stopped on the step before, or aborted: this row was computed for nothing
+                continue
+            if req.output_ids and req.output_ids[-1] == PLACEHOLDER:
+                req.output_ids[-1] = t  # scheduled ahead on this token: its placeholder
+            else:
+                req.output_ids.append(t)
+            req.first_token_time = req.first_token_time or now
+            self._check_stop(req, t)
+            reqs.append(req)
+        return reqs
 
     def _record_prompt_logprobs(self, chunks, out: StepOutput) -> None:
         """Row j of a chunk starting at s predicts prompt position s + j + 1; positions already recorded

@@ -65,7 +65,7 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
-    def _graph_step(self, chunks: list[ScheduledChunk]) -> StepOutput | None:
+    def _graph_step(self, chunks: list[ScheduledChunk], input_tokens: torch.Tensor | None) -> StepOutput | None:
         """A pure decode step (one new token per sequence, nothing but sampling wanted) from a CUDA graph."""
         g = self.graphs
         if g is None or len(chunks) > g.max_batch_size:
@@ -76,18 +76,24 @@ class ModelRunner:
                   [c.request.block_table for c in chunks], [c.request.slot for c in chunks])
         if self.broadcast_graph is not None:  # tensor/expert parallel: the other ranks replay the same step
             self.broadcast_graph(*inputs)
-        return StepOutput(self.replay(*inputs), list(chunks), {})
+        return StepOutput(self.replay(*inputs, input_tokens=input_tokens), list(chunks), {})
 
     @torch.no_grad()
     def replay(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-               slots: list[int]) -> torch.Tensor:
+               slots: list[int], input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per sequence from the captured graph of its batch bucket -> logits [n, V]
-        (compute_logits' collectives included: a parallel worker calls this for rank 0's graph steps)."""
-        return self.model.compute_logits(self.graphs.run(token_ids, positions, block_tables, slots))
+        (compute_logits' collectives included: a parallel worker calls this for rank 0's graph steps).
+        input_tokens: [n] on the device, used instead of token_ids (asynchronous scheduling)."""
+        return self.model.compute_logits(self.graphs.run(token_ids, positions, block_tables, slots, input_tokens))
 
     @torch.no_grad()
-    def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        out = self._graph_step(chunks)
+    def execute(self, chunks: list[ScheduledChunk], input_tokens: torch.Tensor | None = None) -> StepOutput:
+        """input_tokens: [len(chunks)] int64 on the model's device, the input token of each chunk, for a step whose
+        chunks are all one-token decodes scheduled before their input tokens reached the host (asynchronous
+        scheduling: the tokens the previous step sampled, still on the device)."""
+        if input_tokens is not None and (self.broadcast is not None or any(c.num_tokens != 1 for c in chunks)):
+            raise ValueError("input_tokens: only for one-token decode chunks on a single-rank engine")
+        out = self._graph_step(chunks, input_tokens)
         if out is not None:
             return out
         seqs = [
@@ -99,17 +105,20 @@ class ModelRunner:
                       if c.request.wants_prompt_logprobs and c.start < len(c.request.prompt_ids)]
         if self.broadcast is not None:  # tensor/expert parallel: the other ranks run the same step
             self.broadcast(seqs, sample_idx, prompt_idx)
-        sample_logits, prompt_logits = self.forward_step(seqs, sample_idx, prompt_idx)
+        sample_logits, prompt_logits = self.forward_step(seqs, sample_idx, prompt_idx, input_tokens)
         return StepOutput(sample_logits, [chunks[i] for i in sample_idx], prompt_logits)
 
     @torch.no_grad()
-    def forward_step(self, seqs: list[SeqChunk], sample_idx: list[int],
-                     prompt_idx: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def forward_step(self, seqs: list[SeqChunk], sample_idx: list[int], prompt_idx: list[int],
+                     input_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One forward over seqs; logits [S, V] of the last row of each seqs[i], i in sample_idx, and per i in
         prompt_idx the logits [n_i, V] of all of seqs[i]'s rows. Every rank of a parallel model runs this with
-        the same arguments (its collectives pair up)."""
+        the same arguments (its collectives pair up). input_tokens: [len(seqs)] on the device, the input ids of
+        one-token seqs (their host ids are placeholders)."""
         device = self.model.device
         fb = build_flat_batch(seqs, self.kv.block_size, device)
+        if input_tokens is not None:
+            fb.input_ids.copy_(input_tokens)
         lora = LoRABatch.build(fb.token_slots, self.max_loras, device)
         hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv.caches, lora)  # [T, H]
         sample_logits = self.model.compute_logits(hidden[[fb.last_token_rows[i] for i in sample_idx]])

@@ -167,6 +167,17 @@ class Sampler:
         """logits: [B, V] (fp32 after penalties, else the model's dtype), penalties already applied (see
         apply_penalties). params, generators: one per row; a None generator draws from torch's global RNG.
         """
+        token_ids = self.sample_tokens(logits, params, generators)
+        wants = any(p.logprobs is not None for p in params)
+        return self._with_logprobs(logits.float() if wants else logits, params, token_ids)
+
+    def sample_tokens(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """The tokens of sample(), left on the logits' device ([B] int64; no logprobs, no host synchronisation)."""
         batch, vocab_size = logits.shape
         if len(params) != batch or len(generators) != batch:
             raise ValueError(
@@ -181,9 +192,7 @@ class Sampler:
             inv_temp = torch.tensor([0.0 if p.greedy else 1.0 / p.temperature for p in params],
                                     dtype=torch.float32, device=device)
             seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)  # no host synchronisation
-            token_ids = gumbel_argmax(logits, inv_temp, seed)
-            return self._with_logprobs(logits.float() if any(p.logprobs is not None for p in params) else logits,
-                                       params, token_ids)
+            return gumbel_argmax(logits, inv_temp, seed)
         self.last_path = "torch"
         logits = logits.float()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -211,11 +220,12 @@ class Sampler:
                 token_ids = drawn
             else:
                 token_ids[idx] = drawn
-        return self._with_logprobs(logits, params, token_ids)
+        return token_ids
 
     @staticmethod
     def _with_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor) -> SamplerOutput:
-        """The output for token_ids [B], with the logprobs the rows ask for (log_softmax of logits [B, V] fp32)."""
+        """The output for token_ids [B], with the logprobs the rows ask for (log_softmax of logits [B, V], fp32 when
+        any row asks)."""
         batch, vocab_size = logits.shape
         top: list[list[tuple[int, float]] | None] = [None] * batch
         chosen: list[float | None] = [None] * batch

@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default: automatic)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch each decode step before the last one's tokens are read, hiding the "
+                        "host's work behind the GPU (single GPU; rows asking for logprobs or penalties keep the "
+                        "synchronous step; off by default until measured)")
     p.add_argument("--lora-overlap", default="on", choices=["on", "off"],
                    help="GPU: run the routed-expert LoRA chains and shared experts on a side CUDA stream beside "
                         "the base expert GEMMs (default on)")
@@ -79,6 +83,7 @@ def engine_args(args: argparse.Namespace) -> tuple[EngineArgs, dict[str, str], s
         enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap == "on", quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, max_graph_batch_size=args.max_graph_batch_size,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
+        async_scheduling=args.async_scheduling,
     )
     return eargs, adapters, served
 
