@@ -242,12 +242,10 @@ class LLMEngine:
             for c in ahead.chunks:
                 c.request.num_computed += 1
             self.ahead_steps += 1
-            self._pending = launch_sampling(self.sampler, out) if can_defer(out) else None
-            if self._pending is None:  # cannot happen for chunks schedule_ahead accepts; kept safe
-                raise RuntimeError("a step scheduled ahead could not defer its sampling")
+            self._pending = launch_sampling(self.sampler, out)  # its rows passed can_defer one step earlier
         return self._read(pending)
 
-    def _execute(self, chunks, input_tokens=None) -> StepOutput:
+    def _execute(self, chunks: list, input_tokens: torch.Tensor | None = None) -> StepOutput:
         if self.workers is None:
             return self.runner.execute(chunks, input_tokens)
         with self.workers.guard("step"):
