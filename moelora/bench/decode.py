@@ -203,6 +203,7 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
     prof = profile_steps_of(engine.step, profile_steps, engine.device) if profile_steps else None  # untimed
     torch.cuda.synchronize() if engine.device.type == "cuda" else None
     t0, done_steps, tokens = time.perf_counter(), 0, 0
+    ahead0 = getattr(engine, "ahead_steps", 0)
     limit = steps if workload == "ctx1024" else 10**9
     routing = None  # each MoE block's routing in the first step that served the whole batch (for the floor)
     with _RunnerTimer(engine) as timer:
@@ -227,7 +228,8 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
     step_ms = dt / max(done_steps, 1) * 1e3
     return {"batch": batch, "adapters": n_adapters, "workload": workload, "tokens_per_s": tokens / dt,
             "step_ms": step_ms, "floor_bytes": floor, "experts_touched": touched, "decode_steps": done_steps,
-            "runner_ms": runner_ms, "host_ms": step_ms - runner_ms, **({"profile": prof} if prof else {})}
+            "runner_ms": runner_ms, "host_ms": step_ms - runner_ms,
+            "ahead_steps": getattr(engine, "ahead_steps", 0) - ahead0, **({"profile": prof} if prof else {})}
 
 
 def _repeated_case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int,
@@ -346,7 +348,8 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
         spread = f"  median of {len(reps)}, spread {r['repeat_spread']:.1%}" if reps else ""
         print(f"{workload:8s} batch {batch:4d} adapters {n}{tags}: {r['tokens_per_s']:9.1f} tok/s  step "
               f"{r['step_ms']:7.2f} ms (runner {r['runner_ms']:.2f})  floor {fl}  "
-              f"experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}{spread}",
+              f"experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}{spread}"
+              + (f"  ahead {r['ahead_steps']}/{r['decode_steps']}" if engine.args.async_scheduling else ""),
               flush=True)
         if "profile" in r:
             print(format_profile(r["profile"]), flush=True)

@@ -23,7 +23,7 @@ import torch
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import StepOutput
 from moelora.engine.request import Request
-from moelora.engine.sampler import Sampler
+from moelora.engine.sampler import Sampler, to_device
 from moelora.engine.scheduler import ScheduledChunk, Scheduler
 
 PLACEHOLDER = -1  # a request's step-N token while step N+1 is scheduled on it (replaced when step N is read)
@@ -102,4 +102,4 @@ def schedule_ahead(scheduler: Scheduler, kv: KVCache, pending: PendingStep, max_
     idx = [row[id(c.request)] for c in chunks]
     if idx == list(range(len(reqs))):
         return AheadStep(chunks, pending.tokens)
-    return AheadStep(chunks, pending.tokens[torch.tensor(idx, device=pending.tokens.device)])
+    return AheadStep(chunks, pending.tokens[to_device(idx, torch.int64, pending.tokens.device)])

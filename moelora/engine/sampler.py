@@ -20,6 +20,14 @@ import torch
 from moelora.engine.sampling_params import SamplingParams
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A small host list as a device tensor without a stream synchronisation. (torch.tensor(values, device=cuda)
+    copies with non_blocking=False: cudaMemcpyAsync and then cudaStreamSynchronize, which waits for every kernel
+    queued before it — the whole forward when sampling follows a graph replay, and the next step's forward under
+    asynchronous scheduling.) A non-blocking copy from pageable memory returns once the bytes are staged."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator seeded for one request, or None (use the global RNG) when seed is None."""
     if seed is None:
@@ -189,8 +197,7 @@ class Sampler:
             from moelora.kernels.sample_triton import gumbel_argmax
 
             self.last_path = "fused"
-            inv_temp = torch.tensor([0.0 if p.greedy else 1.0 / p.temperature for p in params],
-                                    dtype=torch.float32, device=device)
+            inv_temp = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32, device)
             seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)  # no host synchronisation
             return gumbel_argmax(logits, inv_temp, seed)
         self.last_path = "torch"
@@ -201,19 +208,17 @@ class Sampler:
         if random_rows:
             rp = [params[i] for i in random_rows]
             every = len(random_rows) == batch  # no row gather (a [B, V] copy) when every row samples
-            idx = None if every else torch.tensor(random_rows, dtype=torch.int64, device=device)
-            x = (logits if every else logits[idx]) / torch.tensor([p.temperature for p in rp], device=device)[:, None]
+            idx = None if every else to_device(random_rows, torch.int64, device)
+            x = (logits if every else logits[idx]) / to_device([p.temperature for p in rp], torch.float32, device)[:, None]
             top_k = top_p = None
             if any(p.top_k_enabled for p in rp):
-                top_k = torch.tensor(
-                    [p.top_k if p.top_k_enabled else vocab_size for p in rp], dtype=torch.int64, device=device
-                )
+                top_k = to_device([p.top_k if p.top_k_enabled else vocab_size for p in rp], torch.int64, device)
             if any(p.top_p < 1.0 for p in rp):
-                top_p = torch.tensor([p.top_p for p in rp], dtype=torch.float32, device=device)
+                top_p = to_device([p.top_p for p in rp], torch.float32, device)
             if top_k is not None or top_p is not None:
                 x = _apply_top_k_top_p(x, top_k, top_p)
             if any(p.min_p > 0.0 for p in rp):
-                x = _apply_min_p(x, torch.tensor([p.min_p for p in rp], dtype=torch.float32, device=device))
+                x = _apply_min_p(x, to_device([p.min_p for p in rp], torch.float32, device))
             probs = x.softmax(dim=-1)  # [R, V]
             drawn = self._draw(probs, [generators[i] for i in random_rows])  # [R]; probs overwritten
             if every:
@@ -260,7 +265,9 @@ class Sampler:
         else:
             q = torch.empty_like(probs)
             if unseeded:
-                q[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
+                rows = to_device(unseeded, torch.int64, probs.device)
+                q[rows] = torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype,
+                                      device=probs.device).exponential_()
             for j, g in enumerate(generators):
                 if g is not None:
                     q[j].exponential_(generator=g)
