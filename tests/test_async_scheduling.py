@@ -123,3 +123,23 @@ def test_a_token_budget_below_the_batch_keeps_the_synchronous_order(setup):
     sync, _ = _run(setup, False, prompts, params, None, max_num_batched_tokens=2)
     got, engine = _run(setup, True, prompts, params, None, max_num_batched_tokens=2)
     assert [o.token_ids for o in got] == [o.token_ids for o in sync]
+
+
+def test_the_default_is_on_for_a_gpu_off_on_the_cpu(monkeypatch, setup):
+    import torch
+
+    from moelora.engine.llm_engine import resolve_async_scheduling
+
+    monkeypatch.delenv("MOELORA_ASYNC_SCHEDULING", raising=False)
+    assert resolve_async_scheduling(None, torch.device("cuda", 0)) is True
+    assert resolve_async_scheduling(None, torch.device("cpu")) is False
+    assert resolve_async_scheduling(False, torch.device("cuda", 0)) is False
+    assert resolve_async_scheduling(True, torch.device("cpu")) is True
+    monkeypatch.setenv("MOELORA_ASYNC_SCHEDULING", "1")
+    assert resolve_async_scheduling(None, torch.device("cpu")) is True
+    assert _llm(setup, None).engine.async_scheduling is True
+    monkeypatch.setenv("MOELORA_ASYNC_SCHEDULING", "0")
+    assert resolve_async_scheduling(None, torch.device("cuda", 0)) is False
+    monkeypatch.setenv("MOELORA_ASYNC_SCHEDULING", "yes")
+    with pytest.raises(ValueError, match="MOELORA_ASYNC_SCHEDULING"):
+        resolve_async_scheduling(None, torch.device("cpu"))

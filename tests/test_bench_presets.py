@@ -181,10 +181,14 @@ def test_bench_decode_repeat_reports_the_median_run(tmp_path, capsys):
 
 def test_bench_decode_async_scheduling(tmp_path):
     """--async-scheduling: the rows say so, every request's tokens are counted (the same tokens served as
-    without it: 128 a request of the vllm workload)."""
+    without it: 128 a request of the vllm workload), nearly every step was scheduled ahead. The default on the
+    CPU and --no-async-scheduling: synchronous."""
     _, sync_rows = _tiny_decode(tmp_path / "sync")
     _, rows = _tiny_decode(tmp_path / "async", "--async-scheduling")
+    _, off_rows = _tiny_decode(tmp_path / "off", "--no-async-scheduling")
     assert [r["async_scheduling"] for r in rows] == [True, True]
-    assert not any(r["async_scheduling"] for r in sync_rows)
+    assert not any(r["async_scheduling"] for r in sync_rows + off_rows)
+    assert all(r["ahead_steps"] >= r["decode_steps"] - 2 for r in rows)
+    assert not any(r["ahead_steps"] for r in sync_rows)
     for a, s in zip(rows, sync_rows):
         assert a["decode_steps"] == s["decode_steps"] and a["tokens_per_s"] > 0

@@ -75,7 +75,7 @@ def test_async_scheduling_replays_equal_the_synchronous_engine(same_kernels_as_g
     prompts, names = [make_prompt(t) for _, t in rows], [n for n, _ in rows]
     params = [SamplingParams(max_tokens=rng.randint(4, 48), temperature=0.0 if i % 4 else 0.8,
                              seed=None if i % 4 else 1000 + i, ignore_eos=i % 3 == 0) for i in range(len(rows))]
-    sync = _llm(False).generate(prompts, params, adapter=names)
+    sync = _llm(False, async_scheduling=False).generate(prompts, params, adapter=names)
     llm = _llm(False, async_scheduling=True)
     out = llm.generate(prompts, params, adapter=names)
     engine = llm.engine

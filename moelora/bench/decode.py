@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and LoRA, the base weights quantized from the dummy weights: block-scaled FP8, NVFP4 weight-only)")
     p.add_argument("--device", default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="launch each decode step before the last one's tokens are read (engine/async_step.py)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each decode step before the last one's tokens are read (engine/async_step.py); "
+                        "default: the engine's (on for a GPU, off on the CPU)")
     p.add_argument("--lora-overlap", default="on", choices=["on", "off", "both"],
                    help="side-stream LoRA overlap (default on); both: the sweep with it on, then the adapter cases "
                         "again with it off (graphs recaptured)")
@@ -275,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, load_format="dummy", max_num_seqs=max(batches), max_num_batched_tokens=8192,
         max_model_len=2048, enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap != "off",
         max_graph_batch_size=max(batches), tensor_parallel_size=tp, expert_parallel_size=ep,
-        kv_cache_memory_bytes=kv_bytes, async_scheduling=getattr(args, "async_scheduling", False),
+        kv_cache_memory_bytes=kv_bytes, async_scheduling=getattr(args, "async_scheduling", None),
     ))
     try:
         return _sweep(engine, args, batches, counts, model_name, t0, parallel)
@@ -349,7 +350,7 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
         print(f"{workload:8s} batch {batch:4d} adapters {n}{tags}: {r['tokens_per_s']:9.1f} tok/s  step "
               f"{r['step_ms']:7.2f} ms (runner {r['runner_ms']:.2f})  floor {fl}  "
               f"experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}{spread}"
-              + (f"  ahead {r['ahead_steps']}/{r['decode_steps']}" if engine.args.async_scheduling else ""),
+              + (f"  ahead {r['ahead_steps']}/{r['decode_steps']}" if engine.async_scheduling else ""),
               flush=True)
         if "profile" in r:
             print(format_profile(r["profile"]), flush=True)

@@ -129,7 +129,9 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-FUSED_SAMPLER_MIN_ROWS = 256  # measured faster end to end at batch 256, slower at 64 (128: not measured)
+# measured faster end to end at batch 256, slower at 64 with synchronous scheduling (128: not measured);
+# MOELORA_FUSED_SAMPLER_MIN_ROWS sets it
+FUSED_SAMPLER_MIN_ROWS = int(os.environ.get("MOELORA_FUSED_SAMPLER_MIN_ROWS", "256"))
 
 
 class Sampler:
@@ -209,7 +211,7 @@ class Sampler:
             rp = [params[i] for i in random_rows]
             every = len(random_rows) == batch  # no row gather (a [B, V] copy) when every row samples
             idx = None if every else to_device(random_rows, torch.int64, device)
-            x = (logits if every else logits[idx]) / to_device([p.temperature for p in rp], torch.float32, device)[:, None]
+            x = (logits if every else logits.index_select(0, idx)) / to_device([p.temperature for p in rp], torch.float32, device)[:, None]
             top_k = top_p = None
             if any(p.top_k_enabled for p in rp):
                 top_k = to_device([p.top_k if p.top_k_enabled else vocab_size for p in rp], torch.int64, device)
@@ -224,7 +226,7 @@ class Sampler:
             if every:
                 token_ids = drawn
             else:
-                token_ids[idx] = drawn
+                token_ids.index_copy_(0, idx, drawn)
         return token_ids
 
     @staticmethod
@@ -266,8 +268,8 @@ class Sampler:
             q = torch.empty_like(probs)
             if unseeded:
                 rows = to_device(unseeded, torch.int64, probs.device)
-                q[rows] = torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype,
-                                      device=probs.device).exponential_()
+                q.index_copy_(0, rows, torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype,
+                                                   device=probs.device).exponential_())
             for j, g in enumerate(generators):
                 if g is not None:
                     q[j].exponential_(generator=g)

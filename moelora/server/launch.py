@@ -37,10 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default: automatic)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each decode step before the last one's tokens are read, hiding the "
                         "host's work behind the GPU (single GPU; rows asking for logprobs or penalties keep the "
-                        "synchronous step; off by default until measured)")
+                        "synchronous step). Default: on for a GPU, off on the CPU")
     p.add_argument("--lora-overlap", default="on", choices=["on", "off"],
                    help="GPU: run the routed-expert LoRA chains and shared experts on a side CUDA stream beside "
                         "the base expert GEMMs (default on)")
