@@ -143,3 +143,15 @@ def test_the_default_is_on_for_a_gpu_off_on_the_cpu(monkeypatch, setup):
     monkeypatch.setenv("MOELORA_ASYNC_SCHEDULING", "yes")
     with pytest.raises(ValueError, match="MOELORA_ASYNC_SCHEDULING"):
         resolve_async_scheduling(None, torch.device("cpu"))
+
+
+def test_the_engine_takes_the_one_pass_sampler_from_one_row_when_asynchronous(monkeypatch, setup):
+    """Under asynchronous scheduling the sampler's launches hide behind the GPU: the one-pass kernel from one row
+    (faster at batch 64 and 128 on the H200 then); synchronous engines keep 256; the variable sets both."""
+    from moelora.engine.sampler import FUSED_SAMPLER_MIN_ROWS
+
+    monkeypatch.delenv("MOELORA_FUSED_SAMPLER_MIN_ROWS", raising=False)
+    assert _llm(setup, True).engine.sampler.min_rows == 1
+    assert _llm(setup, False).engine.sampler.min_rows == FUSED_SAMPLER_MIN_ROWS == 256
+    monkeypatch.setenv("MOELORA_FUSED_SAMPLER_MIN_ROWS", "32")
+    assert _llm(setup, True).engine.sampler.min_rows == 32

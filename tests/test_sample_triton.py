@@ -146,7 +146,8 @@ def test_auto_mode_keeps_cpu_logits_on_the_torch_path():
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_auto_mode_takes_the_kernel_for_large_cuda_batches_only(monkeypatch):
     """Sampler() (auto): the torch path for CUDA batches below FUSED_SAMPLER_MIN_ROWS (slower there end to end on
-    the H200), the kernel from that size; MOELORA_FUSED_SAMPLER=0 turns it off."""
+    the H200 with synchronous scheduling), the kernel from that size; with min_rows=1 (the engine's choice under
+    asynchronous scheduling) from one row; MOELORA_FUSED_SAMPLER=0 turns it off."""
     from moelora.engine.sampler import FUSED_SAMPLER_MIN_ROWS
 
     p = SamplingParams(temperature=1.0)
@@ -154,6 +155,9 @@ def test_auto_mode_takes_the_kernel_for_large_cuda_batches_only(monkeypatch):
     for rows, path in ((64, "torch"), (FUSED_SAMPLER_MIN_ROWS, "fused")):
         s.sample(torch.randn(rows, 1000, device="cuda"), [p] * rows, [None] * rows)
         assert s.last_path == path, rows
+    one = Sampler(min_rows=1)
+    one.sample(torch.randn(3, 1000, device="cuda"), [p] * 3, [None] * 3)
+    assert one.last_path == "fused"
     monkeypatch.setenv("MOELORA_FUSED_SAMPLER", "0")
     off = Sampler()
     rows = FUSED_SAMPLER_MIN_ROWS

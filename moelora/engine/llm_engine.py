@@ -18,7 +18,7 @@ from moelora.engine.async_step import PLACEHOLDER, PendingStep, can_defer, launc
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import ModelRunner, StepOutput, graph_settings
 from moelora.engine.request import Request
-from moelora.engine.sampler import Sampler, apply_penalties, make_generator, prompt_logprobs
+from moelora.engine.sampler import Sampler, apply_penalties, fused_sampler_min_rows, make_generator, prompt_logprobs
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
 from moelora.models.loader import build_model
@@ -124,8 +124,8 @@ class LLMEngine:
                                   **graph_settings(args, self.model, self.device, self.max_model_len),
                                   broadcast=self.workers.step if self.workers is not None else None,
                                   broadcast_graph=self.workers.graph_step if self.workers is not None else None)
-        self.sampler = Sampler()
         self.async_scheduling = resolve_async_scheduling(args.async_scheduling, self.device) and self.workers is None
+        self.sampler = Sampler(min_rows=fused_sampler_min_rows(self.async_scheduling))
         self._pending: PendingStep | None = None  # asynchronous scheduling: a step launched, its tokens not read
         self.ahead_steps = 0  # steps launched before the previous step's tokens were read (stats and tests)
         self.requests: dict[str, Request] = {}

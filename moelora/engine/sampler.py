@@ -129,9 +129,20 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-# measured faster end to end at batch 256, slower at 64 with synchronous scheduling (128: not measured);
-# MOELORA_FUSED_SAMPLER_MIN_ROWS sets it
-FUSED_SAMPLER_MIN_ROWS = int(os.environ.get("MOELORA_FUSED_SAMPLER_MIN_ROWS", "256"))
+# From how many rows Sampler(fused=None) takes the kernel. Synchronous scheduling (the host waits for each step):
+# 256 — faster end to end there at batch 256, slower at 64 (its two Triton launches cost the host more than the
+# GPU passes saved; session 12). Asynchronous scheduling (the host's launches hide behind the GPU): 1 — faster at
+# batch 64 (6,003 against 5,920 tok/s) and 128 (10,654 against 10,406; session 13). MOELORA_FUSED_SAMPLER_MIN_ROWS
+# sets both.
+FUSED_SAMPLER_MIN_ROWS = 256
+FUSED_SAMPLER_MIN_ROWS_ASYNC = 1
+
+
+def fused_sampler_min_rows(async_scheduling: bool) -> int:
+    env = os.environ.get("MOELORA_FUSED_SAMPLER_MIN_ROWS", "")
+    if env:
+        return int(env)
+    return FUSED_SAMPLER_MIN_ROWS_ASYNC if async_scheduling else FUSED_SAMPLER_MIN_ROWS
 
 
 class Sampler:
@@ -140,7 +151,8 @@ class Sampler:
     fused: the one-pass kernel (kernels/sample_triton.py: Gumbel-max over the raw logits, greedy rows in the
     same pass) for batches whose rows ask for nothing but a temperature (no top-k / top-p / min-p, no per-request
     seed) and that sample at least one row (an all-greedy batch is one argmax: the torch path is faster there);
-    None (default) = on for CUDA logits of at least FUSED_SAMPLER_MIN_ROWS rows when Triton is present
+    None (default) = on for CUDA logits of at least `min_rows` rows when Triton is present (None: 256, the
+    engine passes fused_sampler_min_rows(async_scheduling): 1 under asynchronous scheduling)
     (MOELORA_FUSED_SAMPLER=0 turns it off). On the H200 (Qwen3-30B-A3B fp8, `bench decode`, no adapter, one run
     each way, session 12): batch 256 decoded 15,077 against 14,730 tok/s (128/128) and 11,597 against 11,065
     (ctx1024); batch 64 5,370 against 5,452 and 4,621 against 4,669 — there its two Triton launches cost the
@@ -149,10 +161,11 @@ class Sampler:
     It draws the same distribution as the torch path (the exponential race below), from other random numbers.
     last_path: "fused" or "torch", the path the last call took."""
 
-    def __init__(self, fused: bool | None = None) -> None:
+    def __init__(self, fused: bool | None = None, min_rows: int | None = None) -> None:
         if fused is None and os.environ.get("MOELORA_FUSED_SAMPLER", "1") == "0":
             fused = False
         self.fused = fused
+        self.min_rows = fused_sampler_min_rows(False) if min_rows is None else min_rows
         self.last_path = ""
 
     def _fast_path_ok(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -161,7 +174,7 @@ class Sampler:
 
         if self.fused is False or not HAS_TRITON:
             return False
-        if self.fused is None and (not logits.is_cuda or logits.shape[0] < FUSED_SAMPLER_MIN_ROWS):
+        if self.fused is None and (not logits.is_cuda or logits.shape[0] < self.min_rows):
             return False
         if all(p.greedy for p in params):  # argmax alone: the torch path is faster (0.09 against 0.21 ms, b64)
             return False
