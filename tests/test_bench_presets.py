@@ -192,3 +192,24 @@ def test_bench_decode_async_scheduling(tmp_path):
     assert not any(r["ahead_steps"] for r in sync_rows)
     for a, s in zip(rows, sync_rows):
         assert a["decode_steps"] == s["decode_steps"] and a["tokens_per_s"] > 0
+
+
+def test_kernel_timeline_measures_idle_overlap_and_hidden_lora_time():
+    """kernel_timeline on a hand-made trace: a GEMM and an activation on the main stream, two LoRA kernels on a
+    side stream (one fully beside the GEMM, one half beside it), a CPU event ignored; two steps' worth."""
+    from moelora.bench.profile import format_timeline, kernel_timeline
+
+    def k(name, ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    events = [k("_fp8_gemm_kernel", 0, 100, 7), k("_silu_and_mul_kernel", 125, 5, 7),
+              k("_moe_lora_fused_kernel", 20, 30, 8), k("_moe_lora_fused_kernel", 90, 25, 8),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]
+    t = kernel_timeline(events, steps=2)
+    assert t["kernels"] == 2  # 4 kernels over 2 steps
+    assert t["span_us"] == 65 and t["busy_us"] == 60 and t["idle_us"] == 5  # [0, 130], union 120, gap 115-125
+    assert t["stream_busy_us"] == {"7": 52.5, "8": 27.5}
+    assert t["concurrent_us"] == 20  # 30 + 10 over 2 steps
+    assert t["marked_sum_us"] == 27.5 and t["marked_union_us"] == 27.5 and t["marked_hidden_us"] == 20
+    assert "idle 5" in format_timeline(t)
+    assert kernel_timeline(events[-1:], 1) == {"kernels": 0}
