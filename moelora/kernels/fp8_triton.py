@@ -95,7 +95,7 @@ if HAS_TRITON:
         lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None,
         S=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
-        LORA_PRECISION: tl.constexpr = "ieee",
+        LORA_PRECISION: tl.constexpr = "ieee", LORA_HOIST: tl.constexpr = False,
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand in the epilogue, lora_expand's semantics on the fp32 tile
         # before its one rounding: acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype)
@@ -104,6 +104,11 @@ if HAS_TRITON:
         # B stacked [128, BN]: slower on the H200, 11,231 / 10,168 against 11,747 / 10,537 tok/s at batch 256 with
         # 4 / 8 adapters, same run (the cause was not measured; its [BM, 128] operands raise the kernel's register
         # count, a likely one). Removed.)
+        # LORA_HOIST (MOELORA_FP8_LORA_HOIST=1, off: not yet run on a GPU): each row's h (its split-K partials summed,
+        # rounded to B's dtype) is loaded once per slice, before the slot loop, instead of once per slot present
+        # (at 64 tokens the shrink has 8 partials: 4 slots meant 32 dependent loads in the tail of the GEMM, 8
+        # now); the slot loop then loads only B. The same dots on the same operands (bit-equal results). Session
+        # 13's profile: the epilogue costs +0.74 ms a step at batch 64 with 4 adapters, +1.16 with 8 (overlap off).
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
@@ -157,21 +162,42 @@ if HAS_TRITON:
             for i in tl.static_range(LORA_N):
                 o0 = tl.load(loff_ptr + i)
                 col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
-                if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
-                    for slot in range(S):
-                        row_in = row_slot == slot
-                        rank = tl.load(lrank_ptr + i * S + slot)
-                        if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
-                            mask_r = offs_r < rank
-                            mask_h = row_in[:, None] & mask_r[None, :]
-                            h_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-                            ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
-                            for sk in range(1, LORA_SK):  # the shrink's split-K partials, in order
-                                ht += tl.load(h_ptrs + sk * slh_s, mask=mask_h, other=0.0)
-                            bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
-                                         mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
-                            acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
-                                lscale_ptr + i * S + slot)
+                if LORA_HOIST:
+                    if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
+                        # every row's h once: its slot's rank masks the columns (entries past it are never written)
+                        rank_rows = tl.load(lrank_ptr + i * S + tl.maximum(row_slot, 0), mask=mask_m, other=0)
+                        rank_rows = tl.where(row_slot >= 0, rank_rows, 0)  # [BLOCK_M]
+                        mask_hr = offs_r[None, :] < rank_rows[:, None]
+                        hr_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
+                        h_all = tl.load(hr_ptrs, mask=mask_hr, other=0.0)
+                        for sk in range(1, LORA_SK):
+                            h_all += tl.load(hr_ptrs + sk * slh_s, mask=mask_hr, other=0.0)
+                        for slot in range(S):
+                            row_in = row_slot == slot
+                            rank = tl.load(lrank_ptr + i * S + slot)
+                            if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
+                                mask_r = offs_r < rank
+                                bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                             mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                                ht = tl.where(row_in[:, None], h_all, 0.0)
+                                acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
+                                    lscale_ptr + i * S + slot)
+                else:
+                    if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
+                        for slot in range(S):
+                            row_in = row_slot == slot
+                            rank = tl.load(lrank_ptr + i * S + slot)
+                            if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
+                                mask_r = offs_r < rank
+                                mask_h = row_in[:, None] & mask_r[None, :]
+                                h_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
+                                ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
+                                for sk in range(1, LORA_SK):  # the shrink's split-K partials, in order
+                                    ht += tl.load(h_ptrs + sk * slh_s, mask=mask_h, other=0.0)
+                                bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                             mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                                acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
+                                    lscale_ptr + i * S + slot)
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -323,7 +349,7 @@ class Fp8LoRAEpilogue:
                     lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
                     slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
                     LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
-                    LORA_PRECISION=dot_precision(b.dtype))
+                    LORA_PRECISION=dot_precision(b.dtype), LORA_HOIST=fp8_lora_hoist())
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
@@ -398,6 +424,19 @@ def set_fp8_lora_epilogue(enabled: bool) -> None:
 
 def fp8_lora_epilogue() -> bool:
     return _LORA_EPILOGUE[0]
+
+
+_LORA_HOIST = [os.environ.get("MOELORA_FP8_LORA_HOIST", "0") == "1"]
+
+
+def set_fp8_lora_hoist(enabled: bool) -> None:
+    """The epilogue's h loaded once per slice for all rows, before its loop over slots (LORA_HOIST in
+    _fp8_gemm_kernel; bit-equal results). Off by default until measured on a GPU; MOELORA_FP8_LORA_HOIST=1."""
+    _LORA_HOIST[0] = bool(enabled)
+
+
+def fp8_lora_hoist() -> bool:
+    return _LORA_HOIST[0]
 
 
 _PRODUCER_QUANT = os.environ.get("MOELORA_FP8_PRODUCER_QUANT", "1") != "0"  # 0: the GEMMs quantize their inputs
@@ -570,5 +609,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_hoist", "fp8_lora_hoist", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]
