@@ -150,6 +150,26 @@ def test_fp8_expert_gemm_on_the_fast_path_alignment_interpreted(gather_rows):
         fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 32, x_scale=xs)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant")
+def test_fp8_expert_gemm_register_cap_keeps_the_results(monkeypatch):
+    """MOELORA_FP8_EXPERT_MAXNREG (a co-residency experiment): the grouped config carries the cap to the launch;
+    the results are the same."""
+    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.fused_moe_triton import moe_align
+
+    g = torch.Generator().manual_seed(6)
+    blk, T, K, E = (16, 16), 5, 2, 4
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    x = torch.randn(T, 32, generator=g)
+    xq, xs = quantize_act_group_ref(x, blk[1])
+    qe, se = quantize_weight_block(torch.randn(E, 16, 32, generator=g), blk)
+    align = moe_align(ids, E, 16)
+    before = ft.fp8_expert_gemm(xq, qe, se, blk, ids, align, True, 16, x_scale=xs)
+    monkeypatch.setattr(ft, "_EXPERT_MAXNREG", 80)
+    assert ft.fp8_gemm_config(4, 16, True).maxnreg == 80 and ft.fp8_gemm_config(4, 16, False).maxnreg == 0
+    assert torch.equal(ft.fp8_expert_gemm(xq, qe, se, blk, ids, align, True, 16, x_scale=xs), before)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 def test_fp8_experts_on_the_triton_fast_path_equal_their_grouped_path():
     """set_fast_path(quantized=True): FP8 expert stacks run on fused_moe_triton's alignment, activation and combine

@@ -237,16 +237,21 @@ class Fp8GemmConfig:
     """Launch parameters of _fp8_gemm_kernel (the K step is the scale group). block_m: rows per program of the
     dense GEMM (0: _block_m's choice; the grouped GEMM takes the alignment's). split_k: K splits of the dense
     GEMM (0: fp8_split_k's choice; 1: none; the grouped GEMM never splits). Only split_k changes the fp32
-    summation order (partials added in split order); the rest gives the same sums."""
+    summation order (partials added in split order); the rest gives the same sums. maxnreg: a cap on registers
+    per thread (0: the compiler's choice) — so that a side-stream kernel's CTAs fit on an SM beside this one's
+    (the grouped decode variant takes 92: five CTAs leave 4,096 of 65,536 registers; session 13)."""
 
     block_n: int
     num_warps: int = 4
     num_stages: int = 3
     block_m: int = 0
     split_k: int = 0
+    maxnreg: int = 0
 
 
 _CONFIG_OVERRIDE: dict[str, Fp8GemmConfig | None] = {"dense": None, "expert": None}
+# MOELORA_FP8_EXPERT_MAXNREG=n: the grouped-expert GEMM's register cap (unset: none; an experiment, unmeasured)
+_EXPERT_MAXNREG = int(os.environ.get("MOELORA_FP8_EXPERT_MAXNREG", "0") or 0)
 
 
 def set_fp8_gemm_config(kind: str, config: Fp8GemmConfig | None) -> None:
@@ -272,7 +277,8 @@ def fp8_gemm_config(grid_m: int, N: int, grouped: bool) -> Fp8GemmConfig:
     if forced is not None:
         return forced
     if grouped:
-        return Fp8GemmConfig(64 if N >= 64 else max(16, triton.next_power_of_2(N)), 4, 4)
+        return Fp8GemmConfig(64 if N >= 64 else max(16, triton.next_power_of_2(N)), 4, 4,
+                             maxnreg=_EXPERT_MAXNREG)
     block_n = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
     if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:  # decode: narrower tiles, more programs
         return Fp8GemmConfig(64, 4, 4)
@@ -380,6 +386,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
         GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_ROW_DIV=a_row_div,
         SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         **(lora.kernel_args() if lora is not None else {}),
     )
 

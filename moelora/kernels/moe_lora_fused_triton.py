@@ -23,6 +23,7 @@ rank 0), so a side-stream delta buffer needs no zero-fill.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -32,6 +33,12 @@ from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
 from moelora.kernels.moe_lora_triton import _a_strides, _b_strides
 
 FUSED_TARGET_PROGRAMS = 264  # SPLIT_N aims at this many programs: 2 per SM of an H200 (132 SMs)
+# Launch experiments (unset: the defaults): MOELORA_FUSED_LORA_WARPS=n forces the warps per program,
+# MOELORA_FUSED_LORA_MAXNREG=n caps the registers per thread. Why: on the side stream this kernel only runs
+# beside the FP8 expert GEMM if its CTAs fit in the registers the GEMM's leave on an SM (4,096 of 65,536 at
+# batch 64; a 4-warp CTA of this kernel takes 7,168 — session 13, scripts/kernel_resources.py).
+_FORCED_WARPS = int(os.environ.get("MOELORA_FUSED_LORA_WARPS", "0") or 0)
+_MAXNREG = int(os.environ.get("MOELORA_FUSED_LORA_MAXNREG", "0") or 0)
 
 if HAS_TRITON:
     import triton
@@ -168,7 +175,7 @@ def moe_lora_fused(
         return
     ids = topk_ids.reshape(-1)
     max_width = triton.cdiv(O, n)  # a guess (equal slices) for SPLIT_N only: each program loops over all its tiles
-    warps = num_warps if num_warps is not None else fused_num_warps(P * n)
+    warps = num_warps if num_warps is not None else (_FORCED_WARPS or fused_num_warps(P * n))
     block_r, block_d, block_n = fused_blocks(R, D, max_width, warps)
     split = fused_split_n(P * n, max_width, block_n, split_n)
     w = pair_weights if pair_weights is not None else scaling
@@ -177,6 +184,7 @@ def moe_lora_fused(
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=warps,
+        **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
     )
 
 
