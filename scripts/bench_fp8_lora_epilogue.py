@@ -1,16 +1,17 @@
-"""The dense LoRA epilogue of the FP8 GEMM, per mode, µs per call from CUDA-graph replay (GPU).
+"""Dense LoRA on an FP8 base, µs per LoRALinear call from CUDA-graph replay (GPU).
 
-Session 13's profile: at batch 64 with 4 adapters the FP8 GEMMs take +0.70 ms a step (+0.95 with 8) with LoRA,
-~7 µs per dense GEMM, against ~4-5 µs for the GEMM itself. This times one FP8 LoRALinear call (the activation
-quantization, the shrink into split-K partials, the GEMM with the expand in its epilogue) at Qwen3-30B-A3B's qkv
-(2048 -> 4096 + 512 + 512) and o_proj (4096 -> 2048) for each epilogue mode (set_fp8_lora_epilogue_mode), beside:
-  base      the same call without adapters (quantization + GEMM)
-  one_row   the LoRA call with one row on an adapter, the rest on none (the LoRA path's fixed cost)
-  separate  MOELORA_FP8_LORA_EPILOGUE=0's path: the shrink, the GEMM, then the expand kernel
+One FP8 LoRALinear call at Qwen3-30B-A3B's qkv (2048 -> 4096 + 512 + 512) and o_proj (4096 -> 2048):
+  base      without adapters (the activation quantization + the GEMM)
+  epilogue  the default with adapters: the shrink into split-K partials, the GEMM with the expand in its epilogue
+  separate  MOELORA_FP8_LORA_EPILOGUE=0: the shrink, the GEMM, then the expand kernel
+  one_row   the default with one row on an adapter and the rest on none
+  single    one adapter only: the single-slot path (plain matmuls on that slot, set_single_slot_fast_path;
+            outside CUDA graphs), against `epilogue` with it turned off
 Rank 16, max_loras 8, tokens round-robin over the adapters; --layers modules in rotation so L2 does not hold a
-layer's weights between calls.
+layer's weights between calls; --dtype bfloat16: the same on a bf16 base (no epilogue there). (Session 14 measured four forms of the epilogue with this script; the comment
+in _fp8_gemm_kernel has the figures.)
 
-    python scripts/bench_fp8_lora_epilogue.py [--tokens 16,64,256] [--adapters 1,4,8] [--json out.json]
+    python scripts/bench_fp8_lora_epilogue.py [--tokens 16,64,256,1024,4096] [--adapters 1,4,8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,21 +23,22 @@ import torch
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.bench.common import graph_time_us
-from moelora.kernels.fp8_triton import LORA_EPILOGUE_MODES, set_fp8_lora_epilogue, set_fp8_lora_epilogue_mode
+from moelora.kernels.fp8_triton import set_fp8_lora_epilogue
 from moelora.layers.fp8 import Fp8State, to_fp8
-from moelora.layers.linear import LoRALinear
+from moelora.layers.linear import LoRALinear, set_single_slot_fast_path
 
 SHAPES = {"qkv": (2048, [4096, 512, 512]), "o": (4096, [2048])}
 MAX_LORAS, RANK = 8, 16
 
 
-def build(name: str, layers: int, g: torch.Generator) -> list[LoRALinear]:
+def build(name: str, layers: int, g: torch.Generator, fp8: bool = True) -> list[LoRALinear]:
     D, outs = SHAPES[name]
     mods = []
     for _ in range(layers):
         lin = LoRALinear(D, outs, False, torch.bfloat16, "cuda")
         lin.weight.copy_(torch.randn(sum(outs), D, device="cuda", generator=g) * D**-0.5)
-        to_fp8(lin, Fp8State((128, 128), torch.bfloat16, None), quantize=True)
+        if fp8:
+            to_fp8(lin, Fp8State((128, 128), torch.bfloat16, None), quantize=True)
         lin.enable_lora(MAX_LORAS, RANK)
         for s in range(MAX_LORAS):
             for i, o in enumerate(outs):
@@ -48,48 +50,46 @@ def build(name: str, layers: int, g: torch.Generator) -> list[LoRALinear]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="16,64,256")
+    ap.add_argument("--tokens", default="16,64,256,1024,4096")
     ap.add_argument("--adapters", default="1,4,8")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dtype", default="fp8", choices=["fp8", "bfloat16"],
+                    help="the base weights (bfloat16: cuBLAS base, the grouped shrink/expand kernels; no epilogue)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'case':>4} {'T':>4} {'ad':>3} | {'base':>6} {'one_row':>7} {'separ':>6} | "
-          + " ".join(f"{m:>7}" for m in LORA_EPILOGUE_MODES) + "  (µs per call)")
+    print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'separ':>7} {'one_row':>7} {'single':>7}  (µs per call)")
     for name in SHAPES:
-        mods = build(name, args.layers, g)
+        mods = build(name, args.layers, g, args.dtype == "fp8")
         D = SHAPES[name][0]
         for T in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
             base = graph_time_us(lambda li: mods[li](x), args.layers)
             for n_ad in (int(a) for a in args.adapters.split(",")):
                 batch = LoRABatch.build([t % n_ad for t in range(T)], MAX_LORAS, "cuda")
-                none = LoRABatch.build([-1] * (T - 1) + [0], MAX_LORAS, "cuda")  # one row: the LoRA path runs
-                row = {"case": name, "tokens": T, "adapters": n_ad, "base_us": base,
-                       "one_row_us": graph_time_us(lambda li: mods[li](x, none), args.layers)}
-                set_fp8_lora_epilogue(False)
+                one = LoRABatch.build([-1] * (T - 1) + [0], MAX_LORAS, "cuda")
+                set_single_slot_fast_path(False)  # the grouped kernels (what a CUDA graph runs)
                 try:
-                    row["separate_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
-                finally:
-                    set_fp8_lora_epilogue(True)
-                ref = None
-                for mode in LORA_EPILOGUE_MODES:
-                    set_fp8_lora_epilogue_mode(mode)
+                    row = {"case": name, "tokens": T, "adapters": n_ad, "base_us": base,
+                           "epilogue_us": graph_time_us(lambda li: mods[li](x, batch), args.layers),
+                           "one_row_us": graph_time_us(lambda li: mods[li](x, one), args.layers)}
+                    set_fp8_lora_epilogue(False)
                     try:
-                        row[f"{mode}_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
-                        out = mods[0](x, batch)
+                        row["separate_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
                     finally:
-                        set_fp8_lora_epilogue_mode("hoist")
-                    ref = out if ref is None else ref
-                    row[f"{mode}_equal"] = bool(torch.equal(out, ref))
+                        set_fp8_lora_epilogue(True)
+                finally:
+                    set_single_slot_fast_path(True)
+                row["single_slot_us"] = (graph_time_us(lambda li: mods[li](x, batch), args.layers) if n_ad == 1
+                                         else None)
                 rows.append(row)
-                print(f"{name:>4} {T:>4} {n_ad:>3} | {base:6.1f} {row['one_row_us']:7.1f} {row['separate_us']:6.1f} | "
-                      + " ".join(f"{row[f'{m}_us']:7.1f}" for m in LORA_EPILOGUE_MODES)
-                      + ("" if all(row[f"{m}_equal"] for m in LORA_EPILOGUE_MODES) else "  NOT bit-equal"))
+                single = f"{row['single_slot_us']:7.1f}" if n_ad == 1 else f"{'':>7}"
+                print(f"{name:>4} {T:>5} {n_ad:>3} | {base:7.1f} {row['epilogue_us']:7.1f} {row['separate_us']:7.1f} "
+                      f"{row['one_row_us']:7.1f} {single}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

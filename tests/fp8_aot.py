@@ -37,12 +37,11 @@ for a_fp8, grouped, block_m, split_k in [(False, True, 16, 1), (False, False, 64
 # the dense GEMM with the multi-LoRA expand in its epilogue (3 slices, the shrink's partials, split-K)
 ptrs.update({"lh_ptr": "*fp32", "lb_ptr": "*bf16", "loff_ptr": "*i32", "lrank_ptr": "*i32", "lscale_ptr": "*fp32",
              "lslot_ptr": "*i32"})
-for mode in (0, 1, 2, 3):  # the epilogue modes: per slot, h hoisted, slots stacked, four slots a round
-    consts.update(A_FP8=True, GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, SPLIT_K=4, LORA_N=3, LORA_SK=8,
-                  LORA_BR=16, LORA_PRECISION="tf32", LORA_MODE=mode, LORA_SC=8, LORA_CHUNKS=1)
-    ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
-    assert "e4m3" in ptx and ptx.count("mma") >= 2
-    print("ok gemm with the LoRA epilogue, mode", mode)
+consts.update(A_FP8=True, GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, SPLIT_K=4, LORA_N=3, LORA_SK=8,
+              LORA_BR=16, LORA_PRECISION="tf32")
+ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
+assert "e4m3" in ptx and ptx.count("mma") >= 2
+print("ok gemm with the LoRA epilogue")
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"]

@@ -452,7 +452,7 @@ def test_triton_kernels_compile_for_sm90_ahead_of_time():
     script = os.path.join(os.path.dirname(__file__), "fp8_aot.py")
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok") == 14, r.stdout
+    assert r.stdout.count("ok") == 11, r.stdout
 
 
 def test_deepseek_v3_fp8_checkpoint_mla_kv_b_dequantized(tmp_path):
@@ -578,17 +578,13 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("mode", ["slots", "hoist", "stacked", "grouped"])
-def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, mode):
+def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k):
     """fp8_linear(lora=...) adds lora_expand's delta to the fp32 tile before its one rounding: slices whose
     boundaries fall inside a column tile, slots of rank 0 for a slice, base rows (slot -1) untouched by LoRA,
-    the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once). Each
-    epilogue mode (set_fp8_lora_epilogue_mode) against "slots": the same result (bit for bit on the GPU:
-    test_fp8_gpu.py; the interpreter's dots may sum in another order); h past a slot's rank holds NaN here, so a
-    mask by the wrong rank shows."""
+    the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once); h past
+    a slot's rank holds NaN here, so a mask by the wrong rank shows."""
     from moelora.kernels.fp8_triton import (
         Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref, fp8_linear_ref, set_fp8_gemm_config,
-        set_fp8_lora_epilogue_mode,
     )
     from moelora.kernels.groups import SlotGroups
     from moelora.kernels.lora_triton import lora_shrink
@@ -620,14 +616,9 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, mode):
     lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots)
     set_fp8_gemm_config("dense", Fp8GemmConfig(32, 4, 2, 16, split_k))
     try:
-        set_fp8_lora_epilogue_mode(mode)
         y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32, lora=lora)
-        set_fp8_lora_epilogue_mode("slots")
-        other = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32, lora=lora)
     finally:
         set_fp8_gemm_config("dense", None)
-        set_fp8_lora_epilogue_mode("hoist")
-    assert torch.allclose(y, other, rtol=1e-6, atol=1e-6)
     ref = fp8_linear_lora_ref(xq, q, s, blk, bias, lora, groups, x_scale=xs, out_dtype=torch.float32)
     base = fp8_linear_ref(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)

@@ -84,97 +84,6 @@ if HAS_TRITON:
         return acc, last
 
     @triton.jit
-    def _lora_slots(acc, row_slot, rows, offs_r, offs_n, col_in, i, S, lh_ptr, lb_ptr, lrank_ptr, lscale_ptr,
-                    slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r, LORA_SK: tl.constexpr,
-                    LORA_PRECISION: tl.constexpr):
-        """Epilogue mode 0: per slot present in the tile, its rows' h (LORA_SK partials) and its B, one dot."""
-        for slot in range(S):
-            row_in = row_slot == slot
-            rank = tl.load(lrank_ptr + i * S + slot)
-            if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
-                mask_r = offs_r < rank
-                mask_h = row_in[:, None] & mask_r[None, :]
-                h_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-                ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
-                for sk in range(1, LORA_SK):  # the shrink's split-K partials, in order
-                    ht += tl.load(h_ptrs + sk * slh_s, mask=mask_h, other=0.0)
-                bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
-                             mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
-                acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(lscale_ptr + i * S + slot)
-        return acc
-
-    @triton.jit
-    def _lora_hoisted(acc, h_all, row_slot, offs_r, offs_n, col_in, i, S, lb_ptr, lrank_ptr, lscale_ptr,
-                      slb_s, slb_o, slb_r, LORA_PRECISION: tl.constexpr):
-        """Epilogue mode 1: every row's h already loaded (h_all [BM, BR] fp32); per slot present, its B, one dot."""
-        for slot in range(S):
-            row_in = row_slot == slot
-            rank = tl.load(lrank_ptr + i * S + slot)
-            if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
-                mask_r = offs_r < rank
-                bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
-                             mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
-                ht = tl.where(row_in[:, None], h_all, 0.0)
-                acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(lscale_ptr + i * S + slot)
-        return acc
-
-    @triton.jit
-    def _lora_stacked(ht, row_slot, offs_n, col_in, i, S, lb_ptr, lrank_ptr, slb_s, slb_o, slb_r,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LORA_BR: tl.constexpr, LORA_SC: tl.constexpr,
-                      LORA_CHUNKS: tl.constexpr, LORA_PRECISION: tl.constexpr):
-        """Epilogue mode 2: ht [BM, BR] (every row's h, rounded to B's dtype) placed in its row's slot block of
-        [BM, SC x BR], one dot per chunk of SC slots against their B stacked [SC x BR, BN] (B rows of slots absent
-        from the tile or past a rank: masked, not read). Returns the unscaled fp32 delta [BM, BN]."""
-        offs_q = tl.arange(0, LORA_SC * LORA_BR)  # stacked columns: (slot in chunk, r)
-        q_r = offs_q % LORA_BR
-        h3 = tl.broadcast_to(ht[:, None, :], (BLOCK_M, LORA_SC, LORA_BR))
-        hs = tl.reshape(h3, (BLOCK_M, LORA_SC * LORA_BR))  # h in every block
-        lacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for c in tl.static_range(LORA_CHUNKS):
-            q_slot = c * LORA_SC + offs_q // LORA_BR  # [SC x BR]
-            sel = row_slot[:, None] == q_slot[None, :]  # [BM, SC x BR]: the row's own block
-            present = tl.max(sel.to(tl.int32), axis=0) > 0  # slots with rows in this tile
-            rank_q = tl.load(lrank_ptr + i * S + q_slot, mask=q_slot < S, other=0)
-            mask_b = present & (q_r < rank_q)
-            bt = tl.load(lb_ptr + q_slot[:, None] * slb_s + offs_n[None, :] * slb_o + q_r[:, None] * slb_r,
-                         mask=mask_b[:, None] & col_in[None, :], other=0.0)  # [SC x BR, BN]
-            lacc += tl.dot(tl.where(sel, hs, tl.zeros_like(hs)), bt, input_precision=LORA_PRECISION)
-        return lacc
-
-    @triton.jit
-    def _lora_b(lb_ptr, lrank_ptr, row_slot, offs_r, offs_n, col_in, i, S, slot, slb_s, slb_o, slb_r):
-        """B [BR, BN] of `slot` for slice i's columns of the tile; zeros (not read) for a slot past S, absent from
-        the tile's rows, or of rank 0."""
-        rank = tl.load(lrank_ptr + i * S + tl.minimum(slot, S - 1))
-        rows_in = tl.max((row_slot == slot).to(tl.int32), axis=0)  # 0 past S too: slots are < S
-        mask_r = offs_r < tl.where(rows_in > 0, rank, 0)
-        return tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
-                       mask=mask_r[:, None] & col_in[None, :], other=0.0)
-
-    @triton.jit
-    def _lora_dot(acc, bt, h_all, row_slot, slot, lscale_ptr, i, S, LORA_PRECISION: tl.constexpr):
-        """acc + scaling[i, slot] * (the rows of `slot`: h_all rounded to B's dtype) @ bt."""
-        ht = tl.where((row_slot == slot)[:, None], h_all, 0.0)
-        scale = tl.load(lscale_ptr + i * S + tl.minimum(slot, S - 1))  # slot past S: bt is zeros
-        return acc + tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * scale
-
-    @triton.jit
-    def _lora_grouped(acc, h_all, row_slot, offs_r, offs_n, col_in, i, S, lb_ptr, lrank_ptr, lscale_ptr,
-                      slb_s, slb_o, slb_r, LORA_PRECISION: tl.constexpr):
-        """Epilogue mode 3: the slots four at a time, their four B tiles loaded before the four dots (one round of
-        loads per four slots instead of one per slot; absent slots add exact zeros)."""
-        for s0 in range(0, S, 4):
-            b0 = _lora_b(lb_ptr, lrank_ptr, row_slot, offs_r, offs_n, col_in, i, S, s0, slb_s, slb_o, slb_r)
-            b1 = _lora_b(lb_ptr, lrank_ptr, row_slot, offs_r, offs_n, col_in, i, S, s0 + 1, slb_s, slb_o, slb_r)
-            b2 = _lora_b(lb_ptr, lrank_ptr, row_slot, offs_r, offs_n, col_in, i, S, s0 + 2, slb_s, slb_o, slb_r)
-            b3 = _lora_b(lb_ptr, lrank_ptr, row_slot, offs_r, offs_n, col_in, i, S, s0 + 3, slb_s, slb_o, slb_r)
-            acc = _lora_dot(acc, b0, h_all, row_slot, s0, lscale_ptr, i, S, LORA_PRECISION)
-            acc = _lora_dot(acc, b1, h_all, row_slot, s0 + 1, lscale_ptr, i, S, LORA_PRECISION)
-            acc = _lora_dot(acc, b2, h_all, row_slot, s0 + 2, lscale_ptr, i, S, LORA_PRECISION)
-            acc = _lora_dot(acc, b3, h_all, row_slot, s0 + 3, lscale_ptr, i, S, LORA_PRECISION)
-        return acc
-
-    @triton.jit
     def _fp8_gemm_kernel(
         a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr, ws_ptr, cnt_ptr,
         M, N, K,
@@ -186,25 +95,21 @@ if HAS_TRITON:
         lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None,
         S=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
-        LORA_PRECISION: tl.constexpr = "ieee", LORA_MODE: tl.constexpr = 1, LORA_SC: tl.constexpr = 8,
-        LORA_CHUNKS: tl.constexpr = 1,
+        LORA_PRECISION: tl.constexpr = "ieee",
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand in the epilogue, lora_expand's semantics on the fp32 tile
         # before its one rounding: acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype)
         # @ lb[s, o_i, :r].T for rows t of slot s = lslot[t] >= 0, r = ranks[i, s] > 0
-        # LORA_MODE (set_fp8_lora_epilogue_mode / MOELORA_FP8_LORA_EPILOGUE_MODE): 0 "slots": per slot present,
-        # its rows' h (the shrink's LORA_SK split-K partials summed) and its B loaded, one dot; 1 "hoist" (default,
-        # session 14: 4,715 / 4,593 against 4,651 / 4,443 tok/s at batch 64 with 4 / 8 adapters, same run): every
-        # row's h loaded once per slice before the slot loop, which then loads only B (the same dots on the same
-        # operands: bit-equal to 0); 2 "stacked": per chunk of LORA_SC slots one dot of the rows' h placed in their
-        # slot's column block [BM, SC x BR] with those slots' B stacked [SC x BR, BN], scaled per row after the dot
-        # (the other blocks are exact zeros: bit-equal to 0 as well) — ~2 rounds of loads instead of one per slot;
-        # 3 "grouped": h hoisted, the slots four at a time, their four B tiles loaded before the four dots (absent
-        # slots add exact zeros: bit-equal too). Compiled for sm_90 (tests/fp8_aot.py), the decode qkv variant
-        # (64-row blocks, Triton 3.9's ptxas) takes 130 / 145 / 255 (+ 264 bytes of spills) / 180 registers in modes
-        # 0 / 1 / 2 / 3, against 128 without LoRA.
-        # Session 10 measured a first stacked form slower at batch 256 (11,231 / 10,168 against 11,747 / 10,537
-        # tok/s, 4 / 8 adapters); session 14 measures the three per GEMM (scripts/bench_fp8_lora_epilogue.py).
+        # Every row's h (the shrink's LORA_SK split-K partials summed) is loaded once per slice, before the loop
+        # over slots, which then loads only B. Session 14 measured four forms of this epilogue, bit-equal on the
+        # H200 (scripts/bench_fp8_lora_epilogue.py, µs per qkv / o_proj call at 64 tokens, 4 adapters; the base
+        # GEMM alone 10.5 / 12.1): this one 19.9 / 22.8; h loaded per slot present 22.2 / 24.7 (end to end 4,651 /
+        # 4,443 against 4,715 / 4,593 tok/s at batch 64, 4 / 8 adapters); slots stacked in one [BM, 8 x 16] dot
+        # 21.7 / 23.9 (255 registers and spills at 64-row blocks; 45.0 against 30.1 for qkv at 256 tokens);
+        # four slots' B loaded before their four dots 20.2 / 22.7, 22.0 / 24.3 with 8 adapters against 22.9 /
+        # 25.4, but 40.7 against 30.1 for qkv at 256 tokens (180 registers against 145), and end to end 4,734 /
+        # 4,639 against 4,728 / 4,602 at batch 64 and 12,570 / 11,322 against 12,930 / 11,603 at 256. The GEMM,
+        # then lora_expand in its own launch (MOELORA_FP8_LORA_EPILOGUE=0): 21.1 / 22.0.
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
@@ -254,36 +159,29 @@ if HAS_TRITON:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if LORA_N > 0:
             row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
+            has = mask_m & (row_slot >= 0)
             offs_r = tl.arange(0, LORA_BR)
             for i in tl.static_range(LORA_N):
                 o0 = tl.load(loff_ptr + i)
                 col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
                 if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
-                    if LORA_MODE == 0:
-                        acc = _lora_slots(acc, row_slot, rows, offs_r, offs_n, col_in, i, S, lh_ptr, lb_ptr, lrank_ptr,
-                                          lscale_ptr, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
-                                          LORA_SK, LORA_PRECISION)
-                    else:
-                        # every row's h once: its slot's rank masks the columns (entries past it are never written)
-                        has = mask_m & (row_slot >= 0)
-                        slot_c = tl.maximum(row_slot, 0)
-                        rank_rows = tl.load(lrank_ptr + i * S + slot_c, mask=has, other=0)  # [BLOCK_M]
-                        mask_hr = offs_r[None, :] < rank_rows[:, None]
-                        hr_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-                        h_all = tl.load(hr_ptrs, mask=mask_hr, other=0.0)
-                        for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
-                            h_all += tl.load(hr_ptrs + part * slh_s, mask=mask_hr, other=0.0)
-                        if LORA_MODE == 3:
-                            acc = _lora_grouped(acc, h_all, row_slot, offs_r, offs_n, col_in, i, S, lb_ptr, lrank_ptr,
-                                                lscale_ptr, slb_s, slb_o, slb_r, LORA_PRECISION)
-                        elif LORA_MODE == 1:
-                            acc = _lora_hoisted(acc, h_all, row_slot, offs_r, offs_n, col_in, i, S, lb_ptr, lrank_ptr,
-                                                lscale_ptr, slb_s, slb_o, slb_r, LORA_PRECISION)
-                        else:  # 2
-                            scale_m = tl.load(lscale_ptr + i * S + slot_c, mask=has, other=0.0)  # [BLOCK_M]
-                            acc += _lora_stacked(h_all.to(lb_ptr.dtype.element_ty), row_slot, offs_n, col_in, i, S,
-                                                 lb_ptr, lrank_ptr, slb_s, slb_o, slb_r, BLOCK_M, BLOCK_N, LORA_BR,
-                                                 LORA_SC, LORA_CHUNKS, LORA_PRECISION) * scale_m[:, None]
+                    # every row's h once: its slot's rank masks the columns (entries past it are never written)
+                    rank_rows = tl.load(lrank_ptr + i * S + tl.maximum(row_slot, 0), mask=has, other=0)  # [BLOCK_M]
+                    mask_hr = offs_r[None, :] < rank_rows[:, None]
+                    hr_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
+                    h_all = tl.load(hr_ptrs, mask=mask_hr, other=0.0)
+                    for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
+                        h_all += tl.load(hr_ptrs + part * slh_s, mask=mask_hr, other=0.0)
+                    for slot in range(S):
+                        row_in = row_slot == slot
+                        rank = tl.load(lrank_ptr + i * S + slot)
+                        if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
+                            mask_r = offs_r < rank
+                            bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                         mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                            ht = tl.where(row_in[:, None], h_all, 0.0)
+                            acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
+                                lscale_ptr + i * S + slot)
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -437,15 +335,11 @@ class Fp8LoRAEpilogue:
         h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
         sk, n, _, R = h.shape
         b = self.b_cat
-        S = b.shape[0]
-        br = max(16, triton.next_power_of_2(R))
-        sc = min(triton.next_power_of_2(S), max(1, LORA_STACK_COLUMNS // br))  # slots per stacked dot
         return dict(lh_ptr=h, lb_ptr=b, loff_ptr=self.slice_offsets, lrank_ptr=self.ranks, lscale_ptr=self.scaling,
                     lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
                     slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
-                    LORA_N=n, LORA_SK=sk, LORA_BR=br, LORA_PRECISION=dot_precision(b.dtype),
-                    LORA_MODE=LORA_EPILOGUE_MODES.index(fp8_lora_epilogue_mode()), LORA_SC=sc,
-                    LORA_CHUNKS=triton.cdiv(S, sc))
+                    LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
+                    LORA_PRECISION=dot_precision(b.dtype))
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
@@ -521,35 +415,6 @@ def set_fp8_lora_epilogue(enabled: bool) -> None:
 
 def fp8_lora_epilogue() -> bool:
     return _LORA_EPILOGUE[0]
-
-
-LORA_EPILOGUE_MODES = ("slots", "hoist", "stacked", "grouped")  # LORA_MODE 0 / 1 / 2 / 3 of _fp8_gemm_kernel
-LORA_STACK_COLUMNS = 128  # the stacked epilogue's dot depth: slots x padded rank per dot (its B tile: 128 x BLOCK_N)
-
-
-def _mode_from_env() -> str:
-    mode = os.environ.get("MOELORA_FP8_LORA_EPILOGUE_MODE", "hoist")
-    if mode not in LORA_EPILOGUE_MODES:
-        raise ValueError(f"MOELORA_FP8_LORA_EPILOGUE_MODE must be one of {', '.join(LORA_EPILOGUE_MODES)}; got {mode!r}")
-    return mode
-
-
-_LORA_MODE = [_mode_from_env()]
-
-
-def set_fp8_lora_epilogue_mode(mode: str) -> None:
-    """How the dense LoRA epilogue of the FP8 GEMM walks the slots (LORA_MODE in _fp8_gemm_kernel; all three give
-    the same result, bit for bit, on the GPU): "slots" (per slot present: its rows' h and its B), "hoist" (the
-    default: every row's h once per slice, then per slot its B), "stacked" (one dot per chunk of 8 slots with
-    their B stacked) or "grouped" (h hoisted, the slots four at a time, their B loaded before their dots). Also
-    MOELORA_FP8_LORA_EPILOGUE_MODE."""
-    if mode not in LORA_EPILOGUE_MODES:
-        raise ValueError(f"set_fp8_lora_epilogue_mode: mode must be one of {', '.join(LORA_EPILOGUE_MODES)}; got {mode!r}")
-    _LORA_MODE[0] = mode
-
-
-def fp8_lora_epilogue_mode() -> str:
-    return _LORA_MODE[0]
 
 
 _PRODUCER_QUANT = os.environ.get("MOELORA_FP8_PRODUCER_QUANT", "1") != "0"  # 0: the GEMMs quantize their inputs
@@ -722,5 +587,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_epilogue_mode", "fp8_lora_epilogue_mode", "LORA_EPILOGUE_MODES", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]
