@@ -123,3 +123,63 @@ def test_split_k_partials_need_no_zeroed_buffer(split_k):
     assert not y.isnan().any(), "the expand read a partial the shrink did not write"
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     assert lora_shrink_buffer(n, T, R, H, "cpu").shape == (1, n, T, R)
+
+
+def test_single_slot_path_policy():
+    """The single-adapter path (plain matmuls): one slot, outside a graph; on a GPU only from
+    SINGLE_SLOT_MIN_TOKENS tokens (the grouped kernels are faster below: session 14), at any size on the CPU;
+    set_single_slot_fast_path moves the threshold or turns it off."""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.layers.linear import SINGLE_SLOT_MIN_TOKENS, set_single_slot_fast_path, single_slot_path
+
+    one = LoRABatch.build([2, -1, 2], 4)
+    two = LoRABatch.build([2, 1, 2], 4)
+    assert one.single_slot == 2 and two.single_slot is None
+    assert single_slot_path(one, 3, on_gpu=False) and not single_slot_path(two, 3, on_gpu=False)
+    assert not single_slot_path(one, SINGLE_SLOT_MIN_TOKENS - 1, on_gpu=True)
+    assert single_slot_path(one, SINGLE_SLOT_MIN_TOKENS, on_gpu=True)
+    try:
+        set_single_slot_fast_path(True, min_tokens=3)
+        assert single_slot_path(one, 3, on_gpu=True)
+        set_single_slot_fast_path(False)
+        assert not single_slot_path(one, 3, on_gpu=False)
+    finally:
+        set_single_slot_fast_path(True, min_tokens=SINGLE_SLOT_MIN_TOKENS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_single_adapter_layer_takes_the_measured_path(fp8, monkeypatch):
+    """A LoRALinear with one adapter in the batch: below SINGLE_SLOT_MIN_TOKENS the grouped kernels (or, on an
+    FP8 base, the GEMM's epilogue) run, from it the single-slot matmuls on a bf16 base and still the epilogue on
+    an FP8 one; each result equals the other path's within bf16 rounding."""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.layers import linear
+    from moelora.layers.fp8 import Fp8State, to_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lin = linear.LoRALinear(2048, [4096, 512, 512], False, torch.bfloat16, "cuda")
+    lin.weight.copy_(torch.randn(5120, 2048, device="cuda", generator=gen) * 2048**-0.5)
+    if fp8:
+        to_fp8(lin, Fp8State((128, 128), torch.bfloat16, None), quantize=True)
+    lin.enable_lora(4, 16)
+    for i, out in enumerate(lin.out_features):
+        lin.lora.set_slot(i, 1, torch.randn(16, 2048, device="cuda", generator=gen) * 0.05,
+                          torch.randn(out, 16, device="cuda", generator=gen) * 0.25, 2.0)
+    calls = []
+    real = linear.lora_single_slot
+    monkeypatch.setattr(linear, "lora_single_slot", lambda *a: (calls.append(1), real(*a)))
+    for T in (64, linear.SINGLE_SLOT_MIN_TOKENS):
+        x = torch.randn(T, 2048, device="cuda", generator=gen).bfloat16()
+        batch = LoRABatch.build([1 if t % 3 else -1 for t in range(T)], 4, "cuda")
+        calls.clear()
+        y = lin(x, batch)
+        assert len(calls) == (0 if fp8 or T < linear.SINGLE_SLOT_MIN_TOKENS else 1), (T, calls)
+        linear.set_single_slot_fast_path(False)
+        try:
+            other = lin(x, batch)
+        finally:
+            linear.set_single_slot_fast_path(True)
+        assert (y.float() - other.float()).abs().max() <= 2.0**-6 * other.float().abs().max()
+        assert (y.float() - lin(x).float()).abs().max() > 0.05  # the delta is there

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,13 +15,31 @@ from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused
 from moelora.layers.lora import LoRAWeights, lora_active
 
 
-_SINGLE_SLOT = {"enabled": True}
+# The single-adapter path (plain matmuls on the slot: ~12 small launches for qkv) on a GPU only from this many
+# tokens. Session 14 (scripts/bench_fp8_lora_epilogue.py, H200, rank 16, µs per call, grouped kernels against
+# it): bf16 qkv 16.9 / 51.9 at 64 tokens, 87.2 / 98.2 at 1,024, 308.6 / 282.7 at 4,096; o_proj 20.1 / 25.8,
+# 57.8 / 45.8, 159.1 / 134.8. On an FP8 base the GEMM's LoRA epilogue is used at every size (qkv 17.8 / 54.6 at
+# 64 tokens, 224.0 / 341.8 at 4,096; o_proj 227.6 / 234.2 at 4,096). MOELORA_SINGLE_SLOT_MIN_TOKENS overrides it.
+SINGLE_SLOT_MIN_TOKENS = 1024
+_SINGLE_SLOT = {"enabled": True,
+                "min_tokens": int(os.environ.get("MOELORA_SINGLE_SLOT_MIN_TOKENS", str(SINGLE_SLOT_MIN_TOKENS)))}
 
 
-def set_single_slot_fast_path(enabled: bool) -> None:
+def set_single_slot_fast_path(enabled: bool, min_tokens: int | None = None) -> None:
     """Turn the cuBLAS single-adapter path off (tests that compare eager with graph replay bit for bit: a
-    graph always runs the grouped kernels)."""
+    graph always runs the grouped kernels), or set from how many tokens a GPU batch takes it."""
     _SINGLE_SLOT["enabled"] = bool(enabled)
+    if min_tokens is not None:
+        _SINGLE_SLOT["min_tokens"] = int(min_tokens)
+
+
+def single_slot_path(lora: LoRABatch, num_tokens: int, on_gpu: bool) -> bool:
+    """Whether dense LoRA takes the single-adapter path: every LoRA token on one slot, outside a CUDA graph, the
+    path on, and on a GPU at least SINGLE_SLOT_MIN_TOKENS tokens (below, the grouped kernels are faster; on
+    the CPU the matmuls are, at any size)."""
+    if lora.single_slot is None or lora.graph or not _SINGLE_SLOT["enabled"]:
+        return False
+    return not on_gpu or num_tokens >= _SINGLE_SLOT["min_tokens"]
 
 
 def dense_lora_h(w: LoRAWeights, x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +55,8 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
     """y[t] += per slice i: scaling[i, s] * B_i[s] A_i[s] x[t], s = slot of token t (rows of slot -1 untouched).
 
     set_fused_dense_lora(True) and T <= FUSED_DENSE_MAX_TOKENS on a GPU (or under TRITON_INTERPRET): one fused launch.
-    One adapter in the batch: plain matmuls on that slot (cuBLAS on a GPU). Several: the grouped
+    One adapter in the batch (on a GPU from SINGLE_SLOT_MIN_TOKENS tokens): plain matmuls on that slot (cuBLAS
+    on a GPU). Otherwise the grouped
     shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
     x: [T, H] · y: [T, sum(out_i)] (x's dtype, or fp32 for a delta buffer) · h: the shrink's fp32 buffer
     dense_lora_h(w, x) (given by a caller that allocates before a stream fork; else made here; no zero-fill)
@@ -45,7 +66,7 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
         lora_fused_decode(x, w.a, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups, y,
                           max_width=max(w.out_features))
         return
-    if lora.single_slot is not None and not lora.graph and _SINGLE_SLOT["enabled"]:
+    if single_slot_path(lora, x.shape[0], x.is_cuda):
         g = lora.groups
         rows = None if lora.all_lora else g.sorted_token_ids[: g.counts[0]].long()
         lora_single_slot(x, w.a, w.b_cat, w.slice_offsets_host, w.ranks, w.scaling, lora.single_slot, rows, y)
@@ -115,8 +136,8 @@ class LoRALinear(nn.Module):
         from moelora.layers.fp8 import Fp8State
 
         st = self.quant
-        return (fp8_lora_epilogue() and isinstance(st, Fp8State) and st.reference is None and not fused_dense_lora()
-                and not (lora.single_slot is not None and not lora.graph and _SINGLE_SLOT["enabled"]))
+        # at every size, one adapter or several (faster than the single-adapter path: SINGLE_SLOT_MIN_TOKENS)
+        return fp8_lora_epilogue() and isinstance(st, Fp8State) and st.reference is None and not fused_dense_lora()
 
     def _forward_fp8_epilogue(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """y = the FP8 GEMM with the LoRA expand added in its epilogue (one launch instead of two; the sum rounded
