@@ -39,96 +39,76 @@ FUSED_TARGET_PROGRAMS = 264  # SPLIT_N aims at this many programs: 2 per SM of a
 # batch 64; a 4-warp CTA of this kernel takes 7,168 — session 13, scripts/kernel_resources.py).
 _FORCED_WARPS = int(os.environ.get("MOELORA_FUSED_LORA_WARPS", "0") or 0)
 _MAXNREG = int(os.environ.get("MOELORA_FUSED_LORA_MAXNREG", "0") or 0)
-# MOELORA_FUSED_LORA_PROGRAMS=G: about G programs in all (G // (slices x splits) per slice and split, at least 1),
-# each looping over pairs (PERSIST; 0, the default: one program per pair). An experiment of session 14: a fixed
-# share of each SM (G = 132: one CTA per SM of an H200) beside the expert GEMM's CTAs.
-_PROGRAMS = int(os.environ.get("MOELORA_FUSED_LORA_PROGRAMS", "0") or 0)
+# (Session 14 also tried a persistent form, ~132 or 264 programs each looping over the pairs, so that the kernel
+# keeps one or two CTAs per SM beside the expert GEMM's: it ran beside other kernels for 2,997 / 1,651 of its
+# µs a step instead of 453, but took 7,251 / 4,054 µs instead of 2,006 (fewer loads in flight), and batch 64
+# with 4 adapters fell from 4,722 to 3,782 / 4,339 tok/s, same run (commit 62e298d). Removed. Both co-residency
+# switches above also lost: 4,489 with 2 warps at <= 64 registers, 4,579 with the GEMM at <= 80, against 4,651.)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _moe_lora_fused_pair(
-        p, i, pid_n, x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
+    def _moe_lora_fused_kernel(
+        x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
         D, S, K,
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
     ):
-        """One (pair p, slice i, output split pid_n): the semantics of moe_lora_fused for that pair and slice."""
-        p = tl.cast(p, tl.int64)  # a loop index is a plain int under the interpreter
+        p = tl.program_id(0)
+        i = tl.program_id(1)
+        pid_n = tl.program_id(2)
         o0 = tl.load(off_ptr + i)
         width = tl.load(off_ptr + i + 1) - o0
+        if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
+            return
         t = p // K
         slot = tl.load(slots_ptr + t)
         slot_c = tl.maximum(slot, 0)
         rank = tl.load(ranks_ptr + i * S + slot_c)
         rank = tl.where(slot >= 0, rank, 0)
+        if not STORE:
+            if rank == 0:  # add mode: rows of slot -1 and slices of rank 0 stay untouched
+                return
         e = tl.load(ids_ptr + p).to(tl.int64)
-        # a split past this slice's width (a narrower slice); add mode: rows of slot -1 and slices of rank 0 stay
-        # untouched; e < 0: another rank's expert (expert parallelism), nothing written (its row is never read)
-        if (pid_n * BLOCK_N < width) & (STORE or rank > 0) & (e >= 0):
-            row = p if X_PER_PAIR else t.to(tl.int64)
-            offs_r = tl.arange(0, BLOCK_R)
-            mask_r = offs_r < rank
-            offs_d = tl.arange(0, BLOCK_D)
-            # h = x_row @ A[i, s, e, :rank].T, fp32, the whole input dim in this program (store mode with rank 0:
-            # no iteration, h = 0, the tiles below are written with zeros)
-            a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
-            acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            d_end = tl.where(rank > 0, D, 0)
-            for d0 in range(0, d_end, BLOCK_D):
-                dd = d0 + offs_d
-                mask_d = dd < D
-                xv = tl.load(x_ptr + row * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
-                at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d,
-                             mask=mask_r[:, None] & mask_d[None, :], other=0.0)
-                acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
-            scale = tl.load(scale_ptr + i * S + slot_c)
-            if HAS_W:
-                scale = scale * tl.load(w_ptr + p).to(tl.float32)
-            hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
-            b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
-            y_row = y_ptr + p * syp
-            for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < width
-                bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
-                             mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-                delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
-                ptrs = y_row + (o0 + offs_n) * syo
-                if STORE:
-                    tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask_n)
-                else:
-                    y = tl.load(ptrs, mask=mask_n, other=0.0)
-                    tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
-
-    @triton.jit
-    def _moe_lora_fused_kernel(
-        x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
-        P, D, S, K,
-        sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
-        X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        PERSIST: tl.constexpr = False,
-    ):
-        # PERSIST (MOELORA_FUSED_LORA_PROGRAMS=G, an experiment): G programs per (slice, split), program g taking
-        # the pairs g, g + G, ... — so that the kernel holds a fixed share of each SM's registers and the side
-        # stream's LoRA can run beside the expert GEMM's CTAs instead of alternating with them
-        i = tl.program_id(1)
-        pid_n = tl.program_id(2)
-        if PERSIST:
-            for p in range(tl.program_id(0), P, tl.num_programs(0)):
-                _moe_lora_fused_pair(p, i, pid_n, x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr,
-                                     slots_ptr, w_ptr, D, S, K, sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e,
-                                     sb_o, sb_r, syp, syo, X_PER_PAIR, HAS_W, STORE, BLOCK_R, BLOCK_D, BLOCK_N,
-                                     SPLIT_N)
-        else:
-            _moe_lora_fused_pair(tl.program_id(0), i, pid_n, x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr,
-                                 ids_ptr, slots_ptr, w_ptr, D, S, K, sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s,
-                                 sb_e, sb_o, sb_r, syp, syo, X_PER_PAIR, HAS_W, STORE, BLOCK_R, BLOCK_D, BLOCK_N,
-                                 SPLIT_N)
+        if e < 0:  # another rank's expert (expert parallelism): nothing written (its row is never read)
+            return
+        row = p if X_PER_PAIR else t
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        offs_d = tl.arange(0, BLOCK_D)
+        # h = x_row @ A[i, s, e, :rank].T, fp32, the whole input dim in this program (store mode with rank 0:
+        # no iteration, h = 0, the tiles below are written with zeros)
+        a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
+        acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        d_end = tl.where(rank > 0, D, 0)
+        for d0 in range(0, d_end, BLOCK_D):
+            dd = d0 + offs_d
+            mask_d = dd < D
+            xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
+            at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d, mask=mask_r[:, None] & mask_d[None, :],
+                         other=0.0)
+            acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
+        scale = tl.load(scale_ptr + i * S + slot_c)
+        if HAS_W:
+            scale = scale * tl.load(w_ptr + p).to(tl.float32)
+        hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
+        b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
+        y_row = y_ptr + p.to(tl.int64) * syp
+        for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < width
+            bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
+                         mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
+            ptrs = y_row + (o0 + offs_n) * syo
+            if STORE:
+                tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask_n)
+            else:
+                y = tl.load(ptrs, mask=mask_n, other=0.0)
+                tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 def fused_num_warps(programs: int) -> int:
@@ -172,7 +152,6 @@ def moe_lora_fused(
     store: bool = False,
     split_n: int | None = None,
     num_warps: int | None = None,
-    programs: int | None = None,
 ) -> None:
     """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
     Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
@@ -190,8 +169,6 @@ def moe_lora_fused(
     pair_weights: [T*K] or None · store: write the delta (y may be an uninitialised fp32 buffer)
     split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
     num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
-    programs: about this many programs in all, each looping over pairs (None: MOELORA_FUSED_LORA_PROGRAMS; 0 = one
-    per pair); the same result
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
@@ -206,15 +183,12 @@ def moe_lora_fused(
     warps = num_warps if num_warps is not None else (_FORCED_WARPS or fused_num_warps(P * n))
     block_r, block_d, block_n = fused_blocks(R, D, max_width, warps)
     split = fused_split_n(P * n, max_width, block_n, split_n)
-    programs = _PROGRAMS if programs is None else programs
-    programs = max(1, programs // (n * split)) if programs > 0 else 0  # per (slice, split)
     w = pair_weights if pair_weights is not None else scaling
-    persist = 0 < programs < P
-    _moe_lora_fused_kernel[(programs if persist else P, n, split)](
-        x, a, b_cat, y, slice_offsets, ranks, scaling, ids, token_slots, w, P, D, S, K,
+    _moe_lora_fused_kernel[(P, n, split)](
+        x, a, b_cat, y, slice_offsets, ranks, scaling, ids, token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, PERSIST=persist, num_warps=warps,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=warps,
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
     )
 
@@ -235,11 +209,9 @@ def moe_lora_fused_ref(
     store: bool = False,
     split_n: int | None = None,
     num_warps: int | None = None,
-    programs: int | None = None,
 ) -> None:
     """Reference of moe_lora_fused (same semantics and shapes): moe_lora_shrink_ref into a zeroed fp32 h,
-    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps,
-    programs ignored."""
+    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored."""
     T, K = topk_ids.shape
     n, R = a.shape[0], a.shape[3]
     h = torch.zeros(T * K, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
