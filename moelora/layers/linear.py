@@ -56,8 +56,7 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
 
     set_fused_dense_lora(True) and T <= FUSED_DENSE_MAX_TOKENS on a GPU (or under TRITON_INTERPRET): one fused launch.
     One adapter in the batch (on a GPU from SINGLE_SLOT_MIN_TOKENS tokens): plain matmuls on that slot (cuBLAS
-    on a GPU). Otherwise the grouped
-    shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
+    on a GPU). Otherwise the grouped shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
     x: [T, H] · y: [T, sum(out_i)] (x's dtype, or fp32 for a delta buffer) · h: the shrink's fp32 buffer
     dense_lora_h(w, x) (given by a caller that allocates before a stream fork; else made here; no zero-fill)
     """
