@@ -8,8 +8,9 @@ One FP8 LoRALinear call at Qwen3-30B-A3B's qkv (2048 -> 4096 + 512 + 512) and o_
   single    one adapter only: the single-slot path (plain matmuls on that slot, set_single_slot_fast_path;
             outside CUDA graphs), against `epilogue` with it turned off
 Rank 16, max_loras 8, tokens round-robin over the adapters; --layers modules in rotation so L2 does not hold a
-layer's weights between calls; --dtype bfloat16: the same on a bf16 base (no epilogue there). (Session 14 measured four forms of the epilogue with this script; the comment
-in _fp8_gemm_kernel has the figures.)
+layer's weights between calls; --dtype bfloat16: the same on a bf16 base (no epilogue there).
+(Session 14 measured four forms of the epilogue with this script; the comment in _fp8_gemm_kernel has the
+figures. --json writes the rows with the date, device and commit.)
 
     python scripts/bench_fp8_lora_epilogue.py [--tokens 16,64,256,1024,4096] [--adapters 1,4,8] [--json out.json]
 """
@@ -17,12 +18,13 @@ in _fp8_gemm_kernel has the figures.)
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 
 import torch
 
 from moelora.adapters.metadata import LoRABatch
-from moelora.bench.common import graph_time_us
+from moelora.bench.common import git_commit, graph_time_us
 from moelora.kernels.fp8_triton import set_fp8_lora_epilogue
 from moelora.layers.fp8 import Fp8State, to_fp8
 from moelora.layers.linear import LoRALinear, set_single_slot_fast_path
@@ -89,7 +91,8 @@ def main() -> None:
                       f"{row['one_row_us']:7.1f} {single}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "rows": rows}, f, indent=1)
+            json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                   "commit": git_commit(), "dtype": args.dtype, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
