@@ -125,12 +125,17 @@ def test_split_k_partials_need_no_zeroed_buffer(split_k):
     assert lora_shrink_buffer(n, T, R, H, "cpu").shape == (1, n, T, R)
 
 
-def test_single_slot_path_policy():
+def test_single_slot_path_policy(monkeypatch):
     """The single-adapter path (plain matmuls): one slot, outside a graph; on a GPU only from
     SINGLE_SLOT_MIN_TOKENS tokens (the grouped kernels are faster below: session 14), at any size on the CPU;
-    set_single_slot_fast_path moves the threshold or turns it off."""
+    set_single_slot_fast_path moves the threshold or turns it off (the state, MOELORA_SINGLE_SLOT_MIN_TOKENS's
+    included, is restored afterwards)."""
     from moelora.adapters.metadata import LoRABatch
+    from moelora.layers import linear
     from moelora.layers.linear import SINGLE_SLOT_MIN_TOKENS, set_single_slot_fast_path, single_slot_path
+
+    monkeypatch.setitem(linear._SINGLE_SLOT, "enabled", True)
+    monkeypatch.setitem(linear._SINGLE_SLOT, "min_tokens", SINGLE_SLOT_MIN_TOKENS)
 
     one = LoRABatch.build([2, -1, 2], 4)
     two = LoRABatch.build([2, 1, 2], 4)
@@ -138,13 +143,10 @@ def test_single_slot_path_policy():
     assert single_slot_path(one, 3, on_gpu=False) and not single_slot_path(two, 3, on_gpu=False)
     assert not single_slot_path(one, SINGLE_SLOT_MIN_TOKENS - 1, on_gpu=True)
     assert single_slot_path(one, SINGLE_SLOT_MIN_TOKENS, on_gpu=True)
-    try:
-        set_single_slot_fast_path(True, min_tokens=3)
-        assert single_slot_path(one, 3, on_gpu=True)
-        set_single_slot_fast_path(False)
-        assert not single_slot_path(one, 3, on_gpu=False)
-    finally:
-        set_single_slot_fast_path(True, min_tokens=SINGLE_SLOT_MIN_TOKENS)
+    set_single_slot_fast_path(True, min_tokens=3)
+    assert single_slot_path(one, 3, on_gpu=True)
+    set_single_slot_fast_path(False)
+    assert not single_slot_path(one, 3, on_gpu=False)
 
 
 @pytest.mark.gpu
