@@ -3,6 +3,10 @@
 One FP8 LoRALinear call at Qwen3-30B-A3B's qkv (2048 -> 4096 + 512 + 512) and o_proj (4096 -> 2048):
   base      without adapters (the activation quantization + the GEMM)
   epilogue  the default with adapters: the shrink into split-K partials, the GEMM with the expand in its epilogue
+            (up to 64 rows as one more split-K partial beside the K steps: set_fp8_lora_split mode 2)
+  after     the expand after the K steps (set_fp8_lora_split mode 0: the form before session 15)
+  split1    mode 1 at any size: the LoRA partial, every split storing its partial (no check-first)
+  split2    mode 2 at any size (the default's form, which applies it only up to 64 rows)
   separate  MOELORA_FP8_LORA_EPILOGUE=0: the shrink, the GEMM, then the expand kernel
   one_row   the default with one row on an adapter and the rest on none
   single    one adapter only: the single-slot path (plain matmuls on that slot, set_single_slot_fast_path;
@@ -25,7 +29,7 @@ import torch
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.bench.common import git_commit, graph_time_us
-from moelora.kernels.fp8_triton import set_fp8_lora_epilogue
+from moelora.kernels.fp8_triton import fp8_lora_split, set_fp8_lora_epilogue, set_fp8_lora_split
 from moelora.layers.fp8 import Fp8State, to_fp8
 from moelora.layers.linear import LoRALinear, set_single_slot_fast_path
 
@@ -61,7 +65,9 @@ def main() -> None:
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'separ':>7} {'one_row':>7} {'single':>7}  (µs per call)")
+    print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'after':>7} {'split1':>7} {'split2':>7} {'separ':>7} "
+          f"{'one_row':>7} {'single':>7}  (µs per call)")
+    split_default = fp8_lora_split()
     for name in SHAPES:
         mods = build(name, args.layers, g, args.dtype == "fp8")
         D = SHAPES[name][0]
@@ -76,6 +82,15 @@ def main() -> None:
                     row = {"case": name, "tokens": T, "adapters": n_ad, "base_us": base,
                            "epilogue_us": graph_time_us(lambda li: mods[li](x, batch), args.layers),
                            "one_row_us": graph_time_us(lambda li: mods[li](x, one), args.layers)}
+                    for key, mode in (("after_us", 0), ("split1_us", 1), ("split2_us", 2)):
+                        if args.dtype != "fp8":
+                            row[key] = None
+                            continue
+                        set_fp8_lora_split(mode, 1 << 30)
+                        try:
+                            row[key] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
+                        finally:
+                            set_fp8_lora_split(*split_default)
                     set_fp8_lora_epilogue(False)
                     try:
                         row["separate_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
@@ -87,7 +102,9 @@ def main() -> None:
                                          else None)
                 rows.append(row)
                 single = f"{row['single_slot_us']:7.1f}" if n_ad == 1 else f"{'':>7}"
-                print(f"{name:>4} {T:>5} {n_ad:>3} | {base:7.1f} {row['epilogue_us']:7.1f} {row['separate_us']:7.1f} "
+                modes = " ".join(f"{row[k]:7.1f}" if row[k] is not None else f"{'':>7}"
+                                 for k in ("after_us", "split1_us", "split2_us"))
+                print(f"{name:>4} {T:>5} {n_ad:>3} | {base:7.1f} {row['epilogue_us']:7.1f} {modes} {row['separate_us']:7.1f} "
                       f"{row['one_row_us']:7.1f} {single}")
     if args.json:
         with open(args.json, "w") as f:

@@ -28,7 +28,7 @@ for a_fp8, grouped, block_m, split_k in [(False, True, 16, 1), (False, False, 64
             "cnt_ptr": "*i32"}
     consts = dict(FP8_MAX_C=448.0, A_FP8=a_fp8, GROUPED=grouped, HAS_BIAS=not grouped, GROUP_K=128, SCALE_N=128,
                   BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, A_ROW_DIV=1, SPLIT_K=split_k, LORA_N=0, LORA_SK=1,
-                  LORA_BR=16, LORA_PRECISION="ieee")
+                  LORA_BR=16, LORA_PRECISION="ieee", LORA_SPLIT=0, PARTS=split_k)
     ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3).asm["ptx"]
     assert "e4m3" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (a_fp8, grouped, block_m)
     if split_k > 1:  # the arrival count is a device-scope atomic, after a CTA barrier
@@ -38,10 +38,16 @@ for a_fp8, grouped, block_m, split_k in [(False, True, 16, 1), (False, False, 64
 ptrs.update({"lh_ptr": "*fp32", "lb_ptr": "*bf16", "loff_ptr": "*i32", "lrank_ptr": "*i32", "lscale_ptr": "*fp32",
              "lslot_ptr": "*i32"})
 consts.update(A_FP8=True, GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, SPLIT_K=4, LORA_N=3, LORA_SK=8,
-              LORA_BR=16, LORA_PRECISION="tf32")
+              LORA_BR=16, LORA_PRECISION="tf32", PARTS=4)
 ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
 assert "e4m3" in ptx and ptx.count("mma") >= 2
 print("ok gemm with the LoRA epilogue")
+for split_k, lora_split in [(1, 1), (1, 2), (4, 2)]:  # the LoRA tile as one more split-K partial
+    consts.update(SPLIT_K=split_k, LORA_SPLIT=lora_split, PARTS=split_k + 1)
+    ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
+    assert "e4m3" in ptx and ptx.count("mma") >= 2 and "atom" in ptx, (split_k, lora_split)
+    print("ok gemm with the LoRA split", split_k, lora_split)
+consts.update(LORA_SPLIT=0, PARTS=1)
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"]

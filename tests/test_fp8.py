@@ -452,7 +452,7 @@ def test_triton_kernels_compile_for_sm90_ahead_of_time():
     script = os.path.join(os.path.dirname(__file__), "fp8_aot.py")
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok") == 11, r.stdout
+    assert r.stdout.count("ok") == 14, r.stdout
 
 
 def test_deepseek_v3_fp8_checkpoint_mla_kv_b_dequantized(tmp_path):
@@ -577,15 +577,22 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("lora_split", [0, 1, 2])
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k):
+def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, lora_split, monkeypatch):
     """fp8_linear(lora=...) adds lora_expand's delta to the fp32 tile before its one rounding: slices whose
     boundaries fall inside a column tile, slots of rank 0 for a slice, base rows (slot -1) untouched by LoRA,
     the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once); h past
-    a slot's rank holds NaN here, so a mask by the wrong rank shows."""
+    a slot's rank holds NaN here, so a mask by the wrong rank shows. lora_split: the expand after the K steps
+    (0), or in one more program per tile summed as the last split-K partial (1; 2: the last split to arrive
+    keeps its partial in registers — the interpreter runs the programs in order, so the LoRA program is that)."""
     from moelora.kernels.fp8_triton import (
         Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref, fp8_linear_ref, set_fp8_gemm_config,
     )
+
+    from moelora.kernels import fp8_triton as ft
+
+    monkeypatch.setattr(ft, "_LORA_SPLIT", [lora_split, 64])
     from moelora.kernels.groups import SlotGroups
     from moelora.kernels.lora_triton import lora_shrink
 
@@ -624,3 +631,4 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k):
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
     assert not y.isnan().any() and torch.allclose(y[slots < 0], base[slots < 0], rtol=1e-5, atol=1e-5)
     assert (y - base).abs().max() > 0.1  # the delta is there
+    assert all(int(c.abs().sum()) == 0 for c in ft._COUNTERS.values()), "a split-K counter was left non-zero"

@@ -65,23 +65,78 @@ if HAS_TRITON:
         tl.store(s_row_ptr + groups, scale, mask=groups * GROUP < N)
 
     @triton.jit
-    def split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk, tile, SPLIT_K: tl.constexpr):
+    def split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk, tile, SPLIT_K: tl.constexpr,
+                       CHECK_FIRST: tl.constexpr = False):
         """The split-K epilogue of a [BLOCK_M, BLOCK_N] fp32 tile (this file's GEMM and nvfp4_triton's): split sk
         stores its partial in ws[sk] ([SPLIT_K, M, N] fp32, contiguous) and counts itself in cnt[tile]; the split
         arriving last adds the partials in order sk = 0, 1, ... (deterministic) and resets the counter to 0 for
         the next launch (stream order). Returns (the sum on the last split, else acc unchanged; whether last):
-        the caller returns unless last."""
+        the caller returns unless last.
+        CHECK_FIRST: a split first reads the counter; finding the other SPLIT_K - 1 already counted, it is last
+        without storing its partial (it keeps it in registers; same order, same sum). Else as above."""
         tile_ws = ws_ptr + rows[:, None] * N + offs_n[None, :]
         mask_c = mask_m[:, None] & mask_n[None, :]
-        tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
-        tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
-        last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT_K - 1
-        if last:
-            acc = tl.zeros_like(acc)
-            for j in range(SPLIT_K):
-                acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
-            tl.store(cnt_ptr + tile, 0)
+        if CHECK_FIRST:
+            early = tl.atomic_add(cnt_ptr + tile, 0) == SPLIT_K - 1  # acq_rel: the others' partials are visible
+            last = early
+            if early == 0:
+                tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
+                tl.debug_barrier()
+                last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT_K - 1
+            if last:
+                own = acc
+                acc = tl.zeros_like(acc)
+                for j in range(SPLIT_K):
+                    if early & (j == sk):  # this split's partial was never stored: it is in registers
+                        acc += own
+                    else:
+                        acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
+                tl.store(cnt_ptr + tile, 0)
+        else:
+            tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
+            tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
+            last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT_K - 1
+            if last:
+                acc = tl.zeros_like(acc)
+                for j in range(SPLIT_K):
+                    acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
+                tl.store(cnt_ptr + tile, 0)
         return acc, last
+
+    @triton.jit
+    def lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr, lscale_ptr,
+                         lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
+                         LORA_N: tl.constexpr, LORA_SK: tl.constexpr, LORA_BR: tl.constexpr,
+                         LORA_PRECISION: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] fp32 + the dense multi-LoRA expand of rows `rows`, columns offs_n (lora_expand's
+        semantics): acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype) @ lb[s, o_i, :r].T
+        for rows t of slot s = lslot[t] >= 0, r = ranks[i, s] > 0. Every row's h (the shrink's LORA_SK split-K
+        partials summed) is loaded once per slice, before the loop over slots, which then loads only B."""
+        row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
+        has = mask_m & (row_slot >= 0)
+        offs_r = tl.arange(0, LORA_BR)
+        for i in tl.static_range(LORA_N):
+            o0 = tl.load(loff_ptr + i)
+            col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
+            if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
+                # every row's h once: its slot's rank masks the columns (entries past it are never written)
+                rank_rows = tl.load(lrank_ptr + i * S + tl.maximum(row_slot, 0), mask=has, other=0)  # [BLOCK_M]
+                mask_hr = offs_r[None, :] < rank_rows[:, None]
+                hr_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
+                h_all = tl.load(hr_ptrs, mask=mask_hr, other=0.0)
+                for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
+                    h_all += tl.load(hr_ptrs + part * slh_s, mask=mask_hr, other=0.0)
+                for slot in range(S):
+                    row_in = row_slot == slot
+                    rank = tl.load(lrank_ptr + i * S + slot)
+                    if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
+                        mask_r = offs_r < rank
+                        bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                     mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                        ht = tl.where(row_in[:, None], h_all, 0.0)
+                        acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
+                            lscale_ptr + i * S + slot)
+        return acc
 
     @triton.jit
     def _fp8_gemm_kernel(
@@ -95,26 +150,29 @@ if HAS_TRITON:
         lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None,
         S=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
-        LORA_PRECISION: tl.constexpr = "ieee",
+        LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
     ):
-        # LORA_N > 0 (dense only): the multi-LoRA expand in the epilogue, lora_expand's semantics on the fp32 tile
-        # before its one rounding: acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype)
-        # @ lb[s, o_i, :r].T for rows t of slot s = lslot[t] >= 0, r = ranks[i, s] > 0
-        # Every row's h (the shrink's LORA_SK split-K partials summed) is loaded once per slice, before the loop
-        # over slots, which then loads only B. Session 14 measured four forms of this epilogue, bit-equal on the
-        # H200 (scripts/bench_fp8_lora_epilogue.py, µs per qkv / o_proj call at 64 tokens, 4 adapters; the base
-        # GEMM alone 10.5 / 12.1): this one 19.9 / 22.8; h loaded per slot present 22.2 / 24.7 (end to end 4,651 /
-        # 4,443 against 4,715 / 4,593 tok/s at batch 64, 4 / 8 adapters); slots stacked in one [BM, 8 x 16] dot
-        # 21.7 / 23.9 (255 registers and spills at 64-row blocks; 45.0 against 30.1 for qkv at 256 tokens);
-        # four slots' B loaded before their four dots 20.2 / 22.7, 22.0 / 24.3 with 8 adapters against 22.9 /
-        # 25.4, but 40.7 against 30.1 for qkv at 256 tokens (180 registers against 145), and end to end 4,734 /
-        # 4,639 against 4,728 / 4,602 at batch 64 and 12,570 / 11,322 against 12,930 / 11,603 at 256. The GEMM,
-        # then lora_expand in its own launch (MOELORA_FP8_LORA_EPILOGUE=0): 21.1 / 22.0.
+        # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
+        # rounding, by one of two forms:
+        # LORA_SPLIT == 0: in the epilogue, after the K steps (and the split-K sum). Session 14 measured four forms
+        # of this epilogue, bit-equal on the H200 (scripts/bench_fp8_lora_epilogue.py, µs per qkv / o_proj call
+        # at 64 tokens, 4 adapters; the base GEMM alone 10.5 / 12.1): h hoisted before the slot loop (kept) 19.9 /
+        # 22.8; h loaded per slot present 22.2 / 24.7 (end to end 4,651 / 4,443 against 4,715 / 4,593 tok/s at
+        # batch 64, 4 / 8 adapters); slots stacked in one [BM, 8 x 16] dot 21.7 / 23.9 (255 registers and spills
+        # at 64-row blocks; 45.0 against 30.1 for qkv at 256 tokens); four slots' B loaded before their four dots
+        # 20.2 / 22.7, 22.0 / 24.3 with 8 adapters against 22.9 / 25.4, but 40.7 against 30.1 for qkv at 256
+        # tokens (180 registers against 145), and end to end 4,734 / 4,639 against 4,728 / 4,602 at batch 64 and
+        # 12,570 / 11,322 against 12,930 / 11,603 at 256. The GEMM, then lora_expand in its own launch
+        # (MOELORA_FP8_LORA_EPILOGUE=0): 21.1 / 22.0.
+        # LORA_SPLIT > 0: one more program per tile (sk == SPLIT_K, no K steps) computes the LoRA tile as a
+        # partial of the split-K sum (PARTS = SPLIT_K + 1 partials, the LoRA one last in the order), so its chain
+        # of dependent loads (slots, ranks, h, then B per slot) runs beside the K steps instead of after them.
+        # LORA_SPLIT == 2: split_k_reduce's CHECK_FIRST (the last split to arrive keeps its partial in registers).
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
         # stores its fp32 partial tile in ws[sk], then counts itself in cnt[tile]; the split that arrives last
-        # adds the SPLIT_K partials in order sk = 0, 1, ..., writes the output and resets the counter to 0
+        # adds the PARTS partials in order sk = 0, 1, ..., writes the output and resets the counter to 0
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         sk = tl.program_id(2)
@@ -136,7 +194,10 @@ if HAS_TRITON:
         b_base = b_ptr + e * sbe + offs_n[:, None].to(tl.int64) * sbn
         bs_base = bs_ptr + e * sbse + (offs_n // SCALE_N) * sbsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(sk * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        k_hi = K
+        if LORA_SPLIT > 0:  # program sk == SPLIT_K computes the LoRA expand tile, no K steps
+            k_hi = tl.where(sk < SPLIT_K, K, 0)
+        for k0 in range(sk * BLOCK_K, k_hi, BLOCK_K * SPLIT_K):
             kk = k0 + offs_k
             mask_k = kk < K
             a = tl.load(a_ptr + a_rows[:, None] * sam + kk[None, :] * sak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -150,38 +211,23 @@ if HAS_TRITON:
             b = tl.load(b_base + kk[None, :] * sbk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
             b_s = tl.load(bs_base + (k0 // GROUP_K) * sbsk, mask=mask_n, other=0.0)  # [BN]
             acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None] * b_s[None, :]
-        if SPLIT_K > 1:
+        if LORA_SPLIT > 0:
+            if sk == SPLIT_K:
+                acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
+                                       lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
+                                       LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
+        if PARTS > 1:
             acc, last = split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk,
-                                       pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+                                       pid_m * tl.num_programs(1) + pid_n, PARTS, LORA_SPLIT == 2)
             if not last:
                 return
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if LORA_N > 0:
-            row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
-            has = mask_m & (row_slot >= 0)
-            offs_r = tl.arange(0, LORA_BR)
-            for i in tl.static_range(LORA_N):
-                o0 = tl.load(loff_ptr + i)
-                col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
-                if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
-                    # every row's h once: its slot's rank masks the columns (entries past it are never written)
-                    rank_rows = tl.load(lrank_ptr + i * S + tl.maximum(row_slot, 0), mask=has, other=0)  # [BLOCK_M]
-                    mask_hr = offs_r[None, :] < rank_rows[:, None]
-                    hr_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-                    h_all = tl.load(hr_ptrs, mask=mask_hr, other=0.0)
-                    for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
-                        h_all += tl.load(hr_ptrs + part * slh_s, mask=mask_hr, other=0.0)
-                    for slot in range(S):
-                        row_in = row_slot == slot
-                        rank = tl.load(lrank_ptr + i * S + slot)
-                        if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
-                            mask_r = offs_r < rank
-                            bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
-                                         mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
-                            ht = tl.where(row_in[:, None], h_all, 0.0)
-                            acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
-                                lscale_ptr + i * S + slot)
+            if LORA_SPLIT == 0:
+                acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
+                                       lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
+                                       LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -356,12 +402,17 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     split_k = 1
     if ids is None and (_SPLIT_K_ENABLED or cfg.split_k):  # dense: split K when few output tiles (decode)
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
-    split_k, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k)
+    lora_split = _LORA_SPLIT[0] if lora is not None and ids is None and M <= _LORA_SPLIT[1] else 0
+    parts, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k + (1 if lora_split else 0))
+    if lora_split and parts == 1:  # no counters (first use inside a capture): the epilogue form, unsplit
+        lora_split, split_k = 0, 1
+    else:
+        split_k = parts - (1 if lora_split else 0)
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
     a_fp8 = a.dtype == FP8_DTYPE
     sas = (a_scale.stride(0), a_scale.stride(1)) if a_fp8 else (0, 0)
-    grid = (grid_m, grid_n, split_k)
+    grid = (grid_m, grid_n, parts)
     _fp8_gemm_kernel[grid](
         a, a_scale if a_fp8 else a, w3, s3, out, bias if bias is not None else out,
         ids if ids is not None else out, bexp if bexp is not None else out, ws, cnt,
@@ -372,6 +423,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         **(lora.kernel_args() if lora is not None else {}),
+        **({"LORA_SPLIT": lora_split, "PARTS": parts} if parts > 1 else {}),
     )
 
 
@@ -415,6 +467,33 @@ def set_fp8_lora_epilogue(enabled: bool) -> None:
 
 def fp8_lora_epilogue() -> bool:
     return _LORA_EPILOGUE[0]
+
+
+def _lora_split_env() -> list[int]:
+    mode = int(os.environ.get("MOELORA_FP8_LORA_SPLIT", "2") or 0)
+    if mode not in (0, 1, 2):
+        raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0, 1 or 2, got {mode}")
+    return [mode, int(os.environ.get("MOELORA_FP8_LORA_SPLIT_MAX_ROWS", "64") or 0)]
+
+
+_LORA_SPLIT = _lora_split_env()
+
+
+def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
+    """Where the dense GEMM's LoRA expand runs for inputs of <= max_rows rows (MOELORA_FP8_LORA_SPLIT,
+    MOELORA_FP8_LORA_SPLIT_MAX_ROWS; above it always 0): 0 in the epilogue after the K steps; 1 in one more
+    program per output tile, beside the K steps, summed as the last split-K partial; 2 (default) the same, the
+    last-arriving split keeping its own partial in registers. Results are the same up to fp32 summation order."""
+    if mode not in (0, 1, 2):
+        raise ValueError(f"set_fp8_lora_split: mode must be 0, 1 or 2, got {mode}")
+    _LORA_SPLIT[0] = mode
+    if max_rows is not None:
+        _LORA_SPLIT[1] = int(max_rows)
+
+
+def fp8_lora_split() -> tuple[int, int]:
+    """(mode, max_rows) of set_fp8_lora_split."""
+    return _LORA_SPLIT[0], _LORA_SPLIT[1]
 
 
 _PRODUCER_QUANT = os.environ.get("MOELORA_FP8_PRODUCER_QUANT", "1") != "0"  # 0: the GEMMs quantize their inputs
@@ -587,5 +666,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]
