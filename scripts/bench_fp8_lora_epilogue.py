@@ -5,8 +5,9 @@ One FP8 LoRALinear call at Qwen3-30B-A3B's qkv (2048 -> 4096 + 512 + 512) and o_
   epilogue  the default with adapters: the shrink into split-K partials, the GEMM with the expand in its epilogue
             (up to 64 rows as one more split-K partial beside the K steps: set_fp8_lora_split mode 2)
   after     the expand after the K steps (set_fp8_lora_split mode 0: the form before session 15)
-  split1    mode 1 at any size: the LoRA partial, every split storing its partial (no check-first)
-  split2    mode 2 at any size (the default's form, which applies it only up to 64 rows)
+  split1    mode 1 at any size: the LoRA partial, its program walking all slots
+  split2    mode 2 at any size: the LoRA partial over the batch's slot groups, unrolled (the default's form,
+            which applies it only up to 64 rows)
   separate  MOELORA_FP8_LORA_EPILOGUE=0: the shrink, the GEMM, then the expand kernel
   one_row   the default with one row on an adapter and the rest on none
   single    one adapter only: the single-slot path (plain matmuls on that slot, set_single_slot_fast_path;

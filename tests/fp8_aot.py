@@ -42,8 +42,9 @@ consts.update(A_FP8=True, GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64,
 ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
 assert "e4m3" in ptx and ptx.count("mma") >= 2
 print("ok gemm with the LoRA epilogue")
+ptrs["lact_ptr"] = "*i32"
 for split_k, lora_split in [(1, 1), (1, 2), (4, 2)]:  # the LoRA tile as one more split-K partial
-    consts.update(SPLIT_K=split_k, LORA_SPLIT=lora_split, PARTS=split_k + 1)
+    consts.update(SPLIT_K=split_k, LORA_SPLIT=lora_split, PARTS=split_k + 1, LORA_GROUPS=8)
     ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
     assert "e4m3" in ptx and ptx.count("mma") >= 2 and "atom" in ptx, (split_k, lora_split)
     print("ok gemm with the LoRA split", split_k, lora_split)

@@ -584,8 +584,8 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, lora_split, mo
     boundaries fall inside a column tile, slots of rank 0 for a slice, base rows (slot -1) untouched by LoRA,
     the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once); h past
     a slot's rank holds NaN here, so a mask by the wrong rank shows. lora_split: the expand after the K steps
-    (0), or in one more program per tile summed as the last split-K partial (1; 2: the last split to arrive
-    keeps its partial in registers — the interpreter runs the programs in order, so the LoRA program is that)."""
+    (0), or in one more program per tile summed as the last split-K partial, over all slots (1) or over the
+    batch's slot groups (2: here the first 2 of 3 unrolled, the third in the loop)."""
     from moelora.kernels.fp8_triton import (
         Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref, fp8_linear_ref, set_fp8_gemm_config,
     )
@@ -593,6 +593,7 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, lora_split, mo
     from moelora.kernels import fp8_triton as ft
 
     monkeypatch.setattr(ft, "_LORA_SPLIT", [lora_split, 64])
+    monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
     from moelora.kernels.groups import SlotGroups
     from moelora.kernels.lora_triton import lora_shrink
 
@@ -620,7 +621,7 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, lora_split, mo
         for t in range(T):
             if slots[t] >= 0:
                 h[:, i, t, ranks[i, slots[t]]:] = float("nan")
-    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots)
+    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots, groups.active_slots)
     set_fp8_gemm_config("dense", Fp8GemmConfig(32, 4, 2, 16, split_k))
     try:
         y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32, lora=lora)

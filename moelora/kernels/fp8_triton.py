@@ -65,42 +65,24 @@ if HAS_TRITON:
         tl.store(s_row_ptr + groups, scale, mask=groups * GROUP < N)
 
     @triton.jit
-    def split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk, tile, SPLIT_K: tl.constexpr,
-                       CHECK_FIRST: tl.constexpr = False):
+    def split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk, tile, SPLIT_K: tl.constexpr):
         """The split-K epilogue of a [BLOCK_M, BLOCK_N] fp32 tile (this file's GEMM and nvfp4_triton's): split sk
         stores its partial in ws[sk] ([SPLIT_K, M, N] fp32, contiguous) and counts itself in cnt[tile]; the split
         arriving last adds the partials in order sk = 0, 1, ... (deterministic) and resets the counter to 0 for
         the next launch (stream order). Returns (the sum on the last split, else acc unchanged; whether last):
-        the caller returns unless last.
-        CHECK_FIRST: a split first reads the counter; finding the other SPLIT_K - 1 already counted, it is last
-        without storing its partial (it keeps it in registers; same order, same sum). Else as above."""
+        the caller returns unless last. (Session 15 tried a split first reading the counter and, finding the
+        others all in, keeping its partial in registers: slower at decode sizes, e.g. the LoRA-split qkv / o_proj
+        at 16 tokens 17.4 / 19.1 against 16.5 / 17.0 µs; removed.)"""
         tile_ws = ws_ptr + rows[:, None] * N + offs_n[None, :]
         mask_c = mask_m[:, None] & mask_n[None, :]
-        if CHECK_FIRST:
-            early = tl.atomic_add(cnt_ptr + tile, 0) == SPLIT_K - 1  # acq_rel: the others' partials are visible
-            last = early
-            if early == 0:
-                tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
-                tl.debug_barrier()
-                last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT_K - 1
-            if last:
-                own = acc
-                acc = tl.zeros_like(acc)
-                for j in range(SPLIT_K):
-                    if early & (j == sk):  # this split's partial was never stored: it is in registers
-                        acc += own
-                    else:
-                        acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
-                tl.store(cnt_ptr + tile, 0)
-        else:
-            tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
-            tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
-            last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT_K - 1
-            if last:
-                acc = tl.zeros_like(acc)
-                for j in range(SPLIT_K):
-                    acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
-                tl.store(cnt_ptr + tile, 0)
+        tl.store(tile_ws + sk * M * N, acc, mask=mask_c)
+        tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
+        last = tl.atomic_add(cnt_ptr + tile, 1) == SPLIT_K - 1
+        if last:
+            acc = tl.zeros_like(acc)
+            for j in range(SPLIT_K):
+                acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
+            tl.store(cnt_ptr + tile, 0)
         return acc, last
 
     @triton.jit
@@ -139,6 +121,50 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def lora_expand_tile_groups(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr, lscale_ptr,
+                                lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
+                                LORA_N: tl.constexpr, LORA_SK: tl.constexpr, LORA_BR: tl.constexpr,
+                                LORA_PRECISION: tl.constexpr, LORA_GROUPS: tl.constexpr):
+        """lora_expand_tile's semantics over the batch's slot groups (lact [L]: the slot of group l, -1 unused)
+        instead of all S slots: the first LORA_GROUPS groups unrolled without branches (their slot, rank, scaling
+        and B loads all independent, so they are in flight together; a group whose slot is -1 or absent from
+        these rows adds an exact 0), the rest (L > LORA_GROUPS) in a loop."""
+        row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
+        has = mask_m & (row_slot >= 0)
+        offs_r = tl.arange(0, LORA_BR)
+        for i in tl.static_range(LORA_N):
+            o0 = tl.load(loff_ptr + i)
+            col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
+            if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
+                rank_rows = tl.load(lrank_ptr + i * S + tl.maximum(row_slot, 0), mask=has, other=0)  # [BLOCK_M]
+                mask_hr = offs_r[None, :] < rank_rows[:, None]
+                hr_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
+                h_all = tl.load(hr_ptrs, mask=mask_hr, other=0.0)
+                for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
+                    h_all += tl.load(hr_ptrs + part * slh_s, mask=mask_hr, other=0.0)
+                for g in tl.static_range(LORA_GROUPS):
+                    slot = tl.load(lact_ptr + g)
+                    slot_c = tl.maximum(slot, 0)
+                    rank = tl.where(slot >= 0, tl.load(lrank_ptr + i * S + slot_c), 0)
+                    bt = tl.load(lb_ptr + slot_c * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                 mask=(offs_r < rank)[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                    ht = tl.where((row_slot == slot)[:, None], h_all, 0.0)
+                    acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
+                        lscale_ptr + i * S + slot_c)
+                for g in range(LORA_GROUPS, L):
+                    slot = tl.load(lact_ptr + g)
+                    row_in = row_slot == slot
+                    rank = tl.load(lrank_ptr + i * S + tl.maximum(slot, 0))
+                    if (slot >= 0) & (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
+                        mask_r = offs_r < rank
+                        bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                     mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                        ht = tl.where(row_in[:, None], h_all, 0.0)
+                        acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
+                            lscale_ptr + i * S + slot)
+        return acc
+
+    @triton.jit
     def _fp8_gemm_kernel(
         a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr, ws_ptr, cnt_ptr,
         M, N, K,
@@ -147,10 +173,11 @@ if HAS_TRITON:
         GROUP_K: tl.constexpr, SCALE_N: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_ROW_DIV: tl.constexpr = 1,
         SPLIT_K: tl.constexpr = 1,
-        lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None,
-        S=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
+        lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None, lact_ptr=None,
+        S=0, L=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
+        LORA_GROUPS: tl.constexpr = 8,
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
         # rounding, by one of two forms:
@@ -167,7 +194,8 @@ if HAS_TRITON:
         # LORA_SPLIT > 0: one more program per tile (sk == SPLIT_K, no K steps) computes the LoRA tile as a
         # partial of the split-K sum (PARTS = SPLIT_K + 1 partials, the LoRA one last in the order), so its chain
         # of dependent loads (slots, ranks, h, then B per slot) runs beside the K steps instead of after them.
-        # LORA_SPLIT == 2: split_k_reduce's CHECK_FIRST (the last split to arrive keeps its partial in registers).
+        # LORA_SPLIT == 1 walks all S slots (lora_expand_tile), == 2 the batch's slot groups, the first LORA_GROUPS
+        # unrolled without branches (lora_expand_tile_groups).
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
@@ -211,14 +239,20 @@ if HAS_TRITON:
             b = tl.load(b_base + kk[None, :] * sbk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
             b_s = tl.load(bs_base + (k0 // GROUP_K) * sbsk, mask=mask_n, other=0.0)  # [BN]
             acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None] * b_s[None, :]
-        if LORA_SPLIT > 0:
+        if LORA_SPLIT == 1:
             if sk == SPLIT_K:
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
                                        LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
+        if LORA_SPLIT == 2:
+            if sk == SPLIT_K:
+                acc = lora_expand_tile_groups(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
+                                              lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r,
+                                              slb_s, slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION,
+                                              LORA_GROUPS)
         if PARTS > 1:
             acc, last = split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk,
-                                       pid_m * tl.num_programs(1) + pid_n, PARTS, LORA_SPLIT == 2)
+                                       pid_m * tl.num_programs(1) + pid_n, PARTS)
             if not last:
                 return
         if HAS_BIAS:
@@ -366,7 +400,9 @@ class Fp8LoRAEpilogue:
     """A dense multi-LoRA expand for fp8_linear to add in its epilogue (kernels/lora_triton.lora_expand's
     semantics, fp32, before the output's one rounding). h: the shrink's [split_k, n, T, R] fp32 (or [n, T, R])
     · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
-    · token_slots: [T] int32 (-1: no adapter, row untouched)."""
+    · token_slots: [T] int32 (-1: no adapter, row untouched) · active_slots: [L] int32, the slot of each of the
+    batch's slot groups (SlotGroups.active_slots, -1 unused), or None (set_fp8_lora_split mode 2 then walks all
+    slots as mode 1 does)."""
 
     h: torch.Tensor
     b_cat: torch.Tensor
@@ -374,6 +410,7 @@ class Fp8LoRAEpilogue:
     ranks: torch.Tensor
     scaling: torch.Tensor
     token_slots: torch.Tensor
+    active_slots: torch.Tensor | None = None
 
     def kernel_args(self) -> dict:
         from moelora.kernels._triton import dot_precision
@@ -385,7 +422,10 @@ class Fp8LoRAEpilogue:
                     lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
                     slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
                     LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
-                    LORA_PRECISION=dot_precision(b.dtype))
+                    LORA_PRECISION=dot_precision(b.dtype),
+                    **({} if self.active_slots is None else
+                       dict(lact_ptr=self.active_slots, L=self.active_slots.shape[0],
+                            LORA_GROUPS=min(LORA_GROUPS_UNROLLED, self.active_slots.shape[0]))))
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
@@ -403,6 +443,8 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     if ids is None and (_SPLIT_K_ENABLED or cfg.split_k):  # dense: split K when few output tiles (decode)
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
     lora_split = _LORA_SPLIT[0] if lora is not None and ids is None and M <= _LORA_SPLIT[1] else 0
+    if lora_split == 2 and lora.active_slots is None:
+        lora_split = 1
     parts, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k + (1 if lora_split else 0))
     if lora_split and parts == 1:  # no counters (first use inside a capture): the epilogue form, unsplit
         lora_split, split_k = 0, 1
@@ -477,13 +519,15 @@ def _lora_split_env() -> list[int]:
 
 
 _LORA_SPLIT = _lora_split_env()
+LORA_GROUPS_UNROLLED = 8  # slot groups of set_fp8_lora_split mode 2 unrolled in the kernel (the rest in a loop)
 
 
 def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
     """Where the dense GEMM's LoRA expand runs for inputs of <= max_rows rows (MOELORA_FP8_LORA_SPLIT,
     MOELORA_FP8_LORA_SPLIT_MAX_ROWS; above it always 0): 0 in the epilogue after the K steps; 1 in one more
-    program per output tile, beside the K steps, summed as the last split-K partial; 2 (default) the same, the
-    last-arriving split keeping its own partial in registers. Results are the same up to fp32 summation order."""
+    program per output tile, beside the K steps, summed as the last split-K partial, walking all slots; 2 (default)
+    the same over the batch's slot groups, the first LORA_GROUPS_UNROLLED unrolled with their loads in flight
+    together. Results are the same up to fp32 summation order."""
     if mode not in (0, 1, 2):
         raise ValueError(f"set_fp8_lora_split: mode must be 0, 1 or 2, got {mode}")
     _LORA_SPLIT[0] = mode

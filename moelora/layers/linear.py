@@ -147,7 +147,8 @@ class LoRALinear(nn.Module):
         w = self.lora
         h = dense_lora_h(w, x)
         lora_shrink(x, w.a, w.rank_tensor, lora.groups, h)
-        epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots)
+        epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots,
+                              lora.groups.active_slots)
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.quant.block, self.bias, lora=epi)
 
     def _forward_overlapped(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
