@@ -13,7 +13,7 @@ timeout 110 python3 scripts/bench_fp8_lora_epilogue.py --tokens 16,64,256 --adap
     --json "$OUT/epilogue.json" > "$OUT/epilogue.log" 2>&1
 grep -v "^WARN" "$OUT/epilogue.log" | cut -c1-200 | tail -16
 timeout 100 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 \
-    --adapter-counts 0,4,8 --out "$OUT/split2" > "$OUT/bench.log" 2>&1
+    --adapter-counts 0,4,8 --profile-steps 3 --out "$OUT/split2" > "$OUT/bench.log" 2>&1
 MOELORA_FP8_LORA_SPLIT=1 timeout 90 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 \
     --adapter-counts 0,4,8 --out "$OUT/split1" >> "$OUT/bench.log" 2>&1
 MOELORA_FP8_LORA_SPLIT=0 timeout 90 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 \
