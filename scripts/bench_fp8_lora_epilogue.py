@@ -7,7 +7,8 @@ One FP8 LoRALinear call at Qwen3-30B-A3B's qkv (2048 -> 4096 + 512 + 512) and o_
   after     the expand after the K steps (set_fp8_lora_split mode 0: the form before session 15)
   split1    mode 1 at any size: the LoRA partial, its program walking all slots
   split2    mode 2 at any size: the LoRA partial over the batch's slot groups, unrolled (the default's form,
-            which applies it only up to 64 rows)
+            which applies it only up to 64 rows), with PDL after the shrink where fp8_lora_pdl allows it
+  nopdl     the default without programmatic dependent launch (set_fp8_lora_pdl(False))
   separate  MOELORA_FP8_LORA_EPILOGUE=0: the shrink, the GEMM, then the expand kernel
   one_row   the default with one row on an adapter and the rest on none
   single    one adapter only: the single-slot path (plain matmuls on that slot, set_single_slot_fast_path;
@@ -30,7 +31,7 @@ import torch
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.bench.common import git_commit, graph_time_us
-from moelora.kernels.fp8_triton import fp8_lora_split, set_fp8_lora_epilogue, set_fp8_lora_split
+from moelora.kernels.fp8_triton import fp8_lora_split, set_fp8_lora_epilogue, set_fp8_lora_pdl, set_fp8_lora_split
 from moelora.layers.fp8 import Fp8State, to_fp8
 from moelora.layers.linear import LoRALinear, set_single_slot_fast_path
 
@@ -66,7 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'after':>7} {'split1':>7} {'split2':>7} {'separ':>7} "
+    print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'after':>7} {'split1':>7} {'split2':>7} {'nopdl':>7} {'separ':>7} "
           f"{'one_row':>7} {'single':>7}  (µs per call)")
     split_default = fp8_lora_split()
     for name in SHAPES:
@@ -92,6 +93,13 @@ def main() -> None:
                             row[key] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
                         finally:
                             set_fp8_lora_split(*split_default)
+                    row["nopdl_us"] = None
+                    if args.dtype == "fp8":
+                        set_fp8_lora_pdl(False)
+                        try:
+                            row["nopdl_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
+                        finally:
+                            set_fp8_lora_pdl(True)
                     set_fp8_lora_epilogue(False)
                     try:
                         row["separate_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
@@ -104,7 +112,7 @@ def main() -> None:
                 rows.append(row)
                 single = f"{row['single_slot_us']:7.1f}" if n_ad == 1 else f"{'':>7}"
                 modes = " ".join(f"{row[k]:7.1f}" if row[k] is not None else f"{'':>7}"
-                                 for k in ("after_us", "split1_us", "split2_us"))
+                                 for k in ("after_us", "split1_us", "split2_us", "nopdl_us"))
                 print(f"{name:>4} {T:>5} {n_ad:>3} | {base:7.1f} {row['epilogue_us']:7.1f} {modes} {row['separate_us']:7.1f} "
                       f"{row['one_row_us']:7.1f} {single}")
     if args.json:

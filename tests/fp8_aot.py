@@ -8,6 +8,7 @@ from triton.compiler import ASTSource
 
 from moelora.kernels.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
 from moelora.kernels.fused_moe_triton import _silu_and_mul_kernel
+from moelora.kernels.lora_triton import _shrink_kernel
 from moelora.kernels.norm_triton import _rms_norm_kernel
 from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
 
@@ -48,7 +49,18 @@ for split_k, lora_split in [(1, 1), (1, 2), (4, 2)]:  # the LoRA tile as one mor
     ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
     assert "e4m3" in ptx and ptx.count("mma") >= 2 and "atom" in ptx, (split_k, lora_split)
     print("ok gemm with the LoRA split", split_k, lora_split)
-consts.update(LORA_SPLIT=0, PARTS=1)
+# with PDL: the LoRA program waits for the shrink (griddepcontrol.wait), the shrink lets the GEMM start
+consts.update(SPLIT_K=1, LORA_SPLIT=2, PARTS=2, LORA_WAIT=True)
+ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4, launch_pdl=True).asm["ptx"]
+assert "griddepcontrol.wait" in ptx
+sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",
+                                   "sorted_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32",
+                                   "start_ptr": "*i32"},
+                  dict(BLOCK_M=32, BLOCK_R=16, BLOCK_K=64, SPLIT_K=8, PRECISION="ieee", LAUNCH_DEPENDENTS=True),
+                  num_warps=4).asm["ptx"]
+assert "griddepcontrol.launch_dependents" in sh
+print("ok gemm with PDL after the shrink")
+consts.update(LORA_SPLIT=0, PARTS=1, LORA_WAIT=False)
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"]

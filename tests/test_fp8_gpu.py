@@ -274,6 +274,51 @@ def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, lora_s
     assert (fused.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
 
 
+@pytest.mark.parametrize("D", [2048, 4096])  # qkv (unsplit at 64 rows) and o_proj's input width (split-K 4)
+@pytest.mark.parametrize("T", [3, 64])
+def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D):
+    """The dense FP8 GEMM launched with programmatic dependent launch right after the LoRA shrink (its K steps
+    beside the shrink, its LoRA program waiting for it): bit-equal to the plain launch, eagerly and over repeated
+    CUDA-graph replays (a LoRA program reading h before the shrink wrote it would differ)."""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.kernels import fp8_triton as ft
+
+    assert ft.fp8_lora_pdl(T, torch.device(DEV)), "PDL expected on this GPU at this size"
+    g = torch.Generator(device=DEV).manual_seed(T + D)
+    lin = _fp8_qkv_with_adapters(D, g)
+    x = torch.randn(T, D, device=DEV, generator=g).bfloat16()
+    batch = LoRABatch.build([i % 5 - 1 for i in range(T)], 4, DEV)
+    calls = []
+    real = ft._fp8_gemm_kernel.run  # the bound method (the spy below shadows it on the instance)
+
+    def spy(*args, **kwargs):
+        calls.append(bool(kwargs.get("launch_pdl", False)))
+        return real(*args, **kwargs)
+
+    try:
+        ft.set_fp8_lora_pdl(False)
+        plain = lin(x, batch)
+        ft.set_fp8_lora_pdl(True)
+        ft._fp8_gemm_kernel.run = spy
+        eager = lin(x, batch)
+        ft._fp8_gemm_kernel.__dict__.pop("run")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = lin(x, batch)
+        outs = []
+        for _ in range(20):
+            graph.replay()
+            outs.append(replayed.clone())
+        torch.cuda.synchronize()
+    finally:
+        ft._fp8_gemm_kernel.__dict__.pop("run", None)
+        ft.set_fp8_lora_pdl(True)
+    assert calls == [True], calls  # the GEMM was launched with PDL
+    assert torch.equal(eager, plain)
+    assert all(torch.equal(o, plain) for o in outs)
+    assert (plain.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
+
+
 def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -177,7 +177,7 @@ if HAS_TRITON:
         S=0, L=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
-        LORA_GROUPS: tl.constexpr = 8,
+        LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False,
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
         # rounding, by one of two forms:
@@ -195,7 +195,9 @@ if HAS_TRITON:
         # partial of the split-K sum (PARTS = SPLIT_K + 1 partials, the LoRA one last in the order), so its chain
         # of dependent loads (slots, ranks, h, then B per slot) runs beside the K steps instead of after them.
         # LORA_SPLIT == 1 walks all S slots (lora_expand_tile), == 2 the batch's slot groups, the first LORA_GROUPS
-        # unrolled without branches (lora_expand_tile_groups).
+        # unrolled without branches (lora_expand_tile_groups). LORA_WAIT (mode 2, launched with PDL right after the
+        # shrink, which lets it start at once): the K steps run beside the shrink, the LoRA program waits for it
+        # (gdc_wait) before reading h; every other input was written before the shrink started.
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
@@ -246,6 +248,8 @@ if HAS_TRITON:
                                        LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
         if LORA_SPLIT == 2:
             if sk == SPLIT_K:
+                if LORA_WAIT:  # launched with PDL beside the shrink: h is complete (and visible) after this
+                    tl.extra.cuda.gdc_wait()
                 acc = lora_expand_tile_groups(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
                                               lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r,
                                               slb_s, slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION,
@@ -402,7 +406,7 @@ class Fp8LoRAEpilogue:
     · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
     · token_slots: [T] int32 (-1: no adapter, row untouched) · active_slots: [L] int32, the slot of each of the
     batch's slot groups (SlotGroups.active_slots, -1 unused), or None (set_fp8_lora_split mode 2 then walks all
-    slots as mode 1 does)."""
+    slots as mode 1 does) · pdl: the GEMM may be launched with programmatic dependent launch (fp8_lora_pdl)."""
 
     h: torch.Tensor
     b_cat: torch.Tensor
@@ -411,6 +415,7 @@ class Fp8LoRAEpilogue:
     scaling: torch.Tensor
     token_slots: torch.Tensor
     active_slots: torch.Tensor | None = None
+    pdl: bool = False  # the shrink that wrote h was launched right before with launch_dependents (fp8_lora_pdl)
 
     def kernel_args(self) -> dict:
         from moelora.kernels._triton import dot_precision
@@ -429,7 +434,7 @@ class Fp8LoRAEpilogue:
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
-            a_row_div: int = 1, lora: Fp8LoRAEpilogue | None = None) -> None:
+            a_row_div: int = 1, lora: Fp8LoRAEpilogue | None = None, pdl_ok: bool = False) -> None:
     M, K = out.shape[0], a.shape[1]
     N = w.shape[-2]
     bn, bk = block
@@ -443,6 +448,8 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     if ids is None and (_SPLIT_K_ENABLED or cfg.split_k):  # dense: split K when few output tiles (decode)
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
     lora_split = _LORA_SPLIT[0] if lora is not None and ids is None and M <= _LORA_SPLIT[1] else 0
+    cnt_now = _COUNTERS.get(out.device)
+    counters_before = cnt_now is not None and cnt_now.numel() >= grid_m * grid_n
     if lora_split == 2 and lora.active_slots is None:
         lora_split = 1
     parts, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k + (1 if lora_split else 0))
@@ -450,6 +457,9 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         lora_split, split_k = 0, 1
     else:
         split_k = parts - (1 if lora_split else 0)
+    # PDL only when nothing was launched between the shrink and this GEMM: no quantization launch for x (pdl_ok),
+    # the counters already there (counters_before: not zero-filled by this call)
+    pdl = lora_split == 2 and lora.pdl and pdl_ok and counters_before
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
     a_fp8 = a.dtype == FP8_DTYPE
@@ -466,6 +476,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         **(lora.kernel_args() if lora is not None else {}),
         **({"LORA_SPLIT": lora_split, "PARTS": parts} if parts > 1 else {}),
+        **({"LORA_WAIT": True, "launch_pdl": True} if pdl else {}),
     )
 
 
@@ -540,6 +551,30 @@ def fp8_lora_split() -> tuple[int, int]:
     return _LORA_SPLIT[0], _LORA_SPLIT[1]
 
 
+_LORA_PDL = [os.environ.get("MOELORA_FP8_LORA_PDL", "1") != "0"]
+
+
+def set_fp8_lora_pdl(enabled: bool) -> None:
+    """Programmatic dependent launch of the dense FP8 GEMM after its LoRA shrink (on by default;
+    MOELORA_FP8_LORA_PDL=0 turns it off): where fp8_lora_pdl says yes, the shrink lets the GEMM start at once and
+    the GEMM's K steps run beside it; only its LoRA program waits for the shrink. Results do not change."""
+    _LORA_PDL[0] = bool(enabled)
+
+
+def fp8_lora_pdl(num_rows: int, device: torch.device) -> bool:
+    """Whether the dense FP8 GEMM with LoRA over num_rows rows runs as set_fp8_lora_split mode 2 with PDL: the
+    switch on, mode 2 at this size, and a GPU of compute capability >= 9.0 (Hopper: griddepcontrol)."""
+    if not (_LORA_PDL[0] and _LORA_SPLIT[0] == 2 and num_rows <= _LORA_SPLIT[1] and device.type == "cuda"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def fp8_prequantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x_fp8, x_scale) for an FP8 GEMM reading x: its producer's quantization, or quantize_act_group now; (x, None)
+    when the GEMM would quantize x itself (set_fp8_prequant_min_rows)."""
+    return _prequantized(x, None, group)
+
+
 _PRODUCER_QUANT = os.environ.get("MOELORA_FP8_PRODUCER_QUANT", "1") != "0"  # 0: the GEMMs quantize their inputs
 
 
@@ -593,8 +628,11 @@ def fp8_linear(
         return out
     forced = _CONFIG_OVERRIDE["dense"]
     bm = forced.block_m if forced is not None and forced.block_m else _dense_block_m(T)
-    x, x_scale = _prequantized(x, x_scale, block[1])
-    _launch(x, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm), lora=lora)
+    xq, x_scale = _prequantized(x, x_scale, block[1])
+    mark = getattr(x, "fp8_act", None)
+    no_launch = x.dtype == FP8_DTYPE or xq.dtype != FP8_DTYPE or (mark is not None and xq is mark[0])
+    _launch(xq, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm), lora=lora,
+            pdl_ok=no_launch)
     return out
 
 
@@ -710,5 +748,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

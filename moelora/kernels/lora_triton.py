@@ -23,8 +23,10 @@ if HAS_TRITON:
         H, R, S,
         sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
     ):
+        if LAUNCH_DEPENDENTS:  # the next kernel (launched with PDL) may start now; it waits before reading out
+            tl.extra.cuda.gdc_launch_dependents()
         pid_mr = tl.program_id(0)
         pid_isk = tl.program_id(1)
         group = tl.program_id(2)
@@ -143,7 +145,8 @@ def _as_parts(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 4 else t.unsqueeze(0)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: SlotGroups, out: torch.Tensor) -> None:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: SlotGroups, out: torch.Tensor,
+                launch_dependents: bool = False) -> None:
     """Semantics (out [n, T, R] is out[0] of a [1, n, T, R] one):
         for i in range(n): for t in range(T):
             s = token_slots[t]
@@ -151,6 +154,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         split k of out.shape[0] stores the partial sum over its share of the input dim (lora_expand adds them)
     x: [T, H] · a: [n, S, R, H] · ranks: [n, S] int32 · groups: tokens grouped by slot
     out: [split_k, n, T, R] or [n, T, R] fp32, any contents (lora_shrink_buffer makes one)
+    launch_dependents: every program first lets the next kernel start (programmatic dependent launch, sm_90+:
+    that kernel is launched with launch_pdl and waits for this grid before it reads out; a no-op otherwise)
     """
     require_triton()
     n, S, R, H = a.shape
@@ -167,6 +172,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
         BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
+        **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}),
     )
 
 

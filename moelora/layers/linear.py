@@ -141,15 +141,19 @@ class LoRALinear(nn.Module):
     def _forward_fp8_epilogue(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """y = the FP8 GEMM with the LoRA expand added in its epilogue (one launch instead of two; the sum rounded
         once): the shrink into split-K partials first (it reads the unquantized x), then fp8_linear(lora=...)."""
-        from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_linear
+        from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_linear, fp8_lora_pdl, fp8_prequantize
         from moelora.kernels.lora_triton import lora_shrink
 
         w = self.lora
+        block = self.quant.block
+        xq, xs = fp8_prequantize(x, block[1])  # before the shrink: with PDL nothing may run between it and the GEMM
         h = dense_lora_h(w, x)
-        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h)
+        pdl = fp8_lora_pdl(x.shape[0], x.device)
+        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl)
         epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots,
-                              lora.groups.active_slots)
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.quant.block, self.bias, lora=epi)
+                              lora.groups.active_slots, pdl)
+        return fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, lora=epi,
+                          out_dtype=x.dtype)
 
     def _forward_overlapped(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """The LoRA chain on the side stream beside the base GEMM (kernels/streams.py): its buffers are made on
