@@ -53,6 +53,9 @@ for split_k, lora_split in [(1, 1), (1, 2), (4, 2)]:  # the LoRA tile as one mor
 consts.update(SPLIT_K=1, LORA_SPLIT=2, PARTS=2, LORA_WAIT=True)
 ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4, launch_pdl=True).asm["ptx"]
 assert "griddepcontrol.wait" in ptx
+consts.update(LORA_SPLIT=0, PARTS=4, SPLIT_K=4)  # mode 0: the epilogue waits
+assert "griddepcontrol.wait" in compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4,
+                                             launch_pdl=True).asm["ptx"]
 sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",
                                    "sorted_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32",
                                    "start_ptr": "*i32"},

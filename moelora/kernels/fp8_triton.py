@@ -195,9 +195,11 @@ if HAS_TRITON:
         # partial of the split-K sum (PARTS = SPLIT_K + 1 partials, the LoRA one last in the order), so its chain
         # of dependent loads (slots, ranks, h, then B per slot) runs beside the K steps instead of after them.
         # LORA_SPLIT == 1 walks all S slots (lora_expand_tile), == 2 the batch's slot groups, the first LORA_GROUPS
-        # unrolled without branches (lora_expand_tile_groups). LORA_WAIT (mode 2, launched with PDL right after the
-        # shrink, which lets it start at once): the K steps run beside the shrink, the LoRA program waits for it
-        # (gdc_wait) before reading h; every other input was written before the shrink started.
+        # unrolled without branches (lora_expand_tile_groups). LORA_WAIT (launched with PDL right after the shrink,
+        # which lets it start at once): the K steps run beside the shrink and whatever adds the LoRA tile (the
+        # LoRA program, or in mode 0 the program writing the tile) first waits for it (gdc_wait) before reading h;
+        # every other input was written before the shrink started. Every tile has such a program, so the GEMM
+        # completes after the shrink (what stream order promises the next kernel).
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
@@ -243,6 +245,8 @@ if HAS_TRITON:
             acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None] * b_s[None, :]
         if LORA_SPLIT == 1:
             if sk == SPLIT_K:
+                if LORA_WAIT:
+                    tl.extra.cuda.gdc_wait()
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
                                        LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
@@ -263,6 +267,8 @@ if HAS_TRITON:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if LORA_N > 0:
             if LORA_SPLIT == 0:
+                if LORA_WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
+                    tl.extra.cuda.gdc_wait()
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
                                        LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
@@ -458,8 +464,8 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     else:
         split_k = parts - (1 if lora_split else 0)
     # PDL only when nothing was launched between the shrink and this GEMM: no quantization launch for x (pdl_ok),
-    # the counters already there (counters_before: not zero-filled by this call)
-    pdl = lora_split == 2 and lora.pdl and pdl_ok and counters_before
+    # the split-K counters (if any) already there (counters_before: not zero-filled by this call)
+    pdl = lora is not None and lora.pdl and pdl_ok and (parts == 1 or counters_before)
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
     a_fp8 = a.dtype == FP8_DTYPE
@@ -557,14 +563,15 @@ _LORA_PDL = [os.environ.get("MOELORA_FP8_LORA_PDL", "1") != "0"]
 def set_fp8_lora_pdl(enabled: bool) -> None:
     """Programmatic dependent launch of the dense FP8 GEMM after its LoRA shrink (on by default;
     MOELORA_FP8_LORA_PDL=0 turns it off): where fp8_lora_pdl says yes, the shrink lets the GEMM start at once and
-    the GEMM's K steps run beside it; only its LoRA program waits for the shrink. Results do not change."""
+    the GEMM's K steps run beside it; only the code adding the LoRA tile waits for the shrink. Results do not
+    change."""
     _LORA_PDL[0] = bool(enabled)
 
 
-def fp8_lora_pdl(num_rows: int, device: torch.device) -> bool:
-    """Whether the dense FP8 GEMM with LoRA over num_rows rows runs as set_fp8_lora_split mode 2 with PDL: the
-    switch on, mode 2 at this size, and a GPU of compute capability >= 9.0 (Hopper: griddepcontrol)."""
-    if not (_LORA_PDL[0] and _LORA_SPLIT[0] == 2 and num_rows <= _LORA_SPLIT[1] and device.type == "cuda"):
+def fp8_lora_pdl(device: torch.device) -> bool:
+    """Whether the dense FP8 GEMM with LoRA is launched with PDL after its shrink: the switch on, and a GPU of
+    compute capability >= 9.0 (Hopper: griddepcontrol)."""
+    if not (_LORA_PDL[0] and device.type == "cuda"):
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
