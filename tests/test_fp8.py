@@ -576,6 +576,57 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
     assert not hasattr(odd, "fp8_act")  # 40 is not a multiple of 16: the GEMM quantizes it itself
 
 
+def test_fp8_lora_gemm_takes_pdl_only_when_nothing_runs_between_it_and_the_shrink(monkeypatch):
+    """Programmatic dependent launch lets the GEMM start while the shrink still runs; only its LoRA code waits for
+    it, so every other input must have been written before the shrink started. The launch decision (host side,
+    the kernel replaced by a recorder): PDL (and LORA_WAIT) with an already-quantized x, or an x the GEMM quantizes
+    itself; not when fp8_linear launches the activation quantization; not when the split-K counters are made by
+    this call (a zero-fill launch); not without lora.pdl; and fp8_lora_pdl says no on the CPU or when switched off."""
+    import dataclasses
+
+    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.groups import SlotGroups
+
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(dict(kwargs, grid=grid))
+
+    monkeypatch.setattr(ft, "_fp8_gemm_kernel", Recorder())
+    g = torch.Generator().manual_seed(7)
+    blk, T, D, O, S, R = (16, 16), 4, 32, 48, 2, 8
+    x = torch.randn(T, D, generator=g)
+    xq, xs = quantize_act_group_ref(x, blk[1])
+    q, s = quantize_weight_block(torch.randn(O, D, generator=g), blk)
+    groups = SlotGroups.build(torch.tensor([0, 1, -1, 0], dtype=torch.int32), S)
+    lora = ft.Fp8LoRAEpilogue(torch.zeros(3, T, R), torch.zeros(S, O, R), torch.tensor([0, 16, 32, 48], dtype=torch.int32),
+                              torch.full((3, S), R, dtype=torch.int32), torch.ones(3, S), groups.token_slots,
+                              groups.active_slots, pdl=True)
+
+    def pdl_of(x_in, x_scale=None, lora=lora, min_rows=0):
+        monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [min_rows])
+        launches.clear()
+        ft.fp8_linear(x_in, q, s, blk, x_scale=x_scale, out_dtype=torch.float32, lora=lora)
+        (kw,) = launches
+        assert kw.get("LORA_WAIT", False) == kw.get("launch_pdl", False)
+        return kw.get("launch_pdl", False), kw.get("LORA_SPLIT", 0)
+
+    for mode in (0, 2):  # after the K steps (no split-K here), and the LoRA program (a split-K partial: counters)
+        monkeypatch.setattr(ft, "_LORA_SPLIT", [mode, 64])
+        pdl_of(xq, xs)  # makes the counters if the form needs them
+        assert pdl_of(xq, xs) == (True, mode)  # quantized before the shrink: nothing in between
+        assert pdl_of(x)[0]  # quantized by the GEMM itself (no prequantization): no launch either
+        assert not pdl_of(x, min_rows=1)[0]  # fp8_linear launches quantize_act_group first: no PDL
+        assert not pdl_of(xq, xs, lora=dataclasses.replace(lora, pdl=False))[0]
+    monkeypatch.setattr(ft, "_COUNTERS", {})
+    assert pdl_of(xq, xs) == (False, 2)  # the counters' zero-fill ran in this call: no PDL
+    assert pdl_of(xq, xs) == (True, 2)
+    assert not ft.fp8_lora_pdl(torch.device("cpu"))
+    monkeypatch.setattr(ft, "_LORA_PDL", [False])
+    assert not ft.fp8_lora_pdl(torch.device("cuda"))
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("lora_split", [0, 1, 2])
 @pytest.mark.parametrize("split_k", [1, 3])
