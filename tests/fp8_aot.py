@@ -64,11 +64,11 @@ sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr"
 assert "griddepcontrol.launch_dependents" in sh
 print("ok gemm with PDL after the shrink")
 consts.update(LORA_SPLIT=0, PARTS=1, LORA_WAIT=False)
-# the inline LoRA (set_fp8_lora_split mode 3): the bf16 x quantized in the kernel, the shrink of each K step beside
-# it, 4 / 8 slot groups of rank 16 side by side, unsplit (qkv at 64 rows) and split-K 4 (o_proj)
-ptrs.update(a_ptr="*bf16", la_ptr="*bf16")
-for split_k, cols in [(1, 64), (4, 128)]:
-    consts.update(A_FP8=False, SPLIT_K=split_k, PARTS=split_k, LORA_SK=1, LORA_INLINE=True, LORA_COLS=cols)
+# the inline LoRA (set_fp8_lora_split mode 3): the shrink of each K step beside the GEMM's, 4 / 8 slot groups of
+# rank 16 side by side, unsplit (qkv at 64 rows) and split-K 4 (o_proj)
+for split_k, cols, a_fp8 in [(1, 64, False), (4, 128, True)]:  # x quantized here, or pre-quantized beside x (lx)
+    ptrs.update(a_ptr="*fp8e4nv" if a_fp8 else "*bf16", la_ptr="*bf16", lx_ptr="*bf16")
+    consts.update(A_FP8=a_fp8, SPLIT_K=split_k, PARTS=split_k, LORA_SK=1, LORA_INLINE=True, LORA_COLS=cols)
     k = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3)
     ptx = k.asm["ptx"]
     assert "e4m3" in ptx and ptx.count("mma") >= 3 and ("atom" in ptx) == (split_k > 1), (split_k, cols)

@@ -688,21 +688,24 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, lora_split, mo
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("prequant", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_fp8_linear_computes_the_lora_shrink_inline(split_k, dtype, monkeypatch):
+def test_fp8_linear_computes_the_lora_shrink_inline(split_k, dtype, prequant, monkeypatch):
     """set_fp8_lora_split mode 3: no shrink launch and no h; every program of the GEMM accumulates the shrink of its
-    own K steps from the unquantized x (the tile it quantizes) and adds its partial expand. Against the GEMM on
-    the pre-quantized x plus lora_expand of the reference shrink: slots of rank 0 for a slice, base rows (slot -1)
-    bit-equal to the plain GEMM, 3 slot groups of 4 side by side, split-K of the GEMM (3 partials of h, each
-    expanded). A and B past each slot's rank hold NaN, so a column not masked by its slot's rank shows; the
-    unquantized x is what the shrink must read (x's e4m3 copy would be off by its ~3% rounding)."""
+    own K steps from the unquantized x (prequant 0: the tile it quantizes itself; 1: x beside its pre-quantized
+    copy) and adds its partial expand. Against the GEMM plus lora_expand of the reference shrink: slots of rank 0
+    for a slice, base rows (slot -1) bit-equal to the plain GEMM, 3 slot groups of 4 side by side, split-K of the
+    GEMM (3 partials of h, each expanded). A and B past each slot's rank hold NaN, so a column not masked by its
+    slot's rank shows; the unquantized x is what the shrink must read (x's e4m3 copy would be off by its ~3%
+    rounding)."""
     from moelora.kernels import fp8_triton as ft
     from moelora.kernels.fp8_triton import Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref
     from moelora.kernels.fp8_triton import fp8_linear_ref, lora_inline_ok, set_fp8_gemm_config
     from moelora.kernels.groups import SlotGroups
 
     monkeypatch.setattr(ft, "_LORA_SPLIT", [3, 64])
+    monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [prequant])
     g = torch.Generator().manual_seed(70 + split_k)
     blk, T, D, outs, S, R = (16, 16), 11, 48, [32, 16, 16], 3, 8
     O, off_host = sum(outs), [0, 32, 48, 64]
@@ -719,20 +722,21 @@ def test_fp8_linear_computes_the_lora_shrink_inline(split_k, dtype, monkeypatch)
     scaling = torch.rand(3, S, generator=g) + 0.5
     slots = torch.tensor([0, -1, 2, 1, 1, 0, -1, 2, 2, 0, 1], dtype=torch.int32)
     groups = SlotGroups.build(slots, 4)  # L = 4 groups, 3 of them used: 64 columns of A side by side
+    xd = x.to(dtype)
     lora = Fp8LoRAEpilogue(None, b.to(dtype), torch.tensor(off_host, dtype=torch.int32), ranks, scaling,
-                           groups.token_slots, groups.active_slots, a=a.to(dtype))
+                           groups.token_slots, groups.active_slots, a=a.to(dtype), x=xd)
     set_fp8_gemm_config("dense", Fp8GemmConfig(16, 4, 2, 16, split_k))
     try:
         assert lora_inline_ok(T, off_host, 4, R)
         assert not lora_inline_ok(T, [0, 40, 64], 4, R)  # a column tile across a slice boundary
         assert not lora_inline_ok(T, off_host, 16, R)  # 16 groups x 16 columns: wider than LORA_INLINE_MAX_COLS
         assert not lora_inline_ok(65, off_host, 4, R)  # above max_rows
-        xd = x.to(dtype)
         y = fp8_linear(xd, q, s, blk, bias=bias, out_dtype=torch.float32, lora=lora)
-        # the same GEMM without LoRA, x quantized in the kernel as the inline form does (the interpreter's float32
-        # -> e4m3 cast rounds some values across a binade wrongly, so the torch reference's base differs there)
-        monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [0])
+        # the same GEMM without LoRA, x quantized by the same kernel (the interpreter's float32 -> e4m3 cast rounds
+        # some values across a binade wrongly, so the torch reference's base differs there)
         base = fp8_linear(xd, q, s, blk, bias=bias, out_dtype=torch.float32)
+        with pytest.raises(ValueError, match="unquantized input"):
+            fp8_linear(xd, q, s, blk, bias=bias, out_dtype=torch.float32, lora=dataclasses.replace(lora, x=None))
     finally:
         set_fp8_gemm_config("dense", None)
     clean = dataclasses.replace(lora, a=torch.nan_to_num(a, nan=0.0).to(dtype),

@@ -178,8 +178,8 @@ if HAS_TRITON:
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
         LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False,
-        la_ptr=None, sla_i=0, sla_s=0, sla_r=0, sla_d=0, LORA_INLINE: tl.constexpr = False,
-        LORA_COLS: tl.constexpr = 16,
+        la_ptr=None, sla_i=0, sla_s=0, sla_r=0, sla_d=0, lx_ptr=None, slx_m=0, slx_k=0,
+        LORA_INLINE: tl.constexpr = False, LORA_COLS: tl.constexpr = 16,
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
         # rounding, by one of two forms:
@@ -202,8 +202,8 @@ if HAS_TRITON:
         # LoRA program, or in mode 0 the program writing the tile) first waits for it (gdc_wait) before reading h;
         # every other input was written before the shrink started. Every tile has such a program, so the GEMM
         # completes after the shrink (what stream order promises the next kernel).
-        # LORA_INLINE (set_fp8_lora_split mode 3; dense, an unquantized input quantized here): no shrink launch and
-        # no h. Each program also accumulates the shrink of its own K steps from the unquantized tile it loads,
+        # LORA_INLINE (set_fp8_lora_split mode 3; dense): no shrink launch and no h. Each program also accumulates
+        # the shrink of its own K steps from the unquantized x (the tile it quantizes, or with an fp8 input lx),
         # h[BM, C] += a @ A_cat (A_cat [BK, C]: the slot groups' A of this tile's slice side by side, C = LORA_COLS =
         # groups x LORA_BR columns), then adds its partial expand: acc += (h masked to each row's own slot's columns,
         # times the slot's scaling, rounded to B's dtype) @ B_cat [C, BN]. The expand is linear in h, so the split-K
@@ -238,7 +238,6 @@ if HAS_TRITON:
         if LORA_SPLIT > 0:  # program sk == SPLIT_K computes the LoRA expand tile, no K steps
             k_hi = tl.where(sk < SPLIT_K, K, 0)
         if LORA_INLINE:
-            tl.static_assert(not A_FP8, "the inline LoRA shrink reads the unquantized input")
             li = 0  # this tile's slice
             for j in tl.static_range(1, LORA_N):
                 li += (tl.load(loff_ptr + j) <= pid_n * BLOCK_N).to(tl.int32)
@@ -259,9 +258,14 @@ if HAS_TRITON:
             kk = k0 + offs_k
             mask_k = kk < K
             a = tl.load(a_ptr + a_rows[:, None] * sam + kk[None, :] * sak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            if LORA_INLINE:  # this K step's share of the shrink, from the unquantized tile
+            if LORA_INLINE:  # this K step's share of the shrink, from the unquantized x
+                if A_FP8:
+                    xa = tl.load(lx_ptr + a_rows[:, None] * slx_m + kk[None, :] * slx_k,
+                                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                else:
+                    xa = a
                 at = tl.load(la_cols[None, :] + kk[:, None] * sla_d, mask=mask_k[:, None] & mask_c[None, :], other=0.0)
-                h_acc += tl.dot(a.to(at.dtype), at, input_precision=LORA_PRECISION)  # [BM, C]
+                h_acc += tl.dot(xa.to(at.dtype), at, input_precision=LORA_PRECISION)  # [BM, C]
             if A_FP8:
                 a_s = tl.load(as_ptr + a_rows * sasm + (k0 // GROUP_K) * sasg, mask=mask_m, other=0.0)
                 a_q = a
@@ -446,8 +450,8 @@ class Fp8LoRAEpilogue:
     · token_slots: [T] int32 (-1: no adapter, row untouched) · active_slots: [L] int32, the slot of each of the
     batch's slot groups (SlotGroups.active_slots, -1 unused), or None (set_fp8_lora_split mode 2 then walks all
     slots as mode 1 does) · pdl: the GEMM may be launched with programmatic dependent launch (fp8_lora_pdl)
-    · a: [n, S, R, H], the LoRA A factors, for the inline form (set_fp8_lora_split mode 3, lora_inline_ok): then
-    h is None (no shrink ran: the GEMM computes it from the unquantized x, which fp8_linear must then get)."""
+    · a: [n, S, R, H], the LoRA A factors, and x: [T, H] the unquantized input, for the inline form
+    (set_fp8_lora_split mode 3, lora_inline_ok): then h is None (no shrink ran: the GEMM computes it from x)."""
 
     h: torch.Tensor | None
     b_cat: torch.Tensor
@@ -458,6 +462,7 @@ class Fp8LoRAEpilogue:
     active_slots: torch.Tensor | None = None
     pdl: bool = False  # the shrink that wrote h was launched right before with launch_dependents (fp8_lora_pdl)
     a: torch.Tensor | None = None
+    x: torch.Tensor | None = None
 
     @property
     def inline(self) -> bool:
@@ -475,8 +480,10 @@ class Fp8LoRAEpilogue:
             n, _, R, _ = a.shape
             L = self.active_slots.shape[0]
             br = max(16, triton.next_power_of_2(R))
+            x = self.x
             return dict(common, la_ptr=a, sla_i=a.stride(0), sla_s=a.stride(1), sla_r=a.stride(2),
-                        sla_d=a.stride(3), lact_ptr=self.active_slots, L=L, LORA_N=n, LORA_BR=br,
+                        sla_d=a.stride(3), lx_ptr=x, slx_m=x.stride(0), slx_k=x.stride(1),
+                        lact_ptr=self.active_slots, L=L, LORA_N=n, LORA_BR=br,
                         LORA_INLINE=True, LORA_COLS=triton.next_power_of_2(L) * br)
         h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
         sk, n, _, R = h.shape
@@ -502,10 +509,16 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     if ids is None and (_SPLIT_K_ENABLED or cfg.split_k):  # dense: split K when few output tiles (decode)
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
     lora_split = min(_LORA_SPLIT[0], 2) if lora is not None and ids is None and M <= _LORA_SPLIT[1] else 0
+    num_stages = cfg.num_stages
     if lora is not None and lora.inline:
-        if ids is not None or a.dtype == FP8_DTYPE:
-            raise ValueError("FP8 GEMM: the inline LoRA shrink needs a dense GEMM on the unquantized input")
+        if ids is not None or lora.x is None or lora.x.dtype == FP8_DTYPE:
+            raise ValueError("FP8 GEMM: the inline LoRA shrink needs a dense GEMM and the unquantized input")
         lora_split = 0  # no LoRA program: every split adds its own partial expand
+        # pipeline stages within shared memory: per K step x (fp8 and bf16), the weight tile and the A tile
+        cols = lora.kernel_args()["LORA_COLS"]
+        stage = block_m * block_k * (3 if a.dtype == FP8_DTYPE else 2) + block_n * block_k + block_k * cols * 2
+        while num_stages > 2 and num_stages * stage > 160 * 1024:
+            num_stages -= 1
     cnt_now = _COUNTERS.get(out.device)
     counters_before = cnt_now is not None and cnt_now.numel() >= grid_m * grid_n
     if lora_split == 2 and lora.active_slots is None:
@@ -530,7 +543,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         s3.stride(0), s3.stride(1), s3.stride(2), out.stride(0), out.stride(1),
         FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
         GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_ROW_DIV=a_row_div,
-        SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         **(lora.kernel_args() if lora is not None else {}),
         **({"LORA_SPLIT": lora_split, "PARTS": parts} if parts > 1 else {}),
@@ -708,10 +721,7 @@ def fp8_linear(
         return out
     forced = _CONFIG_OVERRIDE["dense"]
     bm = forced.block_m if forced is not None and forced.block_m else _dense_block_m(T)
-    if lora is not None and lora.inline:  # the GEMM reads the unquantized x (its LoRA shrink does) and quantizes it
-        xq, x_scale = x, None
-    else:
-        xq, x_scale = _prequantized(x, x_scale, block[1])
+    xq, x_scale = _prequantized(x, x_scale, block[1])
     mark = getattr(x, "fp8_act", None)
     no_launch = x.dtype == FP8_DTYPE or xq.dtype != FP8_DTYPE or (mark is not None and xq is mark[0])
     _launch(xq, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm), lora=lora,

@@ -152,7 +152,7 @@ class LoRALinear(nn.Module):
         if lora_inline_ok(x.shape[0], w.slice_offsets_host, groups.active_slots.shape[0], w.max_lora_rank):
             # one launch: the GEMM computes the shrink from the unquantized x itself (set_fp8_lora_split mode 3)
             epi = Fp8LoRAEpilogue(None, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, groups.token_slots,
-                                  groups.active_slots, a=w.a)
+                                  groups.active_slots, a=w.a, x=x)
             return fp8_linear(x, self.weight, self.weight_scale_inv, block, self.bias, lora=epi, out_dtype=x.dtype)
         xq, xs = fp8_prequantize(x, block[1])  # before the shrink: with PDL nothing may run between it and the GEMM
         h = dense_lora_h(w, x)
