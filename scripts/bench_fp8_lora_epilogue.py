@@ -9,17 +9,11 @@ One FP8 LoRALinear call at Qwen3-30B-A3B's qkv (2048 -> 4096 + 512 + 512) and o_
   split2    mode 2 at any size: the LoRA partial over the batch's slot groups, unrolled (the default's form,
             which applies it only up to 64 rows), with PDL after the shrink where fp8_lora_pdl allows it
   nopdl     the default without programmatic dependent launch (set_fp8_lora_pdl(False))
-  inline    mode 3 at any size: no shrink launch, the GEMM computes each K step's shrink from the unquantized x
-            (read beside its pre-quantized copy) and adds its partial expand (session 16; where lora_inline_ok
-            allows it, else mode 2)
-  inline_k  the same with x quantized inside the GEMM (set_fp8_prequant_min_rows(0)): one x load for both
-  base_k    `base` with x quantized inside the GEMM
   separate  MOELORA_FP8_LORA_EPILOGUE=0: the shrink, the GEMM, then the expand kernel
   one_row   the default with one row on an adapter and the rest on none
   single    one adapter only: the single-slot path (plain matmuls on that slot, set_single_slot_fast_path;
             outside CUDA graphs), against `epilogue` with it turned off
-Rank 16, slot buffers for 8 adapters, tokens round-robin over the adapters, the batch's slot groups as many as
-its adapters (bench decode's max_loras; --groups 8: always 8); --layers modules in rotation so L2 does not hold a
+Rank 16, max_loras 8, tokens round-robin over the adapters; --layers modules in rotation so L2 does not hold a
 layer's weights between calls; --dtype bfloat16: the same on a bf16 base (no epilogue there).
 (Session 14 measured four forms of the epilogue with this script; the comment in _fp8_gemm_kernel has the
 figures. --json writes the rows with the date, device and commit.)
@@ -37,9 +31,7 @@ import torch
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.bench.common import git_commit, graph_time_us
-from moelora.kernels.fp8_triton import (
-    fp8_lora_split, set_fp8_lora_epilogue, set_fp8_lora_pdl, set_fp8_lora_split, set_fp8_prequant_min_rows,
-)
+from moelora.kernels.fp8_triton import fp8_lora_split, set_fp8_lora_epilogue, set_fp8_lora_pdl, set_fp8_lora_split
 from moelora.layers.fp8 import Fp8State, to_fp8
 from moelora.layers.linear import LoRALinear, set_single_slot_fast_path
 
@@ -72,11 +64,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp8", choices=["fp8", "bfloat16"],
                     help="the base weights (bfloat16: cuBLAS base, the grouped shrink/expand kernels; no epilogue)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--groups", type=int, default=0, help="slot groups of the batch (0: as many as its adapters)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'after':>7} {'split1':>7} {'split2':>7} {'nopdl':>7} {'inline':>7} {'inl_k':>7} {'base_k':>7} {'separ':>7} "
+    print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'after':>7} {'split1':>7} {'split2':>7} {'nopdl':>7} {'separ':>7} "
           f"{'one_row':>7} {'single':>7}  (µs per call)")
     split_default = fp8_lora_split()
     for name in SHAPES:
@@ -86,14 +77,14 @@ def main() -> None:
             x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
             base = graph_time_us(lambda li: mods[li](x), args.layers)
             for n_ad in (int(a) for a in args.adapters.split(",")):
-                batch = LoRABatch.build([t % n_ad for t in range(T)], args.groups or n_ad, "cuda")
+                batch = LoRABatch.build([t % n_ad for t in range(T)], MAX_LORAS, "cuda")
                 one = LoRABatch.build([-1] * (T - 1) + [0], MAX_LORAS, "cuda")
                 set_single_slot_fast_path(False)  # the grouped kernels (what a CUDA graph runs)
                 try:
                     row = {"case": name, "tokens": T, "adapters": n_ad, "base_us": base,
                            "epilogue_us": graph_time_us(lambda li: mods[li](x, batch), args.layers),
                            "one_row_us": graph_time_us(lambda li: mods[li](x, one), args.layers)}
-                    for key, mode in (("after_us", 0), ("split1_us", 1), ("split2_us", 2), ("inline_us", 3)):
+                    for key, mode in (("after_us", 0), ("split1_us", 1), ("split2_us", 2)):
                         if args.dtype != "fp8":
                             row[key] = None
                             continue
@@ -102,16 +93,6 @@ def main() -> None:
                             row[key] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
                         finally:
                             set_fp8_lora_split(*split_default)
-                    row["inline_k_us"] = row["base_k_us"] = None
-                    if args.dtype == "fp8":
-                        set_fp8_prequant_min_rows(0)
-                        set_fp8_lora_split(3, 1 << 30)
-                        try:
-                            row["inline_k_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
-                            row["base_k_us"] = graph_time_us(lambda li: mods[li](x), args.layers)
-                        finally:
-                            set_fp8_lora_split(*split_default)
-                            set_fp8_prequant_min_rows(1)
                     row["nopdl_us"] = None
                     if args.dtype == "fp8":
                         set_fp8_lora_pdl(False)
@@ -131,8 +112,7 @@ def main() -> None:
                 rows.append(row)
                 single = f"{row['single_slot_us']:7.1f}" if n_ad == 1 else f"{'':>7}"
                 modes = " ".join(f"{row[k]:7.1f}" if row[k] is not None else f"{'':>7}"
-                                 for k in ("after_us", "split1_us", "split2_us", "nopdl_us", "inline_us",
-                                           "inline_k_us", "base_k_us"))
+                                 for k in ("after_us", "split1_us", "split2_us", "nopdl_us"))
                 print(f"{name:>4} {T:>5} {n_ad:>3} | {base:7.1f} {row['epilogue_us']:7.1f} {modes} {row['separate_us']:7.1f} "
                       f"{row['one_row_us']:7.1f} {single}")
     if args.json:

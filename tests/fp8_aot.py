@@ -29,7 +29,7 @@ for a_fp8, grouped, block_m, split_k in [(False, True, 16, 1), (False, False, 64
             "cnt_ptr": "*i32"}
     consts = dict(FP8_MAX_C=448.0, A_FP8=a_fp8, GROUPED=grouped, HAS_BIAS=not grouped, GROUP_K=128, SCALE_N=128,
                   BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, A_ROW_DIV=1, SPLIT_K=split_k, LORA_N=0, LORA_SK=1,
-                  LORA_BR=16, LORA_PRECISION="ieee", LORA_SPLIT=0, PARTS=split_k, LORA_INLINE=False, LORA_COLS=16)
+                  LORA_BR=16, LORA_PRECISION="ieee", LORA_SPLIT=0, PARTS=split_k)
     ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3).asm["ptx"]
     assert "e4m3" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (a_fp8, grouped, block_m)
     if split_k > 1:  # the arrival count is a device-scope atomic, after a CTA barrier
@@ -64,16 +64,6 @@ sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr"
 assert "griddepcontrol.launch_dependents" in sh
 print("ok gemm with PDL after the shrink")
 consts.update(LORA_SPLIT=0, PARTS=1, LORA_WAIT=False)
-# the inline LoRA (set_fp8_lora_split mode 3): the shrink of each K step beside the GEMM's, 4 / 8 slot groups of
-# rank 16 side by side, unsplit (qkv at 64 rows) and split-K 4 (o_proj)
-for split_k, cols, a_fp8 in [(1, 64, False), (4, 128, True)]:  # x quantized here, or pre-quantized beside x (lx)
-    ptrs.update(a_ptr="*fp8e4nv" if a_fp8 else "*bf16", la_ptr="*bf16", lx_ptr="*bf16")
-    consts.update(A_FP8=a_fp8, SPLIT_K=split_k, PARTS=split_k, LORA_SK=1, LORA_INLINE=True, LORA_COLS=cols)
-    k = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3)
-    ptx = k.asm["ptx"]
-    assert "e4m3" in ptx and ptx.count("mma") >= 3 and ("atom" in ptx) == (split_k > 1), (split_k, cols)
-    print("ok gemm with the inline LoRA", split_k, cols, "smem", k.metadata.shared)
-consts.update(A_FP8=True, LORA_INLINE=False, SPLIT_K=1, PARTS=1)
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"]

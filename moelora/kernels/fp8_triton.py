@@ -178,8 +178,6 @@ if HAS_TRITON:
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
         LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False,
-        la_ptr=None, sla_i=0, sla_s=0, sla_r=0, sla_d=0, lx_ptr=None, slx_m=0, slx_k=0,
-        LORA_INLINE: tl.constexpr = False, LORA_COLS: tl.constexpr = 16,
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
         # rounding, by one of two forms:
@@ -202,12 +200,13 @@ if HAS_TRITON:
         # LoRA program, or in mode 0 the program writing the tile) first waits for it (gdc_wait) before reading h;
         # every other input was written before the shrink started. Every tile has such a program, so the GEMM
         # completes after the shrink (what stream order promises the next kernel).
-        # LORA_INLINE (set_fp8_lora_split mode 3; dense): no shrink launch and no h. Each program also accumulates
-        # the shrink of its own K steps from the unquantized x (the tile it quantizes, or with an fp8 input lx),
-        # h[BM, C] += a @ A_cat (A_cat [BK, C]: the slot groups' A of this tile's slice side by side, C = LORA_COLS =
-        # groups x LORA_BR columns), then adds its partial expand: acc += (h masked to each row's own slot's columns,
-        # times the slot's scaling, rounded to B's dtype) @ B_cat [C, BN]. The expand is linear in h, so the split-K
-        # partials add up to the whole delta. Needs every column tile inside one slice (lora_inline_ok).
+        # (Session 16 tried the shrink inline: no shrink launch and no h, each program accumulating its K steps'
+        # h[BM, groups x R] from the unquantized x with one more dot per step, then adding its partial expand.
+        # µs per call, 4 / 8 adapters (slot groups side by side: 64 / 128 columns), against mode 2 with PDL:
+        # qkv at 16 tokens 18.3 / 21.6 vs 14.4 / 16.5, at 64 tokens 17.4 / 32.5 vs 17.0 / 19.1; o_proj at 64
+        # tokens 15.9 / 23.3 vs 17.5 / 21.7; with x quantized in the GEMM instead, 27.3 for qkv at 64 tokens.
+        # End to end at batch 64 it lost: 4,613 / 4,569 tok/s against 4,924 / 4,790 (calls 1-2,
+        # fp8-lora-inline-s16-call2-*). Removed.)
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
@@ -237,35 +236,10 @@ if HAS_TRITON:
         k_hi = K
         if LORA_SPLIT > 0:  # program sk == SPLIT_K computes the LoRA expand tile, no K steps
             k_hi = tl.where(sk < SPLIT_K, K, 0)
-        if LORA_INLINE:
-            li = 0  # this tile's slice
-            for j in tl.static_range(1, LORA_N):
-                li += (tl.load(loff_ptr + j) <= pid_n * BLOCK_N).to(tl.int32)
-            offs_c = tl.arange(0, LORA_COLS)
-            g_c = offs_c // LORA_BR  # column c: rank entry r_c of slot group g_c
-            r_c = offs_c % LORA_BR
-            slot_col = tl.load(lact_ptr + g_c, mask=g_c < L, other=-1)  # [C]
-            slot_cc = tl.maximum(slot_col, 0)
-            mask_c = r_c < tl.load(lrank_ptr + li * S + slot_cc, mask=slot_col >= 0, other=0)
-            la_cols = la_ptr + li.to(tl.int64) * sla_i + slot_cc.to(tl.int64) * sla_s + r_c * sla_r  # [C]
-            # loaded before the K steps, used after them: their latency hides behind the loop
-            lb_t = tl.load(lb_ptr + slot_cc[:, None].to(tl.int64) * slb_s + offs_n[None, :] * slb_o + r_c[:, None] * slb_r,
-                           mask=mask_c[:, None] & mask_n[None, :], other=0.0)  # [C, BN]
-            l_scale = tl.load(lscale_ptr + li * S + slot_cc)  # [C]
-            row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BM]
-            h_acc = tl.zeros((BLOCK_M, LORA_COLS), dtype=tl.float32)
         for k0 in range(sk * BLOCK_K, k_hi, BLOCK_K * SPLIT_K):
             kk = k0 + offs_k
             mask_k = kk < K
             a = tl.load(a_ptr + a_rows[:, None] * sam + kk[None, :] * sak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            if LORA_INLINE:  # this K step's share of the shrink, from the unquantized x
-                if A_FP8:
-                    xa = tl.load(lx_ptr + a_rows[:, None] * slx_m + kk[None, :] * slx_k,
-                                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                else:
-                    xa = a
-                at = tl.load(la_cols[None, :] + kk[:, None] * sla_d, mask=mask_k[:, None] & mask_c[None, :], other=0.0)
-                h_acc += tl.dot(xa.to(at.dtype), at, input_precision=LORA_PRECISION)  # [BM, C]
             if A_FP8:
                 a_s = tl.load(as_ptr + a_rows * sasm + (k0 // GROUP_K) * sasg, mask=mask_m, other=0.0)
                 a_q = a
@@ -276,10 +250,6 @@ if HAS_TRITON:
             b = tl.load(b_base + kk[None, :] * sbk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
             b_s = tl.load(bs_base + (k0 // GROUP_K) * sbsk, mask=mask_n, other=0.0)  # [BN]
             acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None] * b_s[None, :]
-        if LORA_INLINE:  # this split's partial expand: each row keeps its own slot's columns
-            keep = (row_slot[:, None] == slot_col[None, :]) & (slot_col[None, :] >= 0)
-            h_s = tl.where(keep, h_acc * l_scale[None, :], 0.0)
-            acc += tl.dot(h_s.to(lb_t.dtype), lb_t, input_precision=LORA_PRECISION)
         if LORA_SPLIT == 1:
             if sk == SPLIT_K:
                 if LORA_WAIT:
@@ -303,7 +273,7 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if LORA_N > 0:
-            if (LORA_SPLIT == 0) and (not LORA_INLINE):
+            if LORA_SPLIT == 0:
                 if LORA_WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
                     tl.extra.cuda.gdc_wait()
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
@@ -449,11 +419,9 @@ class Fp8LoRAEpilogue:
     · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
     · token_slots: [T] int32 (-1: no adapter, row untouched) · active_slots: [L] int32, the slot of each of the
     batch's slot groups (SlotGroups.active_slots, -1 unused), or None (set_fp8_lora_split mode 2 then walks all
-    slots as mode 1 does) · pdl: the GEMM may be launched with programmatic dependent launch (fp8_lora_pdl)
-    · a: [n, S, R, H], the LoRA A factors, and x: [T, H] the unquantized input, for the inline form
-    (set_fp8_lora_split mode 3, lora_inline_ok): then h is None (no shrink ran: the GEMM computes it from x)."""
+    slots as mode 1 does) · pdl: the GEMM may be launched with programmatic dependent launch (fp8_lora_pdl)."""
 
-    h: torch.Tensor | None
+    h: torch.Tensor
     b_cat: torch.Tensor
     slice_offsets: torch.Tensor
     ranks: torch.Tensor
@@ -461,34 +429,18 @@ class Fp8LoRAEpilogue:
     token_slots: torch.Tensor
     active_slots: torch.Tensor | None = None
     pdl: bool = False  # the shrink that wrote h was launched right before with launch_dependents (fp8_lora_pdl)
-    a: torch.Tensor | None = None
-    x: torch.Tensor | None = None
-
-    @property
-    def inline(self) -> bool:
-        return self.a is not None
 
     def kernel_args(self) -> dict:
         from moelora.kernels._triton import dot_precision
 
-        b = self.b_cat
-        common = dict(lb_ptr=b, loff_ptr=self.slice_offsets, lrank_ptr=self.ranks, lscale_ptr=self.scaling,
-                      lslot_ptr=self.token_slots, S=b.shape[0], slb_s=b.stride(0), slb_o=b.stride(1),
-                      slb_r=b.stride(2), LORA_PRECISION=dot_precision(b.dtype))
-        if self.inline:
-            a = self.a
-            n, _, R, _ = a.shape
-            L = self.active_slots.shape[0]
-            br = max(16, triton.next_power_of_2(R))
-            x = self.x
-            return dict(common, la_ptr=a, sla_i=a.stride(0), sla_s=a.stride(1), sla_r=a.stride(2),
-                        sla_d=a.stride(3), lx_ptr=x, slx_m=x.stride(0), slx_k=x.stride(1),
-                        lact_ptr=self.active_slots, L=L, LORA_N=n, LORA_BR=br,
-                        LORA_INLINE=True, LORA_COLS=triton.next_power_of_2(L) * br)
         h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
         sk, n, _, R = h.shape
-        return dict(common, lh_ptr=h, slh_s=h.stride(0), slh_i=h.stride(1), slh_m=h.stride(2), slh_r=h.stride(3),
+        b = self.b_cat
+        return dict(lh_ptr=h, lb_ptr=b, loff_ptr=self.slice_offsets, lrank_ptr=self.ranks, lscale_ptr=self.scaling,
+                    lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
+                    slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
                     LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
+                    LORA_PRECISION=dot_precision(b.dtype),
                     **({} if self.active_slots is None else
                        dict(lact_ptr=self.active_slots, L=self.active_slots.shape[0],
                             LORA_GROUPS=min(LORA_GROUPS_UNROLLED, self.active_slots.shape[0]))))
@@ -508,17 +460,10 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     split_k = 1
     if ids is None and (_SPLIT_K_ENABLED or cfg.split_k):  # dense: split K when few output tiles (decode)
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
-    lora_split = min(_LORA_SPLIT[0], 2) if lora is not None and ids is None and M <= _LORA_SPLIT[1] else 0
-    num_stages = cfg.num_stages
-    if lora is not None and lora.inline:
-        if ids is not None or lora.x is None or lora.x.dtype == FP8_DTYPE:
-            raise ValueError("FP8 GEMM: the inline LoRA shrink needs a dense GEMM and the unquantized input")
-        lora_split = 0  # no LoRA program: every split adds its own partial expand
-        # pipeline stages within shared memory: per K step x (fp8 and bf16), the weight tile and the A tile
-        cols = lora.kernel_args()["LORA_COLS"]
-        stage = block_m * block_k * (3 if a.dtype == FP8_DTYPE else 2) + block_n * block_k + block_k * cols * 2
-        while num_stages > 2 and num_stages * stage > 160 * 1024:
-            num_stages -= 1
+    lora_split = 0
+    if lora is not None and ids is None and (M <= _LORA_SPLIT[1] or
+                                             grid_m * grid_n * (split_k + 1) <= LORA_SPLIT_MAX_PROGRAMS):
+        lora_split = _LORA_SPLIT[0]
     cnt_now = _COUNTERS.get(out.device)
     counters_before = cnt_now is not None and cnt_now.numel() >= grid_m * grid_n
     if lora_split == 2 and lora.active_slots is None:
@@ -543,7 +488,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         s3.stride(0), s3.stride(1), s3.stride(2), out.stride(0), out.stride(1),
         FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
         GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_ROW_DIV=a_row_div,
-        SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=num_stages,
+        SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         **(lora.kernel_args() if lora is not None else {}),
         **({"LORA_SPLIT": lora_split, "PARTS": parts} if parts > 1 else {}),
@@ -595,25 +540,29 @@ def fp8_lora_epilogue() -> bool:
 
 def _lora_split_env() -> list[int]:
     mode = int(os.environ.get("MOELORA_FP8_LORA_SPLIT", "2") or 0)
-    if mode not in (0, 1, 2, 3):
-        raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0, 1, 2 or 3, got {mode}")
+    if mode not in (0, 1, 2):
+        raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0, 1 or 2, got {mode}")
     return [mode, int(os.environ.get("MOELORA_FP8_LORA_SPLIT_MAX_ROWS", "64") or 0)]
 
 
 _LORA_SPLIT = _lora_split_env()
+# above max_rows the LoRA program is still used while the launch (the GEMM's programs and one LoRA program per
+# tile) stays within this many programs, 2 per SM of an H200: o_proj at 256 rows (128 tiles; µs per call, 4 / 8
+# adapters: 25.7 / 26.4 against 27.4 / 33.6 after the K steps), not qkv (320 tiles: 34.9 / 39.8 against 26.1 /
+# 29.5; session 16, call 2)
+LORA_SPLIT_MAX_PROGRAMS = 264
 LORA_GROUPS_UNROLLED = 8  # slot groups of set_fp8_lora_split mode 2 unrolled in the kernel (the rest in a loop)
 
 
 def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
-    """Where the dense GEMM's LoRA expand runs for inputs of <= max_rows rows (MOELORA_FP8_LORA_SPLIT,
-    MOELORA_FP8_LORA_SPLIT_MAX_ROWS; above it always 0): 0 in the epilogue after the K steps; 1 in one more
+    """Where the dense GEMM's LoRA expand runs for inputs of <= max_rows rows, or of more while the GEMM's programs
+    and one LoRA program per output tile are at most LORA_SPLIT_MAX_PROGRAMS (MOELORA_FP8_LORA_SPLIT,
+    MOELORA_FP8_LORA_SPLIT_MAX_ROWS; otherwise always 0): 0 in the epilogue after the K steps; 1 in one more
     program per output tile, beside the K steps, summed as the last split-K partial, walking all slots; 2 (default)
     the same over the batch's slot groups, the first LORA_GROUPS_UNROLLED unrolled with their loads in flight
-    together; 3 inline: no shrink launch, every program of the GEMM computes the shrink of its own K steps from
-    the unquantized x and adds its partial expand (where lora_inline_ok allows it, else mode 2). Modes 0-2 give
-    the same results up to fp32 summation order; mode 3 also rounds h per split-K partial, after the scaling."""
-    if mode not in (0, 1, 2, 3):
-        raise ValueError(f"set_fp8_lora_split: mode must be 0, 1, 2 or 3, got {mode}")
+    together. Results are the same up to fp32 summation order."""
+    if mode not in (0, 1, 2):
+        raise ValueError(f"set_fp8_lora_split: mode must be 0, 1 or 2, got {mode}")
     _LORA_SPLIT[0] = mode
     if max_rows is not None:
         _LORA_SPLIT[1] = int(max_rows)
@@ -622,25 +571,6 @@ def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
 def fp8_lora_split() -> tuple[int, int]:
     """(mode, max_rows) of set_fp8_lora_split."""
     return _LORA_SPLIT[0], _LORA_SPLIT[1]
-
-
-LORA_INLINE_MAX_COLS = 128  # the inline shrink's [BLOCK_K, groups x rank] A tile, at most this wide
-
-
-def lora_inline_ok(rows: int, slice_bounds: list[int], groups: int, max_rank: int) -> bool:
-    """Whether a dense FP8 GEMM of `rows` rows and output slices at slice_bounds ([0, o_1, ..., N]) takes the inline
-    LoRA form (set_fp8_lora_split mode 3): mode 3 on and rows <= its max_rows, the slot groups side by side at most
-    LORA_INLINE_MAX_COLS wide (next power of 2 of groups x the padded rank), and every column tile inside one
-    slice."""
-    mode, max_rows = _LORA_SPLIT
-    if mode != 3 or rows > max_rows or rows == 0:
-        return False
-    if triton.next_power_of_2(max(groups, 1)) * max(16, triton.next_power_of_2(max_rank)) > LORA_INLINE_MAX_COLS:
-        return False
-    forced = _CONFIG_OVERRIDE["dense"]
-    bm = forced.block_m if forced is not None and forced.block_m else _dense_block_m(rows)
-    block_n = fp8_gemm_config(triton.cdiv(rows, bm), slice_bounds[-1], False).block_n
-    return all(o % block_n == 0 for o in slice_bounds[:-1])
 
 
 _LORA_PDL = [os.environ.get("MOELORA_FP8_LORA_PDL", "1") != "0"]
@@ -733,17 +663,11 @@ def fp8_linear_lora_ref(x, w_fp8, w_scale_inv, block, bias, lora: Fp8LoRAEpilogu
                         out_dtype=None) -> torch.Tensor:
     """fp8_linear(..., lora=lora) in torch: the fp32 base output plus lora_expand_ref's delta, rounded once.
     groups: the SlotGroups of lora.token_slots (the reference walks slots on the host)."""
-    from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref
+    from moelora.kernels.lora import lora_expand_ref
 
     y = fp8_linear_ref(x, w_fp8, w_scale_inv, block, bias, x_scale, out_dtype=torch.float32)
-    if lora.inline:  # no shrink ran: h from the unquantized x (the kernel rounds its split-K partials of h, after
-        # the scaling, to the factors' dtype: tests compare it within that rounding)
-        h = torch.zeros(lora.a.shape[0], x.shape[0], lora.a.shape[2], dtype=torch.float32, device=x.device)
-        lora_shrink_ref(x, lora.a, lora.ranks, groups, h)
-    else:
-        h = lora.h if lora.h.dim() == 4 else lora.h.unsqueeze(0)
-        h = h.sum(0)
-    h = h.to(lora.b_cat.dtype).float()  # the kernel rounds h to the factors' dtype, as lora_expand does
+    h = lora.h if lora.h.dim() == 4 else lora.h.unsqueeze(0)
+    h = h.sum(0).to(lora.b_cat.dtype).float()  # the kernel rounds h to the factors' dtype, as lora_expand does
     lora_expand_ref(h, lora.b_cat, lora.slice_offsets, lora.ranks, lora.scaling, groups, y)
     return y.to(out_dtype or (torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype))
 
@@ -847,5 +771,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "lora_inline_ok", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

@@ -141,25 +141,17 @@ class LoRALinear(nn.Module):
     def _forward_fp8_epilogue(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """y = the FP8 GEMM with the LoRA expand added in its epilogue (one launch instead of two; the sum rounded
         once): the shrink into split-K partials first (it reads the unquantized x), then fp8_linear(lora=...)."""
-        from moelora.kernels.fp8_triton import (
-            Fp8LoRAEpilogue, fp8_linear, fp8_lora_pdl, fp8_prequantize, lora_inline_ok,
-        )
+        from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_linear, fp8_lora_pdl, fp8_prequantize
         from moelora.kernels.lora_triton import lora_shrink
 
         w = self.lora
         block = self.quant.block
-        groups = lora.groups
-        if lora_inline_ok(x.shape[0], w.slice_offsets_host, groups.active_slots.shape[0], w.max_lora_rank):
-            # one launch: the GEMM computes the shrink from the unquantized x itself (set_fp8_lora_split mode 3)
-            epi = Fp8LoRAEpilogue(None, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, groups.token_slots,
-                                  groups.active_slots, a=w.a, x=x)
-            return fp8_linear(x, self.weight, self.weight_scale_inv, block, self.bias, lora=epi, out_dtype=x.dtype)
         xq, xs = fp8_prequantize(x, block[1])  # before the shrink: with PDL nothing may run between it and the GEMM
         h = dense_lora_h(w, x)
         pdl = fp8_lora_pdl(x.device)
-        lora_shrink(x, w.a, w.rank_tensor, groups, h, launch_dependents=pdl)
-        epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, groups.token_slots,
-                              groups.active_slots, pdl)
+        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl)
+        epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots,
+                              lora.groups.active_slots, pdl)
         return fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, lora=epi,
                           out_dtype=x.dtype)
 
