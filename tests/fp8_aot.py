@@ -114,3 +114,12 @@ for block_d, store in [(128, True), (256, False)]:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     assert "mma" in ptx and "cp.async" in ptx, (block_d, store)
 print("ok grouped lora")
+# the fused decode LoRA kernel's shrink alone (moe_lora_fused_shrink, for the expand in the FP8 expert GEMM)
+from moelora.kernels.moe_lora_fused_triton import _moe_lora_fused_kernel  # noqa: E402
+
+ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "ids_ptr", "slots_ptr")}
+ptrs.update(x_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", y_ptr="*fp32", scale_ptr="*i32", w_ptr="*i32")
+k = compile_sm90(_moe_lora_fused_kernel, ptrs, dict(X_PER_PAIR=False, HAS_W=False, STORE=False, BLOCK_R=16,
+                                                     BLOCK_D=256, BLOCK_N=16, SPLIT_N=1, H_ONLY=True), num_warps=4)
+assert "st.global" in k.asm["ptx"]
+print("ok fused shrink")

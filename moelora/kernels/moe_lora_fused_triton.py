@@ -63,11 +63,14 @@ if HAS_TRITON:
         p = tl.program_id(0)
         i = tl.program_id(1)
         pid_n = tl.program_id(2)
-        if not H_ONLY:
+        if H_ONLY:  # no output tiles (both branches define the names: Triton 3.6 keeps only those)
+            o0 = 0
+            width = BLOCK_N
+        else:
             o0 = tl.load(off_ptr + i)
             width = tl.load(off_ptr + i + 1) - o0
-            if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
-                return
+        if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
+            return
         t = p // K
         slot = tl.load(slots_ptr + t)
         slot_c = tl.maximum(slot, 0)
