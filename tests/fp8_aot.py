@@ -64,12 +64,6 @@ sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr"
 assert "griddepcontrol.launch_dependents" in sh
 print("ok gemm with PDL after the shrink")
 consts.update(LORA_SPLIT=0, PARTS=1, LORA_WAIT=False)
-# the grouped expert GEMM with the routed-expert LoRA expand in its epilogue (B of the block's expert, pairs' slots)
-consts.update(GROUPED=True, BLOCK_M=16, SPLIT_K=1, LORA_N=2, LORA_SK=1, LSLOT_DIV=8, A_ROW_DIV=8)
-ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
-assert "e4m3" in ptx and ptx.count("mma") >= 2 and "atom" not in ptx
-print("ok grouped gemm with the routed LoRA epilogue")
-consts.update(GROUPED=False, LSLOT_DIV=1, A_ROW_DIV=1)
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in q.asm["ptx"]
@@ -114,12 +108,3 @@ for block_d, store in [(128, True), (256, False)]:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     assert "mma" in ptx and "cp.async" in ptx, (block_d, store)
 print("ok grouped lora")
-# the fused decode LoRA kernel's shrink alone (moe_lora_fused_shrink, for the expand in the FP8 expert GEMM)
-from moelora.kernels.moe_lora_fused_triton import _moe_lora_fused_kernel  # noqa: E402
-
-ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "ids_ptr", "slots_ptr")}
-ptrs.update(x_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", y_ptr="*fp32", scale_ptr="*i32", w_ptr="*i32")
-k = compile_sm90(_moe_lora_fused_kernel, ptrs, dict(X_PER_PAIR=False, HAS_W=False, STORE=False, BLOCK_R=16,
-                                                     BLOCK_D=256, BLOCK_N=16, SPLIT_N=1, H_ONLY=True), num_warps=4)
-assert "st.global" in k.asm["ptx"]
-print("ok fused shrink")

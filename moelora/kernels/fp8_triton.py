@@ -13,7 +13,6 @@ repeated by every column tile; set_fp8_prequant_min_rows(n) quantizes inputs of 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -90,13 +89,12 @@ if HAS_TRITON:
     def lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr, lscale_ptr,
                          lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
                          LORA_N: tl.constexpr, LORA_SK: tl.constexpr, LORA_BR: tl.constexpr,
-                         LORA_PRECISION: tl.constexpr, LSLOT_DIV: tl.constexpr):
+                         LORA_PRECISION: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] fp32 + the dense multi-LoRA expand of rows `rows`, columns offs_n (lora_expand's
         semantics): acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype) @ lb[s, o_i, :r].T
-        for rows t of slot s = lslot[t // LSLOT_DIV] >= 0 (LSLOT_DIV: top_k for rows that are (token, k) pairs),
-        r = ranks[i, s] > 0. Every row's h (the shrink's LORA_SK split-K partials summed) is loaded once per slice,
-        before the loop over slots, which then loads only B."""
-        row_slot = tl.load(lslot_ptr + rows // LSLOT_DIV, mask=mask_m, other=-1)  # [BLOCK_M]
+        for rows t of slot s = lslot[t] >= 0, r = ranks[i, s] > 0. Every row's h (the shrink's LORA_SK split-K
+        partials summed) is loaded once per slice, before the loop over slots, which then loads only B."""
+        row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
         has = mask_m & (row_slot >= 0)
         offs_r = tl.arange(0, LORA_BR)
         for i in tl.static_range(LORA_N):
@@ -176,14 +174,13 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_ROW_DIV: tl.constexpr = 1,
         SPLIT_K: tl.constexpr = 1,
         lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None, lact_ptr=None,
-        S=0, L=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0, slb_e=0,
+        S=0, L=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
-        LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False, LSLOT_DIV: tl.constexpr = 1,
+        LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False,
     ):
-        # LORA_N > 0: the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one rounding.
-        # Grouped (the routed experts' GEMM, fp8_expert_gemm(lora=...)): after the K steps, B of the block's expert
-        # (slb_e), h per pair, each pair's slot that of its token (LSLOT_DIV = top_k). Dense, by one of two forms:
+        # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
+        # rounding, by one of two forms:
         # LORA_SPLIT == 0: in the epilogue, after the K steps (and the split-K sum). Session 14 measured four forms
         # of this epilogue, bit-equal on the H200 (scripts/bench_fp8_lora_epilogue.py, µs per qkv / o_proj call
         # at 64 tokens, 4 adapters; the base GEMM alone 10.5 / 12.1): h hoisted before the slot loop (kept) 19.9 /
@@ -259,7 +256,7 @@ if HAS_TRITON:
                     tl.extra.cuda.gdc_wait()
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
-                                       LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, 1)
+                                       LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
         if LORA_SPLIT == 2:
             if sk == SPLIT_K:
                 if LORA_WAIT:  # launched with PDL beside the shrink: h is complete (and visible) after this
@@ -279,9 +276,9 @@ if HAS_TRITON:
             if LORA_SPLIT == 0:
                 if LORA_WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
                     tl.extra.cuda.gdc_wait()
-                acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr + e * slb_e, loff_ptr,
-                                       lrank_ptr, lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o,
-                                       slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, LSLOT_DIV)
+                acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
+                                       lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
+                                       LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -432,7 +429,6 @@ class Fp8LoRAEpilogue:
     token_slots: torch.Tensor
     active_slots: torch.Tensor | None = None
     pdl: bool = False  # the shrink that wrote h was launched right before with launch_dependents (fp8_lora_pdl)
-    slot_div: int = 1  # rows are (token, k) pairs: the slot of row p is token_slots[p // slot_div]
 
     def kernel_args(self) -> dict:
         from moelora.kernels._triton import dot_precision
@@ -440,14 +436,9 @@ class Fp8LoRAEpilogue:
         h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
         sk, n, _, R = h.shape
         b = self.b_cat
-        if b.dim() == 4:  # the routed experts' [S, E|1, O, R] (an expert dim of 1: one B for all experts)
-            slb_s, slb_e, slb_o, slb_r = b.stride(0), 0 if b.shape[1] == 1 else b.stride(1), b.stride(2), b.stride(3)
-        else:
-            slb_s, slb_e, slb_o, slb_r = b.stride(0), 0, b.stride(1), b.stride(2)
         return dict(lh_ptr=h, lb_ptr=b, loff_ptr=self.slice_offsets, lrank_ptr=self.ranks, lscale_ptr=self.scaling,
                     lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
-                    slh_m=h.stride(2), slh_r=h.stride(3), slb_s=slb_s, slb_o=slb_o, slb_r=slb_r, slb_e=slb_e,
-                    LSLOT_DIV=self.slot_div,
+                    slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
                     LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
                     LORA_PRECISION=dot_precision(b.dtype),
                     **({} if self.active_slots is None else
@@ -580,21 +571,6 @@ def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
 def fp8_lora_split() -> tuple[int, int]:
     """(mode, max_rows) of set_fp8_lora_split."""
     return _LORA_SPLIT[0], _LORA_SPLIT[1]
-
-
-_MOE_LORA_EPILOGUE = [os.environ.get("MOELORA_FP8_MOE_LORA_EPILOGUE", "0") == "1"]
-
-
-def set_fp8_moe_lora_epilogue(enabled: bool) -> None:
-    """Routed-expert LoRA on an FP8 base at decode sizes (MOELORA_FP8_MOE_LORA_EPILOGUE=1; off by default): the
-    shrink alone in one launch (moe_lora_fused_shrink) on the main stream, then the expand inside the FP8 expert
-    GEMM's epilogue (fp8_expert_gemm(lora=...)): no delta buffers, no side stream, the SiLU and the combine read
-    no delta. Off: the fused shrink + expand kernel on the side stream (moe_lora_fused, store mode)."""
-    _MOE_LORA_EPILOGUE[0] = bool(enabled)
-
-
-def fp8_moe_lora_epilogue() -> bool:
-    return _MOE_LORA_EPILOGUE[0]
 
 
 _LORA_PDL = [os.environ.get("MOELORA_FP8_LORA_PDL", "1") != "0"]
@@ -742,7 +718,7 @@ def fp8_grouped_gemm_ref(x, w_fp8, w_scale_inv, pair_exp, block=(128, 128), alig
 def fp8_expert_gemm(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
     topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool, block_m: int,
-    x_scale: torch.Tensor | None = None, lora: Fp8LoRAEpilogue | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The FP8 grouped GEMM on the routed-expert fast path's alignment (fused_moe_triton.moe_align), reading
     token rows in place. Semantics (fp8_expert_gemm_ref), pairs p = t * K + k, e = topk_ids.flatten()[p]:
@@ -751,9 +727,6 @@ def fp8_expert_gemm(
     x: [T, D] (gather_rows) or [P, D], bf16/fp16/fp32, or float8 with x_scale · w_fp8: [E, N, D] float8_e4m3fn
     w_scale_inv: [E, ceil(N/bn), ceil(D/bk)] fp32 · topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m)
     block_m: the alignment's block (>= 16) · returns [P, N] in x.dtype (bf16 for a float8 x). CUDA-graph safe.
-    lora: the routed-expert multi-LoRA expand added to each pair's fp32 row before its one rounding
-    (moe_lora_expand's semantics without router weights; fp8_expert_gemm_lora_ref): h [P, n, R] fp32 from
-    moe_lora_fused_shrink, b_cat [S, E|1, N, R], token_slots [T], slot_div = K.
     """
     require_triton()
     T, K = topk_ids.shape
@@ -763,13 +736,8 @@ def fp8_expert_gemm(
     out = torch.empty(P, w_fp8.shape[1], dtype=out_dtype, device=x.device)
     if P:
         x, x_scale = _prequantized(x, x_scale, block[1])  # gather_rows: the T token rows, once
-        if lora is not None and (lora.slot_div != K or lora.h.shape[0] != P or lora.b_cat.dim() != 4):
-            raise ValueError(f"fp8_expert_gemm: lora.h must be [P={P}, n, R] with slot_div = top_k = {K} and b_cat "
-                             f"[S, E|1, N, R]; got h {list(lora.h.shape)}, slot_div {lora.slot_div}, "
-                             f"b_cat {list(lora.b_cat.shape)}")
         _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, block_m, bexp.shape[0],
-                a_row_div=K if gather_rows else 1,
-                lora=None if lora is None else dataclasses.replace(lora, h=lora.h.permute(1, 0, 2)))
+                a_row_div=K if gather_rows else 1)
     return out
 
 
@@ -782,24 +750,12 @@ def expert_align_blocks(caller: str, align: tuple[torch.Tensor, torch.Tensor], b
     return sorted_ids, bexp
 
 
-def fp8_expert_gemm_ref(x, w_fp8, w_scale_inv, block, topk_ids, align, gather_rows, block_m, x_scale=None,
-                        lora: Fp8LoRAEpilogue | None = None):
-    """fp8_expert_gemm's semantics in torch (align and block_m are ignored: rows are matched by topk_ids); with
-    lora, the fp32 base rows plus moe_lora_expand_ref's delta from h rounded to the factors' dtype, rounded once."""
+def fp8_expert_gemm_ref(x, w_fp8, w_scale_inv, block, topk_ids, align, gather_rows, block_m, x_scale=None):
+    """fp8_expert_gemm's semantics in torch (align and block_m are ignored: rows are matched by topk_ids)."""
     T, K = topk_ids.shape
     rows = torch.arange(T * K, device=x.device) // K if gather_rows else torch.arange(T * K, device=x.device)
     xs = None if x_scale is None else x_scale[rows]
-    if lora is None:
-        return fp8_grouped_gemm_ref(x[rows], w_fp8, w_scale_inv, topk_ids.reshape(-1), block, x_scale=xs)
-    from moelora.kernels.moe_lora import moe_lora_expand_ref
-
-    xq, xs = (x[rows], xs) if x.dtype == FP8_DTYPE else quantize_act_group_ref(x[rows], block[1])
-    y = grouped_matmul_dequantized(dequantize_act_group(xq, xs, block[1]), w_fp8, w_scale_inv, topk_ids.reshape(-1),
-                                   block, torch.float32)  # [P, N] fp32
-    h = lora.h.to(lora.b_cat.dtype).float()
-    moe_lora_expand_ref(h, lora.b_cat, lora.slice_offsets, lora.ranks, lora.scaling, topk_ids, lora.token_slots,
-                        w_fp8.shape[0], y)
-    return y.to(torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
+    return fp8_grouped_gemm_ref(x[rows], w_fp8, w_scale_inv, topk_ids.reshape(-1), block, x_scale=xs)
 
 
 def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | None = None):
@@ -815,5 +771,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_moe_lora_epilogue", "fp8_moe_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

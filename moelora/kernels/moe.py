@@ -172,13 +172,6 @@ def fused_moe_pairs(
                 from moelora.kernels.moe_lora_grouped_triton import grouped_for
 
                 fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
-    # FP8 experts (set_fp8_moe_lora_epilogue): the shrink alone, then the expand in the expert GEMM's epilogue
-    epi_shrink = None
-    if fused is not None and fast is not None and all(getattr(w, "lora_epilogue", False) for w in (w_gate_up, w_down)):
-        from moelora.kernels.fp8_triton import fp8_moe_lora_epilogue
-        from moelora.kernels.moe_lora_fused_triton import fused_shrink_for
-
-        epi_shrink = fused_shrink_for(shrink) if fp8_moe_lora_epilogue() else None
 
     def project(inp, w, per_pair, parts):
         """(y, delta): y = base GEMM of one projection [P, O] with its LoRA delta added, delta None; or, when
@@ -192,10 +185,6 @@ def fused_moe_pairs(
         n, R = a.shape[0], a.shape[3]
         if offs is None:
             offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
-        if epi_shrink is not None and R >= 16 and R & (R - 1) == 0:
-            h = torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R], no zero-fill needed
-            epi_shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair)
-            return gemm(y_in, w, lora=(h, b, offs, ranks, scaling, lora.token_slots)), None
         if fused is not None and not overlap:
             y = gemm(y_in, w)
             fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair)

@@ -44,6 +44,11 @@ _MAXNREG = int(os.environ.get("MOELORA_FUSED_LORA_MAXNREG", "0") or 0)
 # µs a step instead of 453, but took 7,251 / 4,054 µs instead of 2,006 (fewer loads in flight), and batch 64
 # with 4 adapters fell from 4,722 to 3,782 / 4,339 tok/s, same run (commit 62e298d). Removed. Both co-residency
 # switches above also lost: 4,489 with 2 warps at <= 64 registers, 4,579 with the GEMM at <= 80, against 4,651.)
+# (Session 16 moved the expand into the FP8 expert GEMMs' epilogue instead: this kernel's shrink alone on the main
+# stream, then each GEMM tile adding h @ B of its expert for the slots present, no delta buffers and no side
+# stream. Batch 64, 0 / 4 / 8 adapters: 6,017 / 4,459 / 4,294 tok/s against 6,005 / 4,865 / 4,740 with this kernel
+# (calls 4 and 3, same code otherwise); batch 256: 16,871 / 11,478 / 10,391 against 16,618 / 13,146 / 11,858. The
+# GEMM's per-slot epilogue lengthens every one of its thousands of programs. Removed.)
 
 if HAS_TRITON:
     import triton
@@ -56,19 +61,12 @@ if HAS_TRITON:
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        H_ONLY: tl.constexpr = False,
     ):
-        # H_ONLY (moe_lora_fused_shrink): the shrink alone, h[p, i, :] = x_row @ A[i, s, e].T stored to y_ptr as
-        # [P, n, R] fp32 (syp: the pair stride, syo: the rank stride, i * R the slice offset); no expand
         p = tl.program_id(0)
         i = tl.program_id(1)
         pid_n = tl.program_id(2)
-        if H_ONLY:  # no output tiles (both branches define the names: Triton 3.6 keeps only those)
-            o0 = 0
-            width = BLOCK_N
-        else:
-            o0 = tl.load(off_ptr + i)
-            width = tl.load(off_ptr + i + 1) - o0
+        o0 = tl.load(off_ptr + i)
+        width = tl.load(off_ptr + i + 1) - o0
         if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
             return
         t = p // K
@@ -98,9 +96,6 @@ if HAS_TRITON:
             at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d, mask=mask_r[:, None] & mask_d[None, :],
                          other=0.0)
             acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
-        if H_ONLY:  # entries past the rank hold 0 (their A rows were masked)
-            tl.store(y_ptr + p.to(tl.int64) * syp + (i * BLOCK_R + offs_r) * syo, acc_h, mask=offs_r < BLOCK_R)
-            return
         scale = tl.load(scale_ptr + i * S + slot_c)
         if HAS_W:
             scale = scale * tl.load(w_ptr + p).to(tl.float32)
@@ -203,43 +198,6 @@ def moe_lora_fused(
     )
 
 
-def moe_lora_fused_shrink(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    ranks: torch.Tensor,
-    topk_ids: torch.Tensor,
-    token_slots: torch.Tensor,
-    num_experts: int,
-    h: torch.Tensor,
-    x_per_pair: bool,
-) -> None:
-    """moe_lora_shrink's semantics (moe_lora.moe_lora_shrink_ref) in one launch of the fused decode kernel's shrink,
-    one program per (pair, slice), no split-K and no atomics (so h needs no zero-fill): for the expand inside the
-    FP8 expert GEMM's epilogue (fp8_expert_gemm(lora=...)). Entries past a slot's rank are written 0; pairs of
-    slot -1, of rank 0 for a slice, or of expert -1 (expert parallelism) are left untouched.
-    x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · ranks: [n, S] int32 · topk_ids: [T, K] · token_slots: [T] int32
-    h: [T*K, n, R] fp32, contiguous over (n, R)"""
-    require_triton()
-    n, S, _, R, D = a.shape
-    T, K = topk_ids.shape
-    P = T * K
-    if P == 0:
-        return
-    if h.shape != (P, n, R) or h.stride(1) != R or h.stride(2) != 1:
-        raise ValueError(f"moe_lora_fused_shrink: h must be [P, n, R] = {[P, n, R]} with (n, R) contiguous, "
-                         f"got {list(h.shape)} strides {h.stride()}")
-    warps = _FORCED_WARPS or fused_num_warps(P * n)
-    block_r, block_d, _ = fused_blocks(R, D, 16, warps)
-    if block_r != R:
-        raise ValueError(f"moe_lora_fused_shrink: the rank dim of h and a must be a power of 2 >= 16, got {R}")
-    _moe_lora_fused_kernel[(P, n, 1)](
-        x, a, a, h, ranks, ranks, ranks, topk_ids.reshape(-1), token_slots, ranks, D, S, K,
-        x.stride(0), x.stride(1), *_a_strides(a), 0, 0, 0, 0, h.stride(0), 1,
-        X_PER_PAIR=x_per_pair, HAS_W=False, STORE=False,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=16, SPLIT_N=1, H_ONLY=True, num_warps=warps,
-    )
-
-
 def moe_lora_fused_ref(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -280,14 +238,4 @@ def fused_for(shrink: Callable) -> Callable | None:
         return moe_lora_fused_ref
     if HAS_TRITON and shrink is moe_lora_triton.moe_lora_shrink:
         return moe_lora_fused
-    return None
-
-
-def fused_shrink_for(shrink: Callable) -> Callable | None:
-    """The shrink-only launch matching an unfused shrink, for the expand in the FP8 expert GEMM's epilogue: the
-    Triton shrink -> moe_lora_fused_shrink; anything else (the references) -> None."""
-    from moelora.kernels import moe_lora_triton
-
-    if HAS_TRITON and shrink is moe_lora_triton.moe_lora_shrink:
-        return moe_lora_fused_shrink
     return None

@@ -135,24 +135,13 @@ class Fp8ExpertWeight:
         """The Triton kernels (not a reference mode): usable on fused_moe_triton's fast path."""
         return self.state.reference is None
 
-    @property
-    def lora_epilogue(self) -> bool:
-        """Its GEMM can add a routed-expert LoRA expand in its epilogue (expert_gemm(lora=...))."""
-        return self.state.reference is None
-
     def expert_gemm(self, inp: torch.Tensor, topk_ids: torch.Tensor, align, gather_rows: bool,
-                    block_m: int, lora: tuple | None = None) -> torch.Tensor:
-        """fused_moe_triton.TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype.
-        lora: (h [P, n, R] fp32, b_cat [S, E|1, O, R], slice_offsets, ranks, scaling, token_slots): its expand
-        added before the rounding (fp8_expert_gemm(lora=...))."""
-        from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_expert_gemm
+                    block_m: int) -> torch.Tensor:
+        """fused_moe_triton.TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype."""
+        from moelora.kernels.fp8_triton import fp8_expert_gemm
 
-        epi = None
-        if lora is not None:
-            h, b, offs, ranks, scaling, token_slots = lora
-            epi = Fp8LoRAEpilogue(h, b, offs, ranks, scaling, token_slots, slot_div=topk_ids.shape[1])
         return fp8_expert_gemm(inp, self.weight, self.scale_inv, self.state.block, topk_ids, align, gather_rows,
-                               block_m, lora=epi)
+                               block_m)
 
     def grouped_mm(self, inp: torch.Tensor, pair_exp: torch.Tensor, num_experts: int, scratch: dict) -> torch.Tensor:
         """inp: [P, D] · pair_exp: [P] · returns [P, O] in inp.dtype; scratch keeps the alignment for the next GEMM."""
