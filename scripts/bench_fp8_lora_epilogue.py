@@ -5,7 +5,6 @@ One FP8 LoRALinear call at Qwen3-30B-A3B's qkv (2048 -> 4096 + 512 + 512) and o_
   epilogue  the default with adapters: the shrink into split-K partials, the GEMM with the expand in its epilogue
             (up to 64 rows as one more split-K partial beside the K steps: set_fp8_lora_split mode 2)
   after     the expand after the K steps (set_fp8_lora_split mode 0: the form before session 15)
-  split1    mode 1 at any size: the LoRA partial, its program walking all slots
   split2    mode 2 at any size: the LoRA partial over the batch's slot groups, unrolled (the default's form,
             which applies it only up to 64 rows), with PDL after the shrink where fp8_lora_pdl allows it
   nopdl     the default without programmatic dependent launch (set_fp8_lora_pdl(False))
@@ -15,8 +14,8 @@ One FP8 LoRALinear call at Qwen3-30B-A3B's qkv (2048 -> 4096 + 512 + 512) and o_
             outside CUDA graphs), against `epilogue` with it turned off
 Rank 16, max_loras 8, tokens round-robin over the adapters; --layers modules in rotation so L2 does not hold a
 layer's weights between calls; --dtype bfloat16: the same on a bf16 base (no epilogue there).
-(Session 14 measured four forms of the epilogue with this script; the comment in _fp8_gemm_kernel has the
-figures. --json writes the rows with the date, device and commit.)
+(Session 14 measured four forms of the epilogue with this script, session 15 a mode 1 — the LoRA program over
+all slots — and session 16 the shrink inline in the GEMM; the comment in _fp8_gemm_kernel has the figures. --json writes the rows with the date, device and commit.)
 
     python scripts/bench_fp8_lora_epilogue.py [--tokens 16,64,256,1024,4096] [--adapters 1,4,8] [--json out.json]
 """
@@ -67,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'after':>7} {'split1':>7} {'split2':>7} {'nopdl':>7} {'separ':>7} "
+    print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'after':>7} {'split2':>7} {'nopdl':>7} {'separ':>7} "
           f"{'one_row':>7} {'single':>7}  (µs per call)")
     split_default = fp8_lora_split()
     for name in SHAPES:
@@ -84,7 +83,7 @@ def main() -> None:
                     row = {"case": name, "tokens": T, "adapters": n_ad, "base_us": base,
                            "epilogue_us": graph_time_us(lambda li: mods[li](x, batch), args.layers),
                            "one_row_us": graph_time_us(lambda li: mods[li](x, one), args.layers)}
-                    for key, mode in (("after_us", 0), ("split1_us", 1), ("split2_us", 2)):
+                    for key, mode in (("after_us", 0), ("split2_us", 2)):
                         if args.dtype != "fp8":
                             row[key] = None
                             continue
@@ -112,7 +111,7 @@ def main() -> None:
                 rows.append(row)
                 single = f"{row['single_slot_us']:7.1f}" if n_ad == 1 else f"{'':>7}"
                 modes = " ".join(f"{row[k]:7.1f}" if row[k] is not None else f"{'':>7}"
-                                 for k in ("after_us", "split1_us", "split2_us", "nopdl_us"))
+                                 for k in ("after_us", "split2_us", "nopdl_us"))
                 print(f"{name:>4} {T:>5} {n_ad:>3} | {base:7.1f} {row['epilogue_us']:7.1f} {modes} {row['separate_us']:7.1f} "
                       f"{row['one_row_us']:7.1f} {single}")
     if args.json:

@@ -44,13 +44,13 @@ ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).as
 assert "e4m3" in ptx and ptx.count("mma") >= 2
 print("ok gemm with the LoRA epilogue")
 ptrs["lact_ptr"] = "*i32"
-for split_k, lora_split in [(1, 1), (1, 2), (4, 2)]:  # the LoRA tile as one more split-K partial
-    consts.update(SPLIT_K=split_k, LORA_SPLIT=lora_split, PARTS=split_k + 1, LORA_GROUPS=8)
+for split_k, groups in [(1, 0), (1, 8), (4, 8)]:  # the LoRA tile as one more split-K partial (0: over all slots)
+    consts.update(SPLIT_K=split_k, LORA_SPLIT=2, PARTS=split_k + 1, LORA_GROUPS=groups)
     ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
-    assert "e4m3" in ptx and ptx.count("mma") >= 2 and "atom" in ptx, (split_k, lora_split)
-    print("ok gemm with the LoRA split", split_k, lora_split)
+    assert "e4m3" in ptx and ptx.count("mma") >= 2 and "atom" in ptx, (split_k, groups)
+    print("ok gemm with the LoRA split", split_k, groups)
 # with PDL: the LoRA program waits for the shrink (griddepcontrol.wait), the shrink lets the GEMM start
-consts.update(SPLIT_K=1, LORA_SPLIT=2, PARTS=2, LORA_WAIT=True)
+consts.update(SPLIT_K=1, LORA_SPLIT=2, PARTS=2, LORA_WAIT=True, LORA_GROUPS=8)
 ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4, launch_pdl=True).asm["ptx"]
 assert "griddepcontrol.wait" in ptx
 consts.update(LORA_SPLIT=0, PARTS=4, SPLIT_K=4)  # mode 0: the epilogue waits

@@ -628,15 +628,15 @@ def test_fp8_lora_gemm_takes_pdl_only_when_nothing_runs_between_it_and_the_shrin
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
-@pytest.mark.parametrize("lora_split", [0, 1, 2])
+@pytest.mark.parametrize("lora_split, with_groups", [(0, True), (2, False), (2, True)])
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, lora_split, monkeypatch):
+def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, lora_split, with_groups, monkeypatch):
     """fp8_linear(lora=...) adds lora_expand's delta to the fp32 tile before its one rounding: slices whose
     boundaries fall inside a column tile, slots of rank 0 for a slice, base rows (slot -1) untouched by LoRA,
     the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once); h past
     a slot's rank holds NaN here, so a mask by the wrong rank shows. lora_split: the expand after the K steps
-    (0), or in one more program per tile summed as the last split-K partial, over all slots (1) or over the
-    batch's slot groups (2: here the first 2 of 3 unrolled, the third in the loop)."""
+    (0), or in one more program per tile summed as the last split-K partial (2), over the batch's slot groups
+    (here the first 2 of 3 unrolled, the third in the loop) or, given no groups, over all slots."""
     from moelora.kernels.fp8_triton import (
         Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref, fp8_linear_ref, set_fp8_gemm_config,
     )
@@ -672,7 +672,7 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(split_k, lora_split, mo
         for t in range(T):
             if slots[t] >= 0:
                 h[:, i, t, ranks[i, slots[t]]:] = float("nan")
-    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots, groups.active_slots)
+    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots, groups.active_slots if with_groups else None)
     set_fp8_gemm_config("dense", Fp8GemmConfig(32, 4, 2, 16, split_k))
     try:
         y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32, lora=lora)

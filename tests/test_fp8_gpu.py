@@ -236,11 +236,11 @@ def test_dense_split_k_in_cuda_graphs():
     assert int(next(iter(ft._COUNTERS.values())).abs().sum()) == 0
 
 
-@pytest.mark.parametrize("lora_split", [0, 1, 2])
+@pytest.mark.parametrize("lora_split", [0, 2])
 @pytest.mark.parametrize("T", [3, 64, 256])
 def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, lora_split, monkeypatch):
     """LoRALinear on an FP8 base with several adapters: the expand inside the FP8 GEMM (after the K steps, or as one
-    more split-K partial: set_fp8_lora_split modes 0 / 1 / 2, forced at every size) against the GEMM then the
+    more split-K partial: set_fp8_lora_split modes 0 / 2, forced at every size) against the GEMM then the
     expand kernel (set_fp8_lora_epilogue(False)): the same numbers up to one bf16 rounding of the sum (the kernel
     path rounds the base output first), base rows identical, in eager mode and in a CUDA graph."""
     from moelora.adapters.metadata import LoRABatch

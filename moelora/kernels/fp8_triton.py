@@ -87,16 +87,24 @@ if HAS_TRITON:
 
     @triton.jit
     def lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr, lscale_ptr,
-                         lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
+                         lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
                          LORA_N: tl.constexpr, LORA_SK: tl.constexpr, LORA_BR: tl.constexpr,
-                         LORA_PRECISION: tl.constexpr):
+                         LORA_PRECISION: tl.constexpr, UNROLLED: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] fp32 + the dense multi-LoRA expand of rows `rows`, columns offs_n (lora_expand's
         semantics): acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype) @ lb[s, o_i, :r].T
         for rows t of slot s = lslot[t] >= 0, r = ranks[i, s] > 0. Every row's h (the shrink's LORA_SK split-K
-        partials summed) is loaded once per slice, before the loop over slots, which then loads only B."""
+        partials summed) is loaded once per slice, before the slots, which then load only B.
+        UNROLLED == 0: a loop over all S slots, each skipped unless some row has it (lact unused). UNROLLED > 0:
+        the batch's L slot groups (lact [L]: the slot of group l, -1 unused), the first UNROLLED unrolled without
+        branches (their slot, rank, scaling and B loads all independent, so they are in flight together; a group
+        whose slot is -1 or absent from these rows adds an exact 0), the rest in that loop."""
         row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
         has = mask_m & (row_slot >= 0)
         offs_r = tl.arange(0, LORA_BR)
+        if UNROLLED > 0:
+            loop_hi = L
+        else:
+            loop_hi = S
         for i in tl.static_range(LORA_N):
             o0 = tl.load(loff_ptr + i)
             col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
@@ -108,41 +116,7 @@ if HAS_TRITON:
                 h_all = tl.load(hr_ptrs, mask=mask_hr, other=0.0)
                 for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
                     h_all += tl.load(hr_ptrs + part * slh_s, mask=mask_hr, other=0.0)
-                for slot in range(S):
-                    row_in = row_slot == slot
-                    rank = tl.load(lrank_ptr + i * S + slot)
-                    if (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
-                        mask_r = offs_r < rank
-                        bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
-                                     mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
-                        ht = tl.where(row_in[:, None], h_all, 0.0)
-                        acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
-                            lscale_ptr + i * S + slot)
-        return acc
-
-    @triton.jit
-    def lora_expand_tile_groups(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr, lscale_ptr,
-                                lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
-                                LORA_N: tl.constexpr, LORA_SK: tl.constexpr, LORA_BR: tl.constexpr,
-                                LORA_PRECISION: tl.constexpr, LORA_GROUPS: tl.constexpr):
-        """lora_expand_tile's semantics over the batch's slot groups (lact [L]: the slot of group l, -1 unused)
-        instead of all S slots: the first LORA_GROUPS groups unrolled without branches (their slot, rank, scaling
-        and B loads all independent, so they are in flight together; a group whose slot is -1 or absent from
-        these rows adds an exact 0), the rest (L > LORA_GROUPS) in a loop."""
-        row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
-        has = mask_m & (row_slot >= 0)
-        offs_r = tl.arange(0, LORA_BR)
-        for i in tl.static_range(LORA_N):
-            o0 = tl.load(loff_ptr + i)
-            col_in = mask_n & (offs_n >= o0) & (offs_n < tl.load(loff_ptr + i + 1))  # [BLOCK_N]
-            if tl.max(col_in.to(tl.int32), axis=0) > 0:  # this tile meets slice i
-                rank_rows = tl.load(lrank_ptr + i * S + tl.maximum(row_slot, 0), mask=has, other=0)  # [BLOCK_M]
-                mask_hr = offs_r[None, :] < rank_rows[:, None]
-                hr_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-                h_all = tl.load(hr_ptrs, mask=mask_hr, other=0.0)
-                for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
-                    h_all += tl.load(hr_ptrs + part * slh_s, mask=mask_hr, other=0.0)
-                for g in tl.static_range(LORA_GROUPS):
+                for g in tl.static_range(UNROLLED):
                     slot = tl.load(lact_ptr + g)
                     slot_c = tl.maximum(slot, 0)
                     rank = tl.where(slot >= 0, tl.load(lrank_ptr + i * S + slot_c), 0)
@@ -151,8 +125,11 @@ if HAS_TRITON:
                     ht = tl.where((row_slot == slot)[:, None], h_all, 0.0)
                     acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
                         lscale_ptr + i * S + slot_c)
-                for g in range(LORA_GROUPS, L):
-                    slot = tl.load(lact_ptr + g)
+                for g in range(UNROLLED, loop_hi):
+                    if UNROLLED > 0:
+                        slot = tl.load(lact_ptr + g)
+                    else:
+                        slot = g
                     row_in = row_slot == slot
                     rank = tl.load(lrank_ptr + i * S + tl.maximum(slot, 0))
                     if (slot >= 0) & (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
@@ -194,8 +171,9 @@ if HAS_TRITON:
         # LORA_SPLIT > 0: one more program per tile (sk == SPLIT_K, no K steps) computes the LoRA tile as a
         # partial of the split-K sum (PARTS = SPLIT_K + 1 partials, the LoRA one last in the order), so its chain
         # of dependent loads (slots, ranks, h, then B per slot) runs beside the K steps instead of after them.
-        # LORA_SPLIT == 1 walks all S slots (lora_expand_tile), == 2 the batch's slot groups, the first LORA_GROUPS
-        # unrolled without branches (lora_expand_tile_groups). LORA_WAIT (launched with PDL right after the shrink,
+        # It walks the batch's slot groups, the first LORA_GROUPS unrolled without branches (lora_expand_tile; 0:
+        # all S slots in the loop, as session 15's mode 1 did: 18.8 / 20.3 µs against 18.6 / 20.1, call 2; the form
+        # for an epilogue given no slot groups). LORA_WAIT (launched with PDL right after the shrink,
         # which lets it start at once): the K steps run beside the shrink and whatever adds the LoRA tile (the
         # LoRA program, or in mode 0 the program writing the tile) first waits for it (gdc_wait) before reading h;
         # every other input was written before the shrink started. Every tile has such a program, so the GEMM
@@ -250,21 +228,13 @@ if HAS_TRITON:
             b = tl.load(b_base + kk[None, :] * sbk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
             b_s = tl.load(bs_base + (k0 // GROUP_K) * sbsk, mask=mask_n, other=0.0)  # [BN]
             acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None] * b_s[None, :]
-        if LORA_SPLIT == 1:
-            if sk == SPLIT_K:
-                if LORA_WAIT:
-                    tl.extra.cuda.gdc_wait()
-                acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
-                                       lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
-                                       LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
-        if LORA_SPLIT == 2:
+        if LORA_SPLIT > 0:
             if sk == SPLIT_K:
                 if LORA_WAIT:  # launched with PDL beside the shrink: h is complete (and visible) after this
                     tl.extra.cuda.gdc_wait()
-                acc = lora_expand_tile_groups(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
-                                              lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r,
-                                              slb_s, slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION,
-                                              LORA_GROUPS)
+                acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
+                                       lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
+                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, LORA_GROUPS)
         if PARTS > 1:
             acc, last = split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk,
                                        pid_m * tl.num_programs(1) + pid_n, PARTS)
@@ -277,8 +247,8 @@ if HAS_TRITON:
                 if LORA_WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
                     tl.extra.cuda.gdc_wait()
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
-                                       lscale_ptr, lslot_ptr, S, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
-                                       LORA_N, LORA_SK, LORA_BR, LORA_PRECISION)
+                                       lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
+                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, 0)
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -418,8 +388,8 @@ class Fp8LoRAEpilogue:
     semantics, fp32, before the output's one rounding). h: the shrink's [split_k, n, T, R] fp32 (or [n, T, R])
     · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
     · token_slots: [T] int32 (-1: no adapter, row untouched) · active_slots: [L] int32, the slot of each of the
-    batch's slot groups (SlotGroups.active_slots, -1 unused), or None (set_fp8_lora_split mode 2 then walks all
-    slots as mode 1 does) · pdl: the GEMM may be launched with programmatic dependent launch (fp8_lora_pdl)."""
+    batch's slot groups (SlotGroups.active_slots, -1 unused), or None (the LoRA program then walks all S slots)
+    · pdl: the GEMM may be launched with programmatic dependent launch (fp8_lora_pdl)."""
 
     h: torch.Tensor
     b_cat: torch.Tensor
@@ -441,7 +411,7 @@ class Fp8LoRAEpilogue:
                     slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
                     LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
                     LORA_PRECISION=dot_precision(b.dtype),
-                    **({} if self.active_slots is None else
+                    **(dict(LORA_GROUPS=0) if self.active_slots is None else
                        dict(lact_ptr=self.active_slots, L=self.active_slots.shape[0],
                             LORA_GROUPS=min(LORA_GROUPS_UNROLLED, self.active_slots.shape[0]))))
 
@@ -466,8 +436,6 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         lora_split = _LORA_SPLIT[0]
     cnt_now = _COUNTERS.get(out.device)
     counters_before = cnt_now is not None and cnt_now.numel() >= grid_m * grid_n
-    if lora_split == 2 and lora.active_slots is None:
-        lora_split = 1
     parts, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k + (1 if lora_split else 0))
     if lora_split and parts == 1:  # no counters (first use inside a capture): the epilogue form, unsplit
         lora_split, split_k = 0, 1
@@ -540,8 +508,9 @@ def fp8_lora_epilogue() -> bool:
 
 def _lora_split_env() -> list[int]:
     mode = int(os.environ.get("MOELORA_FP8_LORA_SPLIT", "2") or 0)
-    if mode not in (0, 1, 2):
-        raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0, 1 or 2, got {mode}")
+    if mode not in (0, 2):
+        raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0 (the expand after the K steps) or 2 (the LoRA program), "
+                         f"got {mode}")
     return [mode, int(os.environ.get("MOELORA_FP8_LORA_SPLIT_MAX_ROWS", "64") or 0)]
 
 
@@ -557,12 +526,13 @@ LORA_GROUPS_UNROLLED = 8  # slot groups of set_fp8_lora_split mode 2 unrolled in
 def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
     """Where the dense GEMM's LoRA expand runs for inputs of <= max_rows rows, or of more while the GEMM's programs
     and one LoRA program per output tile are at most LORA_SPLIT_MAX_PROGRAMS (MOELORA_FP8_LORA_SPLIT,
-    MOELORA_FP8_LORA_SPLIT_MAX_ROWS; otherwise always 0): 0 in the epilogue after the K steps; 1 in one more
-    program per output tile, beside the K steps, summed as the last split-K partial, walking all slots; 2 (default)
-    the same over the batch's slot groups, the first LORA_GROUPS_UNROLLED unrolled with their loads in flight
-    together. Results are the same up to fp32 summation order."""
-    if mode not in (0, 1, 2):
-        raise ValueError(f"set_fp8_lora_split: mode must be 0, 1 or 2, got {mode}")
+    MOELORA_FP8_LORA_SPLIT_MAX_ROWS; otherwise always 0): 0 in the epilogue after the K steps; 2 (default) in one
+    more program per output tile, beside the K steps, summed as the last split-K partial, over the batch's slot
+    groups, the first LORA_GROUPS_UNROLLED unrolled with their loads in flight together. (Session 15's mode 1, the
+    LoRA program walking all slots, was a little slower than 2 and was removed in session 16.) Results are the
+    same up to fp32 summation order."""
+    if mode not in (0, 2):
+        raise ValueError(f"set_fp8_lora_split: mode must be 0 or 2, got {mode}")
     _LORA_SPLIT[0] = mode
     if max_rows is not None:
         _LORA_SPLIT[1] = int(max_rows)
