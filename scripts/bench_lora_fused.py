@@ -12,7 +12,8 @@ Several layers' weights in rotation (--layers) so L2 does not hold a layer's fac
 
 Usage: python scripts/bench_lora_fused.py [--tokens 1,16,64,128] [--adapters 4,8] [--ranks 16,64] [--sweep]
 --sweep: also the fused kernels at num_warps 4/8/16 x split_n 1/2/4/8/16 (to tune fused_num_warps and
-FUSED_TARGET_PROGRAMS); --cases gate_up,down,qkv,o
+FUSED_TARGET_PROGRAMS); --stages 1,2,3,4: the MoE store-mode kernel with its shrink loop pipelined that deep
+(set_fused_lora_stages, session 16); --cases gate_up,down,qkv,o
 (Session 7 swept a grouped (slot, expert) kernel here too: slower than the per-pair kernel in all 36 of its
 launch configurations for gate_up and down at 64 and 256 tokens, so it was removed;
 bench/results/gpu-session7-2026-11-30-NVIDIA-H200.log.)
@@ -138,6 +139,8 @@ def main() -> None:
     ap.add_argument("--cases", default="gate_up,down,qkv,o")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--stages", default="", help="also the MoE store-mode kernel with its shrink loop pipelined "
+                    "this deep, e.g. 1,2,3,4 (set_fused_lora_stages)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = hbm_bandwidth_gbs()
@@ -157,6 +160,18 @@ def main() -> None:
                     floor = nbytes / (bw * 1e9) * 1e6
                     print(f"{case:>8} {T:4d} {n_ad:3d} {R:3d} | {t_cur:8.1f} {t_fused:8.1f} {t_store:8.1f} "
                           f"{floor:7.1f} | {t_cur / t_fused:6.2f}x {err:9.2e} | {info}", flush=True)
+                    if args.stages and make is moe_case:
+                        from moelora.kernels.moe_lora_fused_triton import _D_STAGES, set_fused_lora_stages
+
+                        keep = _D_STAGES[0]
+                        st = {}
+                        try:
+                            for n in (int(v) for v in args.stages.split(",")):
+                                set_fused_lora_stages(n)
+                                st[n] = graph_time_us(store, args.layers)
+                        finally:
+                            set_fused_lora_stages(keep)
+                        print("         store, stages: " + "  ".join(f"{n}: {t:.1f}" for n, t in st.items()), flush=True)
                     if args.sweep:
                         for w in (4, 8, 16):
                             sw = {s: graph_time_us(lambda li, s=s, w=w: fused(li, s, w), args.layers)

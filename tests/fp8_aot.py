@@ -108,3 +108,16 @@ for block_d, store in [(128, True), (256, False)]:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     assert "mma" in ptx and "cp.async" in ptx, (block_d, store)
 print("ok grouped lora")
+# the per-pair fused routed-expert LoRA kernel (the decode default), its shrink loop pipelined (D_STAGES 3: the A and
+# x tiles copied ahead through shared memory)
+from moelora.kernels.moe_lora_fused_triton import _moe_lora_fused_kernel  # noqa: E402
+
+names = _moe_lora_fused_kernel.arg_names
+ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "slots_ptr")}
+ptrs.update(x_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", y_ptr="*fp32", scale_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64")
+consts = dict(sxd=1, sa_d=1, sb_r=1, syo=1, X_PER_PAIR=False, HAS_W=False, STORE=True, BLOCK_R=16, BLOCK_D=256,
+              BLOCK_N=256, SPLIT_N=1, D_STAGES=3)
+div = ["x_ptr", "a_ptr", "b_ptr", "y_ptr", "D", "sxm", "sa_i", "sa_s", "sa_e", "sa_r", "sb_s", "sb_e", "sb_o", "syp"]
+ptx = compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
+assert "cp.async" in ptx
+print("ok fused lora, shrink pipelined")

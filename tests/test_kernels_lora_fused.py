@@ -182,17 +182,24 @@ def test_moe_fused_split_n_does_not_change_results():
         assert torch.equal(y, outs[0])
 
 
-def test_moe_fused_launch_experiments_keep_the_results(monkeypatch):
+@pytest.mark.parametrize("experiment", ["warps_maxnreg", "stages"])
+def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
     """MOELORA_FUSED_LORA_WARPS / MOELORA_FUSED_LORA_MAXNREG (launch experiments for co-residency beside the FP8
-    expert GEMM): forced warps and a register cap change how the kernel runs, not what it computes."""
+    expert GEMM) and MOELORA_FUSED_LORA_STAGES (the shrink loop pipelined through shared memory; on the GPU the
+    Qwen3 input dim takes 8 tiles): they change how the kernel runs, not what it computes."""
     from moelora.kernels import moe_lora_fused_triton as mf
 
     gen = torch.Generator().manual_seed(32)
     c = _moe_case("gate_up", "uniform", 3, torch.float32, gen)
     y0 = c["y0"].clone()
     _moe_call(moe_lora_fused, c, y0)
-    monkeypatch.setattr(mf, "_FORCED_WARPS", 2)
-    monkeypatch.setattr(mf, "_MAXNREG", 64)
+    if experiment == "stages":
+        monkeypatch.setattr(mf, "_D_STAGES", [3])
+        with pytest.raises(ValueError, match="stages"):
+            mf.set_fused_lora_stages(0)
+    else:
+        monkeypatch.setattr(mf, "_FORCED_WARPS", 2)
+        monkeypatch.setattr(mf, "_MAXNREG", 64)
     y = c["y0"].clone()
     _moe_call(moe_lora_fused, c, y)
     torch.testing.assert_close(y, y0, atol=1e-5, rtol=1e-5)

@@ -39,6 +39,16 @@ FUSED_TARGET_PROGRAMS = 264  # SPLIT_N aims at this many programs: 2 per SM of a
 # batch 64; a 4-warp CTA of this kernel takes 7,168 — session 13, scripts/kernel_resources.py).
 _FORCED_WARPS = int(os.environ.get("MOELORA_FUSED_LORA_WARPS", "0") or 0)
 _MAXNREG = int(os.environ.get("MOELORA_FUSED_LORA_MAXNREG", "0") or 0)
+# MOELORA_FUSED_LORA_STAGES=n (set_fused_lora_stages): the shrink's loop over the input dim pipelined n deep, its A
+# and x tiles copied ahead into shared memory (cp.async, 8 KiB a stage at 4 warps); 1: each tile loaded when used
+_D_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_STAGES", "1") or 1)]
+
+
+def set_fused_lora_stages(stages: int) -> None:
+    """The fused kernel's shrink loop pipelined `stages` deep (1: not pipelined); results do not change."""
+    if stages < 1:
+        raise ValueError(f"set_fused_lora_stages: stages must be >= 1, got {stages}")
+    _D_STAGES[0] = int(stages)
 # (Session 14 also tried a persistent form, ~132 or 264 programs each looping over the pairs, so that the kernel
 # keeps one or two CTAs per SM beside the expert GEMM's: it ran beside other kernels for 2,997 / 1,651 of its
 # µs a step instead of 453, but took 7,251 / 4,054 µs instead of 2,006 (fewer loads in flight), and batch 64
@@ -61,6 +71,7 @@ if HAS_TRITON:
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
+        D_STAGES: tl.constexpr = 1,
     ):
         p = tl.program_id(0)
         i = tl.program_id(1)
@@ -89,7 +100,7 @@ if HAS_TRITON:
         a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
         acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
         d_end = tl.where(rank > 0, D, 0)
-        for d0 in range(0, d_end, BLOCK_D):
+        for d0 in tl.range(0, d_end, BLOCK_D, num_stages=D_STAGES):  # D_STAGES > 1: A and x tiles prefetched
             dd = d0 + offs_d
             mask_d = dd < D
             xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
@@ -193,7 +204,7 @@ def moe_lora_fused(
         x, a, b_cat, y, slice_offsets, ranks, scaling, ids, token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, num_warps=warps,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=_D_STAGES[0], num_warps=warps,
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
     )
 
