@@ -2,6 +2,8 @@
 interpreter): grouped with in-kernel quantization, dense, pre-quantized input, the activation quantization, and the
 NVFP4 weight-only GEMM (grouped and dense); and the grouped routed-expert LoRA kernel."""
 
+import inspect
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -16,6 +18,9 @@ from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
 def compile_sm90(kernel, ptrs: dict, consts: dict, div16=(), **opts):
     """div16: argument names Triton's JIT would see as multiples of 16 (pointers, row strides) at run time."""
     names = kernel.arg_names
+    # constexpr parameters not given keep their defaults (not a runtime i32: that would trace both branches)
+    consts = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.name not in consts
+                 and p.default is not inspect.Parameter.empty}, **consts}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
@@ -121,3 +126,16 @@ div = ["x_ptr", "a_ptr", "b_ptr", "y_ptr", "D", "sxm", "sa_i", "sa_s", "sa_e", "
 ptx = compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
 assert "cp.async" in ptx
 print("ok fused lora, shrink pipelined")
+# the grouped FP8 expert GEMM with the routed-expert LoRA programs in its launch (MoeLoRACoLaunch, 1-D grid)
+ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16",
+        "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+        "ml_x": "*bf16", "ml_a": "*bf16", "ml_b": "*bf16", "ml_y": "*fp32", "ml_off": "*i32", "ml_ranks": "*i32",
+        "ml_scale": "*fp32", "ml_ids": "*i64", "ml_slots": "*i32"}
+for per_pair in (False, True):
+    consts = dict(FP8_MAX_C=448.0, A_FP8=True, GROUPED=True, HAS_BIAS=False, GROUP_K=128, SCALE_N=128, BLOCK_M=16,
+                  BLOCK_N=64, BLOCK_K=128, A_ROW_DIV=1 if per_pair else 8, SPLIT_K=1, LORA_N=0, LORA_SK=1, LORA_BR=16,
+                  LORA_PRECISION="ieee", LORA_SPLIT=0, PARTS=1, MOE_LORA=True, ML_X_PER_PAIR=per_pair, ML_BR=16,
+                  ML_BD=256, ML_BN=256, ML_SPLIT_N=1)
+    ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
+    assert "e4m3" in ptx and "mma" in ptx and "atom" not in ptx, per_pair
+print("ok grouped gemm with the routed LoRA programs in its launch")

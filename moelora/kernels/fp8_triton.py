@@ -24,12 +24,15 @@ from moelora.kernels.fp8 import (
     quantize_act_group_ref,
 )
 from moelora.kernels.moe_lora import moe_lora_align
+from moelora.kernels.moe_lora_fused_triton import MoeLoRACoLaunch
 
 MIN_CAPABILITY = (8, 9)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels.moe_lora_fused_triton import moe_lora_pair_program
 
     @triton.jit
     def e4m3_groups(vg, FP8_MAX_C: tl.constexpr):
@@ -155,6 +158,12 @@ if HAS_TRITON:
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
         LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False,
+        ml_x=None, ml_a=None, ml_b=None, ml_y=None, ml_off=None, ml_ranks=None, ml_scale=None, ml_ids=None,
+        ml_slots=None, ml_D=0, ml_S=0, ml_K=1, ml_P=1, ml_n=1, ml_programs=0, ml_total=1, ml_grid_m=1,
+        ml_sxm=0, ml_sxd=0, ml_sa_i=0, ml_sa_s=0, ml_sa_e=0, ml_sa_r=0, ml_sa_d=0, ml_sb_s=0, ml_sb_e=0, ml_sb_o=0,
+        ml_sb_r=0, ml_syp=0, ml_syo=0,
+        MOE_LORA: tl.constexpr = False, ML_X_PER_PAIR: tl.constexpr = False, ML_BR: tl.constexpr = 16,
+        ML_BD: tl.constexpr = 16, ML_BN: tl.constexpr = 16, ML_SPLIT_N: tl.constexpr = 1,
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
         # rounding, by one of two forms:
@@ -190,9 +199,27 @@ if HAS_TRITON:
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
         # stores its fp32 partial tile in ws[sk], then counts itself in cnt[tile]; the split that arrives last
         # adds the PARTS partials in order sk = 0, 1, ..., writes the output and resets the counter to 0
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        sk = tl.program_id(2)
+        # MOE_LORA (grouped only, a 1-D grid of ml_total programs): ml_programs of them are the routed-expert LoRA
+        # (moe_lora_pair_program in store mode into ml_y, MoeLoRACoLaunch), spread evenly: program q is LoRA
+        # program lo = floor(q * ml_programs / ml_total) when floor((q + 1) * ml_programs / ml_total) > lo, else
+        # GEMM tile q - lo (pid_m fastest, the order of the 3-D grid)
+        if MOE_LORA:
+            q = tl.program_id(0)
+            lo = (q * ml_programs) // ml_total
+            if ((q + 1) * ml_programs) // ml_total > lo:
+                rest = lo // ml_P
+                moe_lora_pair_program(lo % ml_P, rest % ml_n, rest // ml_n, ml_x, ml_a, ml_b, ml_y, ml_off, ml_ranks,
+                                      ml_scale, ml_ids, ml_slots, ml_scale, ml_D, ml_S, ml_K, ml_sxm, ml_sxd,
+                                      ml_sa_i, ml_sa_s, ml_sa_e, ml_sa_r, ml_sa_d, ml_sb_s, ml_sb_e, ml_sb_o, ml_sb_r,
+                                      ml_syp, ml_syo, ML_X_PER_PAIR, False, True, ML_BR, ML_BD, ML_BN, ML_SPLIT_N, 1)
+                return
+            pid_m = (q - lo) % ml_grid_m
+            pid_n = (q - lo) // ml_grid_m
+            sk = tl.program_id(2)
+        else:
+            pid_m = tl.program_id(0)
+            pid_n = tl.program_id(1)
+            sk = tl.program_id(2)
         offs_m = tl.arange(0, BLOCK_M)
         if GROUPED:
             e = tl.load(bexp_ptr + pid_m)
@@ -417,7 +444,8 @@ class Fp8LoRAEpilogue:
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
-            a_row_div: int = 1, lora: Fp8LoRAEpilogue | None = None, pdl_ok: bool = False) -> None:
+            a_row_div: int = 1, lora: Fp8LoRAEpilogue | None = None, pdl_ok: bool = False,
+            moe_lora: MoeLoRACoLaunch | None = None) -> None:
     M, K = out.shape[0], a.shape[1]
     N = w.shape[-2]
     bn, bk = block
@@ -449,6 +477,11 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     a_fp8 = a.dtype == FP8_DTYPE
     sas = (a_scale.stride(0), a_scale.stride(1)) if a_fp8 else (0, 0)
     grid = (grid_m, grid_n, parts)
+    ml_kw: dict = {}
+    if moe_lora is not None:  # grouped (parts == 1): the LoRA programs interleaved in a 1-D grid
+        programs, ml_kw = moe_lora.kernel_args(cfg.num_warps)
+        grid = (grid_m * grid_n + programs,)
+        ml_kw.update(ml_total=grid[0], ml_grid_m=grid_m)
     _fp8_gemm_kernel[grid](
         a, a_scale if a_fp8 else a, w3, s3, out, bias if bias is not None else out,
         ids if ids is not None else out, bexp if bexp is not None else out, ws, cnt,
@@ -461,6 +494,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         **(lora.kernel_args() if lora is not None else {}),
         **({"LORA_SPLIT": lora_split, "PARTS": parts} if parts > 1 else {}),
         **({"LORA_WAIT": True, "launch_pdl": True} if pdl else {}),
+        **ml_kw,
     )
 
 
@@ -544,6 +578,22 @@ def fp8_lora_split() -> tuple[int, int]:
 
 
 _LORA_PDL = [os.environ.get("MOELORA_FP8_LORA_PDL", "1") != "0"]
+
+
+# MOELORA_FP8_MOE_LORA_COLAUNCH=1 (set_fp8_moe_lora_colaunch): the routed-expert LoRA (moe_lora_fused, store mode)
+# computed by extra programs of the FP8 expert GEMM's own launch instead of its own kernel on the side stream
+_MOE_LORA_COLAUNCH = [os.environ.get("MOELORA_FP8_MOE_LORA_COLAUNCH", "0") == "1"]
+
+
+def set_fp8_moe_lora_colaunch(enabled: bool) -> None:
+    """On: on the fused-MoE fast path over FP8 experts, each projection's routed-expert LoRA delta is computed by
+    programs interleaved with the expert GEMM's in one launch (MoeLoRACoLaunch), read by the activation / combine
+    kernels; off: the fused LoRA kernel (on the side stream when overlapping). Results are the same."""
+    _MOE_LORA_COLAUNCH[0] = bool(enabled)
+
+
+def fp8_moe_lora_colaunch() -> bool:
+    return _MOE_LORA_COLAUNCH[0]
 
 
 def set_fp8_lora_pdl(enabled: bool) -> None:
@@ -688,7 +738,7 @@ def fp8_grouped_gemm_ref(x, w_fp8, w_scale_inv, pair_exp, block=(128, 128), alig
 def fp8_expert_gemm(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
     topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool, block_m: int,
-    x_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None, moe_lora: MoeLoRACoLaunch | None = None,
 ) -> torch.Tensor:
     """The FP8 grouped GEMM on the routed-expert fast path's alignment (fused_moe_triton.moe_align), reading
     token rows in place. Semantics (fp8_expert_gemm_ref), pairs p = t * K + k, e = topk_ids.flatten()[p]:
@@ -697,6 +747,8 @@ def fp8_expert_gemm(
     x: [T, D] (gather_rows) or [P, D], bf16/fp16/fp32, or float8 with x_scale · w_fp8: [E, N, D] float8_e4m3fn
     w_scale_inv: [E, ceil(N/bn), ceil(D/bk)] fp32 · topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m)
     block_m: the alignment's block (>= 16) · returns [P, N] in x.dtype (bf16 for a float8 x). CUDA-graph safe.
+    moe_lora: a routed-expert LoRA delta (moe_lora_fused in store mode into moe_lora.delta) computed by extra
+    programs of this launch, interleaved with the GEMM's (set_fp8_moe_lora_colaunch); the GEMM's output is unchanged.
     """
     require_triton()
     T, K = topk_ids.shape
@@ -707,7 +759,7 @@ def fp8_expert_gemm(
     if P:
         x, x_scale = _prequantized(x, x_scale, block[1])  # gather_rows: the T token rows, once
         _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, block_m, bexp.shape[0],
-                a_row_div=K if gather_rows else 1)
+                a_row_div=K if gather_rows else 1, moe_lora=moe_lora)
     return out
 
 
@@ -741,5 +793,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_moe_lora_colaunch", "fp8_moe_lora_colaunch", "MoeLoRACoLaunch", "set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

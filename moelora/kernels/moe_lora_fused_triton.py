@@ -24,6 +24,7 @@ rank 0), so a side-stream delta buffer needs no zero-fill.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -65,6 +66,67 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def moe_lora_pair_program(
+        p, i, pid_n, x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
+        D, S, K,
+        sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
+        X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
+        D_STAGES: tl.constexpr,
+    ):
+        """One program of moe_lora_fused: pair p, slice i, output split pid_n (a @triton.jit helper, also run by
+        the FP8 expert GEMM's co-launched LoRA programs, fp8_triton.MoeLoRACoLaunch). No early return: a program
+        with nothing to write skips its body."""
+        o0 = tl.load(off_ptr + i)
+        width = tl.load(off_ptr + i + 1) - o0
+        t = p // K
+        slot = tl.load(slots_ptr + t)
+        slot_c = tl.maximum(slot, 0)
+        rank = tl.load(ranks_ptr + i * S + slot_c)
+        rank = tl.where(slot >= 0, rank, 0)
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        # a split past this slice's width (a narrower slice), or another rank's expert (expert parallelism:
+        # nothing written, its row is never read); add mode: rows of slot -1 and slices of rank 0 stay untouched
+        run = (pid_n * BLOCK_N < width) & (e >= 0)
+        if not STORE:
+            run = run & (rank > 0)
+        if run:
+            row = p if X_PER_PAIR else t
+            offs_r = tl.arange(0, BLOCK_R)
+            mask_r = offs_r < rank
+            offs_d = tl.arange(0, BLOCK_D)
+            # h = x_row @ A[i, s, e, :rank].T, fp32, the whole input dim in this program (store mode with rank 0:
+            # no iteration, h = 0, the tiles below are written with zeros)
+            a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
+            acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            d_end = tl.where(rank > 0, D, 0)
+            for d0 in tl.range(0, d_end, BLOCK_D, num_stages=D_STAGES):  # D_STAGES > 1: A and x tiles prefetched
+                dd = d0 + offs_d
+                mask_d = dd < D
+                xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
+                at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d,
+                             mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+                acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
+            scale = tl.load(scale_ptr + i * S + slot_c)
+            if HAS_W:
+                scale = scale * tl.load(w_ptr + p).to(tl.float32)
+            hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
+            b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
+            y_row = y_ptr + p.to(tl.int64) * syp
+            for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < width
+                bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
+                             mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+                delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
+                ptrs = y_row + (o0 + offs_n) * syo
+                if STORE:
+                    tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask_n)
+                else:
+                    y = tl.load(ptrs, mask=mask_n, other=0.0)
+                    tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
+
+    @triton.jit
     def _moe_lora_fused_kernel(
         x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
         D, S, K,
@@ -73,58 +135,10 @@ if HAS_TRITON:
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
         D_STAGES: tl.constexpr = 1,
     ):
-        p = tl.program_id(0)
-        i = tl.program_id(1)
-        pid_n = tl.program_id(2)
-        o0 = tl.load(off_ptr + i)
-        width = tl.load(off_ptr + i + 1) - o0
-        if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
-            return
-        t = p // K
-        slot = tl.load(slots_ptr + t)
-        slot_c = tl.maximum(slot, 0)
-        rank = tl.load(ranks_ptr + i * S + slot_c)
-        rank = tl.where(slot >= 0, rank, 0)
-        if not STORE:
-            if rank == 0:  # add mode: rows of slot -1 and slices of rank 0 stay untouched
-                return
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        if e < 0:  # another rank's expert (expert parallelism): nothing written (its row is never read)
-            return
-        row = p if X_PER_PAIR else t
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        offs_d = tl.arange(0, BLOCK_D)
-        # h = x_row @ A[i, s, e, :rank].T, fp32, the whole input dim in this program (store mode with rank 0:
-        # no iteration, h = 0, the tiles below are written with zeros)
-        a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
-        acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        d_end = tl.where(rank > 0, D, 0)
-        for d0 in tl.range(0, d_end, BLOCK_D, num_stages=D_STAGES):  # D_STAGES > 1: A and x tiles prefetched
-            dd = d0 + offs_d
-            mask_d = dd < D
-            xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
-            at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d, mask=mask_r[:, None] & mask_d[None, :],
-                         other=0.0)
-            acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
-        scale = tl.load(scale_ptr + i * S + slot_c)
-        if HAS_W:
-            scale = scale * tl.load(w_ptr + p).to(tl.float32)
-        hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
-        b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
-        y_row = y_ptr + p.to(tl.int64) * syp
-        for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < width
-            bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
-                         mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-            delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
-            ptrs = y_row + (o0 + offs_n) * syo
-            if STORE:
-                tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask_n)
-            else:
-                y = tl.load(ptrs, mask=mask_n, other=0.0)
-                tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
+        moe_lora_pair_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, a_ptr, b_ptr, y_ptr,
+                              off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr, D, S, K,
+                              sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
+                              X_PER_PAIR, HAS_W, STORE, BLOCK_R, BLOCK_D, BLOCK_N, SPLIT_N, D_STAGES)
 
 
 def fused_num_warps(programs: int) -> int:
@@ -188,25 +202,70 @@ def moe_lora_fused(
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
-    n, S, _, R, D = a.shape
-    O = b_cat.shape[2]
     T, K = topk_ids.shape
     P = T * K
     if P == 0:
         return
-    ids = topk_ids.reshape(-1)
-    max_width = triton.cdiv(O, n)  # a guess (equal slices) for SPLIT_N only: each program loops over all its tiles
-    warps = num_warps if num_warps is not None else (_FORCED_WARPS or fused_num_warps(P * n))
-    block_r, block_d, block_n = fused_blocks(R, D, max_width, warps)
-    split = fused_split_n(P * n, max_width, block_n, split_n)
+    warps, (block_r, block_d, block_n), split = fused_launch(a, b_cat, P, split_n, num_warps)
     w = pair_weights if pair_weights is not None else scaling
+    n, S, D = a.shape[0], a.shape[1], a.shape[4]
     _moe_lora_fused_kernel[(P, n, split)](
-        x, a, b_cat, y, slice_offsets, ranks, scaling, ids, token_slots, w, D, S, K,
+        x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=_D_STAGES[0], num_warps=warps,
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
     )
+
+
+def fused_launch(a: torch.Tensor, b_cat: torch.Tensor, P: int, split_n: int | None = None,
+                 num_warps: int | None = None) -> tuple[int, tuple[int, int, int], int]:
+    """(num_warps, (BLOCK_R, BLOCK_D, BLOCK_N), SPLIT_N) of moe_lora_fused's programs for P pairs: fixed by the
+    launch size alone (CUDA-graph safe). a: [n, S, E|1, R, D] · b_cat: [S, E|1, O, R]."""
+    n, _, _, R, D = a.shape
+    max_width = triton.cdiv(b_cat.shape[2], n)  # a guess (equal slices) for SPLIT_N only: programs loop over tiles
+    warps = num_warps if num_warps is not None else (_FORCED_WARPS or fused_num_warps(P * n))
+    blocks = fused_blocks(R, D, max_width, warps)
+    return warps, blocks, fused_split_n(P * n, max_width, blocks[2], split_n)
+
+
+@dataclass
+class MoeLoRACoLaunch:
+    """moe_lora_fused in store mode (delta[p, o_i] = the LoRA delta of pair p, 0 for slot -1 / rank 0; pairs of
+    expert -1 unwritten) computed by extra programs of the FP8 expert GEMM's launch (fp8_triton.fp8_expert_gemm
+    with moe_lora=...), interleaved evenly among the GEMM's programs: the two share each SM's registers and
+    bandwidth by construction, which two streams did not (session 13: whichever kernel reached an SM first took
+    its register file). Same semantics and shapes as moe_lora_fused(..., y=delta, store=True); the LoRA programs
+    use the GEMM's warps and tiles sized for them (fused_launch)."""
+
+    x: torch.Tensor  # [T, D] (x_per_pair False: row p // K) or [P, D], unquantized
+    a: torch.Tensor  # [n, S, E|1, R, D]
+    b_cat: torch.Tensor  # [S, E|1, O, R]
+    slice_offsets: torch.Tensor  # [n + 1] int32
+    ranks: torch.Tensor  # [n, S] int32
+    scaling: torch.Tensor  # [n, S] fp32
+    topk_ids: torch.Tensor  # [T, K]
+    token_slots: torch.Tensor  # [T] int32
+    delta: torch.Tensor  # [P, O], written (fp32 for the activation / combine kernels to add)
+    x_per_pair: bool
+
+    def kernel_args(self, num_warps: int) -> tuple[int, dict]:
+        """(number of LoRA programs, the GEMM kernel's ml_* arguments) for a GEMM launched with num_warps."""
+        a, b, x, y = self.a, self.b_cat, self.x, self.delta
+        T, K = self.topk_ids.shape
+        n, S, D = a.shape[0], a.shape[1], a.shape[4]
+        if y.shape != (T * K, b.shape[2]):
+            raise ValueError(f"MoeLoRACoLaunch: delta has shape {list(y.shape)}; expected [{T * K}, {b.shape[2]}]")
+        _, (block_r, block_d, block_n), split = fused_launch(a, b, T * K, None, num_warps)
+        programs = T * K * n * split
+        return programs, dict(
+            ml_x=x, ml_a=a, ml_b=b, ml_y=y, ml_off=self.slice_offsets, ml_ranks=self.ranks, ml_scale=self.scaling,
+            ml_ids=self.topk_ids.reshape(-1), ml_slots=self.token_slots, ml_D=D, ml_S=S, ml_K=K, ml_P=T * K,
+            ml_n=n, ml_programs=programs, ml_sxm=x.stride(0), ml_sxd=x.stride(1),
+            **dict(zip(("ml_sa_i", "ml_sa_s", "ml_sa_e", "ml_sa_r", "ml_sa_d"), _a_strides(a))),
+            **dict(zip(("ml_sb_s", "ml_sb_e", "ml_sb_o", "ml_sb_r"), _b_strides(b))),
+            ml_syp=y.stride(0), ml_syo=y.stride(1), MOE_LORA=True, ML_X_PER_PAIR=self.x_per_pair,
+            ML_BR=block_r, ML_BD=block_d, ML_BN=block_n, ML_SPLIT_N=split)
 
 
 def moe_lora_fused_ref(
