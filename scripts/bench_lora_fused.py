@@ -71,8 +71,9 @@ def moe_case(site: str, T: int, n_ad: int, R: int, layers: int):
         moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, y, per_pair, wts, split_n=split_n,
                        num_warps=num_warps)
 
-    def store(li):
-        moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, wts, store=True)
+    def store(li, split_n=None, num_warps=None):
+        moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, wts, store=True,
+                       split_n=split_n, num_warps=num_warps)
 
     def check() -> float:
         y0 = y.clone()
@@ -131,6 +132,34 @@ def dense_case(site: str, T: int, n_ad: int, R: int, layers: int):
     return current, fused, store, check, nbytes, f"D={D} outs={outs}"
 
 
+def sweep_tiles(store, layers: int, t_default: float) -> None:
+    """Time store(li, split_n, num_warps) over launch shapes and loop pipelining; print each and the best."""
+    from moelora.kernels import moe_lora_fused_triton as mf
+
+    keep = (mf._D_STAGES[0], mf._E_STAGES[0], mf._TILE_PER_WARP[0])
+    res = {}
+    try:
+        for tile in (1024, 2048):
+            mf.set_fused_lora_tile(tile)
+            for d_st, e_st in ((1, 1), (3, 1), (1, 3), (3, 3)):
+                mf.set_fused_lora_stages(d_st, e_st)
+                for w in (4, 8):
+                    for sp in (1, 2):
+                        try:
+                            res[(w, sp, tile, d_st, e_st)] = graph_time_us(
+                                lambda li, sp=sp, w=w: store(li, sp, w), layers)
+                        except Exception as e:  # noqa: BLE001 (e.g. out of shared memory: reported, skipped)
+                            print(f"         w{w} split{sp} tile{tile} st{d_st}/{e_st}: {type(e).__name__}", flush=True)
+    finally:
+        mf.set_fused_lora_stages(keep[0], keep[1])
+        mf.set_fused_lora_tile(keep[2])
+    items = sorted(res.items(), key=lambda kv: kv[1])
+    print("         (warps, split_n, tile, d_stages, e_stages): " +
+          "  ".join(f"{k}: {v:.1f}" for k, v in items), flush=True)
+    best = items[0]
+    print(f"         best {best[0]} {best[1]:.1f} against the default's {t_default:.1f} µs", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,64,128")
@@ -139,6 +168,9 @@ def main() -> None:
     ap.add_argument("--cases", default="gate_up,down,qkv,o")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-tiles", action="store_true",
+                    help="the MoE store-mode kernel over warps 4/8 x split_n 1/2 x tile 1024/2048 elements a warp x "
+                    "(shrink, expand) loop stages (1,1) (3,1) (1,3) (3,3) (session 17)")
     ap.add_argument("--stages", default="", help="also the MoE store-mode kernel with its shrink loop pipelined "
                     "this deep, e.g. 1,2,3,4 (set_fused_lora_stages)")
     args = ap.parse_args()
@@ -172,6 +204,8 @@ def main() -> None:
                         finally:
                             set_fused_lora_stages(keep)
                         print("         store, stages: " + "  ".join(f"{n}: {t:.1f}" for n, t in st.items()), flush=True)
+                    if args.sweep_tiles and make is moe_case:
+                        sweep_tiles(store, args.layers, t_store)
                     if args.sweep:
                         for w in (4, 8, 16):
                             sw = {s: graph_time_us(lambda li, s=s, w=w: fused(li, s, w), args.layers)

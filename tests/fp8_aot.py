@@ -125,17 +125,9 @@ consts = dict(sxd=1, sa_d=1, sb_r=1, syo=1, X_PER_PAIR=False, HAS_W=False, STORE
 div = ["x_ptr", "a_ptr", "b_ptr", "y_ptr", "D", "sxm", "sa_i", "sa_s", "sa_e", "sa_r", "sb_s", "sb_e", "sb_o", "syp"]
 ptx = compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
 assert "cp.async" in ptx
-print("ok fused lora, shrink pipelined")
-# the grouped FP8 expert GEMM with the routed-expert LoRA programs in its launch (MoeLoRACoLaunch, 1-D grid)
-ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16",
-        "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-        "ml_x": "*bf16", "ml_a": "*bf16", "ml_b": "*bf16", "ml_y": "*fp32", "ml_off": "*i32", "ml_ranks": "*i32",
-        "ml_scale": "*fp32", "ml_ids": "*i64", "ml_slots": "*i32"}
-for per_pair in (False, True):
-    consts = dict(FP8_MAX_C=448.0, A_FP8=True, GROUPED=True, HAS_BIAS=False, GROUP_K=128, SCALE_N=128, BLOCK_M=16,
-                  BLOCK_N=64, BLOCK_K=128, A_ROW_DIV=1 if per_pair else 8, SPLIT_K=1, LORA_N=0, LORA_SK=1, LORA_BR=16,
-                  LORA_PRECISION="ieee", LORA_SPLIT=0, PARTS=1, MOE_LORA=True, ML_X_PER_PAIR=per_pair, ML_BR=16,
-                  ML_BD=256, ML_BN=256, ML_SPLIT_N=1)
-    ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
-    assert "e4m3" in ptx and "mma" in ptx and "atom" not in ptx, per_pair
-print("ok grouped gemm with the routed LoRA programs in its launch")
+# EVEN_R (the buffers' rank a power of two): B read in 16-byte vectors, not 2-byte loads (a per-element rank mask)
+consts.update(D_STAGES=1, EVEN_R=True)
+assert "ld.global.b16" not in compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
+consts.update(E_STAGES=3, BLOCK_D=512, BLOCK_N=512)  # the expand's B tiles pipelined instead, 2x wider tiles
+assert "cp.async" in compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
+print("ok fused lora, shrink / expand pipelined, B vectorized")

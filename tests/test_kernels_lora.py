@@ -123,6 +123,15 @@ def test_split_k_partials_need_no_zeroed_buffer(split_k):
     assert not y.isnan().any(), "the expand read a partial the shrink did not write"
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     assert lora_shrink_buffer(n, T, R, H, "cpu").shape == (1, n, T, R)
+    # B past each slot's rank is never used either (the kernel reads whole rank rows and zeroes those entries
+    # after the load when the buffer's rank is a multiple of its rank tile): NaN there changes nothing
+    b_nan = b.clone()
+    for i in range(n):
+        for s in range(S):
+            b_nan[s, off[i]:off[i + 1], ranks[i, s]:] = float("nan")
+    y_nan = y0.clone()
+    lora_expand(parts, b_nan, off, ranks, scaling, groups, y_nan)
+    assert torch.equal(y_nan, y)
 
 
 def test_single_slot_path_policy(monkeypatch):

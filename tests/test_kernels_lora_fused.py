@@ -164,6 +164,28 @@ def test_moe_fused_larger_ranks(R):
         torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("R", [16, 24])
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+def test_moe_fused_never_uses_factors_past_each_rank(site, R):
+    """A and B past each (slice, slot)'s rank hold NaN: the result equals the zero-padded one, bit for bit, in add
+    and store mode. R 16 (the buffer's rank equals the rank tile: B read in whole rank rows, the entries past the
+    rank zeroed after the load) and 24 (a rank tile of 32: masked in the load)."""
+    gen = torch.Generator().manual_seed(70 + R)
+    c = _moe_case(site, "with_base_rows", 5, DTYPES[0], gen, R=R)
+    a_nan, b_nan = c["a"].clone(), c["b"].clone()
+    off = c["off"].tolist()
+    for i in range(a_nan.shape[0]):
+        for s in range(S):
+            r = int(c["ranks"][i, s])
+            a_nan[i, s, :, r:] = float("nan")
+            b_nan[s, :, off[i]:off[i + 1], r:] = float("nan")
+    for store in (False, True):
+        y, y_nan = c["y0"].clone(), c["y0"].clone()
+        _moe_call(moe_lora_fused, c, y, store=store)
+        _moe_call(moe_lora_fused, {**c, "a": a_nan, "b": b_nan}, y_nan, store=store)
+        assert not y_nan.isnan().any() and torch.equal(y_nan, y), (site, R, store)
+
+
 def test_moe_fused_split_n_does_not_change_results():
     """SPLIT_N only spreads output tiles over programs: every split gives the same bits (fp32); the warp count
     (and the tiles that scale with it) the same values."""
@@ -182,11 +204,12 @@ def test_moe_fused_split_n_does_not_change_results():
         assert torch.equal(y, outs[0])
 
 
-@pytest.mark.parametrize("experiment", ["warps_maxnreg", "stages"])
+@pytest.mark.parametrize("experiment", ["warps_maxnreg", "stages", "expand_stages_and_tile"])
 def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
     """MOELORA_FUSED_LORA_WARPS / MOELORA_FUSED_LORA_MAXNREG (launch experiments for co-residency beside the FP8
-    expert GEMM) and MOELORA_FUSED_LORA_STAGES (the shrink loop pipelined through shared memory; on the GPU the
-    Qwen3 input dim takes 8 tiles): they change how the kernel runs, not what it computes."""
+    expert GEMM), MOELORA_FUSED_LORA_STAGES / _EXPAND_STAGES (the shrink / expand loops pipelined through shared
+    memory; on the GPU the Qwen3 input dim takes 8 tiles) and MOELORA_FUSED_LORA_TILE (larger tiles): they change
+    how the kernel runs, not what it computes."""
     from moelora.kernels import moe_lora_fused_triton as mf
 
     gen = torch.Generator().manual_seed(32)
@@ -197,6 +220,14 @@ def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
         monkeypatch.setattr(mf, "_D_STAGES", [3])
         with pytest.raises(ValueError, match="stages"):
             mf.set_fused_lora_stages(0)
+    elif experiment == "expand_stages_and_tile":
+        monkeypatch.setattr(mf, "_E_STAGES", [3])
+        monkeypatch.setattr(mf, "_TILE_PER_WARP", [256])
+        monkeypatch.setattr(mf, "_FORCED_WARPS", 1)  # 16-wide tiles: several per slice and per input row
+        with pytest.raises(ValueError, match="expand_stages"):
+            mf.set_fused_lora_stages(1, 0)
+        with pytest.raises(ValueError, match="power of two"):
+            mf.set_fused_lora_tile(1000)
     else:
         monkeypatch.setattr(mf, "_FORCED_WARPS", 2)
         monkeypatch.setattr(mf, "_MAXNREG", 64)

@@ -24,15 +24,12 @@ from moelora.kernels.fp8 import (
     quantize_act_group_ref,
 )
 from moelora.kernels.moe_lora import moe_lora_align
-from moelora.kernels.moe_lora_fused_triton import MoeLoRACoLaunch
 
 MIN_CAPABILITY = (8, 9)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    from moelora.kernels.moe_lora_fused_triton import moe_lora_pair_program
 
     @triton.jit
     def e4m3_groups(vg, FP8_MAX_C: tl.constexpr):
@@ -89,10 +86,20 @@ if HAS_TRITON:
         return acc, last
 
     @triton.jit
+    def lora_b_tile(ptrs, mask_r, col_in, EVEN_R: tl.constexpr):
+        """B tile [BR, BN] (rank along dim 0, contiguous), 0 past the rank (mask_r [BR]) and outside col_in [BN];
+        EVEN_R: loaded masked by column only (vectorized along the rank), the rank mask applied after."""
+        if EVEN_R:
+            bt = tl.where(mask_r[:, None], tl.load(ptrs, mask=col_in[None, :], other=0.0), 0.0)
+        else:
+            bt = tl.load(ptrs, mask=mask_r[:, None] & col_in[None, :], other=0.0)
+        return bt
+
+    @triton.jit
     def lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr, lscale_ptr,
                          lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
                          LORA_N: tl.constexpr, LORA_SK: tl.constexpr, LORA_BR: tl.constexpr,
-                         LORA_PRECISION: tl.constexpr, UNROLLED: tl.constexpr):
+                         LORA_PRECISION: tl.constexpr, UNROLLED: tl.constexpr, EVEN_R: tl.constexpr = False):
         """acc [BLOCK_M, BLOCK_N] fp32 + the dense multi-LoRA expand of rows `rows`, columns offs_n (lora_expand's
         semantics): acc[t, o_i] += scaling[i, s] * (sum_k lh[k, i, t, :r] rounded to B's dtype) @ lb[s, o_i, :r].T
         for rows t of slot s = lslot[t] >= 0, r = ranks[i, s] > 0. Every row's h (the shrink's LORA_SK split-K
@@ -100,7 +107,10 @@ if HAS_TRITON:
         UNROLLED == 0: a loop over all S slots, each skipped unless some row has it (lact unused). UNROLLED > 0:
         the batch's L slot groups (lact [L]: the slot of group l, -1 unused), the first UNROLLED unrolled without
         branches (their slot, rank, scaling and B loads all independent, so they are in flight together; a group
-        whose slot is -1 or absent from these rows adds an exact 0), the rest in that loop."""
+        whose slot is -1 or absent from these rows adds an exact 0), the rest in that loop.
+        EVEN_R (the buffers' rank == LORA_BR): h and B loaded masked by row / column only, so the loads along the
+        contiguous rank dim are vectorized, and the entries past each rank zeroed after the load (a per-element
+        rank mask made them 2-byte loads); the same values."""
         row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
         has = mask_m & (row_slot >= 0)
         offs_r = tl.arange(0, LORA_BR)
@@ -116,15 +126,21 @@ if HAS_TRITON:
                 rank_rows = tl.load(lrank_ptr + i * S + tl.maximum(row_slot, 0), mask=has, other=0)  # [BLOCK_M]
                 mask_hr = offs_r[None, :] < rank_rows[:, None]
                 hr_ptrs = lh_ptr + i * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-                h_all = tl.load(hr_ptrs, mask=mask_hr, other=0.0)
+                if EVEN_R:
+                    mask_h = has[:, None]
+                else:
+                    mask_h = mask_hr
+                h_all = tl.load(hr_ptrs, mask=mask_h, other=0.0)
                 for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
-                    h_all += tl.load(hr_ptrs + part * slh_s, mask=mask_hr, other=0.0)
+                    h_all += tl.load(hr_ptrs + part * slh_s, mask=mask_h, other=0.0)
+                if EVEN_R:
+                    h_all = tl.where(mask_hr, h_all, 0.0)
                 for g in tl.static_range(UNROLLED):
                     slot = tl.load(lact_ptr + g)
                     slot_c = tl.maximum(slot, 0)
                     rank = tl.where(slot >= 0, tl.load(lrank_ptr + i * S + slot_c), 0)
-                    bt = tl.load(lb_ptr + slot_c * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
-                                 mask=(offs_r < rank)[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                    bt = lora_b_tile(lb_ptr + slot_c * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                     offs_r < rank, col_in, EVEN_R)  # [BR, BN]
                     ht = tl.where((row_slot == slot)[:, None], h_all, 0.0)
                     acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
                         lscale_ptr + i * S + slot_c)
@@ -137,8 +153,8 @@ if HAS_TRITON:
                     rank = tl.load(lrank_ptr + i * S + tl.maximum(slot, 0))
                     if (slot >= 0) & (tl.max(row_in.to(tl.int32), axis=0) > 0) & (rank > 0):
                         mask_r = offs_r < rank
-                        bt = tl.load(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
-                                     mask=mask_r[:, None] & col_in[None, :], other=0.0)  # [BR, BN]
+                        bt = lora_b_tile(lb_ptr + slot * slb_s + offs_n[None, :] * slb_o + offs_r[:, None] * slb_r,
+                                         mask_r, col_in, EVEN_R)  # [BR, BN]
                         ht = tl.where(row_in[:, None], h_all, 0.0)
                         acc += tl.dot(ht.to(bt.dtype), bt, input_precision=LORA_PRECISION) * tl.load(
                             lscale_ptr + i * S + slot)
@@ -157,13 +173,7 @@ if HAS_TRITON:
         S=0, L=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
-        LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False,
-        ml_x=None, ml_a=None, ml_b=None, ml_y=None, ml_off=None, ml_ranks=None, ml_scale=None, ml_ids=None,
-        ml_slots=None, ml_D=0, ml_S=0, ml_K=1, ml_P=1, ml_n=1, ml_programs=0, ml_total=1, ml_grid_m=1,
-        ml_sxm=0, ml_sxd=0, ml_sa_i=0, ml_sa_s=0, ml_sa_e=0, ml_sa_r=0, ml_sa_d=0, ml_sb_s=0, ml_sb_e=0, ml_sb_o=0,
-        ml_sb_r=0, ml_syp=0, ml_syo=0,
-        MOE_LORA: tl.constexpr = False, ML_X_PER_PAIR: tl.constexpr = False, ML_BR: tl.constexpr = 16,
-        ML_BD: tl.constexpr = 16, ML_BN: tl.constexpr = 16, ML_SPLIT_N: tl.constexpr = 1,
+        LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False, LORA_EVEN_R: tl.constexpr = False,
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
         # rounding, by one of two forms:
@@ -199,27 +209,9 @@ if HAS_TRITON:
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
         # stores its fp32 partial tile in ws[sk], then counts itself in cnt[tile]; the split that arrives last
         # adds the PARTS partials in order sk = 0, 1, ..., writes the output and resets the counter to 0
-        # MOE_LORA (grouped only, a 1-D grid of ml_total programs): ml_programs of them are the routed-expert LoRA
-        # (moe_lora_pair_program in store mode into ml_y, MoeLoRACoLaunch), spread evenly: program q is LoRA
-        # program lo = floor(q * ml_programs / ml_total) when floor((q + 1) * ml_programs / ml_total) > lo, else
-        # GEMM tile q - lo (pid_m fastest, the order of the 3-D grid)
-        if MOE_LORA:
-            q = tl.program_id(0)
-            lo = (q * ml_programs) // ml_total
-            if ((q + 1) * ml_programs) // ml_total > lo:
-                rest = lo // ml_P
-                moe_lora_pair_program(lo % ml_P, rest % ml_n, rest // ml_n, ml_x, ml_a, ml_b, ml_y, ml_off, ml_ranks,
-                                      ml_scale, ml_ids, ml_slots, ml_scale, ml_D, ml_S, ml_K, ml_sxm, ml_sxd,
-                                      ml_sa_i, ml_sa_s, ml_sa_e, ml_sa_r, ml_sa_d, ml_sb_s, ml_sb_e, ml_sb_o, ml_sb_r,
-                                      ml_syp, ml_syo, ML_X_PER_PAIR, False, True, ML_BR, ML_BD, ML_BN, ML_SPLIT_N, 1)
-                return
-            pid_m = (q - lo) % ml_grid_m
-            pid_n = (q - lo) // ml_grid_m
-            sk = tl.program_id(2)
-        else:
-            pid_m = tl.program_id(0)
-            pid_n = tl.program_id(1)
-            sk = tl.program_id(2)
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        sk = tl.program_id(2)
         offs_m = tl.arange(0, BLOCK_M)
         if GROUPED:
             e = tl.load(bexp_ptr + pid_m)
@@ -261,7 +253,8 @@ if HAS_TRITON:
                     tl.extra.cuda.gdc_wait()
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
-                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, LORA_GROUPS)
+                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, LORA_GROUPS,
+                                       LORA_EVEN_R)
         if PARTS > 1:
             acc, last = split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk,
                                        pid_m * tl.num_programs(1) + pid_n, PARTS)
@@ -275,7 +268,8 @@ if HAS_TRITON:
                     tl.extra.cuda.gdc_wait()
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
-                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, 0)
+                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, 0,
+                                       LORA_EVEN_R)
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -437,6 +431,7 @@ class Fp8LoRAEpilogue:
                     lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
                     slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
                     LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
+                    LORA_EVEN_R=R == max(16, triton.next_power_of_2(R)) and b.shape[2] == R,
                     LORA_PRECISION=dot_precision(b.dtype),
                     **(dict(LORA_GROUPS=0) if self.active_slots is None else
                        dict(lact_ptr=self.active_slots, L=self.active_slots.shape[0],
@@ -444,8 +439,7 @@ class Fp8LoRAEpilogue:
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
-            a_row_div: int = 1, lora: Fp8LoRAEpilogue | None = None, pdl_ok: bool = False,
-            moe_lora: MoeLoRACoLaunch | None = None) -> None:
+            a_row_div: int = 1, lora: Fp8LoRAEpilogue | None = None, pdl_ok: bool = False) -> None:
     M, K = out.shape[0], a.shape[1]
     N = w.shape[-2]
     bn, bk = block
@@ -477,11 +471,6 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     a_fp8 = a.dtype == FP8_DTYPE
     sas = (a_scale.stride(0), a_scale.stride(1)) if a_fp8 else (0, 0)
     grid = (grid_m, grid_n, parts)
-    ml_kw: dict = {}
-    if moe_lora is not None:  # grouped (parts == 1): the LoRA programs interleaved in a 1-D grid
-        programs, ml_kw = moe_lora.kernel_args(cfg.num_warps)
-        grid = (grid_m * grid_n + programs,)
-        ml_kw.update(ml_total=grid[0], ml_grid_m=grid_m)
     _fp8_gemm_kernel[grid](
         a, a_scale if a_fp8 else a, w3, s3, out, bias if bias is not None else out,
         ids if ids is not None else out, bexp if bexp is not None else out, ws, cnt,
@@ -494,7 +483,6 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         **(lora.kernel_args() if lora is not None else {}),
         **({"LORA_SPLIT": lora_split, "PARTS": parts} if parts > 1 else {}),
         **({"LORA_WAIT": True, "launch_pdl": True} if pdl else {}),
-        **ml_kw,
     )
 
 
@@ -578,22 +566,6 @@ def fp8_lora_split() -> tuple[int, int]:
 
 
 _LORA_PDL = [os.environ.get("MOELORA_FP8_LORA_PDL", "1") != "0"]
-
-
-# MOELORA_FP8_MOE_LORA_COLAUNCH=1 (set_fp8_moe_lora_colaunch): the routed-expert LoRA (moe_lora_fused, store mode)
-# computed by extra programs of the FP8 expert GEMM's own launch instead of its own kernel on the side stream
-_MOE_LORA_COLAUNCH = [os.environ.get("MOELORA_FP8_MOE_LORA_COLAUNCH", "0") == "1"]
-
-
-def set_fp8_moe_lora_colaunch(enabled: bool) -> None:
-    """On: on the fused-MoE fast path over FP8 experts, each projection's routed-expert LoRA delta is computed by
-    programs interleaved with the expert GEMM's in one launch (MoeLoRACoLaunch), read by the activation / combine
-    kernels; off: the fused LoRA kernel (on the side stream when overlapping). Results are the same."""
-    _MOE_LORA_COLAUNCH[0] = bool(enabled)
-
-
-def fp8_moe_lora_colaunch() -> bool:
-    return _MOE_LORA_COLAUNCH[0]
 
 
 def set_fp8_lora_pdl(enabled: bool) -> None:
@@ -738,7 +710,7 @@ def fp8_grouped_gemm_ref(x, w_fp8, w_scale_inv, pair_exp, block=(128, 128), alig
 def fp8_expert_gemm(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
     topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool, block_m: int,
-    x_scale: torch.Tensor | None = None, moe_lora: MoeLoRACoLaunch | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The FP8 grouped GEMM on the routed-expert fast path's alignment (fused_moe_triton.moe_align), reading
     token rows in place. Semantics (fp8_expert_gemm_ref), pairs p = t * K + k, e = topk_ids.flatten()[p]:
@@ -747,8 +719,6 @@ def fp8_expert_gemm(
     x: [T, D] (gather_rows) or [P, D], bf16/fp16/fp32, or float8 with x_scale · w_fp8: [E, N, D] float8_e4m3fn
     w_scale_inv: [E, ceil(N/bn), ceil(D/bk)] fp32 · topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m)
     block_m: the alignment's block (>= 16) · returns [P, N] in x.dtype (bf16 for a float8 x). CUDA-graph safe.
-    moe_lora: a routed-expert LoRA delta (moe_lora_fused in store mode into moe_lora.delta) computed by extra
-    programs of this launch, interleaved with the GEMM's (set_fp8_moe_lora_colaunch); the GEMM's output is unchanged.
     """
     require_triton()
     T, K = topk_ids.shape
@@ -759,7 +729,7 @@ def fp8_expert_gemm(
     if P:
         x, x_scale = _prequantized(x, x_scale, block[1])  # gather_rows: the T token rows, once
         _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, block_m, bexp.shape[0],
-                a_row_div=K if gather_rows else 1, moe_lora=moe_lora)
+                a_row_div=K if gather_rows else 1)
     return out
 
 
@@ -793,5 +763,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_moe_lora_colaunch", "fp8_moe_lora_colaunch", "MoeLoRACoLaunch", "set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]

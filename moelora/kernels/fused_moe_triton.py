@@ -600,15 +600,13 @@ class TritonExperts:
         self.align = moe_align(topk_ids, num_experts, self.cfg.block_m)
         self.act_quant_group: int | None = None  # set by a quantized gate_up GEMM whose stack quantizes inputs
 
-    def __call__(self, inp: torch.Tensor, w, fuse_act: bool = False, lora=None) -> torch.Tensor:
+    def __call__(self, inp: torch.Tensor, w, fuse_act: bool = False) -> torch.Tensor:
         """inp: [T, D] or [P, D] · w: [E, O, D], or a quantized stack with expert_gemm(inp, topk_ids, align,
-        gather_rows, block_m) · returns [P, O] (fuse_act: silu(gate) * up, [P, O/2]). lora: a MoeLoRACoLaunch for
-        a stack whose `lora_colaunch` is True, run in its GEMM's launch (expert_gemm(..., lora=lora))."""
+        gather_rows, block_m) · returns [P, O] (fuse_act: silu(gate) * up, [P, O/2])."""
         gather = inp.shape[0] != self.P
         if not isinstance(w, torch.Tensor):  # quantized: its GEMM on this alignment, then the activation kernel
             self.act_quant_group = getattr(w, "act_quant_group", None)  # the activation quantizes for the down GEMM
-            kw = {} if lora is None else {"lora": lora}
-            y = w.expert_gemm(inp, self.topk_ids, self.align, gather, self.cfg.block_m, **kw)
+            y = w.expert_gemm(inp, self.topk_ids, self.align, gather, self.cfg.block_m)
             return silu_and_mul(y, quant_group=self.act_quant_group) if fuse_act else y
         n = w.shape[1] // 2 if fuse_act else w.shape[1]
         out = torch.empty(self.P, n, dtype=inp.dtype, device=inp.device)

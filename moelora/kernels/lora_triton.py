@@ -68,7 +68,7 @@ if HAS_TRITON:
         O, S,
         sh_s, sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, sym, syo,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, EVEN_R: tl.constexpr = False,
     ):
         pid_mn = tl.program_id(0)
         i = tl.program_id(1)
@@ -102,11 +102,22 @@ if HAS_TRITON:
             rr = r0 + offs_r
             mask_rr = rr < rank
             h_ptrs = h_ptr + i * sh_i + rows[:, None] * sh_m + rr[None, :] * sh_r
-            mask_h = mask_m[:, None] & mask_rr[None, :]
+            # EVEN_R (the buffers' rank a multiple of BLOCK_R): h and B masked by row / column only, so the loads
+            # along the contiguous rank dim are vectorized, and the entries past the slot's rank zeroed after
+            # them (a per-element rank mask made them 2-byte loads); the same values
+            if EVEN_R:
+                mask_h = mask_m[:, None]
+            else:
+                mask_h = mask_m[:, None] & mask_rr[None, :]
             ht = tl.load(h_ptrs, mask=mask_h, other=0.0)
             for sk in range(1, SPLIT_K):  # the shrink's split-K partial sums, added in a fixed order
                 ht += tl.load(h_ptrs + sk * sh_s, mask=mask_h, other=0.0)
-            bt = tl.load(b_base + rr[:, None] * sb_r, mask=mask_rr[:, None] & mask_n[None, :], other=0.0)
+            if EVEN_R:
+                ht = tl.where(mask_rr[None, :], ht, 0.0)
+                bt = tl.where(mask_rr[:, None], tl.load(b_base + rr[:, None] * sb_r, mask=mask_n[None, :], other=0.0),
+                              0.0)
+            else:
+                bt = tl.load(b_base + rr[:, None] * sb_r, mask=mask_rr[:, None] & mask_n[None, :], other=0.0)
             acc += tl.dot(ht.to(bt.dtype), bt, input_precision=PRECISION)
         ptrs = y_ptr + rows[:, None] * sym + (o0 + offs_n[None, :]) * syo
         mask = mask_m[:, None] & mask_n[None, :]
@@ -209,4 +220,5 @@ def lora_expand(
         h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=h.shape[0], PRECISION=dot_precision(b_cat.dtype),
+        EVEN_R=R % block_r == 0 and b_cat.shape[2] == R,
     )

@@ -173,14 +173,6 @@ def fused_moe_pairs(
 
                 fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
 
-    # FP8 experts (set_fp8_moe_lora_colaunch): the fused LoRA kernel's programs inside the expert GEMM's launch
-    colaunch = False
-    if fused is not None and fast is not None and all(getattr(w, "lora_colaunch", False) for w in (w_gate_up, w_down)):
-        from moelora.kernels.fp8_triton import fp8_moe_lora_colaunch
-        from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
-
-        colaunch = fp8_moe_lora_colaunch() and fused is moe_lora_fused
-
     def project(inp, w, per_pair, parts):
         """(y, delta): y = base GEMM of one projection [P, O] with its LoRA delta added, delta None; or, when
         overlapping on the fast path, y the base GEMM alone and delta its LoRA delta [P, O] fp32, for the
@@ -193,12 +185,6 @@ def fused_moe_pairs(
         n, R = a.shape[0], a.shape[3]
         if offs is None:
             offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
-        if colaunch:  # store mode: every entry of delta written by the GEMM's LoRA programs, no side stream
-            from moelora.kernels.moe_lora_fused_triton import MoeLoRACoLaunch
-
-            delta = torch.empty(P, w.shape[1], dtype=torch.float32, device=x.device)  # [P, O]
-            return gemm(y_in, w, lora=MoeLoRACoLaunch(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots,
-                                                      delta, per_pair)), delta
         if fused is not None and not overlap:
             y = gemm(y_in, w)
             fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair)

@@ -24,7 +24,6 @@ rank 0), so a side-stream delta buffer needs no zero-fill.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -43,13 +42,29 @@ _MAXNREG = int(os.environ.get("MOELORA_FUSED_LORA_MAXNREG", "0") or 0)
 # MOELORA_FUSED_LORA_STAGES=n (set_fused_lora_stages): the shrink's loop over the input dim pipelined n deep, its A
 # and x tiles copied ahead into shared memory (cp.async, 8 KiB a stage at 4 warps); 1: each tile loaded when used
 _D_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_STAGES", "1") or 1)]
+# MOELORA_FUSED_LORA_EXPAND_STAGES=n: the same for the expand's loop over output tiles (B tiles copied ahead)
+_E_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_EXPAND_STAGES", "1") or 1)]
+# MOELORA_FUSED_LORA_TILE=n (set_fused_lora_tile): elements of an input / output tile per warp (default 1024: 32
+# fp32 values a thread), so larger tiles put more bytes in flight per loop iteration and need fewer iterations
+_TILE_PER_WARP = [int(os.environ.get("MOELORA_FUSED_LORA_TILE", "1024") or 1024)]
 
 
-def set_fused_lora_stages(stages: int) -> None:
-    """The fused kernel's shrink loop pipelined `stages` deep (1: not pipelined); results do not change."""
-    if stages < 1:
-        raise ValueError(f"set_fused_lora_stages: stages must be >= 1, got {stages}")
+def set_fused_lora_stages(stages: int, expand_stages: int | None = None) -> None:
+    """The fused kernel's shrink loop pipelined `stages` deep and its expand loop `expand_stages` deep (None: left as
+    it is; 1: not pipelined); results do not change."""
+    for name, v in (("stages", stages), ("expand_stages", expand_stages)):
+        if v is not None and v < 1:
+            raise ValueError(f"set_fused_lora_stages: {name} must be >= 1, got {v}")
     _D_STAGES[0] = int(stages)
+    if expand_stages is not None:
+        _E_STAGES[0] = int(expand_stages)
+
+
+def set_fused_lora_tile(per_warp: int) -> None:
+    """Elements per warp of the fused kernel's input / output tiles (a power of two >= 256; default 1024)."""
+    if per_warp < 256 or per_warp & (per_warp - 1):
+        raise ValueError(f"set_fused_lora_tile: per_warp must be a power of two >= 256, got {per_warp}")
+    _TILE_PER_WARP[0] = int(per_warp)
 # (Session 14 also tried a persistent form, ~132 or 264 programs each looping over the pairs, so that the kernel
 # keeps one or two CTAs per SM beside the expert GEMM's: it ran beside other kernels for 2,997 / 1,651 of its
 # µs a step instead of 453, but took 7,251 / 4,054 µs instead of 2,006 (fewer loads in flight), and batch 64
@@ -60,6 +75,13 @@ def set_fused_lora_stages(stages: int) -> None:
 # stream. Batch 64, 0 / 4 / 8 adapters: 6,017 / 4,459 / 4,294 tok/s against 6,005 / 4,865 / 4,740 with this kernel
 # (calls 4 and 3, same code otherwise); batch 256: 16,871 / 11,478 / 10,391 against 16,618 / 13,146 / 11,858. The
 # GEMM's per-slot epilogue lengthens every one of its thousands of programs. Removed.)
+# (Session 17 ran this kernel's programs inside the FP8 expert GEMM's own launch instead, interleaved evenly with the
+# GEMM's tiles (one 1-D grid; the LoRA programs in store mode into the delta the SiLU / combine read), so that the
+# two share every SM by construction. µs per MoE layer call at Qwen3-30B-A3B shapes, 64 tokens, 4 / 8 adapters
+# (scripts/bench_fp8_moe_colaunch.py, call 1, commit b6b9e16): base 164.9 / 164.7, this kernel on the side stream
+# 199.7 / 200.6, on the main stream 208.0 / 210.5, inside the GEMM's launch 208.3 / 210.3 — no better than serial:
+# the two are bandwidth-bound together. Batch 64 end to end, 0 / 4 / 8 adapters: 6,025 / 4,796 / 4,674 tok/s
+# against 6,023 / 4,879 / 4,749 (same call). Removed; the helper below (moe_lora_pair_program) stays.)
 
 if HAS_TRITON:
     import triton
@@ -72,11 +94,11 @@ if HAS_TRITON:
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        D_STAGES: tl.constexpr,
+        D_STAGES: tl.constexpr, E_STAGES: tl.constexpr, EVEN_R: tl.constexpr,
     ):
-        """One program of moe_lora_fused: pair p, slice i, output split pid_n (a @triton.jit helper, also run by
-        the FP8 expert GEMM's co-launched LoRA programs, fp8_triton.MoeLoRACoLaunch). No early return: a program
-        with nothing to write skips its body."""
+        """One program of moe_lora_fused: pair p, slice i, output split pid_n (a @triton.jit helper, so that
+        another kernel can run these programs; session 17 ran them inside the FP8 expert GEMM's launch). No early
+        return: a program with nothing to write skips its body."""
         o0 = tl.load(off_ptr + i)
         width = tl.load(off_ptr + i + 1) - o0
         t = p // K
@@ -113,11 +135,16 @@ if HAS_TRITON:
             hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
             b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
             y_row = y_ptr + p.to(tl.int64) * syp
-            for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
+            for n0 in tl.range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N, num_stages=E_STAGES):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 mask_n = offs_n < width
-                bt = tl.load(b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r,
-                             mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+                b_ptrs = b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r
+                if EVEN_R:  # rows of BLOCK_R values (the buffer's rank R): masked by row only, so the load is
+                    # vectorized (and can be pipelined: cp.async takes >= 4 bytes), the entries past this slot's
+                    # rank zeroed after it
+                    bt = tl.where(mask_r[None, :], tl.load(b_ptrs, mask=mask_n[:, None], other=0.0), 0.0)
+                else:
+                    bt = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0)
                 delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
                 ptrs = y_row + (o0 + offs_n) * syo
                 if STORE:
@@ -133,12 +160,13 @@ if HAS_TRITON:
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        D_STAGES: tl.constexpr = 1,
+        D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
     ):
         moe_lora_pair_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, a_ptr, b_ptr, y_ptr,
                               off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr, D, S, K,
                               sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
-                              X_PER_PAIR, HAS_W, STORE, BLOCK_R, BLOCK_D, BLOCK_N, SPLIT_N, D_STAGES)
+                              X_PER_PAIR, HAS_W, STORE, BLOCK_R, BLOCK_D, BLOCK_N, SPLIT_N, D_STAGES,
+                              E_STAGES, EVEN_R)
 
 
 def fused_num_warps(programs: int) -> int:
@@ -150,9 +178,9 @@ def fused_num_warps(programs: int) -> int:
 
 def fused_blocks(R: int, D: int, max_width: int, num_warps: int = 4) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, BLOCK_N): rank tile = the whole padded rank; input / output tiles of 1024 * num_warps
-    elements (32 fp32 values per thread) with rows of >= 64 bytes."""
+    elements (32 fp32 values per thread; set_fused_lora_tile changes the 1024) with rows of >= 64 bytes."""
     block_r = max(16, triton.next_power_of_2(R))
-    tile = max(32, min(256 * num_warps, 1024 * num_warps // block_r))
+    tile = max(32, min(256 * num_warps, _TILE_PER_WARP[0] * num_warps // block_r))
     block_d = min(tile, max(16, triton.next_power_of_2(D)))
     block_n = min(tile, max(16, triton.next_power_of_2(max_width)))
     return block_r, block_d, block_n
@@ -213,7 +241,8 @@ def moe_lora_fused(
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=_D_STAGES[0], num_warps=warps,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=_D_STAGES[0], E_STAGES=_E_STAGES[0],
+        EVEN_R=a.shape[3] == block_r, num_warps=warps,
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
     )
 
@@ -227,45 +256,6 @@ def fused_launch(a: torch.Tensor, b_cat: torch.Tensor, P: int, split_n: int | No
     warps = num_warps if num_warps is not None else (_FORCED_WARPS or fused_num_warps(P * n))
     blocks = fused_blocks(R, D, max_width, warps)
     return warps, blocks, fused_split_n(P * n, max_width, blocks[2], split_n)
-
-
-@dataclass
-class MoeLoRACoLaunch:
-    """moe_lora_fused in store mode (delta[p, o_i] = the LoRA delta of pair p, 0 for slot -1 / rank 0; pairs of
-    expert -1 unwritten) computed by extra programs of the FP8 expert GEMM's launch (fp8_triton.fp8_expert_gemm
-    with moe_lora=...), interleaved evenly among the GEMM's programs: the two share each SM's registers and
-    bandwidth by construction, which two streams did not (session 13: whichever kernel reached an SM first took
-    its register file). Same semantics and shapes as moe_lora_fused(..., y=delta, store=True); the LoRA programs
-    use the GEMM's warps and tiles sized for them (fused_launch)."""
-
-    x: torch.Tensor  # [T, D] (x_per_pair False: row p // K) or [P, D], unquantized
-    a: torch.Tensor  # [n, S, E|1, R, D]
-    b_cat: torch.Tensor  # [S, E|1, O, R]
-    slice_offsets: torch.Tensor  # [n + 1] int32
-    ranks: torch.Tensor  # [n, S] int32
-    scaling: torch.Tensor  # [n, S] fp32
-    topk_ids: torch.Tensor  # [T, K]
-    token_slots: torch.Tensor  # [T] int32
-    delta: torch.Tensor  # [P, O], written (fp32 for the activation / combine kernels to add)
-    x_per_pair: bool
-
-    def kernel_args(self, num_warps: int) -> tuple[int, dict]:
-        """(number of LoRA programs, the GEMM kernel's ml_* arguments) for a GEMM launched with num_warps."""
-        a, b, x, y = self.a, self.b_cat, self.x, self.delta
-        T, K = self.topk_ids.shape
-        n, S, D = a.shape[0], a.shape[1], a.shape[4]
-        if y.shape != (T * K, b.shape[2]):
-            raise ValueError(f"MoeLoRACoLaunch: delta has shape {list(y.shape)}; expected [{T * K}, {b.shape[2]}]")
-        _, (block_r, block_d, block_n), split = fused_launch(a, b, T * K, None, num_warps)
-        programs = T * K * n * split
-        return programs, dict(
-            ml_x=x, ml_a=a, ml_b=b, ml_y=y, ml_off=self.slice_offsets, ml_ranks=self.ranks, ml_scale=self.scaling,
-            ml_ids=self.topk_ids.reshape(-1), ml_slots=self.token_slots, ml_D=D, ml_S=S, ml_K=K, ml_P=T * K,
-            ml_n=n, ml_programs=programs, ml_sxm=x.stride(0), ml_sxd=x.stride(1),
-            **dict(zip(("ml_sa_i", "ml_sa_s", "ml_sa_e", "ml_sa_r", "ml_sa_d"), _a_strides(a))),
-            **dict(zip(("ml_sb_s", "ml_sb_e", "ml_sb_o", "ml_sb_r"), _b_strides(b))),
-            ml_syp=y.stride(0), ml_syo=y.stride(1), MOE_LORA=True, ML_X_PER_PAIR=self.x_per_pair,
-            ML_BR=block_r, ML_BD=block_d, ML_BN=block_n, ML_SPLIT_N=split)
 
 
 def moe_lora_fused_ref(

@@ -135,19 +135,13 @@ class Fp8ExpertWeight:
         """The Triton kernels (not a reference mode): usable on fused_moe_triton's fast path."""
         return self.state.reference is None
 
-    @property
-    def lora_colaunch(self) -> bool:
-        """Its GEMM can run a routed-expert LoRA delta in its own launch (expert_gemm(lora=MoeLoRACoLaunch))."""
-        return self.state.reference is None
-
     def expert_gemm(self, inp: torch.Tensor, topk_ids: torch.Tensor, align, gather_rows: bool,
-                    block_m: int, lora=None) -> torch.Tensor:
-        """fused_moe_triton.TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype.
-        lora: a MoeLoRACoLaunch whose delta the same launch writes (fp8_expert_gemm(moe_lora=...))."""
+                    block_m: int) -> torch.Tensor:
+        """fused_moe_triton.TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype."""
         from moelora.kernels.fp8_triton import fp8_expert_gemm
 
         return fp8_expert_gemm(inp, self.weight, self.scale_inv, self.state.block, topk_ids, align, gather_rows,
-                               block_m, moe_lora=lora)
+                               block_m)
 
     def grouped_mm(self, inp: torch.Tensor, pair_exp: torch.Tensor, num_experts: int, scratch: dict) -> torch.Tensor:
         """inp: [P, D] · pair_exp: [P] · returns [P, O] in inp.dtype; scratch keeps the alignment for the next GEMM."""
