@@ -12,7 +12,7 @@ timeout 130 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu test
     tests/test_kernels_lora_fused.py -k "colaunch or lora_programs or moe_layer or gpu_moe_fused or graph_replay_and_overlap" \
     > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/tests.log" | cut -c1-300 | tail -14
-timeout 70 python3 scripts/bench_fp8_moe_colaunch.py --tokens 16,64 --adapters 4,8 --out "$OUT/layer.json" \
+timeout 70 python3 scripts/bench_fp8_moe_lora_layer.py --tokens 16,64 --adapters 4,8 --out "$OUT/layer.json" \
     > "$OUT/layer.log" 2>&1; grep -v "^WARN\|Warning\|warn" "$OUT/layer.log" | tail -8
 timeout 40 python3 scripts/bench_lora_fused.py --tokens 64 --adapters 4 --ranks 16 --cases gate_up,down \
     > "$OUT/fused.log" 2>&1; grep -E "gate_up|down|Error" "$OUT/fused.log" | cut -c1-150 | tail -4

@@ -1,9 +1,10 @@
 """Time one FP8 MoE layer (Qwen3-30B-A3B routed experts, rank-16 adapters) per call from CUDA-graph replay, with
-the routed-expert LoRA computed four ways: none (the base), the fused LoRA kernel on the side stream (the
-default), the same kernel on the main stream after each GEMM (overlap off), and its programs inside the expert
-GEMM's own launch (set_fp8_moe_lora_colaunch). Several layers in rotation so L2 does not hold a layer's weights.
+the routed-expert LoRA computed three ways: none (the base), the fused LoRA kernel on the side stream (the
+default), the same kernel on the main stream after each GEMM (overlap off). Several layers in rotation so L2 does
+not hold a layer's weights. (Session 17 also timed the kernel's programs inside the expert GEMM's own launch here,
+commit b6b9e16: no better than the main stream; removed.)
 
-Usage: python scripts/bench_fp8_moe_colaunch.py [--tokens 16,64] [--adapters 4,8] [--layers 3] [--out F.json]
+Usage: python scripts/bench_fp8_moe_lora_layer.py [--tokens 16,64] [--adapters 4,8] [--layers 3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.bench.common import graph_time_us
-from moelora.kernels import fp8_triton as ft
 from moelora.kernels.moe import route_topk_ref
 from moelora.layers.fp8 import Fp8State, to_fp8
 from moelora.layers.moe import RoutedExperts
@@ -58,13 +58,10 @@ def main() -> None:
             res = {"tokens": T, "adapters": n_ad}
 
 
-            for name, overlap, colaunch, b in [("base", True, False, None), ("side_stream", True, False, batch),
-                                               ("main_stream", False, False, batch), ("colaunch", True, True, batch)]:
+            for name, overlap, b in [("base", True, None), ("side_stream", True, batch), ("main_stream", False, batch)]:
                 for ex in layers:
                     ex.overlap = overlap
-                ft.set_fp8_moe_lora_colaunch(colaunch)
                 res[name] = graph_time_us(lambda li, b=b: layers[li](x, tw, ti, b), args.layers)
-            ft.set_fp8_moe_lora_colaunch(False)
             for ex in layers:
                 ex.overlap = True
             rows.append(res)
