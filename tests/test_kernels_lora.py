@@ -132,6 +132,15 @@ def test_split_k_partials_need_no_zeroed_buffer(split_k):
     y_nan = y0.clone()
     lora_expand(parts, b_nan, off, ranks, scaling, groups, y_nan)
     assert torch.equal(y_nan, y)
+    from moelora.kernels import _triton as kt
+
+    try:  # MOELORA_LORA_EVEN_R=0: masked in the load, the same result
+        kt.set_lora_even_r(False)
+        y_off = y0.clone()
+        lora_expand(parts, b_nan, off, ranks, scaling, groups, y_off)
+    finally:
+        kt.set_lora_even_r(True)
+    assert torch.equal(y_off, y)
 
 
 def test_single_slot_path_policy(monkeypatch):

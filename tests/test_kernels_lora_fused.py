@@ -166,10 +166,17 @@ def test_moe_fused_larger_ranks(R):
 
 @pytest.mark.parametrize("R", [16, 24])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_moe_fused_never_uses_factors_past_each_rank(site, R):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_moe_fused_never_uses_factors_past_each_rank(site, R, pipelined, monkeypatch):
     """A and B past each (slice, slot)'s rank hold NaN: the result equals the zero-padded one, bit for bit, in add
-    and store mode. R 16 (the buffer's rank equals the rank tile: B read in whole rank rows, the entries past the
-    rank zeroed after the load) and 24 (a rank tile of 32: masked in the load)."""
+    and store mode. Pipelined (both loops 3 deep, as 4-warp launches run) with R 16: the buffer's rank equals the
+    rank tile, so B is read in whole rank rows and the entries past the rank zeroed after the load; otherwise, and
+    with R 24 (a rank tile of 32), masked in the load."""
+    from moelora.kernels import moe_lora_fused_triton as mf
+
+    if pipelined:
+        monkeypatch.setattr(mf, "_D_STAGES", [3])
+        monkeypatch.setattr(mf, "_E_STAGES", [3])
     gen = torch.Generator().manual_seed(70 + R)
     c = _moe_case(site, "with_base_rows", 5, DTYPES[0], gen, R=R)
     a_nan, b_nan = c["a"].clone(), c["b"].clone()
@@ -219,13 +226,17 @@ def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
     if experiment == "stages":
         monkeypatch.setattr(mf, "_D_STAGES", [3])
         with pytest.raises(ValueError, match="stages"):
-            mf.set_fused_lora_stages(0)
+            mf.set_fused_lora_stages(-1)
+        assert mf.fused_stages(4) == (3, mf.PIPELINED_STAGES)  # forced shrink depth, the launch's expand depth
+        monkeypatch.setattr(mf, "_D_STAGES", [0])
+        assert mf.fused_stages(4) == (mf.PIPELINED_STAGES,) * 2 and mf.fused_stages(16) == (1, 1)
+        monkeypatch.setattr(mf, "_D_STAGES", [3])
     elif experiment == "expand_stages_and_tile":
         monkeypatch.setattr(mf, "_E_STAGES", [3])
         monkeypatch.setattr(mf, "_TILE_PER_WARP", [256])
         monkeypatch.setattr(mf, "_FORCED_WARPS", 1)  # 16-wide tiles: several per slice and per input row
         with pytest.raises(ValueError, match="expand_stages"):
-            mf.set_fused_lora_stages(1, 0)
+            mf.set_fused_lora_stages(1, -1)
         with pytest.raises(ValueError, match="power of two"):
             mf.set_fused_lora_tile(1000)
     else:

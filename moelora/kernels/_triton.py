@@ -91,6 +91,21 @@ def dense_lora_overlap() -> bool:
     return _DENSE_LORA_OVERLAP[0]
 
 
+_LORA_EVEN_R = [os.environ.get("MOELORA_LORA_EVEN_R", "1") != "0"]
+
+
+def set_lora_even_r(enabled: bool) -> None:
+    """Dense LoRA expands (lora_expand, the FP8 GEMM's LoRA tile): when the buffers' rank is a multiple of the rank
+    tile, h and B are read in whole rank rows (16-byte loads) and the entries past each slot's rank zeroed after the
+    load, instead of under a per-element rank mask (2-byte loads); the same values. On by default (session 17);
+    off with MOELORA_LORA_EVEN_R=0, for A/B runs."""
+    _LORA_EVEN_R[0] = bool(enabled)
+
+
+def lora_even_r() -> bool:
+    return _LORA_EVEN_R[0]
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

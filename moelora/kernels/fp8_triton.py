@@ -422,7 +422,7 @@ class Fp8LoRAEpilogue:
     pdl: bool = False  # the shrink that wrote h was launched right before with launch_dependents (fp8_lora_pdl)
 
     def kernel_args(self) -> dict:
-        from moelora.kernels._triton import dot_precision
+        from moelora.kernels._triton import dot_precision, lora_even_r
 
         h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
         sk, n, _, R = h.shape
@@ -431,7 +431,7 @@ class Fp8LoRAEpilogue:
                     lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
                     slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
                     LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
-                    LORA_EVEN_R=R == max(16, triton.next_power_of_2(R)) and b.shape[2] == R,
+                    LORA_EVEN_R=lora_even_r() and R == max(16, triton.next_power_of_2(R)) and b.shape[2] == R,
                     LORA_PRECISION=dot_precision(b.dtype),
                     **(dict(LORA_GROUPS=0) if self.active_slots is None else
                        dict(lact_ptr=self.active_slots, L=self.active_slots.shape[0],

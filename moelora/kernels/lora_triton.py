@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, lora_even_r, require_triton
 from moelora.kernels.groups import SlotGroups
 
 if HAS_TRITON:
@@ -220,5 +220,5 @@ def lora_expand(
         h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=h.shape[0], PRECISION=dot_precision(b_cat.dtype),
-        EVEN_R=R % block_r == 0 and b_cat.shape[2] == R,
+        EVEN_R=lora_even_r() and R % block_r == 0 and b_cat.shape[2] == R,
     )

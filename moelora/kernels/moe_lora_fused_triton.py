@@ -41,23 +41,36 @@ _FORCED_WARPS = int(os.environ.get("MOELORA_FUSED_LORA_WARPS", "0") or 0)
 _MAXNREG = int(os.environ.get("MOELORA_FUSED_LORA_MAXNREG", "0") or 0)
 # MOELORA_FUSED_LORA_STAGES=n (set_fused_lora_stages): the shrink's loop over the input dim pipelined n deep, its A
 # and x tiles copied ahead into shared memory (cp.async, 8 KiB a stage at 4 warps); 1: each tile loaded when used
-_D_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_STAGES", "1") or 1)]
+_D_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_STAGES", "0") or 0)]
 # MOELORA_FUSED_LORA_EXPAND_STAGES=n: the same for the expand's loop over output tiles (B tiles copied ahead)
-_E_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_EXPAND_STAGES", "1") or 1)]
+_E_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_EXPAND_STAGES", "0") or 0)]
+# 0 (unset): fused_stages' choice from the launch. Session 17 swept the store-mode kernel at 64 tokens, 4 adapters,
+# rank 16 (scripts/bench_lora_fused.py --sweep-tiles, call 2; µs per call, gate_up / down): both loops 3 deep
+# 20.1 / 12.7, the shrink's only 20.9 / 16.1, the expand's only 25.3 / 16.6, neither 28.9 / 19.0 (with B read in
+# whole rank rows; under the per-element rank mask, neither: 23.4 / 16.4, call 1). 8 warps, 2 splits and 2x wider
+# tiles all lost.
 # MOELORA_FUSED_LORA_TILE=n (set_fused_lora_tile): elements of an input / output tile per warp (default 1024: 32
 # fp32 values a thread), so larger tiles put more bytes in flight per loop iteration and need fewer iterations
 _TILE_PER_WARP = [int(os.environ.get("MOELORA_FUSED_LORA_TILE", "1024") or 1024)]
+PIPELINED_STAGES = 3  # both loops' depth where the launch has 4-warp programs (>= 512 (pair, slice) programs)
 
 
 def set_fused_lora_stages(stages: int, expand_stages: int | None = None) -> None:
     """The fused kernel's shrink loop pipelined `stages` deep and its expand loop `expand_stages` deep (None: left as
-    it is; 1: not pipelined); results do not change."""
+    it is; 1: not pipelined; 0: fused_stages' choice); results do not change."""
     for name, v in (("stages", stages), ("expand_stages", expand_stages)):
-        if v is not None and v < 1:
-            raise ValueError(f"set_fused_lora_stages: {name} must be >= 1, got {v}")
+        if v is not None and v < 0:
+            raise ValueError(f"set_fused_lora_stages: {name} must be >= 0, got {v}")
     _D_STAGES[0] = int(stages)
     if expand_stages is not None:
         _E_STAGES[0] = int(expand_stages)
+
+
+def fused_stages(num_warps: int) -> tuple[int, int]:
+    """(shrink, expand) loop depths: PIPELINED_STAGES for 4-warp launches (from 64 tokens at top-8: measured 14% /
+    33% faster there, session 17), 1 below (few programs with more warps: not measured pipelined), unless forced."""
+    auto = PIPELINED_STAGES if num_warps == 4 else 1
+    return _D_STAGES[0] or auto, _E_STAGES[0] or auto
 
 
 def set_fused_lora_tile(per_warp: int) -> None:
@@ -140,8 +153,9 @@ if HAS_TRITON:
                 mask_n = offs_n < width
                 b_ptrs = b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r
                 if EVEN_R:  # rows of BLOCK_R values (the buffer's rank R): masked by row only, so the load is
-                    # vectorized (and can be pipelined: cp.async takes >= 4 bytes), the entries past this slot's
-                    # rank zeroed after it
+                    # vectorized and can be pipelined (cp.async takes >= 4 bytes), the entries past this slot's
+                    # rank zeroed after it. Only with E_STAGES > 1: unpipelined, this form was slower (28.9 / 19.0
+                    # against 23.4 / 16.4 µs, gate_up / down at 64 tokens, session 17)
                     bt = tl.where(mask_r[None, :], tl.load(b_ptrs, mask=mask_n[:, None], other=0.0), 0.0)
                 else:
                     bt = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0)
@@ -235,14 +249,15 @@ def moe_lora_fused(
     if P == 0:
         return
     warps, (block_r, block_d, block_n), split = fused_launch(a, b_cat, P, split_n, num_warps)
+    d_stages, e_stages = fused_stages(warps)
     w = pair_weights if pair_weights is not None else scaling
     n, S, D = a.shape[0], a.shape[1], a.shape[4]
     _moe_lora_fused_kernel[(P, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=_D_STAGES[0], E_STAGES=_E_STAGES[0],
-        EVEN_R=a.shape[3] == block_r, num_warps=warps,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=d_stages, E_STAGES=e_stages,
+        EVEN_R=e_stages > 1 and a.shape[3] == block_r, num_warps=warps,
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
     )
 
