@@ -630,16 +630,16 @@ def test_fp8_lora_gemm_takes_pdl_only_when_nothing_runs_between_it_and_the_shrin
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("lora_split, with_groups", [(0, True), (2, False), (2, True)])
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("R", [8, 16])
-def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, split_k, lora_split, with_groups, monkeypatch):
+@pytest.mark.parametrize("R, even_r", [(8, False), (16, False), (16, True)])
+def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lora_split, with_groups, monkeypatch):
     """fp8_linear(lora=...) adds lora_expand's delta to the fp32 tile before its one rounding: slices whose
     boundaries fall inside a column tile, slots of rank 0 for a slice, base rows (slot -1) untouched by LoRA,
     the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once); h past
     a slot's rank holds NaN here, so a mask by the wrong rank shows. lora_split: the expand after the K steps
     (0), or in one more program per tile summed as the last split-K partial (2), over the batch's slot groups
     (here the first 2 of 3 unrolled, the third in the loop) or, given no groups, over all slots. B past each rank
-    holds NaN too; R 16: the buffers' rank equals the rank tile (h and B read in whole rank rows, the entries past
-    the rank zeroed after the load), R 8: masked in the load."""
+    holds NaN too; R 16 with even_r (MOELORA_LORA_EVEN_R=1): the buffers' rank equals the rank tile, so h and B are
+    read in whole rank rows and the entries past the rank zeroed after the load; otherwise masked in the load."""
     from moelora.kernels.fp8_triton import (
         Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref, fp8_linear_ref, set_fp8_gemm_config,
     )
@@ -648,6 +648,9 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, split_k, lora_split,
 
     monkeypatch.setattr(ft, "_LORA_SPLIT", [lora_split, 64])
     monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
+    from moelora.kernels import _triton as kt
+
+    monkeypatch.setattr(kt, "_LORA_EVEN_R", [even_r])
     from moelora.kernels.groups import SlotGroups
     from moelora.kernels.lora_triton import lora_shrink
 

@@ -134,13 +134,14 @@ def test_split_k_partials_need_no_zeroed_buffer(split_k):
     assert torch.equal(y_nan, y)
     from moelora.kernels import _triton as kt
 
-    try:  # MOELORA_LORA_EVEN_R=0: masked in the load, the same result
-        kt.set_lora_even_r(False)
-        y_off = y0.clone()
-        lora_expand(parts, b_nan, off, ranks, scaling, groups, y_off)
+    keep = kt.lora_even_r()
+    try:  # MOELORA_LORA_EVEN_R=1: whole rank rows loaded, the entries past each rank zeroed after: the same result
+        kt.set_lora_even_r(not keep)
+        y_other = y0.clone()
+        lora_expand(parts, b_nan, off, ranks, scaling, groups, y_other)
     finally:
-        kt.set_lora_even_r(True)
-    assert torch.equal(y_off, y)
+        kt.set_lora_even_r(keep)
+    assert torch.equal(y_other, y)
 
 
 def test_single_slot_path_policy(monkeypatch):

@@ -227,8 +227,11 @@ def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
         monkeypatch.setattr(mf, "_D_STAGES", [3])
         with pytest.raises(ValueError, match="stages"):
             mf.set_fused_lora_stages(-1)
-        assert mf.fused_stages(4) == (3, mf.PIPELINED_STAGES)  # forced shrink depth, the launch's expand depth
+        monkeypatch.setattr(mf, "_AUTO_PIPELINE", [False])
+        assert mf.fused_stages(4) == (3, 1)  # forced shrink depth, the launch's expand depth
         monkeypatch.setattr(mf, "_D_STAGES", [0])
+        assert mf.fused_stages(4) == (1, 1)
+        mf.set_fused_lora_pipeline(True)
         assert mf.fused_stages(4) == (mf.PIPELINED_STAGES,) * 2 and mf.fused_stages(16) == (1, 1)
         monkeypatch.setattr(mf, "_D_STAGES", [3])
     elif experiment == "expand_stages_and_tile":

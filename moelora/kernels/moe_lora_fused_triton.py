@@ -53,6 +53,16 @@ _E_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_EXPAND_STAGES", "0") or 0)]
 # fp32 values a thread), so larger tiles put more bytes in flight per loop iteration and need fewer iterations
 _TILE_PER_WARP = [int(os.environ.get("MOELORA_FUSED_LORA_TILE", "1024") or 1024)]
 PIPELINED_STAGES = 3  # both loops' depth where the launch has 4-warp programs (>= 512 (pair, slice) programs)
+# MOELORA_FUSED_LORA_PIPELINE=1 (set_fused_lora_pipeline): fused_stages' choice pipelines 4-warp launches. Off until
+# it has run end to end and through the GPU tests (session 17 measured it per call only: no device was lent after
+# call 2; call 2 ran batch 64 end to end with the expand alone 3 deep: 5,004 / 4,860 tok/s with 4 / 8 adapters,
+# against 4,879 / 4,749 for the default in call 1)
+_AUTO_PIPELINE = [os.environ.get("MOELORA_FUSED_LORA_PIPELINE", "0") == "1"]
+
+
+def set_fused_lora_pipeline(enabled: bool) -> None:
+    """fused_stages' choice for 4-warp launches: both loops PIPELINED_STAGES deep (on) or not pipelined (off)."""
+    _AUTO_PIPELINE[0] = bool(enabled)
 
 
 def set_fused_lora_stages(stages: int, expand_stages: int | None = None) -> None:
@@ -67,9 +77,10 @@ def set_fused_lora_stages(stages: int, expand_stages: int | None = None) -> None
 
 
 def fused_stages(num_warps: int) -> tuple[int, int]:
-    """(shrink, expand) loop depths: PIPELINED_STAGES for 4-warp launches (from 64 tokens at top-8: measured 14% /
-    33% faster there, session 17), 1 below (few programs with more warps: not measured pipelined), unless forced."""
-    auto = PIPELINED_STAGES if num_warps == 4 else 1
+    """(shrink, expand) loop depths: with set_fused_lora_pipeline(True), PIPELINED_STAGES for 4-warp launches (from
+    64 tokens at top-8: 14% / 23% less time per call there, session 17) and 1 below (few programs with more warps:
+    not measured pipelined); 1 otherwise; a depth forced by set_fused_lora_stages / the environment wins."""
+    auto = PIPELINED_STAGES if num_warps == 4 and _AUTO_PIPELINE[0] else 1
     return _D_STAGES[0] or auto, _E_STAGES[0] or auto
 
 
