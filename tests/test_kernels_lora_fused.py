@@ -472,6 +472,29 @@ def test_switch_env_defaults():
     assert run(MOELORA_FUSED_LORA="0", MOELORA_FUSED_DENSE_LORA="1") == "False True"
 
 
+def test_session17_switch_env_defaults():
+    """The pipelined routed LoRA form and the dense whole-rank-row reads are off unless MOELORA_FUSED_LORA_PIPELINE=1
+    / MOELORA_LORA_EVEN_R=1 (not yet measured end to end); forced depths from the environment win."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from moelora.kernels._triton import lora_even_r; "
+            "from moelora.kernels.moe_lora_fused_triton import fused_stages; "
+            "print(lora_even_r(), fused_stages(4), fused_stages(8))")
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "MOELORA_FUSED_LORA_PIPELINE", "MOELORA_LORA_EVEN_R", "MOELORA_FUSED_LORA_STAGES",
+        "MOELORA_FUSED_LORA_EXPAND_STAGES")}
+
+    def run(**extra):
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert run() == "False (1, 1) (1, 1)"
+    assert run(MOELORA_FUSED_LORA_PIPELINE="1", MOELORA_LORA_EVEN_R="1") == "True (3, 3) (1, 1)"
+    assert run(MOELORA_FUSED_LORA_PIPELINE="1", MOELORA_FUSED_LORA_EXPAND_STAGES="2") == "False (3, 2) (1, 2)"
+
+
 # ---------------------------------------------------------------- GPU: real shapes, bf16, graphs, side stream
 
 
