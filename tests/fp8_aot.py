@@ -112,6 +112,10 @@ for block_d, store in [(128, True), (256, False)]:
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     assert "mma" in ptx and "cp.async" in ptx, (block_d, store)
+# MOELORA_LORA_EVEN_R: B read in whole rank rows (no 2-byte loads; its tiles then copied through cp.async too)
+consts.update(EVEN_R=True)
+ptx = compile_sm90(_moe_lora_grouped_kernel, ptrs, consts, div16=div, num_warps=4, num_stages=3).asm["ptx"]
+assert "mma" in ptx and "ld.global.b16" not in ptx
 print("ok grouped lora")
 # the per-pair fused routed-expert LoRA kernel (the decode default), its shrink loop pipelined (D_STAGES 3: the A and
 # x tiles copied ahead through shared memory)

@@ -63,6 +63,34 @@ def test_grouped_store_mode_writes_every_entry(site, popularity):
     torch.testing.assert_close((c["y0"].float() + got).to(y_add.dtype), y_add, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("R", [16, 24])
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+def test_grouped_never_uses_factors_past_each_rank(site, R, monkeypatch):
+    """A and B past each (slice, slot)'s rank hold NaN: the result equals the zero-padded one, bit for bit, in add
+    and store mode, with MOELORA_LORA_EVEN_R on (R 16: B read in whole rank rows, the entries past the rank zeroed
+    after the load; R 24, a rank tile of 32: masked in the load) and off."""
+    from moelora.kernels import _triton as kt
+
+    gen = torch.Generator().manual_seed(80 + R)
+    c = _moe_case(site, "with_base_rows", 5, DTYPES[0], gen, R=R)
+    a_nan, b_nan = c["a"].clone(), c["b"].clone()
+    off = c["off"].tolist()
+    for i in range(a_nan.shape[0]):
+        for s in range(c["ranks"].shape[1]):
+            r = int(c["ranks"][i, s])
+            a_nan[i, s, :, r:] = float("nan")
+            b_nan[s, :, off[i]:off[i + 1], r:] = float("nan")
+    for store in (False, True):
+        outs = []
+        for even_r, a, b in [(False, c["a"], c["b"]), (False, a_nan, b_nan), (True, a_nan, b_nan)]:
+            monkeypatch.setattr(kt, "_LORA_EVEN_R", [even_r])
+            y = c["y0"].clone() if not store else torch.full(c["y0"].shape, float("nan"), device=DEVICE)
+            _grouped({**c, "a": a, "b": b}, y, store=store)
+            assert not y.isnan().any(), (site, R, store, even_r)
+            outs.append(y)
+        assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0]), (site, R, store)
+
+
 def test_grouped_leaves_expert_minus_one_pairs_untouched():
     """Expert parallelism: pairs on expert -1 are in no group and no zero program, in add and store mode."""
     gen = torch.Generator().manual_seed(37)

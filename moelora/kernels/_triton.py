@@ -95,10 +95,12 @@ _LORA_EVEN_R = [os.environ.get("MOELORA_LORA_EVEN_R", "0") == "1"]
 
 
 def set_lora_even_r(enabled: bool) -> None:
-    """Dense LoRA expands (lora_expand, the FP8 GEMM's LoRA tile): when the buffers' rank is a multiple of the rank
-    tile, h and B are read in whole rank rows (16-byte loads) and the entries past each slot's rank zeroed after the
-    load, instead of under a per-element rank mask (2-byte loads); the same values. Off by default until measured
-    on its own (session 17 had no device left to A/B it); on with MOELORA_LORA_EVEN_R=1."""
+    """LoRA expands with tensor-core dots (lora_expand, the FP8 GEMM's LoRA tile, the grouped routed-expert kernel):
+    when the buffers' rank is a multiple of the rank tile, h and B are read in whole rank rows (16-byte loads) and
+    the entries past each slot's rank zeroed after the load, instead of under a per-element rank mask (2-byte
+    loads); the same values. Off by default until measured on its own (session 17 had no device left to A/B it);
+    on with MOELORA_LORA_EVEN_R=1. (The per-pair routed kernel takes that form with its pipelined loops,
+    set_fused_lora_pipeline.)"""
     _LORA_EVEN_R[0] = bool(enabled)
 
 

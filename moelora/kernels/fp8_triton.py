@@ -31,6 +31,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels.lora_triton import lora_b_tile
+
     @triton.jit
     def e4m3_groups(vg, FP8_MAX_C: tl.constexpr):
         """The one e4m3 group quantization every kernel uses (quantize_act_group's numbers): vg [G, GROUP] fp32, one
@@ -84,16 +86,6 @@ if HAS_TRITON:
                 acc += tl.load(tile_ws + j * M * N, mask=mask_c, other=0.0, cache_modifier=".cg")
             tl.store(cnt_ptr + tile, 0)
         return acc, last
-
-    @triton.jit
-    def lora_b_tile(ptrs, mask_r, col_in, EVEN_R: tl.constexpr):
-        """B tile [BR, BN] (rank along dim 0, contiguous), 0 past the rank (mask_r [BR]) and outside col_in [BN];
-        EVEN_R: loaded masked by column only (vectorized along the rank), the rank mask applied after."""
-        if EVEN_R:
-            bt = tl.where(mask_r[:, None], tl.load(ptrs, mask=col_in[None, :], other=0.0), 0.0)
-        else:
-            bt = tl.load(ptrs, mask=mask_r[:, None] & col_in[None, :], other=0.0)
-        return bt
 
     @triton.jit
     def lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr, lscale_ptr,

@@ -18,6 +18,17 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def lora_b_tile(ptrs, mask_r, col_in, EVEN_R: tl.constexpr):
+        """B tile [BR, BN] (rank along dim 0, contiguous), 0 past the rank (mask_r [BR]) and outside col_in [BN];
+        EVEN_R: loaded masked by column only (vectorized along the rank: 16-byte loads instead of the 2-byte ones a
+        per-element rank mask makes), the rank mask applied after the load; the same values."""
+        if EVEN_R:
+            bt = tl.where(mask_r[:, None], tl.load(ptrs, mask=col_in[None, :], other=0.0), 0.0)
+        else:
+            bt = tl.load(ptrs, mask=mask_r[:, None] & col_in[None, :], other=0.0)
+        return bt
+
+    @triton.jit
     def _shrink_kernel(
         x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
         H, R, S,
@@ -114,10 +125,7 @@ if HAS_TRITON:
                 ht += tl.load(h_ptrs + sk * sh_s, mask=mask_h, other=0.0)
             if EVEN_R:
                 ht = tl.where(mask_rr[None, :], ht, 0.0)
-                bt = tl.where(mask_rr[:, None], tl.load(b_base + rr[:, None] * sb_r, mask=mask_n[None, :], other=0.0),
-                              0.0)
-            else:
-                bt = tl.load(b_base + rr[:, None] * sb_r, mask=mask_rr[:, None] & mask_n[None, :], other=0.0)
+            bt = lora_b_tile(b_base + rr[:, None] * sb_r, mask_rr, mask_n, EVEN_R)
             acc += tl.dot(ht.to(bt.dtype), bt, input_precision=PRECISION)
         ptrs = y_ptr + rows[:, None] * sym + (o0 + offs_n[None, :]) * syo
         mask = mask_m[:, None] & mask_n[None, :]

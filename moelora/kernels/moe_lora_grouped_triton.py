@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, lora_even_r, require_triton
 from moelora.kernels.moe_lora_fused_triton import fused_split_n
 from moelora.kernels.moe_lora_triton import _a_strides, _b_strides
 
@@ -49,6 +49,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels.lora_triton import lora_b_tile
+
     @triton.jit
     def _moe_lora_grouped_kernel(
         x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr, sorted_ptr, bvex_ptr,
@@ -56,7 +58,7 @@ if HAS_TRITON:
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr, SPLIT_HV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr, PRECISION: tl.constexpr, EVEN_R: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         i = tl.program_id(1)
@@ -102,7 +104,8 @@ if HAS_TRITON:
         if HAS_W:
             hv = hv * tl.load(w_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
         grouped_expand_tiles(hv, b_ptr + slot.to(tl.int64) * sb_s + e * sb_e, y_ptr + pairs[:, None] * syp, mask_m,
-                             offs_r, mask_r, o0, width, pid_n, sb_o, sb_r, syo, STORE, SPLIT_HV, BLOCK_N, SPLIT_N)
+                             offs_r, mask_r, o0, width, pid_n, sb_o, sb_r, syo, STORE, SPLIT_HV, BLOCK_N, SPLIT_N,
+                             EVEN_R)
 
     @triton.jit
     def grouped_zero_rows(y_ptr, slots_ptr, ids_ptr, zb, pid_n, o0, width, K, P, syp, syo,
@@ -122,7 +125,8 @@ if HAS_TRITON:
 
     @triton.jit
     def grouped_expand_tiles(hv, b_base, y_rows, mask_m, offs_r, mask_r, o0, width, pid_n, sb_o, sb_r, syo,
-                             STORE: tl.constexpr, SPLIT_HV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr):
+                             STORE: tl.constexpr, SPLIT_HV: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
+                             EVEN_R: tl.constexpr = False):
         """The expand of one group block: y_rows[:, o0 + tile] (+)= hv @ B[tile, :r].T for the output tiles pid_n,
         pid_n + SPLIT_N, ... of the slice's width. hv: [BLOCK_M, BLOCK_R] fp32 (scaling folded in) · b_base: B[s, e]
         · y_rows: [BLOCK_M, 1] row pointers. 16-bit B (SPLIT_HV): hv = hi + lo, each rounded to B's dtype, two
@@ -130,8 +134,8 @@ if HAS_TRITON:
         for n0 in range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < width
-            bt = tl.load(b_base + (o0 + offs_n[None, :]) * sb_o + offs_r[:, None] * sb_r,
-                         mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+            bt = lora_b_tile(b_base + (o0 + offs_n[None, :]) * sb_o + offs_r[:, None] * sb_r, mask_r, mask_n,
+                             EVEN_R)  # [BLOCK_R, BLOCK_N]
             if SPLIT_HV:
                 hi = hv.to(bt.dtype)
                 lo = (hv - hi.to(tl.float32)).to(bt.dtype)
@@ -266,7 +270,8 @@ def moe_lora_grouped(
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store, SPLIT_HV=not f32,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split,
-        PRECISION="ieee" if f32 else None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION="ieee" if f32 else None, EVEN_R=lora_even_r() and R == block_r,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
