@@ -16,7 +16,8 @@ source "$(dirname "$0")/gpu_prelude.sh"
 part=${1:-tests}
 if [ "$part" = tests ]; then
 MOELORA_FUSED_LORA_PIPELINE=1 MOELORA_LORA_EVEN_R=1 timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE \
-    --tb=short -m gpu tests/test_kernels_lora_fused.py tests/test_kernels_lora.py tests/test_kernels_moe_lora_grouped.py tests/test_fp8_gpu.py \
+    --tb=short -m gpu tests/test_kernels_lora_fused.py tests/test_kernels_lora.py \
+    tests/test_kernels_moe_lora_grouped.py tests/test_fp8_gpu.py \
     -k "lora or grouped or moe_layer or linear" > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/tests.log" | cut -c1-300 | tail -14
 fi
