@@ -136,25 +136,21 @@ def sweep_tiles(store, layers: int, t_default: float) -> None:
     """Time store(li, split_n, num_warps) over launch shapes and loop pipelining; print each and the best."""
     from moelora.kernels import moe_lora_fused_triton as mf
 
-    keep = (mf._D_STAGES[0], mf._E_STAGES[0], mf._TILE_PER_WARP[0])
+    keep = (mf._D_STAGES[0], mf._E_STAGES[0])
     res = {}
     try:
-        for tile in (1024, 2048):
-            mf.set_fused_lora_tile(tile)
-            for d_st, e_st in ((1, 1), (3, 1), (1, 3), (3, 3)):
-                mf.set_fused_lora_stages(d_st, e_st)
-                for w in (4, 8):
-                    for sp in (1, 2):
-                        try:
-                            res[(w, sp, tile, d_st, e_st)] = graph_time_us(
-                                lambda li, sp=sp, w=w: store(li, sp, w), layers)
-                        except Exception as e:  # noqa: BLE001 (e.g. out of shared memory: reported, skipped)
-                            print(f"         w{w} split{sp} tile{tile} st{d_st}/{e_st}: {type(e).__name__}", flush=True)
+        for d_st, e_st in ((1, 1), (3, 1), (1, 3), (3, 3)):
+            mf.set_fused_lora_stages(d_st, e_st)
+            for w in (4, 8):
+                for sp in (1, 2):
+                    try:
+                        res[(w, sp, d_st, e_st)] = graph_time_us(lambda li, sp=sp, w=w: store(li, sp, w), layers)
+                    except Exception as e:  # noqa: BLE001 (e.g. out of shared memory: reported, skipped)
+                        print(f"         w{w} split{sp} st{d_st}/{e_st}: {type(e).__name__}", flush=True)
     finally:
-        mf.set_fused_lora_stages(keep[0], keep[1])
-        mf.set_fused_lora_tile(keep[2])
+        mf.set_fused_lora_stages(*keep)
     items = sorted(res.items(), key=lambda kv: kv[1])
-    print("         (warps, split_n, tile, d_stages, e_stages): " +
+    print("         (warps, split_n, d_stages, e_stages): " +
           "  ".join(f"{k}: {v:.1f}" for k, v in items), flush=True)
     best = items[0]
     print(f"         best {best[0]} {best[1]:.1f} against the default's {t_default:.1f} µs", flush=True)
@@ -169,8 +165,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-tiles", action="store_true",
-                    help="the MoE store-mode kernel over warps 4/8 x split_n 1/2 x tile 1024/2048 elements a warp x "
-                    "(shrink, expand) loop stages (1,1) (3,1) (1,3) (3,3) (session 17)")
+                    help="the MoE store-mode kernel over warps 4/8 x split_n 1/2 x (shrink, expand) loop stages (1,1) "
+                    "(3,1) (1,3) (3,3) (session 17; its sweep also had 2x wider tiles, which lost everywhere)")
     ap.add_argument("--stages", default="", help="also the MoE store-mode kernel with its shrink loop pipelined "
                     "this deep, e.g. 1,2,3,4 (set_fused_lora_stages)")
     args = ap.parse_args()

@@ -211,16 +211,16 @@ def test_moe_fused_split_n_does_not_change_results():
         assert torch.equal(y, outs[0])
 
 
-@pytest.mark.parametrize("experiment", ["warps_maxnreg", "stages", "expand_stages_and_tile"])
+@pytest.mark.parametrize("experiment", ["warps_maxnreg", "stages", "expand_stages"])
 def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
     """MOELORA_FUSED_LORA_WARPS / MOELORA_FUSED_LORA_MAXNREG (launch experiments for co-residency beside the FP8
     expert GEMM), MOELORA_FUSED_LORA_STAGES / _EXPAND_STAGES (the shrink / expand loops pipelined through shared
-    memory; on the GPU the Qwen3 input dim takes 8 tiles) and MOELORA_FUSED_LORA_TILE (larger tiles): they change
-    how the kernel runs, not what it computes."""
+    memory; on the GPU the Qwen3 input dim takes 8 tiles): they change how the kernel runs, not what it computes."""
     from moelora.kernels import moe_lora_fused_triton as mf
 
     gen = torch.Generator().manual_seed(32)
-    c = _moe_case("gate_up", "uniform", 3, torch.float32, gen)
+    # rank 64 for the expand's stages: at 1 warp its tiles are then 16 wide, several per slice and per input row
+    c = _moe_case("gate_up", "uniform", 3, torch.float32, gen, R=64 if experiment == "expand_stages" else 16)
     y0 = c["y0"].clone()
     _moe_call(moe_lora_fused, c, y0)
     if experiment == "stages":
@@ -234,14 +234,11 @@ def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
         mf.set_fused_lora_pipeline(True)
         assert mf.fused_stages(4) == (mf.PIPELINED_STAGES,) * 2 and mf.fused_stages(16) == (1, 1)
         monkeypatch.setattr(mf, "_D_STAGES", [3])
-    elif experiment == "expand_stages_and_tile":
+    elif experiment == "expand_stages":
         monkeypatch.setattr(mf, "_E_STAGES", [3])
-        monkeypatch.setattr(mf, "_TILE_PER_WARP", [256])
-        monkeypatch.setattr(mf, "_FORCED_WARPS", 1)  # 16-wide tiles: several per slice and per input row
+        monkeypatch.setattr(mf, "_FORCED_WARPS", 1)
         with pytest.raises(ValueError, match="expand_stages"):
             mf.set_fused_lora_stages(1, -1)
-        with pytest.raises(ValueError, match="power of two"):
-            mf.set_fused_lora_tile(1000)
     else:
         monkeypatch.setattr(mf, "_FORCED_WARPS", 2)
         monkeypatch.setattr(mf, "_MAXNREG", 64)

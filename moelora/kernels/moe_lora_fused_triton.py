@@ -49,9 +49,6 @@ _E_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_EXPAND_STAGES", "0") or 0)]
 # 20.1 / 12.7, the shrink's only 20.9 / 16.1, the expand's only 25.3 / 16.6, neither 28.9 / 19.0 (with B read in
 # whole rank rows; under the per-element rank mask, neither: 23.4 / 16.4, call 1). 8 warps, 2 splits and 2x wider
 # tiles all lost.
-# MOELORA_FUSED_LORA_TILE=n (set_fused_lora_tile): elements of an input / output tile per warp (default 1024: 32
-# fp32 values a thread), so larger tiles put more bytes in flight per loop iteration and need fewer iterations
-_TILE_PER_WARP = [int(os.environ.get("MOELORA_FUSED_LORA_TILE", "1024") or 1024)]
 PIPELINED_STAGES = 3  # both loops' depth where the launch has 4-warp programs (>= 512 (pair, slice) programs)
 # MOELORA_FUSED_LORA_PIPELINE=1 (set_fused_lora_pipeline): fused_stages' choice pipelines 4-warp launches. Off until
 # it has run end to end and through the GPU tests (session 17 measured it per call only: no device was lent after
@@ -84,11 +81,6 @@ def fused_stages(num_warps: int) -> tuple[int, int]:
     return _D_STAGES[0] or auto, _E_STAGES[0] or auto
 
 
-def set_fused_lora_tile(per_warp: int) -> None:
-    """Elements per warp of the fused kernel's input / output tiles (a power of two >= 256; default 1024)."""
-    if per_warp < 256 or per_warp & (per_warp - 1):
-        raise ValueError(f"set_fused_lora_tile: per_warp must be a power of two >= 256, got {per_warp}")
-    _TILE_PER_WARP[0] = int(per_warp)
 # (Session 14 also tried a persistent form, ~132 or 264 programs each looping over the pairs, so that the kernel
 # keeps one or two CTAs per SM beside the expert GEMM's: it ran beside other kernels for 2,997 / 1,651 of its
 # µs a step instead of 453, but took 7,251 / 4,054 µs instead of 2,006 (fewer loads in flight), and batch 64
@@ -105,24 +97,24 @@ def set_fused_lora_tile(per_warp: int) -> None:
 # (scripts/bench_fp8_moe_colaunch.py, call 1, commit b6b9e16): base 164.9 / 164.7, this kernel on the side stream
 # 199.7 / 200.6, on the main stream 208.0 / 210.5, inside the GEMM's launch 208.3 / 210.3 — no better than serial:
 # the two are bandwidth-bound together. Batch 64 end to end, 0 / 4 / 8 adapters: 6,025 / 4,796 / 4,674 tok/s
-# against 6,023 / 4,879 / 4,749 (same call). Removed; the helper below (moe_lora_pair_program) stays.)
+# against 6,023 / 4,879 / 4,749 (same call). Removed.)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def moe_lora_pair_program(
-        p, i, pid_n, x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
+    def _moe_lora_fused_kernel(
+        x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
         D, S, K,
         sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        D_STAGES: tl.constexpr, E_STAGES: tl.constexpr, EVEN_R: tl.constexpr,
+        D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
     ):
-        """One program of moe_lora_fused: pair p, slice i, output split pid_n (a @triton.jit helper, so that
-        another kernel can run these programs; session 17 ran them inside the FP8 expert GEMM's launch). No early
-        return: a program with nothing to write skips its body."""
+        p = tl.program_id(0)
+        i = tl.program_id(1)
+        pid_n = tl.program_id(2)
         o0 = tl.load(off_ptr + i)
         width = tl.load(off_ptr + i + 1) - o0
         t = p // K
@@ -178,22 +170,6 @@ if HAS_TRITON:
                     y = tl.load(ptrs, mask=mask_n, other=0.0)
                     tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
 
-    @triton.jit
-    def _moe_lora_fused_kernel(
-        x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
-        D, S, K,
-        sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
-        X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-        D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
-    ):
-        moe_lora_pair_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, a_ptr, b_ptr, y_ptr,
-                              off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr, D, S, K,
-                              sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
-                              X_PER_PAIR, HAS_W, STORE, BLOCK_R, BLOCK_D, BLOCK_N, SPLIT_N, D_STAGES,
-                              E_STAGES, EVEN_R)
-
-
 def fused_num_warps(programs: int) -> int:
     """Warps per program from the number of (pair, slice) programs: few programs (1-16 tokens) get more warps
     and bigger tiles, so each program has more bytes in flight per loop iteration and fewer dependent
@@ -203,9 +179,10 @@ def fused_num_warps(programs: int) -> int:
 
 def fused_blocks(R: int, D: int, max_width: int, num_warps: int = 4) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, BLOCK_N): rank tile = the whole padded rank; input / output tiles of 1024 * num_warps
-    elements (32 fp32 values per thread; set_fused_lora_tile changes the 1024) with rows of >= 64 bytes."""
+    elements (32 fp32 values per thread) with rows of >= 64 bytes (session 17: 2x wider tiles lost in every
+    configuration swept)."""
     block_r = max(16, triton.next_power_of_2(R))
-    tile = max(32, min(256 * num_warps, _TILE_PER_WARP[0] * num_warps // block_r))
+    tile = max(32, min(256 * num_warps, 1024 * num_warps // block_r))
     block_d = min(tile, max(16, triton.next_power_of_2(D)))
     block_n = min(tile, max(16, triton.next_power_of_2(max_width)))
     return block_r, block_d, block_n
