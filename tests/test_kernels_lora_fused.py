@@ -470,8 +470,8 @@ def test_switch_env_defaults():
 
 
 def test_session17_switch_env_defaults():
-    """The pipelined routed LoRA form and the dense whole-rank-row reads are off unless MOELORA_FUSED_LORA_PIPELINE=1
-    / MOELORA_LORA_EVEN_R=1 (not yet measured end to end); forced depths from the environment win."""
+    """The pipelined routed LoRA form and the dense whole-rank-row reads are on unless MOELORA_FUSED_LORA_PIPELINE=0
+    / MOELORA_LORA_EVEN_R=0 (session 18 measured both end to end); forced depths from the environment win."""
     import os
     import subprocess
     import sys
@@ -487,9 +487,9 @@ def test_session17_switch_env_defaults():
         return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
                               check=True).stdout.strip()
 
-    assert run() == "False (1, 1) (1, 1)"
-    assert run(MOELORA_FUSED_LORA_PIPELINE="1", MOELORA_LORA_EVEN_R="1") == "True (3, 3) (1, 1)"
-    assert run(MOELORA_FUSED_LORA_PIPELINE="1", MOELORA_FUSED_LORA_EXPAND_STAGES="2") == "False (3, 2) (1, 2)"
+    assert run() == "True (3, 3) (1, 1)"
+    assert run(MOELORA_FUSED_LORA_PIPELINE="0", MOELORA_LORA_EVEN_R="0") == "False (1, 1) (1, 1)"
+    assert run(MOELORA_LORA_EVEN_R="0", MOELORA_FUSED_LORA_EXPAND_STAGES="2") == "False (3, 2) (1, 2)"
 
 
 # ---------------------------------------------------------------- GPU: real shapes, bf16, graphs, side stream

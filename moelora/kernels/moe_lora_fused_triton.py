@@ -50,11 +50,11 @@ _E_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_EXPAND_STAGES", "0") or 0)]
 # whole rank rows; under the per-element rank mask, neither: 23.4 / 16.4, call 1). 8 warps, 2 splits and 2x wider
 # tiles all lost.
 PIPELINED_STAGES = 3  # both loops' depth where the launch has 4-warp programs (>= 512 (pair, slice) programs)
-# MOELORA_FUSED_LORA_PIPELINE=1 (set_fused_lora_pipeline): fused_stages' choice pipelines 4-warp launches. Off until
-# it has run end to end and through the GPU tests (session 17 measured it per call only: no device was lent after
-# call 2; call 2 ran batch 64 end to end with the expand alone 3 deep: 5,004 / 4,860 tok/s with 4 / 8 adapters,
-# against 4,879 / 4,749 for the default in call 1)
-_AUTO_PIPELINE = [os.environ.get("MOELORA_FUSED_LORA_PIPELINE", "0") == "1"]
+# set_fused_lora_pipeline / MOELORA_FUSED_LORA_PIPELINE (on by default; =0 turns it off): fused_stages' choice
+# pipelines 4-warp launches. Session 18 end to end (batch 64, 128/128, fp8, 0 / 4 / 8 adapters, same call, with
+# MOELORA_LORA_EVEN_R=0): 6,114 / 5,151 / 4,978 tok/s against 6,116 / 4,940 / - off; with the dense whole-rank-row
+# reads too: 6,120 / 5,180 / 5,029. The GPU tests passed with both on.
+_AUTO_PIPELINE = [os.environ.get("MOELORA_FUSED_LORA_PIPELINE", "1") != "0"]
 
 
 def set_fused_lora_pipeline(enabled: bool) -> None:
@@ -74,7 +74,7 @@ def set_fused_lora_stages(stages: int, expand_stages: int | None = None) -> None
 
 
 def fused_stages(num_warps: int) -> tuple[int, int]:
-    """(shrink, expand) loop depths: with set_fused_lora_pipeline(True), PIPELINED_STAGES for 4-warp launches (from
+    """(shrink, expand) loop depths: with set_fused_lora_pipeline(True) (the default), PIPELINED_STAGES for 4-warp launches (from
     64 tokens at top-8: 14% / 23% less time per call there, session 17) and 1 below (few programs with more warps:
     not measured pipelined); 1 otherwise; a depth forced by set_fused_lora_stages / the environment wins."""
     auto = PIPELINED_STAGES if num_warps == 4 and _AUTO_PIPELINE[0] else 1
