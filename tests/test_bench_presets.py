@@ -116,6 +116,20 @@ def test_floor_of_a_sharded_run_is_its_busiest_rank():
     assert floor(4, 1) == expect(4, 3, 2)  # 2 KV heads over 4 ranks: one replicated head each
     assert floor(1, 2) == expect(1, 2, 2)  # group 0 (experts 0-3) holds 0, 1 and both pairs; group 1 only 5
 
+    # --lora-targets: attention-only adapters read no expert factors, experts-only ones no dense factors
+    def floor_of(which):
+        eng = SimpleNamespace(config=cfg, model=SimpleNamespace(dtype=torch.float32, model=SimpleNamespace(layers=[layer])),
+                              args=SimpleNamespace(quantization=None, tensor_parallel_size=1, expert_parallel_size=1,
+                                                   max_lora_rank=r),
+                              pool=SimpleNamespace(slot_of=lambda name: 0))
+        return decode._floor_bytes(eng, reqs, ctx_len=10, lora_targets=which)[0]
+
+    dense_lora = 4 * r * (3 * H + 4 * hd + 2 * 2 * hd + 4 * hd + H)
+    pair_lora = 4 * 2 * r * (2 * H + 2 * I + I + H)
+    assert floor_of("all") == expect(1, 3, 2)
+    assert floor_of("attention") == expect(1, 3, 2) - pair_lora
+    assert floor_of("experts") == expect(1, 3, 2) - dense_lora
+
 
 def _tiny_decode(tmp_path, *extra: str) -> tuple[argparse.Namespace, list[dict]]:
     """bench decode on the tiny model, batch 2, 0 and 1 adapters, the vllm workload, plus `extra` options:
@@ -127,6 +141,20 @@ def _tiny_decode(tmp_path, *extra: str) -> tuple[argparse.Namespace, list[dict]]
                          "--out", str(tmp_path)])
     assert decode.run(args) == 0
     return args, json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+
+
+def test_bench_decode_lora_targets(tmp_path, capsys):
+    """--lora-targets all,attention,experts: the adapter cases run once per entry, each with adapters that adapt
+    only those targets (named ad{i}-{entry}), labelled in the row and the printed line; the floor counts only the
+    factors adapted, so both subsets read less than all; an unknown entry is refused before the model is built."""
+    _, rows = _tiny_decode(tmp_path, "--lora-targets", "all,attention,experts")
+    assert [(r["adapters"], r["lora_targets"]) for r in rows] == [(0, None), (1, "all"), (1, "attention"), (1, "experts")]
+    floor = {r["lora_targets"]: r["floor_bytes"] for r in rows}
+    assert floor[None] < floor["attention"] < floor["all"] and floor[None] < floor["experts"] < floor["all"]
+    out = capsys.readouterr().out
+    assert "(attention only)" in out and "(experts only)" in out
+    with pytest.raises(ValueError, match="unknown entry 'mlp'"):
+        _tiny_decode(tmp_path / "bad", "--lora-targets", "all,mlp")
 
 
 def test_bench_decode_profile_steps(tmp_path, capsys):

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,16,64,128", help="decode batch sizes (default 1,16,64,128)")
     p.add_argument("--adapter-counts", default="0,1,4,8", help="distinct adapters per batch (default 0,1,4,8)")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-targets", default="all",
+                   help="what the adapters adapt, a comma list swept in order: all (q/k/v/o and every expert's "
+                        "gate/up/down), attention (q/k/v/o only), experts (the routed experts only); the cases with "
+                        "adapters run once per entry, the floor counting only the factors adapted (default all)")
     p.add_argument("--workloads", default="vllm,ctx1024", help="vllm (128 in / 128 out) and/or ctx1024")
     p.add_argument("--decode-steps", type=int, default=32, help="steps timed per ctx1024 case (default 32)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | fp8 | nvfp4 (fp8, nvfp4: bf16 activations "
@@ -77,6 +81,29 @@ TINY = {**QWEN3_30B_A3B, "vocab_size": 1000, "hidden_size": 128, "num_hidden_lay
         "num_experts_per_tok": 2}
 
 
+LORA_TARGET_SETS = ("all", "attention", "experts")
+
+
+def check_target_set(which: str) -> str:
+    if which not in LORA_TARGET_SETS:
+        raise ValueError(f"--lora-targets: unknown entry {which!r}; expected a comma list of {', '.join(LORA_TARGET_SETS)}")
+    return which
+
+
+def target_subset(targets: dict, which: str) -> dict:
+    """The targets an adapter of `--lora-targets` entry `which` adapts: all of them, the attention projections
+    (q/k/v/o: `.self_attn.` in the name) or the routed experts (num_experts set)."""
+    check_target_set(which)
+    keep = {"all": lambda n, t: True, "attention": lambda n, t: ".self_attn." in n,
+            "experts": lambda n, t: t.num_experts is not None}[which]
+    return {n: t for n, t in targets.items() if keep(n, t)}
+
+
+def adapter_name(i: int, which: str) -> str:
+    """The bench's i-th adapter of target set `which` (ad{i} for all, ad{i}-{which} otherwise)."""
+    return f"ad{i}" if which == "all" else f"ad{i}-{which}"
+
+
 def random_adapter(name: str, targets, rank: int, seed: int, device, dtype) -> LoRAAdapter:
     """Random LoRA factors on every target (dense: A [r, in], B [out, r]; experts: [E, r, in], [E, out, r])."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -96,13 +123,18 @@ def _host_random_adapter(name: str, targets, rank: int, seed: int, device, dtype
     return LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(m.a.cpu(), m.b.cpu(), m.scaling) for k, m in ad.modules.items()})
 
 
-def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]:
+def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int, lora_targets: str = "all") -> tuple[int, list[int]]:
     """Bytes one decode step must read: weights (only touched experts), LoRA factors of the (adapter, expert)
     pairs used, KV of every sequence; and the experts touched per layer (from the last step's routing).
+    lora_targets (a LORA_TARGET_SETS entry): the dense LoRA factors count unless it is "experts", the routed
+    experts' unless it is "attention".
     Tensor/expert parallel: the bytes of the rank that reads the most (ranks read in parallel): its shard of
     attention, dense LoRA and lm_head (over tp), its KV heads, and its own experts (over ep) at I/tp width."""
     cfg, m = engine.config, engine.model
     if cfg.mla is not None:  # MLA: weights and latent cache counted from the model's tensors
+        if lora_targets != "all":
+            raise ValueError("--lora-targets other than all: the floor of MLA presets counts every target; "
+                             "use --lora-targets all with --preset deepseek-v2-lite")
         return floor_bytes_from_tensors(engine, reqs, ctx_len)
     el = torch.empty((), dtype=m.dtype).element_size()  # activations, KV, LoRA, router, lm_head
     # base weight bytes per element: FP8 a byte + one fp32 scale per 128x128 block; NVFP4 half a byte + an e4m3 per 16
@@ -116,11 +148,13 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
     # the slot each request's adapter sits in (a finished request's own slot field is already -1)
     slots = torch.tensor([engine.pool.slot_of(r.adapter) if r.adapter and engine.pool else -1 for r in reqs])
     lora_slots = int(slots[slots >= 0].unique().numel())
+    dense_slots = 0 if lora_targets == "experts" else lora_slots
+    routed = lora_targets != "attention"
     common, per_ep, touched = 0.0, [0.0] * ep, []  # every rank / the ranks of one ep group (their experts)
     for layer in m.model.layers:
         common += (H * (qs + 2 * kvs) + qs * H) * wel  # attention (q, k, v column-parallel; o row-parallel)
         # q/k/v: A [r, H] replicated, B [out/tp, r]; o: A [r, qs/tp], B [H, r] replicated
-        common += lora_slots * r * (3 * H + qs + 2 * kvs + qs + H) * el
+        common += dense_slots * r * (3 * H + qs + 2 * kvs + qs + H) * el
         mlp = layer.mlp
         ids = getattr(mlp, "last_topk_ids", None)
         if ids is None:
@@ -129,7 +163,7 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int) -> tuple[int, list[int]]
         experts = ids.unique()
         touched.append(int(experts.numel()))
         common += E * H * el  # router (replicated)
-        pairs = {(int(s), int(e)) for s, row in zip(slots.tolist(), ids.tolist()) if s >= 0 for e in row}
+        pairs = {(int(s), int(e)) for s, row in zip(slots.tolist(), ids.tolist()) if s >= 0 and routed for e in row}
         for g in range(ep):
             lo, hi = g * E // ep, (g + 1) * E // ep
             mine = int(((experts >= lo) & (experts < hi)).sum())
@@ -183,8 +217,8 @@ class _RunnerTimer:
 
 
 def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int,
-          profile_steps: int = 0) -> dict:
-    names = [f"ad{i}" for i in range(n_adapters)]
+          profile_steps: int = 0, lora_targets: str = "all") -> dict:
+    names = [adapter_name(i, lora_targets) for i in range(n_adapters)]
     # ctx1024: enough tokens that no request finishes inside the timed steps (requests whose prefill ended early
     # decode during the later prefill steps), so every timed step holds the whole batch
     prefill_steps = -(-batch * 1024 // engine.args.max_num_batched_tokens) + 2
@@ -222,25 +256,27 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
     reqs = [engine.requests[r] for r in ids]
     for module, topk_ids in routing or []:
         module.last_topk_ids = topk_ids
-    floor, touched = _floor_bytes(engine, reqs, prompt_len + (gen_len // 2 if workload == "vllm" else steps // 2))
+    floor, touched = _floor_bytes(engine, reqs, prompt_len + (gen_len // 2 if workload == "vllm" else steps // 2),
+                                  lora_targets if n_adapters else "all")
     for r in ids:
         engine.abort_request(r)
         engine.pop_finished(r)
     step_ms = dt / max(done_steps, 1) * 1e3
-    return {"batch": batch, "adapters": n_adapters, "workload": workload, "tokens_per_s": tokens / dt,
+    return {"batch": batch, "adapters": n_adapters, "workload": workload, "lora_targets": lora_targets if n_adapters else None,
+            "tokens_per_s": tokens / dt,
             "step_ms": step_ms, "floor_bytes": floor, "experts_touched": touched, "decode_steps": done_steps,
             "runner_ms": runner_ms, "host_ms": step_ms - runner_ms,
             "ahead_steps": getattr(engine, "ahead_steps", 0) - ahead0, **({"profile": prof} if prof else {})}
 
 
 def _repeated_case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int,
-                   profile_steps: int = 0, repeat: int = 1) -> dict:
+                   profile_steps: int = 0, repeat: int = 1, lora_targets: str = "all") -> dict:
     """_case `repeat` times with the same requests (the profile, if asked, on the first run only); the run with
     the median tokens/s is returned, with every run's tokens/s ('repeats_tokens_per_s') and the spread
     ((max - min) / median, 'repeat_spread') when repeat > 1."""
     if repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {repeat}")
-    runs = [_case(engine, batch, n_adapters, workload, steps, seed, profile_steps if i == 0 else 0)
+    runs = [_case(engine, batch, n_adapters, workload, steps, seed, profile_steps if i == 0 else 0, lora_targets)
             for i in range(repeat)]
     if repeat == 1:
         return runs[0]
@@ -265,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
         json.dump(cfg, f)
     batches = [int(b) for b in args.batches.split(",")]
     counts = [int(c) for c in args.adapter_counts.split(",")]
+    for which in _target_sets(args):  # before the model is built
+        check_target_set(which)
     t0 = time.perf_counter()
     quant = args.dtype if args.dtype in ("fp8", "nvfp4") else None
     tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
@@ -297,14 +335,17 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
           f"{plan.as_gib() if plan else '-'}", flush=True)
     dev, dt = engine.device, engine.model.dtype
     targets = engine.model.lora_targets()
-    for i in range(max(counts)):
-        # drawn on the device (fast), kept on the host like any registered adapter: the KV cache took the
-        # GPU memory budget, and the slots hold what the batches use (loaded during prefill, untimed)
-        host = _host_random_adapter(f"ad{i}", targets, args.lora_rank, i, dev, dt)
-        if parallel:  # every rank loads it from disk (the workers take adapters by path) and keeps its shard
-            engine.load_adapter(host.name, _write_peft_adapter(engine, host, args.lora_rank))
-        else:
-            engine.registry.register(host)
+    target_sets = _target_sets(args)
+    for which in target_sets:
+        for i in range(max(counts)):
+            # drawn on the device (fast), kept on the host like any registered adapter: the KV cache took the
+            # GPU memory budget, and the slots hold what the batches use (loaded during prefill, untimed)
+            host = _host_random_adapter(adapter_name(i, which), target_subset(targets, which), args.lora_rank, i,
+                                        dev, dt)
+            if parallel:  # every rank loads it from disk (the workers take adapters by path) and keeps its shard
+                engine.load_adapter(host.name, _write_peft_adapter(engine, host, args.lora_rank))
+            else:
+                engine.registry.register(host)
     load_s, adapter_bytes = _adapter_load_time(engine, targets, args.lora_rank)
     print(f"one adapter ({adapter_bytes / 1e9:.2f} GB, rank {args.lora_rank}) loaded from disk in {load_s:.2f} s",
           flush=True)
@@ -326,13 +367,14 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
     fused0 = fused_lora()
     fuseds = [fused0, not fused0] if fused_mode == "both" else [fused0]
     passes = [(o, f) for f in fuseds for o in overlaps]
-    cases = [(o, f, w, b, n) for o, f in passes for w in args.workloads.split(",") for b in batches for n in counts
-             if (o, f) == passes[0] or n > 0]
-    for overlap, fused, workload, batch, n in cases:
+    cases = [(o, f, w, b, n, t) for o, f in passes for w in args.workloads.split(",") for b in batches
+             for n in counts for t in (target_sets if n else target_sets[:1]) if (o, f) == passes[0] or n > 0]
+    for overlap, fused, workload, batch, n, which in cases:
         if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state() or fused != fused_lora():
             _recapture(engine, overlap, fused)
         r = _repeated_case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n,
-                           profile_steps=getattr(args, "profile_steps", 0), repeat=getattr(args, "repeat", 1))
+                           profile_steps=getattr(args, "profile_steps", 0), repeat=getattr(args, "repeat", 1),
+                           lora_targets=which)
         r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
                  + ("" if not args.layers else f" ({args.layers} layers)")
                  + (f" tp{engine.args.tensor_parallel_size} ep{engine.args.expert_parallel_size}" if parallel else ""),
@@ -344,7 +386,8 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
         rows.append(r)
         write_result("decode", {**head, "rows": rows}, args.out)  # after every row: a cut-off run keeps its rows
         fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
-        tags = ("" if overlap else " (overlap off)") + (" (fused LoRA)" if fused and n else "")
+        tags = (("" if overlap else " (overlap off)") + (" (fused LoRA)" if fused and n else "")
+                + (f" ({which} only)" if n and which != "all" else ""))
         reps = r.get("repeats_tokens_per_s")
         spread = f"  median of {len(reps)}, spread {r['repeat_spread']:.1%}" if reps else ""
         print(f"{workload:8s} batch {batch:4d} adapters {n}{tags}: {r['tokens_per_s']:9.1f} tok/s  step "
@@ -363,6 +406,10 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
     path = write_result("decode", {**head, "rows": rows}, args.out)
     print(f"results: {path}")
     return 0
+
+
+def _target_sets(args: argparse.Namespace) -> list[str]:
+    return [t.strip() for t in getattr(args, "lora_targets", "all").split(",") if t.strip()] or ["all"]
 
 
 def _recapture(engine: LLMEngine, overlap: bool, fused: bool | None = None) -> None:
