@@ -21,9 +21,12 @@ if HAS_TRITON:
     def lora_b_tile(ptrs, mask_r, col_in, EVEN_R: tl.constexpr):
         """B tile [BR, BN] (rank along dim 0, contiguous), 0 past the rank (mask_r [BR]) and outside col_in [BN];
         EVEN_R: loaded masked by column only (vectorized along the rank: 16-byte loads instead of the 2-byte ones a
-        per-element rank mask makes), the rank mask applied after the load; the same values."""
-        if EVEN_R:
-            bt = tl.where(mask_r[:, None], tl.load(ptrs, mask=col_in[None, :], other=0.0), 0.0)
+        per-element rank mask makes), the rank mask applied after the load; the same values. Rank 0 (mask_r all
+        false: a slot without this module, an unused slot group) loads nothing in both forms."""
+        if EVEN_R:  # (the rank count compared as a vector: the interpreter takes no scalar in a mask)
+            n_live = tl.sum(mask_r.to(tl.int32), axis=0)
+            col_live = col_in & (tl.zeros_like(col_in.to(tl.int32)) < n_live)
+            bt = tl.where(mask_r[:, None], tl.load(ptrs, mask=col_live[None, :], other=0.0), 0.0)
         else:
             bt = tl.load(ptrs, mask=mask_r[:, None] & col_in[None, :], other=0.0)
         return bt
