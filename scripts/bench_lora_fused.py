@@ -14,7 +14,6 @@ Usage: python scripts/bench_lora_fused.py [--tokens 1,16,64,128] [--adapters 4,8
 --sweep: also the fused kernels at num_warps 4/8/16 x split_n 1/2/4/8/16 (to tune fused_num_warps and
 FUSED_TARGET_PROGRAMS); --stages 1,2,3,4: the MoE store-mode kernel with its shrink loop pipelined that deep
 (set_fused_lora_stages, session 16); --cases gate_up,down,qkv,o
---order: also the store-mode kernel with the pairs expert by expert (pair_order; session 18)
 (Session 7 swept a grouped (slot, expert) kernel here too: slower than the per-pair kernel in all 36 of its
 launch configurations for gate_up and down at 64 and 256 tokens, so it was removed;
 bench/results/gpu-session7-2026-11-30-NVIDIA-H200.log.)
@@ -30,7 +29,6 @@ from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
 from moelora.kernels.groups import SlotGroups
 from moelora.kernels.lora_fused_triton import lora_fused_decode
 from moelora.kernels.lora_triton import lora_expand, lora_shrink, lora_shrink_buffer
-from moelora.kernels.fused_moe_triton import moe_pair_order_ref
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
 from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
@@ -73,11 +71,9 @@ def moe_case(site: str, T: int, n_ad: int, R: int, layers: int):
         moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, y, per_pair, wts, split_n=split_n,
                        num_warps=num_warps)
 
-    order = moe_pair_order_ref(ids, E)  # the pairs expert by expert (what set_fused_lora_order(True) hands it)
-
-    def store(li, split_n=None, num_warps=None, by_expert=False):
+    def store(li, split_n=None, num_warps=None):
         moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, wts, store=True,
-                       split_n=split_n, num_warps=num_warps, pair_order=order if by_expert else None)
+                       split_n=split_n, num_warps=num_warps)
 
     def check() -> float:
         y0 = y.clone()
@@ -171,8 +167,6 @@ def main() -> None:
     ap.add_argument("--sweep-tiles", action="store_true",
                     help="the MoE store-mode kernel over warps 4/8 x split_n 1/2 x (shrink, expand) loop stages (1,1) "
                     "(3,1) (1,3) (3,3) (session 17; its sweep also had 2x wider tiles, which lost everywhere)")
-    ap.add_argument("--order", action="store_true",
-                    help="also the MoE store-mode kernel taking the pairs expert by expert (pair_order, session 18)")
     ap.add_argument("--stages", default="", help="also the MoE store-mode kernel with its shrink loop pipelined "
                     "this deep, e.g. 1,2,3,4 (set_fused_lora_stages)")
     args = ap.parse_args()
@@ -194,10 +188,6 @@ def main() -> None:
                     floor = nbytes / (bw * 1e9) * 1e6
                     print(f"{case:>8} {T:4d} {n_ad:3d} {R:3d} | {t_cur:8.1f} {t_fused:8.1f} {t_store:8.1f} "
                           f"{floor:7.1f} | {t_cur / t_fused:6.2f}x {err:9.2e} | {info}", flush=True)
-                    if args.order and make is moe_case:
-                        t_ord = graph_time_us(lambda li: store(li, by_expert=True), args.layers)
-                        print(f"         store, pairs expert by expert: {t_ord:.1f} (token order {t_store:.1f})",
-                              flush=True)
                     if args.stages and make is moe_case:
                         from moelora.kernels.moe_lora_fused_triton import _D_STAGES, set_fused_lora_stages
 

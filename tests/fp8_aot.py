@@ -134,7 +134,4 @@ consts.update(D_STAGES=1, EVEN_R=True)
 assert "ld.global.b16" not in compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
 consts.update(E_STAGES=3, BLOCK_D=512, BLOCK_N=512)  # the expand's B tiles pipelined instead, 2x wider tiles
 assert "cp.async" in compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
-ptrs.update(order_ptr="*i32")  # the pairs taken in the alignment's expert order (set_fused_lora_order)
-consts.update(D_STAGES=3, BLOCK_D=256, BLOCK_N=256, ORDERED=True)
-assert "cp.async" in compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
 print("ok fused lora, shrink / expand pipelined, B vectorized")

@@ -61,32 +61,6 @@ def test_align_matches_reference(T, E, K, mode, block_m, chunked, monkeypatch):
     assert got[0].shape == (p_max,) and got[1].shape == (p_max // block_m,)
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("T,E,K", [(1, 8, 2), (7, 8, 1), (133, 16, 8), (40, 300, 4)])
-def test_align_pair_order(T, E, K, chunked, monkeypatch):
-    """order_out: the pairs by expert, then pair index, unpadded (moe_pair_order_ref); pairs on expert -1 (another
-    rank's, expert parallelism) last; the padded alignment is unchanged by asking for it."""
-    if chunked:
-        monkeypatch.setattr(fmt, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0)
-    gen = torch.Generator().manual_seed(T * 7 + E)
-    _, ids = _routing(T, E, K, gen, "random")
-    ids = ids.clone()
-    ids.view(-1)[:: 5] = -1  # every fifth pair on no local expert
-    order = torch.full((T * K,), -7, dtype=torch.int32, device=ids.device)
-    got = fmt.moe_align(ids, E, 16, order)
-    ref = fmt.moe_align_ref(ids, E, 16)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    expect = fmt.moe_pair_order_ref(ids, E)
-    assert torch.equal(order, expect)
-    flat = ids.reshape(-1).long().cpu()
-    o = order.long().cpu()
-    assert sorted(o.tolist()) == list(range(T * K))  # a permutation
-    key = torch.where(flat[o] >= 0, flat[o], E)
-    assert bool((key[1:] >= key[:-1]).all())  # by expert, the left-out pairs last
-    same = key[1:] == key[:-1]
-    assert bool((o[1:][same] > o[:-1][same]).all())  # stable inside each expert
-
-
 @pytest.mark.parametrize("E,K", [(8, 1), (8, 2), (60, 8), (128, 8)])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_route_topk_matches_reference(E, K, renormalize):
@@ -196,44 +170,6 @@ def test_fused_moe_pairs_uses_triton_base(T, K, with_lora, fast_on_cpu, monkeypa
     assert _rel(got, ref) < BOUND[dtype]
     if with_lora:  # the LoRA deltas matter at this scale
         assert _rel(fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", None), ref) > 10 * BOUND[dtype]
-
-
-def test_fused_moe_pairs_expert_order_same_bits(fast_on_cpu, monkeypatch):
-    """set_fused_lora_order(True) on the Triton base path: moe_lora_fused gets the alignment's expert-by-expert
-    pair order (a permutation sorted by expert) and the layer's output is bit-identical to token order."""
-    from moelora.kernels import moe_lora_fused_triton as mf
-    from moelora.kernels._triton import fused_lora, set_fused_lora
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_shrink
-
-    seen = []
-    real = mf.moe_lora_fused
-
-    def spy(*a, **kw):
-        seen.append(kw.get("pair_order"))
-        real(*a, **kw)
-
-    gen = torch.Generator().manual_seed(5)
-    T, K, E, dtype = 7, 2, 16, torch.float32
-    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
-    w_gu, w_d = _weights(E, dtype, gen)
-    weights, ids = _routing(T, E, K, gen)
-    args = expert_lora_args(T, E, dtype, gen)
-    before = (fused_lora(), mf.fused_lora_order())
-    monkeypatch.setattr(mf, "moe_lora_fused", spy)
-    monkeypatch.setattr(mf, "fused_for", lambda shrink: spy)
-    try:
-        set_fused_lora(True)
-        outs = {}
-        for by_expert in (False, True):
-            mf.set_fused_lora_order(by_expert)
-            outs[by_expert] = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, moe_lora_shrink, moe_lora_expand)
-    finally:
-        set_fused_lora(before[0])
-        mf.set_fused_lora_order(before[1])
-    assert seen[:2] == [None, None] and len(seen) == 4
-    for order in seen[2:]:
-        assert torch.equal(order, fmt.moe_pair_order_ref(ids, E))
-    assert torch.equal(outs[True], outs[False])
 
 
 def test_fast_path_off_on_cpu_by_default():

@@ -211,25 +211,6 @@ def test_moe_fused_split_n_does_not_change_results():
         assert torch.equal(y, outs[0])
 
 
-@pytest.mark.parametrize("store", [False, True])
-@pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_moe_fused_pair_order_does_not_change_results(site, store):
-    """pair_order only changes which program takes which pair: any permutation gives the same bits, in add and
-    store mode (with rows of no adapter and a slice of rank 0 in the case)."""
-    gen = torch.Generator().manual_seed(37)
-    c = _moe_case(site, "with_base_rows", 9, torch.float32, gen)
-    P = c["y0"].shape[0]
-    outs = []
-    for order in (None, torch.randperm(P, generator=gen), torch.arange(P - 1, -1, -1)):
-        y = c["y0"].clone() if not store else torch.full((P, c["y0"].shape[1]), float("nan"), device=DEVICE)
-        kw = {} if order is None else {"pair_order": order.to(torch.int32).to(DEVICE)}
-        _moe_call(moe_lora_fused, c, y, store=store, **kw)
-        outs.append(y)
-    assert not outs[0].isnan().any()
-    for y in outs[1:]:
-        assert torch.equal(y, outs[0])
-
-
 @pytest.mark.parametrize("experiment", ["warps_maxnreg", "stages", "expand_stages"])
 def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
     """MOELORA_FUSED_LORA_WARPS / MOELORA_FUSED_LORA_MAXNREG (launch experiments for co-residency beside the FP8

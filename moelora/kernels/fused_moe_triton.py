@@ -102,21 +102,12 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
     return sorted_ids.to(topk_ids.device), block_expert.to(topk_ids.device)
 
 
-def moe_pair_order_ref(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """The pairs p = t*K + k by expert, in increasing e, then increasing p; pairs on no expert in [0, E) last
-    (increasing p) · topk_ids: [T, K] · returns [T*K] int32 (a permutation of range(T*K))."""
-    ids = topk_ids.reshape(-1).long()
-    key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-    return torch.sort(key, stable=True).indices.to(torch.int32)
-
-
 if HAS_TRITON:
 
     @triton.jit
     def _moe_align_kernel(
         ids_ptr, slots_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS, TOP_K, NUM_EXPERTS,
         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr,
-        order_ptr=None, HAS_ORDER: tl.constexpr = False,
     ):
         # one program, P <= BLOCK_P: sort the keys e * BLOCK_P + p (stable by construction; pairs on no local
         # expert get e = E and sort last), then pair i of the sorted order goes to i + shift[e], shift[e] =
@@ -132,8 +123,6 @@ if HAS_TRITON:
         e = tl.where((e >= 0) & (e < E), e, E)
         s = tl.sort(e * BLOCK_P + offs)  # [BLOCK_P]
         se, sp = s // BLOCK_P, s % BLOCK_P
-        if HAS_ORDER:  # the sorted order itself, unpadded: every pair once, those left out last
-            tl.store(order_ptr + offs, sp, mask=offs < P)
         counts = tl.where(offs_e < E, tl.histogram(e, BLOCK_E), 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         tl.store(shift_ptr + offs_e, tl.cumsum(padded, axis=0) - padded - (tl.cumsum(counts, axis=0) - counts))
@@ -207,18 +196,15 @@ EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS = int(os.environ.get("MOELORA_EXPERT_ALIGN_ON
 
 
 def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
-                       P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-                       order_out: torch.Tensor | None = None):
-    """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots);
-    order_out [P] int32: also the unpadded sorted order."""
+                       P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor):
+    """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots)."""
     groups = num_experts * max_loras
     block_e1 = triton.next_power_of_2(groups + 1)
     shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)  # scratch
     _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
                             sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
                             BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
-                            HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8,
-                            **({} if order_out is None else {"order_ptr": order_out, "HAS_ORDER": True}))
+                            HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
     return sorted_ids, block_expert
 
 
@@ -243,11 +229,8 @@ def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor
     return _align_one_program(topk_ids.reshape(-1), token_slots, K, num_experts, max_loras, P, block_m, sorted_ids, bvex)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              order_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_align_ref on the device: no atomics (stable inside each group), no host sync.
-    order_out ([T*K] int32, optional): also written with the pairs in the same order unpadded, those on no local
-    expert last (moe_pair_order_ref), for kernels that walk the pairs expert by expert.
     P <= ALIGN_ONE_PROGRAM_MAX_PAIRS (and MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS, default the same): one
     launch of one program (tl.sort of the pairs by expert, a histogram for
     the group sizes); larger P: count per chunk of pairs (C programs), offsets (1 program), placement (C programs).
@@ -265,9 +248,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
     if P <= min(ALIGN_ONE_PROGRAM_MAX_PAIRS, EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS):  # decode: one sort of all pairs
-        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert, order_out)
-    if order_out is not None:
-        order_out.copy_(moe_pair_order_ref(topk_ids, num_experts))
+        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert)
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
     base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)
@@ -611,15 +592,12 @@ class TritonExperts:
     and serves both projections. inp may be per token ([T, D]: rows read as p // K, no gather copy)
     or per pair ([P, D]); with K == 1 the two are the same."""
 
-    def __init__(self, topk_ids: torch.Tensor, num_experts: int, config: GemmConfig | None = None,
-                 pair_order: bool = False) -> None:
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int, config: GemmConfig | None = None) -> None:
         self.T, self.K = topk_ids.shape
         self.P = self.T * self.K
         self.topk_ids = topk_ids
         self.cfg = config or pick_config(self.P)
-        # pair_order: also the pairs expert by expert, unpadded ([P] int32, from the same alignment launch)
-        self.order = torch.empty(self.P, dtype=torch.int32, device=topk_ids.device) if pair_order else None
-        self.align = moe_align(topk_ids, num_experts, self.cfg.block_m, self.order)
+        self.align = moe_align(topk_ids, num_experts, self.cfg.block_m)
         self.act_quant_group: int | None = None  # set by a quantized gate_up GEMM whose stack quantizes inputs
 
     def __call__(self, inp: torch.Tensor, w, fuse_act: bool = False) -> torch.Tensor:

@@ -149,22 +149,7 @@ def fused_moe_pairs(
     inter = two_i // 2
     from moelora.kernels.fused_moe_triton import TritonExperts, fast_path_ok  # Triton base path (fused_moe_triton.py)
 
-    fused = None  # set_fused_lora(True), decode-sized P: shrink + expand in one launch (moe_lora_fused_triton.py)
-    by_expert = False  # set_fused_lora_order(True): moe_lora_fused takes the pairs expert by expert
-    if lora is not None:
-        from moelora.kernels._triton import fused_lora, grouped_lora
-
-        if fused_lora():
-            from moelora.kernels.moe_lora_fused_triton import fused_for, fused_lora_order, moe_lora_fused
-            from moelora.kernels.moe_lora_triton import GEMV_MAX_PAIRS
-
-            fused = fused_for(shrink) if P <= GEMV_MAX_PAIRS else None
-            if fused is not None and grouped_lora():  # pairs grouped by (slot, expert): A and B read once a group
-                from moelora.kernels.moe_lora_grouped_triton import grouped_for
-
-                fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
-            by_expert = fused_lora_order() and fused is moe_lora_fused
-    fast = TritonExperts(topk_ids, E, pair_order=by_expert) if fast_path_ok(x, w_gate_up, w_down) else None
+    fast = TritonExperts(topk_ids, E) if fast_path_ok(x, w_gate_up, w_down) else None
     if fast is not None and lora is None and activation == "silu":
         return fast.combine(fast(fast(x, w_gate_up, fuse_act=True), w_down), topk_weights)
     pair_exp = topk_ids.reshape(-1)
@@ -174,7 +159,19 @@ def fused_moe_pairs(
     if lora is not None and plan is not None:
         kw["align"] = plan(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
     overlap = side_stream is not None and lora is not None and P <= OVERLAP_MAX_PAIRS
-    fkw = {"pair_order": fast.order} if fast is not None and fast.order is not None else {}
+    fused = None  # set_fused_lora(True), decode-sized P: shrink + expand in one launch (moe_lora_fused_triton.py)
+    if lora is not None:
+        from moelora.kernels._triton import fused_lora, grouped_lora
+
+        if fused_lora():
+            from moelora.kernels.moe_lora_fused_triton import fused_for
+            from moelora.kernels.moe_lora_triton import GEMV_MAX_PAIRS
+
+            fused = fused_for(shrink) if P <= GEMV_MAX_PAIRS else None
+            if fused is not None and grouped_lora():  # pairs grouped by (slot, expert): A and B read once a group
+                from moelora.kernels.moe_lora_grouped_triton import grouped_for
+
+                fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
 
     def project(inp, w, per_pair, parts):
         """(y, delta): y = base GEMM of one projection [P, O] with its LoRA delta added, delta None; or, when
@@ -190,7 +187,7 @@ def fused_moe_pairs(
             offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
         if fused is not None and not overlap:
             y = gemm(y_in, w)
-            fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair, **fkw)
+            fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair)
             return y, None
         h = None if fused is not None else torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
         if not overlap:
@@ -205,8 +202,7 @@ def fused_moe_pairs(
         main = fork(side_stream)
         with torch.cuda.stream(side_stream):
             if fused is not None:  # store mode writes every entry of delta: no zero-fill, no h
-                fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, per_pair, store=True,
-                      **fkw)
+                fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, per_pair, store=True)
             else:
                 delta.zero_()
                 h.zero_()

@@ -57,23 +57,6 @@ PIPELINED_STAGES = 3  # both loops' depth where the launch has 4-warp programs (
 _AUTO_PIPELINE = [os.environ.get("MOELORA_FUSED_LORA_PIPELINE", "1") != "0"]
 
 
-# MOELORA_FUSED_LORA_ORDER=expert (set_fused_lora_order): on the Triton experts' fast path, the programs take the
-# pairs expert by expert (the base alignment's sorted order, moe_align order_out) instead of token by token, so the
-# pairs of one (slot, expert) — 512 pairs on ~334 groups at 64 tokens, 4 adapters — read their factors side by side
-# (L2 hits instead of repeated HBM reads). Off until measured (session 18).
-_ORDER = [os.environ.get("MOELORA_FUSED_LORA_ORDER", "token") == "expert"]
-
-
-def set_fused_lora_order(expert_major: bool) -> None:
-    """fused_moe_pairs hands moe_lora_fused the pairs expert by expert (True) or token by token (False); the results
-    do not change. CUDA graphs record the choice: set it before they are captured."""
-    _ORDER[0] = bool(expert_major)
-
-
-def fused_lora_order() -> bool:
-    return _ORDER[0]
-
-
 def set_fused_lora_pipeline(enabled: bool) -> None:
     """fused_stages' choice for 4-warp launches: both loops PIPELINED_STAGES deep (on) or not pipelined (off)."""
     _AUTO_PIPELINE[0] = bool(enabled)
@@ -98,6 +81,11 @@ def fused_stages(num_warps: int) -> tuple[int, int]:
     return _D_STAGES[0] or auto, _E_STAGES[0] or auto
 
 
+# (Session 18 let the programs take the pairs expert by expert — the base alignment's sorted order, written by the
+# same launch — so that the pairs of one (slot, expert) read their factors side by side. Per call at 64 tokens, 4 / 8
+# adapters (µs, gate_up / down): 19.8 / 12.3 against 20.0 / 12.6, and 22.5 / 13.8 against 22.9 / 13.8; batch 64 end
+# to end 5,092 / 4,923 tok/s against 5,072 / 4,924 (call 4, commit d4136dd): L2 already serves the repeated reads
+# of token order. Removed.)
 # (Session 14 also tried a persistent form, ~132 or 264 programs each looping over the pairs, so that the kernel
 # keeps one or two CTAs per SM beside the expert GEMM's: it ran beside other kernels for 2,997 / 1,651 of its
 # µs a step instead of 453, but took 7,251 / 4,054 µs instead of 2,006 (fewer loads in flight), and batch 64
@@ -128,12 +116,8 @@ if HAS_TRITON:
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
         D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
-        order_ptr=None, ORDERED: tl.constexpr = False,
     ):
         p = tl.program_id(0)
-        if ORDERED:  # programs walk the pairs expert by expert: the pairs of one (slot, expert), which read the
-            # same factors, run side by side (their repeated reads hit L2)
-            p = tl.load(order_ptr + p)
         i = tl.program_id(1)
         pid_n = tl.program_id(2)
         o0 = tl.load(off_ptr + i)
@@ -180,7 +164,9 @@ if HAS_TRITON:
                     # vectorized and can be pipelined (cp.async takes >= 4 bytes), the entries past this slot's
                     # rank zeroed after it. Only with E_STAGES > 1: unpipelined, this form was slower (28.9 / 19.0
                     # against 23.4 / 16.4 µs, gate_up / down at 64 tokens, session 17)
-                    # (rank 0: nothing loaded, store mode writes the zeros)
+                    # (rank 0 — attention-only adapters, rows without an adapter — loads nothing: store mode writes
+                    # the zeros. Before, every pair's B was read and zeroed: batch 64 with 4 / 8 attention-only
+                    # adapters 12.10 / 12.30 ms a step, then 11.87 / 12.10, session 18 calls 3-4)
                     live_n = offs_n < tl.where(rank > 0, width, 0)
                     bt = tl.where(mask_r[None, :], tl.load(b_ptrs, mask=live_n[:, None], other=0.0), 0.0)
                 else:
@@ -235,7 +221,6 @@ def moe_lora_fused(
     store: bool = False,
     split_n: int | None = None,
     num_warps: int | None = None,
-    pair_order: torch.Tensor | None = None,
 ) -> None:
     """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
     Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
@@ -253,8 +238,6 @@ def moe_lora_fused(
     pair_weights: [T*K] or None · store: write the delta (y may be an uninitialised fp32 buffer)
     split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
     num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
-    pair_order: [T*K] int32, a permutation of the pairs (moe_align's order_out: expert by expert) in which the
-    programs take them; None = in order p. The results do not depend on it.
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
@@ -273,7 +256,6 @@ def moe_lora_fused(
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=d_stages, E_STAGES=e_stages,
         EVEN_R=e_stages > 1 and a.shape[3] == block_r, num_warps=warps,
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
-        **({} if pair_order is None else {"order_ptr": pair_order, "ORDERED": True}),
     )
 
 
@@ -304,11 +286,9 @@ def moe_lora_fused_ref(
     store: bool = False,
     split_n: int | None = None,
     num_warps: int | None = None,
-    pair_order: torch.Tensor | None = None,
 ) -> None:
     """Reference of moe_lora_fused (same semantics and shapes): moe_lora_shrink_ref into a zeroed fp32 h,
-    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps,
-    pair_order ignored."""
+    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored."""
     T, K = topk_ids.shape
     n, R = a.shape[0], a.shape[3]
     h = torch.zeros(T * K, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
