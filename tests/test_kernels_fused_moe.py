@@ -125,8 +125,35 @@ def test_activation_and_combine_add_a_lora_delta_as_add_would(dtype):
     got = fmt.moe_combine(o, w, delta=d_o)
     want = fmt.moe_combine(o.clone().add_(torch.nan_to_num(d_o)), w)
     assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="LoRA delta: expected fp32"):
-        fmt.moe_combine(o, w, delta=d_o.half())
+    with pytest.raises(ValueError, match="LoRA delta: expected fp32 or"):
+        fmt.moe_combine(o, w, delta=d_o.double())
+    # a delta in the activations' dtype (set_lora_delta_dtype("activation")): the same as add_ of it
+    d16 = (torch.randn(13, 2 * 40, generator=gen) * 0.3).to(DEVICE, dtype)
+    assert torch.equal(fmt.silu_and_mul(gu, delta=d16), fmt.silu_and_mul(gu.clone().add_(d16)))
+    d_o16 = torch.nan_to_num(d_o).to(dtype)
+    assert torch.equal(fmt.moe_combine(o, w, delta=d_o16), fmt.moe_combine(o.clone().add_(d_o16), w))
+
+
+def test_lora_delta_dtype_switch(monkeypatch):
+    """fp32 deltas by default; "activation": the activations' dtype; anything else refused (setter and env)."""
+    import subprocess
+    import sys
+
+    from moelora.kernels import _triton
+
+    monkeypatch.setattr(_triton, "_LORA_DELTA", ["fp32"])
+    assert _triton.lora_delta_dtype(torch.bfloat16) == torch.float32
+    _triton.set_lora_delta_dtype("activation")
+    assert _triton.lora_delta_dtype(torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="expected fp32 or activation"):
+        _triton.set_lora_delta_dtype("bf16")
+    code = "from moelora.kernels._triton import lora_delta_dtype; import torch; print(lora_delta_dtype(torch.half))"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MOELORA_LORA_DELTA_DTYPE"}
+    run = lambda **e: subprocess.run([sys.executable, "-c", code], env={**env, **e}, capture_output=True, text=True)  # noqa: E731
+    assert run().stdout.strip() == "torch.float32"
+    assert run(MOELORA_LORA_DELTA_DTYPE="activation").stdout.strip() == "torch.float16"
+    bad = run(MOELORA_LORA_DELTA_DTYPE="half")
+    assert bad.returncode != 0 and "MOELORA_LORA_DELTA_DTYPE must be fp32 or activation" in bad.stderr
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -113,6 +113,13 @@ def test_moe_fused_store_mode_writes_every_entry(site, popularity):
     torch.testing.assert_close(got, ref, atol=1e-4 if DTYPES[0] == torch.float32 else 2e-2, rtol=1e-3)
     base = (c["slots"] < 0).repeat_interleave(K)
     assert torch.equal(got[base], torch.zeros_like(got[base]))
+    # store into a buffer of the activations' dtype (set_lora_delta_dtype("activation")): the fp32 delta rounded once
+    if DTYPES[0] != torch.float32:
+        low = torch.full((P, O), float("nan"), device=DEVICE, dtype=DTYPES[0])
+    else:
+        low = torch.full((P, O), float("nan"), device=DEVICE, dtype=torch.float16)
+    _moe_call(moe_lora_fused, c, low, store=True)
+    assert torch.equal(low, got.to(low.dtype))
     # store then add onto y0 equals the in-place (add mode) result
     y_add = c["y0"].clone()
     _moe_call(moe_lora_fused, c, y_add)
@@ -543,11 +550,16 @@ def test_gpu_dense_fused_qwen3_qkv(popularity, num_tokens, R):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
-def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch):
+@pytest.mark.parametrize("overlap", [False, True, "bf16_delta"])
+def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, monkeypatch):
     """Switch on: fused_moe_pairs (Triton base + fused LoRA; store mode on the side stream when overlapping)
-    equals the unfused path, and a CUDA-graph replay equals eager after new routing and slots are written."""
+    equals the unfused path, and a CUDA-graph replay equals eager after new routing and slots are written.
+    bf16_delta: overlapping, with the deltas in the activations' dtype (set_lora_delta_dtype("activation"))."""
+    from moelora.kernels import _triton
     from moelora.kernels.moe import fused_moe_pairs
+
+    if overlap == "bf16_delta":
+        monkeypatch.setattr(_triton, "_LORA_DELTA", ["activation"])
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
     from moelora.kernels.streams import side_stream
 

@@ -109,6 +109,34 @@ def lora_even_r() -> bool:
     return _LORA_EVEN_R[0]
 
 
+def _delta_env() -> list[str]:
+    v = os.environ.get("MOELORA_LORA_DELTA_DTYPE", "fp32") or "fp32"
+    if v not in ("fp32", "activation"):
+        raise ValueError(f"MOELORA_LORA_DELTA_DTYPE must be fp32 or activation, got {v!r}")
+    return [v]
+
+
+_LORA_DELTA = _delta_env()
+
+
+def set_lora_delta_dtype(kind: str) -> None:
+    """The dtype of the routed-expert LoRA deltas the side stream hands the activation and combine kernels: "fp32"
+    (default) or "activation" (the activations' dtype, bf16 / fp16: half the bytes written and read, ~15 MB a layer
+    at 64 tokens; the delta is then rounded once before it is added, as PEFT's bf16 LoRA output is). Off until
+    measured (written in session 18 without device time left); MOELORA_LORA_DELTA_DTYPE=activation. CUDA graphs
+    record the buffers: set it before they are captured."""
+    if kind not in ("fp32", "activation"):
+        raise ValueError(f"set_lora_delta_dtype: expected fp32 or activation, got {kind!r}")
+    _LORA_DELTA[0] = kind
+
+
+def lora_delta_dtype(activation_dtype):
+    """torch dtype of a LoRA delta buffer beside activations of activation_dtype (set_lora_delta_dtype)."""
+    import torch
+
+    return torch.float32 if _LORA_DELTA[0] == "fp32" else activation_dtype
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -437,18 +437,19 @@ if HAS_TRITON:
 
 
 def _delta_strides(delta: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(pointer argument, row stride, column stride) of an optional fp32 delta shaped like `like`."""
+    """(pointer argument, row stride, column stride) of an optional delta shaped like `like`, fp32 or like's dtype."""
     if delta is None:
         return like, 0, 0
-    if delta.shape != like.shape or delta.dtype != torch.float32:
-        raise ValueError(f"LoRA delta: expected fp32 {tuple(like.shape)}, found {delta.dtype} {tuple(delta.shape)}")
+    if delta.shape != like.shape or delta.dtype not in (torch.float32, like.dtype):
+        raise ValueError(f"LoRA delta: expected fp32 or {like.dtype} {tuple(like.shape)}, found {delta.dtype} "
+                         f"{tuple(delta.shape)}")
     return delta, delta.stride(0), delta.stride(1)
 
 
 def silu_and_mul(gu: torch.Tensor, out: torch.Tensor | None = None, delta: torch.Tensor | None = None,
                  quant_group: int | None = None) -> torch.Tensor:
     """silu_and_mul_ref in one launch · gu: [P, 2I] · out: [P, I] (made when None) · returns out.
-    delta: [P, 2I] fp32 or None: the activation of gu + delta, the sum rounded once to gu's dtype first (the
+    delta: [P, 2I] fp32 (or gu's dtype) or None: the activation of gu + delta, the sum rounded once to gu's dtype first (the
     numbers of gu.add_(delta) then silu_and_mul, one launch and no write of the sum).
     quant_group: also quantize out per row and group as quantize_act_group(out, quant_group) would, in the same
     launch, and attach it to out (fp8_triton.attach_act_quant: an FP8 down projection reads it); skipped when
@@ -478,7 +479,7 @@ def moe_combine(o: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor |
                 delta: torch.Tensor | None = None) -> torch.Tensor:
     """moe_combine_ref in one launch (deterministic: a fixed k order, no atomics).
     o: [T*K, H] · topk_weights: [T, K] · out: [T, H] (made in o.dtype when None) · returns out.
-    delta: [T*K, H] fp32 or None: combines o + delta, each sum rounded once to o's dtype first (the numbers
+    delta: [T*K, H] fp32 (or o's dtype) or None: combines o + delta, each sum rounded once to o's dtype first (the numbers
     of o.add_(delta) then moe_combine; a weight-0 pair adds nothing, whatever its delta row holds)."""
     require_triton()
     T, K = topk_weights.shape

@@ -198,7 +198,10 @@ def fused_moe_pairs(
             return y, None
         from moelora.kernels.streams import fork, join
 
-        delta = torch.empty(P, w.shape[1], dtype=torch.float32, device=x.device)  # on main, before the fork
+        from moelora.kernels._triton import lora_delta_dtype
+
+        # on main, before the fork; fp32 unless set_lora_delta_dtype("activation")
+        delta = torch.empty(P, w.shape[1], dtype=lora_delta_dtype(x.dtype), device=x.device)
         main = fork(side_stream)
         with torch.cuda.stream(side_stream):
             if fused is not None:  # store mode writes every entry of delta: no zero-fill, no h
