@@ -19,6 +19,8 @@ class LoRABatch:
     single_slot: the one slot every LoRA token maps to, or None (several slots, or none)
     all_lora: every token of the batch uses an adapter (no base rows)
     has_lora: False when no token uses an adapter: layers then do no LoRA work at all
+    skip_dense / skip_experts (CUDA-graph batches only): the graph of a batch whose adapters adapt no dense
+    weight (attention, shared experts, dense MLPs) / no routed expert leaves those layers' LoRA kernels out
     """
 
     groups: SlotGroups
@@ -27,6 +29,8 @@ class LoRABatch:
     all_lora: bool
     has_lora: bool
     graph: bool = False  # CUDA-graph batch: static buffers, every LoRA layer runs its kernels (they read ranks on the device)
+    skip_dense: bool = False
+    skip_experts: bool = False
 
     @property
     def token_slots(self) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """CUDA graphs of the decode step: one graph per batch-size bucket, in two sets (with LoRA kernels, and
-without for base-only batches), captured at start-up into one shared memory pool.
+without for base-only batches), captured at start-up into one shared memory pool. With
+MOELORA_LORA_GRAPH_VARIANTS=1 two more sets: LoRA on the dense weights only ("dense": batches whose adapters
+adapt no routed expert, e.g. PEFT's default attention targets) and on the routed experts only ("experts").
 
 Replay refreshes static buffers in place: token ids, positions, KV slots, block tables, per-row
 sequence lengths, and the LoRA slot groups. Rows past the real batch are padding: LoRA slot -1, KV
@@ -8,6 +10,7 @@ writes into the cache's dummy block, attention skipped (token_seq -1).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from itertools import chain
 
@@ -18,9 +21,28 @@ from moelora.adapters.metadata import LoRABatch
 from moelora.engine.graph_inputs import DecodeHostInputs
 from moelora.engine.kv_cache import KVCache
 from moelora.layers.attention import AttentionMetadata
-from moelora.layers.lora import lora_work_count
+from moelora.layers.lora import LORA_SLOT_WRITES, LoRAWeights, lora_work_count, slot_target_groups
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+# Batch 64 fp8 with attention-only adapters paid 1.24 ms a step over no adapter (11.87 against 10.63 ms, session
+# 18) for 0.04 ms of LoRA bytes: the routed-expert LoRA kernels ran for slots of rank 0. Off until measured.
+LORA_GRAPH_VARIANTS = os.environ.get("MOELORA_LORA_GRAPH_VARIANTS", "0") == "1"
+
+
+def lora_graph_mode(slots: list[int], groups: list[tuple[bool, bool]], variants: bool) -> bool | str:
+    """Which graph serves a batch: False (no token on an adapter, or, with variants, none of its slots adapts
+    anything), True (LoRA kernels everywhere), or with variants "dense" / "experts" (the batch's slots adapt only
+    dense weights / only routed experts). groups: slot_target_groups of the model."""
+    used = {s for s in slots if s >= 0}
+    if not used:
+        return False
+    if not variants:
+        return True
+    dense = any(groups[s][0] for s in used)
+    experts = any(groups[s][1] for s in used)
+    if dense and experts:
+        return True
+    return "dense" if dense else ("experts" if experts else False)
 
 
 def decode_host_inputs(token_ids: list[int], positions: list[int], block_tables: list[list[int]], bs: int,
@@ -79,12 +101,16 @@ class DecodeGraphs:
         self.host = DecodeHostInputs(B, max_blocks_per_seq, kv.block_size, self.dummy_slot, pin=dev.type == "cuda")
         self.incremental = os.environ.get("MOELORA_INCREMENTAL_HOST_INPUTS", "1") != "0"
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the last step's host-to-device copies
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # keys (bucket, mode): mode True (LoRA), False (base only), "dense" / "experts" (variants, lora_graph_mode)
+        self.graphs: dict[tuple[int, bool | str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.max_batch_size = B
-        self.replays: dict[tuple[int, bool], int] = {}  # (bucket, with LoRA) -> replays, for tests and stats
-        self.lora_layer_calls: dict[tuple[int, bool], int] = {}  # LoRA computations recorded into each graph
+        self.replays: dict[tuple[int, bool | str], int] = {}  # (bucket, mode) -> replays, for tests and stats
+        self.lora_layer_calls: dict[tuple[int, bool | str], int] = {}  # LoRA computations recorded into each graph
         # per graph: (MoE block, its top-k ids, its router logits or None), outputs of the capture kept alive
-        self._routing: dict[tuple[int, bool], list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]]] = {}
+        self._routing: dict[tuple[int, bool | str], list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]]] = {}
+        self.variants = LORA_GRAPH_VARIANTS
+        self._lora_weights = [m for m in model.modules() if isinstance(m, LoRAWeights)]
+        self._groups_at, self._groups = -1, []  # slot_target_groups as of LORA_SLOT_WRITES == _groups_at
 
     def _attn(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -96,9 +122,10 @@ class DecodeGraphs:
     @torch.no_grad()
     def capture(self) -> None:
         pool = None
-        for with_lora in (True, False):
+        modes: list[bool | str] = [True, False] + (["dense", "experts"] if self.variants else [])
+        for mode in modes:
             for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-                lora = self.lora_batches[bs] if with_lora else None
+                lora = self._lora_batch(bs, mode)
                 args = (self.input_ids[:bs], self.positions[:bs], self._attn(bs), self.kv.caches, lora)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
@@ -110,13 +137,29 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.model(*args)
                 pool = graph.pool()
-                self.graphs[(bs, with_lora)] = (graph, out)
-                self.lora_layer_calls[(bs, with_lora)] = lora_work_count() - calls
+                self.graphs[(bs, mode)] = (graph, out)
+                self.lora_layer_calls[(bs, mode)] = lora_work_count() - calls
                 # each MoE block's routing output of this graph (statistics and tests read it after a replay)
-                self._routing[(bs, with_lora)] = [(m, m.last_topk_ids, getattr(m, "last_router_logits", None))
+                self._routing[(bs, mode)] = [(m, m.last_topk_ids, getattr(m, "last_router_logits", None))
                                                   for m in self.model.modules()
                                                   if getattr(m, "last_topk_ids", None) is not None]
         torch.cuda.synchronize()
+
+    def _lora_batch(self, bs: int, mode: bool | str) -> LoRABatch | None:
+        """The LoRA metadata a graph of this mode is captured with (the variants share the bucket's buffers)."""
+        if mode is False:
+            return None
+        lb = self.lora_batches[bs]
+        if mode is True:
+            return lb
+        return dataclasses.replace(lb, skip_experts=mode == "dense", skip_dense=mode == "experts")
+
+    def mode(self, slots: list[int]) -> bool | str:
+        """lora_graph_mode of a batch, the slots' target groups recomputed after any slot write."""
+        if self.variants and self._groups_at != LORA_SLOT_WRITES[0]:
+            self._groups_at = LORA_SLOT_WRITES[0]
+            self._groups = slot_target_groups(self._lora_weights, self.max_loras)
+        return lora_graph_mode(slots, self._groups, self.variants)
 
     def release(self) -> None:
         """Drop every captured graph and the pool they share. Under tensor/expert parallelism this must precede
@@ -152,14 +195,14 @@ class DecodeGraphs:
             self._copied.record()
         if input_tokens is not None:  # after the host copy: these ids win
             self.input_ids[:n].copy_(input_tokens)
-        with_lora = any(s >= 0 for s in slots)
-        if with_lora:
+        mode = self.mode(slots)
+        if mode is not False:
             self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)
-        graph, out = self.graphs[(bs, with_lora)]
+        graph, out = self.graphs[(bs, mode)]
         graph.replay()
-        for module, topk_ids, router_logits in self._routing.get((bs, with_lora), ()):
+        for module, topk_ids, router_logits in self._routing.get((bs, mode), ()):
             module.last_topk_ids = topk_ids
             if router_logits is not None:
                 module.last_router_logits = router_logits
-        self.replays[(bs, with_lora)] = self.replays.get((bs, with_lora), 0) + 1
+        self.replays[(bs, mode)] = self.replays.get((bs, mode), 0) + 1
         return out[:n]

@@ -81,6 +81,7 @@ class LoRAWeights(nn.Module):
 
     @torch.no_grad()
     def clear(self, slice_idx: int, slot: int) -> None:
+        LORA_SLOT_WRITES[0] += 1
         self.a[slice_idx, slot].zero_()
         self.b[slice_idx][slot].zero_()
         self.scaling[slice_idx, slot] = 0.0
@@ -138,6 +139,20 @@ class LoRATarget:
     num_experts: int | None
 
 
+LORA_SLOT_WRITES = [0]  # slot writes so far (set_slot clears first): summaries of the slots recompute after one
+
+
+def slot_target_groups(weights: list[LoRAWeights], max_loras: int) -> list[tuple[bool, bool]]:
+    """Per slot: (a dense LoRA weight — attention, shared experts, dense MLP, MLA — has a nonzero rank there,
+    a routed-expert one has). weights: every LoRAWeights of the model."""
+    out = []
+    for s in range(max_loras):
+        dense = any(w.ranks[i][s] for w in weights if w.num_experts is None for i in range(w.num_slices))
+        experts = any(w.ranks[i][s] for w in weights if w.num_experts is not None for i in range(w.num_slices))
+        out.append((dense, experts))
+    return out
+
+
 def slot_has_lora(weights: LoRAWeights | None, slot_ids: list[int]) -> bool:
     """True when any of the batch's slots has a nonzero rank on any slice of these weights."""
     if weights is None:
@@ -156,10 +171,14 @@ def lora_work_count() -> int:
 
 def lora_active(weights: LoRAWeights | None, lora) -> bool:
     """Whether a LoRA-carrying layer must run its LoRA kernels for this batch: any of the batch's slots has
-    a nonzero rank here, or (CUDA graph) always, since the graph serves every later mix of adapters.
-    Counts each True answer in LORA_WORK."""
+    a nonzero rank here, or (CUDA graph) always, since the graph serves every later mix of adapters — unless
+    the graph is one for batches without dense / routed-expert adapters (lora.skip_dense / skip_experts) and
+    these weights are of that kind. Counts each True answer in LORA_WORK."""
     if weights is None or lora is None or not lora.has_lora:
         return False
-    active = lora.graph or slot_has_lora(weights, lora.slot_ids)
+    if lora.graph:
+        active = not (lora.skip_experts if weights.num_experts is not None else lora.skip_dense)
+    else:
+        active = slot_has_lora(weights, lora.slot_ids)
     LORA_WORK["layer_calls"] += int(active)
     return active
