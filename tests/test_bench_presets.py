@@ -145,12 +145,13 @@ def _tiny_decode(tmp_path, *extra: str) -> tuple[argparse.Namespace, list[dict]]
 
 def test_bench_decode_lora_targets(tmp_path, capsys):
     """--lora-targets all,attention,experts: the adapter cases run once per entry, each with adapters that adapt
-    only those targets (named ad{i}-{entry}), labelled in the row and the printed line; the floor counts only the
-    factors adapted, so both subsets read less than all; an unknown entry is refused before the model is built."""
+    only those targets (named ad{i}-{entry}), labelled in the row and the printed line; an unknown entry is
+    refused before the model is built."""
     _, rows = _tiny_decode(tmp_path, "--lora-targets", "all,attention,experts")
     assert [(r["adapters"], r["lora_targets"]) for r in rows] == [(0, None), (1, "all"), (1, "attention"), (1, "experts")]
-    floor = {r["lora_targets"]: r["floor_bytes"] for r in rows}
-    assert floor[None] < floor["attention"] < floor["all"] and floor[None] < floor["experts"] < floor["all"]
+    # (each case samples its own tokens, so its routing and touched experts differ: the floor's arithmetic per
+    # target set is checked on one routing in test_floor_of_a_sharded_run_is_its_busiest_rank)
+    assert all(r["floor_bytes"] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "(attention only)" in out and "(experts only)" in out
     with pytest.raises(ValueError, match="unknown entry 'mlp'"):
