@@ -148,7 +148,8 @@ def test_bench_decode_lora_targets(tmp_path, capsys):
     only those targets (named ad{i}-{entry}), labelled in the row and the printed line; an unknown entry is
     refused before the model is built."""
     _, rows = _tiny_decode(tmp_path, "--lora-targets", "all,attention,experts")
-    assert [(r["adapters"], r["lora_targets"]) for r in rows] == [(0, None), (1, "all"), (1, "attention"), (1, "experts")]
+    assert [(r["adapters"], r["lora_targets"]) for r in rows] == [
+        (0, None), (1, "all"), (1, "attention"), (1, "experts")]
     # (each case samples its own tokens, so its routing and touched experts differ: the floor's arithmetic per
     # target set is checked on one routing in test_floor_of_a_sharded_run_is_its_busiest_rank)
     assert all(r["floor_bytes"] > 0 for r in rows)

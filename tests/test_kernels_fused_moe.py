@@ -149,7 +149,9 @@ def test_lora_delta_dtype_switch(monkeypatch):
         _triton.set_lora_delta_dtype("bf16")
     code = "from moelora.kernels._triton import lora_delta_dtype; import torch; print(lora_delta_dtype(torch.half))"
     env = {k: v for k, v in __import__("os").environ.items() if k != "MOELORA_LORA_DELTA_DTYPE"}
-    run = lambda **e: subprocess.run([sys.executable, "-c", code], env={**env, **e}, capture_output=True, text=True)  # noqa: E731
+    def run(**e):
+        return subprocess.run([sys.executable, "-c", code], env={**env, **e}, capture_output=True, text=True)
+
     assert run().stdout.strip() == "torch.float32"
     assert run(MOELORA_LORA_DELTA_DTYPE="activation").stdout.strip() == "torch.float16"
     bad = run(MOELORA_LORA_DELTA_DTYPE="half")

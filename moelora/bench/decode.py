@@ -86,7 +86,8 @@ LORA_TARGET_SETS = ("all", "attention", "experts")
 
 def check_target_set(which: str) -> str:
     if which not in LORA_TARGET_SETS:
-        raise ValueError(f"--lora-targets: unknown entry {which!r}; expected a comma list of {', '.join(LORA_TARGET_SETS)}")
+        raise ValueError(f"--lora-targets: unknown entry {which!r}; expected a comma list of "
+                         f"{', '.join(LORA_TARGET_SETS)}")
     return which
 
 
@@ -262,8 +263,8 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
         engine.abort_request(r)
         engine.pop_finished(r)
     step_ms = dt / max(done_steps, 1) * 1e3
-    return {"batch": batch, "adapters": n_adapters, "workload": workload, "lora_targets": lora_targets if n_adapters else None,
-            "tokens_per_s": tokens / dt,
+    return {"batch": batch, "adapters": n_adapters, "workload": workload,
+            "lora_targets": lora_targets if n_adapters else None, "tokens_per_s": tokens / dt,
             "step_ms": step_ms, "floor_bytes": floor, "experts_touched": touched, "decode_steps": done_steps,
             "runner_ms": runner_ms, "host_ms": step_ms - runner_ms,
             "ahead_steps": getattr(engine, "ahead_steps", 0) - ahead0, **({"profile": prof} if prof else {})}

@@ -107,7 +107,8 @@ class DecodeGraphs:
         self.replays: dict[tuple[int, bool | str], int] = {}  # (bucket, mode) -> replays, for tests and stats
         self.lora_layer_calls: dict[tuple[int, bool | str], int] = {}  # LoRA computations recorded into each graph
         # per graph: (MoE block, its top-k ids, its router logits or None), outputs of the capture kept alive
-        self._routing: dict[tuple[int, bool | str], list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]]] = {}
+        self._routing: dict[tuple[int, bool | str],
+                            list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]]] = {}
         self.variants = LORA_GRAPH_VARIANTS
         self._lora_weights = [m for m in model.modules() if isinstance(m, LoRAWeights)]
         self._groups_at, self._groups = -1, []  # slot_target_groups as of LORA_SLOT_WRITES == _groups_at
@@ -141,8 +142,8 @@ class DecodeGraphs:
                 self.lora_layer_calls[(bs, mode)] = lora_work_count() - calls
                 # each MoE block's routing output of this graph (statistics and tests read it after a replay)
                 self._routing[(bs, mode)] = [(m, m.last_topk_ids, getattr(m, "last_router_logits", None))
-                                                  for m in self.model.modules()
-                                                  if getattr(m, "last_topk_ids", None) is not None]
+                                             for m in self.model.modules()
+                                             if getattr(m, "last_topk_ids", None) is not None]
         torch.cuda.synchronize()
 
     def _lora_batch(self, bs: int, mode: bool | str) -> LoRABatch | None:

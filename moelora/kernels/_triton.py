@@ -100,8 +100,8 @@ def set_lora_even_r(enabled: bool) -> None:
     the entries past each slot's rank zeroed after the load, instead of under a per-element rank mask (2-byte
     loads); the same values. On by default (session 18, fp8 128/128 with the routed kernel pipelined: batch 64 with
     4 / 8 adapters 5,180 / 5,029 tok/s against 5,151 / 4,978 without; batch 256 13,633 / 12,386 against session
-    16's 13,390 / 11,994); MOELORA_LORA_EVEN_R=0 turns it off. (The per-pair routed kernel takes that form with its pipelined loops,
-    set_fused_lora_pipeline.)"""
+    16's 13,390 / 11,994); MOELORA_LORA_EVEN_R=0 turns it off. (The per-pair routed kernel takes that form with
+    its pipelined loops, set_fused_lora_pipeline.)"""
     _LORA_EVEN_R[0] = bool(enabled)
 
 

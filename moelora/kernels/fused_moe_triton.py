@@ -449,8 +449,8 @@ def _delta_strides(delta: torch.Tensor | None, like: torch.Tensor) -> tuple[torc
 def silu_and_mul(gu: torch.Tensor, out: torch.Tensor | None = None, delta: torch.Tensor | None = None,
                  quant_group: int | None = None) -> torch.Tensor:
     """silu_and_mul_ref in one launch · gu: [P, 2I] · out: [P, I] (made when None) · returns out.
-    delta: [P, 2I] fp32 (or gu's dtype) or None: the activation of gu + delta, the sum rounded once to gu's dtype first (the
-    numbers of gu.add_(delta) then silu_and_mul, one launch and no write of the sum).
+    delta: [P, 2I] fp32 (or gu's dtype) or None: the activation of gu + delta, the sum rounded once to gu's dtype
+    first (the numbers of gu.add_(delta) then silu_and_mul, one launch and no write of the sum).
     quant_group: also quantize out per row and group as quantize_act_group(out, quant_group) would, in the same
     launch, and attach it to out (fp8_triton.attach_act_quant: an FP8 down projection reads it); skipped when
     I is not a multiple of the group."""
@@ -479,8 +479,8 @@ def moe_combine(o: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor |
                 delta: torch.Tensor | None = None) -> torch.Tensor:
     """moe_combine_ref in one launch (deterministic: a fixed k order, no atomics).
     o: [T*K, H] · topk_weights: [T, K] · out: [T, H] (made in o.dtype when None) · returns out.
-    delta: [T*K, H] fp32 (or o's dtype) or None: combines o + delta, each sum rounded once to o's dtype first (the numbers
-    of o.add_(delta) then moe_combine; a weight-0 pair adds nothing, whatever its delta row holds)."""
+    delta: [T*K, H] fp32 (or o's dtype) or None: combines o + delta, each sum rounded once to o's dtype first (the
+    numbers of o.add_(delta) then moe_combine; a weight-0 pair adds nothing, whatever its delta row holds)."""
     require_triton()
     T, K = topk_weights.shape
     H = o.shape[1]

@@ -74,9 +74,10 @@ def set_fused_lora_stages(stages: int, expand_stages: int | None = None) -> None
 
 
 def fused_stages(num_warps: int) -> tuple[int, int]:
-    """(shrink, expand) loop depths: with set_fused_lora_pipeline(True) (the default), PIPELINED_STAGES for 4-warp launches (from
-    64 tokens at top-8: 14% / 23% less time per call there, session 17) and 1 below (few programs with more warps:
-    not measured pipelined); 1 otherwise; a depth forced by set_fused_lora_stages / the environment wins."""
+    """(shrink, expand) loop depths: with set_fused_lora_pipeline(True) (the default), PIPELINED_STAGES for 4-warp
+    launches (from 64 tokens at top-8: 14% / 23% less time per call there, session 17) and 1 below (few programs
+    with more warps: not measured pipelined); 1 otherwise; a depth forced by set_fused_lora_stages / the
+    environment wins."""
     auto = PIPELINED_STAGES if num_warps == 4 and _AUTO_PIPELINE[0] else 1
     return _D_STAGES[0] or auto, _E_STAGES[0] or auto
 
