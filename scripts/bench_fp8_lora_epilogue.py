@@ -18,6 +18,7 @@ layer's weights between calls; --dtype bfloat16: the same on a bf16 base (no epi
 all slots — and session 16 the shrink inline in the GEMM; the comment in _fp8_gemm_kernel has the figures. --json writes the rows with the date, device and commit.)
 
     python scripts/bench_fp8_lora_epilogue.py [--tokens 16,64,256,1024,4096] [--adapters 1,4,8] [--json out.json]
+    python scripts/bench_fp8_lora_epilogue.py --tokens 16,64,256 --adapters 4,8 --shrink-configs 0x0,16x64,16x128
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ import torch
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.bench.common import git_commit, graph_time_us
+from moelora.kernels.lora_triton import lora_shrink, lora_shrink_config, set_lora_shrink_config
 from moelora.kernels.fp8_triton import fp8_lora_split, set_fp8_lora_epilogue, set_fp8_lora_pdl, set_fp8_lora_split
 from moelora.layers.fp8 import Fp8State, to_fp8
-from moelora.layers.linear import LoRALinear, set_single_slot_fast_path
+from moelora.layers.linear import LoRALinear, dense_lora_h, set_single_slot_fast_path
 
 SHAPES = {"qkv": (2048, [4096, 512, 512]), "o": (4096, [2048])}
 MAX_LORAS, RANK = 8, 16
@@ -63,8 +65,50 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp8", choices=["fp8", "bfloat16"],
                     help="the base weights (bfloat16: cuBLAS base, the grouped shrink/expand kernels; no epilogue)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shrink-configs", default=None,
+                    help="comma-separated SPLITSxBLOCK_K dense shrink configurations (0x0: the default) to sweep")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
+    rows = sweep_shrink(args, g) if args.shrink_configs else run_forms(args, g)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                   "commit": git_commit(), "dtype": args.dtype, "rows": rows}, f, indent=1)
+
+
+def sweep_shrink(args: argparse.Namespace, g: torch.Generator) -> list[dict]:
+    """The default call (shrink + GEMM with the LoRA program) and the shrink alone, µs, per shrink configuration."""
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.shrink_configs.split(",")]
+    print(f"{'case':>4} {'T':>5} {'ad':>3} {'config':>7} | {'base':>7} {'call':>7} {'shrink':>7}  (µs per call)")
+    rows, default = [], lora_shrink_config()
+    for name in SHAPES:
+        mods = build(name, args.layers, g, args.dtype == "fp8")
+        D = SHAPES[name][0]
+        for T in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+            base = graph_time_us(lambda li: mods[li](x), args.layers)
+            for n_ad in (int(a) for a in args.adapters.split(",")):
+                batch = LoRABatch.build([t % n_ad for t in range(T)], MAX_LORAS, "cuda")
+                set_single_slot_fast_path(False)
+                try:
+                    for splits, block_k in configs:
+                        set_lora_shrink_config(splits, block_k)
+                        hs = [dense_lora_h(m.lora, x) for m in mods]
+                        call = graph_time_us(lambda li: mods[li](x, batch), args.layers)
+                        shrink = graph_time_us(lambda li: lora_shrink(x, mods[li].lora.a, mods[li].lora.rank_tensor,
+                                                                      batch.groups, hs[li]), args.layers)
+                        rows.append({"case": name, "tokens": T, "adapters": n_ad, "shrink_splits": hs[0].shape[0],
+                                     "shrink_block_k": block_k, "base_us": base, "call_us": call,
+                                     "shrink_us": shrink})
+                        print(f"{name:>4} {T:>5} {n_ad:>3} {hs[0].shape[0]:>3}x{block_k:<3} | {base:7.1f} "
+                              f"{call:7.1f} {shrink:7.1f}")
+                finally:
+                    set_lora_shrink_config(*default)
+                    set_single_slot_fast_path(True)
+    return rows
+
+
+def run_forms(args: argparse.Namespace, g: torch.Generator) -> list[dict]:
     rows = []
     print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'after':>7} {'split2':>7} {'nopdl':>7} {'separ':>7} "
           f"{'one_row':>7} {'single':>7}  (µs per call)")
@@ -114,10 +158,7 @@ def main() -> None:
                                  for k in ("after_us", "split2_us", "nopdl_us"))
                 print(f"{name:>4} {T:>5} {n_ad:>3} | {base:7.1f} {row['epilogue_us']:7.1f} {modes} {row['separate_us']:7.1f} "
                       f"{row['one_row_us']:7.1f} {single}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                   "commit": git_commit(), "dtype": args.dtype, "rows": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

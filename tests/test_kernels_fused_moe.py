@@ -152,7 +152,8 @@ def test_lora_delta_dtype_switch(monkeypatch):
     def run(**e):
         return subprocess.run([sys.executable, "-c", code], env={**env, **e}, capture_output=True, text=True)
 
-    assert run().stdout.strip() == "torch.float32"
+    assert run().stdout.strip() == "torch.float16"  # the default: the activations' dtype
+    assert run(MOELORA_LORA_DELTA_DTYPE="fp32").stdout.strip() == "torch.float32"
     assert run(MOELORA_LORA_DELTA_DTYPE="activation").stdout.strip() == "torch.float16"
     bad = run(MOELORA_LORA_DELTA_DTYPE="half")
     assert bad.returncode != 0 and "MOELORA_LORA_DELTA_DTYPE must be fp32 or activation" in bad.stderr
@@ -311,3 +312,39 @@ def test_gpu_graph_replay_equals_eager(T, qwen_weights):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, step())
+
+
+@pytest.mark.parametrize("kind", ["fp32", "activation"])
+def test_serial_lora_deltas_take_the_overlapped_paths_rounding(kind, monkeypatch):
+    """Without a side stream, deltas in the activations' dtype (the default) are still computed into their own
+    buffer (store mode) and added by the consumer, as the overlapped path does — so overlap on and off give the
+    same bits; fp32 deltas are added in place by the expand (the same values, one rounding)."""
+    from moelora.kernels import _triton, moe_lora_fused_triton
+    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+
+    monkeypatch.setattr(_triton, "_LORA_DELTA", [kind])
+    calls = []
+    real = moe_lora_fused_triton.fused_for
+
+    def spy_for(shrink):
+        fused = real(shrink)
+
+        def spy(*args, store=False, **kw):
+            calls.append((args[9].dtype, store))
+            return fused(*args, store=store, **kw)
+        return spy
+
+    monkeypatch.setattr(moe_lora_fused_triton, "fused_for", spy_for)
+    gen = torch.Generator().manual_seed(3)
+    T, K, E, dtype = 7, 2, 16, DTYPES[-1]
+    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    w_gu, w_d = _weights(E, dtype, gen)
+    weights, ids = _routing(T, E, K, gen)
+    args = expert_lora_args(T, E, dtype, gen)
+    got = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, moe_lora_shrink_ref, moe_lora_expand_ref)
+    if kind == "activation" and dtype != torch.float32:
+        assert calls == [(dtype, True), (dtype, True)]  # gate_up, down: into their delta buffers
+    else:
+        assert calls == [(dtype, False), (dtype, False)]  # added into y by the kernel itself
+    ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
+    assert _rel(got, ref) < BOUND[dtype]

@@ -204,3 +204,48 @@ def test_single_adapter_layer_takes_the_measured_path(fp8, monkeypatch):
             linear.set_single_slot_fast_path(True)
         assert (y.float() - other.float()).abs().max() <= 2.0**-6 * other.float().abs().max()
         assert (y.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
+
+
+def test_shrink_config_sets_the_split_count_and_k_tile_without_changing_results():
+    """set_lora_shrink_config (the decode launch experiment): the split count of the shrink's buffer follows it (at
+    most one K tile per split), the K tile follows it, and the expand of its partials equals the reference; 0x0 is
+    the default again; bad values raise."""
+    from moelora.kernels.lora_triton import _block_k, lora_shrink_config, lora_shrink_splits, set_lora_shrink_config
+
+    gen = torch.Generator().manual_seed(5)
+    dtype = DTYPES[0]
+    a, b, ranks, scaling, off = _weights(dtype, gen)
+    T, n = 24, len(OUTS)
+    slots = token_slots(POPULARITY[-1], T, S, gen)
+    groups = SlotGroups.build(slots, S, DEVICE)
+    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    y0 = torch.randn(T, sum(OUTS), generator=gen).to(DEVICE, dtype)
+    y_ref = y0.clone()
+    h_ref = torch.zeros(n, T, R, device=DEVICE)
+    lora_shrink_ref(x, a, ranks, groups, h_ref)
+    lora_expand_ref(h_ref, b, off, ranks, scaling, groups, y_ref)
+    default = (lora_shrink_splits(T, H), _block_k(H, T))
+    try:
+        for splits, block_k in ((3, 16), (64, 16), (2, 32)):
+            set_lora_shrink_config(splits, block_k)
+            assert lora_shrink_config() == (splits, block_k)
+            assert _block_k(H, T) == min(block_k, triton_next_pow2(H))
+            want = min(splits, -(-H // _block_k(H, T)))
+            assert lora_shrink_splits(T, H) == want
+            parts = torch.full((want, n, T, R), float("nan"), device=DEVICE)
+            lora_shrink(x, a, ranks, groups, parts)
+            y = y0.clone()
+            lora_expand(parts, b, off, ranks, scaling, groups, y)
+            atol, rtol = tolerance(dtype)
+            torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+        set_lora_shrink_config(0, 0)
+        assert (lora_shrink_splits(T, H), _block_k(H, T)) == default
+        for bad in ((-1, 0), (0, 24), (0, 8)):
+            with pytest.raises(ValueError, match="set_lora_shrink_config"):
+                set_lora_shrink_config(*bad)
+    finally:
+        set_lora_shrink_config(0, 0)
+
+
+def triton_next_pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()

@@ -550,16 +550,16 @@ def test_gpu_dense_fused_qwen3_qkv(popularity, num_tokens, R):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True, "bf16_delta"])
+@pytest.mark.parametrize("overlap", [False, True, "fp32_delta"])
 def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, monkeypatch):
     """Switch on: fused_moe_pairs (Triton base + fused LoRA; store mode on the side stream when overlapping)
     equals the unfused path, and a CUDA-graph replay equals eager after new routing and slots are written.
-    bf16_delta: overlapping, with the deltas in the activations' dtype (set_lora_delta_dtype("activation"))."""
+    True: overlapping, the deltas in the activations' dtype (set_lora_delta_dtype's default); fp32_delta:
+    overlapping with fp32 deltas (set_lora_delta_dtype("fp32"))."""
     from moelora.kernels import _triton
     from moelora.kernels.moe import fused_moe_pairs
 
-    if overlap == "bf16_delta":
-        monkeypatch.setattr(_triton, "_LORA_DELTA", ["activation"])
+    monkeypatch.setattr(_triton, "_LORA_DELTA", ["fp32" if overlap == "fp32_delta" else "activation"])
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
     from moelora.kernels.streams import side_stream
 

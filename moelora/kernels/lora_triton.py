@@ -8,6 +8,8 @@ References with the same signatures: kernels/lora.py.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, dot_precision, lora_even_r, require_triton
@@ -140,7 +142,37 @@ def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else (32 if num_tokens <= 64 else 64)
 
 
-def _block_k(H: int) -> int:
+def _env_int(name: str) -> int:
+    v = os.environ.get(name, "0") or "0"
+    if not v.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer (0: the default), got {v!r}")
+    return int(v)
+
+
+# set_lora_shrink_config / MOELORA_LORA_SHRINK_SPLITS, MOELORA_LORA_SHRINK_BLOCK_K (0: the defaults below): a
+# launch experiment for the dense shrink at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens), swept by
+# scripts/bench_fp8_lora_epilogue.py --shrink-configs
+_SHRINK_CONFIG = [_env_int("MOELORA_LORA_SHRINK_SPLITS"), _env_int("MOELORA_LORA_SHRINK_BLOCK_K")]
+
+
+def set_lora_shrink_config(splits: int = 0, block_k: int = 0) -> None:
+    """The dense shrink's split-K factor and K tile at decode sizes (0: the default of each). The results are the
+    same up to fp32 summation order; a CUDA graph keeps the configuration it was captured with."""
+    if splits < 0 or block_k < 0 or (block_k and (block_k < 16 or block_k & (block_k - 1))):
+        raise ValueError(f"set_lora_shrink_config: splits >= 0 and block_k 0 or a power of two >= 16, "
+                         f"got splits={splits}, block_k={block_k}")
+    _SHRINK_CONFIG[0], _SHRINK_CONFIG[1] = int(splits), int(block_k)
+
+
+def lora_shrink_config() -> tuple[int, int]:
+    """(splits, block_k) of set_lora_shrink_config; 0 = the default."""
+    return _SHRINK_CONFIG[0], _SHRINK_CONFIG[1]
+
+
+def _block_k(H: int, num_tokens: int | None = None) -> int:
+    forced = _SHRINK_CONFIG[1]
+    if forced and num_tokens is not None and num_tokens <= SHRINK_SPLIT_MAX_TOKENS:
+        return min(forced, max(16, triton.next_power_of_2(H)))
     return 64 if H >= 64 else max(16, triton.next_power_of_2(H))
 
 
@@ -150,9 +182,12 @@ SHRINK_SPLIT_MAX_TOKENS = 256  # lora_shrink splits K up to this many tokens (de
 def lora_shrink_splits(num_tokens: int, H: int) -> int:
     """Split-K factor of lora_shrink for T tokens and input width H: decode batches (<= 256 tokens) split the input
     dim, up to 8 splits of >= 4 K tiles each, so that enough programs share the K loop (each (slot group, row
-    block, slice) program otherwise walks all of H serially: 19 us a call at 256 tokens on the H200); else 1."""
+    block, slice) program otherwise walks all of H serially: 19 us a call at 256 tokens on the H200); else 1.
+    set_lora_shrink_config's splits, when set, replace the 8 (at most one K tile per split)."""
     if not HAS_TRITON or num_tokens > SHRINK_SPLIT_MAX_TOKENS:
         return 1
+    if _SHRINK_CONFIG[0]:
+        return max(1, min(_SHRINK_CONFIG[0], triton.cdiv(H, _block_k(H, num_tokens))))
     return max(1, min(8, H // (_block_k(H) * 4)))
 
 
@@ -193,7 +228,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         H, R, S,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
-        BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
+        BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H, T), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
         **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}),
     )
 

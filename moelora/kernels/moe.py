@@ -3,6 +3,7 @@
 Expert weights follow transformers >= 5: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -133,9 +134,12 @@ def fused_moe_pairs(
     shrink, expand: moe_lora_shrink/expand (Triton) or their references; plan: a function
     (topk_ids, token_slots, E, max_loras) -> alignment passed to the kernels as `align` (computed once per layer).
     side_stream: a CUDA stream; when given (and P <= OVERLAP_MAX_PAIRS) each LoRA chain (shrink, then expand
-    into a zeroed fp32 delta [P, O]) runs on it while the main stream runs the base expert GEMM; the main
-    stream joins before adding the delta (gu + delta rounds once, exactly as the in-place expand does): on the
-    Triton fast path the activation and combine kernels read the delta and add it themselves (no extra pass).
+    into a delta [P, O]) runs on it while the main stream runs the base expert GEMM; the main stream joins
+    before adding the delta (gu + delta rounds once): on the Triton fast path the activation and combine kernels
+    read the delta and add it themselves (no extra pass). The delta is in the activations' dtype by default
+    (set_lora_delta_dtype; PEFT's bf16 LoRA output is rounded so too), and then the serial path (no side stream)
+    computes the same delta on the main stream: the side stream only moves work. With fp32 deltas the serial path
+    adds in place (y + delta in fp32, rounded once: the same values).
     set_fused_lora(True) (kernels/_triton.py), P <= GEMV_MAX_PAIRS and shrink the Triton kernel or its reference:
     each projection's LoRA delta is one fused launch (moe_lora_fused[_ref]; store mode into delta when overlapping);
     with set_grouped_lora(True) too, from GROUPED_MIN_PAIRS pairs, the grouped kernel (moe_lora_grouped: one
@@ -185,25 +189,27 @@ def fused_moe_pairs(
         n, R = a.shape[0], a.shape[3]
         if offs is None:
             offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
-        if fused is not None and not overlap:
-            y = gemm(y_in, w)
-            fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair)
-            return y, None
         h = None if fused is not None else torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
-        if not overlap:
+        from moelora.kernels._triton import lora_delta_dtype
+
+        delta_dtype = lora_delta_dtype(x.dtype)
+        # serial with fp32 deltas: the expand adds into y itself (rounded once). Otherwise a delta buffer
+        # (fp32, or the activations' dtype: set_lora_delta_dtype), made on main before any fork, that the consumer
+        # adds: the same arithmetic with and without the side stream, which only moves work
+        if not overlap and delta_dtype == torch.float32:
             y = gemm(y_in, w)
-            h.zero_()
-            shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
-            expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, **kw)
+            if fused is not None:
+                fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair)
+            else:
+                h.zero_()
+                shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
+                expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, **kw)
             return y, None
         from moelora.kernels.streams import fork, join
 
-        from moelora.kernels._triton import lora_delta_dtype
-
-        # on main, before the fork; fp32 unless set_lora_delta_dtype("activation")
-        delta = torch.empty(P, w.shape[1], dtype=lora_delta_dtype(x.dtype), device=x.device)
-        main = fork(side_stream)
-        with torch.cuda.stream(side_stream):
+        delta = torch.empty(P, w.shape[1], dtype=delta_dtype, device=x.device)
+        main = fork(side_stream) if overlap else None
+        with torch.cuda.stream(side_stream) if overlap else contextlib.nullcontext():
             if fused is not None:  # store mode writes every entry of delta: no zero-fill, no h
                 fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, per_pair, store=True)
             else:
@@ -212,9 +218,10 @@ def fused_moe_pairs(
                 shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
                 expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, **kw)
         y = gemm(y_in, w)
-        join(main, side_stream)
+        if overlap:
+            join(main, side_stream)
         if fast is None:
-            return y.add_(delta), None  # computed in fp32, rounded once to y's dtype
+            return y.add_(delta), None  # y + delta (fp32, or already rounded to y's dtype), rounded once
         return y, delta  # the fast path's activation / combine kernel adds it (same rounding, no extra pass)
 
     gu_parts = None if lora is None else (
