@@ -1,6 +1,7 @@
 """Compile the FP8 Triton kernels for sm_90 without a GPU (run by test_fp8.py in a subprocess, without the
 interpreter): grouped with in-kernel quantization, dense, pre-quantized input, the activation quantization, and the
-NVFP4 weight-only GEMM (grouped and dense); and the grouped routed-expert LoRA kernel."""
+NVFP4 weight-only GEMM (grouped and dense); and the grouped routed-expert LoRA kernel; the dense LoRA shrink launched with
+PDL after its producers."""
 
 import inspect
 
@@ -68,6 +69,26 @@ sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr"
                   num_warps=4).asm["ptx"]
 assert "griddepcontrol.launch_dependents" in sh
 print("ok gemm with PDL after the shrink")
+# MOELORA_LORA_SHRINK_PDL: the shrink launched with PDL after x's producer waits for it (after its first A tile),
+# then lets the GEMM start; the producers (RMSNorm, decode attention) let it start at once
+sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",
+                                   "sorted_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32",
+                                   "start_ptr": "*i32"},
+                  dict(BLOCK_M=32, BLOCK_R=16, BLOCK_K=64, SPLIT_K=8, PRECISION="ieee", LAUNCH_DEPENDENTS=True,
+                       WAIT_PRIMARY=True), num_warps=4, launch_pdl=True).asm["ptx"]
+assert sh.index("griddepcontrol.wait") < sh.index("griddepcontrol.launch_dependents")
+from moelora.kernels.attention_triton import _paged_attn_reduce_kernel  # noqa: E402
+
+for kern, ptrs_p, consts_p in [
+        (_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "ro_ptr": "*bf16",
+                            "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32"},
+         dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, LAUNCH_DEPENDENTS=True)),
+        (_paged_attn_reduce_kernel, {"out_ptr": "*bf16", "ws_o_ptr": "*fp32", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
+                                     "token_seq_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+                                     "oq_ptr": "*fp8e4nv", "os_ptr": "*fp32"},
+         dict(D=128, BLOCK_D=128, BLOCK_P=8, TILE=64, HAS_WINDOW=False, QUANT=True, LAUNCH_DEPENDENTS=True))]:
+    assert "griddepcontrol.launch_dependents" in compile_sm90(kern, ptrs_p, consts_p, num_warps=4).asm["ptx"]
+print("ok shrink with PDL after its producer")
 consts.update(LORA_SPLIT=0, PARTS=1, LORA_WAIT=False)
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)

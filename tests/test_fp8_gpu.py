@@ -8,6 +8,7 @@ rounded): <= sqrt(2) * 2^-4 (FP8_RMS_BOUND) for one GEMM. A MoE layer vs bf16 on
 (only the two GEMMs' activations rounded, 2^-4 RMS each): < 2^-3.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -318,6 +319,80 @@ def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D):
     assert torch.equal(eager, plain)
     assert all(torch.equal(o, plain) for o in outs)
     assert (plain.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
+
+
+@pytest.mark.parametrize("T", [3, 64])
+@pytest.mark.parametrize("ranks", ["adapters", "all_rank_0"])
+def test_lora_shrink_launched_with_pdl_after_the_norm_equals_the_plain_launch(T, ranks):
+    """set_lora_shrink_pdl: the residual-add RMSNorm (quantizing its output for the FP8 GEMM) lets the next kernel
+    start at once, the qkv shrink is launched with PDL after it (first A tiles read while the norm runs), then the
+    GEMM with PDL after the shrink: bit-equal to the plain launches, eagerly and over CUDA-graph replays whose norm
+    input changes before each replay (a shrink or a GEMM reading the norm's output early would differ); also when
+    every slot has rank 0 here (every shrink program exits, and the GEMM must still wait for the norm)."""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.kernels import _triton
+    from moelora.kernels import lora_triton as lt
+    from moelora.kernels.norm_triton import rms_norm
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    D = 2048
+    lin = _fp8_qkv_with_adapters(D, g)
+    if ranks == "all_rank_0":
+        for s in range(4):
+            for i in range(3):
+                lin.lora.clear(i, s)
+    w = torch.rand(D, device=DEV, generator=g).bfloat16() + 0.5
+    # graph=True: the LoRA kernels run whatever the ranks (as in a CUDA graph), also eagerly
+    batch = dataclasses.replace(LoRABatch.build([i % 5 - 1 for i in range(T)], 4, DEV), graph=True)
+    inputs = [(torch.randn(T, D, device=DEV, generator=g).bfloat16(), torch.randn(T, D, device=DEV, generator=g)
+               .bfloat16()) for _ in range(6)]
+    x_in, r_in = (torch.empty_like(inputs[0][0]) for _ in range(2))
+
+    def step():
+        y, _ = rms_norm(x_in, w, 1e-6, residual=r_in, quant_group=128)
+        return lin(y, batch)
+
+    def plain_outputs():
+        outs = []
+        for x, r in inputs:
+            x_in.copy_(x)
+            r_in.copy_(r)
+            outs.append(step().clone())
+        return outs
+
+    launches = []
+    real = lt._shrink_kernel.run
+
+    def spy(*args, **kwargs):
+        launches.append(bool(kwargs.get("launch_pdl", False)))
+        return real(*args, **kwargs)
+
+    try:
+        _triton.set_lora_shrink_pdl(False)
+        plain = plain_outputs()
+        _triton.set_lora_shrink_pdl(True)
+        assert _triton.lora_shrink_pdl(torch.device(DEV)), "PDL expected on this GPU"
+        lt._shrink_kernel.run = spy
+        eager = plain_outputs()
+        lt._shrink_kernel.__dict__.pop("run")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = step()
+        replays = []
+        for _ in range(3):
+            for x, r in inputs:
+                x_in.copy_(x)
+                r_in.copy_(r)
+                graph.replay()
+                replays.append(replayed.clone())
+        torch.cuda.synchronize()
+    finally:
+        lt._shrink_kernel.__dict__.pop("run", None)
+        _triton.set_lora_shrink_pdl(False)
+    assert launches and all(launches), launches  # the shrink was launched with PDL
+    assert all(torch.equal(a, b) for a, b in zip(eager, plain))
+    assert all(torch.equal(o, plain[k % len(plain)]) for k, o in enumerate(replays))
+    assert not torch.equal(plain[0], plain[1])  # the inputs matter
 
 
 def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):

@@ -249,3 +249,35 @@ def test_shrink_config_sets_the_split_count_and_k_tile_without_changing_results(
 
 def triton_next_pow2(v: int) -> int:
     return 1 << (v - 1).bit_length()
+
+
+def test_shrink_after_its_producer_peels_the_first_k_tile_and_equals_the_plain_shrink():
+    """The shrink's PDL form (set_lora_shrink_pdl; its griddepcontrol waits left out here, GDC=False, as the
+    interpreter has none): the first K tile's A read before x, dead programs (unused groups, rows past a group's
+    count, rank 0) writing nothing — the same partials as the plain kernel, split-K 1 and 3."""
+    import moelora.kernels.lora_triton as lt
+
+    gen = torch.Generator().manual_seed(9)
+    dtype = DTYPES[0]
+    a, _, ranks, _, _ = _weights(dtype, gen)
+    T, n = 24, len(OUTS)
+    slots = token_slots(POPULARITY[-1], T, S, gen)
+    groups = SlotGroups.build(slots, S, DEVICE)
+    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    for split_k in (1, 3):
+        outs = []
+        for wait in (False, True):
+            out = torch.full((split_k, n, T, R), float("nan"), device=DEVICE)
+            grid = (triton_cdiv(T, 16), n * split_k, groups.active_slots.shape[0])
+            lt._shrink_kernel[grid](
+                x, a, out, ranks, groups.sorted_token_ids, groups.active_slots, groups.slot_counts,
+                groups.slot_starts, H, R, S, x.stride(0), x.stride(1), *a.stride(), *out.stride(),
+                BLOCK_M=16, BLOCK_R=16, BLOCK_K=16, SPLIT_K=split_k, PRECISION="ieee",
+                **({"WAIT_PRIMARY": True, "GDC": False} if wait else {}))
+            outs.append(out)
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, equal_nan=True)
+        assert not outs[1].isnan().all() and outs[1].isnan().any()  # written where live, untouched elsewhere
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -91,6 +91,32 @@ def dense_lora_overlap() -> bool:
     return _DENSE_LORA_OVERLAP[0]
 
 
+_LORA_SHRINK_PDL = [os.environ.get("MOELORA_LORA_SHRINK_PDL", "0") == "1"]
+
+
+def set_lora_shrink_pdl(enabled: bool) -> None:
+    """The dense FP8 LoRA shrink launched with PDL right after the kernel that writes its input (RMSNorm before
+    qkv, decode attention before o_proj), which lets it start at once (producer_launch_dependents): the shrink
+    reads its first A tiles while that kernel runs and x after it completes. Off by default until measured;
+    MOELORA_LORA_SHRINK_PDL=1. Results do not change; CUDA graphs keep the launches they captured."""
+    _LORA_SHRINK_PDL[0] = bool(enabled)
+
+
+def lora_shrink_pdl(device) -> bool:
+    """set_lora_shrink_pdl on, and a GPU of compute capability >= 9.0 (griddepcontrol), not the interpreter."""
+    if not (_LORA_SHRINK_PDL[0] and getattr(device, "type", None) == "cuda") or interpreting():
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def producer_launch_dependents(device) -> dict:
+    """Launch arguments of a kernel that writes a dense LoRA layer's input: {"LAUNCH_DEPENDENTS": True} (every
+    program first lets the next kernel start; one launched without PDL ignores it) where lora_shrink_pdl(device)."""
+    return {"LAUNCH_DEPENDENTS": True} if lora_shrink_pdl(device) else {}
+
+
 _LORA_EVEN_R = [os.environ.get("MOELORA_LORA_EVEN_R", "1") != "0"]
 
 

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, producer_launch_dependents, require_triton
 
 TILE_N = 64  # keys per inner step of the split kernel
 SPLIT_PROGRAMS_PER_SM = 4  # split-KV grid target: this many (row, KV head, split) programs per SM
@@ -136,8 +136,10 @@ if HAS_TRITON:
         sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
+        oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False,
     ):
+        if LAUNCH_DEPENDENTS:  # (DIRECT) a LoRA shrink launched with PDL after this may start now (it waits)
+            tl.extra.cuda.gdc_launch_dependents()
         # QUANT (DIRECT only): also out quantized per (row, head) for an FP8 o_proj: oq [T, Hq * D] e4m3 and
         # os [T, Hq] fp32 (one scale group = one head: D == the GEMM's group), the numbers of quantize_act_group
         # program (t, kvh, sp): query row t, its G heads of KV head kvh, the sp-th chunk of tps tiles of
@@ -214,7 +216,10 @@ if HAS_TRITON:
         window, NUM_SPLITS, MIN_TILES, so_t, so_h,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TILE: tl.constexpr,
         HAS_WINDOW: tl.constexpr, oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
+        LAUNCH_DEPENDENTS: tl.constexpr = False,
     ):
+        if LAUNCH_DEPENDENTS:  # a LoRA shrink launched with PDL after this may start now (it waits for out)
+            tl.extra.cuda.gdc_launch_dependents()
         # program (t, h): out[t, h] = sum_s w_s * o_s over the row's active splits, in index order,
         # w_s = l_s * 2^(m_s - M) / sum_s' l_s' * 2^(m_s' - M), M = max_s m_s (maxima in log2 units)
         t = tl.program_id(0)
@@ -459,11 +464,12 @@ def paged_attention(
         BLOCK_SIZE=BS, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
         TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=direct, DOT_PRECISION=precision,
         num_warps=4, num_stages=2, **(quant if direct else {}),
+        **(producer_launch_dependents(q.device) if direct else {}),
     )
     if not direct:
         _paged_attn_reduce_kernel[(T, Hq)](
             out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
             sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
             D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_splits), TILE=TILE_N,
-            HAS_WINDOW=has_window, num_warps=1, **quant,
+            HAS_WINDOW=has_window, num_warps=1, **quant, **producer_launch_dependents(q.device),
         )

@@ -34,13 +34,75 @@ if HAS_TRITON:
         return bt
 
     @triton.jit
+    def _shrink_after_producer(
+        x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr, H, R, S,
+        sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, GDC: tl.constexpr,
+    ):
+        """_shrink_kernel's program launched with PDL right after the kernel writing x (which may let it start
+        early: gdc_launch_dependents): its first A tile (weights, and the slot metadata, written before that
+        kernel began) is loaded, then every program waits for x's producer (gdc_wait) — dead ones too, so that a
+        dependent of this kernel never starts before x is complete — and only then lets its own dependent start.
+        GDC False (tests under the interpreter, which has no griddepcontrol): the same arithmetic without them."""
+        pid_mr = tl.program_id(0)
+        pid_isk = tl.program_id(1)
+        group = tl.program_id(2)
+        slot = tl.load(active_ptr + group)
+        slot_c = tl.maximum(slot, 0)
+        count = tl.where(slot >= 0, tl.load(count_ptr + group), 0)
+        n_rb = tl.cdiv(R, BLOCK_R)
+        pid_m = pid_mr // n_rb
+        pid_r = pid_mr % n_rb
+        i = pid_isk // SPLIT_K
+        sk = pid_isk % SPLIT_K
+        rank = tl.where(slot >= 0, tl.load(ranks_ptr + i * S + slot_c), 0)
+        live = (pid_m * BLOCK_M < count) & (pid_r * BLOCK_R < rank)
+        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < tl.where(live, rank, 0)  # all false for a dead program: it loads nothing
+        offs_k = tl.arange(0, BLOCK_K)
+        a_base = a_ptr + i * sa_i + slot_c.to(tl.int64) * sa_s
+        kk = sk * BLOCK_K + offs_k
+        mask_k = kk < H
+        at = tl.load(a_base + offs_r[None, :] * sa_r + kk[:, None] * sa_k, mask=mask_r[None, :] & mask_k[:, None],
+                     other=0.0)
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+            if LAUNCH_DEPENDENTS:
+                tl.extra.cuda.gdc_launch_dependents()
+        if live:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < count
+            rows = tl.load(sorted_ptr + tl.load(start_ptr + group) + offs_m, mask=mask_m, other=0).to(tl.int64)
+            xt = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk, mask=mask_m[:, None] & mask_k[None, :],
+                         other=0.0)
+            acc = tl.dot(xt, at, input_precision=PRECISION)
+            for k0 in range((sk + SPLIT_K) * BLOCK_K, H, BLOCK_K * SPLIT_K):
+                kk = k0 + offs_k
+                mask_k = kk < H
+                xt = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk,
+                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                at = tl.load(a_base + offs_r[None, :] * sa_r + kk[:, None] * sa_k,
+                             mask=mask_r[None, :] & mask_k[:, None], other=0.0)
+                acc += tl.dot(xt, at, input_precision=PRECISION)
+            ptrs = out_ptr + sk * so_s + i * so_i + rows[:, None] * so_m + offs_r[None, :] * so_r
+            tl.store(ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
+
+    @triton.jit
     def _shrink_kernel(
         x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
         H, R, S,
         sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
+        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False, WAIT_PRIMARY: tl.constexpr = False,
+        GDC: tl.constexpr = True,
     ):
+        if WAIT_PRIMARY:  # launched with PDL after x's producer: A's first tile read before x is complete
+            _shrink_after_producer(
+                x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr, H, R, S,
+                sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
+                BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, PRECISION, LAUNCH_DEPENDENTS, GDC)
+            return
         if LAUNCH_DEPENDENTS:  # the next kernel (launched with PDL) may start now; it waits before reading out
             tl.extra.cuda.gdc_launch_dependents()
         pid_mr = tl.program_id(0)
@@ -203,7 +265,7 @@ def _as_parts(t: torch.Tensor) -> torch.Tensor:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: SlotGroups, out: torch.Tensor,
-                launch_dependents: bool = False) -> None:
+                launch_dependents: bool = False, wait_primary: bool = False) -> None:
     """Semantics (out [n, T, R] is out[0] of a [1, n, T, R] one):
         for i in range(n): for t in range(T):
             s = token_slots[t]
@@ -213,6 +275,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
     out: [split_k, n, T, R] or [n, T, R] fp32, any contents (lora_shrink_buffer makes one)
     launch_dependents: every program first lets the next kernel start (programmatic dependent launch, sm_90+:
     that kernel is launched with launch_pdl and waits for this grid before it reads out; a no-op otherwise)
+    wait_primary: launched with PDL itself (sm_90+) right after the kernel that writes x, which may let it start
+    early (producer_launch_dependents): A's first tiles are read while that kernel runs, x only after it is complete;
+    with launch_dependents, the next kernel is let start only then (it may read what x's producer wrote)
     """
     require_triton()
     n, S, R, H = a.shape
@@ -230,6 +295,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
         BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H, T), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
         **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}),
+        **({"WAIT_PRIMARY": True, "launch_pdl": True} if wait_primary else {}),
     )
 
 

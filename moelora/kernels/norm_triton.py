@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, producer_launch_dependents, require_triton
 
 if HAS_TRITON:
     import triton
@@ -19,7 +19,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, q_ptr, qs_ptr, D, sx, sr, sy, sro, sq, sqs, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0,
+                         LAUNCH_DEPENDENTS: tl.constexpr = False):
+        if LAUNCH_DEPENDENTS:  # a LoRA shrink launched with PDL after this may start now (it waits for y)
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < D
@@ -120,7 +123,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
                                   ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
-                                  BLOCK=block, QUANT_GROUP=quant_group if quant else 0)
+                                  BLOCK=block, QUANT_GROUP=quant_group if quant else 0,
+                                  **producer_launch_dependents(x.device))
     out = y.view(x.shape)
     if quant and x.dim() == 2:
         attach_act_quant(out, q, qs, quant_group)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
-from moelora.kernels._triton import HAS_TRITON, dense_lora_overlap, fused_dense_lora, interpreting
+from moelora.kernels._triton import HAS_TRITON, dense_lora_overlap, fused_dense_lora, interpreting, lora_shrink_pdl
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused_decode
 from moelora.layers.lora import LoRAWeights, lora_active
@@ -149,7 +149,7 @@ class LoRALinear(nn.Module):
         xq, xs = fp8_prequantize(x, block[1])  # before the shrink: with PDL nothing may run between it and the GEMM
         h = dense_lora_h(w, x)
         pdl = fp8_lora_pdl(x.device)
-        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl)
+        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl, wait_primary=lora_shrink_pdl(x.device))
         epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots,
                               lora.groups.active_slots, pdl)
         return fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, lora=epi,
