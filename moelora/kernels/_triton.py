@@ -82,8 +82,11 @@ _DENSE_LORA_OVERLAP = [os.environ.get("MOELORA_DENSE_LORA_OVERLAP", "0") == "1"]
 
 def set_dense_lora_overlap(enabled: bool) -> None:
     """Dense (attention / dense MLP) LoRA chains on the side CUDA stream beside their base GEMM, in modules whose
-    `overlap` is on (--lora-overlap). Off by default until measured on a GPU; on with
-    MOELORA_DENSE_LORA_OVERLAP=1. CUDA graphs record the streams: set it before they are captured."""
+    `overlap` is on (--lora-overlap); modules without it compute the same delta on the main stream, then add it
+    (bit-equal). On an FP8 base the GEMM then runs without its LoRA epilogue and the delta is added after it: one
+    bf16 rounding more than the epilogue. Off by default (session 13, on a base twice as slow as now: no gain; to
+    measure again: scripts/gpu_next_dense_overlap.sh); on with MOELORA_DENSE_LORA_OVERLAP=1. CUDA graphs record the
+    streams: set it before they are captured."""
     _DENSE_LORA_OVERLAP[0] = bool(enabled)
 
 

@@ -119,8 +119,10 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if not lora_active(self.lora, lora):
             return self.base(x)
-        if self.overlap and x.is_cuda and dense_lora_overlap():
-            return self._forward_overlapped(x, lora)
+        if x.is_cuda and dense_lora_overlap():
+            # the side stream only moves work: a module without it computes the same delta, then adds it (on an
+            # FP8 base that is one rounding more than the GEMM's LoRA epilogue, on either path)
+            return self._forward_overlapped(x, lora) if self.overlap else self.lora_delta_then_add(x, lora)
         if self._fp8_epilogue_ok(x, lora):
             return self._forward_fp8_epilogue(x, lora)
         y = self.base(x)
