@@ -81,6 +81,28 @@ def sweep_shrink(args: argparse.Namespace, g: torch.Generator) -> list[dict]:
     configs = [tuple(int(v) for v in c.split("x")) for c in args.shrink_configs.split(",")]
     print(f"{'case':>4} {'T':>5} {'ad':>3} {'config':>7} | {'base':>7} {'call':>7} {'shrink':>7}  (µs per call)")
     rows, default = [], lora_shrink_config()
+    for name, mods, T, x, base, n_ad, batch in cases(args, g):
+        set_single_slot_fast_path(False)
+        try:
+            for splits, block_k in configs:
+                set_lora_shrink_config(splits, block_k)
+                hs = [dense_lora_h(m.lora, x) for m in mods]
+                call = graph_time_us(lambda li: mods[li](x, batch), args.layers)
+                shrink = graph_time_us(lambda li: lora_shrink(x, mods[li].lora.a, mods[li].lora.rank_tensor,
+                                                              batch.groups, hs[li]), args.layers)
+                rows.append({"case": name, "tokens": T, "adapters": n_ad, "shrink_splits": hs[0].shape[0],
+                             "shrink_block_k": block_k, "base_us": base, "call_us": call, "shrink_us": shrink})
+                print(f"{name:>4} {T:>5} {n_ad:>3} {hs[0].shape[0]:>3}x{block_k:<3} | {base:7.1f} "
+                      f"{call:7.1f} {shrink:7.1f}")
+        finally:
+            set_lora_shrink_config(*default)
+            set_single_slot_fast_path(True)
+    return rows
+
+
+def cases(args: argparse.Namespace, g: torch.Generator):
+    """(name, modules, T, x [T, D], base µs, adapters, LoRABatch of T tokens round-robin over them) for every
+    shape, --tokens and --adapters entry; the base (no adapter) timed once per (shape, T)."""
     for name in SHAPES:
         mods = build(name, args.layers, g, args.dtype == "fp8")
         D = SHAPES[name][0]
@@ -88,24 +110,7 @@ def sweep_shrink(args: argparse.Namespace, g: torch.Generator) -> list[dict]:
             x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
             base = graph_time_us(lambda li: mods[li](x), args.layers)
             for n_ad in (int(a) for a in args.adapters.split(",")):
-                batch = LoRABatch.build([t % n_ad for t in range(T)], MAX_LORAS, "cuda")
-                set_single_slot_fast_path(False)
-                try:
-                    for splits, block_k in configs:
-                        set_lora_shrink_config(splits, block_k)
-                        hs = [dense_lora_h(m.lora, x) for m in mods]
-                        call = graph_time_us(lambda li: mods[li](x, batch), args.layers)
-                        shrink = graph_time_us(lambda li: lora_shrink(x, mods[li].lora.a, mods[li].lora.rank_tensor,
-                                                                      batch.groups, hs[li]), args.layers)
-                        rows.append({"case": name, "tokens": T, "adapters": n_ad, "shrink_splits": hs[0].shape[0],
-                                     "shrink_block_k": block_k, "base_us": base, "call_us": call,
-                                     "shrink_us": shrink})
-                        print(f"{name:>4} {T:>5} {n_ad:>3} {hs[0].shape[0]:>3}x{block_k:<3} | {base:7.1f} "
-                              f"{call:7.1f} {shrink:7.1f}")
-                finally:
-                    set_lora_shrink_config(*default)
-                    set_single_slot_fast_path(True)
-    return rows
+                yield name, mods, T, x, base, n_ad, LoRABatch.build([t % n_ad for t in range(T)], MAX_LORAS, "cuda")
 
 
 def run_forms(args: argparse.Namespace, g: torch.Generator) -> list[dict]:
@@ -113,51 +118,44 @@ def run_forms(args: argparse.Namespace, g: torch.Generator) -> list[dict]:
     print(f"{'case':>4} {'T':>5} {'ad':>3} | {'base':>7} {'epilog':>7} {'after':>7} {'split2':>7} {'nopdl':>7} {'separ':>7} "
           f"{'one_row':>7} {'single':>7}  (µs per call)")
     split_default = fp8_lora_split()
-    for name in SHAPES:
-        mods = build(name, args.layers, g, args.dtype == "fp8")
-        D = SHAPES[name][0]
-        for T in (int(t) for t in args.tokens.split(",")):
-            x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-            base = graph_time_us(lambda li: mods[li](x), args.layers)
-            for n_ad in (int(a) for a in args.adapters.split(",")):
-                batch = LoRABatch.build([t % n_ad for t in range(T)], MAX_LORAS, "cuda")
-                one = LoRABatch.build([-1] * (T - 1) + [0], MAX_LORAS, "cuda")
-                set_single_slot_fast_path(False)  # the grouped kernels (what a CUDA graph runs)
+    for name, mods, T, x, base, n_ad, batch in cases(args, g):
+        one = LoRABatch.build([-1] * (T - 1) + [0], MAX_LORAS, "cuda")
+        set_single_slot_fast_path(False)  # the grouped kernels (what a CUDA graph runs)
+        try:
+            row = {"case": name, "tokens": T, "adapters": n_ad, "base_us": base,
+                   "epilogue_us": graph_time_us(lambda li: mods[li](x, batch), args.layers),
+                   "one_row_us": graph_time_us(lambda li: mods[li](x, one), args.layers)}
+            for key, mode in (("after_us", 0), ("split2_us", 2)):
+                if args.dtype != "fp8":
+                    row[key] = None
+                    continue
+                set_fp8_lora_split(mode, 1 << 30)
                 try:
-                    row = {"case": name, "tokens": T, "adapters": n_ad, "base_us": base,
-                           "epilogue_us": graph_time_us(lambda li: mods[li](x, batch), args.layers),
-                           "one_row_us": graph_time_us(lambda li: mods[li](x, one), args.layers)}
-                    for key, mode in (("after_us", 0), ("split2_us", 2)):
-                        if args.dtype != "fp8":
-                            row[key] = None
-                            continue
-                        set_fp8_lora_split(mode, 1 << 30)
-                        try:
-                            row[key] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
-                        finally:
-                            set_fp8_lora_split(*split_default)
-                    row["nopdl_us"] = None
-                    if args.dtype == "fp8":
-                        set_fp8_lora_pdl(False)
-                        try:
-                            row["nopdl_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
-                        finally:
-                            set_fp8_lora_pdl(True)
-                    set_fp8_lora_epilogue(False)
-                    try:
-                        row["separate_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
-                    finally:
-                        set_fp8_lora_epilogue(True)
+                    row[key] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
                 finally:
-                    set_single_slot_fast_path(True)
-                row["single_slot_us"] = (graph_time_us(lambda li: mods[li](x, batch), args.layers) if n_ad == 1
-                                         else None)
-                rows.append(row)
-                single = f"{row['single_slot_us']:7.1f}" if n_ad == 1 else f"{'':>7}"
-                modes = " ".join(f"{row[k]:7.1f}" if row[k] is not None else f"{'':>7}"
-                                 for k in ("after_us", "split2_us", "nopdl_us"))
-                print(f"{name:>4} {T:>5} {n_ad:>3} | {base:7.1f} {row['epilogue_us']:7.1f} {modes} {row['separate_us']:7.1f} "
-                      f"{row['one_row_us']:7.1f} {single}")
+                    set_fp8_lora_split(*split_default)
+            row["nopdl_us"] = None
+            if args.dtype == "fp8":
+                set_fp8_lora_pdl(False)
+                try:
+                    row["nopdl_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
+                finally:
+                    set_fp8_lora_pdl(True)
+            set_fp8_lora_epilogue(False)
+            try:
+                row["separate_us"] = graph_time_us(lambda li: mods[li](x, batch), args.layers)
+            finally:
+                set_fp8_lora_epilogue(True)
+        finally:
+            set_single_slot_fast_path(True)
+        row["single_slot_us"] = (graph_time_us(lambda li: mods[li](x, batch), args.layers) if n_ad == 1
+                                 else None)
+        rows.append(row)
+        single = f"{row['single_slot_us']:7.1f}" if n_ad == 1 else f"{'':>7}"
+        modes = " ".join(f"{row[k]:7.1f}" if row[k] is not None else f"{'':>7}"
+                         for k in ("after_us", "split2_us", "nopdl_us"))
+        print(f"{name:>4} {T:>5} {n_ad:>3} | {base:7.1f} {row['epilogue_us']:7.1f} {modes} {row['separate_us']:7.1f} "
+              f"{row['one_row_us']:7.1f} {single}")
     return rows
 
 

@@ -1,7 +1,7 @@
 """Compile the FP8 Triton kernels for sm_90 without a GPU (run by test_fp8.py in a subprocess, without the
 interpreter): grouped with in-kernel quantization, dense, pre-quantized input, the activation quantization, and the
-NVFP4 weight-only GEMM (grouped and dense); and the grouped routed-expert LoRA kernel; the dense LoRA shrink launched with
-PDL after its producers."""
+NVFP4 weight-only GEMM (grouped and dense); and the grouped routed-expert LoRA kernel; the dense LoRA shrink
+launched with PDL after its producers."""
 
 import inspect
 

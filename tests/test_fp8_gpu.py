@@ -8,6 +8,7 @@ rounded): <= sqrt(2) * 2^-4 (FP8_RMS_BOUND) for one GEMM. A MoE layer vs bf16 on
 (only the two GEMMs' activations rounded, 2^-4 RMS each): < 2^-3.
 """
 
+import contextlib
 import dataclasses
 import random
 
@@ -275,6 +276,23 @@ def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, lora_s
     assert (fused.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
 
 
+@contextlib.contextmanager
+def pdl_launches(kernel):
+    """Records, for each launch of a Triton kernel inside the block, whether it was launched with PDL (launch_pdl)."""
+    calls: list[bool] = []
+    real = kernel.run  # the bound method (the spy below shadows it on the instance)
+
+    def spy(*args, **kwargs):
+        calls.append(bool(kwargs.get("launch_pdl", False)))
+        return real(*args, **kwargs)
+
+    kernel.run = spy
+    try:
+        yield calls
+    finally:
+        kernel.__dict__.pop("run", None)
+
+
 @pytest.mark.parametrize("D", [2048, 4096])  # qkv (unsplit at 64 rows) and o_proj's input width (split-K 4)
 @pytest.mark.parametrize("T", [3, 64, 256])  # 256: the LoRA expand after the K steps (set_fp8_lora_split mode 0)
 def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D):
@@ -290,20 +308,12 @@ def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D):
     lin = _fp8_qkv_with_adapters(D, g)
     x = torch.randn(T, D, device=DEV, generator=g).bfloat16()
     batch = LoRABatch.build([i % 5 - 1 for i in range(T)], 4, DEV)
-    calls = []
-    real = ft._fp8_gemm_kernel.run  # the bound method (the spy below shadows it on the instance)
-
-    def spy(*args, **kwargs):
-        calls.append(bool(kwargs.get("launch_pdl", False)))
-        return real(*args, **kwargs)
-
     try:
         ft.set_fp8_lora_pdl(False)
         plain = lin(x, batch)
         ft.set_fp8_lora_pdl(True)
-        ft._fp8_gemm_kernel.run = spy
-        eager = lin(x, batch)
-        ft._fp8_gemm_kernel.__dict__.pop("run")
+        with pdl_launches(ft._fp8_gemm_kernel) as calls:
+            eager = lin(x, batch)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = lin(x, batch)
@@ -313,7 +323,6 @@ def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D):
             outs.append(replayed.clone())
         torch.cuda.synchronize()
     finally:
-        ft._fp8_gemm_kernel.__dict__.pop("run", None)
         ft.set_fp8_lora_pdl(True)
     assert calls == [True], calls  # the GEMM was launched with PDL
     assert torch.equal(eager, plain)
@@ -360,21 +369,13 @@ def test_lora_shrink_launched_with_pdl_after_the_norm_equals_the_plain_launch(T,
             outs.append(step().clone())
         return outs
 
-    launches = []
-    real = lt._shrink_kernel.run
-
-    def spy(*args, **kwargs):
-        launches.append(bool(kwargs.get("launch_pdl", False)))
-        return real(*args, **kwargs)
-
     try:
         _triton.set_lora_shrink_pdl(False)
         plain = plain_outputs()
         _triton.set_lora_shrink_pdl(True)
         assert _triton.lora_shrink_pdl(torch.device(DEV)), "PDL expected on this GPU"
-        lt._shrink_kernel.run = spy
-        eager = plain_outputs()
-        lt._shrink_kernel.__dict__.pop("run")
+        with pdl_launches(lt._shrink_kernel) as launches:
+            eager = plain_outputs()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = step()
@@ -387,7 +388,6 @@ def test_lora_shrink_launched_with_pdl_after_the_norm_equals_the_plain_launch(T,
                 replays.append(replayed.clone())
         torch.cuda.synchronize()
     finally:
-        lt._shrink_kernel.__dict__.pop("run", None)
         _triton.set_lora_shrink_pdl(False)
     assert launches and all(launches), launches  # the shrink was launched with PDL
     assert all(torch.equal(a, b) for a, b in zip(eager, plain))
@@ -403,6 +403,7 @@ def test_fp8_dense_lora_overlap_equals_its_serial_form_in_and_out_of_graphs(T):
     add) bit for bit, eagerly and in a CUDA graph; it differs from the epilogue form (switch off) by one rounding
     only. (Written in session 19 after its device time ran out: scripts/gpu_next_dense_overlap.sh runs it.)"""
     from moelora.adapters.metadata import LoRABatch
+    from moelora.bench.common import captured_graph
     from moelora.kernels._triton import dense_lora_overlap, set_dense_lora_overlap, set_deterministic
 
     g = torch.Generator(device=DEV).manual_seed(T)
@@ -419,14 +420,7 @@ def test_fp8_dense_lora_overlap_equals_its_serial_form_in_and_out_of_graphs(T):
         serial = lin(x, batch)
         lin.overlap = True
         overlapped = lin(x, batch)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            lin(x, batch)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = lin(x, batch)
+        graph, replayed = captured_graph(lambda: lin(x, batch))
         graph.replay()
         torch.cuda.synchronize()
     finally:

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import triton
 
 from kernel_cases import DEVICE, DTYPES, NUM_TOKENS, ON_GPU, POPULARITY, token_slots, tolerance
 from moelora.kernels.groups import SlotGroups
@@ -212,13 +213,8 @@ def test_shrink_config_sets_the_split_count_and_k_tile_without_changing_results(
     the default again; bad values raise."""
     from moelora.kernels.lora_triton import _block_k, lora_shrink_config, lora_shrink_splits, set_lora_shrink_config
 
-    gen = torch.Generator().manual_seed(5)
-    dtype = DTYPES[0]
-    a, b, ranks, scaling, off = _weights(dtype, gen)
-    T, n = 24, len(OUTS)
-    slots = token_slots(POPULARITY[-1], T, S, gen)
-    groups = SlotGroups.build(slots, S, DEVICE)
-    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    gen, dtype, (a, b, ranks, scaling, off), groups, x = _mixed_case(5)
+    T, n = x.shape[0], len(OUTS)
     y0 = torch.randn(T, sum(OUTS), generator=gen).to(DEVICE, dtype)
     y_ref = y0.clone()
     h_ref = torch.zeros(n, T, R, device=DEVICE)
@@ -229,7 +225,7 @@ def test_shrink_config_sets_the_split_count_and_k_tile_without_changing_results(
         for splits, block_k in ((3, 16), (64, 16), (2, 32)):
             set_lora_shrink_config(splits, block_k)
             assert lora_shrink_config() == (splits, block_k)
-            assert _block_k(H, T) == min(block_k, triton_next_pow2(H))
+            assert _block_k(H, T) == min(block_k, triton.next_power_of_2(H))
             want = min(splits, -(-H // _block_k(H, T)))
             assert lora_shrink_splits(T, H) == want
             parts = torch.full((want, n, T, R), float("nan"), device=DEVICE)
@@ -247,8 +243,13 @@ def test_shrink_config_sets_the_split_count_and_k_tile_without_changing_results(
         set_lora_shrink_config(0, 0)
 
 
-def triton_next_pow2(v: int) -> int:
-    return 1 << (v - 1).bit_length()
+def _mixed_case(seed: int, T: int = 24):
+    """(generator, dtype, _weights(...), SlotGroups of T tokens on the last popularity, x [T, H])."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[0]
+    weights = _weights(dtype, gen)
+    groups = SlotGroups.build(token_slots(POPULARITY[-1], T, S, gen), S, DEVICE)
+    return gen, dtype, weights, groups, torch.randn(T, H, generator=gen).to(DEVICE, dtype)
 
 
 def test_shrink_after_its_producer_peels_the_first_k_tile_and_equals_the_plain_shrink():
@@ -257,18 +258,13 @@ def test_shrink_after_its_producer_peels_the_first_k_tile_and_equals_the_plain_s
     count, rank 0) writing nothing — the same partials as the plain kernel, split-K 1 and 3."""
     import moelora.kernels.lora_triton as lt
 
-    gen = torch.Generator().manual_seed(9)
-    dtype = DTYPES[0]
-    a, _, ranks, _, _ = _weights(dtype, gen)
-    T, n = 24, len(OUTS)
-    slots = token_slots(POPULARITY[-1], T, S, gen)
-    groups = SlotGroups.build(slots, S, DEVICE)
-    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    _, _, (a, _, ranks, _, _), groups, x = _mixed_case(9)
+    T, n = x.shape[0], len(OUTS)
     for split_k in (1, 3):
         outs = []
         for wait in (False, True):
             out = torch.full((split_k, n, T, R), float("nan"), device=DEVICE)
-            grid = (triton_cdiv(T, 16), n * split_k, groups.active_slots.shape[0])
+            grid = (triton.cdiv(T, 16), n * split_k, groups.active_slots.shape[0])
             lt._shrink_kernel[grid](
                 x, a, out, ranks, groups.sorted_token_ids, groups.active_slots, groups.slot_counts,
                 groups.slot_starts, H, R, S, x.stride(0), x.stride(1), *a.stride(), *out.stride(),
@@ -277,7 +273,3 @@ def test_shrink_after_its_producer_peels_the_first_k_tile_and_equals_the_plain_s
             outs.append(out)
         torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, equal_nan=True)
         assert not outs[1].isnan().all() and outs[1].isnan().any()  # written where live, untouched elsewhere
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -44,19 +44,28 @@ def time_ms(fn, warmup: int = 5, rep: int = 50) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def captured_graph(fn, warm=None):
+    """warm() (default fn()) run on a side stream, as CUDA graph capture asks, then fn() captured: (graph, fn's
+    output in the graph's memory, rewritten by each replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (warm or fn)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def graph_time_us(fn, layers: int, iters: int = 20) -> float:
     """µs per call of fn(layer), replayed from one CUDA graph of `iters` rounds over the layers (best of 5)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for li in range(layers):
-            fn(li)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
+    def rounds(n: int) -> None:
+        for _ in range(n):
             for li in range(layers):
                 fn(li)
+
+    g, _ = captured_graph(lambda: rounds(iters), warm=lambda: rounds(1))
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.bench.common import hbm_bandwidth_gbs, time_ms, write_result
+from moelora.bench.common import captured_graph, hbm_bandwidth_gbs, time_ms, write_result
 from moelora.kernels.groups import SlotGroups
 from moelora.kernels.lora_triton import lora_expand, lora_shrink, lora_shrink_buffer
 from moelora.kernels._triton import fused_lora
@@ -127,14 +127,7 @@ def _moe_case(site: str, T: int, n_ad: int, R: int, H: int = 2048, inter: int = 
 def _graph_time_ms(fn) -> float:
     """Time of fn's kernels replayed from a CUDA graph: the GPU cost without Python launch overhead
     (how the engine runs them in decode)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = captured_graph(fn)
     return time_ms(graph.replay)
 
 

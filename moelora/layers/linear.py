@@ -151,7 +151,8 @@ class LoRALinear(nn.Module):
         xq, xs = fp8_prequantize(x, block[1])  # before the shrink: with PDL nothing may run between it and the GEMM
         h = dense_lora_h(w, x)
         pdl = fp8_lora_pdl(x.device)
-        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl, wait_primary=lora_shrink_pdl(x.device))
+        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl,
+                    wait_primary=lora_shrink_pdl(x.device))
         epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots,
                               lora.groups.active_slots, pdl)
         return fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, lora=epi,
