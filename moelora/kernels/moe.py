@@ -207,7 +207,10 @@ def fused_moe_pairs(
             return y, None
         from moelora.kernels.streams import fork, join
 
-        delta = torch.empty(P, w.shape[1], dtype=delta_dtype, device=x.device)
+        # zero-filled off the fast path: there y.add_(delta) and the weighted sum read every row, also those of
+        # pairs on another rank's expert (e = -1), which the LoRA kernels leave untouched; the fast path's
+        # activation and combine never read those rows
+        delta = (torch.empty if fast is not None else torch.zeros)(P, w.shape[1], dtype=delta_dtype, device=x.device)
         main = fork(side_stream) if overlap else None
         with torch.cuda.stream(side_stream) if overlap else contextlib.nullcontext():
             if fused is not None:  # store mode writes every entry of delta: no zero-fill, no h
