@@ -103,6 +103,13 @@ a = compile_sm90(_silu_and_mul_kernel, {"gu_ptr": "*bf16", "d_ptr": "*fp32", "ou
                  num_warps=4)
 assert all("cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] for k in (n, a))
 print("ok producers quantize")
+# MOELORA_LORA_NORM_SHRINK: the norm also writes the qkv LoRA shrink (grid rows x slices, rank 16 in chunks of 4)
+n = compile_sm90(_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                    "ro_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32",
+                                    "la_ptr": "*bf16", "lrank_ptr": "*i32", "lslot_ptr": "*i32", "lh_ptr": "*fp32"},
+                 dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, LORA_R=16, LORA_CHUNK=4), num_warps=4)
+assert "cvt.rn.satfinite.e4m3x2.f32" in n.asm["ptx"] and n.asm["ptx"].count("st.global") >= 5
+print("ok norm with the LoRA shrink")
 for grouped, block_m, split_k, decode, row_div in [(True, 16, 1, 0, 1), (False, 64, 4, 1, 1), (True, 16, 1, 2, 8)]:
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
             "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}

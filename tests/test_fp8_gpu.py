@@ -433,6 +433,57 @@ def test_fp8_dense_lora_overlap_equals_its_serial_form_in_and_out_of_graphs(T):
     assert (serial.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("T", [3, 64])
+def test_norm_writes_the_qkv_lora_shrink_in_and_out_of_graphs(T):
+    """set_lora_norm_shrink: RMSNorm.add_norm given the qkv LoRALinear also writes its shrink, which the FP8 GEMM's
+    LoRA program reads without waiting; no shrink kernel runs. Against the separate shrink: the same output up to
+    the summation order of h (relative 2^-7), eagerly and over graph replays with new norm inputs. (Written in
+    session 19 after its device time ran out: scripts/gpu_next_dense_overlap.sh runs it.)"""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.bench.common import captured_graph
+    from moelora.kernels import _triton
+    from moelora.kernels import lora_triton as lt
+    from moelora.layers.norm import RMSNorm
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    lin = _fp8_qkv_with_adapters(2048, g)
+    norm = RMSNorm(2048, 1e-6, torch.bfloat16, DEV)
+    norm.act_quant_group = 128
+    batch = dataclasses.replace(LoRABatch.build([i % 5 - 1 for i in range(T)], 4, DEV), graph=True)
+    inputs = [(torch.randn(T, 2048, device=DEV, generator=g).bfloat16(),
+               torch.randn(T, 2048, device=DEV, generator=g).bfloat16()) for _ in range(3)]
+    x_in, r_in = (torch.empty_like(inputs[0][0]) for _ in range(2))
+
+    def step():
+        return lin(norm.add_norm(x_in, r_in, batch, lin)[0], batch)
+
+    def outputs(fn):
+        outs = []
+        for x, r in inputs:
+            x_in.copy_(x)
+            r_in.copy_(r)
+            outs.append(fn().clone())
+        return outs
+
+    try:
+        _triton.set_lora_norm_shrink(False)
+        ref = outputs(step)
+        _triton.set_lora_norm_shrink(True)
+        with pdl_launches(lt._shrink_kernel) as shrinks:
+            eager = outputs(step)
+        graph, out = captured_graph(step)
+        replayed = outputs(lambda: (graph.replay(), out)[1])
+    finally:
+        _triton.set_lora_norm_shrink(False)
+    assert shrinks == []  # the norm wrote h: no shrink launch
+    for got in (eager, replayed):
+        for a, b in zip(got, ref):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2**-7
+    base = lin(norm.add_norm(x_in, r_in)[0])  # the last inputs, no adapter
+    assert (ref[-1].float() - base.float()).abs().max() > 0.05  # the delta is there
+
+
 def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
     from transformers import AutoModelForCausalLM
 

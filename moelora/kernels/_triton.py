@@ -120,6 +120,21 @@ def producer_launch_dependents(device) -> dict:
     return {"LAUNCH_DEPENDENTS": True} if lora_shrink_pdl(device) else {}
 
 
+_LORA_NORM_SHRINK = [os.environ.get("MOELORA_LORA_NORM_SHRINK", "0") == "1"]
+
+
+def set_lora_norm_shrink(enabled: bool) -> None:
+    """The RMSNorm before a decoder layer's qkv projection also writes that projection's LoRA shrink (decode sizes,
+    an FP8 base with the LoRA expand in its GEMM): no shrink launch, and the GEMM's LoRA program waits for nothing.
+    Off by default until measured (written in session 19 without device time left); MOELORA_LORA_NORM_SHRINK=1.
+    Results change by fp32 summation order only; CUDA graphs keep the launches they captured."""
+    _LORA_NORM_SHRINK[0] = bool(enabled)
+
+
+def lora_norm_shrink() -> bool:
+    return _LORA_NORM_SHRINK[0]
+
+
 _LORA_EVEN_R = [os.environ.get("MOELORA_LORA_EVEN_R", "1") != "0"]
 
 

@@ -20,25 +20,49 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, q_ptr, qs_ptr, D, sx, sr, sy, sro, sq, sqs, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0,
-                         LAUNCH_DEPENDENTS: tl.constexpr = False):
+                         LAUNCH_DEPENDENTS: tl.constexpr = False,
+                         la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, S=0, sla_i=0, sla_s=0, sla_r=0,
+                         slh_i=0, slh_m=0, LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4):
+        # LORA_R > 0 (set_lora_norm_shrink): program (row, i) also writes the next LoRA layer's shrink of slice i,
+        # h[i, row, :LORA_R] = y_row @ A[i, slot, :, :].T (0 past the slot's rank, and for rows of slot -1), from
+        # the rounded y the layer reads; only the programs of slice 0 store y, the residual and the quantization
         if LAUNCH_DEPENDENTS:  # a LoRA shrink launched with PDL after this may start now (it waits for y)
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
+        if LORA_R > 0:
+            stores = tl.program_id(1) == 0
+        else:
+            stores = True
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(r_ptr + row * sr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-            tl.store(ro_ptr + row * sro + offs, x, mask=mask)
+            if stores:
+                tl.store(ro_ptr + row * sro + offs, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
         n = (xf * rstd).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = (n * w).to(x.dtype)
-        tl.store(y_ptr + row * sy + offs, y, mask=mask)
-        if QUANT_GROUP > 0:  # the next FP8 GEMM's input, from the rounded output (no quantization launch)
-            store_group_quant(tl.where(mask, y.to(tl.float32), 0.0), q_ptr + row * sq, qs_ptr + row * sqs, 0, D,
-                              448.0, QUANT_GROUP, BLOCK)
+        if stores:
+            tl.store(y_ptr + row * sy + offs, y, mask=mask)
+            if QUANT_GROUP > 0:  # the next FP8 GEMM's input, from the rounded output (no quantization launch)
+                store_group_quant(tl.where(mask, y.to(tl.float32), 0.0), q_ptr + row * sq, qs_ptr + row * sqs, 0, D,
+                                  448.0, QUANT_GROUP, BLOCK)
+        if LORA_R > 0:
+            i = tl.program_id(1)
+            slot = tl.load(lslot_ptr + row)
+            slot_c = tl.maximum(slot, 0)
+            rank = tl.where(slot >= 0, tl.load(lrank_ptr + i * S + slot_c), 0)
+            a_base = la_ptr + i.to(tl.int64) * sla_i + slot_c.to(tl.int64) * sla_s
+            yv = tl.where(mask, y.to(tl.float32), 0.0)
+            for r0 in tl.static_range(0, LORA_R, LORA_CHUNK):
+                offs_r = r0 + tl.arange(0, LORA_CHUNK)
+                at = tl.load(a_base + offs_r[:, None] * sla_r + offs[None, :],
+                             mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
+                hv = tl.sum(at.to(tl.float32) * yv[None, :], axis=1)  # [LORA_CHUNK]
+                tl.store(lh_ptr + i * slh_i + row * slh_m + offs_r, hv)
 
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
@@ -94,7 +118,9 @@ if HAS_TRITON:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             quant_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             quant_group: int | None = None,
+             lora_shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Semantics (rms_norm_ref, with an optional residual add first):
         if residual is not None: x = residual = (x + residual)      # in x.dtype, returned as the new residual
         y = weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)
@@ -102,6 +128,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     quant_group: also quantize y [rows, D] per row and group as quantize_act_group(y, quant_group) would, in the
     same launch, attached to y (fp8_triton.attach_act_quant: the next FP8 GEMM reads it); skipped when D is not
     a multiple of the group.
+    lora_shrink = (a [n, S, R, D], ranks [n, S] int32, token_slots [rows] int32): also the next dense LoRA layer's
+    shrink of y, as lora_shrink computes it (h[0, i, t, :ranks[i, s]] = y[t] @ a[i, s, :ranks[i, s]].T for s =
+    token_slots[t] >= 0; every other entry of h 0), in the same launch (one program per row and slice), attached
+    to y (attach_lora_h: that layer reads it instead of launching its shrink). h: [1, n, rows, R] fp32.
     """
     require_triton()
     from moelora.kernels.fp8_triton import act_quant_buffers, act_quant_ok, attach_act_quant
@@ -120,15 +150,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     block = triton.next_power_of_2(D)
     quant = act_quant_ok(D, quant_group, block) and rows > 0
     q, qs = act_quant_buffers(y, quant_group) if quant else (y, y)
+    lora, h, n = {}, None, 1
+    if lora_shrink is not None:
+        a, ranks, slots = lora_shrink
+        n, S, R, _ = a.shape
+        if a.shape[3] != D or a.stride(3) != 1 or slots.shape != (rows,):
+            raise ValueError(f"rms_norm: lora_shrink expects a [n, S, R, {D}] (last dim contiguous) and token_slots "
+                             f"[{rows}], found a {tuple(a.shape)} and token_slots {tuple(slots.shape)}")
+        h = torch.empty(1, n, rows, R, dtype=torch.float32, device=x.device)
+        chunk = min(4, triton.next_power_of_2(R))
+        lora = dict(la_ptr=a, lrank_ptr=ranks, lslot_ptr=slots, lh_ptr=h, S=S, sla_i=a.stride(0), sla_s=a.stride(1),
+                    sla_r=a.stride(2), slh_i=h.stride(1), slh_m=h.stride(2), LORA_R=R, LORA_CHUNK=chunk)
+        if R % chunk:
+            raise ValueError(f"rms_norm: lora_shrink rank {R} is not a multiple of {chunk}")
     if rows:
-        _rms_norm_kernel[(rows,)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
-                                  ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
-                                  BLOCK=block, QUANT_GROUP=quant_group if quant else 0,
-                                  **producer_launch_dependents(x.device))
+        _rms_norm_kernel[(rows, n)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
+                                    ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
+                                    BLOCK=block, QUANT_GROUP=quant_group if quant else 0,
+                                    **producer_launch_dependents(x.device), **lora)
     out = y.view(x.shape)
     if quant and x.dim() == 2:
         attach_act_quant(out, q, qs, quant_group)
+    if h is not None and x.dim() == 2:
+        attach_lora_h(out, h, lora_shrink[0])
     return out, (ro.view(x.shape) if residual is not None else None)
+
+
+def attach_lora_h(y: torch.Tensor, h: torch.Tensor, a: torch.Tensor) -> None:
+    """Marks y with the shrink of the LoRA A buffer `a` its producer computed (h [1, n, T, R] fp32)."""
+    y.lora_h = (h, a)
+
+
+def attached_lora_h(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
+    """h of attach_lora_h when x carries the shrink of this very A buffer, else None (compute it)."""
+    mark = getattr(x, "lora_h", None)
+    return mark[0] if mark is not None and mark[1] is a else None
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,

@@ -12,7 +12,7 @@ from moelora.adapters.metadata import LoRABatch
 from moelora.kernels._triton import HAS_TRITON, dense_lora_overlap, fused_dense_lora, interpreting, lora_shrink_pdl
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused_decode
-from moelora.layers.lora import LoRAWeights, lora_active
+from moelora.layers.lora import LoRAWeights, lora_active, lora_runs
 
 
 # The single-adapter path (plain matmuls on the slot: ~12 small launches for qkv) on a GPU only from this many
@@ -140,19 +140,37 @@ class LoRALinear(nn.Module):
         # at every size, one adapter or several (faster than the single-adapter path: SINGLE_SLOT_MIN_TOKENS)
         return fp8_lora_epilogue() and isinstance(st, Fp8State) and st.reference is None and not fused_dense_lora()
 
+    def norm_shrink_args(self, x: torch.Tensor, lora: LoRABatch):
+        """(a, ranks, token_slots) for the RMSNorm producing x to write this layer's LoRA shrink (set_lora_norm_shrink:
+        decode sizes, this layer's LoRA running, through the FP8 epilogue, not on the side stream), else None."""
+        from moelora.kernels._triton import lora_norm_shrink
+        from moelora.kernels.lora_triton import SHRINK_SPLIT_MAX_TOKENS
+
+        w = self.lora
+        if not (lora_norm_shrink() and x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS and lora_runs(w, lora)):
+            return None
+        if (x.is_cuda and dense_lora_overlap()) or not self._fp8_epilogue_ok(x, lora):
+            return None
+        R = w.max_lora_rank
+        return (w.a, w.rank_tensor, lora.token_slots) if R % min(4, 1 << (R - 1).bit_length()) == 0 else None
+
     def _forward_fp8_epilogue(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """y = the FP8 GEMM with the LoRA expand added in its epilogue (one launch instead of two; the sum rounded
         once): the shrink into split-K partials first (it reads the unquantized x), then fp8_linear(lora=...)."""
         from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_linear, fp8_lora_pdl, fp8_prequantize
         from moelora.kernels.lora_triton import lora_shrink
+        from moelora.kernels.norm_triton import attached_lora_h
 
         w = self.lora
         block = self.quant.block
         xq, xs = fp8_prequantize(x, block[1])  # before the shrink: with PDL nothing may run between it and the GEMM
-        h = dense_lora_h(w, x)
-        pdl = fp8_lora_pdl(x.device)
-        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl,
-                    wait_primary=lora_shrink_pdl(x.device))
+        h = attached_lora_h(x, w.a)  # written by the norm that produced x (set_lora_norm_shrink): nothing to wait on
+        pdl = False
+        if h is None:
+            h = dense_lora_h(w, x)
+            pdl = fp8_lora_pdl(x.device)
+            lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl,
+                        wait_primary=lora_shrink_pdl(x.device))
         epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots,
                               lora.groups.active_slots, pdl)
         return fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, lora=epi,

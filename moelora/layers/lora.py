@@ -174,11 +174,15 @@ def lora_active(weights: LoRAWeights | None, lora) -> bool:
     a nonzero rank here, or (CUDA graph) always, since the graph serves every later mix of adapters — unless
     the graph is one for batches without dense / routed-expert adapters (lora.skip_dense / skip_experts) and
     these weights are of that kind. Counts each True answer in LORA_WORK."""
+    active = lora_runs(weights, lora)
+    LORA_WORK["layer_calls"] += int(active)
+    return active
+
+
+def lora_runs(weights: LoRAWeights | None, lora) -> bool:
+    """lora_active's answer, not counted (for a look ahead: a norm computing the next layer's shrink)."""
     if weights is None or lora is None or not lora.has_lora:
         return False
     if lora.graph:
-        active = not (lora.skip_experts if weights.num_experts is not None else lora.skip_dense)
-    else:
-        active = slot_has_lora(weights, lora.slot_ids)
-    LORA_WORK["layer_calls"] += int(active)
-    return active
+        return not (lora.skip_experts if weights.num_experts is not None else lora.skip_dense)
+    return slot_has_lora(weights, lora.slot_ids)

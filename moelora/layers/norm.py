@@ -21,18 +21,28 @@ class RMSNorm(nn.Module):
         # token and group of this size and attaches it (the GEMMs skip their quantization launch)
         self.act_quant_group: int | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None, lora_next=None) -> torch.Tensor:
+        """lora, lora_next (a LoRALinear reading this norm's output): with set_lora_norm_shrink, the norm also
+        writes that layer's LoRA shrink when the layer takes it (LoRALinear.norm_shrink_args)."""
         if use_triton(x):
             from moelora.kernels.norm_triton import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, quant_group=self.act_quant_group)[0]
+            return rms_norm(x, self.weight, self.eps, quant_group=self.act_quant_group,
+                            lora_shrink=_shrink_args(lora_next, x, lora))[0]
         return rms_norm_ref(x, self.weight, self.eps)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual add fused into the norm on a GPU."""
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, lora=None,
+                 lora_next=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm on a GPU (lora, lora_next: as
+        forward)."""
         if use_triton(x):
             from moelora.kernels.norm_triton import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group)
+            return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group,
+                            lora_shrink=_shrink_args(lora_next, x, lora))
         r = x + residual
         return rms_norm_ref(r, self.weight, self.eps), r
+
+
+def _shrink_args(lora_next, x: torch.Tensor, lora):
+    return None if lora_next is None or lora is None else lora_next.norm_shrink_args(x, lora)

@@ -39,11 +39,12 @@ class DecoderLayer(nn.Module):
         """x: this layer's input delta [T, H] (the embeddings for layer 0, with residual None) · residual: the
         running hidden state before x is added. Returns (mlp output, residual): the hidden state after this
         layer is their sum, added (fused into a norm) by the next layer or the final norm."""
+        qkv = getattr(self.self_attn, "qkv_proj", None)  # its LoRA shrink may come from the norm (norm_shrink_args)
         if residual is None:
             residual = x
-            h = self.input_layernorm(x)
+            h = self.input_layernorm(x, lora, qkv)
         else:
-            h, residual = self.input_layernorm.add_norm(x, residual)
+            h, residual = self.input_layernorm.add_norm(x, residual, lora, qkv)
         a = self.self_attn(h, positions, attn, kv_cache, lora)
         h, residual = self.post_attention_layernorm.add_norm(a, residual)
         return self.mlp(h, lora), residual
