@@ -8,12 +8,12 @@
 #   MOELORA_LORA_NORM_SHRINK=1    the RMSNorm before qkv writes qkv's shrink itself (no shrink launch, no wait)
 # (1) their GPU tests; (2) bench decode fp8 128/128 batch 64, 0 / 4 / 8 adapters on all targets and on attention only,
 # default, then each switch (~95 s of compilation in the first run, ~90 s each after; ~560 s in all). Flip a default
-# only if it wins. Files: tests.log, bench_{default,overlap,pdl,norm}.log, {default,overlap,pdl,norm}/.
+# only if it wins. Files: tests.log, bench_{default,overlap,norm,pdl}.log, {default,overlap,norm,pdl}/.
 source "$(dirname "$0")/gpu_prelude.sh"
 timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests/test_dense_lora_overlap.py \
     tests/test_fp8_gpu.py -k "overlap or shrink_launched_with_pdl or norm_writes" > "$OUT/tests.log" 2>&1
 echo "tests (rc $?):"; grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/tests.log" | cut -c1-300 | tail -8
-for name in default overlap pdl norm; do
+for name in default overlap norm pdl; do  # pdl last: session 19 measured it in part
     case $name in
         overlap) env=MOELORA_DENSE_LORA_OVERLAP=1 ;;
         pdl) env=MOELORA_LORA_SHRINK_PDL=1 ;;
