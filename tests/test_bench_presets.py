@@ -3,6 +3,7 @@ on the CPU, and the byte floor counts the MLA weights and the latent cache, by h
 
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -243,3 +244,24 @@ def test_kernel_timeline_measures_idle_overlap_and_hidden_lora_time():
     assert t["marked_sum_us"] == 27.5 and t["marked_union_us"] == 27.5 and t["marked_hidden_us"] == 20
     assert "idle 5" in format_timeline(t)
     assert kernel_timeline(events[-1:], 1) == {"kernels": 0}
+
+
+def test_write_result_keeps_one_file_across_midnight(tmp_path, monkeypatch):
+    """A run rewriting its result after every row keeps writing the file its first write named, even when the
+    date changes in between (a CI run crossing midnight once split a decode run's rows over two files); another
+    output folder starts its own file."""
+    import datetime
+
+    from moelora.bench import common
+
+    days = iter([datetime.datetime(2026, 12, 1, 23, 59, 59, tzinfo=datetime.timezone.utc),
+                 datetime.datetime(2026, 12, 2, 0, 0, 1, tzinfo=datetime.timezone.utc),
+                 datetime.datetime(2026, 12, 2, 0, 0, 2, tzinfo=datetime.timezone.utc)])
+    monkeypatch.setattr(common, "_utcnow", lambda: next(days))
+    first = common.write_result("decode", {"rows": [1]}, str(tmp_path / "a"))
+    second = common.write_result("decode", {"rows": [1, 2]}, str(tmp_path / "a"))
+    other = common.write_result("decode", {"rows": []}, str(tmp_path / "b"))
+    assert first == second and "2026-12-01" in first and "2026-12-02" in other
+    assert [p.name for p in (tmp_path / "a").iterdir()] == [os.path.basename(first)]
+    data = json.loads(open(second).read())
+    assert data["rows"] == [1, 2] and data["date"].startswith("2026-12-02")

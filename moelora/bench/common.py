@@ -87,11 +87,20 @@ def hbm_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+_FILE_DATES: dict[tuple[str, str, str], str] = {}  # (kind, out_dir, suffix) -> the date in its file name
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
 def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffix: str = "") -> str:
     """Write `payload` with date, device, commit, versions and the MOELORA_* switches set in the environment to
-    <out_dir>/<kind>-<date>-<device><suffix>.json."""
+    <out_dir>/<kind>-<date>-<device><suffix>.json. The date in the name is that of this process's first write of
+    (kind, out_dir, suffix): a run rewriting its file after each row keeps one file across midnight."""
     os.makedirs(out_dir, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = _utcnow()
+    day = _FILE_DATES.setdefault((kind, os.path.abspath(out_dir), suffix), f"{now:%Y-%m-%d}")
     payload = {"kind": kind, "date": now.isoformat(timespec="seconds"), "device": device_name(),
                "commit": git_commit(), "torch": torch.__version__,
                "env_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")}, **payload}
@@ -102,7 +111,7 @@ def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffi
     except ImportError:
         pass
     dev = device_name().replace(" ", "-")
-    path = os.path.join(out_dir, f"{kind}-{now:%Y-%m-%d}-{dev}{suffix}.json")
+    path = os.path.join(out_dir, f"{kind}-{day}-{dev}{suffix}.json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path
