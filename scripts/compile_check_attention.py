@@ -10,6 +10,7 @@ Registers and spills: TRITON_DUMP_PTXAS_LOG=1 TRITON_CACHE_DIR=$(mktemp -d) pyth
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -23,18 +24,22 @@ from moelora.kernels import attention_triton as at  # noqa: E402
 
 PTRS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "ws_o_ptr": "*fp32",
         "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "bt_ptr": "*i32", "token_seq_ptr": "*i32", "seq_lens_ptr": "*i32",
-        "qsl_ptr": "*i32", "scale": "fp32", "oq_ptr": "*fp8e4nv", "os_ptr": "*fp32"}
+        "qsl_ptr": "*i32", "scale": "fp32", "oq_ptr": "*fp8e4nv", "os_ptr": "*fp32", "la_ptr": "*bf16",
+        "lrank_ptr": "*i32", "lslot_ptr": "*i32", "lh_ptr": "*fp32"}
 DIV16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "ws_o_ptr", "bt_ptr", "token_seq_ptr", "seq_lens_ptr", "qsl_ptr",
          "sq_t", "sq_h", "sk_b", "sk_s", "sk_h", "sv_b", "sv_s", "sv_h", "so_t", "so_h", "sbt_b")
 
 
 def compile_one(fn, consts: dict, arch: int, **opts) -> None:
+    # constexpr parameters not given keep their defaults (not a runtime i32)
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts
+                 and p.default is not inspect.Parameter.empty}, **consts}
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIV16 if n in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", arch, 32), options=opts)
     ptx = k.asm["ptx"]
-    shown = {n: v for n, v in consts.items() if n.isupper() and n != "DOT_PRECISION"}
+    shown = {n: v for n, v in consts.items() if n.isupper() and n != "DOT_PRECISION" and (v or n == "DIRECT")}
     print(f"{fn.__name__:<28} {shown} {opts} smem={k.metadata.shared} cp.async={ptx.count('cp.async.c')} "
           f"mma={ptx.count('mma.sync')} wgmma={ptx.count('wgmma.mma_async')} e4m3={ptx.count('e4m3')}")
 
@@ -58,6 +63,10 @@ def main() -> None:
                     {"D": D, "BLOCK_D": BLOCK_D, "BLOCK_P": 64, "TILE": at.TILE_N, "HAS_WINDOW": window,
                      "QUANT": window},  # QUANT: the output also quantized per head for an FP8 o_proj
                     args.arch, num_warps=1)
+        if window:  # LORA_R (set_lora_attn_shrink): o_proj's LoRA shrink per head, rank 16 in chunks of 4
+            compile_one(at._paged_attn_reduce_kernel,
+                        {"D": D, "BLOCK_D": BLOCK_D, "BLOCK_P": 64, "TILE": at.TILE_N, "HAS_WINDOW": False,
+                         "QUANT": True, "LORA_R": 16, "LORA_CHUNK": 4}, args.arch, num_warps=1)
         BLOCK_G = triton.next_power_of_2(G)
         compile_one(at._paged_attn_prefill_kernel,
                     {"BLOCK_SIZE": BS, "BLOCK_G": BLOCK_G, "BLOCK_M": max(1, at.PREFILL_TILE_ROWS // BLOCK_G),

@@ -265,3 +265,41 @@ def test_write_result_keeps_one_file_across_midnight(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "a").iterdir()] == [os.path.basename(first)]
     data = json.loads(open(second).read())
     assert data["rows"] == [1, 2] and data["date"].startswith("2026-12-02")
+
+
+def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
+    """--ab / --ab-rounds: after the default sweep, each variant's switches are set (seen by the cases while they
+    run), the graphs recaptured and the adapter cases run again; round 2 repeats the default with its no-adapter
+    case; rows carry variant / switches / round, a table of medians ends the run, and every switch is back as it
+    was. Bad specs are refused before the model is built."""
+    from moelora.bench import switches
+    from moelora.kernels import _triton
+
+    seen = []
+    real = decode._repeated_case
+
+    def spy(engine, batch, n, *args, **kwargs):
+        seen.append((n, switches.current(["MOELORA_LORA_NORM_SHRINK", "MOELORA_LORA_ATTN_SHRINK"])))
+        return real(engine, batch, n, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "_repeated_case", spy)
+    _triton.set_lora_attn_shrink(False)
+    _triton.set_lora_norm_shrink(False)
+    _, rows = _tiny_decode(tmp_path, "--ab", "norm:MOELORA_LORA_NORM_SHRINK=1; both:MOELORA_LORA_NORM_SHRINK=1,"
+                           "MOELORA_LORA_ATTN_SHRINK=1", "--ab-rounds", "2")
+    assert [(r["variant"], r["ab_round"], r["adapters"]) for r in rows] == [
+        ("default", 0, 0), ("default", 0, 1), ("norm", 0, 1), ("both", 0, 1),
+        ("default", 1, 0), ("default", 1, 1), ("norm", 1, 1), ("both", 1, 1)]
+    off, norm, both = ({"MOELORA_LORA_NORM_SHRINK": a, "MOELORA_LORA_ATTN_SHRINK": b} for a, b in
+                       (("0", "0"), ("1", "0"), ("1", "1")))
+    assert [s for _, s in seen] == [off, off, norm, both, off, off, norm, both]
+    assert rows[3]["switches"] == {"MOELORA_LORA_NORM_SHRINK": "1", "MOELORA_LORA_ATTN_SHRINK": "1"}
+    assert not _triton.lora_norm_shrink() and not _triton.lora_attn_shrink()  # restored
+    out = capsys.readouterr().out
+    assert "--- variant both (round 2)" in out and "A/B (medians over rounds" in out
+    table = out[out.index("A/B (medians"):].splitlines()
+    assert any(ln.startswith("norm") and " 2 " in ln and "%" in ln for ln in table), table
+    for bad, msg in [("x:MOELORA_NOPE=1", "not ENV=V"), ("x:MOELORA_LORA_NORM_SHRINK=2", "takes 0 or 1"),
+                     ("default:MOELORA_LORA_NORM_SHRINK=1", "unique name"), ("x MOELORA_LORA_NORM_SHRINK=1", "name:")]:
+        with pytest.raises(ValueError, match=msg):
+            _tiny_decode(tmp_path / "bad", "--ab", bad)

@@ -484,6 +484,82 @@ def test_norm_writes_the_qkv_lora_shrink_in_and_out_of_graphs(T):
     assert (ref[-1].float() - base.float()).abs().max() > 0.05  # the delta is there
 
 
+@torch.no_grad()
+def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_path):
+    """set_lora_norm_shrink + set_lora_attn_shrink, end to end in the model: an FP8 Qwen3-MoE (dummy weights,
+    Qwen3-30B-A3B's attention dims, 2 layers), a decode step of 48 sequences over 4 adapters and base rows. With
+    both on, two shrink launches fewer per layer (the input norm writes qkv's, the attention reduce o_proj's), with
+    the norm's alone one fewer; the logits equal those of the shrink kernels up to fp32 summation order
+    (relative 2^-7), eagerly and over a graph replay; the adapters move them. (Written in session 20 without
+    device time: scripts/gpu_next_producer_shrinks.sh runs it.)"""
+    from helpers import save_tiny_model
+
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.bench.common import captured_graph
+    from moelora.config import ModelConfig
+    from moelora.engine.batch import SeqChunk, build_flat_batch
+    from moelora.engine.kv_cache import KVCache
+    from moelora.kernels import _triton
+    from moelora.kernels import lora_triton as lt
+    from moelora.layers.fp8 import quantize_model_fp8
+    from moelora.models.loader import build_model
+
+    src = tmp(tmp_path, "m")
+    save_tiny_model("qwen3_moe", src, hidden_size=2048, head_dim=128, num_attention_heads=32, num_key_value_heads=4,
+                    moe_intermediate_size=128, intermediate_size=256, num_hidden_layers=2)
+    cfg = ModelConfig.from_pretrained(src)
+    model = build_model(cfg, dtype=torch.bfloat16, device=DEV, max_loras=4, max_lora_rank=16, load_format="dummy")
+    quantize_model_fp8(model)
+    g = torch.Generator(device=DEV).manual_seed(20)
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
+            w = lin.lora
+            for s in range(4):
+                for i, out in enumerate(w.out_features):
+                    r = (16, 8, 16, 4)[s]
+                    w.set_slot(i, s, torch.randn(r, w.in_features, device=DEV, generator=g) * 0.02,
+                               torch.randn(out, r, device=DEV, generator=g) * 0.02, 2.0)
+    kv = KVCache(cfg, 1024, 16, torch.bfloat16, DEV)
+    for cache in kv.caches:
+        for c in cache:
+            c.normal_(0, 1, generator=g)
+    rng = random.Random(20)
+    chunks = []
+    for b in range(48):
+        cached = rng.randrange(1, 300)
+        chunks.append(SeqChunk([rng.randrange(cfg.vocab_size)], cached, kv.allocate(-(-(cached + 1) // 16)),
+                               b % 5 - 1))
+    fb = build_flat_batch(chunks, 16, DEV)
+    lora = dataclasses.replace(LoRABatch.build(fb.token_slots, 4, DEV), graph=True)
+
+    def step(batch=lora):
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb.attn, kv.caches, batch))
+
+    def run(norm: bool, attn: bool):
+        _triton.set_lora_norm_shrink(norm)
+        _triton.set_lora_attn_shrink(attn)
+        with pdl_launches(lt._shrink_kernel) as shrinks:
+            out = step()
+        return out, len(shrinks)
+
+    try:
+        ref, n_ref = run(False, False)
+        norm_only, n_norm = run(True, False)
+        both, n_both = run(True, True)
+        graph, replayed = captured_graph(step)
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        _triton.set_lora_norm_shrink(False)
+        _triton.set_lora_attn_shrink(False)
+    layers = len(model.model.layers)
+    assert n_ref >= 2 * layers and (n_norm, n_both) == (n_ref - layers, n_ref - 2 * layers)
+    for got in (norm_only, both, replayed):
+        assert _rel(got, ref) < 2**-7, _rel(got, ref)
+    base = step(None)
+    assert (ref - base).abs().max() > 0.05  # the adapters are there
+
+
 def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
     from transformers import AutoModelForCausalLM
 

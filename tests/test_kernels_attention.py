@@ -170,7 +170,9 @@ def test_kernels_compile_for_sm90():
     prefill = [ln for ln in lines if ln.startswith("_paged_attn_prefill_kernel")]
     assert len(split) == 5 and all(" mma=0 " not in ln and "cp.async=0 " not in ln for ln in split), split
     quant = [ln for ln in lines if "'QUANT': True" in ln]  # the FP8 o_proj's input quantized in the kernel
-    assert len(quant) == 2 and all("e4m3=0" not in ln for ln in quant), quant
+    assert len(quant) == 3 and all("e4m3=0" not in ln for ln in quant), quant
+    lora = [ln for ln in lines if ln.startswith("_paged_attn_reduce_kernel") and "'LORA_R': 16" in ln]
+    assert len(lora) == 1, lines  # the reduce kernel writing o_proj's LoRA shrink (set_lora_attn_shrink)
     assert len(prefill) == 2 and all("wgmma=0" not in ln for ln in prefill), prefill
 
 
@@ -271,3 +273,50 @@ def test_decode_kernel_quantizes_its_output_per_head_for_an_fp8_o_proj(num_split
     assert torch.all(out[T:] == 0)
     with pytest.raises(ValueError, match="decode kernel"):
         paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, out, kernel="prefill", out_fp8=(oq, osc))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reduce_writes_the_o_proj_lora_shrink_per_head(dtype, num_splits):
+    """lora_shrink (set_lora_attn_shrink): with its reduce kernel (num_splits > 1) the decode kernel also writes
+    o_proj's LoRA shrink of the rounded output, one partial per head, h [Hq, 1, T, R], whose sum over heads equals
+    lora_shrink_ref of out (0 past each slot's rank, for rows of slot -1 and padding rows); out is unchanged. The
+    direct form (one split) and the other kernels write none and return None (the caller shrinks)."""
+    from moelora.kernels.groups import SlotGroups
+    from moelora.kernels.lora import lora_shrink_ref
+
+    gen = torch.Generator().manual_seed(40 + num_splits)
+    Hq, Hkv, Dh, S, R = 4, 2, 16, 3, 8
+    q, k_cache, v_cache, bt, dev, lens, qsl, T = make_batch([(10, 1), (5, 1), (33, 1), (20, 1)], Hq, Hkv, Dh, 4,
+                                                            dtype, gen, pad_rows=2)
+    n = q.shape[0]
+    ranks = torch.tensor([[8, 4, 0]], dtype=torch.int32)
+    a = torch.randn(1, S, R, Hq * Dh, generator=gen)
+    for s in range(S):
+        a[0, s, ranks[0, s]:] = float("nan")  # past the rank: never read
+    slots = torch.tensor([0, 2, -1, 1, 1, 0], dtype=torch.int32)  # the last two rows: padding
+    a_d, ranks_d, slots_d = a.to(DEVICE, dtype), ranks.to(DEVICE), slots.to(DEVICE)
+    plain = torch.full_like(q, 7.0)
+    assert paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, plain, kernel="decode", num_splits=num_splits,
+                           min_tiles=1) is None
+    out = torch.full_like(q, 7.0)
+    h = paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, out, kernel="decode", num_splits=num_splits,
+                        min_tiles=1, lora_shrink=(a_d, ranks_d, slots_d))
+    assert torch.equal(out, plain)
+    if num_splits == 1:
+        assert h is None
+        return
+    assert h.shape == (Hq, 1, n, R) and h.dtype == torch.float32
+    ref = torch.zeros(1, n, R, device=DEVICE)
+    lora_shrink_ref(out.reshape(n, Hq * Dh), torch.nan_to_num(a_d), ranks_d, SlotGroups.build(slots, S, DEVICE), ref)
+    ref[:, T:] = 0  # padding rows: 0 whatever their slot
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(h.sum(0), ref, **tol)
+    assert h[:, :, T:].abs().sum() == 0 and h[:, :, 2].abs().sum() == 0  # padding rows (slots 1, 0), slot -1
+    assert h[:, :, 1].abs().sum() == 0 and h[:, :, 3, 4:].abs().sum() == 0  # slot 2: rank 0; slot 1: rank 4
+    assert h[:, :, 0].abs().sum() > 0 and h[:, :, 3, :4].abs().sum() > 0  # the shrink is there
+    with pytest.raises(ValueError, match="lora_shrink expects"):
+        paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, out, kernel="decode", num_splits=num_splits,
+                        min_tiles=1, lora_shrink=(a_d[..., :-1], ranks_d, slots_d))
+    assert paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, out, kernel="prefill",
+                           lora_shrink=(a_d, ranks_d, slots_d)) is None

@@ -24,6 +24,9 @@ from moelora.bench.profile import format_profile, format_profile_tax, profile_ta
 from moelora.bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
+from moelora.bench.switches import apply as apply_switches
+from moelora.bench.switches import current as switches_now
+from moelora.bench.switches import format_ab, parse_ab
 from moelora.kernels._triton import fused_lora, set_fused_lora
 
 QWEN3_30B_A3B = {
@@ -62,6 +65,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fused decode LoRA kernels (one launch per projection; kernels/*_fused_triton.py): "
                         "default keeps the engine's setting (MOELORA_FUSED_LORA); both: the sweep with the engine's "
                         "setting, then the adapter cases again with it flipped (graphs recaptured)")
+    p.add_argument("--ab", default="",
+                   help="in-process A/B of MOELORA_* switches, 'name:ENV=V[,ENV=V];name2:...' (e.g. "
+                        "'norm:MOELORA_LORA_NORM_SHRINK=1;both:MOELORA_LORA_NORM_SHRINK=1,MOELORA_LORA_ATTN_SHRINK=1'): "
+                        "after the sweep with the present settings (variant 'default'), each variant's switches are "
+                        "set, the graphs recaptured and the adapter cases run again; rows carry 'variant' and "
+                        "'switches', and a table of medians and kept shares ends the run (bench/switches.py lists "
+                        "the switches)")
+    p.add_argument("--ab-rounds", type=int, default=1,
+                   help="with --ab: the rotation default, variant 1, ... run this many times (the no-adapter case "
+                        "again in each default pass), so drift spreads over every variant (default 1)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per case, this many decode steps under torch.profiler before the timed ones (not timed): "
                         "the time per kernel and step in the JSON row ('profile') and the largest printed")
@@ -304,6 +317,9 @@ def run(args: argparse.Namespace) -> int:
     counts = [int(c) for c in args.adapter_counts.split(",")]
     for which in _target_sets(args):  # before the model is built
         check_target_set(which)
+    parse_ab(getattr(args, "ab", "") or "")
+    if getattr(args, "ab_rounds", 1) < 1:
+        raise ValueError(f"--ab-rounds must be at least 1, got {args.ab_rounds}")
     t0 = time.perf_counter()
     quant = args.dtype if args.dtype in ("fp8", "nvfp4") else None
     tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
@@ -370,43 +386,69 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
     passes = [(o, f) for f in fuseds for o in overlaps]
     cases = [(o, f, w, b, n, t) for o, f in passes for w in args.workloads.split(",") for b in batches
              for n in counts for t in (target_sets if n else target_sets[:1]) if (o, f) == passes[0] or n > 0]
-    for overlap, fused, workload, batch, n, which in cases:
-        if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state() or fused != fused_lora():
-            _recapture(engine, overlap, fused)
-        r = _repeated_case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n,
-                           profile_steps=getattr(args, "profile_steps", 0), repeat=getattr(args, "repeat", 1),
-                           lora_targets=which)
-        r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
-                 + ("" if not args.layers else f" ({args.layers} layers)")
-                 + (f" tp{engine.args.tensor_parallel_size} ep{engine.args.expert_parallel_size}" if parallel else ""),
-                 dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap, fused_lora=fused,
-                 async_scheduling=engine.async_scheduling)
-        if parallel and engine.config.mla is not None:
-            r["floor_bytes"] = None
-        r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw and r["floor_bytes"] else None
-        rows.append(r)
-        write_result("decode", {**head, "rows": rows}, args.out)  # after every row: a cut-off run keeps its rows
-        fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
-        tags = (("" if overlap else " (overlap off)") + (" (fused LoRA)" if fused and n else "")
-                + (f" ({which} only)" if n and which != "all" else ""))
-        reps = r.get("repeats_tokens_per_s")
-        spread = f"  median of {len(reps)}, spread {r['repeat_spread']:.1%}" if reps else ""
-        print(f"{workload:8s} batch {batch:4d} adapters {n}{tags}: {r['tokens_per_s']:9.1f} tok/s  step "
-              f"{r['step_ms']:7.2f} ms (runner {r['runner_ms']:.2f})  floor {fl}  "
-              f"experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}{spread}"
-              + (f"  ahead {r['ahead_steps']}/{r['decode_steps']}" if engine.async_scheduling else ""),
-              flush=True)
-        if "profile" in r:
-            print(format_profile(r["profile"]), flush=True)
-            base = next((q for q in rows if q is not r and q["adapters"] == 0 and q["batch"] == batch
-                         and q.get("workload") == r.get("workload") and "profile" in q), None)
-            if n and base is not None:  # the same batch without adapters was profiled: where the tax goes
-                r["profile_tax"] = profile_tax(base["profile"], r["profile"])
-                print(format_profile_tax(r["profile_tax"]), flush=True)
-                write_result("decode", {**head, "rows": rows}, args.out)
+    variants = parse_ab(getattr(args, "ab", "") or "")
+    defaults = switches_now({k for _, env in variants for k in env})
+    plan = [("default", {}, 0, cases)]
+    for rnd in range(getattr(args, "ab_rounds", 1) if variants else 0):
+        if rnd:  # the default again, its no-adapter case included: drift shows there
+            plan.append(("default", {}, rnd, [c for c in cases if c[:2] == passes[0]]))
+        plan += [(name, env, rnd, [c for c in cases if c[:2] == passes[0] and c[4] > 0]) for name, env in variants]
+    for variant, env, rnd, variant_cases in plan:
+        if variants and (variant != "default" or rnd > 0):  # the first default pass runs as things are
+            apply_switches({**defaults, **env})
+            _recapture(engine, variant_cases[0][0], variant_cases[0][1])
+            print(f"--- variant {variant} (round {rnd + 1}): {env or 'the present settings'}", flush=True)
+        for case in variant_cases:
+            _run_row(engine, args, case, rows, head, bw, parallel, model_name,
+                     dict(variant=variant, switches=env, ab_round=rnd) if variants else {})
+    if variants:
+        apply_switches(defaults)
+        print(format_ab(rows), flush=True)
     path = write_result("decode", {**head, "rows": rows}, args.out)
     print(f"results: {path}")
     return 0
+
+
+def _run_row(engine: LLMEngine, args: argparse.Namespace, case: tuple, rows: list[dict], head: dict,
+             bw: float | None, parallel: bool, model_name: str, tags: dict) -> None:
+    """One case of the sweep: run it (recapturing first if its overlap / fused setting differs), append its row
+    (with `tags`), write the JSON, print the line (and its profile)."""
+    overlap, fused, workload, batch, n, which = case
+    if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state() or fused != fused_lora():
+        _recapture(engine, overlap, fused)
+    r = _repeated_case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n,
+                       profile_steps=getattr(args, "profile_steps", 0), repeat=getattr(args, "repeat", 1),
+                       lora_targets=which)
+    r.update(tags)
+    r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
+             + ("" if not args.layers else f" ({args.layers} layers)")
+             + (f" tp{engine.args.tensor_parallel_size} ep{engine.args.expert_parallel_size}" if parallel else ""),
+             dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap, fused_lora=fused,
+             async_scheduling=engine.async_scheduling)
+    if parallel and engine.config.mla is not None:
+        r["floor_bytes"] = None
+    r["floor_ms"] = r["floor_bytes"] / (bw * 1e9) * 1e3 if bw and r["floor_bytes"] else None
+    rows.append(r)
+    write_result("decode", {**head, "rows": rows}, args.out)  # after every row: a cut-off run keeps its rows
+    fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
+    label = (("" if overlap else " (overlap off)") + (" (fused LoRA)" if fused and n else "")
+             + (f" ({which} only)" if n and which != "all" else "")
+             + (f" [{tags['variant']}]" if tags else ""))
+    reps = r.get("repeats_tokens_per_s")
+    spread = f"  median of {len(reps)}, spread {r['repeat_spread']:.1%}" if reps else ""
+    print(f"{workload:8s} batch {batch:4d} adapters {n}{label}: {r['tokens_per_s']:9.1f} tok/s  step "
+          f"{r['step_ms']:7.2f} ms (runner {r['runner_ms']:.2f})  floor {fl}  "
+          f"experts/layer {sum(r['experts_touched']) / max(len(r['experts_touched']), 1):.1f}{spread}"
+          + (f"  ahead {r['ahead_steps']}/{r['decode_steps']}" if engine.async_scheduling else ""),
+          flush=True)
+    if "profile" in r:
+        print(format_profile(r["profile"]), flush=True)
+        base = next((q for q in rows if q is not r and q["adapters"] == 0 and q["batch"] == batch
+                     and q.get("workload") == r.get("workload") and "profile" in q), None)
+        if n and base is not None:  # the same batch without adapters was profiled: where the tax goes
+            r["profile_tax"] = profile_tax(base["profile"], r["profile"])
+            print(format_profile_tax(r["profile_tax"]), flush=True)
+            write_result("decode", {**head, "rows": rows}, args.out)
 
 
 def _target_sets(args: argparse.Namespace) -> list[str]:

@@ -105,6 +105,11 @@ def set_lora_shrink_pdl(enabled: bool) -> None:
     _LORA_SHRINK_PDL[0] = bool(enabled)
 
 
+def lora_shrink_pdl_enabled() -> bool:
+    """The set_lora_shrink_pdl switch itself (lora_shrink_pdl also asks the device)."""
+    return _LORA_SHRINK_PDL[0]
+
+
 def lora_shrink_pdl(device) -> bool:
     """set_lora_shrink_pdl on, and a GPU of compute capability >= 9.0 (griddepcontrol), not the interpreter."""
     if not (_LORA_SHRINK_PDL[0] and getattr(device, "type", None) == "cuda") or interpreting():
@@ -133,6 +138,22 @@ def set_lora_norm_shrink(enabled: bool) -> None:
 
 def lora_norm_shrink() -> bool:
     return _LORA_NORM_SHRINK[0]
+
+
+_LORA_ATTN_SHRINK = [os.environ.get("MOELORA_LORA_ATTN_SHRINK", "0") == "1"]
+
+
+def set_lora_attn_shrink(enabled: bool) -> None:
+    """The split-KV decode attention's reduce kernel also writes the o_proj LoRA shrink, one partial per head (the
+    FP8 GEMM's LoRA program sums them as split-K partials): no shrink launch before o_proj, and its LoRA program
+    waits for nothing. Decode batches that take the reduce kernel (at least 2 KV splits: up to ~131 rows on an
+    H200 with 4 KV heads); otherwise the shrink runs as before. Off by default until measured (written in session
+    20 without device time); MOELORA_LORA_ATTN_SHRINK=1. Results change by fp32 summation order only."""
+    _LORA_ATTN_SHRINK[0] = bool(enabled)
+
+
+def lora_attn_shrink() -> bool:
+    return _LORA_ATTN_SHRINK[0]
 
 
 _LORA_EVEN_R = [os.environ.get("MOELORA_LORA_EVEN_R", "1") != "0"]

@@ -217,11 +217,16 @@ if HAS_TRITON:
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TILE: tl.constexpr,
         HAS_WINDOW: tl.constexpr, oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
         LAUNCH_DEPENDENTS: tl.constexpr = False,
+        la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, sla_s=0, sla_r=0, slh_s=0, slh_m=0,
+        LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4,
     ):
         if LAUNCH_DEPENDENTS:  # a LoRA shrink launched with PDL after this may start now (it waits for out)
             tl.extra.cuda.gdc_launch_dependents()
         # program (t, h): out[t, h] = sum_s w_s * o_s over the row's active splits, in index order,
         # w_s = l_s * 2^(m_s - M) / sum_s' l_s' * 2^(m_s' - M), M = max_s m_s (maxima in log2 units)
+        # LORA_R > 0 (set_lora_attn_shrink): also head h's partial of o_proj's LoRA shrink of the rounded out[t, h],
+        # lh[h, 0, t, :LORA_R] = out[t, h] @ A[0, slot, :, h*D:(h+1)*D].T (0 past the slot's rank, for rows of slot
+        # -1 and for padding rows); the FP8 GEMM's LoRA program sums the Hq partials as split-K partials
         t = tl.program_id(0)
         h = tl.program_id(1)
         b, pos, lo_key, tile_lo, tps, n_active = _split_range(
@@ -234,6 +239,9 @@ if HAS_TRITON:
                      mask=mask_d)
             if QUANT:
                 _store_one_head_quant(zeros, oq_ptr, os_ptr, t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
+            if LORA_R > 0:
+                tl.store(lh_ptr + h * slh_s + t.to(tl.int64) * slh_m + tl.arange(0, LORA_R),
+                         tl.zeros((LORA_R,), tl.float32))
             return
         row0 = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
         offs_p = tl.arange(0, BLOCK_P)
@@ -251,6 +259,18 @@ if HAS_TRITON:
         if QUANT:
             _store_one_head_quant(tl.where(mask_d, ob.to(tl.float32), 0.0), oq_ptr, os_ptr,
                                   t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
+        if LORA_R > 0:
+            slot = tl.load(lslot_ptr + t)
+            slot_c = tl.maximum(slot, 0)
+            rank = tl.where(slot >= 0, tl.load(lrank_ptr + slot_c), 0)
+            a_base = la_ptr + slot_c.to(tl.int64) * sla_s + h * D
+            ov = tl.where(mask_d, ob.to(tl.float32), 0.0)
+            for r0 in tl.static_range(0, LORA_R, LORA_CHUNK):
+                offs_r = r0 + tl.arange(0, LORA_CHUNK)
+                at = tl.load(a_base + offs_r[:, None] * sla_r + offs_d[None, :],
+                             mask=(offs_r < rank)[:, None] & mask_d[None, :], other=0.0)
+                hv = tl.sum(at.to(tl.float32) * ov[None, :], axis=1)  # [LORA_CHUNK]
+                tl.store(lh_ptr + h * slh_s + t.to(tl.int64) * slh_m + offs_r, hv)
 
     @triton.jit
     def _paged_attn_prefill_kernel(
@@ -374,7 +394,8 @@ def paged_attention(
     min_tiles: int | None = None,
     workspace: torch.Tensor | None = None,
     out_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+    lora_shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
     """Semantics, per query row t of sequence b = token_seq[t] (-1: padding: written 0 by the "decode" kernel,
     left untouched by "prefill" and "legacy"; decode_kernel_chosen says which one runs), with
     L = seq_lens[b], s:e = query_start_loc[b]:query_start_loc[b+1], p = L - (e - s) + (t - s):
@@ -400,6 +421,13 @@ def paged_attention(
               may change with T, not from run to run). NUM_SPLITS == 1: direct output, no workspace.
       "prefill": tiled; BLOCK_M rows of one sequence x G heads (128 tile rows) per (query block, KV head).
       "legacy": the first kernel (one program per (row, KV head), serial over blocks, no tensor cores).
+
+    lora_shrink = (a [1, S, R, Hq * D], ranks [1, S] int32, token_slots [T] int32) or None: when the "decode" kernel
+    runs with its reduce kernel (NUM_SPLITS > 1), that kernel also writes the next (o_proj) LoRA layer's shrink of
+    the rounded out, one partial per head: h [Hq, 1, T, R] fp32 with sum_h h[h, 0, t, :ranks[0, s]] =
+    out[t].reshape(-1) @ a[0, s, :ranks[0, s]].T for s = token_slots[t] >= 0, every other entry 0 (padding rows
+    too) — the split-K partials lora_expand and the FP8 GEMM's LoRA program sum. Returns h, or None when it was
+    not written (another kernel, or no reduce kernel): the caller then runs the shrink itself.
     """
     require_triton()
     T, Hq, D = q.shape
@@ -407,7 +435,7 @@ def paged_attention(
     G = Hq // Hkv
     B = block_tables.shape[0]
     if T == 0:
-        return
+        return None
     if kernel == "auto":
         kernel = "decode" if decode_kernel_chosen(T, B, kernel) else "prefill"
     if out_fp8 is not None and (kernel != "decode" or D & (D - 1)):
@@ -425,7 +453,7 @@ def paged_attention(
             BLOCK_SIZE=BS, BLOCK_G=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
             HAS_WINDOW=has_window,
         )
-        return
+        return None
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
     BLOCK_D = max(16, triton.next_power_of_2(D))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -439,7 +467,7 @@ def paged_attention(
             BLOCK_D=BLOCK_D, TILE=TILE_N,
             HAS_WINDOW=has_window, DOT_PRECISION=precision, num_warps=8, num_stages=2,
         )
-        return
+        return None
     if kernel != "decode":
         raise ValueError(f"kernel must be auto, decode, prefill or legacy, got {kernel!r}")
     if num_splits is None:
@@ -466,10 +494,31 @@ def paged_attention(
         num_warps=4, num_stages=2, **(quant if direct else {}),
         **(producer_launch_dependents(q.device) if direct else {}),
     )
-    if not direct:
-        _paged_attn_reduce_kernel[(T, Hq)](
-            out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
-            sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
-            D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_splits), TILE=TILE_N,
-            HAS_WINDOW=has_window, num_warps=1, **quant, **producer_launch_dependents(q.device),
-        )
+    if direct:
+        return None
+    h, lora = None, {}
+    if lora_shrink is not None:
+        h, lora = _attn_shrink_args(lora_shrink, T, Hq, D)
+    _paged_attn_reduce_kernel[(T, Hq)](
+        out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
+        sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
+        D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_splits), TILE=TILE_N,
+        HAS_WINDOW=has_window, num_warps=1, **quant, **producer_launch_dependents(q.device), **lora,
+    )
+    return h
+
+
+def _attn_shrink_args(lora_shrink, T: int, Hq: int, D: int) -> tuple[torch.Tensor, dict]:
+    """paged_attention's lora_shrink -> (h [Hq, 1, T, R] fp32, the reduce kernel's LoRA arguments)."""
+    a, ranks, slots = lora_shrink
+    n, S, R, K = a.shape
+    if n != 1 or K != Hq * D or a.stride(3) != 1 or tuple(slots.shape) != (T,) or tuple(ranks.shape) != (1, S):
+        raise ValueError(f"paged_attention: lora_shrink expects a [1, S, R, {Hq * D}] (last dim contiguous), ranks "
+                         f"[1, S] and token_slots [{T}], found a {tuple(a.shape)}, ranks {tuple(ranks.shape)} and "
+                         f"token_slots {tuple(slots.shape)}")
+    chunk = min(4, triton.next_power_of_2(R))
+    if R % chunk:
+        raise ValueError(f"paged_attention: lora_shrink rank {R} is not a multiple of {chunk}")
+    h = torch.empty(Hq, 1, T, R, dtype=torch.float32, device=a.device)
+    return h, dict(la_ptr=a, lrank_ptr=ranks, lslot_ptr=slots, lh_ptr=h, sla_s=a.stride(1), sla_r=a.stride(2),
+                   slh_s=h.stride(0), slh_m=h.stride(2), LORA_R=R, LORA_CHUNK=chunk)

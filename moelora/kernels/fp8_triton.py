@@ -568,6 +568,11 @@ def set_fp8_lora_pdl(enabled: bool) -> None:
     _LORA_PDL[0] = bool(enabled)
 
 
+def fp8_lora_pdl_enabled() -> bool:
+    """The set_fp8_lora_pdl switch itself (fp8_lora_pdl also asks the device)."""
+    return _LORA_PDL[0]
+
+
 def fp8_lora_pdl(device: torch.device) -> bool:
     """Whether the dense FP8 GEMM with LoRA is launched with PDL after its shrink: the switch on, and a GPU of
     compute capability >= 9.0 (Hopper: griddepcontrol)."""

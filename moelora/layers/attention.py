@@ -101,15 +101,23 @@ class Attention(nn.Module):
 
             # [T, Hq, D]; padding rows 0 (the decode kernel writes them; the others leave them as filled here)
             decode = decode_kernel_chosen(T, attn.block_tables.shape[0], ATTENTION_KERNEL)
-            o = torch.empty_like(q) if decode else torch.zeros_like(q)
+            o = (torch.empty if decode else torch.zeros)(q.shape, dtype=q.dtype, device=q.device)  # contiguous
             o_fp8 = self._o_proj_fp8_buffers(q) if decode else None  # an FP8 o_proj's input, quantized in the kernel
-            paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
-                            attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL,
-                            out_fp8=o_fp8)
+            o_in = o.view(T, self.q_size)  # o_proj's input: the marks below go on this very object
+            # set_lora_attn_shrink: the decode kernel's reduce may write o_proj's LoRA shrink too (h, else None)
+            shrink = self.o_proj.attn_shrink_args(o_in, lora) if decode and lora is not None else None
+            h = paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
+                                attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL,
+                                out_fp8=o_fp8, lora_shrink=shrink)
+            if h is not None:
+                from moelora.kernels.norm_triton import attach_lora_h
+
+                attach_lora_h(o_in, h, shrink[0])
             if o_fp8 is not None:
                 from moelora.kernels.fp8_triton import attach_act_quant
 
-                return self.o_proj(attach_act_quant(o.reshape(T, self.q_size), *o_fp8, q.shape[2]), lora)
+                attach_act_quant(o_in, *o_fp8, q.shape[2])
+            return self.o_proj(o_in, lora)
         else:
             write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
             o = paged_attention_ref(

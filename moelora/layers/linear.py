@@ -141,13 +141,27 @@ class LoRALinear(nn.Module):
         return fp8_lora_epilogue() and isinstance(st, Fp8State) and st.reference is None and not fused_dense_lora()
 
     def norm_shrink_args(self, x: torch.Tensor, lora: LoRABatch):
-        """(a, ranks, token_slots) for the RMSNorm producing x to write this layer's LoRA shrink (set_lora_norm_shrink:
-        decode sizes, this layer's LoRA running, through the FP8 epilogue, not on the side stream), else None."""
+        """(a, ranks, token_slots) for the RMSNorm producing x to write this layer's LoRA shrink (set_lora_norm_shrink),
+        else None: producer_shrink_args."""
         from moelora.kernels._triton import lora_norm_shrink
+
+        return self.producer_shrink_args(x, lora) if lora_norm_shrink() else None
+
+    def attn_shrink_args(self, x: torch.Tensor, lora: LoRABatch):
+        """(a, ranks, token_slots) for the decode attention producing x to write this layer's LoRA shrink
+        (set_lora_attn_shrink), else None: producer_shrink_args."""
+        from moelora.kernels._triton import lora_attn_shrink
+
+        return self.producer_shrink_args(x, lora) if lora_attn_shrink() else None
+
+    def producer_shrink_args(self, x: torch.Tensor, lora: LoRABatch):
+        """(a, ranks, token_slots) for the kernel producing x [T, in] to write this layer's LoRA shrink itself
+        (attach_lora_h), when the layer takes it: decode sizes, its LoRA running for this batch, through the FP8
+        GEMM's epilogue, not on the side stream, a rank the producer's chunks divide; else None."""
         from moelora.kernels.lora_triton import SHRINK_SPLIT_MAX_TOKENS
 
         w = self.lora
-        if not (lora_norm_shrink() and x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS and lora_runs(w, lora)):
+        if not (x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS and lora_runs(w, lora)):
             return None
         if (x.is_cuda and dense_lora_overlap()) or not self._fp8_epilogue_ok(x, lora):
             return None
@@ -164,7 +178,7 @@ class LoRALinear(nn.Module):
         w = self.lora
         block = self.quant.block
         xq, xs = fp8_prequantize(x, block[1])  # before the shrink: with PDL nothing may run between it and the GEMM
-        h = attached_lora_h(x, w.a)  # written by the norm that produced x (set_lora_norm_shrink): nothing to wait on
+        h = attached_lora_h(x, w.a)  # written by the kernel that produced x (norm / attention shrink): nothing to wait on
         pdl = False
         if h is None:
             h = dense_lora_h(w, x)

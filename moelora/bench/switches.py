@@ -1,0 +1,123 @@
+"""In-process A/B of MOELORA_* switches for `bench decode --ab`: parse the variants, set a switch through its
+setter (what the environment variable sets at import), and read it back to restore it.
+
+One process measures every variant on the same GPU, weights and requests, between graph recaptures: differences
+between machines (~1.4% on the H200s lent here) and start-up costs drop out of the comparison.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+Switch = tuple[Callable[[str], None], Callable[[], str], tuple[str, ...]]  # (set, get, the values it takes)
+
+
+def _bool_switch(module: str, setter: str, getter: str) -> Switch:
+    def set_(value: str) -> None:
+        getattr(_import(module), setter)(value == "1")
+
+    def get() -> str:
+        return "1" if getattr(_import(module), getter)() else "0"
+
+    return set_, get, ("0", "1")
+
+
+def _import(module: str):
+    import importlib
+
+    return importlib.import_module(module)
+
+
+def _delta_dtype() -> Switch:
+    def set_(value: str) -> None:
+        _import("moelora.kernels._triton").set_lora_delta_dtype(value)
+
+    def get() -> str:
+        import torch
+
+        return "fp32" if _import("moelora.kernels._triton").lora_delta_dtype(torch.bfloat16) == torch.float32 \
+            else "activation"
+
+    return set_, get, ("activation", "fp32")
+
+
+_T = "moelora.kernels._triton"
+# env name -> (set from the env string, current value as an env string, accepted values); each one is read when
+# graphs are captured
+SWITCHES: dict[str, Switch] = {
+    "MOELORA_LORA_NORM_SHRINK": _bool_switch(_T, "set_lora_norm_shrink", "lora_norm_shrink"),
+    "MOELORA_LORA_ATTN_SHRINK": _bool_switch(_T, "set_lora_attn_shrink", "lora_attn_shrink"),
+    "MOELORA_LORA_SHRINK_PDL": _bool_switch(_T, "set_lora_shrink_pdl", "lora_shrink_pdl_enabled"),
+    "MOELORA_DENSE_LORA_OVERLAP": _bool_switch(_T, "set_dense_lora_overlap", "dense_lora_overlap"),
+    "MOELORA_LORA_EVEN_R": _bool_switch(_T, "set_lora_even_r", "lora_even_r"),
+    "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
+    "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),
+}
+
+
+def parse_ab(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """'name:ENV=V,ENV=V;name2:ENV=V' -> [(name, {ENV: V})]; the names unique and not 'default', every ENV one of
+    SWITCHES with one of the values it takes (else ValueError, before anything is built)."""
+    out: list[tuple[str, dict[str, str]]] = []
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        name, sep, body = part.partition(":")
+        name = name.strip()
+        if not sep or not name or name == "default" or name in (n for n, _ in out):
+            raise ValueError(f"--ab variant {part!r}: write name:ENV=V[,ENV=V] with a unique name other than "
+                             f"'default'")
+        env: dict[str, str] = {}
+        for item in (i.strip() for i in body.split(",")):
+            key, eq, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not eq or key not in SWITCHES:
+                raise ValueError(f"--ab variant {name!r}: {item!r} is not ENV=V with ENV one of {sorted(SWITCHES)}")
+            if value not in SWITCHES[key][2]:
+                raise ValueError(f"--ab variant {name!r}: {key} takes {' or '.join(SWITCHES[key][2])}, not {value!r}")
+            env[key] = value
+        out.append((name, env))
+    return out
+
+
+def current(names) -> dict[str, str]:
+    """The present value of each named switch, as its environment string."""
+    return {n: SWITCHES[n][1]() for n in names}
+
+
+def apply(env: dict[str, str]) -> None:
+    """Set each switch (values as parse_ab checked them)."""
+    for name, value in env.items():
+        SWITCHES[name][0](value)
+
+
+def format_ab(rows: list[dict]) -> str:
+    """The A/B table of `bench decode --ab`: per variant and case (workload, batch, adapters, targets), the median
+    tokens/s and step over its rounds, the kept share against the default's no-adapter median of that workload and
+    batch, and the change against the default's median for the same case."""
+    import statistics
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "variant" in r:
+            key = (r["variant"], r.get("workload"), r["batch"], r["adapters"], r.get("lora_targets") or "all")
+            groups.setdefault(key, []).append(r)
+
+    def median(key, field):
+        vals = [r[field] for r in groups.get(key, [])]
+        return statistics.median(vals) if vals else None
+
+    lines = ["A/B (medians over rounds; kept: against the default's no-adapter median; vs default: same case)",
+             f"{'variant':14s} {'workload':8s} {'batch':>5s} {'ad':>3s} {'targets':10s} {'runs':>4s} {'tok/s':>9s} "
+             f"{'step ms':>8s} {'kept':>6s} {'vs default':>10s}"]
+    for key in groups:
+        variant, workload, batch, n, which = key
+        tps, step = median(key, "tokens_per_s"), median(key, "step_ms")
+        base = median(("default", workload, batch, 0, "all"), "tokens_per_s")
+        same = median(("default", workload, batch, n, which), "tokens_per_s")
+        kept = f"{tps / base:6.1%}" if base and n else "     -"
+        vs = f"{tps / same - 1:+10.2%}" if same and variant != "default" else "         -"
+        lines.append(f"{variant:14s} {workload or '-':8s} {batch:5d} {n:3d} {which:10s} {len(groups[key]):4d} "
+                     f"{tps:9.1f} {step:8.2f} {kept} {vs}")
+    return "\n".join(lines)
