@@ -485,9 +485,11 @@ def test_norm_writes_the_qkv_lora_shrink_in_and_out_of_graphs(T):
 
 
 @torch.no_grad()
-def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_path):
+@pytest.mark.parametrize("batch", [48, 160])  # the attention's reduce kernel writes o_proj's shrink / its split kernel
+def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_path, batch):
     """set_lora_norm_shrink + set_lora_attn_shrink, end to end in the model: an FP8 Qwen3-MoE (dummy weights,
-    Qwen3-30B-A3B's attention dims, 2 layers), a decode step of 48 sequences over 4 adapters and base rows. With
+    Qwen3-30B-A3B's attention dims, 2 layers), a decode step of 48 / 160 sequences (o_proj's shrink from the
+    attention's reduce kernel / from its split kernel, one split) over 4 adapters and base rows. With
     both on, two shrink launches fewer per layer (the input norm writes qkv's, the attention reduce o_proj's), with
     the norm's alone one fewer; the logits equal those of the shrink kernels up to fp32 summation order
     (relative 2^-7), eagerly and over a graph replay; the adapters move them. (Written in session 20 without
@@ -519,13 +521,13 @@ def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_pa
                     r = (16, 8, 16, 4)[s]
                     w.set_slot(i, s, torch.randn(r, w.in_features, device=DEV, generator=g) * 0.02,
                                torch.randn(out, r, device=DEV, generator=g) * 0.02, 2.0)
-    kv = KVCache(cfg, 1024, 16, torch.bfloat16, DEV)
+    kv = KVCache(cfg, 4096, 16, torch.bfloat16, DEV)
     for cache in kv.caches:
         for c in cache:
             c.normal_(0, 1, generator=g)
     rng = random.Random(20)
     chunks = []
-    for b in range(48):
+    for b in range(batch):
         cached = rng.randrange(1, 300)
         chunks.append(SeqChunk([rng.randrange(cfg.vocab_size)], cached, kv.allocate(-(-(cached + 1) // 16)),
                                b % 5 - 1))

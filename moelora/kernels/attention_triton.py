@@ -137,11 +137,15 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
         oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False,
+        la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, sla_s=0, sla_r=0, slh_s=0, slh_m=0,
+        LORA_R: tl.constexpr = 0,
     ):
         if LAUNCH_DEPENDENTS:  # (DIRECT) a LoRA shrink launched with PDL after this may start now (it waits)
             tl.extra.cuda.gdc_launch_dependents()
         # QUANT (DIRECT only): also out quantized per (row, head) for an FP8 o_proj: oq [T, Hq * D] e4m3 and
         # os [T, Hq] fp32 (one scale group = one head: D == the GEMM's group), the numbers of quantize_act_group
+        # LORA_R > 0 (DIRECT only; set_lora_attn_shrink): also KV head kvh's partial of o_proj's LoRA shrink of the
+        # rounded output of its G heads, lh[kvh, 0, t, :LORA_R] (as the reduce kernel's, per KV head instead of head)
         # program (t, kvh, sp): query row t, its G heads of KV head kvh, the sp-th chunk of tps tiles of
         # the row's key range [lo_key, pos] (tiles of TILE positions counted from lo_key's tile)
         t = tl.program_id(0)
@@ -159,6 +163,9 @@ if HAS_TRITON:
                 if QUANT:
                     _store_head_quant(zeros, oq_ptr, os_ptr, t, kvh * G + offs_gp, offs_gp < G, tl.num_programs(1) * G, D,
                                       BLOCK_D)
+                if LORA_R > 0:
+                    tl.store(lh_ptr + kvh * slh_s + t.to(tl.int64) * slh_m + tl.arange(0, LORA_R),
+                             tl.zeros((LORA_R,), tl.float32))
         if (b < 0) | (sp >= n_active):  # padding row, or nothing left for this split
             return
         k_lo = (tile_lo + sp * tps) * TILE  # its first tile holds a visible key (lo_key or k_lo itself)
@@ -203,6 +210,19 @@ if HAS_TRITON:
             if QUANT:
                 _store_head_quant(tl.where(mask_o, ob.to(tl.float32), 0.0), oq_ptr, os_ptr, t, heads, mask_g,
                                   tl.num_programs(1) * G, D, BLOCK_D)
+            if LORA_R > 0:
+                lslot = tl.load(lslot_ptr + t)
+                lslot_c = tl.maximum(lslot, 0)
+                rank = tl.where(lslot >= 0, tl.load(lrank_ptr + lslot_c), 0)
+                a_ptrs = la_ptr + lslot_c.to(tl.int64) * sla_s + heads[:, None] * D + offs_d[None, :]
+                ov = tl.where(mask_o, ob.to(tl.float32), 0.0)
+                offs_r = tl.arange(0, LORA_R)
+                hvec = tl.zeros((LORA_R,), tl.float32)
+                rank_d = offs_d * 0 + rank  # [BLOCK_D]: a block mask (a scalar one trips the interpreter)
+                for r in tl.static_range(LORA_R):
+                    at = tl.load(a_ptrs + r * sla_r, mask=mask_o & (rank_d > r)[None, :], other=0.0)
+                    hvec = tl.where(offs_r == r, tl.sum(tl.sum(at.to(tl.float32) * ov, axis=1), axis=0), hvec)
+                tl.store(lh_ptr + kvh * slh_s + t.to(tl.int64) * slh_m + offs_r, hvec)
         else:
             # workspace: ws_o [T, Hq, NUM_SPLITS, D], ws_m / ws_l [T, Hq, NUM_SPLITS], all contiguous fp32
             row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + sp  # [BLOCK_G]
@@ -422,12 +442,13 @@ def paged_attention(
       "prefill": tiled; BLOCK_M rows of one sequence x G heads (128 tile rows) per (query block, KV head).
       "legacy": the first kernel (one program per (row, KV head), serial over blocks, no tensor cores).
 
-    lora_shrink = (a [1, S, R, Hq * D], ranks [1, S] int32, token_slots [T] int32) or None: when the "decode" kernel
-    runs with its reduce kernel (NUM_SPLITS > 1), that kernel also writes the next (o_proj) LoRA layer's shrink of
-    the rounded out, one partial per head: h [Hq, 1, T, R] fp32 with sum_h h[h, 0, t, :ranks[0, s]] =
-    out[t].reshape(-1) @ a[0, s, :ranks[0, s]].T for s = token_slots[t] >= 0, every other entry 0 (padding rows
-    too) — the split-K partials lora_expand and the FP8 GEMM's LoRA program sum. Returns h, or None when it was
-    not written (another kernel, or no reduce kernel): the caller then runs the shrink itself.
+    lora_shrink = (a [1, S, R, Hq * D], ranks [1, S] int32, token_slots [T] int32) or None: the "decode" kernel also
+    writes the next (o_proj) LoRA layer's shrink of the rounded out, in P partials — one per head from the reduce
+    kernel (NUM_SPLITS > 1), one per KV head from the split kernel when it writes out directly (NUM_SPLITS == 1):
+    h [P, 1, T, R] fp32 with sum_p h[p, 0, t, :ranks[0, s]] = out[t].reshape(-1) @ a[0, s, :ranks[0, s]].T for
+    s = token_slots[t] >= 0, every other entry 0 (padding rows too) — the split-K partials lora_expand and the FP8
+    GEMM's LoRA program sum. Returns h, or None when it was not written (another kernel): the caller then runs the
+    shrink itself.
     """
     require_triton()
     T, Hq, D = q.shape
@@ -486,6 +507,9 @@ def paged_attention(
     min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
     if min_tiles < 1 or num_splits < 1:
         raise ValueError(f"num_splits and min_tiles must be >= 1, got {num_splits}, {min_tiles}")
+    h, lora = None, {}
+    if lora_shrink is not None:  # per KV head from the split kernel (direct), else per head from the reduce kernel
+        h, lora = _attn_shrink_args(lora_shrink, T, Hq, D, Hkv if direct else Hq)
     _paged_attn_split_kernel[(T, Hkv, num_splits)](
         q, k_cache, v_cache, out, ws_o, ws_m, ws_l, block_tables, token_seq, seq_lens, query_start_loc,
         scale, sliding_window or 0, G, num_splits, min_tiles, *strides,
@@ -493,12 +517,10 @@ def paged_attention(
         TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=direct, DOT_PRECISION=precision,
         num_warps=4, num_stages=2, **(quant if direct else {}),
         **(producer_launch_dependents(q.device) if direct else {}),
+        **({k: v for k, v in lora.items() if k != "LORA_CHUNK"} if direct else {}),
     )
     if direct:
-        return None
-    h, lora = None, {}
-    if lora_shrink is not None:
-        h, lora = _attn_shrink_args(lora_shrink, T, Hq, D)
+        return h
     _paged_attn_reduce_kernel[(T, Hq)](
         out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
         sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
@@ -508,8 +530,8 @@ def paged_attention(
     return h
 
 
-def _attn_shrink_args(lora_shrink, T: int, Hq: int, D: int) -> tuple[torch.Tensor, dict]:
-    """paged_attention's lora_shrink -> (h [Hq, 1, T, R] fp32, the reduce kernel's LoRA arguments)."""
+def _attn_shrink_args(lora_shrink, T: int, Hq: int, D: int, parts: int) -> tuple[torch.Tensor, dict]:
+    """paged_attention's lora_shrink -> (h [parts, 1, T, R] fp32, the decode kernels' LoRA arguments)."""
     a, ranks, slots = lora_shrink
     n, S, R, K = a.shape
     if n != 1 or K != Hq * D or a.stride(3) != 1 or tuple(slots.shape) != (T,) or tuple(ranks.shape) != (1, S):
@@ -519,6 +541,6 @@ def _attn_shrink_args(lora_shrink, T: int, Hq: int, D: int) -> tuple[torch.Tenso
     chunk = min(4, triton.next_power_of_2(R))
     if R % chunk:
         raise ValueError(f"paged_attention: lora_shrink rank {R} is not a multiple of {chunk}")
-    h = torch.empty(Hq, 1, T, R, dtype=torch.float32, device=a.device)
+    h = torch.empty(parts, 1, T, R, dtype=torch.float32, device=a.device)
     return h, dict(la_ptr=a, lrank_ptr=ranks, lslot_ptr=slots, lh_ptr=h, sla_s=a.stride(1), sla_r=a.stride(2),
                    slh_s=h.stride(0), slh_m=h.stride(2), LORA_R=R, LORA_CHUNK=chunk)
