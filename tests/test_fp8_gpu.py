@@ -503,15 +503,15 @@ def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_pa
     from moelora.engine.kv_cache import KVCache
     from moelora.kernels import _triton
     from moelora.kernels import lora_triton as lt
-    from moelora.layers.fp8 import quantize_model_fp8
     from moelora.models.loader import build_model
 
     src = tmp(tmp_path, "m")
     save_tiny_model("qwen3_moe", src, hidden_size=2048, head_dim=128, num_attention_heads=32, num_key_value_heads=4,
                     moe_intermediate_size=128, intermediate_size=256, num_hidden_layers=2)
     cfg = ModelConfig.from_pretrained(src)
-    model = build_model(cfg, dtype=torch.bfloat16, device=DEV, max_loras=4, max_lora_rank=16, load_format="dummy")
-    quantize_model_fp8(model)
+    model = build_model(cfg, dtype=torch.bfloat16, device=DEV, max_loras=4, max_lora_rank=16, load_format="dummy",
+                        quantization="fp8")  # as the engine builds it: FP8 before the LoRA slots, norms tagged
+    assert model.model.layers[0].self_attn.o_proj.quant is not None
     g = torch.Generator(device=DEV).manual_seed(20)
     for layer in model.model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
