@@ -38,6 +38,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from moelora.kernels.fp8_triton import e4m3_groups
+    from moelora.kernels.lora_triton import store_row_shrink
 
     @triton.jit
     def _paged_attn_kernel(
@@ -283,14 +284,9 @@ if HAS_TRITON:
             slot = tl.load(lslot_ptr + t)
             slot_c = tl.maximum(slot, 0)
             rank = tl.where(slot >= 0, tl.load(lrank_ptr + slot_c), 0)
-            a_base = la_ptr + slot_c.to(tl.int64) * sla_s + h * D
-            ov = tl.where(mask_d, ob.to(tl.float32), 0.0)
-            for r0 in tl.static_range(0, LORA_R, LORA_CHUNK):
-                offs_r = r0 + tl.arange(0, LORA_CHUNK)
-                at = tl.load(a_base + offs_r[:, None] * sla_r + offs_d[None, :],
-                             mask=(offs_r < rank)[:, None] & mask_d[None, :], other=0.0)
-                hv = tl.sum(at.to(tl.float32) * ov[None, :], axis=1)  # [LORA_CHUNK]
-                tl.store(lh_ptr + h * slh_s + t.to(tl.int64) * slh_m + offs_r, hv)
+            store_row_shrink(tl.where(mask_d, ob.to(tl.float32), 0.0), la_ptr + slot_c.to(tl.int64) * sla_s + h * D,
+                             sla_r, offs_d, mask_d, rank, lh_ptr + h * slh_s + t.to(tl.int64) * slh_m, LORA_R,
+                             LORA_CHUNK)
 
     @triton.jit
     def _paged_attn_prefill_kernel(

@@ -34,6 +34,17 @@ if HAS_TRITON:
         return bt
 
     @triton.jit
+    def store_row_shrink(v, a_ptr, sa_r, offs, mask, rank, h_ptr, LORA_R: tl.constexpr, LORA_CHUNK: tl.constexpr):
+        """For a kernel that produces a dense LoRA layer's input row (norm, decode attention): its part of the
+        layer's shrink, h_ptr[r] = sum_d v[d] * a_ptr[r * sa_r + offs[d]] for r < LORA_R, 0 for r >= rank.
+        v: [BLOCK] fp32, 0 outside mask; a_ptr: the slot's A rows at this row's columns; LORA_CHUNK ranks a step."""
+        for r0 in tl.static_range(0, LORA_R, LORA_CHUNK):
+            offs_r = r0 + tl.arange(0, LORA_CHUNK)
+            at = tl.load(a_ptr + offs_r[:, None] * sa_r + offs[None, :], mask=(offs_r < rank)[:, None] & mask[None, :],
+                         other=0.0)
+            tl.store(h_ptr + offs_r, tl.sum(at.to(tl.float32) * v[None, :], axis=1))  # [LORA_CHUNK]
+
+    @triton.jit
     def _shrink_after_producer(
         x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr, H, R, S,
         sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,

@@ -16,6 +16,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from moelora.kernels.fp8_triton import store_group_quant
+    from moelora.kernels.lora_triton import store_row_shrink
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, q_ptr, qs_ptr, D, sx, sr, sy, sro, sq, sqs, eps,
@@ -55,14 +56,9 @@ if HAS_TRITON:
             slot = tl.load(lslot_ptr + row)
             slot_c = tl.maximum(slot, 0)
             rank = tl.where(slot >= 0, tl.load(lrank_ptr + i * S + slot_c), 0)
-            a_base = la_ptr + i.to(tl.int64) * sla_i + slot_c.to(tl.int64) * sla_s
-            yv = tl.where(mask, y.to(tl.float32), 0.0)
-            for r0 in tl.static_range(0, LORA_R, LORA_CHUNK):
-                offs_r = r0 + tl.arange(0, LORA_CHUNK)
-                at = tl.load(a_base + offs_r[:, None] * sla_r + offs[None, :],
-                             mask=(offs_r < rank)[:, None] & mask[None, :], other=0.0)
-                hv = tl.sum(at.to(tl.float32) * yv[None, :], axis=1)  # [LORA_CHUNK]
-                tl.store(lh_ptr + i * slh_i + row * slh_m + offs_r, hv)
+            store_row_shrink(tl.where(mask, y.to(tl.float32), 0.0),
+                             la_ptr + i.to(tl.int64) * sla_i + slot_c.to(tl.int64) * sla_s, sla_r, offs, mask, rank,
+                             lh_ptr + i * slh_i + row * slh_m, LORA_R, LORA_CHUNK)
 
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
