@@ -144,11 +144,12 @@ _LORA_ATTN_SHRINK = [os.environ.get("MOELORA_LORA_ATTN_SHRINK", "0") == "1"]
 
 
 def set_lora_attn_shrink(enabled: bool) -> None:
-    """The split-KV decode attention's reduce kernel also writes the o_proj LoRA shrink, one partial per head (the
-    FP8 GEMM's LoRA program sums them as split-K partials): no shrink launch before o_proj, and its LoRA program
-    waits for nothing. Decode batches that take the reduce kernel (at least 2 KV splits: up to ~131 rows on an
-    H200 with 4 KV heads); otherwise the shrink runs as before. Off by default until measured (written in session
-    20 without device time); MOELORA_LORA_ATTN_SHRINK=1. Results change by fp32 summation order only."""
+    """The split-KV decode attention also writes the o_proj LoRA shrink (an FP8 o_proj with the LoRA expand in its
+    GEMM, decode sizes): one partial per head from its reduce kernel (2+ KV splits: up to ~131 rows on an H200 with 4
+    KV heads), one per KV head from the split kernel writing the output itself (larger batches); the FP8 GEMM's
+    LoRA program sums them as split-K partials. No shrink launch before o_proj, and its LoRA program waits for
+    nothing. Off by default until measured (written in session 20 without device time); MOELORA_LORA_ATTN_SHRINK=1.
+    Results change by fp32 summation order only; CUDA graphs keep the launches they captured."""
     _LORA_ATTN_SHRINK[0] = bool(enabled)
 
 

@@ -104,7 +104,7 @@ class Attention(nn.Module):
             o = (torch.empty if decode else torch.zeros)(q.shape, dtype=q.dtype, device=q.device)  # contiguous
             o_fp8 = self._o_proj_fp8_buffers(q) if decode else None  # an FP8 o_proj's input, quantized in the kernel
             o_in = o.view(T, self.q_size)  # o_proj's input: the marks below go on this very object
-            # set_lora_attn_shrink: the decode kernel's reduce may write o_proj's LoRA shrink too (h, else None)
+            # set_lora_attn_shrink: the decode kernels may write o_proj's LoRA shrink too (h, else None)
             shrink = self.o_proj.attn_shrink_args(o_in, lora) if decode and lora is not None else None
             h = paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
                                 attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL,
