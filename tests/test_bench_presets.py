@@ -299,7 +299,13 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     assert "--- variant both (round 2)" in out and "A/B (medians over rounds" in out
     table = out[out.index("A/B (medians"):].splitlines()
     assert any(ln.startswith("norm") and " 2 " in ln and "%" in ln for ln in table), table
+    assert switches.parse_ab("s:MOELORA_FP8_LORA_SPLIT=0") == [("s", {"MOELORA_FP8_LORA_SPLIT": "0"})]
+    before = switches.current(["MOELORA_FP8_LORA_SPLIT"])
+    switches.apply({"MOELORA_FP8_LORA_SPLIT": "0"})  # a switch with its own values, read back as set
+    assert switches.current(["MOELORA_FP8_LORA_SPLIT"]) == {"MOELORA_FP8_LORA_SPLIT": "0"}
+    switches.apply(before)
     for bad, msg in [("x:MOELORA_NOPE=1", "not ENV=V"), ("x:MOELORA_LORA_NORM_SHRINK=2", "takes 0 or 1"),
+                     ("x:MOELORA_FP8_LORA_SPLIT=1", "takes 0 or 2"),
                      ("default:MOELORA_LORA_NORM_SHRINK=1", "unique name"), ("x MOELORA_LORA_NORM_SHRINK=1", "name:")]:
         with pytest.raises(ValueError, match=msg):
             _tiny_decode(tmp_path / "bad", "--ab", bad)

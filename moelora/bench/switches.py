@@ -42,6 +42,16 @@ def _delta_dtype() -> Switch:
     return set_, get, ("activation", "fp32")
 
 
+def _fp8_lora_split() -> Switch:
+    def set_(value: str) -> None:
+        _import("moelora.kernels.fp8_triton").set_fp8_lora_split(int(value))
+
+    def get() -> str:
+        return str(_import("moelora.kernels.fp8_triton").fp8_lora_split()[0])
+
+    return set_, get, ("0", "2")
+
+
 _T = "moelora.kernels._triton"
 # env name -> (set from the env string, current value as an env string, accepted values); each one is read when
 # graphs are captured
@@ -53,6 +63,7 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_LORA_EVEN_R": _bool_switch(_T, "set_lora_even_r", "lora_even_r"),
     "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),
+    "MOELORA_FP8_LORA_SPLIT": _fp8_lora_split(),
 }
 
 
