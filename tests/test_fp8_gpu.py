@@ -293,6 +293,16 @@ def pdl_launches(kernel):
         kernel.__dict__.pop("run", None)
 
 
+def _over_inputs(inputs, bufs, fn) -> list[torch.Tensor]:
+    """For each tuple of `inputs`: copied into `bufs` (a step's static input buffers), then fn()'s output cloned."""
+    outs = []
+    for vals in inputs:
+        for buf, v in zip(bufs, vals):
+            buf.copy_(v)
+        outs.append(fn().clone())
+    return outs
+
+
 @pytest.mark.parametrize("D", [2048, 4096])  # qkv (unsplit at 64 rows) and o_proj's input width (split-K 4)
 @pytest.mark.parametrize("T", [3, 64, 256])  # 256: the LoRA expand after the K steps (set_fp8_lora_split mode 0)
 def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D):
@@ -361,31 +371,19 @@ def test_lora_shrink_launched_with_pdl_after_the_norm_equals_the_plain_launch(T,
         y, _ = rms_norm(x_in, w, 1e-6, residual=r_in, quant_group=128)
         return lin(y, batch)
 
-    def plain_outputs():
-        outs = []
-        for x, r in inputs:
-            x_in.copy_(x)
-            r_in.copy_(r)
-            outs.append(step().clone())
-        return outs
-
     try:
         _triton.set_lora_shrink_pdl(False)
-        plain = plain_outputs()
+        plain = _over_inputs(inputs, (x_in, r_in), step)
         _triton.set_lora_shrink_pdl(True)
         assert _triton.lora_shrink_pdl(torch.device(DEV)), "PDL expected on this GPU"
         with pdl_launches(lt._shrink_kernel) as launches:
-            eager = plain_outputs()
+            eager = _over_inputs(inputs, (x_in, r_in), step)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = step()
         replays = []
         for _ in range(3):
-            for x, r in inputs:
-                x_in.copy_(x)
-                r_in.copy_(r)
-                graph.replay()
-                replays.append(replayed.clone())
+            replays += _over_inputs(inputs, (x_in, r_in), lambda: (graph.replay(), replayed)[1])
         torch.cuda.synchronize()
     finally:
         _triton.set_lora_shrink_pdl(False)
@@ -458,22 +456,14 @@ def test_norm_writes_the_qkv_lora_shrink_in_and_out_of_graphs(T):
     def step():
         return lin(norm.add_norm(x_in, r_in, batch, lin)[0], batch)
 
-    def outputs(fn):
-        outs = []
-        for x, r in inputs:
-            x_in.copy_(x)
-            r_in.copy_(r)
-            outs.append(fn().clone())
-        return outs
-
     try:
         _triton.set_lora_norm_shrink(False)
-        ref = outputs(step)
+        ref = _over_inputs(inputs, (x_in, r_in), step)
         _triton.set_lora_norm_shrink(True)
         with pdl_launches(lt._shrink_kernel) as shrinks:
-            eager = outputs(step)
+            eager = _over_inputs(inputs, (x_in, r_in), step)
         graph, out = captured_graph(step)
-        replayed = outputs(lambda: (graph.replay(), out)[1])
+        replayed = _over_inputs(inputs, (x_in, r_in), lambda: (graph.replay(), out)[1])
     finally:
         _triton.set_lora_norm_shrink(False)
     assert shrinks == []  # the norm wrote h: no shrink launch
