@@ -84,8 +84,9 @@ def set_dense_lora_overlap(enabled: bool) -> None:
     """Dense (attention / dense MLP) LoRA chains on the side CUDA stream beside their base GEMM, in modules whose
     `overlap` is on (--lora-overlap); modules without it compute the same delta on the main stream, then add it
     (bit-equal). On an FP8 base the GEMM then runs without its LoRA epilogue and the delta is added after it: one
-    bf16 rounding more than the epilogue. Off by default (session 13, on a base twice as slow as now: no gain; to
-    measure again: scripts/gpu_next_dense_overlap.sh); on with MOELORA_DENSE_LORA_OVERLAP=1. CUDA graphs record the
+    bf16 rounding more than the epilogue. Off by default (session 13, on a base twice as slow as now: no gain;
+    session 21, fp8 128/128 batch 64: 5,008 / 4,900 against 5,120 / 4,966 tok/s with 4 / 8 adapters, -2.2% /
+    -1.3%); on with MOELORA_DENSE_LORA_OVERLAP=1. CUDA graphs record the
     streams: set it before they are captured."""
     _DENSE_LORA_OVERLAP[0] = bool(enabled)
 
@@ -131,7 +132,9 @@ _LORA_NORM_SHRINK = [os.environ.get("MOELORA_LORA_NORM_SHRINK", "0") == "1"]
 def set_lora_norm_shrink(enabled: bool) -> None:
     """The RMSNorm before a decoder layer's qkv projection also writes that projection's LoRA shrink (decode sizes,
     an FP8 base with the LoRA expand in its GEMM): no shrink launch, and the GEMM's LoRA program waits for nothing.
-    Off by default until measured (written in session 19 without device time left); MOELORA_LORA_NORM_SHRINK=1.
+    Off by default: measured in session 21 (bench decode --ab, one process, fp8 128/128 batch 64, all targets) it
+    lost, 5,120 / 4,966 -> 4,996 / 4,845 tok/s with 4 / 8 adapters (-2.4%); with MOELORA_LORA_ATTN_SHRINK=1 too
+    5,006 / 4,883 (-2.2% / -1.7%). MOELORA_LORA_NORM_SHRINK=1 turns it on.
     Results change by fp32 summation order only; CUDA graphs keep the launches they captured."""
     _LORA_NORM_SHRINK[0] = bool(enabled)
 
@@ -148,7 +151,8 @@ def set_lora_attn_shrink(enabled: bool) -> None:
     GEMM, decode sizes): one partial per head from its reduce kernel (2+ KV splits: up to ~131 rows on an H200 with 4
     KV heads), one per KV head from the split kernel writing the output itself (larger batches); the FP8 GEMM's
     LoRA program sums them as split-K partials. No shrink launch before o_proj, and its LoRA program waits for
-    nothing. Off by default until measured (written in session 20 without device time); MOELORA_LORA_ATTN_SHRINK=1.
+    nothing. Off by default: measured in session 21 only with MOELORA_LORA_NORM_SHRINK=1 (see set_lora_norm_shrink),
+    the two together lost 2.2% / 1.7% at batch 64 with 4 / 8 adapters. MOELORA_LORA_ATTN_SHRINK=1 turns it on.
     Results change by fp32 summation order only; CUDA graphs keep the launches they captured."""
     _LORA_ATTN_SHRINK[0] = bool(enabled)
 
