@@ -309,3 +309,20 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
                      ("default:MOELORA_LORA_NORM_SHRINK=1", "unique name"), ("x MOELORA_LORA_NORM_SHRINK=1", "name:")]:
         with pytest.raises(ValueError, match=msg):
             _tiny_decode(tmp_path / "bad", "--ab", bad)
+
+
+def test_bench_decode_ab_profiles_each_variant_against_the_default(tmp_path, capsys):
+    """--ab with --profile-steps: each variant's profiled row also carries its per-kernel difference from the
+    default's profiled row of the same case (round 1 against the default's first run), printed under the variant's
+    name; the default's rows carry none."""
+    _, rows = _tiny_decode(tmp_path, "--profile-steps", "1", "--ab", "norm:MOELORA_LORA_NORM_SHRINK=1",
+                           "--ab-rounds", "2")
+    default0 = next(r for r in rows if r["variant"] == "default" and r["adapters"] == 1 and r["ab_round"] == 0)
+    assert all("profile_vs_default" not in r for r in rows if r["variant"] == "default")
+    variant = [r for r in rows if r["variant"] == "norm"]
+    assert len(variant) == 2
+    for r in variant:
+        t = r["profile_vs_default"]
+        assert t["total_us"] == pytest.approx(r["profile"]["total_us"] - default0["profile"]["total_us"])
+        assert t["kernels"][-1]["name"] == "other" and any(k["name"] != "other" for k in t["kernels"])
+    assert capsys.readouterr().out.count("norm against the default (profiled)") == 2

@@ -77,7 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "again in each default pass), so drift spreads over every variant (default 1)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per case, this many decode steps under torch.profiler before the timed ones (not timed): "
-                        "the time per kernel and step in the JSON row ('profile') and the largest printed")
+                        "the time per kernel and step in the JSON row ('profile') and the largest printed; with "
+                        "--ab, each variant's profile also against the default's of the same case "
+                        "('profile_vs_default': which kernels its switches made slower or faster)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each case this many times (same requests) and report the median by tokens/s, with "
                         "every run's tokens/s in the row ('repeats_tokens_per_s') and the spread printed; "
@@ -448,7 +450,23 @@ def _run_row(engine: LLMEngine, args: argparse.Namespace, case: tuple, rows: lis
         if n and base is not None:  # the same batch without adapters was profiled: where the tax goes
             r["profile_tax"] = profile_tax(base["profile"], r["profile"])
             print(format_profile_tax(r["profile_tax"]), flush=True)
+        ref = _ab_reference(rows, r)
+        if ref is not None:  # an --ab variant: which kernels its switches made slower or faster
+            r["profile_vs_default"] = profile_tax(ref["profile"], r["profile"])
+            print(format_profile_tax(r["profile_vs_default"], title=f"{tags['variant']} against the default"),
+                  flush=True)
+        if "profile_tax" in r or ref is not None:
             write_result("decode", {**head, "rows": rows}, args.out)
+
+
+def _ab_reference(rows: list[dict], r: dict) -> dict | None:
+    """For a profiled row of an --ab variant: the profiled row of the default's first run of the same case
+    (workload, batch, adapters, targets, overlap, fused), or None."""
+    if r.get("variant") in (None, "default"):
+        return None
+    case = ("workload", "batch", "adapters", "lora_targets", "lora_overlap", "fused_lora")
+    return next((q for q in rows if q.get("variant") == "default" and "profile" in q
+                 and all(q.get(k) == r.get(k) for k in case)), None)
 
 
 def _target_sets(args: argparse.Namespace) -> list[str]:

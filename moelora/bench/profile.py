@@ -153,9 +153,9 @@ def profile_tax(base: dict, lora: dict, top: int = TOP) -> dict:
     return {"unit": "us per step", "total_us": total, "kernels": kept, "rest_count": len(rest)}
 
 
-def format_profile_tax(t: dict, lines: int = 8) -> str:
+def format_profile_tax(t: dict, lines: int = 8, title: str = "LoRA tax by kernel") -> str:
     """The largest differences, one per line: us per step added (or saved, negative), base -> with adapters."""
-    out = [f"  LoRA tax by kernel (profiled): {t['total_us']:+.0f} us per step"]
+    out = [f"  {title} (profiled): {t['total_us']:+.0f} us per step"]
     for r in t["kernels"][:lines]:
         if r["name"] == "other":
             continue
