@@ -313,8 +313,8 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
 
 def test_bench_decode_ab_profiles_each_variant_against_the_default(tmp_path, capsys):
     """--ab with --profile-steps: each variant's profiled row also carries its per-kernel difference from the
-    default's profiled row of the same case (round 1 against the default's first run), printed under the variant's
-    name; the default's rows carry none."""
+    default's profiled row of the same case (the second round's too, against the default's first run), printed under
+    the variant's name; the default's rows carry none."""
     _, rows = _tiny_decode(tmp_path, "--profile-steps", "1", "--ab", "norm:MOELORA_LORA_NORM_SHRINK=1",
                            "--ab-rounds", "2")
     default0 = next(r for r in rows if r["variant"] == "default" and r["adapters"] == 1 and r["ab_round"] == 0)
