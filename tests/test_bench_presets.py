@@ -246,6 +246,45 @@ def test_kernel_timeline_measures_idle_overlap_and_hidden_lora_time():
     assert kernel_timeline(events[-1:], 1) == {"kernels": 0}
 
 
+def test_kernel_trace_layer_table_orders_one_layers_kernels(tmp_path, capsys):
+    """write_kernel_trace keeps the kernels (not CPU events) in start order; layer_table splits the main stream at
+    the marker kernel into layers and gives per position the median duration, gap before (negative: started before
+    the previous one ended) and start in the layer, skipping step boundaries and layers of another kernel sequence,
+    and the side stream's kernels by their start in the layer."""
+    from moelora.bench.profile import write_kernel_trace
+    from moelora.bench.trace import format_layer_table, layer_table, load_trace, main
+
+    def k(name, ts, dur, stream=7):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]
+    for step0 in (1000.0, 5000.0):  # two steps of three layers; the gap between them is a step boundary
+        for layer in range(3):
+            t = step0 + 100 * layer
+            events += [k("attn", t, 10), k("norm", t + 12 + layer, 3), k("shrink", t + 16 + layer, 5),
+                       k("gemm", t + 19 + layer, 40 + layer), k("lora", t + 20, 30, stream=8)]
+    events.append(k("odd", 5000.0 + 150, 1))  # makes layer 1 of step 2 a different sequence: dropped
+    path = str(tmp_path / "t" / "trace.json.gz")
+    write_kernel_trace(events[::-1], path)
+    names, ks = load_trace(path)
+    assert len(ks) == 31 and [k[2] for k in ks] == sorted(k[2] for k in ks) and ks[0][2] == 0.0
+    t = layer_table(names, ks, marker="attn")
+    # whole layers (one marker to the next within a step): steps 1 and 2 layers 0 and 1; step 2's layer 1 has
+    # another sequence -> 3 layers (indices 0, 1, 0), spans 100
+    assert t["layers"] == 3 and t["span_us"] == 100
+    assert [r["name"] for r in t["main"]] == ["attn", "norm", "shrink", "gemm"]
+    norm, shrink, gemm = t["main"][1:]
+    assert norm["gap_us"] == 2 and norm["start_us"] == 12 and norm["dur_us"] == 3  # medians of 2, 3, 2 and 12, 13, 12
+    assert shrink["gap_us"] == 1 and gemm["gap_us"] == -2 and gemm["dur_us"] == 40
+    assert t["side"] == [{"name": "lora", "start_us": 20, "dur_us": 30}]
+    with pytest.raises(ValueError, match="no kernel named 'moe'"):
+        layer_table(names, ks, marker="moe")
+    assert main([path, "--marker", "attn"]) == 0
+    out = capsys.readouterr().out
+    assert "3 layers, median span 100.0 us" in out and "-2.0  gemm" in out
+    assert "side stream" in format_layer_table(t)
+
+
 def test_write_result_keeps_one_file_across_midnight(tmp_path, monkeypatch):
     """A run rewriting its result after every row keeps writing the file its first write named, even when the
     date changes in between (a CI run crossing midnight once split a decode run's rows over two files); another

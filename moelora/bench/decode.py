@@ -80,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the time per kernel and step in the JSON row ('profile') and the largest printed; with "
                         "--ab, each variant's profile also against the default's of the same case "
                         "('profile_vs_default': which kernels its switches made slower or faster)")
+    p.add_argument("--profile-trace", default=None, metavar="DIR",
+                   help="with --profile-steps on a GPU: also write each profiled case's kernels (name, stream, start, "
+                        "duration) to DIR/trace-<case>.json.gz, for scripts/trace_layer.py (one layer's kernels in "
+                        "order, with the gaps between them)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each case this many times (same requests) and report the median by tokens/s, with "
                         "every run's tokens/s in the row ('repeats_tokens_per_s') and the spread printed; "
@@ -233,7 +237,7 @@ class _RunnerTimer:
 
 
 def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int,
-          profile_steps: int = 0, lora_targets: str = "all") -> dict:
+          profile_steps: int = 0, lora_targets: str = "all", trace_path: str | None = None) -> dict:
     names = [adapter_name(i, lora_targets) for i in range(n_adapters)]
     # ctx1024: enough tokens that no request finishes inside the timed steps (requests whose prefill ended early
     # decode during the later prefill steps), so every timed step holds the whole batch
@@ -251,7 +255,7 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
         ids.append(rid)
     while any(len(engine.requests[r].output_ids) == 0 for r in ids):  # prefill
         engine.step()
-    prof = profile_steps_of(engine.step, profile_steps, engine.device) if profile_steps else None  # untimed
+    prof = profile_steps_of(engine.step, profile_steps, engine.device, trace_path) if profile_steps else None  # untimed
     torch.cuda.synchronize() if engine.device.type == "cuda" else None
     t0, done_steps, tokens = time.perf_counter(), 0, 0
     ahead0 = getattr(engine, "ahead_steps", 0)
@@ -286,14 +290,15 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
 
 
 def _repeated_case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: int, seed: int,
-                   profile_steps: int = 0, repeat: int = 1, lora_targets: str = "all") -> dict:
+                   profile_steps: int = 0, repeat: int = 1, lora_targets: str = "all",
+                   trace_path: str | None = None) -> dict:
     """_case `repeat` times with the same requests (the profile, if asked, on the first run only); the run with
     the median tokens/s is returned, with every run's tokens/s ('repeats_tokens_per_s') and the spread
     ((max - min) / median, 'repeat_spread') when repeat > 1."""
     if repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {repeat}")
-    runs = [_case(engine, batch, n_adapters, workload, steps, seed, profile_steps if i == 0 else 0, lora_targets)
-            for i in range(repeat)]
+    runs = [_case(engine, batch, n_adapters, workload, steps, seed, profile_steps if i == 0 else 0, lora_targets,
+                  trace_path if i == 0 else None) for i in range(repeat)]
     if repeat == 1:
         return runs[0]
     tps = [r["tokens_per_s"] for r in runs]
@@ -418,9 +423,17 @@ def _run_row(engine: LLMEngine, args: argparse.Namespace, case: tuple, rows: lis
     overlap, fused, workload, batch, n, which = case
     if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state() or fused != fused_lora():
         _recapture(engine, overlap, fused)
+    trace_dir = getattr(args, "profile_trace", None)
+    trace = None
+    if trace_dir and getattr(args, "profile_steps", 0) and engine.device.type == "cuda":
+        trace = os.path.join(trace_dir, f"trace-{workload}-b{batch}-a{n}-{which if n else 'none'}"
+                             f"{'' if overlap else '-serial'}{'-fused' if fused and n else ''}"
+                             f"{'-' + tags['variant'] + str(tags['ab_round']) if tags else ''}.json.gz")
     r = _repeated_case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n,
                        profile_steps=getattr(args, "profile_steps", 0), repeat=getattr(args, "repeat", 1),
-                       lora_targets=which)
+                       lora_targets=which, trace_path=trace)
+    if trace:
+        r["profile_trace"] = os.path.basename(trace)
     r.update(tags)
     r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
              + ("" if not args.layers else f" ({args.layers} layers)")

@@ -17,9 +17,11 @@ from torch.profiler import ProfilerActivity, profile
 TOP = 25  # kernels kept per case (the rest is summed into "other")
 
 
-def profile_steps(step: Callable[[], object], steps: int, device: torch.device) -> dict:
+def profile_steps(step: Callable[[], object], steps: int, device: torch.device, trace_path: str | None = None) -> dict:
     """Run step() `steps` times under the profiler; returns {"unit": "us per step", "total_us": float,
-    "kernels": [{"name", "calls", "us"} ... the TOP largest, then "other"]}, calls and us per step."""
+    "kernels": [{"name", "calls", "us"} ... the TOP largest, then "other"]}, calls and us per step.
+    trace_path (a GPU only): also write every kernel of those steps there (write_kernel_trace), for reading the
+    order and overlap of one layer's kernels offline (scripts/trace_layer.py)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -35,7 +37,10 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device) 
             path = os.path.join(d, "trace.json")
             prof.export_chrome_trace(path)
             with open(path) as f:
-                timeline = kernel_timeline(json.load(f).get("traceEvents", []), steps)
+                events = json.load(f).get("traceEvents", [])
+            timeline = kernel_timeline(events, steps)
+            if trace_path:
+                write_kernel_trace(events, trace_path)
     rows = []
     for e in prof.key_averages():
         us = e.self_device_time_total if cuda else e.self_cpu_time_total  # microseconds over all steps
@@ -51,6 +56,22 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device) 
     if timeline is not None:
         out["timeline"] = timeline
     return out
+
+
+def write_kernel_trace(events: list[dict], path: str) -> None:
+    """The kernels of a chrome trace (torch.profiler's export_chrome_trace), compact, gzip'd JSON at path:
+    {"names": [kernel name ...], "kernels": [[name index, stream, start µs from the first kernel, duration µs]
+    ...] in start order}."""
+    import gzip
+
+    ks = sorted((float(e["ts"]), float(e["dur"]), e.get("args", {}).get("stream"), e.get("name", ""))
+                for e in events if e.get("cat") == "kernel" and e.get("ph") == "X")
+    names: dict[str, int] = {}
+    t0 = ks[0][0] if ks else 0.0
+    rows = [[names.setdefault(n, len(names)), st, round(ts - t0, 3), round(d, 3)] for ts, d, st, n in ks]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"names": list(names), "kernels": rows}, f)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
