@@ -62,6 +62,13 @@ assert "griddepcontrol.wait" in ptx
 consts.update(LORA_SPLIT=0, PARTS=4, SPLIT_K=4)  # mode 0: the epilogue waits
 assert "griddepcontrol.wait" in compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4,
                                              launch_pdl=True).asm["ptx"]
+for split_k, groups, even_r in [(1, 8, True), (2, 4, False)]:  # mode 3: the expand's loads before the K steps
+    consts.update(LORA_SPLIT=3, SPLIT_K=split_k, PARTS=split_k, LORA_GROUPS=groups, LORA_EVEN_R=even_r)
+    k3 = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4, launch_pdl=True)
+    ptx = k3.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and ptx.count("mma") >= 2 and ("atom" in ptx) == (split_k > 1)
+    print("ok gemm with the LoRA prefetch", split_k, groups, even_r)
+consts.update(LORA_EVEN_R=False)
 sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",
                                    "sorted_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32",
                                    "start_ptr": "*i32"},

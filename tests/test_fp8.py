@@ -452,7 +452,7 @@ def test_triton_kernels_compile_for_sm90_ahead_of_time():
     script = os.path.join(os.path.dirname(__file__), "fp8_aot.py")
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok") == 18, r.stdout
+    assert r.stdout.count("ok") == 20, r.stdout
 
 
 def test_deepseek_v3_fp8_checkpoint_mla_kv_b_dequantized(tmp_path):
@@ -628,7 +628,7 @@ def test_fp8_lora_gemm_takes_pdl_only_when_nothing_runs_between_it_and_the_shrin
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
-@pytest.mark.parametrize("lora_split, with_groups", [(0, True), (2, False), (2, True)])
+@pytest.mark.parametrize("lora_split, with_groups", [(0, True), (2, False), (2, True), (3, True)])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("R, even_r", [(8, False), (16, False), (16, True)])
 def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lora_split, with_groups, monkeypatch):
@@ -637,7 +637,9 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
     the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once); h past
     a slot's rank holds NaN here, so a mask by the wrong rank shows. lora_split: the expand after the K steps
     (0), or in one more program per tile summed as the last split-K partial (2), over the batch's slot groups
-    (here the first 2 of 3 unrolled, the third in the loop) or, given no groups, over all slots. B past each rank
+    (here the first 2 of 3 unrolled, the third in the loop) or, given no groups, over all slots; or (3) after the K
+    steps with everything but h loaded before them and the 3 groups in one dot (slices on tile boundaries here,
+    the launch checked to take that form). B past each rank
     holds NaN too; R 16 with even_r (MOELORA_LORA_EVEN_R=1): the buffers' rank equals the rank tile, so h and B are
     read in whole rank rows and the entries past the rank zeroed after the load; otherwise masked in the load."""
     from moelora.kernels.fp8_triton import (
@@ -655,8 +657,9 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
     from moelora.kernels.lora_triton import lora_shrink
 
     g = torch.Generator().manual_seed(60 + split_k)
-    blk, T, D, outs, S = (16, 16), 11, 48, [40, 24, 8], 3
+    blk, T, D, outs, S = (16, 16), 11, 48, ([40, 24, 8] if lora_split != 3 else [32, 64, 32]), 3
     O = sum(outs)
+    bounds = [0, outs[0], outs[0] + outs[1], O]
     x = torch.randn(T, D, generator=g)
     xq, xs = quantize_act_group_ref(x, blk[1])
     q, s = quantize_weight_block(torch.randn(O, D, generator=g), blk)
@@ -664,12 +667,12 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
     a = torch.randn(3, S, R, D, generator=g) * 0.3
     b = torch.randn(S, O, R, generator=g) * 0.3
     ranks = torch.tensor([[8, 4, 0], [2, 8, 8], [8, 0, 5]], dtype=torch.int32) * (R // 8)
-    for i, o0 in enumerate([0, 40, 64]):
+    for i, o0 in enumerate(bounds[:3]):
         for sl in range(S):
             a[i, sl, ranks[i, sl]:] = 0
             b[sl, o0:o0 + outs[i], ranks[i, sl]:] = float("nan")
     scaling = torch.rand(3, S, generator=g) + 0.5
-    off = torch.tensor([0, 40, 64, 72], dtype=torch.int32)
+    off = torch.tensor(bounds, dtype=torch.int32)
     slots = torch.tensor([0, -1, 2, 1, 1, 0, -1, 2, 2, 0, 1], dtype=torch.int32)
     groups = SlotGroups.build(slots, S)
     h = torch.full((2, 3, T, R), float("nan"))
@@ -678,18 +681,84 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
         for t in range(T):
             if slots[t] >= 0:
                 h[:, i, t, ranks[i, slots[t]]:] = float("nan")
-    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots, groups.active_slots if with_groups else None)
+    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots, groups.active_slots if with_groups else None,
+                           slice_bounds=tuple(bounds))
+    assert lora.prefetch_ok(32) == (lora_split == 3)
     set_fp8_gemm_config("dense", Fp8GemmConfig(32, 4, 2, 16, split_k))
+    modes: list[int] = []
+    real = ft._fp8_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                modes.append(kwargs.get("LORA_SPLIT", 0))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(ft, "_fp8_gemm_kernel", Spy())
     try:
         y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32, lora=lora)
     finally:
         set_fp8_gemm_config("dense", None)
+    assert modes == [lora_split]
     ref = fp8_linear_lora_ref(xq, q, s, blk, bias, lora, groups, x_scale=xs, out_dtype=torch.float32)
     base = fp8_linear_ref(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
     assert not y.isnan().any() and torch.allclose(y[slots < 0], base[slots < 0], rtol=1e-5, atol=1e-5)
     assert (y - base).abs().max() > 0.1  # the delta is there
     assert all(int(c.abs().sum()) == 0 for c in ft._COUNTERS.values()), "a split-K counter was left non-zero"
+
+
+def test_fp8_lora_prefetch_form_only_where_it_applies(monkeypatch):
+    """set_fp8_lora_split mode 3 (the expand's loads before the K steps) serves a launch only when its tiles each lie
+    in one slice, slot groups are given and there are at most LORA_PREFETCH_MAX_GROUPS of them; otherwise the
+    launch takes mode 2 (the LoRA program). Also the env / setter values: 3 accepted, 1 refused."""
+    import dataclasses
+
+    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.groups import SlotGroups
+
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(dict(kwargs, grid=grid))
+
+    monkeypatch.setattr(ft, "_fp8_gemm_kernel", Recorder())
+    monkeypatch.setattr(ft, "_LORA_SPLIT", [3, 64])
+    g = torch.Generator().manual_seed(8)
+    blk, T, D, O, S, R = (16, 16), 4, 32, 48, 2, 8
+    xq, xs = quantize_act_group_ref(torch.randn(T, D, generator=g), blk[1])
+    q, s = quantize_weight_block(torch.randn(O, D, generator=g), blk)
+    groups = SlotGroups.build(torch.tensor([0, 1, -1, 0], dtype=torch.int32), S)
+    lora = ft.Fp8LoRAEpilogue(torch.zeros(3, T, R), torch.zeros(S, O, R), torch.tensor([0, 16, 32, 48], dtype=torch.int32),
+                              torch.full((3, S), R, dtype=torch.int32), torch.ones(3, S), groups.token_slots,
+                              groups.active_slots, slice_bounds=(0, 16, 32, 48))
+
+    def mode_of(lora, block_n=16):
+        ft.set_fp8_gemm_config("dense", ft.Fp8GemmConfig(block_n, 4, 2, 16, 1))
+        try:
+            launches.clear()
+            ft.fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32, lora=lora)
+        finally:
+            ft.set_fp8_gemm_config("dense", None)
+        (kw,) = launches
+        return kw["LORA_SPLIT"], kw.get("LORA_GROUPS")
+
+    assert mode_of(lora) == (3, 2)  # 2 slot groups: a 2-group stacked dot
+    assert mode_of(lora, block_n=32)[0] == 2  # a 32-wide tile would span slices 0 and 1
+    assert mode_of(dataclasses.replace(lora, slice_bounds=None))[0] == 2
+    assert mode_of(dataclasses.replace(lora, active_slots=None))[0] == 2
+    many = torch.arange(ft.LORA_PREFETCH_MAX_GROUPS + 1, dtype=torch.int32)
+    assert mode_of(dataclasses.replace(lora, active_slots=many))[0] == 2
+    assert mode_of(dataclasses.replace(lora, active_slots=many[:-3]))[1] == 8  # 6 groups: padded to 8
+    monkeypatch.setenv("MOELORA_FP8_LORA_SPLIT", "3")
+    assert ft._lora_split_env()[0] == 3
+    monkeypatch.setenv("MOELORA_FP8_LORA_SPLIT", "1")
+    with pytest.raises(ValueError, match="0 .*, 2 .* or 3"):
+        ft._lora_split_env()
+    with pytest.raises(ValueError, match="0, 2 or 3"):
+        ft.set_fp8_lora_split(1)
 
 
 def test_fp8_lora_program_above_max_rows_only_while_the_launch_stays_small(monkeypatch):

@@ -238,11 +238,12 @@ def test_dense_split_k_in_cuda_graphs():
     assert int(next(iter(ft._COUNTERS.values())).abs().sum()) == 0
 
 
-@pytest.mark.parametrize("lora_split", [0, 2])
+@pytest.mark.parametrize("lora_split", [0, 2, 3])
 @pytest.mark.parametrize("T", [3, 64, 256])
 def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, lora_split, monkeypatch):
     """LoRALinear on an FP8 base with several adapters: the expand inside the FP8 GEMM (after the K steps, or as one
-    more split-K partial: set_fp8_lora_split modes 0 / 2, forced at every size) against the GEMM then the
+    more split-K partial, or after the K steps with its metadata loaded before them: set_fp8_lora_split modes
+    0 / 2 / 3, forced at every size; the launch checked to take the mode) against the GEMM then the
     expand kernel (set_fp8_lora_epilogue(False)): the same numbers up to one bf16 rounding of the sum (the kernel
     path rounds the base output first), base rows identical, in eager mode and in a CUDA graph."""
     from moelora.adapters.metadata import LoRABatch
@@ -260,7 +261,9 @@ def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, lora_s
         set_fp8_lora_epilogue(False)
         kernel = lin(x, batch)
         set_fp8_lora_epilogue(True)
-        fused = lin(x, batch)
+        with launch_records(ft._fp8_gemm_kernel) as launches:
+            fused = lin(x, batch)
+        assert [kw.get("LORA_SPLIT") for kw in launches] == [lora_split]
         graph = torch.cuda.CUDAGraph()
         lin(x, batch)
         with torch.cuda.graph(graph):
@@ -274,6 +277,23 @@ def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, lora_s
     assert _rel(fused, kernel) < 2.0**-8
     assert torch.equal(replayed, fused)
     assert (fused.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
+
+
+@contextlib.contextmanager
+def launch_records(kernel):
+    """Records the keyword arguments of each launch of a Triton kernel inside the block."""
+    calls: list[dict] = []
+    real = kernel.run  # the bound method (the spy below shadows it on the instance)
+
+    def spy(*args, **kwargs):
+        calls.append(dict(kwargs))
+        return real(*args, **kwargs)
+
+    kernel.run = spy
+    try:
+        yield calls
+    finally:
+        kernel.__dict__.pop("run", None)
 
 
 @contextlib.contextmanager
@@ -303,16 +323,18 @@ def _over_inputs(inputs, bufs, fn) -> list[torch.Tensor]:
     return outs
 
 
+@pytest.mark.parametrize("mode", [2, 3])  # set_fp8_lora_split: the LoRA program / the metadata before the K steps
 @pytest.mark.parametrize("D", [2048, 4096])  # qkv (unsplit at 64 rows) and o_proj's input width (split-K 4)
 @pytest.mark.parametrize("T", [3, 64, 256])  # 256: the LoRA expand after the K steps (set_fp8_lora_split mode 0)
-def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D):
+def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D, mode, monkeypatch):
     """The dense FP8 GEMM launched with programmatic dependent launch right after the LoRA shrink (its K steps
-    beside the shrink; the LoRA program, or at 256 rows the epilogue, waiting for it): bit-equal to the plain
-    launch, eagerly and over repeated CUDA-graph replays (an expand reading h before the shrink wrote it would
-    differ)."""
+    beside the shrink; the LoRA program, or at 256 rows the epilogue, waiting for it; mode 3: the epilogue at every
+    size, its B loads before the wait): bit-equal to the plain launch, eagerly and over repeated CUDA-graph replays
+    (an expand reading h before the shrink wrote it would differ)."""
     from moelora.adapters.metadata import LoRABatch
     from moelora.kernels import fp8_triton as ft
 
+    monkeypatch.setattr(ft, "_LORA_SPLIT", [mode, 64])
     assert ft.fp8_lora_pdl(torch.device(DEV)), "PDL expected on this GPU"
     g = torch.Generator(device=DEV).manual_seed(T + D)
     lin = _fp8_qkv_with_adapters(D, g)

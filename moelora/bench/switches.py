@@ -49,7 +49,7 @@ def _fp8_lora_split() -> Switch:
     def get() -> str:
         return str(_import("moelora.kernels.fp8_triton").fp8_lora_split()[0])
 
-    return set_, get, ("0", "2")
+    return set_, get, ("0", "2", "3")
 
 
 _T = "moelora.kernels._triton"
@@ -65,6 +65,10 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),
     "MOELORA_FP8_LORA_SPLIT": _fp8_lora_split(),
 }
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
 
 
 def parse_ab(spec: str) -> list[tuple[str, dict[str, str]]]:
@@ -86,7 +90,7 @@ def parse_ab(spec: str) -> list[tuple[str, dict[str, str]]]:
             if not eq or key not in SWITCHES:
                 raise ValueError(f"--ab variant {name!r}: {item!r} is not ENV=V with ENV one of {sorted(SWITCHES)}")
             if value not in SWITCHES[key][2]:
-                raise ValueError(f"--ab variant {name!r}: {key} takes {' or '.join(SWITCHES[key][2])}, not {value!r}")
+                raise ValueError(f"--ab variant {name!r}: {key} takes {_one_of(SWITCHES[key][2])}, not {value!r}")
             env[key] = value
         out.append((name, env))
     return out

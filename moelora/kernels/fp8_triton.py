@@ -153,6 +153,63 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def lora_prefetch_tile(rows, mask_m, n0, loff_ptr, lrank_ptr, lscale_ptr, lslot_ptr, lact_ptr, S, L,
+                           LORA_N: tl.constexpr, LORA_BR: tl.constexpr, G: tl.constexpr):
+        """The chain of dependent loads the expand of a column tile inside one slice needs before it can read h and
+        B, loaded before the K steps so that none of it follows them: the tile's slice i0 (n0: its first column),
+        per row its slot and that slot's rank and scaling for i0 (0 for rows without one), and per slot group g < G
+        its slot (lact[g]; -1 unused or g >= L) and that slot's rank. Returns (i0, row_slot, rank_rows, scale_rows,
+        slot_g [G], rank_g [G]). (Holding B itself through the K steps took 255 registers and spilled, session 22.)"""
+        i0 = 0
+        for i in tl.static_range(1, LORA_N):
+            i0 += (tl.load(loff_ptr + i) <= n0).to(tl.int32)
+        row_slot = tl.load(lslot_ptr + rows, mask=mask_m, other=-1)  # [BLOCK_M]
+        has = mask_m & (row_slot >= 0)
+        row_c = tl.maximum(row_slot, 0)
+        rank_rows = tl.load(lrank_ptr + i0 * S + row_c, mask=has, other=0)
+        scale_rows = tl.load(lscale_ptr + i0 * S + row_c, mask=has, other=0.0)
+        offs_g = tl.arange(0, G)
+        slot_g = tl.load(lact_ptr + offs_g, mask=offs_g < L, other=-1)  # [G]
+        rank_g = tl.load(lrank_ptr + i0 * S + tl.maximum(slot_g, 0), mask=slot_g >= 0, other=0)
+        return i0, row_slot, rank_rows, scale_rows, slot_g, rank_g
+
+    @triton.jit
+    def lora_prefetched_expand(acc, rows, offs_n, mask_n, i0, row_slot, rank_rows, scale_rows, slot_g, rank_g,
+                               lh_ptr, lb_ptr, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr,
+                               LORA_SK: tl.constexpr, LORA_BR: tl.constexpr, G: tl.constexpr,
+                               LORA_PRECISION: tl.constexpr, EVEN_R: tl.constexpr, WAIT: tl.constexpr):
+        """acc + the expand from lora_prefetch_tile's loads, in one dot: the stacked B [G x LORA_BR, BLOCK_N] (row
+        g * LORA_BR + r = lb[slot of group g, offs_n, r], 0 past the group's rank) loaded first, then (WAIT: after
+        gdc_wait, the shrink complete) each row's h [LORA_BR] (its LORA_SK partials summed, 0 past the row's rank,
+        rounded to B's dtype), placed in its slot group's columns of [BLOCK_M, G x LORA_BR] (0 in the others); their
+        product times each row's scaling: per row the products of lora_expand_tile's dot for its slot (the other
+        groups add exact zeros). EVEN_R: B read in whole rank rows, zeroed past the rank after the load."""
+        offs_r = tl.arange(0, LORA_BR)
+        # B as [G, BR, BLOCK_N] (the slot constant along the rank dim, so the loads along it are vectorized)
+        ptrs_b = (lb_ptr + tl.maximum(slot_g, 0)[:, None, None].to(tl.int64) * slb_s + offs_r[None, :, None] * slb_r
+                  + offs_n[None, None, :] * slb_o)
+        live_r = offs_r[None, :, None] < rank_g[:, None, None]  # [G, BR, 1]
+        if EVEN_R:
+            b3 = tl.load(ptrs_b, mask=(rank_g > 0)[:, None, None] & mask_n[None, None, :], other=0.0)
+            b3 = tl.where(live_r, b3, tl.zeros_like(b3))
+        else:
+            b3 = tl.load(ptrs_b, mask=live_r & mask_n[None, None, :], other=0.0)
+        b = tl.reshape(b3, (G * LORA_BR, BLOCK_N))
+        if WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
+            tl.extra.cuda.gdc_wait()
+        mask_h = (row_slot >= 0)[:, None] & (offs_r[None, :] < rank_rows[:, None])
+        ptrs = lh_ptr + i0 * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
+        h = tl.load(ptrs, mask=mask_h, other=0.0)  # [BLOCK_M, BR]
+        for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
+            h += tl.load(ptrs + part * slh_s, mask=mask_h, other=0.0)
+        hb = h.to(b.dtype)
+        in_g = (row_slot[:, None] == slot_g[None, :]) & (row_slot >= 0)[:, None]  # [BLOCK_M, G]
+        h3 = tl.broadcast_to(hb[:, None, :], (BLOCK_M, G, LORA_BR))
+        hg = tl.reshape(tl.where(in_g[:, :, None], h3, tl.zeros_like(h3)), (BLOCK_M, G * LORA_BR))
+        return acc + tl.dot(hg, b, input_precision=LORA_PRECISION) * scale_rows[:, None]
+
+    @triton.jit
     def _fp8_gemm_kernel(
         a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, ids_ptr, bexp_ptr, ws_ptr, cnt_ptr,
         M, N, K,
@@ -222,6 +279,10 @@ if HAS_TRITON:
         b_base = b_ptr + e * sbe + offs_n[:, None].to(tl.int64) * sbn
         bs_base = bs_ptr + e * sbse + (offs_n // SCALE_N) * sbsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if LORA_SPLIT == 3:  # the expand's chain of metadata loads, before the K steps
+            l_i0, l_slot, l_rank, l_scale, l_slot_g, l_rank_g = lora_prefetch_tile(
+                rows, mask_m, pid_n * BLOCK_N, loff_ptr, lrank_ptr, lscale_ptr, lslot_ptr, lact_ptr, S, L, LORA_N,
+                LORA_BR, LORA_GROUPS)
         k_hi = K
         if LORA_SPLIT > 0:  # program sk == SPLIT_K computes the LoRA expand tile, no K steps
             k_hi = tl.where(sk < SPLIT_K, K, 0)
@@ -255,6 +316,11 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if LORA_N > 0:
+            if LORA_SPLIT == 3:
+                acc = lora_prefetched_expand(acc, rows, offs_n, mask_n, l_i0, l_slot, l_rank, l_scale, l_slot_g,
+                                             l_rank_g, lh_ptr, lb_ptr, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o,
+                                             slb_r, BLOCK_M, BLOCK_N, LORA_SK, LORA_BR, LORA_GROUPS, LORA_PRECISION,
+                                             LORA_EVEN_R, LORA_WAIT)
             if LORA_SPLIT == 0:
                 if LORA_WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
                     tl.extra.cuda.gdc_wait()
@@ -412,8 +478,15 @@ class Fp8LoRAEpilogue:
     token_slots: torch.Tensor
     active_slots: torch.Tensor | None = None
     pdl: bool = False  # the shrink that wrote h was launched right before with launch_dependents (fp8_lora_pdl)
+    slice_bounds: tuple[int, ...] | None = None  # slice_offsets on the host (set_fp8_lora_split mode 3 needs them)
 
-    def kernel_args(self) -> dict:
+    def prefetch_ok(self, block_n: int) -> bool:
+        """Whether set_fp8_lora_split mode 3 can serve a launch of block_n-wide column tiles: slot groups given, at
+        most LORA_PREFETCH_MAX_GROUPS of them, and every slice boundary on a tile boundary (a tile in one slice)."""
+        return (self.active_slots is not None and 0 < self.active_slots.shape[0] <= LORA_PREFETCH_MAX_GROUPS
+                and self.slice_bounds is not None and all(o % block_n == 0 for o in self.slice_bounds[1:-1]))
+
+    def kernel_args(self, prefetch: bool = False) -> dict:
         from moelora.kernels._triton import dot_precision, lora_even_r
 
         h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
@@ -427,7 +500,8 @@ class Fp8LoRAEpilogue:
                     LORA_PRECISION=dot_precision(b.dtype),
                     **(dict(LORA_GROUPS=0) if self.active_slots is None else
                        dict(lact_ptr=self.active_slots, L=self.active_slots.shape[0],
-                            LORA_GROUPS=min(LORA_GROUPS_UNROLLED, self.active_slots.shape[0]))))
+                            LORA_GROUPS=(triton.next_power_of_2(self.active_slots.shape[0]) if prefetch else
+                                         min(LORA_GROUPS_UNROLLED, self.active_slots.shape[0])))))
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
@@ -445,16 +519,20 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     if ids is None and (_SPLIT_K_ENABLED or cfg.split_k):  # dense: split K when few output tiles (decode)
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
     lora_split = 0
-    if lora is not None and ids is None and (M <= _LORA_SPLIT[1] or
-                                             grid_m * grid_n * (split_k + 1) <= LORA_SPLIT_MAX_PROGRAMS):
-        lora_split = _LORA_SPLIT[0]
+    if lora is not None and ids is None:
+        mode = _LORA_SPLIT[0]
+        if mode == 3 and not lora.prefetch_ok(block_n):
+            mode = 2
+        if mode == 3 or M <= _LORA_SPLIT[1] or grid_m * grid_n * (split_k + 1) <= LORA_SPLIT_MAX_PROGRAMS:
+            lora_split = mode
     cnt_now = _COUNTERS.get(out.device)
     counters_before = cnt_now is not None and cnt_now.numel() >= grid_m * grid_n
-    parts, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k + (1 if lora_split else 0))
-    if lora_split and parts == 1:  # no counters (first use inside a capture): the epilogue form, unsplit
+    lora_part = 1 if lora_split == 2 else 0
+    parts, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k + lora_part)
+    if lora_part and parts == 1:  # no counters (first use inside a capture): the epilogue form, unsplit
         lora_split, split_k = 0, 1
     else:
-        split_k = parts - (1 if lora_split else 0)
+        split_k = parts - lora_part
     # PDL only when nothing was launched between the shrink and this GEMM: no quantization launch for x (pdl_ok),
     # the split-K counters (if any) already there (counters_before: not zero-filled by this call)
     pdl = lora is not None and lora.pdl and pdl_ok and (parts == 1 or counters_before)
@@ -472,8 +550,8 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_ROW_DIV=a_row_div,
         SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-        **(lora.kernel_args() if lora is not None else {}),
-        **({"LORA_SPLIT": lora_split, "PARTS": parts} if parts > 1 else {}),
+        **(lora.kernel_args(prefetch=lora_split == 3) if lora is not None else {}),
+        **({"LORA_SPLIT": lora_split} if lora is not None else {}), **({"PARTS": parts} if parts > 1 else {}),
         **({"LORA_WAIT": True, "launch_pdl": True} if pdl else {}),
     )
 
@@ -522,9 +600,9 @@ def fp8_lora_epilogue() -> bool:
 
 def _lora_split_env() -> list[int]:
     mode = int(os.environ.get("MOELORA_FP8_LORA_SPLIT", "2") or 0)
-    if mode not in (0, 2):
-        raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0 (the expand after the K steps) or 2 (the LoRA program), "
-                         f"got {mode}")
+    if mode not in (0, 2, 3):
+        raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0 (the expand after the K steps), 2 (the LoRA program) or "
+                         f"3 (after the K steps, its loads but h's before them), got {mode}")
     return [mode, int(os.environ.get("MOELORA_FP8_LORA_SPLIT_MAX_ROWS", "64") or 0)]
 
 
@@ -535,6 +613,7 @@ _LORA_SPLIT = _lora_split_env()
 # 29.5; session 16, call 2)
 LORA_SPLIT_MAX_PROGRAMS = 264
 LORA_GROUPS_UNROLLED = 8  # slot groups of set_fp8_lora_split mode 2 unrolled in the kernel (the rest in a loop)
+LORA_PREFETCH_MAX_GROUPS = 8  # set_fp8_lora_split mode 3 serves batches of at most this many slot groups (max_loras)
 
 
 def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
@@ -545,10 +624,15 @@ def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
     groups, the first LORA_GROUPS_UNROLLED unrolled with their loads in flight together. (Session 15's mode 1, the
     LoRA program walking all slots, was a little slower than 2 and was removed in session 16. Session 21: mode 0
     with h written by the norm and the attention, so nothing left to wait for, still lost to mode 2 with them,
-    4,910 / 4,742 against 5,006 / 4,883 tok/s at fp8 128/128 batch 64, 4 / 8 adapters.) Results are the same up
-    to fp32 summation order."""
-    if mode not in (0, 2):
-        raise ValueError(f"set_fp8_lora_split: mode must be 0 or 2, got {mode}")
+    4,910 / 4,742 against 5,006 / 4,883 tok/s at fp8 128/128 batch 64, 4 / 8 adapters.)
+    3 (session 22): after the K steps like 0, at every size, but with the expand's chain of metadata loads (slice,
+    slots, ranks, scalings: lora_prefetch_tile) issued before the K steps and one dot over the slot groups after
+    them (lora_prefetched_expand), so only the loads of B and h (side by side) and that dot follow the K steps,
+    and no split-K partial is added; used where Fp8LoRAEpilogue.prefetch_ok holds (slot groups given, at most
+    LORA_PREFETCH_MAX_GROUPS, tiles inside one slice), else mode 2. Results are the same up to fp32 summation
+    order."""
+    if mode not in (0, 2, 3):
+        raise ValueError(f"set_fp8_lora_split: mode must be 0, 2 or 3, got {mode}")
     _LORA_SPLIT[0] = mode
     if max_rows is not None:
         _LORA_SPLIT[1] = int(max_rows)

@@ -186,7 +186,7 @@ class LoRALinear(nn.Module):
             lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl,
                         wait_primary=lora_shrink_pdl(x.device))
         epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots,
-                              lora.groups.active_slots, pdl)
+                              lora.groups.active_slots, pdl, tuple(w.slice_offsets_host))
         return fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, lora=epi,
                           out_dtype=x.dtype)
 
