@@ -94,7 +94,6 @@ def print_compiled() -> None:
         caches = _fp8_gemm_kernel.device_caches
         for dev, entry in caches.items():
             for key, k in entry[0].items():
-                consts = {n: v for n, v in getattr(k.src, "constants", {}).items()} if hasattr(k, "src") else {}
                 k._init_handles() if hasattr(k, "_init_handles") else None
                 print(f"compiled: regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
                       f"shared {k.metadata.shared} stages {k.metadata.num_stages} key {str(key)[-160:]}")
