@@ -1,11 +1,12 @@
 """Where the dense FP8 GEMM's LoRA time goes (GPU), µs per call from CUDA-graph replay, at Qwen3-30B-A3B's qkv
 (2048 -> 4096 + 512 + 512) and o_proj (4096 -> 2048), rank 16, max_loras 8, tokens round-robin over the adapters:
   gemm        fp8_linear alone, x already quantized (what the decode step runs without adapters)
-  m0/m2/m3    fp8_linear with the LoRA expand (h computed beforehand, no PDL), set_fp8_lora_split mode 0 / 2 / 3
+  m0/m2/m3/m4 fp8_linear with the LoRA expand (h computed beforehand, no PDL), set_fp8_lora_split mode 0 / 2 / 3 / 4
   m3_rank0    mode 3 with every rank 0 (no B or h read: the kernel's form alone)
-  m2_rank0    mode 2 likewise
+  m2_rank0    modes 2 and 4 likewise
+  m4_rank0
   shrink      lora_shrink alone
-  call        the LoRALinear call as the engine runs it (shrink, then the GEMM with PDL), modes 2 and 3
+  call        the LoRALinear call as the engine runs it (shrink, then the GEMM with PDL), modes 2, 3 and 4
 (Session 22: a decode layer's trace showed the GEMM with LoRA ~6 µs longer than without, with h precomputed too.)
 
     python scripts/bench_fp8_lora_gemm_parts.py [--tokens 64] [--adapters 4,8] [--json out.json]
@@ -39,7 +40,8 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     default = fp8_lora_split()
-    cols = ["gemm", "m0", "m2", "m3", "m2_rank0", "m3_rank0", "shrink", "call_m2", "call_m3"]
+    cols = ["gemm", "m0", "m2", "m3", "m4", "m2_rank0", "m3_rank0", "m4_rank0", "shrink", "call_m2", "call_m3",
+            "call_m4"]
     print(f"{'case':>4} {'T':>5} {'ad':>3} | " + " ".join(f"{c:>8}" for c in cols) + "  (µs per call)")
     for name in SHAPES:
         mods = build(name, args.layers, g)
@@ -65,7 +67,7 @@ def main() -> None:
 
                 row = {"case": name, "tokens": T, "adapters": n_ad}
                 row["gemm"] = graph_time_us(gemm, args.layers)
-                for mode in (0, 2, 3):
+                for mode in (0, 2, 3, 4):
                     set_fp8_lora_split(mode, 1 << 30)
                     try:
                         row[f"m{mode}"] = graph_time_us(lambda li: gemm(li, epis[li]), args.layers)

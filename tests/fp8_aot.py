@@ -68,6 +68,11 @@ for split_k, groups, even_r in [(1, 8, True), (2, 4, False)]:  # mode 3: the exp
     ptx = k3.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and ptx.count("mma") >= 2 and ("atom" in ptx) == (split_k > 1)
     print("ok gemm with the LoRA prefetch", split_k, groups, even_r)
+for split_k in (1, 2):  # mode 4: the LoRA program first, its tile awaited by a flag (acquire CAS in a loop)
+    consts.update(LORA_SPLIT=4, SPLIT_K=split_k, PARTS=split_k + 1, LORA_GROUPS=8, LORA_EVEN_R=True)
+    ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4, launch_pdl=True).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "acquire.gpu.cas" in ptx and "release.exch" in ptx, split_k
+    print("ok gemm with the LoRA program first", split_k)
 consts.update(LORA_EVEN_R=False)
 sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",
                                    "sorted_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32",

@@ -344,7 +344,7 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     assert switches.current(["MOELORA_FP8_LORA_SPLIT"]) == {"MOELORA_FP8_LORA_SPLIT": "0"}
     switches.apply(before)
     for bad, msg in [("x:MOELORA_NOPE=1", "not ENV=V"), ("x:MOELORA_LORA_NORM_SHRINK=2", "takes 0 or 1"),
-                     ("x:MOELORA_FP8_LORA_SPLIT=1", "takes 0, 2 or 3"),
+                     ("x:MOELORA_FP8_LORA_SPLIT=1", "takes 0, 2, 3 or 4"),
                      ("default:MOELORA_LORA_NORM_SHRINK=1", "unique name"), ("x MOELORA_LORA_NORM_SHRINK=1", "name:")]:
         with pytest.raises(ValueError, match=msg):
             _tiny_decode(tmp_path / "bad", "--ab", bad)

@@ -238,12 +238,12 @@ def test_dense_split_k_in_cuda_graphs():
     assert int(next(iter(ft._COUNTERS.values())).abs().sum()) == 0
 
 
-@pytest.mark.parametrize("lora_split", [0, 2, 3])
+@pytest.mark.parametrize("lora_split", [0, 2, 3, 4])
 @pytest.mark.parametrize("T", [3, 64, 256])
 def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, lora_split, monkeypatch):
     """LoRALinear on an FP8 base with several adapters: the expand inside the FP8 GEMM (after the K steps, or as one
-    more split-K partial, or after the K steps with its metadata loaded before them: set_fp8_lora_split modes
-    0 / 2 / 3, forced at every size; the launch checked to take the mode) against the GEMM then the
+    more split-K partial, or after the K steps with its metadata loaded before them, or by the LoRA program first
+    with a flag: set_fp8_lora_split modes 0 / 2 / 3 / 4, forced at every size; the launch checked to take the mode) against the GEMM then the
     expand kernel (set_fp8_lora_epilogue(False)): the same numbers up to one bf16 rounding of the sum (the kernel
     path rounds the base output first), base rows identical, in eager mode and in a CUDA graph."""
     from moelora.adapters.metadata import LoRABatch
@@ -277,6 +277,39 @@ def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, lora_s
     assert _rel(fused, kernel) < 2.0**-8
     assert torch.equal(replayed, fused)
     assert (fused.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
+
+
+@pytest.mark.parametrize("D", [2048, 4096])  # qkv (unsplit at 64 rows) and o_proj's input width (split-K)
+@pytest.mark.parametrize("T", [3, 64])
+def test_fp8_lora_program_first_is_bit_equal_to_the_lora_partial(T, D, monkeypatch):
+    """set_fp8_lora_split mode 4 (the LoRA program first in the grid, its tile handed to the K-step program by a
+    flag) against mode 2 (the LoRA tile as the last split-K partial): the same sums in the same order, so bit-equal,
+    eagerly with PDL after the shrink and over 20 CUDA-graph replays whose input changes (a K program not waiting
+    for the flag, or a flag left raised for the next launch, would differ); every counter and flag back at 0."""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.kernels import fp8_triton as ft
+
+    g = torch.Generator(device=DEV).manual_seed(T * D)
+    lin = _fp8_qkv_with_adapters(D, g)
+    batch = LoRABatch.build([i % 5 - 1 for i in range(T)], 4, DEV)
+    xs = [torch.randn(T, D, device=DEV, generator=g).bfloat16() for _ in range(4)]
+    monkeypatch.setattr(ft, "_LORA_SPLIT", [2, 64])
+    want = [lin(x, batch) for x in xs]
+    monkeypatch.setattr(ft, "_LORA_SPLIT", [4, 64])
+    with launch_records(ft._fp8_gemm_kernel) as launches:
+        eager = [lin(x, batch) for x in xs]
+    assert [kw["LORA_SPLIT"] for kw in launches] == [4] * 4 and all(kw.get("launch_pdl") for kw in launches)
+    x_in = xs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lin(x_in, batch)
+    for i in range(20):
+        x_in.copy_(xs[i % 4])
+        graph.replay()
+        assert torch.equal(out, want[i % 4]), i
+    torch.cuda.synchronize()
+    assert all(torch.equal(e, w) for e, w in zip(eager, want))
+    assert all(int(c.abs().sum()) == 0 for c in ft._COUNTERS.values()), "a counter or flag was left raised"
 
 
 @contextlib.contextmanager
@@ -323,7 +356,7 @@ def _over_inputs(inputs, bufs, fn) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.mark.parametrize("mode", [2, 3])  # set_fp8_lora_split: the LoRA program / the metadata before the K steps
+@pytest.mark.parametrize("mode", [2, 3, 4])  # set_fp8_lora_split: LoRA program / metadata before the K steps / flag
 @pytest.mark.parametrize("D", [2048, 4096])  # qkv (unsplit at 64 rows) and o_proj's input width (split-K 4)
 @pytest.mark.parametrize("T", [3, 64, 256])  # 256: the LoRA expand after the K steps (set_fp8_lora_split mode 0)
 def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D, mode, monkeypatch):

@@ -49,7 +49,7 @@ def _fp8_lora_split() -> Switch:
     def get() -> str:
         return str(_import("moelora.kernels.fp8_triton").fp8_lora_split()[0])
 
-    return set_, get, ("0", "2", "3")
+    return set_, get, ("0", "2", "3", "4")
 
 
 _T = "moelora.kernels._triton"

@@ -223,6 +223,7 @@ if HAS_TRITON:
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
         LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False, LORA_EVEN_R: tl.constexpr = False,
+        LORA_FLAGS: tl.constexpr = 2048,
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
         # rounding, by one of two forms:
@@ -236,7 +237,9 @@ if HAS_TRITON:
         # tokens (180 registers against 145), and end to end 4,734 / 4,639 against 4,728 / 4,602 at batch 64 and
         # 12,570 / 11,322 against 12,930 / 11,603 at 256. The GEMM, then lora_expand in its own launch
         # (MOELORA_FP8_LORA_EPILOGUE=0): 21.1 / 22.0.
-        # LORA_SPLIT > 0: one more program per tile (sk == SPLIT_K, no K steps) computes the LoRA tile as a
+        # LORA_SPLIT == 3 / 4: see set_fp8_lora_split (mode 4: the LoRA program is sk == 0 and hands its tile over
+        # by a flag; the K splits are sk = 1 .. SPLIT_K).
+        # LORA_SPLIT == 2: one more program per tile (sk == SPLIT_K, no K steps) computes the LoRA tile as a
         # partial of the split-K sum (PARTS = SPLIT_K + 1 partials, the LoRA one last in the order), so its chain
         # of dependent loads (slots, ranks, h, then B per slot) runs beside the K steps instead of after them.
         # It walks the batch's slot groups, the first LORA_GROUPS unrolled without branches (lora_expand_tile; 0:
@@ -283,10 +286,14 @@ if HAS_TRITON:
             l_i0, l_slot, l_rank, l_scale, l_slot_g, l_rank_g = lora_prefetch_tile(
                 rows, mask_m, pid_n * BLOCK_N, loff_ptr, lrank_ptr, lscale_ptr, lslot_ptr, lact_ptr, S, L, LORA_N,
                 LORA_BR, LORA_GROUPS)
+        ksk = sk  # this program's K split
         k_hi = K
-        if LORA_SPLIT > 0:  # program sk == SPLIT_K computes the LoRA expand tile, no K steps
+        if LORA_SPLIT == 2:  # program sk == SPLIT_K computes the LoRA expand tile, no K steps
             k_hi = tl.where(sk < SPLIT_K, K, 0)
-        for k0 in range(sk * BLOCK_K, k_hi, BLOCK_K * SPLIT_K):
+        if LORA_SPLIT == 4:  # program sk == 0 computes the LoRA expand tile, no K steps; K split ksk = sk - 1
+            ksk = tl.maximum(sk - 1, 0)
+            k_hi = tl.where(sk > 0, K, 0)
+        for k0 in range(ksk * BLOCK_K, k_hi, BLOCK_K * SPLIT_K):
             kk = k0 + offs_k
             mask_k = kk < K
             a = tl.load(a_ptr + a_rows[:, None] * sam + kk[None, :] * sak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -300,17 +307,36 @@ if HAS_TRITON:
             b = tl.load(b_base + kk[None, :] * sbk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
             b_s = tl.load(bs_base + (k0 // GROUP_K) * sbsk, mask=mask_n, other=0.0)  # [BN]
             acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None] * b_s[None, :]
-        if LORA_SPLIT > 0:
-            if sk == SPLIT_K:
+        tile = pid_m * tl.num_programs(1) + pid_n
+        if LORA_SPLIT == 2 or LORA_SPLIT == 4:
+            if sk == (SPLIT_K if LORA_SPLIT == 2 else 0):  # the LoRA program
                 if LORA_WAIT:  # launched with PDL beside the shrink: h is complete (and visible) after this
                     tl.extra.cuda.gdc_wait()
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
                                        slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, LORA_GROUPS,
                                        LORA_EVEN_R)
-        if PARTS > 1:
-            acc, last = split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk,
-                                       pid_m * tl.num_programs(1) + pid_n, PARTS)
+                if LORA_SPLIT == 4:  # its tile to ws[SPLIT_K], then the tile's flag raised (release)
+                    tl.store(ws_ptr + SPLIT_K * M * N + rows[:, None] * N + offs_n[None, :], acc,
+                             mask=mask_m[:, None] & mask_n[None, :])
+                    tl.debug_barrier()  # every thread's part stored before the flag
+                    tl.atomic_xchg(cnt_ptr + LORA_FLAGS + tile, 1, sem="release")
+                    return
+        if LORA_SPLIT == 4:
+            if SPLIT_K > 1:  # the K splits' own sum first (their counter), then the LoRA tile
+                acc, last = split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, ksk, tile,
+                                           SPLIT_K)
+                if not last:
+                    return
+            # wait for the tile's LoRA program (an earlier program of the grid: dispatched first), and lower its flag
+            # for the next launch; then add its tile as split_k_reduce would as the last partial
+            flag = tl.atomic_cas(cnt_ptr + LORA_FLAGS + tile, 1, 0, sem="acquire")
+            while flag != 1:
+                flag = tl.atomic_cas(cnt_ptr + LORA_FLAGS + tile, 1, 0, sem="acquire")
+            acc += tl.load(ws_ptr + SPLIT_K * M * N + rows[:, None] * N + offs_n[None, :],
+                           mask=mask_m[:, None] & mask_n[None, :], other=0.0, cache_modifier=".cg")
+        elif PARTS > 1:
+            acc, last = split_k_reduce(acc, ws_ptr, cnt_ptr, rows, offs_n, mask_m, mask_n, M, N, sk, tile, PARTS)
             if not last:
                 return
         if HAS_BIAS:
@@ -519,16 +545,18 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     if ids is None and (_SPLIT_K_ENABLED or cfg.split_k):  # dense: split K when few output tiles (decode)
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
     lora_split = 0
+    tiles = grid_m * grid_n
     if lora is not None and ids is None:
         mode = _LORA_SPLIT[0]
-        if mode == 3 and not lora.prefetch_ok(block_n):
+        if (mode == 3 and not lora.prefetch_ok(block_n)) or (mode == 4 and tiles > LORA_FLAGS):
             mode = 2
-        if mode == 3 or M <= _LORA_SPLIT[1] or grid_m * grid_n * (split_k + 1) <= LORA_SPLIT_MAX_PROGRAMS:
+        if mode == 3 or M <= _LORA_SPLIT[1] or tiles * (split_k + 1) <= LORA_SPLIT_MAX_PROGRAMS:
             lora_split = mode
+    lora_part = 1 if lora_split in (2, 4) else 0
+    need = tiles + (LORA_FLAGS if lora_split == 4 else 0)  # counters (mode 4: its flags after LORA_FLAGS)
     cnt_now = _COUNTERS.get(out.device)
-    counters_before = cnt_now is not None and cnt_now.numel() >= grid_m * grid_n
-    lora_part = 1 if lora_split == 2 else 0
-    parts, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k + lora_part)
+    counters_before = cnt_now is not None and cnt_now.numel() >= need
+    parts, ws, cnt = split_k_buffers(out, need, split_k + lora_part)
     if lora_part and parts == 1:  # no counters (first use inside a capture): the epilogue form, unsplit
         lora_split, split_k = 0, 1
     else:
@@ -600,9 +628,10 @@ def fp8_lora_epilogue() -> bool:
 
 def _lora_split_env() -> list[int]:
     mode = int(os.environ.get("MOELORA_FP8_LORA_SPLIT", "2") or 0)
-    if mode not in (0, 2, 3):
-        raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0 (the expand after the K steps), 2 (the LoRA program) or "
-                         f"3 (after the K steps, its loads but h's before them), got {mode}")
+    if mode not in (0, 2, 3, 4):
+        raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0 (the expand after the K steps), 2 (the LoRA program), "
+                         f"3 (after the K steps, its metadata loaded before them) or 4 (the LoRA program first, "
+                         f"its tile awaited by a flag), got {mode}")
     return [mode, int(os.environ.get("MOELORA_FP8_LORA_SPLIT_MAX_ROWS", "64") or 0)]
 
 
@@ -614,6 +643,7 @@ _LORA_SPLIT = _lora_split_env()
 LORA_SPLIT_MAX_PROGRAMS = 264
 LORA_GROUPS_UNROLLED = 8  # slot groups of set_fp8_lora_split mode 2 unrolled in the kernel (the rest in a loop)
 LORA_PREFETCH_MAX_GROUPS = 8  # set_fp8_lora_split mode 3 serves batches of at most this many slot groups (max_loras)
+LORA_FLAGS = 2048  # mode 4: the LoRA programs' flags sit at this offset in the split-K counters (tiles <= it)
 
 
 def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
@@ -629,10 +659,14 @@ def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
     slots, ranks, scalings: lora_prefetch_tile) issued before the K steps and one dot over the slot groups after
     them (lora_prefetched_expand), so only the loads of B and h (side by side) and that dot follow the K steps,
     and no split-K partial is added; used where Fp8LoRAEpilogue.prefetch_ok holds (slot groups given, at most
-    LORA_PREFETCH_MAX_GROUPS, tiles inside one slice), else mode 2. Results are the same up to fp32 summation
-    order."""
-    if mode not in (0, 2, 3):
-        raise ValueError(f"set_fp8_lora_split: mode must be 0, 2 or 3, got {mode}")
+    LORA_PREFETCH_MAX_GROUPS, tiles inside one slice), else mode 2.
+    4 (session 22): mode 2's LoRA program, but first in the grid (program 0 of each tile), storing its tile and
+    raising the tile's flag; the K-step program (the last K split) waits for the flag, lowers it and adds the tile,
+    so the K steps' partial is neither stored nor counted nor read back (bit-equal to mode 2: the same sums in the
+    same order). Programs wait only on earlier ones (the hardware dispatches a grid in order), at most LORA_FLAGS
+    tiles (else mode 2). Results are the same up to fp32 summation order."""
+    if mode not in (0, 2, 3, 4):
+        raise ValueError(f"set_fp8_lora_split: mode must be 0, 2, 3 or 4, got {mode}")
     _LORA_SPLIT[0] = mode
     if max_rows is not None:
         _LORA_SPLIT[1] = int(max_rows)
