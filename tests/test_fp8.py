@@ -711,8 +711,10 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
 
 def test_fp8_lora_prefetch_form_only_where_it_applies(monkeypatch):
     """set_fp8_lora_split mode 3 (the expand's loads before the K steps) serves a launch only when its tiles each lie
-    in one slice, slot groups are given and there are at most LORA_PREFETCH_MAX_GROUPS of them; otherwise the
-    launch takes mode 2 (the LoRA program). Also the env / setter values: 3 accepted, 1 refused."""
+    in one slice, slot groups are given and there are at most LORA_PREFETCH_MAX_GROUPS of them; mode 4 (the LoRA
+    program first, awaited by a flag) only while all the launch's programs fit in LORA_SPLIT_MAX_PROGRAMS;
+    otherwise the launch takes mode 2 (the LoRA program). Also the env / setter values: 4 the default, 3 accepted,
+    1 refused."""
     import dataclasses
 
     from moelora.kernels import fp8_triton as ft
@@ -752,6 +754,13 @@ def test_fp8_lora_prefetch_form_only_where_it_applies(monkeypatch):
     many = torch.arange(ft.LORA_PREFETCH_MAX_GROUPS + 1, dtype=torch.int32)
     assert mode_of(dataclasses.replace(lora, active_slots=many))[0] == 2
     assert mode_of(dataclasses.replace(lora, active_slots=many[:-3]))[1] == 8  # 6 groups: padded to 8
+    monkeypatch.setattr(ft, "_LORA_SPLIT", [4, 64])  # mode 4: only while every program can be resident at once
+    assert mode_of(lora)[0] == 4  # 3 tiles, 6 programs
+    assert ft.mode4_ok(132, 1) and not ft.mode4_ok(133, 1) and not ft.mode4_ok(3000, 0)
+    monkeypatch.setattr(ft, "LORA_SPLIT_MAX_PROGRAMS", 5)
+    assert mode_of(lora)[0] == 2
+    monkeypatch.delenv("MOELORA_FP8_LORA_SPLIT", raising=False)
+    assert ft._lora_split_env()[0] == 4  # the default
     monkeypatch.setenv("MOELORA_FP8_LORA_SPLIT", "3")
     assert ft._lora_split_env()[0] == 3
     monkeypatch.setenv("MOELORA_FP8_LORA_SPLIT", "1")
