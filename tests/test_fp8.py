@@ -576,6 +576,21 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
     assert not hasattr(odd, "fp8_act")  # 40 is not a multiple of 16: the GEMM quantizes it itself
 
 
+def _record_gemm_launches(monkeypatch) -> list[dict]:
+    """Replaces _fp8_gemm_kernel by a recorder: each launch's keyword arguments (and grid) appended to the list
+    returned, nothing run (the launch decisions of fp8_linear, host side)."""
+    from moelora.kernels import fp8_triton as ft
+
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(dict(kwargs, grid=grid))
+
+    monkeypatch.setattr(ft, "_fp8_gemm_kernel", Recorder())
+    return launches
+
+
 def test_fp8_lora_gemm_takes_pdl_only_when_nothing_runs_between_it_and_the_shrink(monkeypatch):
     """Programmatic dependent launch lets the GEMM start while the shrink still runs; only its LoRA code waits for
     it, so every other input must have been written before the shrink started. The launch decision (host side,
@@ -587,13 +602,7 @@ def test_fp8_lora_gemm_takes_pdl_only_when_nothing_runs_between_it_and_the_shrin
     from moelora.kernels import fp8_triton as ft
     from moelora.kernels.groups import SlotGroups
 
-    launches: list[dict] = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(dict(kwargs, grid=grid))
-
-    monkeypatch.setattr(ft, "_fp8_gemm_kernel", Recorder())
+    launches = _record_gemm_launches(monkeypatch)
     g = torch.Generator().manual_seed(7)
     blk, T, D, O, S, R = (16, 16), 4, 32, 48, 2, 8
     x = torch.randn(T, D, generator=g)
@@ -720,13 +729,7 @@ def test_fp8_lora_prefetch_form_only_where_it_applies(monkeypatch):
     from moelora.kernels import fp8_triton as ft
     from moelora.kernels.groups import SlotGroups
 
-    launches: list[dict] = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(dict(kwargs, grid=grid))
-
-    monkeypatch.setattr(ft, "_fp8_gemm_kernel", Recorder())
+    launches = _record_gemm_launches(monkeypatch)
     monkeypatch.setattr(ft, "_LORA_SPLIT", [3, 64])
     g = torch.Generator().manual_seed(8)
     blk, T, D, O, S, R = (16, 16), 4, 32, 48, 2, 8
@@ -778,13 +781,7 @@ def test_fp8_lora_program_above_max_rows_only_while_the_launch_stays_small(monke
     from moelora.kernels import fp8_triton as ft
     from moelora.kernels.groups import SlotGroups
 
-    launches: list[dict] = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(dict(kwargs, grid=grid))
-
-    monkeypatch.setattr(ft, "_fp8_gemm_kernel", Recorder())
+    launches = _record_gemm_launches(monkeypatch)
     monkeypatch.setattr(ft, "_LORA_SPLIT", [2, 64])
     monkeypatch.setattr(ft, "_COUNTERS", {})
 

@@ -313,13 +313,13 @@ def test_fp8_lora_program_first_is_bit_equal_to_the_lora_partial(T, D, monkeypat
 
 
 @contextlib.contextmanager
-def launch_records(kernel):
-    """Records the keyword arguments of each launch of a Triton kernel inside the block."""
-    calls: list[dict] = []
+def launch_records(kernel, record=dict):
+    """Records record(keyword arguments) of each launch of a Triton kernel inside the block, as it happens."""
+    calls: list = []
     real = kernel.run  # the bound method (the spy below shadows it on the instance)
 
     def spy(*args, **kwargs):
-        calls.append(dict(kwargs))
+        calls.append(record(kwargs))
         return real(*args, **kwargs)
 
     kernel.run = spy
@@ -329,21 +329,9 @@ def launch_records(kernel):
         kernel.__dict__.pop("run", None)
 
 
-@contextlib.contextmanager
 def pdl_launches(kernel):
     """Records, for each launch of a Triton kernel inside the block, whether it was launched with PDL (launch_pdl)."""
-    calls: list[bool] = []
-    real = kernel.run  # the bound method (the spy below shadows it on the instance)
-
-    def spy(*args, **kwargs):
-        calls.append(bool(kwargs.get("launch_pdl", False)))
-        return real(*args, **kwargs)
-
-    kernel.run = spy
-    try:
-        yield calls
-    finally:
-        kernel.__dict__.pop("run", None)
+    return launch_records(kernel, lambda kw: bool(kw.get("launch_pdl", False)))
 
 
 def _over_inputs(inputs, bufs, fn) -> list[torch.Tensor]:
