@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "('profile_vs_default': which kernels its switches made slower or faster)")
     p.add_argument("--profile-trace", default=None, metavar="DIR",
                    help="with --profile-steps on a GPU: also write each profiled case's kernels (name, stream, start, "
-                        "duration) to DIR/trace-<case>.json.gz, for scripts/trace_layer.py (one layer's kernels in "
+                        "duration) to DIR/trace-<case>.json.gz, for `python -m moelora.bench.trace` (one layer's kernels in "
                         "order, with the gaps between them)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each case this many times (same requests) and report the median by tokens/s, with "

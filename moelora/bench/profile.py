@@ -21,7 +21,7 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device, 
     """Run step() `steps` times under the profiler; returns {"unit": "us per step", "total_us": float,
     "kernels": [{"name", "calls", "us"} ... the TOP largest, then "other"]}, calls and us per step.
     trace_path (a GPU only): also write every kernel of those steps there (write_kernel_trace), for reading the
-    order and overlap of one layer's kernels offline (scripts/trace_layer.py)."""
+    order and overlap of one layer's kernels offline (python -m moelora.bench.trace)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
