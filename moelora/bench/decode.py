@@ -82,8 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "('profile_vs_default': which kernels its switches made slower or faster)")
     p.add_argument("--profile-trace", default=None, metavar="DIR",
                    help="with --profile-steps on a GPU: also write each profiled case's kernels (name, stream, start, "
-                        "duration) to DIR/trace-<case>.json.gz, for `python -m moelora.bench.trace` (one layer's kernels in "
-                        "order, with the gaps between them)")
+                        "duration) to DIR/trace-<case>.json.gz, for `python -m moelora.bench.trace` (one layer's "
+                        "kernels in order, with the gaps between them)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each case this many times (same requests) and report the median by tokens/s, with "
                         "every run's tokens/s in the row ('repeats_tokens_per_s') and the spread printed; "
