@@ -161,6 +161,23 @@ def lora_attn_shrink() -> bool:
     return _LORA_ATTN_SHRINK[0]
 
 
+_LORA_CONSUMER_EXPAND = [os.environ.get("MOELORA_LORA_CONSUMER_EXPAND", "0") == "1"]
+
+
+def set_lora_consumer_expand(enabled: bool) -> None:
+    """At decode sizes on an FP8 base, qkv_proj and o_proj launch only their LoRA shrink and a plain GEMM (with PDL
+    beside the shrink); the kernel reading the GEMM's output adds the expand to each row it loads (qk_norm_rope for
+    q, k and v; the post-attention RMSNorm for o_proj): kernels/lora_deferred.py. The GEMM carries no LoRA program
+    and waits for nothing but the shrink's end. Results: y + delta is rounded once from the GEMM's bf16 output
+    instead of from its fp32 tile (as PEFT adds its LoRA output to the rounded base output). Off by default until
+    measured; MOELORA_LORA_CONSUMER_EXPAND=1. CUDA graphs keep the launches they captured."""
+    _LORA_CONSUMER_EXPAND[0] = bool(enabled)
+
+
+def lora_consumer_expand() -> bool:
+    return _LORA_CONSUMER_EXPAND[0]
+
+
 _LORA_EVEN_R = [os.environ.get("MOELORA_LORA_EVEN_R", "1") != "0"]
 
 
