@@ -601,7 +601,7 @@ def consumer_expand(request):
     reading its output), restored after it."""
     from moelora.kernels import _triton
 
-    before = _triton.lora_consumer_expand()
+    before = _triton.lora_consumer_expand_mode()
     _triton.set_lora_consumer_expand(request.param)
     yield request.param
     _triton.set_lora_consumer_expand(before)

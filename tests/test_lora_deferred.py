@@ -15,10 +15,14 @@ CASES = [(DEVICE, dt) for dt in DTYPES]
 
 
 def _pending(g, T, bounds, S, R, ranks, slots, dtype, device, split_k=2):
-    """A PendingExpand with random h partials and B, NaN in B past each slot's rank (never read)."""
+    """A PendingExpand with random h partials and B, NaN past each slot's rank in B and in h, and in h's rows of
+    slot -1 (what the shrink leaves unwritten: never read)."""
     n = len(bounds) - 1
     O = bounds[-1]
     h = torch.randn(split_k, n, T, R, generator=g)
+    for t, s in enumerate(slots.tolist()):
+        for i in range(n):
+            h[:, i, t, (int(ranks[i, s]) if s >= 0 else 0):] = float("nan")
     b = torch.randn(S, O, R, generator=g) * 0.5
     for i in range(n):
         for s in range(S):
@@ -29,7 +33,8 @@ def _pending(g, T, bounds, S, R, ranks, slots, dtype, device, split_k=2):
 
 
 def _clean(p: PendingExpand) -> PendingExpand:
-    return PendingExpand(p.h, torch.nan_to_num(p.b_cat), p.ranks, p.scaling, p.token_slots, p.slice_bounds)
+    return PendingExpand(torch.nan_to_num(p.h), torch.nan_to_num(p.b_cat), p.ranks, p.scaling, p.token_slots,
+                         p.slice_bounds)
 
 
 def test_pending_delta_ref_matches_lora_expand_ref():
@@ -130,3 +135,25 @@ def test_qk_norm_rope_adds_the_deferred_qkv_expand(device, dtype, norm):
     with pytest.raises(ValueError, match="expected q, k, v"):
         qk_norm_rope(q, k, wq, wk, 1e-6, positions, inv_freq, 0.9, kv_write=(v, caches[0], caches[1], kv_slots),
                      lora_expand=bad)
+
+
+def test_consumer_expand_switch_takes_both_one_or_no_projection(monkeypatch):
+    """set_lora_consumer_expand: True / "1" both projections, "qkv" or "o_proj" one, False / "0" none; anything else
+    is refused naming the choices; bench decode --ab sets it through its switch table."""
+    from moelora.bench.switches import SWITCHES
+    from moelora.kernels import _triton
+
+    before = _triton.lora_consumer_expand_mode()
+    try:
+        for mode, qkv, o in [(True, True, True), ("qkv", True, False), ("o_proj", False, True), (False, False, False)]:
+            _triton.set_lora_consumer_expand(mode)
+            assert (_triton.lora_consumer_expand("qkv"), _triton.lora_consumer_expand("o_proj")) == (qkv, o)
+            assert _triton.lora_consumer_expand() == (qkv or o)
+        with pytest.raises(ValueError, match="qkv"):
+            _triton.set_lora_consumer_expand("gate_up_proj")
+        set_, get, values = SWITCHES["MOELORA_LORA_CONSUMER_EXPAND"]
+        assert values == _triton.CONSUMER_EXPAND_MODES
+        set_("o_proj")
+        assert get() == "o_proj" and _triton.lora_consumer_expand("o_proj") and not _triton.lora_consumer_expand("qkv")
+    finally:
+        _triton.set_lora_consumer_expand(before)

@@ -355,7 +355,7 @@ if HAS_TRITON:
                                        slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, 0,
                                        LORA_EVEN_R)
         if GDC_TAIL:  # launched with PDL right after a LoRA shrink it does not read (its expand deferred to the
-            # consumer, kernels/lora_deferred.py): each tile's writer waits for the shrink, so the grid completes after it
+            # consumer, kernels/lora_deferred.py): each tile's writer waits for the shrink (the grid ends after it)
             tl.extra.cuda.gdc_wait()
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

@@ -57,7 +57,7 @@ class PendingExpand:
         b = self.b_cat
         br = max(chunk, triton.next_power_of_2(h.shape[3]))
         return dict(eh_ptr=h, eb_ptr=b, erank_ptr=self.ranks, escale_ptr=self.scaling, eslot_ptr=self.token_slots,
-                    eS=b.shape[0], seh_s=h.stride(0), seh_i=h.stride(1), seh_m=h.stride(2), seh_r=h.stride(3),
+                    eS=b.shape[0], eR=h.shape[3], seh_s=h.stride(0), seh_i=h.stride(1), seh_m=h.stride(2), seh_r=h.stride(3),
                     seb_s=b.stride(0), seb_o=b.stride(1), EXPAND_R=br, EXPAND_SK=h.shape[0],
                     EXPAND_CHUNK=min(chunk, br))
 
@@ -76,7 +76,8 @@ def take_lora_expand(y: torch.Tensor) -> PendingExpand | None:
 
 
 def pending_delta_ref(p: PendingExpand) -> torch.Tensor:
-    """The delta [T, O] fp32 a consumer adds (h rounded to the factors' dtype first, as the kernels do)."""
+    """The delta [T, O] fp32 a consumer adds (h rounded to the factors' dtype first, as the kernels do; h and B past
+    each row's rank, and h of rows of slot -1, never read: whatever they hold)."""
     h = p.parts.sum(0).to(p.b_cat.dtype).float()  # [n, T, R]
     n, T, R = h.shape
     slots = p.token_slots.long()
@@ -87,7 +88,7 @@ def pending_delta_ref(p: PendingExpand) -> torch.Tensor:
         rank = torch.where(slots >= 0, p.ranks[i, sc].long(), 0)  # [T]
         live = (torch.arange(R, device=h.device)[None, :] < rank[:, None]).float()  # [T, R]
         b = p.b_cat[sc, o0:o1, :].float()  # [T, O_i, R]
-        d = torch.einsum("tr,tor->to", h[i] * live, b)
+        d = torch.einsum("tr,tor->to", torch.where(live > 0, h[i], 0.0), torch.where(live[:, None, :] > 0, b, 0.0))
         out[:, o0:o1] = d * torch.where(slots >= 0, p.scaling[i, sc], 0.0)[:, None]
     return out
 

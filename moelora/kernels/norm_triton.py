@@ -25,7 +25,7 @@ if HAS_TRITON:
                          LAUNCH_DEPENDENTS: tl.constexpr = False,
                          la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, S=0, sla_i=0, sla_s=0, sla_r=0,
                          slh_i=0, slh_m=0, LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4,
-                         eh_ptr=None, eb_ptr=None, erank_ptr=None, escale_ptr=None, eslot_ptr=None, eS=0, seh_s=0,
+                         eh_ptr=None, eb_ptr=None, erank_ptr=None, escale_ptr=None, eslot_ptr=None, eS=0, eR=0, seh_s=0,
                          seh_i=0, seh_m=0, seh_r=0, seb_s=0, seb_o=0, EXPAND_R: tl.constexpr = 0,
                          EXPAND_SK: tl.constexpr = 1, EXPAND_CHUNK: tl.constexpr = 4):
         # EXPAND_R > 0 (lora_expand): x's producer deferred its LoRA expand here (kernels/lora_deferred.py): the row
@@ -45,7 +45,7 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0)
         if EXPAND_R > 0:
             d = row_lora_delta(eh_ptr, eb_ptr, erank_ptr, escale_ptr, tl.load(eslot_ptr + row), 0, row, offs, mask,
-                               eS, seh_s, seh_i, seh_m, seh_r, seb_s, seb_o, BLOCK, EXPAND_R, EXPAND_SK, EXPAND_CHUNK)
+                               eS, eR, seh_s, seh_i, seh_m, seh_r, seb_s, seb_o, BLOCK, EXPAND_R, EXPAND_SK, EXPAND_CHUNK)
             x = (x.to(tl.float32) + d).to(x.dtype)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(r_ptr + row * sr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
@@ -71,14 +71,14 @@ if HAS_TRITON:
                              lh_ptr + i * slh_i + row * slh_m, LORA_R, LORA_CHUNK)
 
     @triton.jit
-    def add_head_delta(x1, x2, eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols, mask, eS, seh_s, seh_i,
+    def add_head_delta(x1, x2, eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols, mask, eS, eR, seh_s, seh_i,
                        seh_m, seh_r, seb_s, seb_o, HALF: tl.constexpr, BLOCK_H: tl.constexpr, EXPAND_R: tl.constexpr,
                        EXPAND_SK: tl.constexpr, EXPAND_CHUNK: tl.constexpr):
         """A head's two halves x1, x2 (columns cols and cols + HALF of the projection) plus slice i's deferred LoRA
         delta (row_lora_delta), each rounded once to their dtype."""
-        d1 = row_lora_delta(eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols, mask, eS, seh_s, seh_i, seh_m,
+        d1 = row_lora_delta(eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols, mask, eS, eR, seh_s, seh_i, seh_m,
                             seh_r, seb_s, seb_o, BLOCK_H, EXPAND_R, EXPAND_SK, EXPAND_CHUNK)
-        d2 = row_lora_delta(eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols + HALF, mask, eS, seh_s, seh_i,
+        d2 = row_lora_delta(eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols + HALF, mask, eS, eR, seh_s, seh_i,
                             seh_m, seh_r, seb_s, seb_o, BLOCK_H, EXPAND_R, EXPAND_SK, EXPAND_CHUNK)
         return (x1.to(tl.float32) + d1).to(x1.dtype), (x2.to(tl.float32) + d2).to(x2.dtype)
 
@@ -86,7 +86,7 @@ if HAS_TRITON:
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
                              v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, sc_slot, sc_h,
                              HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-                             eh_ptr=None, eb_ptr=None, erank_ptr=None, escale_ptr=None, eslot_ptr=None, eS=0, seh_s=0,
+                             eh_ptr=None, eb_ptr=None, erank_ptr=None, escale_ptr=None, eslot_ptr=None, eS=0, eR=0, seh_s=0,
                              seh_i=0, seh_m=0, seh_r=0, seb_s=0, seb_o=0, EXPAND_R: tl.constexpr = 0,
                              EXPAND_SK: tl.constexpr = 1, EXPAND_CHUNK: tl.constexpr = 16):
         # EXPAND_R > 0: the qkv projection deferred its LoRA expand here (kernels/lora_deferred.py): head h's two
@@ -111,7 +111,7 @@ if HAS_TRITON:
                 v2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
                 if EXPAND_R > 0:
                     v1, v2 = add_head_delta(v1, v2, eh_ptr, eb_ptr, erank_ptr, escale_ptr, e_slot, e_i, t, e_col, mask,
-                                            eS, seh_s, seh_i, seh_m, seh_r, seb_s, seb_o, HALF, BLOCK_H, EXPAND_R,
+                                            eS, eR, seh_s, seh_i, seh_m, seh_r, seb_s, seb_o, HALF, BLOCK_H, EXPAND_R,
                                             EXPAND_SK, EXPAND_CHUNK)
                 tl.store(dst + offs, v1.to(vc_ptr.dtype.element_ty), mask=wmask)
                 tl.store(dst + HALF + offs, v2.to(vc_ptr.dtype.element_ty), mask=wmask)
@@ -125,7 +125,7 @@ if HAS_TRITON:
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
         if EXPAND_R > 0:
-            x1, x2 = add_head_delta(x1, x2, eh_ptr, eb_ptr, erank_ptr, escale_ptr, e_slot, e_i, t, e_col, mask, eS,
+            x1, x2 = add_head_delta(x1, x2, eh_ptr, eb_ptr, erank_ptr, escale_ptr, e_slot, e_i, t, e_col, mask, eS, eR,
                                     seh_s, seh_i, seh_m, seh_r, seb_s, seb_o, HALF, BLOCK_H, EXPAND_R, EXPAND_SK,
                                     EXPAND_CHUNK)
         dt = x1.dtype

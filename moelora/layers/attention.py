@@ -77,7 +77,7 @@ class Attention(nn.Module):
         # the fused q/k norm + rotary + KV-write kernel may add qkv_proj's LoRA expand (set_lora_consumer_expand)
         fused = x.is_cuda and self.rotary.fused_ok and attn.token_seq is not None
         if fused and self.qk_norm != "full" and self.clip_qkv is None:
-            qkv, qkv_pending = self.qkv_proj.forward_deferred(x, lora)  # [T, q + 2 kv]
+            qkv, qkv_pending = self.qkv_proj.forward_deferred(x, lora, "qkv")  # [T, q + 2 kv]
         else:
             qkv, qkv_pending = self.qkv_proj(x, lora), None
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -131,7 +131,7 @@ class Attention(nn.Module):
                 attach_act_quant(o_in, *o_fp8, q.shape[2])
             if not self.defer_o_expand:
                 return self.o_proj(o_in, lora)
-            out, pending = self.o_proj.forward_deferred(o_in, lora)
+            out, pending = self.o_proj.forward_deferred(o_in, lora, "o_proj")
             if pending is not None:  # the post-attention RMSNorm adds it (DecoderLayer; RMSNorm.add_norm)
                 from moelora.kernels.lora_deferred import attach_lora_expand
 

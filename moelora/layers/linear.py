@@ -190,22 +190,22 @@ class LoRALinear(nn.Module):
         return fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, lora=epi,
                           out_dtype=x.dtype)
 
-    def deferred_expand_ok(self, x: torch.Tensor, lora: LoRABatch) -> bool:
-        """Whether forward_deferred hands the expand to the consumer: set_lora_consumer_expand on, decode sizes
-        (<= SHRINK_SPLIT_MAX_TOKENS rows), this module's LoRA active for the batch, through the FP8 GEMM (the
-        epilogue's conditions: Triton backend, a GPU), not on the side stream."""
+    def deferred_expand_ok(self, x: torch.Tensor, lora: LoRABatch, target: str) -> bool:
+        """Whether forward_deferred hands the expand to the consumer: set_lora_consumer_expand on for target ("qkv"
+        or "o_proj"), decode sizes (<= SHRINK_SPLIT_MAX_TOKENS rows), this module's LoRA active for the batch,
+        through the FP8 GEMM (the epilogue's conditions: Triton backend, a GPU), not on the side stream."""
         from moelora.kernels._triton import lora_consumer_expand
         from moelora.kernels.lora_triton import SHRINK_SPLIT_MAX_TOKENS
 
-        return (lora_consumer_expand() and x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS
+        return (lora_consumer_expand(target) and x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS
                 and lora_active(self.lora, lora) and x.is_cuda and not dense_lora_overlap()
                 and self._fp8_epilogue_ok(x, lora))
 
-    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None):
-        """(y, pending): where deferred_expand_ok, y = the base GEMM alone (its LoRA shrink launched right before it,
+    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None, target: str):
+        """(y, pending): where deferred_expand_ok (target: "qkv" or "o_proj"), y = the base GEMM alone (its LoRA shrink launched right before it,
         PDL beside it) and pending the kernels/lora_deferred.PendingExpand that the caller's consumer kernel must add
         to y's rows (qk_norm_rope, rms_norm: lora_expand=pending); else (forward(x, lora), None)."""
-        if lora is None or not self.deferred_expand_ok(x, lora):
+        if lora is None or not self.deferred_expand_ok(x, lora, target):
             return self.forward(x, lora), None
         from moelora.kernels.fp8_triton import fp8_linear, fp8_lora_pdl, fp8_prequantize
         from moelora.kernels.lora_deferred import PendingExpand
