@@ -12,7 +12,7 @@ from triton.compiler import ASTSource
 from moelora.kernels.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
 from moelora.kernels.fused_moe_triton import _silu_and_mul_kernel
 from moelora.kernels.lora_triton import _shrink_kernel
-from moelora.kernels.norm_triton import _qk_norm_rope_kernel, _rms_norm_kernel
+from moelora.kernels.norm_triton import _rms_norm_kernel
 from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
 
 
@@ -122,24 +122,6 @@ n = compile_sm90(_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr":
                  dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, LORA_R=16, LORA_CHUNK=4), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in n.asm["ptx"] and n.asm["ptx"].count("st.global") >= 5
 print("ok norm with the LoRA shrink")
-# MOELORA_LORA_CONSUMER_EXPAND: the post-attention norm adds o_proj's deferred expand (rank 16 in chunks of 4, 8
-# split-K partials), qk_norm_rope qkv's (q / k / v heads, chunks of 16), and the GEMM waits for the shrink at its end
-expand_ptrs = {"eh_ptr": "*fp32", "eb_ptr": "*bf16", "erank_ptr": "*i32", "escale_ptr": "*fp32", "eslot_ptr": "*i32"}
-n = compile_sm90(_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                                    "ro_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32",
-                                    **expand_ptrs},
-                 dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, EXPAND_R=16, EXPAND_SK=8, EXPAND_CHUNK=4), num_warps=8)
-r = compile_sm90(_qk_norm_rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
-                                        "pos_ptr": "*i64", "inv_ptr": "*fp32", "eps": "fp32", "scaling": "fp32",
-                                        "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
-                                        **expand_ptrs},
-                 dict(HALF=64, BLOCK_H=64, NORM=True, WRITE_KV=True, EXPAND_R=16, EXPAND_SK=8, EXPAND_CHUNK=16),
-                 num_warps=4)
-g = compile_sm90(_fp8_gemm_kernel, ptrs, {**consts, "LORA_N": 0, "SPLIT_K": 4, "PARTS": 4, "GDC_TAIL": True},
-                 num_warps=4, num_stages=4, launch_pdl=True).asm["ptx"]
-assert n.asm["ptx"].count("ld.global") > 4 and r.asm["ptx"].count("ld.global") > 4
-assert "griddepcontrol.wait" in g and g.index("griddepcontrol.wait") > g.index("atom")  # after the split-K count
-print("ok consumers add the deferred LoRA expand")
 for grouped, block_m, split_k, decode, row_div in [(True, 16, 1, 0, 1), (False, 64, 4, 1, 1), (True, 16, 1, 2, 8)]:
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
             "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}

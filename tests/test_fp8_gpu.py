@@ -595,20 +595,7 @@ def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_pa
     assert (ref - base).abs().max() > 0.05  # the adapters are there
 
 
-@pytest.fixture
-def consumer_expand(request):
-    """set_lora_consumer_expand(request.param) for the test (a projection's LoRA expand added by the kernel
-    reading its output), restored after it."""
-    from moelora.kernels import _triton
-
-    before = _triton.lora_consumer_expand_mode()
-    _triton.set_lora_consumer_expand(request.param)
-    yield request.param
-    _triton.set_lora_consumer_expand(before)
-
-
-@pytest.mark.parametrize("consumer_expand", [False, True], indirect=True)
-def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path, consumer_expand):
+def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
     from transformers import AutoModelForCausalLM
 
     _, fp8, deq, _ = write_fp8_checkpoint(tmp_path)
@@ -695,8 +682,7 @@ def test_producer_quantization_keeps_greedy_decode_with_graphs(tmp_path):
     assert on == off
 
 
-@pytest.mark.parametrize("consumer_expand", [False, True], indirect=True)
-def test_demo_model_in_fp8_graphs_equal_eager_and_adapters_still_work(consumer_expand):
+def test_demo_model_in_fp8_graphs_equal_eager_and_adapters_still_work():
     from moelora import LLM, SamplingParams
     from moelora.demo import ADAPTERS, TRANSFORMS, adapter_paths, make_prompt, model_path, random_input
 

@@ -52,16 +52,6 @@ def _fp8_lora_split() -> Switch:
     return set_, get, ("0", "2", "3", "4")
 
 
-def _consumer_expand() -> Switch:
-    def set_(value: str) -> None:
-        _import("moelora.kernels._triton").set_lora_consumer_expand(value)
-
-    def get() -> str:
-        return _import("moelora.kernels._triton").lora_consumer_expand_mode()
-
-    return set_, get, ("0", "1", "qkv", "o_proj")
-
-
 _T = "moelora.kernels._triton"
 # env name -> (set from the env string, current value as an env string, accepted values); each one is read when
 # graphs are captured
@@ -70,7 +60,6 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_LORA_ATTN_SHRINK": _bool_switch(_T, "set_lora_attn_shrink", "lora_attn_shrink"),
     "MOELORA_LORA_SHRINK_PDL": _bool_switch(_T, "set_lora_shrink_pdl", "lora_shrink_pdl_enabled"),
     "MOELORA_DENSE_LORA_OVERLAP": _bool_switch(_T, "set_dense_lora_overlap", "dense_lora_overlap"),
-    "MOELORA_LORA_CONSUMER_EXPAND": _consumer_expand(),
     "MOELORA_LORA_EVEN_R": _bool_switch(_T, "set_lora_even_r", "lora_even_r"),
     "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),

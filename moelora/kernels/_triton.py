@@ -161,43 +161,6 @@ def lora_attn_shrink() -> bool:
     return _LORA_ATTN_SHRINK[0]
 
 
-CONSUMER_EXPAND_MODES = ("0", "1", "qkv", "o_proj")
-
-
-def _consumer_env() -> list[str]:
-    v = os.environ.get("MOELORA_LORA_CONSUMER_EXPAND", "0") or "0"
-    if v not in CONSUMER_EXPAND_MODES:
-        raise ValueError(f"MOELORA_LORA_CONSUMER_EXPAND must be one of {', '.join(CONSUMER_EXPAND_MODES)}, got {v!r}")
-    return [v]
-
-
-_LORA_CONSUMER_EXPAND = _consumer_env()
-
-
-def set_lora_consumer_expand(mode: bool | str) -> None:
-    """At decode sizes on an FP8 base, qkv_proj and o_proj launch only their LoRA shrink and a plain GEMM (with PDL
-    beside the shrink); the kernel reading the GEMM's output adds the expand to each row it loads (qk_norm_rope for
-    q, k and v; the post-attention RMSNorm for o_proj): kernels/lora_deferred.py. The GEMM carries no LoRA program
-    and waits for nothing but the shrink's end. Results: y + delta is rounded once from the GEMM's bf16 output
-    instead of from its fp32 tile (as PEFT adds its LoRA output to the rounded base output). mode: True / "1" both
-    projections, "qkv" or "o_proj" one, False / "0" none (the default until measured);
-    MOELORA_LORA_CONSUMER_EXPAND=1|qkv|o_proj. CUDA graphs keep the launches they captured."""
-    v = {True: "1", False: "0"}.get(mode, mode) if isinstance(mode, bool) else str(mode)
-    if v not in CONSUMER_EXPAND_MODES:
-        raise ValueError(f"set_lora_consumer_expand: expected one of {CONSUMER_EXPAND_MODES}, got {mode!r}")
-    _LORA_CONSUMER_EXPAND[0] = v
-
-
-def lora_consumer_expand(target: str | None = None) -> bool:
-    """Whether set_lora_consumer_expand covers `target` ("qkv" or "o_proj"), or with None any projection."""
-    v = _LORA_CONSUMER_EXPAND[0]
-    return v != "0" if target is None else v in ("1", target)
-
-
-def lora_consumer_expand_mode() -> str:
-    return _LORA_CONSUMER_EXPAND[0]
-
-
 _LORA_EVEN_R = [os.environ.get("MOELORA_LORA_EVEN_R", "1") != "0"]
 
 

@@ -223,7 +223,7 @@ if HAS_TRITON:
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
         LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False, LORA_EVEN_R: tl.constexpr = False,
-        LORA_FLAGS: tl.constexpr = 2048, GDC_TAIL: tl.constexpr = False,
+        LORA_FLAGS: tl.constexpr = 2048,
     ):
         # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
         # rounding, by one of two forms:
@@ -354,9 +354,6 @@ if HAS_TRITON:
                                        lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
                                        slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, 0,
                                        LORA_EVEN_R)
-        if GDC_TAIL:  # launched with PDL right after a LoRA shrink it does not read (its expand deferred to the
-            # consumer, kernels/lora_deferred.py): each tile's writer waits for the shrink (the grid ends after it)
-            tl.extra.cuda.gdc_wait()
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -534,8 +531,7 @@ class Fp8LoRAEpilogue:
 
 
 def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, grid_m: int,
-            a_row_div: int = 1, lora: Fp8LoRAEpilogue | None = None, pdl_ok: bool = False,
-            after_shrink: bool = False) -> None:
+            a_row_div: int = 1, lora: Fp8LoRAEpilogue | None = None, pdl_ok: bool = False) -> None:
     M, K = out.shape[0], a.shape[1]
     N = w.shape[-2]
     bn, bk = block
@@ -568,8 +564,6 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     # PDL only when nothing was launched between the shrink and this GEMM: no quantization launch for x (pdl_ok),
     # the split-K counters (if any) already there (counters_before: not zero-filled by this call)
     pdl = lora is not None and lora.pdl and pdl_ok and (parts == 1 or counters_before)
-    # after_shrink: the same launch conditions, for a GEMM whose LoRA expand its consumer adds (it waits at its end)
-    tail = lora is None and after_shrink and pdl_ok and (parts == 1 or counters_before)
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     s3 = w_scale if w_scale.dim() == 3 else w_scale.unsqueeze(0)
     a_fp8 = a.dtype == FP8_DTYPE
@@ -587,7 +581,6 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         **(lora.kernel_args(prefetch=lora_split == 3) if lora is not None else {}),
         **({"LORA_SPLIT": lora_split} if lora is not None else {}), **({"PARTS": parts} if parts > 1 else {}),
         **({"LORA_WAIT": True, "launch_pdl": True} if pdl else {}),
-        **({"GDC_TAIL": True, "launch_pdl": True} if tail else {}),
     )
 
 
@@ -759,7 +752,7 @@ def _dense_block_m(rows: int) -> int:
 def fp8_linear(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    lora: Fp8LoRAEpilogue | None = None, after_shrink: bool = False,
+    lora: Fp8LoRAEpilogue | None = None,
 ) -> torch.Tensor:
     """Semantics (fp8_block_matmul_ref):
         xq, xs = quantize_act_group(x, block_k)    (or x, x_scale when x is already float8)
@@ -768,9 +761,6 @@ def fp8_linear(
     x: [T, K] bf16/fp16/fp32, or float8 with x_scale [T, ceil(K/bk)] · w_fp8: [N, K] float8_e4m3fn
     w_scale_inv: [ceil(N/bn), ceil(K/bk)] fp32 · bias: [N] or None
     returns [T, N] in out_dtype, default x.dtype (bf16 for a float8 x)
-    after_shrink (no lora; kernels/lora_deferred.py): launched right after a LoRA shrink called with
-    launch_dependents, which this GEMM does not read: with PDL (fp8_lora_pdl's conditions, as for lora) it starts
-    beside the shrink, and completes only after it (gdc_wait before each tile's store); without PDL, in stream order
     """
     require_triton()
     T = x.shape[0]
@@ -785,7 +775,7 @@ def fp8_linear(
     mark = getattr(x, "fp8_act", None)
     no_launch = x.dtype == FP8_DTYPE or xq.dtype != FP8_DTYPE or (mark is not None and xq is mark[0])
     _launch(xq, x_scale, w_fp8, w_scale_inv, out, bias, block, None, None, bm, triton.cdiv(T, bm), lora=lora,
-            pdl_ok=no_launch, after_shrink=after_shrink)
+            pdl_ok=no_launch)
     return out
 
 

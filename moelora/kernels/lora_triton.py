@@ -45,37 +45,6 @@ if HAS_TRITON:
             tl.store(h_ptr + offs_r, tl.sum(at.to(tl.float32) * v[None, :], axis=1))  # [LORA_CHUNK]
 
     @triton.jit
-    def row_lora_delta(eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols, mask, eS, eR, seh_s, seh_i, seh_m,
-                       seh_r, seb_s, seb_o, BLOCK: tl.constexpr, EXPAND_R: tl.constexpr, EXPAND_SK: tl.constexpr,
-                       EXPAND_CHUNK: tl.constexpr):
-        """A consumer kernel's part of a deferred dense LoRA expand (kernels/lora_deferred.py): for one row t of
-        slot `slot` (-1: none) and slice i, scaling[i, slot] * (h[i, t, :rank] @ b[slot, cols, :rank].T) as fp32
-        [BLOCK] (0 outside mask, for slot -1 and for rank 0). h: the shrink's EXPAND_SK partials, summed in order
-        and rounded to b's dtype (as lora_expand); EXPAND_CHUNK ranks a step, reduced inside each thread.
-        One dependent round trip after the slot: h, B, the rank and the scale are loaded masked by the buffers' rank
-        eR only (known at launch), not by the slot's rank; entries past that are zeroed after the load (a select, so
-        what the shrink left unwritten there never reaches the sum)."""
-        live = slot >= 0
-        slot_c = tl.maximum(slot, 0)
-        rank = tl.where(live, tl.load(erank_ptr + i * eS + slot_c), 0)
-        scale = tl.load(escale_ptr + i * eS + slot_c)
-        h_base = eh_ptr + i * seh_i + t * seh_m
-        b_base = eb_ptr + slot_c.to(tl.int64) * seb_s + cols.to(tl.int64)[:, None] * seb_o
-        d = tl.zeros((BLOCK,), dtype=tl.float32)
-        for r0 in tl.static_range(0, EXPAND_R, EXPAND_CHUNK):
-            offs_r = r0 + tl.arange(0, EXPAND_CHUNK)
-            in_r = offs_r < eR
-            hv = tl.load(h_base + offs_r * seh_r, mask=in_r, other=0.0)
-            for part in tl.static_range(1, EXPAND_SK):
-                hv += tl.load(h_base + part * seh_s + offs_r * seh_r, mask=in_r, other=0.0)
-            mask_r = offs_r < rank
-            hv = tl.where(mask_r, hv.to(eb_ptr.dtype.element_ty).to(tl.float32), 0.0)
-            bt = tl.load(b_base + offs_r[None, :], mask=mask[:, None] & in_r[None, :], other=0.0)
-            bt = tl.where(mask_r[None, :], bt.to(tl.float32), 0.0)
-            d += tl.sum(bt * hv[None, :], axis=1)
-        return d * tl.where(live, scale, 0.0)
-
-    @triton.jit
     def _shrink_after_producer(
         x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr, H, R, S,
         sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,

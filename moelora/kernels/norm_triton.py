@@ -10,26 +10,20 @@ from __future__ import annotations
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, producer_launch_dependents, require_triton
-from moelora.kernels.lora_deferred import PendingExpand
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from moelora.kernels.fp8_triton import store_group_quant
-    from moelora.kernels.lora_triton import row_lora_delta, store_row_shrink
+    from moelora.kernels.lora_triton import store_row_shrink
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, q_ptr, qs_ptr, D, sx, sr, sy, sro, sq, sqs, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0,
                          LAUNCH_DEPENDENTS: tl.constexpr = False,
                          la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, S=0, sla_i=0, sla_s=0, sla_r=0,
-                         slh_i=0, slh_m=0, LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4,
-                         eh_ptr=None, eb_ptr=None, erank_ptr=None, escale_ptr=None, eslot_ptr=None, eS=0, eR=0, seh_s=0,
-                         seh_i=0, seh_m=0, seh_r=0, seb_s=0, seb_o=0, EXPAND_R: tl.constexpr = 0,
-                         EXPAND_SK: tl.constexpr = 1, EXPAND_CHUNK: tl.constexpr = 4):
-        # EXPAND_R > 0 (lora_expand): x's producer deferred its LoRA expand here (kernels/lora_deferred.py): the row
-        # is x + delta, rounded once, before the residual add
+                         slh_i=0, slh_m=0, LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4):
         # LORA_R > 0 (set_lora_norm_shrink): program (row, i) also writes the next LoRA layer's shrink of slice i,
         # h[i, row, :LORA_R] = y_row @ A[i, slot, :, :].T (0 past the slot's rank, and for rows of slot -1), from
         # the rounded y the layer reads; only the programs of slice 0 store y, the residual and the quantization
@@ -43,10 +37,6 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0)
-        if EXPAND_R > 0:
-            d = row_lora_delta(eh_ptr, eb_ptr, erank_ptr, escale_ptr, tl.load(eslot_ptr + row), 0, row, offs, mask,
-                               eS, eR, seh_s, seh_i, seh_m, seh_r, seb_s, seb_o, BLOCK, EXPAND_R, EXPAND_SK, EXPAND_CHUNK)
-            x = (x.to(tl.float32) + d).to(x.dtype)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(r_ptr + row * sr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
             if stores:
@@ -71,35 +61,13 @@ if HAS_TRITON:
                              lh_ptr + i * slh_i + row * slh_m, LORA_R, LORA_CHUNK)
 
     @triton.jit
-    def add_head_delta(x1, x2, eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols, mask, eS, eR, seh_s, seh_i,
-                       seh_m, seh_r, seb_s, seb_o, HALF: tl.constexpr, BLOCK_H: tl.constexpr, EXPAND_R: tl.constexpr,
-                       EXPAND_SK: tl.constexpr, EXPAND_CHUNK: tl.constexpr):
-        """A head's two halves x1, x2 (columns cols and cols + HALF of the projection) plus slice i's deferred LoRA
-        delta (row_lora_delta), each rounded once to their dtype."""
-        d1 = row_lora_delta(eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols, mask, eS, eR, seh_s, seh_i, seh_m,
-                            seh_r, seb_s, seb_o, BLOCK_H, EXPAND_R, EXPAND_SK, EXPAND_CHUNK)
-        d2 = row_lora_delta(eh_ptr, eb_ptr, erank_ptr, escale_ptr, slot, i, t, cols + HALF, mask, eS, eR, seh_s, seh_i,
-                            seh_m, seh_r, seb_s, seb_o, BLOCK_H, EXPAND_R, EXPAND_SK, EXPAND_CHUNK)
-        return (x1.to(tl.float32) + d1).to(x1.dtype), (x2.to(tl.float32) + d2).to(x2.dtype)
-
-    @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
                              v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, sc_slot, sc_h,
-                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-                             eh_ptr=None, eb_ptr=None, erank_ptr=None, escale_ptr=None, eslot_ptr=None, eS=0, eR=0, seh_s=0,
-                             seh_i=0, seh_m=0, seh_r=0, seb_s=0, seb_o=0, EXPAND_R: tl.constexpr = 0,
-                             EXPAND_SK: tl.constexpr = 1, EXPAND_CHUNK: tl.constexpr = 16):
-        # EXPAND_R > 0: the qkv projection deferred its LoRA expand here (kernels/lora_deferred.py): head h's two
-        # halves (columns h * 2 HALF + [0, HALF) and [HALF, 2 HALF) of the projection; slice 0 q, 1 k, 2 v) are
-        # x + delta, rounded once, before the norm and the rotary (v before its cache write)
+                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs = tl.arange(0, BLOCK_H)
         mask = offs < HALF
-        if EXPAND_R > 0:
-            e_slot = tl.load(eslot_ptr + t)
-            e_i = tl.where(h < Hq, 0, tl.where(h < Hq + Hkv, 1, 2))
-            e_col = h * (2 * HALF) + offs
         if WRITE_KV:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             wmask = mask & ((offs * 0 + slot) >= 0)  # a row of slot -1 is not written
@@ -109,10 +77,6 @@ if HAS_TRITON:
                 dst = vc_ptr + slot * sc_slot + hv * sc_h
                 v1 = tl.load(src + offs, mask=mask, other=0.0)
                 v2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
-                if EXPAND_R > 0:
-                    v1, v2 = add_head_delta(v1, v2, eh_ptr, eb_ptr, erank_ptr, escale_ptr, e_slot, e_i, t, e_col, mask,
-                                            eS, eR, seh_s, seh_i, seh_m, seh_r, seb_s, seb_o, HALF, BLOCK_H, EXPAND_R,
-                                            EXPAND_SK, EXPAND_CHUNK)
                 tl.store(dst + offs, v1.to(vc_ptr.dtype.element_ty), mask=wmask)
                 tl.store(dst + HALF + offs, v2.to(vc_ptr.dtype.element_ty), mask=wmask)
                 return
@@ -124,10 +88,6 @@ if HAS_TRITON:
             w_ptr = kw_ptr
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
-        if EXPAND_R > 0:
-            x1, x2 = add_head_delta(x1, x2, eh_ptr, eb_ptr, erank_ptr, escale_ptr, e_slot, e_i, t, e_col, mask, eS, eR,
-                                    seh_s, seh_i, seh_m, seh_r, seb_s, seb_o, HALF, BLOCK_H, EXPAND_R, EXPAND_SK,
-                                    EXPAND_CHUNK)
         dt = x1.dtype
         if NORM:  # per-head RMSNorm over both halves, as rms_norm_ref
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -156,7 +116,6 @@ if HAS_TRITON:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quant_group: int | None = None,
              lora_shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             lora_expand: PendingExpand | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Semantics (rms_norm_ref, with an optional residual add first):
         if residual is not None: x = residual = (x + residual)      # in x.dtype, returned as the new residual
@@ -169,8 +128,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     shrink of y, as lora_shrink computes it (h[0, i, t, :ranks[i, s]] = y[t] @ a[i, s, :ranks[i, s]].T for s =
     token_slots[t] >= 0; every other entry of h 0), in the same launch (one program per row and slice), attached
     to y (attach_lora_h: that layer reads it instead of launching its shrink). h: [1, n, rows, R] fp32.
-    lora_expand: the LoRA expand x's producer deferred (kernels/lora_deferred.py, one slice over all D columns):
-    x = (x + delta) rounded once to x.dtype first, in the same launch (apply_pending_ref).
     """
     require_triton()
     from moelora.kernels.fp8_triton import act_quant_buffers, act_quant_ok, attach_act_quant
@@ -202,20 +159,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                     sla_r=a.stride(2), slh_i=h.stride(1), slh_m=h.stride(2), LORA_R=R, LORA_CHUNK=chunk)
         if R % chunk:
             raise ValueError(f"rms_norm: lora_shrink rank {R} is not a multiple of {chunk}")
-    expand = {}
-    if lora_expand is not None:
-        lora_expand.check("rms_norm", rows, D)
-        if len(lora_expand.slice_bounds) != 2:
-            raise ValueError(f"rms_norm: a pending LoRA expand of one slice expected, found slices "
-                             f"{lora_expand.slice_bounds}")
-        expand = lora_expand.kernel_args(chunk=4)
-        if block >= 2048:
-            expand["num_warps"] = 8
     if rows:
         _rms_norm_kernel[(rows, n)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
                                     ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
                                     BLOCK=block, QUANT_GROUP=quant_group if quant else 0,
-                                    **producer_launch_dependents(x.device), **lora, **expand)
+                                    **producer_launch_dependents(x.device), **lora)
     out = y.view(x.shape)
     if quant and x.dim() == 2:
         attach_act_quant(out, q, qs, quant_group)
@@ -237,8 +185,7 @@ def attached_lora_h(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                  eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
-                 kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 lora_expand: PendingExpand | None = None) -> None:
+                 kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """In place, per token t and head h (neox rotary on the two halves), as rms_norm_ref then apply_rotary_ref:
         if weights: q[t, h] = rms_norm(q[t, h], q_weight) ; k[t, h] = rms_norm(k[t, h], k_weight)
         c, s = cos(positions[t] * inv_freq) * attention_scaling, sin(...) * attention_scaling   (fp32, then dtype)
@@ -248,9 +195,6 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     q: [T, Hq, D] · k: [T, Hkv, D] (last dim contiguous; views into the qkv output are fine) · positions: [T]
     q_weight, k_weight: [D] or both None · inv_freq: [D/2] fp32
     v: [T, Hkv, D] (last dim contiguous) · k_cache, v_cache: [NB, BS, Hkv, D] contiguous · slot_mapping: [T] int
-    lora_expand: the qkv projection's deferred LoRA expand (kernels/lora_deferred.py; slices q, k, v over the
-    [T, (Hq + 2 Hkv) D] output that q, k and v view): each head's input is (x + delta) rounded once, first; needs
-    kv_write (v's delta goes into the cache only).
     """
     require_triton()
     T, Hq, D = q.shape
@@ -272,19 +216,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         kv_args = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1), Hkv * D, D)
     else:
         kv_args = (q, q, q, positions, 0, 0, 0, 0)
-    expand = {}
-    if lora_expand is not None:
-        if kv_write is None:
-            raise ValueError("qk_norm_rope: a pending LoRA expand needs kv_write (v's delta is added on its cache write)")
-        lora_expand.check("qk_norm_rope", T, (Hq + 2 * Hkv) * D)
-        want = (0, Hq * D, (Hq + Hkv) * D, (Hq + 2 * Hkv) * D)
-        if tuple(lora_expand.slice_bounds) != want:
-            raise ValueError(f"qk_norm_rope: pending LoRA expand slices {lora_expand.slice_bounds}, expected q, k, v "
-                             f"at {want}")
-        expand = lora_expand.kernel_args(chunk=16)
     if T:
         _qk_norm_rope_kernel[(T, heads)](
             q, k, q_weight if norm else inv_freq, k_weight if norm else inv_freq, positions, inv_freq,
             Hq, Hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, attention_scaling, *kv_args,
-            HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), NORM=norm, WRITE_KV=kv_write is not None, **expand,
+            HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), NORM=norm, WRITE_KV=kv_write is not None,
         )

@@ -61,9 +61,6 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_type, cfg.rope_theta, cfg.hf_config, device)
-        # set by a caller whose next kernel adds a pending LoRA expand attached to the output (DecoderLayer: its
-        # post-attention RMSNorm): o_proj may then defer its expand there (set_lora_consumer_expand)
-        self.defer_o_expand = False
 
     def forward(
         self,
@@ -74,12 +71,7 @@ class Attention(nn.Module):
         lora: LoRABatch | None,
     ) -> torch.Tensor:
         T = x.shape[0]
-        # the fused q/k norm + rotary + KV-write kernel may add qkv_proj's LoRA expand (set_lora_consumer_expand)
-        fused = x.is_cuda and self.rotary.fused_ok and attn.token_seq is not None
-        if fused and self.qk_norm != "full" and self.clip_qkv is None:
-            qkv, qkv_pending = self.qkv_proj.forward_deferred(x, lora, "qkv")  # [T, q + 2 kv]
-        else:
-            qkv, qkv_pending = self.qkv_proj(x, lora), None
+        qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -97,12 +89,8 @@ class Attention(nn.Module):
             kv_written = attn.token_seq is not None  # the device path: every slot_mapping entry >= 0
             qk_norm_rope(q, k, self.q_norm.weight if head else None, self.k_norm.weight if head else None,
                          self.q_norm.eps if head else 0.0, positions, self.rotary.inv_freq, self.rotary.attention_scaling,
-                         kv_write=(v, k_cache, v_cache, attn.slot_mapping) if kv_written else None,
-                         lora_expand=qkv_pending)
-            qkv_pending = None
+                         kv_write=(v, k_cache, v_cache, attn.slot_mapping) if kv_written else None)
         else:
-            if qkv_pending is not None:
-                raise RuntimeError("Attention: qkv_proj deferred its LoRA expand but the fused rotary kernel is not used")
             if self.qk_norm == "head":
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(q, k, positions)
@@ -129,14 +117,7 @@ class Attention(nn.Module):
                 from moelora.kernels.fp8_triton import attach_act_quant
 
                 attach_act_quant(o_in, *o_fp8, q.shape[2])
-            if not self.defer_o_expand:
-                return self.o_proj(o_in, lora)
-            out, pending = self.o_proj.forward_deferred(o_in, lora, "o_proj")
-            if pending is not None:  # the post-attention RMSNorm adds it (DecoderLayer; RMSNorm.add_norm)
-                from moelora.kernels.lora_deferred import attach_lora_expand
-
-                attach_lora_expand(out, pending)
-            return out
+            return self.o_proj(o_in, lora)
         else:
             write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
             o = paged_attention_ref(

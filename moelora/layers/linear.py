@@ -190,43 +190,6 @@ class LoRALinear(nn.Module):
         return fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, lora=epi,
                           out_dtype=x.dtype)
 
-    def deferred_expand_ok(self, x: torch.Tensor, lora: LoRABatch, target: str) -> bool:
-        """Whether forward_deferred hands the expand to the consumer: set_lora_consumer_expand on for target ("qkv"
-        or "o_proj"), decode sizes (<= SHRINK_SPLIT_MAX_TOKENS rows), this module's LoRA active for the batch,
-        through the FP8 GEMM (the epilogue's conditions: Triton backend, a GPU), not on the side stream."""
-        from moelora.kernels._triton import lora_consumer_expand
-        from moelora.kernels.lora_triton import SHRINK_SPLIT_MAX_TOKENS
-
-        return (lora_consumer_expand(target) and x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS
-                and lora_active(self.lora, lora) and x.is_cuda and not dense_lora_overlap()
-                and self._fp8_epilogue_ok(x, lora))
-
-    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None, target: str):
-        """(y, pending): where deferred_expand_ok (target: "qkv" or "o_proj"), y = the base GEMM alone (its LoRA shrink launched right before it,
-        PDL beside it) and pending the kernels/lora_deferred.PendingExpand that the caller's consumer kernel must add
-        to y's rows (qk_norm_rope, rms_norm: lora_expand=pending); else (forward(x, lora), None)."""
-        if lora is None or not self.deferred_expand_ok(x, lora, target):
-            return self.forward(x, lora), None
-        from moelora.kernels.fp8_triton import fp8_linear, fp8_lora_pdl, fp8_prequantize
-        from moelora.kernels.lora_deferred import PendingExpand
-        from moelora.kernels.lora_triton import lora_shrink
-        from moelora.kernels.norm_triton import attached_lora_h
-
-        w = self.lora
-        block = self.quant.block
-        xq, xs = fp8_prequantize(x, block[1])  # before the shrink: with PDL nothing may run between it and the GEMM
-        h = attached_lora_h(x, w.a)
-        pdl = False
-        if h is None:
-            h = dense_lora_h(w, x)
-            pdl = fp8_lora_pdl(x.device)
-            lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl,
-                        wait_primary=lora_shrink_pdl(x.device))
-        y = fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, out_dtype=x.dtype,
-                       after_shrink=pdl)
-        return y, PendingExpand(h, w.b_cat, w.rank_tensor, w.scaling, lora.groups.token_slots,
-                                tuple(w.slice_offsets_host))
-
     def _forward_overlapped(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """The LoRA chain on the side stream beside the base GEMM (kernels/streams.py): its buffers are made on
         the main stream before the fork, the delta [T, sum(O)] fp32 filled on the side stream, then added once

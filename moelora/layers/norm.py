@@ -34,18 +34,12 @@ class RMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, lora=None,
                  lora_next=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm on a GPU (lora, lora_next: as
-        forward). x may owe a LoRA expand its producer deferred (kernels/lora_deferred.attach_lora_expand): the
-        kernel adds it to x first."""
-        from moelora.kernels.lora_deferred import take_lora_expand
-
-        pending = take_lora_expand(x)
+        forward)."""
         if use_triton(x):
             from moelora.kernels.norm_triton import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group,
-                            lora_shrink=_shrink_args(lora_next, x, lora), lora_expand=pending)
-        if pending is not None:
-            raise RuntimeError("RMSNorm.add_norm: x owes a deferred LoRA expand, which only the Triton kernel adds")
+                            lora_shrink=_shrink_args(lora_next, x, lora))
         r = x + residual
         return rms_norm_ref(r, self.weight, self.eps), r
 

@@ -34,8 +34,6 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        if hasattr(self.self_attn, "defer_o_expand"):  # add_norm adds an o_proj LoRA expand the attention deferred
-            self.self_attn.defer_o_expand = True
 
     def forward(self, x, residual, positions, attn, kv_cache, lora):
         """x: this layer's input delta [T, H] (the embeddings for layer 0, with residual None) · residual: the
