@@ -273,3 +273,44 @@ def test_shrink_after_its_producer_peels_the_first_k_tile_and_equals_the_plain_s
             outs.append(out)
         torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, equal_nan=True)
         assert not outs[1].isnan().all() and outs[1].isnan().any()  # written where live, untouched elsewhere
+
+
+@pytest.mark.parametrize("T", [5, 24, 70])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_stacked_shrink_writes_the_plain_shrinks_partials(T, split_k):
+    """set_lora_shrink_stacked: the slot groups side by side in one dot per (row block, slice, split) program write
+    the same partials as the per-group kernel, up to fp32 summation order, and leave the same entries unwritten
+    (rows of slot -1, ranks past each slot's): NaN where the plain kernel left NaN; the expand of them equals the
+    reference. Also with a batch on fewer groups than max_loras (unused groups)."""
+    from moelora.kernels.lora_triton import lora_shrink_stacked, set_lora_shrink_config, set_lora_shrink_stacked
+
+    gen = torch.Generator().manual_seed(T + split_k)
+    dtype = DTYPES[0]
+    a, b, ranks, scaling, off = _weights(dtype, gen)
+    n = len(OUTS)
+    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    for slots in (token_slots(POPULARITY[-1], T, S, gen), torch.tensor([(t % 3) - 1 for t in range(T)])):
+        groups = SlotGroups.build(slots, S, DEVICE)
+        outs = []
+        try:
+            set_lora_shrink_config(split_k, 16)
+            for stacked in (False, True):
+                set_lora_shrink_stacked(stacked)
+                assert lora_shrink_stacked() == stacked
+                out = torch.full((split_k, n, T, R), float("nan"), device=DEVICE)
+                lora_shrink(x, a, ranks, groups, out)
+                outs.append(out)
+        finally:
+            set_lora_shrink_stacked(False)
+            set_lora_shrink_config(0, 0)
+        plain, stacked_out = outs
+        assert torch.equal(plain.isnan(), stacked_out.isnan()) and plain.isnan().any() and not plain.isnan().all()
+        atol, rtol = tolerance(dtype)
+        torch.testing.assert_close(stacked_out, plain, atol=atol, rtol=rtol, equal_nan=True)
+        y_ref = torch.zeros(T, sum(OUTS), device=DEVICE, dtype=dtype)
+        h_ref = torch.zeros(n, T, R, device=DEVICE)
+        lora_shrink_ref(x, a, ranks, groups, h_ref)
+        lora_expand_ref(h_ref, b, off, ranks, scaling, groups, y_ref)
+        y = torch.zeros(T, sum(OUTS), device=DEVICE, dtype=dtype)
+        lora_expand(stacked_out, b, off, ranks, scaling, groups, y)
+        torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
