@@ -81,15 +81,6 @@ sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr"
                   num_warps=4).asm["ptx"]
 assert "griddepcontrol.launch_dependents" in sh
 print("ok gemm with PDL after the shrink")
-# MOELORA_LORA_SHRINK_STACKED: the decode shrink with 8 slot groups side by side (128 columns), letting the GEMM start
-from moelora.kernels.lora_triton import _shrink_stacked_kernel  # noqa: E402
-
-st = compile_sm90(_shrink_stacked_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",
-                                           "slots_ptr": "*i32", "active_ptr": "*i32"},
-                  dict(BLOCK_M=32, BLOCK_R=16, GROUPS=8, BLOCK_K=64, SPLIT_K=8, PRECISION="ieee",
-                       LAUNCH_DEPENDENTS=True), num_warps=8).asm["ptx"]
-assert "griddepcontrol.launch_dependents" in st and "mma" in st
-print("ok stacked shrink")
 # MOELORA_LORA_SHRINK_PDL: the shrink launched with PDL after x's producer waits for it (after its first A tile),
 # then lets the GEMM start; the producers (RMSNorm, decode attention) let it start at once
 sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",

@@ -152,48 +152,6 @@ if HAS_TRITON:
         tl.store(ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
 
     @triton.jit
-    def _shrink_stacked_kernel(
-        x_ptr, a_ptr, out_ptr, ranks_ptr, slots_ptr, active_ptr, T, H, S, L,
-        sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
-    ):
-        """lora_shrink with the batch's slot groups side by side (set_lora_shrink_stacked): program (row block,
-        slice i, split sk) multiplies its rows of x by the A rows of every group at once, [BLOCK_M, BLOCK_K] @
-        [BLOCK_K, GROUPS x BLOCK_R] (column c: group c // BLOCK_R, rank c % BLOCK_R), and each row stores the
-        BLOCK_R columns of its own slot's group below that slot's rank. n x split_k programs per row block instead
-        of one per (group, slice, split); x read in contiguous rows, no gather."""
-        if LAUNCH_DEPENDENTS:  # the next kernel (launched with PDL) may start now; it waits before reading out
-            tl.extra.cuda.gdc_launch_dependents()
-        pid_m = tl.program_id(0)
-        pid_isk = tl.program_id(1)
-        i = pid_isk // SPLIT_K
-        sk = pid_isk % SPLIT_K
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < T
-        row_slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=-1)
-        cols = tl.arange(0, GROUPS * BLOCK_R)
-        col_r = cols % BLOCK_R
-        col_g = cols // BLOCK_R
-        col_slot = tl.load(active_ptr + col_g, mask=col_g < L, other=-1)
-        col_c = tl.maximum(col_slot, 0)
-        col_rank = tl.where(col_slot >= 0, tl.load(ranks_ptr + i * S + col_c), 0)
-        mask_c = col_r < col_rank  # [G x R]: all false for an unused group and past each slot's rank
-        a_cols = a_ptr + i * sa_i + col_c.to(tl.int64) * sa_s + col_r * sa_r
-        offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, GROUPS * BLOCK_R), dtype=tl.float32)
-        for k0 in range(sk * BLOCK_K, H, BLOCK_K * SPLIT_K):
-            kk = k0 + offs_k
-            mask_k = kk < H
-            xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * sxm + kk[None, :] * sxk,
-                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            at = tl.load(a_cols[None, :] + kk[:, None] * sa_k, mask=mask_k[:, None] & mask_c[None, :], other=0.0)
-            acc += tl.dot(xt, at, input_precision=PRECISION)
-        mine = (row_slot[:, None] == col_slot[None, :]) & (row_slot >= 0)[:, None] & mask_c[None, :]
-        ptrs = out_ptr + sk * so_s + i * so_i + offs_m[:, None].to(tl.int64) * so_m + col_r[None, :] * so_r
-        tl.store(ptrs, acc, mask=mine & mask_m[:, None])
-
-    @triton.jit
     def _expand_kernel(
         h_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
         O, S,
@@ -306,24 +264,6 @@ def lora_shrink_splits(num_tokens: int, H: int) -> int:
     return max(1, min(8, H // (_block_k(H) * 4)))
 
 
-# set_lora_shrink_stacked / MOELORA_LORA_SHRINK_STACKED=1: the decode shrink with the slot groups side by side
-_SHRINK_STACKED = [os.environ.get("MOELORA_LORA_SHRINK_STACKED", "0") == "1"]
-STACKED_MAX_COLUMNS = 256  # groups x rank tile of one stacked dot (8 slot groups at rank 32, 16 at rank 16)
-
-
-def set_lora_shrink_stacked(enabled: bool) -> None:
-    """The dense shrink at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens) as _shrink_stacked_kernel: one program per
-    (row block, slice, split) multiplying its rows by every slot group's A at once (at most STACKED_MAX_COLUMNS
-    columns), instead of one program per (slot group, row block, slice, split). The same partials up to fp32
-    summation order. Off by default until measured; MOELORA_LORA_SHRINK_STACKED=1. CUDA graphs keep the launches
-    they captured."""
-    _SHRINK_STACKED[0] = bool(enabled)
-
-
-def lora_shrink_stacked() -> bool:
-    return _SHRINK_STACKED[0]
-
-
 def lora_shrink_buffer(n: int, num_tokens: int, R: int, H: int, device: torch.device | str) -> torch.Tensor:
     """The shrink's output for lora_shrink / lora_expand: [split_k, n, T, R] fp32, uninitialised (every entry the
     expand reads is written by the shrink; split_k = lora_shrink_splits on a GPU, 1 elsewhere)."""
@@ -349,8 +289,6 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
     wait_primary: launched with PDL itself (sm_90+) right after the kernel that writes x, which may let it start
     early (producer_launch_dependents): A's first tiles are read while that kernel runs, x only after it is complete;
     with launch_dependents, the next kernel is let start only then (it may read what x's producer wrote)
-    set_lora_shrink_stacked (decode sizes, not with wait_primary): the same entries written by
-    _shrink_stacked_kernel, the slot groups side by side in one dot per program
     """
     require_triton()
     n, S, R, H = a.shape
@@ -360,19 +298,6 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
     L = groups.active_slots.shape[0]
     bm = _block_m(T)
     block_r = max(16, min(64, triton.next_power_of_2(R)))
-    G = triton.next_power_of_2(max(L, 1))
-    if (_SHRINK_STACKED[0] and not wait_primary and T <= SHRINK_SPLIT_MAX_TOKENS and R <= block_r
-            and G * block_r <= STACKED_MAX_COLUMNS):  # set_lora_shrink_stacked: the groups side by side
-        # 32-row blocks, 8 warps: 126 registers a thread (sm_90, 8 groups at rank 16); 64 rows take 206, 4 warps spill
-        bm = 16 if T <= 16 else 32
-        _shrink_stacked_kernel[(triton.cdiv(T, bm), n * split_k)](
-            x, a, parts, ranks, groups.token_slots, groups.active_slots, T, H, S, L,
-            x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3),
-            parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
-            BLOCK_M=bm, BLOCK_R=block_r, GROUPS=G, BLOCK_K=_block_k(H, T), SPLIT_K=split_k,
-            PRECISION=dot_precision(x.dtype), num_warps=8,
-            **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}))
-        return
     grid = (triton.cdiv(T, bm) * triton.cdiv(R, block_r), n * split_k, L)
     _shrink_kernel[grid](
         x, a, parts, ranks, groups.sorted_token_ids, groups.active_slots, groups.slot_counts, groups.slot_starts,
