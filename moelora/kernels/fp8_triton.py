@@ -260,7 +260,9 @@ if HAS_TRITON:
         # post-attention RMSNorm for o_proj; the GEMM plain, with PDL beside the shrink. µs per layer at batch 64, 4
         # adapters: qkv GEMM 14.7 -> 11.1, o_proj 13.8 -> 12.0, but qk_norm_rope 3.8 -> 9.7 and the norm 2.4 -> 5.5
         # (per-row programs each waiting for slot, h and B); end to end -1.1% / -0.6% (4 / 8 adapters), qkv alone
-        # -0.8%, o_proj alone -0.2% / +0.4% (decode-s23-call2-consumer-ab-*). Reverted.)
+        # -0.8%, o_proj alone -0.2% / +0.4% (decode-s23-call2-consumer-ab-*). Reverted. A shrink with the slot
+        # groups side by side, 24 programs for qkv instead of 96, left these GEMMs unchanged: +0.2% / -0.8%,
+        # decode-s23-call3-stacked-ab-*. Reverted.)
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
