@@ -122,6 +122,25 @@ n = compile_sm90(_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr":
                  dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, LORA_R=16, LORA_CHUNK=4), num_warps=4)
 assert "cvt.rn.satfinite.e4m3x2.f32" in n.asm["ptx"] and n.asm["ptx"].count("st.global") >= 5
 print("ok norm with the LoRA shrink")
+# MOELORA_DENSE_LORA_DEFER: the delta kernel (stacked B, PDL wait on the shrink), the norm and qk_norm_rope adding it
+from moelora.kernels.lora_delta_triton import _lora_delta_kernel  # noqa: E402
+from moelora.kernels.norm_triton import _qk_norm_rope_kernel  # noqa: E402
+
+d = compile_sm90(_lora_delta_kernel, {"h_ptr": "*fp32", "b_ptr": "*bf16", "d_ptr": "*bf16", "off_ptr": "*i32",
+                                      "ranks_ptr": "*i32", "scale_ptr": "*fp32", "slots_ptr": "*i32", "act_ptr": "*i32"},
+                 dict(N_SLICES=3, SK=8, BR=16, G=8, BLOCK_M=32, BLOCK_N=64, PRECISION=None, EVEN_R=True, WAIT=True),
+                 num_warps=4, launch_pdl=True)
+n = compile_sm90(_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                    "ro_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32",
+                                    "d_ptr": "*bf16"}, dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, HAS_DELTA=True),
+                 num_warps=4)
+r = compile_sm90(_qk_norm_rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+                                        "pos_ptr": "*i64", "inv_ptr": "*fp32", "eps": "fp32", "scaling": "fp32",
+                                        "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
+                                        "d_ptr": "*bf16"},
+                 dict(HALF=64, BLOCK_H=64, NORM=True, WRITE_KV=True, HAS_DELTA=True), num_warps=4)
+assert "griddepcontrol.wait" in d.asm["ptx"] and "mma" in d.asm["ptx"]
+print("ok dense LoRA deferred: delta kernel, norm and qk_norm_rope adding it")
 for grouped, block_m, split_k, decode, row_div in [(True, 16, 1, 0, 1), (False, 64, 4, 1, 1), (True, 16, 1, 2, 8)]:
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
             "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}

@@ -156,9 +156,10 @@ def test_decoder_layers_hand_their_input_norm_the_qkv_projection(tmp_path, monke
         seen.append((self, lora, lora_next))
         return real_forward(self, x, lora, lora_next)
 
-    def add_norm(self, x, residual, lora=None, lora_next=None):
+    def add_norm(self, x, residual, lora=None, lora_next=None, delta=None):
+        assert delta is None  # (set_dense_lora_defer hands o_proj's delta over on a GPU only)
         seen.append((self, lora, lora_next))
-        return real_add(self, x, residual, lora, lora_next)
+        return real_add(self, x, residual, lora, lora_next, delta)
 
     monkeypatch.setattr(RMSNorm, "forward", forward)
     monkeypatch.setattr(RMSNorm, "add_norm", add_norm)

@@ -60,6 +60,7 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_LORA_ATTN_SHRINK": _bool_switch(_T, "set_lora_attn_shrink", "lora_attn_shrink"),
     "MOELORA_LORA_SHRINK_PDL": _bool_switch(_T, "set_lora_shrink_pdl", "lora_shrink_pdl_enabled"),
     "MOELORA_DENSE_LORA_OVERLAP": _bool_switch(_T, "set_dense_lora_overlap", "dense_lora_overlap"),
+    "MOELORA_DENSE_LORA_DEFER": _bool_switch(_T, "set_dense_lora_defer", "dense_lora_defer"),
     "MOELORA_LORA_EVEN_R": _bool_switch(_T, "set_lora_even_r", "lora_even_r"),
     "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),

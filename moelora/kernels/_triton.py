@@ -95,6 +95,24 @@ def dense_lora_overlap() -> bool:
     return _DENSE_LORA_OVERLAP[0]
 
 
+_DENSE_LORA_DEFER = [os.environ.get("MOELORA_DENSE_LORA_DEFER", "0") == "1"]
+
+
+def set_dense_lora_defer(enabled: bool) -> None:
+    """Dense LoRA deferred to the next kernel (session 24; MOELORA_DENSE_LORA_DEFER=1, off until measured): at decode
+    sizes on a GPU, a decoder layer's qkv_proj and o_proj run their plain base GEMM on the main stream while their
+    LoRA shrink and a delta kernel (kernels/lora_delta_triton.py, every row written) run on the side stream; the
+    kernel reading the GEMM's output next adds the delta as it loads it (qk_norm_rope: q, k and the v written to the
+    cache; the post-attention RMSNorm: o_proj's output before the residual add). No add or zero-fill launch. The
+    sums are rounded once more than with the GEMM's LoRA epilogue (the delta to the activation dtype, as PEFT
+    rounds it). CUDA graphs record the streams: set it before they are captured."""
+    _DENSE_LORA_DEFER[0] = bool(enabled)
+
+
+def dense_lora_defer() -> bool:
+    return _DENSE_LORA_DEFER[0]
+
+
 _LORA_SHRINK_PDL = [os.environ.get("MOELORA_LORA_SHRINK_PDL", "0") == "1"]
 
 

@@ -23,7 +23,10 @@ if HAS_TRITON:
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0,
                          LAUNCH_DEPENDENTS: tl.constexpr = False,
                          la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, S=0, sla_i=0, sla_s=0, sla_r=0,
-                         slh_i=0, slh_m=0, LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4):
+                         slh_i=0, slh_m=0, LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4,
+                         d_ptr=None, sd=0, HAS_DELTA: tl.constexpr = False):
+        # HAS_DELTA (set_dense_lora_defer): the LoRA delta d [rows, D] of the layer that produced x (o_proj) added to
+        # x first, rounded once: x = x + d, then the residual add
         # LORA_R > 0 (set_lora_norm_shrink): program (row, i) also writes the next LoRA layer's shrink of slice i,
         # h[i, row, :LORA_R] = y_row @ A[i, slot, :, :].T (0 past the slot's rank, and for rows of slot -1), from
         # the rounded y the layer reads; only the programs of slice 0 store y, the residual and the quantization
@@ -37,6 +40,8 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0)
+        if HAS_DELTA:
+            x = (x.to(tl.float32) + tl.load(d_ptr + row * sd + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(r_ptr + row * sr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
             if stores:
@@ -63,11 +68,16 @@ if HAS_TRITON:
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
                              v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, sc_slot, sc_h,
-                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr):
+                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+                             d_ptr=None, sdt=0, HAS_DELTA: tl.constexpr = False):
+        # HAS_DELTA (set_dense_lora_defer): qkv_proj's LoRA delta d [T, (Hq + 2 Hkv) * D] (the qkv layout: head h of
+        # the q, k, v heads in that order at columns h * D) added to each head as it is loaded, rounded once
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs = tl.arange(0, BLOCK_H)
         mask = offs < HALF
+        if HAS_DELTA:
+            d_head = d_ptr + t * sdt + h * (2 * HALF)
         if WRITE_KV:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             wmask = mask & ((offs * 0 + slot) >= 0)  # a row of slot -1 is not written
@@ -77,6 +87,10 @@ if HAS_TRITON:
                 dst = vc_ptr + slot * sc_slot + hv * sc_h
                 v1 = tl.load(src + offs, mask=mask, other=0.0)
                 v2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
+                if HAS_DELTA:
+                    v1 = (v1.to(tl.float32) + tl.load(d_head + offs, mask=mask, other=0.0).to(tl.float32)).to(v1.dtype)
+                    v2 = (v2.to(tl.float32) + tl.load(d_head + HALF + offs, mask=mask, other=0.0).to(tl.float32)).to(
+                        v2.dtype)
                 tl.store(dst + offs, v1.to(vc_ptr.dtype.element_ty), mask=wmask)
                 tl.store(dst + HALF + offs, v2.to(vc_ptr.dtype.element_ty), mask=wmask)
                 return
@@ -89,6 +103,9 @@ if HAS_TRITON:
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
         dt = x1.dtype
+        if HAS_DELTA:
+            x1 = (x1.to(tl.float32) + tl.load(d_head + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+            x2 = (x2.to(tl.float32) + tl.load(d_head + HALF + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
         if NORM:  # per-head RMSNorm over both halves, as rms_norm_ref
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
@@ -116,8 +133,10 @@ if HAS_TRITON:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quant_group: int | None = None,
              lora_shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             delta: torch.Tensor | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Semantics (rms_norm_ref, with an optional residual add first):
+    """Semantics (rms_norm_ref, with an optional LoRA delta and residual add first):
+        if delta is not None: x = (x + delta)                       # in x.dtype (the producing layer's output)
         if residual is not None: x = residual = (x + residual)      # in x.dtype, returned as the new residual
         y = weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)
     x, residual: [..., D] (last dim contiguous) · weight: [D] · returns (y [..., D], new residual or None)
@@ -128,6 +147,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     shrink of y, as lora_shrink computes it (h[0, i, t, :ranks[i, s]] = y[t] @ a[i, s, :ranks[i, s]].T for s =
     token_slots[t] >= 0; every other entry of h 0), in the same launch (one program per row and slice), attached
     to y (attach_lora_h: that layer reads it instead of launching its shrink). h: [1, n, rows, R] fp32.
+    delta: [..., D] like x (last dim contiguous), the deferred LoRA delta of the layer that produced x
+    (set_dense_lora_defer).
     """
     require_triton()
     from moelora.kernels.fp8_triton import act_quant_buffers, act_quant_ok, attach_act_quant
@@ -159,6 +180,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                     sla_r=a.stride(2), slh_i=h.stride(1), slh_m=h.stride(2), LORA_R=R, LORA_CHUNK=chunk)
         if R % chunk:
             raise ValueError(f"rms_norm: lora_shrink rank {R} is not a multiple of {chunk}")
+    if delta is not None:
+        d2 = delta.reshape(-1, delta.shape[-1])
+        if tuple(d2.shape) != (rows, D) or d2.stride(-1) != 1:
+            raise ValueError(f"rms_norm: delta must be [{rows}, {D}] like x with a contiguous last dim, found "
+                             f"{tuple(delta.shape)} strides {delta.stride()}")
+        lora.update(d_ptr=d2, sd=d2.stride(0), HAS_DELTA=True)
     if rows:
         _rms_norm_kernel[(rows, n)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
                                     ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
@@ -185,8 +212,10 @@ def attached_lora_h(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                  eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
-                 kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                 kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 delta: torch.Tensor | None = None) -> None:
     """In place, per token t and head h (neox rotary on the two halves), as rms_norm_ref then apply_rotary_ref:
+        if delta: q[t, h] = q[t, h] + delta_q[t, h] ; k, v likewise   (in the dtype; qkv_proj's deferred LoRA delta)
         if weights: q[t, h] = rms_norm(q[t, h], q_weight) ; k[t, h] = rms_norm(k[t, h], k_weight)
         c, s = cos(positions[t] * inv_freq) * attention_scaling, sin(...) * attention_scaling   (fp32, then dtype)
         x = cat(x1, x2) -> cat(x1 * c - x2 * s, x2 * c + x1 * s)   for x in q[t, h], k[t, h]
@@ -195,6 +224,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     q: [T, Hq, D] · k: [T, Hkv, D] (last dim contiguous; views into the qkv output are fine) · positions: [T]
     q_weight, k_weight: [D] or both None · inv_freq: [D/2] fp32
     v: [T, Hkv, D] (last dim contiguous) · k_cache, v_cache: [NB, BS, Hkv, D] contiguous · slot_mapping: [T] int
+    delta: [T, (Hq + 2 Hkv) * D] (q, k, v heads side by side, the qkv output's layout; last dim contiguous), only
+    with kv_write (v gets its delta on the cache write: the v passed in is left as it is)
     """
     require_triton()
     T, Hq, D = q.shape
@@ -216,9 +247,17 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         kv_args = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1), Hkv * D, D)
     else:
         kv_args = (q, q, q, positions, 0, 0, 0, 0)
+    extra = {}
+    if delta is not None:
+        want_d = (T, (Hq + 2 * Hkv) * D)
+        if kv_write is None or tuple(delta.shape) != want_d or delta.stride(1) != 1:
+            raise ValueError(f"qk_norm_rope: delta must be {list(want_d)} with a contiguous last dim and come with "
+                             f"kv_write, found {tuple(delta.shape)} strides {delta.stride()}, kv_write "
+                             f"{'given' if kv_write is not None else 'None'}")
+        extra = dict(d_ptr=delta, sdt=delta.stride(0), HAS_DELTA=True)
     if T:
         _qk_norm_rope_kernel[(T, heads)](
             q, k, q_weight if norm else inv_freq, k_weight if norm else inv_freq, positions, inv_freq,
             Hq, Hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, attention_scaling, *kv_args,
-            HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), NORM=norm, WRITE_KV=kv_write is not None,
+            HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), NORM=norm, WRITE_KV=kv_write is not None, **extra,
         )

@@ -11,7 +11,7 @@ from torch import nn
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
 from moelora.kernels.attention import paged_attention_ref, write_kv_direct, write_kv_ref
-from moelora.layers.linear import LoRALinear
+from moelora.layers.linear import LoRALinear, attach_lora_delta
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
 
@@ -54,6 +54,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.qkv_proj = LoRALinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias, dtype, device)
         self.o_proj = LoRALinear(self.q_size, [cfg.hidden_size], cfg.o_bias, dtype, device)
+        # set by DecoderLayer, whose post-attention norm adds a deferred o_proj LoRA delta (set_dense_lora_defer)
+        self.o_proj_delta_to_norm = False
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -71,7 +73,12 @@ class Attention(nn.Module):
         lora: LoRABatch | None,
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
+        qkv_delta = None
+        if self._fused_rope_kv(x, attn) and self.qk_norm != "full" and self.clip_qkv is None:
+            # set_dense_lora_defer: the LoRA delta beside the base GEMM, added by qk_norm_rope below (else None)
+            qkv, qkv_delta = self.qkv_proj.forward_deferred(x, lora)
+        else:
+            qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -89,7 +96,7 @@ class Attention(nn.Module):
             kv_written = attn.token_seq is not None  # the device path: every slot_mapping entry >= 0
             qk_norm_rope(q, k, self.q_norm.weight if head else None, self.k_norm.weight if head else None,
                          self.q_norm.eps if head else 0.0, positions, self.rotary.inv_freq, self.rotary.attention_scaling,
-                         kv_write=(v, k_cache, v_cache, attn.slot_mapping) if kv_written else None)
+                         kv_write=(v, k_cache, v_cache, attn.slot_mapping) if kv_written else None, delta=qkv_delta)
         else:
             if self.qk_norm == "head":
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -117,6 +124,11 @@ class Attention(nn.Module):
                 from moelora.kernels.fp8_triton import attach_act_quant
 
                 attach_act_quant(o_in, *o_fp8, q.shape[2])
+            if self.o_proj_delta_to_norm and not self.o_proj._forward_hooks:  # (a hook: e.g. tp's all-reduce)
+                y, delta = self.o_proj.forward_deferred(o_in, lora)  # set_dense_lora_defer, else (o_proj(...), None)
+                if delta is not None:
+                    attach_lora_delta(y, delta)  # the decoder layer's post-attention norm adds it
+                return y
             return self.o_proj(o_in, lora)
         else:
             write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
@@ -125,6 +137,10 @@ class Attention(nn.Module):
                 self.sliding_window,
             )  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size), lora)
+
+    def _fused_rope_kv(self, x: torch.Tensor, attn: AttentionMetadata) -> bool:
+        """Whether forward takes qk_norm_rope with the KV cache writes (the device path)."""
+        return x.is_cuda and self.rotary.fused_ok and attn.token_seq is not None
 
     def _o_proj_fp8_buffers(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q [T, Hq * D] e4m3, scales [T, Hq]) for the decode kernel to quantize the attention output into, when

@@ -80,6 +80,20 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
     lora_expand(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups, y)
 
 
+def attach_lora_delta(y: torch.Tensor, delta: torch.Tensor) -> None:
+    """Marks y (a layer's base output) with its deferred LoRA delta (LoRALinear.forward_deferred) for the kernel
+    that reads y next to add (take_lora_delta)."""
+    y.lora_delta = delta
+
+
+def take_lora_delta(y: torch.Tensor) -> torch.Tensor | None:
+    """The delta attach_lora_delta put on y (removed from it), or None."""
+    delta = getattr(y, "lora_delta", None)
+    if delta is not None:
+        del y.lora_delta
+    return delta
+
+
 class LoRALinear(nn.Module):
     """y = x W^T (+ bias) + for each slice i: scaling[i, s] * B_i[s] A_i[s] x, s = the token's slot.
 
@@ -128,6 +142,56 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         apply_dense_lora(x, self.lora, lora, y)
         return y
+
+    def defer_ok(self, x: torch.Tensor, lora: LoRABatch | None) -> bool:
+        """Whether forward_deferred defers this call's LoRA: set_dense_lora_defer on, Triton (a GPU, or the
+        interpreter), a decode-sized 2-D input, the LoRA running for this batch, and lora_delta serving this layer
+        (delta_ok: slice bounds on its column tiles, at most DELTA_MAX_GROUPS slot groups)."""
+        from moelora.kernels._triton import dense_lora_defer
+        from moelora.kernels.lora_delta_triton import delta_ok
+        from moelora.kernels.lora_triton import SHRINK_SPLIT_MAX_TOKENS
+
+        if not (dense_lora_defer() and HAS_TRITON and (x.is_cuda or interpreting())):
+            return False
+        if not (x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS and lora_runs(self.lora, lora)):
+            return False
+        return delta_ok(tuple(self.lora.slice_offsets_host), lora.groups.active_slots.shape[0])
+
+    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, delta): where defer_ok, y = base(x) [T, sum(O)] and delta [T, sum(O)] in x's dtype, the LoRA delta
+        (lora_delta: every row written, 0 for rows without an adapter) for the caller's next kernel to add, rounded
+        once: y + delta is forward(x, lora) up to that one rounding. On a GPU the shrink and the delta kernel run on
+        the side stream beside the base GEMM and the main stream waits for them before this returns (later work
+        may read delta). Elsewhere (forward(x, lora), None)."""
+        if not self.defer_ok(x, lora):
+            return self.forward(x, lora), None
+        from moelora.kernels.lora_delta_triton import lora_delta
+        from moelora.kernels.lora_triton import lora_shrink
+
+        lora_active(self.lora, lora)  # counted as forward counts it
+        w = self.lora
+        h = dense_lora_h(w, x)
+        delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
+        g = lora.groups
+
+        def chain(pdl: bool) -> None:
+            lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl)
+            lora_delta(h, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
+                       g.token_slots, g.active_slots, delta, wait=pdl)
+
+        if not x.is_cuda:  # the interpreter (tests): one stream
+            chain(False)
+            return self.base(x), delta
+        from moelora.kernels.fp8_triton import fp8_lora_pdl
+        from moelora.kernels.streams import fork, join, side_stream
+
+        side = side_stream(x.device)
+        main = fork(side)
+        with torch.cuda.stream(side):
+            chain(fp8_lora_pdl(x.device))
+        y = self.base(x)
+        join(main, side)
+        return y, delta
 
     def _fp8_epilogue_ok(self, x: torch.Tensor, lora: LoRABatch) -> bool:
         """The FP8 (Triton) base with the grouped LoRA kernels: the expand can run in the GEMM's epilogue."""

@@ -32,14 +32,17 @@ class RMSNorm(nn.Module):
         return rms_norm_ref(x, self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, lora=None,
-                 lora_next=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 lora_next=None, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm on a GPU (lora, lora_next: as
-        forward)."""
+        forward). delta: the deferred LoRA delta of the layer that produced x (set_dense_lora_defer), added to x
+        first (x + delta rounded to x's dtype, then the residual)."""
         if use_triton(x):
             from moelora.kernels.norm_triton import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group,
-                            lora_shrink=_shrink_args(lora_next, x, lora))
+                            lora_shrink=_shrink_args(lora_next, x, lora), delta=delta)
+        if delta is not None:
+            x = x + delta
         r = x + residual
         return rms_norm_ref(r, self.weight, self.eps), r
 

@@ -15,7 +15,7 @@ from torch import nn
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
 from moelora.layers.attention import Attention, AttentionMetadata
-from moelora.layers.linear import LoRALinear
+from moelora.layers.linear import LoRALinear, take_lora_delta
 from moelora.layers.lora import LoRATarget
 from moelora.layers.moe import DenseMLP, MoEBlock
 from moelora.layers.norm import RMSNorm
@@ -34,6 +34,8 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if hasattr(self.self_attn, "o_proj_delta_to_norm"):  # forward hands the norm o_proj's deferred delta
+            self.self_attn.o_proj_delta_to_norm = True
 
     def forward(self, x, residual, positions, attn, kv_cache, lora):
         """x: this layer's input delta [T, H] (the embeddings for layer 0, with residual None) · residual: the
@@ -46,7 +48,7 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_norm(x, residual, lora, qkv)
         a = self.self_attn(h, positions, attn, kv_cache, lora)
-        h, residual = self.post_attention_layernorm.add_norm(a, residual)
+        h, residual = self.post_attention_layernorm.add_norm(a, residual, delta=take_lora_delta(a))
         return self.mlp(h, lora), residual
 
 

@@ -1,0 +1,271 @@
+"""set_dense_lora_defer: the dense LoRA delta as a tensor of its own (kernels/lora_delta_triton.py), added by the
+kernel that reads the base GEMM's output next (qk_norm_rope for qkv_proj, the post-attention RMSNorm for o_proj).
+CPU: the kernels under the interpreter (fp32 / fp16) against their references and against the plain forward; GPU:
+compiled in bf16, and a decode step of an FP8 model at Qwen3-30B-A3B's attention dims with the switch on against
+off, eagerly and in a CUDA graph."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+
+import pytest
+import torch
+from kernel_cases import DEVICE, DTYPES, ON_GPU, token_slots, tolerance  # sets TRITON_INTERPRET=1 without a GPU
+
+from moelora.adapters.metadata import LoRABatch
+from moelora.kernels import _triton
+from moelora.kernels.groups import SlotGroups
+from moelora.kernels.lora_delta_triton import DELTA_MAX_GROUPS, delta_ok, lora_delta, lora_delta_ref
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+S, R = 4, 16
+# CPU: small widths, slices on the 64-column tiles; GPU: the qkv shape of Qwen3-30B-A3B
+H, OUTS = (2048, [4096, 512, 512]) if ON_GPU else (48, [128, 64, 64])
+
+
+def _factors(dtype, gen, outs=OUTS):
+    n = len(outs)
+    ranks = torch.tensor([[16, 4, 0, 8], [16, 8, 4, 0], [2, 16, 8, 4]][:n], dtype=torch.int32)  # rank 0 somewhere
+    b = torch.randn(S, sum(outs), R, generator=gen) * 0.1
+    off = [0]
+    for o in outs:
+        off.append(off[-1] + o)
+    for i in range(n):
+        for s in range(S):
+            b[s, off[i]:off[i + 1], ranks[i, s]:] = 0  # zero past each rank, as the slot pool writes them
+    scaling = torch.rand(n, S, generator=gen) + 0.5
+    return b.to(DEVICE, dtype), ranks.to(DEVICE), scaling.to(DEVICE), off
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 7, 40])
+@pytest.mark.parametrize("popularity", ["distinct", "with_base_rows", "identical"])
+def test_lora_delta_matches_reference_and_writes_every_row(popularity, num_tokens, dtype):
+    """Against lora_delta_ref, from split-K partials with NaN wherever the kernel must not read (past each row's
+    rank, rows of slot -1) into a NaN-filled buffer: every entry written, rows of slot -1 and slices of rank 0
+    exactly 0."""
+    gen = torch.Generator().manual_seed(num_tokens * 3 + len(popularity))
+    b, ranks, scaling, off = _factors(dtype, gen)
+    slots = token_slots(popularity, num_tokens, S, gen)
+    groups = SlotGroups.build(slots, S, DEVICE)
+    n = len(OUTS)
+    h = torch.randn(3, n, num_tokens, R, generator=gen)
+    rk = ranks.cpu()
+    for t, s in enumerate(slots.tolist()):
+        for i in range(n):
+            h[:, i, t, (rk[i, s] if s >= 0 else 0):] = float("nan")
+    h = h.to(DEVICE)
+    off_t = torch.tensor(off, dtype=torch.int32, device=DEVICE)
+    delta = torch.full((num_tokens, sum(OUTS)), float("nan"), dtype=dtype, device=DEVICE)
+    lora_delta(h, b, off_t, tuple(off), ranks, scaling, groups.token_slots, groups.active_slots, delta)
+    want = lora_delta_ref(torch.nan_to_num(h, nan=0.0), b, off_t, ranks, scaling, groups, dtype)
+    assert not delta.isnan().any()
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(delta, want, atol=atol, rtol=rtol)
+    base = (slots < 0).to(DEVICE)
+    assert (delta[base] == 0).all()
+    for i in range(n):
+        for s in range(S):
+            if rk[i, s] == 0:
+                assert (delta[(slots == s).to(DEVICE), off[i]:off[i + 1]] == 0).all()
+    lora_rows = ~base
+    if lora_rows.any():
+        assert delta[lora_rows].abs().max() > 0.01  # the adapters are there
+
+
+def test_lora_delta_refuses_layers_it_cannot_serve():
+    assert delta_ok((0, 128, 192, 256), 4) and not delta_ok((0, 40, 64), 4)
+    assert not delta_ok((0, 128), DELTA_MAX_GROUPS + 1) and not delta_ok((0, 128), 0)
+    gen = torch.Generator().manual_seed(0)
+    b, ranks, scaling, off = _factors(torch.float32, gen, outs=[40, 24])
+    slots = torch.tensor([0, 1, -1], dtype=torch.int32)
+    groups = SlotGroups.build(slots, S, DEVICE)
+    h = torch.zeros(1, 2, 3, R, device=DEVICE)
+    delta = torch.empty(3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="slice bounds on multiples of 64"):
+        lora_delta(h, b, torch.tensor(off, dtype=torch.int32, device=DEVICE), tuple(off), ranks, scaling,
+                   groups.token_slots, groups.active_slots, delta)
+    with pytest.raises(ValueError, match=r"expected delta \[3, 64\]"):
+        lora_delta(h, b, torch.tensor(off, dtype=torch.int32, device=DEVICE), tuple(off), ranks, scaling,
+                   groups.token_slots, groups.active_slots, torch.empty(3, 65, device=DEVICE))
+
+
+def _qkv_case(device, dtype, seed):
+    T, Hq, Hkv, D, NB, BS = 5, 4, 2, 16, 3, 4
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(device, dtype)
+    delta = (torch.randn(T, (Hq + 2 * Hkv) * D, generator=g) * 0.5).to(device, dtype)
+    positions = torch.tensor([0, 3, 17, 500, 4095], device=device)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+    w = [(torch.rand(D, generator=g) + 0.5).to(device, dtype) for _ in range(2)]
+    slots = torch.tensor([5, 0, 11, -1, 6], device=device)
+    caches = [torch.randn(NB, BS, Hkv, D, generator=g).to(device, dtype) for _ in range(2)]
+
+    def run(t, caches, d=None):
+        from moelora.kernels.norm_triton import qk_norm_rope
+
+        q, k, v = t.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+        qk_norm_rope(q, k, w[0], w[1], 1e-6, positions, inv_freq, 0.9, kv_write=(v, caches[0], caches[1], slots),
+                     delta=d)
+
+    return qkv, delta, caches, run, Hq * D
+
+
+@pytest.mark.parametrize("device,dtype", [(DEVICE, dt) for dt in DTYPES])
+def test_qk_norm_rope_adds_the_qkv_delta(device, dtype):
+    """With delta: bit for bit qk_norm_rope of (qkv + delta) rounded to the dtype, q / k in place and the k / v
+    cache rows; the v columns of qkv stay as they were (v gets its delta on the cache write only)."""
+    qkv, delta, caches, run, q_cols = _qkv_case(device, dtype, 11)
+    ref, ref_caches = (qkv + delta), [c.clone() for c in caches]
+    run(ref, ref_caches)
+    got, got_caches = qkv.clone(), [c.clone() for c in caches]
+    run(got, got_caches, delta)
+    plain, plain_caches = qkv.clone(), [c.clone() for c in caches]
+    run(plain, plain_caches)
+    kv_cols = ref.shape[1] - q_cols
+    assert torch.equal(got[:, : q_cols + kv_cols // 2], ref[:, : q_cols + kv_cols // 2])  # q, k
+    assert torch.equal(got[:, q_cols + kv_cols // 2:], qkv[:, q_cols + kv_cols // 2:])  # v untouched in qkv
+    assert all(torch.equal(a, b) for a, b in zip(got_caches, ref_caches))
+    assert not torch.equal(got_caches[1], plain_caches[1]) and not torch.equal(got, plain)  # the delta is there
+    with pytest.raises(ValueError, match="delta must be"):
+        run(got, got_caches, delta[:, 1:])
+
+
+@pytest.mark.parametrize("device,dtype", [(DEVICE, dt) for dt in DTYPES])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_adds_the_o_proj_delta(device, dtype, residual):
+    """delta: bit for bit rms_norm of (x + delta) rounded to the dtype, the new residual that sum plus the old."""
+    from moelora.kernels.norm_triton import rms_norm
+
+    g = torch.Generator().manual_seed(5 + residual)
+    x, d, r = ((torch.randn(7, 96, generator=g) * s).to(device, dtype) for s in (3, 0.5, 1))
+    w = (torch.rand(96, generator=g) + 0.5).to(device, dtype)
+    res = r if residual else None
+    y, r2 = rms_norm(x, w, 1e-6, res, delta=d)
+    y_ref, r_ref = rms_norm(x + d, w, 1e-6, res)
+    assert torch.equal(y, y_ref) and (not residual or torch.equal(r2, r_ref))
+    assert not torch.equal(y, rms_norm(x, w, 1e-6, res)[0])
+    with pytest.raises(ValueError, match="delta must be"):
+        rms_norm(x, w, 1e-6, res, delta=d[:, :48])
+
+
+@contextlib.contextmanager
+def _defer(on: bool):
+    before = _triton.dense_lora_defer()
+    _triton.set_dense_lora_defer(on)
+    try:
+        yield
+    finally:
+        _triton.set_dense_lora_defer(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_deferred_is_forward_split_in_two(dtype):
+    """LoRALinear.forward_deferred: (base output, delta) whose sum is forward's output up to one rounding; rows
+    without an adapter get a zero delta; with the switch off, or max_loras above DELTA_MAX_GROUPS, or slices off
+    the 64-column tiles, it is forward itself and no delta."""
+    from moelora.layers.linear import LoRALinear
+
+    g = torch.Generator().manual_seed(1)
+    lin = LoRALinear(H, OUTS, bias=True, dtype=dtype, device=DEVICE)
+    lin.weight.copy_(torch.randn(sum(OUTS), H, generator=g) * 0.05)
+    lin.bias.copy_(torch.randn(sum(OUTS), generator=g))
+    w = lin.enable_lora(max_loras=S, max_lora_rank=R)
+    for s, r in enumerate((16, 8, 4, 16)):
+        for i, out in enumerate(OUTS):
+            w.set_slot(i, s, torch.randn(r, H, generator=g) * 0.1, torch.randn(out, r, generator=g) * 0.1, 2.0)
+    slots = [0, -1, 3, 1, 2, 0, -1, 1, 3]
+    lora = LoRABatch.build(slots, S, DEVICE)
+    x = torch.randn(len(slots), H, generator=g).to(DEVICE, dtype)
+    with torch.no_grad():
+        want = lin(x, lora)
+        with _defer(False):
+            y_off, d_off = lin.forward_deferred(x, lora)
+        with _defer(True):
+            y, delta = lin.forward_deferred(x, lora)
+    assert d_off is None and torch.equal(y_off, want)
+    assert delta is not None and delta.dtype == dtype
+    base = torch.tensor(slots) < 0
+    assert torch.equal(y, lin.base(x)) and (delta[base.to(DEVICE)] == 0).all()
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(y + delta, want, atol=atol, rtol=rtol)
+    assert (want - y).abs().max() > 0.05  # the adapters are there
+    wide = LoRALinear(H, [40, 24], bias=False, dtype=dtype, device=DEVICE)
+    wide.enable_lora(max_loras=S, max_lora_rank=R)
+    with torch.no_grad(), _defer(True):
+        assert wide.forward_deferred(x, lora)[1] is None
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.parametrize("batch", [48, 160])
+def test_deferred_dense_lora_in_a_decode_step(tmp_path, batch):
+    """An FP8 Qwen3-MoE (dummy weights, Qwen3-30B-A3B's attention dims, 2 layers), a decode step of 48 / 160
+    sequences over 4 adapters and base rows: with set_dense_lora_defer the delta kernel runs twice a layer (qkv,
+    o_proj) and the logits equal those of the GEMM's LoRA epilogue within bf16 rounding (relative 2^-7), eagerly
+    and over graph replays; the adapters move them."""
+    if not ON_GPU or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU of compute capability >= 8.9 (FP8)")
+    from helpers import save_tiny_model, tmp
+    from test_fp8_gpu import launch_records
+
+    from moelora.bench.common import captured_graph
+    from moelora.config import ModelConfig
+    from moelora.engine.batch import SeqChunk, build_flat_batch
+    from moelora.engine.kv_cache import KVCache
+    from moelora.kernels import lora_delta_triton as ldt
+    from moelora.models.loader import build_model
+
+    src = tmp(tmp_path, "m")
+    save_tiny_model("qwen3_moe", src, hidden_size=2048, head_dim=128, num_attention_heads=32, num_key_value_heads=4,
+                    moe_intermediate_size=128, intermediate_size=256, num_hidden_layers=2)
+    cfg = ModelConfig.from_pretrained(src)
+    model = build_model(cfg, dtype=torch.bfloat16, device="cuda", max_loras=4, max_lora_rank=16,
+                        load_format="dummy", quantization="fp8")
+    g = torch.Generator(device="cuda").manual_seed(24)
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
+            w = lin.lora
+            for s in range(4):
+                for i, out in enumerate(w.out_features):
+                    r = (16, 8, 16, 4)[s]
+                    w.set_slot(i, s, torch.randn(r, w.in_features, device="cuda", generator=g) * 0.02,
+                               torch.randn(out, r, device="cuda", generator=g) * 0.02, 2.0)
+    kv = KVCache(cfg, 4096, 16, torch.bfloat16, "cuda")
+    for cache in kv.caches:
+        for c in cache:
+            c.normal_(0, 1, generator=g)
+    rng = random.Random(24)
+    chunks = []
+    for b in range(batch):
+        cached = rng.randrange(1, 300)
+        chunks.append(SeqChunk([rng.randrange(cfg.vocab_size)], cached, kv.allocate(-(-(cached + 1) // 16)),
+                               b % 5 - 1))
+    fb = build_flat_batch(chunks, 16, "cuda")
+    lora = dataclasses.replace(LoRABatch.build(fb.token_slots, 4, "cuda"), graph=True)
+    saved = [c.clone() for cache in kv.caches for c in cache]
+
+    def step(batch=lora):
+        for c, s in zip((c for cache in kv.caches for c in cache), saved):
+            c.copy_(s)  # every run starts from the same cache (the step writes its own k / v rows)
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb.attn, kv.caches, batch))
+
+    ref = step().clone()
+    with _defer(True):
+        with launch_records(ldt._lora_delta_kernel) as deltas:
+            eager = step().clone()
+        graph, out = captured_graph(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+    assert len(deltas) == 2 * len(model.model.layers)
+    for got in (eager, replayed):
+        assert _rel(got, ref) < 2**-7, _rel(got, ref)
+    assert (ref - step(None)).abs().max() > 0.05  # the adapters are there
