@@ -577,6 +577,8 @@ def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_pa
             out = step()
         return out, len(shrinks)
 
+    defer = _triton.dense_lora_defer()
+    _triton.set_dense_lora_defer("0")  # the producers' shrinks serve the GEMM's LoRA epilogue, not the deferred path
     try:
         ref, n_ref = run(False, False)
         norm_only, n_norm = run(True, False)
@@ -587,6 +589,7 @@ def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_pa
     finally:
         _triton.set_lora_norm_shrink(False)
         _triton.set_lora_attn_shrink(False)
+        _triton.set_dense_lora_defer(defer)
     layers = len(model.model.layers)
     assert n_ref >= 2 * layers and (n_norm, n_both) == (n_ref - layers, n_ref - 2 * layers)
     for got in (norm_only, both, replayed):

@@ -95,22 +95,47 @@ def dense_lora_overlap() -> bool:
     return _DENSE_LORA_OVERLAP[0]
 
 
-_DENSE_LORA_DEFER = [os.environ.get("MOELORA_DENSE_LORA_DEFER", "0") == "1"]
+def _defer_env() -> list[str]:
+    v = os.environ.get("MOELORA_DENSE_LORA_DEFER", "fp8") or "fp8"
+    if v not in ("0", "1", "fp8"):
+        raise ValueError(f"MOELORA_DENSE_LORA_DEFER must be 0, 1 or fp8, got {v!r}")
+    return [v]
 
 
-def set_dense_lora_defer(enabled: bool) -> None:
-    """Dense LoRA deferred to the next kernel (session 24; MOELORA_DENSE_LORA_DEFER=1, off until measured): at decode
-    sizes on a GPU, a decoder layer's qkv_proj and o_proj run their plain base GEMM on the main stream while their
-    LoRA shrink and a delta kernel (kernels/lora_delta_triton.py, every row written) run on the side stream; the
-    kernel reading the GEMM's output next adds the delta as it loads it (qk_norm_rope: q, k and the v written to the
-    cache; the post-attention RMSNorm: o_proj's output before the residual add). No add or zero-fill launch. The
-    sums are rounded once more than with the GEMM's LoRA epilogue (the delta to the activation dtype, as PEFT
-    rounds it). CUDA graphs record the streams: set it before they are captured."""
-    _DENSE_LORA_DEFER[0] = bool(enabled)
+_DENSE_LORA_DEFER = _defer_env()
+_DENSE_DEFER_PDL = [os.environ.get("MOELORA_DENSE_DEFER_PDL", "0") == "1"]
 
 
-def dense_lora_defer() -> bool:
+def set_dense_lora_defer(mode: bool | str) -> None:
+    """Dense LoRA deferred to the next kernel (session 24; MOELORA_DENSE_LORA_DEFER): at decode sizes on a GPU, a
+    decoder layer's qkv_proj and o_proj run their plain base GEMM on the main stream while their LoRA shrink and a
+    delta kernel (kernels/lora_delta_triton.py, every row written) run on the side stream; the kernel reading the
+    GEMM's output next adds the delta as it loads it (qk_norm_rope: q, k and the v written to the cache; the
+    post-attention RMSNorm: o_proj's output before the residual add). No add or zero-fill launch. The delta is
+    rounded to the activation dtype before it is added, as PEFT rounds it (the FP8 GEMM's LoRA epilogue adds it
+    in fp32). Modes: "fp8" (the default) on FP8 bases, where it was measured (session 24, fp8 128/128 batch 64,
+    two A/B processes: +1.1% / +0.7% with 4 adapters, +2.2% / +1.9% with 8); "1" (or True) on every base; "0" (or
+    False) never. CUDA graphs record the streams: set it before they are captured."""
+    mode = {True: "1", False: "0"}.get(mode, mode) if isinstance(mode, bool) else str(mode)
+    if mode not in ("0", "1", "fp8"):
+        raise ValueError(f"set_dense_lora_defer: mode must be True / False / '0' / '1' / 'fp8', got {mode!r}")
+    _DENSE_LORA_DEFER[0] = mode
+
+
+def dense_lora_defer() -> str:
+    """set_dense_lora_defer's mode: "0", "1" or "fp8"."""
     return _DENSE_LORA_DEFER[0]
+
+
+def set_dense_defer_pdl(enabled: bool) -> None:
+    """The deferred chain's delta kernel launched with PDL right after its shrink (MOELORA_DENSE_DEFER_PDL=1). Off by
+    default: in session 24 (fp8 128/128 batch 64, one A/B process) it lost 2-3% against the plain launch (its
+    programs, started early, wait on SMs the base GEMM beside them needs). Results do not change."""
+    _DENSE_DEFER_PDL[0] = bool(enabled)
+
+
+def dense_defer_pdl() -> bool:
+    return _DENSE_DEFER_PDL[0]
 
 
 _LORA_SHRINK_PDL = [os.environ.get("MOELORA_LORA_SHRINK_PDL", "0") == "1"]

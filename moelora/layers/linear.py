@@ -144,14 +144,18 @@ class LoRALinear(nn.Module):
         return y
 
     def defer_ok(self, x: torch.Tensor, lora: LoRABatch | None) -> bool:
-        """Whether forward_deferred defers this call's LoRA: set_dense_lora_defer on, Triton (a GPU, or the
-        interpreter), a decode-sized 2-D input, the LoRA running for this batch, and lora_delta serving this layer
-        (delta_ok: slice bounds on its column tiles, at most DELTA_MAX_GROUPS slot groups)."""
+        """Whether forward_deferred defers this call's LoRA: set_dense_lora_defer on for this base ("1"; "fp8": an
+        FP8 base weight), Triton (a GPU, or the interpreter), a decode-sized 2-D input, the LoRA running for this
+        batch, and lora_delta serving this layer (delta_ok: slice bounds on its column tiles, at most
+        DELTA_MAX_GROUPS slot groups)."""
         from moelora.kernels._triton import dense_lora_defer
         from moelora.kernels.lora_delta_triton import delta_ok
         from moelora.kernels.lora_triton import SHRINK_SPLIT_MAX_TOKENS
 
-        if not (dense_lora_defer() and HAS_TRITON and (x.is_cuda or interpreting())):
+        mode = dense_lora_defer()
+        if mode == "0" or (mode == "fp8" and not self._fp8_base()):
+            return False
+        if not (HAS_TRITON and (x.is_cuda or interpreting())):
             return False
         if not (x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS and lora_runs(self.lora, lora)):
             return False
@@ -182,16 +186,21 @@ class LoRALinear(nn.Module):
         if not x.is_cuda:  # the interpreter (tests): one stream
             chain(False)
             return self.base(x), delta
-        from moelora.kernels.fp8_triton import fp8_lora_pdl
+        from moelora.kernels._triton import dense_defer_pdl
         from moelora.kernels.streams import fork, join, side_stream
 
         side = side_stream(x.device)
         main = fork(side)
         with torch.cuda.stream(side):
-            chain(fp8_lora_pdl(x.device))
+            chain(dense_defer_pdl() and torch.cuda.get_device_capability(x.device) >= (9, 0))
         y = self.base(x)
         join(main, side)
         return y, delta
+
+    def _fp8_base(self) -> bool:
+        from moelora.layers.fp8 import Fp8State
+
+        return isinstance(self.quant, Fp8State)
 
     def _fp8_epilogue_ok(self, x: torch.Tensor, lora: LoRABatch) -> bool:
         """The FP8 (Triton) base with the grouped LoRA kernels: the expand can run in the GEMM's epilogue."""
