@@ -207,3 +207,53 @@ def _byte_of(c: str) -> int:
             cs.append(256 + n)
             n += 1
     return dict(zip(map(chr, cs), bs))[c]
+
+
+def attention_lora_decode_case(root: str, quant: str | None, batch: int, device: str = "cuda", seed: int = 24,
+                               mlp_only_layers: list[int] | None = None):
+    """A decode step at Qwen3-30B-A3B's attention dims: a 2-layer Qwen3-MoE (hidden 2048, 32 heads of 128, 4 KV
+    heads; dummy weights, FP8 with quant="fp8"), 4 adapters of ranks 16 / 8 / 16 / 4 on qkv_proj and o_proj,
+    `batch` sequences of one new token each after a random cached context (random cache contents), slots
+    b % 5 - 1 (every fifth row without an adapter). Returns (model, step, adapter_rows): step(lora=the batch's
+    graph-mode LoRABatch, None for no adapter) restores the KV cache, runs the step and returns the logits
+    [T, vocab] (the same inputs every call, so it can be captured in a CUDA graph); adapter_rows [T] bool."""
+    import dataclasses
+    import random
+
+    src = os.path.join(root, "decode-case")
+    os.makedirs(src, exist_ok=True)
+    over = {} if mlp_only_layers is None else {"mlp_only_layers": mlp_only_layers}
+    save_tiny_model("qwen3_moe", src, hidden_size=2048, head_dim=128, num_attention_heads=32, num_key_value_heads=4,
+                    moe_intermediate_size=128, intermediate_size=256, num_hidden_layers=2, **over)
+    cfg = ModelConfig.from_pretrained(src)
+    model = build_model(cfg, dtype=torch.bfloat16, device=device, max_loras=4, max_lora_rank=16, load_format="dummy",
+                        quantization=quant)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
+            w = lin.lora
+            for s in range(4):
+                for i, out in enumerate(w.out_features):
+                    r = (16, 8, 16, 4)[s]
+                    w.set_slot(i, s, torch.randn(r, w.in_features, device=device, generator=g) * 0.02,
+                               torch.randn(out, r, device=device, generator=g) * 0.02, 2.0)
+    kv = KVCache(cfg, 4096, 16, torch.bfloat16, device)
+    for cache in kv.caches:
+        for c in cache:
+            c.normal_(0, 1, generator=g)
+    rng = random.Random(seed)
+    chunks = []
+    for b in range(batch):
+        cached = rng.randrange(1, 300)
+        chunks.append(SeqChunk([rng.randrange(cfg.vocab_size)], cached, kv.allocate(-(-(cached + 1) // 16)), b % 5 - 1))
+    fb = build_flat_batch(chunks, 16, device)
+    graph_lora = dataclasses.replace(LoRABatch.build(fb.token_slots, 4, device), graph=True)
+    caches = [c for cache in kv.caches for c in cache]
+    saved = [c.clone() for c in caches]
+
+    def step(lora=graph_lora):
+        for c, s in zip(caches, saved):
+            c.copy_(s)  # every run starts from the same cache (the step writes its own k / v rows)
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb.attn, kv.caches, lora))
+
+    return model, step, torch.tensor(fb.token_slots, device=device) >= 0

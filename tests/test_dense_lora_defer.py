@@ -7,8 +7,6 @@ off, eagerly and in a CUDA graph."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import random
 
 import pytest
 import torch
@@ -218,51 +216,14 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
     scripts/diag_dense_lora_paths.py; session 23's consumer-expand test failed on exactly this)."""
     if not ON_GPU or (quant and torch.cuda.get_device_capability() < (8, 9)):
         pytest.skip("needs a GPU (FP8: compute capability >= 8.9)")
-    from helpers import save_tiny_model, tmp
+    from helpers import attention_lora_decode_case
     from test_fp8_gpu import launch_records
 
     from moelora.bench.common import captured_graph
-    from moelora.config import ModelConfig
-    from moelora.engine.batch import SeqChunk, build_flat_batch
-    from moelora.engine.kv_cache import KVCache
     from moelora.kernels import fp8_triton
     from moelora.kernels import lora_delta_triton as ldt
-    from moelora.models.loader import build_model
 
-    src = tmp(tmp_path, "m")
-    save_tiny_model("qwen3_moe", src, hidden_size=2048, head_dim=128, num_attention_heads=32, num_key_value_heads=4,
-                    moe_intermediate_size=128, intermediate_size=256, num_hidden_layers=2)
-    cfg = ModelConfig.from_pretrained(src)
-    model = build_model(cfg, dtype=torch.bfloat16, device="cuda", max_loras=4, max_lora_rank=16,
-                        load_format="dummy", quantization=quant)
-    g = torch.Generator(device="cuda").manual_seed(24)
-    for layer in model.model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
-            w = lin.lora
-            for s in range(4):
-                for i, out in enumerate(w.out_features):
-                    r = (16, 8, 16, 4)[s]
-                    w.set_slot(i, s, torch.randn(r, w.in_features, device="cuda", generator=g) * 0.02,
-                               torch.randn(out, r, device="cuda", generator=g) * 0.02, 2.0)
-    kv = KVCache(cfg, 4096, 16, torch.bfloat16, "cuda")
-    for cache in kv.caches:
-        for c in cache:
-            c.normal_(0, 1, generator=g)
-    rng = random.Random(24)
-    chunks = []
-    for b in range(batch):
-        cached = rng.randrange(1, 300)
-        chunks.append(SeqChunk([rng.randrange(cfg.vocab_size)], cached, kv.allocate(-(-(cached + 1) // 16)),
-                               b % 5 - 1))
-    fb = build_flat_batch(chunks, 16, "cuda")
-    lora = dataclasses.replace(LoRABatch.build(fb.token_slots, 4, "cuda"), graph=True)
-    ad = torch.tensor(fb.token_slots, device="cuda") >= 0
-    saved = [c.clone() for cache in kv.caches for c in cache]
-
-    def step(batch=lora):
-        for c, s in zip((c for cache in kv.caches for c in cache), saved):
-            c.copy_(s)  # every run starts from the same cache (the step writes its own k / v rows)
-        return model.compute_logits(model(fb.input_ids, fb.positions, fb.attn, kv.caches, batch))
+    model, step, ad = attention_lora_decode_case(str(tmp_path), quant, batch)
 
     with _defer(False):
         ref = step().clone()

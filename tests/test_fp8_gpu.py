@@ -536,48 +536,15 @@ def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_pa
     the norm's alone one fewer; the logits equal those of the shrink kernels up to fp32 summation order
     (relative 2^-7), eagerly and over a graph replay; the adapters move them. (Written in session 20 without
     device time: scripts/gpu_next_producer_shrinks.sh runs it.)"""
-    from helpers import save_tiny_model
+    from helpers import attention_lora_decode_case
 
-    from moelora.adapters.metadata import LoRABatch
     from moelora.bench.common import captured_graph
-    from moelora.config import ModelConfig
-    from moelora.engine.batch import SeqChunk, build_flat_batch
-    from moelora.engine.kv_cache import KVCache
     from moelora.kernels import _triton
     from moelora.kernels import lora_triton as lt
-    from moelora.models.loader import build_model
 
-    src = tmp(tmp_path, "m")
-    save_tiny_model("qwen3_moe", src, hidden_size=2048, head_dim=128, num_attention_heads=32, num_key_value_heads=4,
-                    moe_intermediate_size=128, intermediate_size=256, num_hidden_layers=2)
-    cfg = ModelConfig.from_pretrained(src)
-    model = build_model(cfg, dtype=torch.bfloat16, device=DEV, max_loras=4, max_lora_rank=16, load_format="dummy",
-                        quantization="fp8")  # as the engine builds it: FP8 before the LoRA slots, norms tagged
+    # as the engine builds it: FP8 before the LoRA slots, norms tagged
+    model, step, _ = attention_lora_decode_case(str(tmp_path), "fp8", batch, device=DEV, seed=20)
     assert model.model.layers[0].self_attn.o_proj.quant is not None
-    g = torch.Generator(device=DEV).manual_seed(20)
-    for layer in model.model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
-            w = lin.lora
-            for s in range(4):
-                for i, out in enumerate(w.out_features):
-                    r = (16, 8, 16, 4)[s]
-                    w.set_slot(i, s, torch.randn(r, w.in_features, device=DEV, generator=g) * 0.02,
-                               torch.randn(out, r, device=DEV, generator=g) * 0.02, 2.0)
-    kv = KVCache(cfg, 4096, 16, torch.bfloat16, DEV)
-    for cache in kv.caches:
-        for c in cache:
-            c.normal_(0, 1, generator=g)
-    rng = random.Random(20)
-    chunks = []
-    for b in range(batch):
-        cached = rng.randrange(1, 300)
-        chunks.append(SeqChunk([rng.randrange(cfg.vocab_size)], cached, kv.allocate(-(-(cached + 1) // 16)),
-                               b % 5 - 1))
-    fb = build_flat_batch(chunks, 16, DEV)
-    lora = dataclasses.replace(LoRABatch.build(fb.token_slots, 4, DEV), graph=True)
-
-    def step(batch=lora):
-        return model.compute_logits(model(fb.input_ids, fb.positions, fb.attn, kv.caches, batch))
 
     def run(norm: bool, attn: bool):
         _triton.set_lora_norm_shrink(norm)
