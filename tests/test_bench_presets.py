@@ -343,7 +343,13 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     switches.apply({"MOELORA_FP8_LORA_SPLIT": "0"})  # a switch with its own values, read back as set
     assert switches.current(["MOELORA_FP8_LORA_SPLIT"]) == {"MOELORA_FP8_LORA_SPLIT": "0"}
     switches.apply(before)
-    for bad, msg in [("x:MOELORA_NOPE=1", "not ENV=V"), ("x:MOELORA_LORA_NORM_SHRINK=2", "takes 0 or 1"),
+    names = ["MOELORA_DENSE_LORA_DEFER", "MOELORA_DENSE_DEFER_PRIORITY"]  # session 24's switches of their own values
+    before = switches.current(names)
+    switches.apply({"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal"})
+    assert switches.current(names) == {"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal"}
+    switches.apply(before)
+    assert switches.current(names) == before
+    for bad, msg in [("x:MOELORA_NOPE=1", "not ENV=V"), ("x:MOELORA_DENSE_LORA_DEFER=2", "takes 0, 1 or fp8"), ("x:MOELORA_LORA_NORM_SHRINK=2", "takes 0 or 1"),
                      ("x:MOELORA_FP8_LORA_SPLIT=1", "takes 0, 2, 3 or 4"),
                      ("default:MOELORA_LORA_NORM_SHRINK=1", "unique name"), ("x MOELORA_LORA_NORM_SHRINK=1", "name:")]:
         with pytest.raises(ValueError, match=msg):

@@ -63,6 +63,8 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_DENSE_LORA_DEFER": (lambda v: _import(_T).set_dense_lora_defer(v), lambda: _import(_T).dense_lora_defer(),
                                  ("0", "1", "fp8")),
     "MOELORA_DENSE_DEFER_PDL": _bool_switch(_T, "set_dense_defer_pdl", "dense_defer_pdl"),
+    "MOELORA_DENSE_DEFER_PRIORITY": (lambda v: _import(_T).set_dense_defer_priority(v),
+                                     lambda: _import(_T).dense_defer_priority(), ("high", "normal")),
     "MOELORA_LORA_EVEN_R": _bool_switch(_T, "set_lora_even_r", "lora_even_r"),
     "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-_SIDE: dict[int, "torch.cuda.Stream"] = {}
+_SIDE: dict[int | tuple[int, int], "torch.cuda.Stream"] = {}
 _PRIORITIES = {"normal": 0, "high": -1}  # torch: a lower number is a higher priority
 
 
@@ -30,13 +30,15 @@ def side_stream_priority() -> int:
     return _PRIORITIES[raw]
 
 
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream per GPU, created on first use (outside capture: the graph warm-up runs first), with
-    side_stream_priority()."""
+def side_stream(device: torch.device, priority: int | None = None) -> "torch.cuda.Stream":
+    """One side stream per GPU and priority, created on first use (outside capture: the graph warm-up runs first);
+    priority None: side_stream_priority() (the stream the routed-expert LoRA and shared experts use)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE:
-        _SIDE[idx] = torch.cuda.Stream(device=idx, priority=side_stream_priority())
-    return _SIDE[idx]
+    prio = side_stream_priority() if priority is None else priority
+    key = idx if priority is None else (idx, prio)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=idx, priority=prio)
+    return _SIDE[key]
 
 
 def fork(side: "torch.cuda.Stream") -> "torch.cuda.Stream":

@@ -186,10 +186,11 @@ class LoRALinear(nn.Module):
         if not x.is_cuda:  # the interpreter (tests): one stream
             chain(False)
             return self.base(x), delta
-        from moelora.kernels._triton import dense_defer_pdl
+        from moelora.kernels._triton import dense_defer_pdl, dense_defer_priority
         from moelora.kernels.streams import fork, join, side_stream
 
-        side = side_stream(x.device)
+        # "normal": a stream of its own at the main stream's priority (0), else the shared high-priority side stream
+        side = side_stream(x.device, 0 if dense_defer_priority() == "normal" else None)
         main = fork(side)
         with torch.cuda.stream(side):
             chain(dense_defer_pdl() and torch.cuda.get_device_capability(x.device) >= (9, 0))
