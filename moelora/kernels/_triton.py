@@ -114,7 +114,7 @@ def set_dense_lora_defer(mode: bool | str) -> None:
     post-attention RMSNorm: o_proj's output before the residual add). No add or zero-fill launch. The delta is
     rounded to the activation dtype before it is added, as PEFT rounds it (the FP8 GEMM's LoRA epilogue adds it
     in fp32). Modes: "fp8" (the default) on FP8 bases, where it was measured (session 24, fp8 128/128 batch 64,
-    three A/B processes: +1.1% / +0.7% / +0.6% with 4 adapters, +2.2% / +1.9% / +1.7% with 8); "1" (or True) on every base; "0" (or
+    three A/B processes: +1.1% / +0.7% / +0.6% with 4 adapters, +2.2% / +1.9% / +1.8% with 8); "1" (or True) on every base; "0" (or
     False) never. CUDA graphs record the streams: set it before they are captured."""
     mode = {True: "1", False: "0"}.get(mode, mode) if isinstance(mode, bool) else str(mode)
     if mode not in ("0", "1", "fp8"):

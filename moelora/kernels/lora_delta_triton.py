@@ -17,9 +17,12 @@ import torch
 
 from moelora.kernels._triton import HAS_TRITON, dot_precision, lora_even_r, require_triton
 from moelora.kernels.groups import SlotGroups
+from moelora.kernels.fp8_triton import LORA_PREFETCH_MAX_GROUPS
 from moelora.kernels.lora import lora_expand_ref
 
-DELTA_MAX_GROUPS = 8  # at most this many slot groups (max_loras): B of all of them is stacked in one dot
+# at most this many slot groups (max_loras): B of all of them is stacked in one dot, by the helpers of the FP8 GEMM's
+# mode-3 epilogue, which have the same limit
+DELTA_MAX_GROUPS = LORA_PREFETCH_MAX_GROUPS
 DELTA_BLOCK_N = 64  # column tile; every slice boundary must be a multiple of it (delta_ok)
 
 if HAS_TRITON:
