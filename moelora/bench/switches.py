@@ -52,6 +52,17 @@ def _fp8_lora_split() -> Switch:
     return set_, get, ("0", "2", "3", "4")
 
 
+def _shrink_splits() -> Switch:
+    def set_(value: str) -> None:
+        lt = _import("moelora.kernels.lora_triton")
+        lt.set_lora_shrink_config(int(value), lt.lora_shrink_config()[1])
+
+    def get() -> str:
+        return str(_import("moelora.kernels.lora_triton").lora_shrink_config()[0])
+
+    return set_, get, ("0", "1", "2", "4", "8")
+
+
 _T = "moelora.kernels._triton"
 # env name -> (set from the env string, current value as an env string, accepted values); each one is read when
 # graphs are captured
@@ -65,6 +76,9 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_DENSE_DEFER_PDL": _bool_switch(_T, "set_dense_defer_pdl", "dense_defer_pdl"),
     "MOELORA_DENSE_DEFER_PRIORITY": (lambda v: _import(_T).set_dense_defer_priority(v),
                                      lambda: _import(_T).dense_defer_priority(), ("high", "normal")),
+    "MOELORA_DENSE_DEFER_EXPAND": (lambda v: _import(_T).set_dense_defer_expand(v),
+                                   lambda: _import(_T).dense_defer_expand(), ("kernel", "consumer")),
+    "MOELORA_LORA_SHRINK_SPLITS": _shrink_splits(),
     "MOELORA_LORA_EVEN_R": _bool_switch(_T, "set_lora_even_r", "lora_even_r"),
     "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),

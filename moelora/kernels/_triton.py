@@ -138,6 +138,25 @@ def dense_defer_pdl() -> bool:
     return _DENSE_DEFER_PDL[0]
 
 
+_DENSE_DEFER_EXPAND = [os.environ.get("MOELORA_DENSE_DEFER_EXPAND", "kernel") or "kernel"]
+
+
+def set_dense_defer_expand(where: str) -> None:
+    """Where the deferred dense LoRA's expand runs (MOELORA_DENSE_DEFER_EXPAND): "kernel" (the default) in
+    lora_delta on the side stream after the shrink, writing a [T, O] delta the consumer adds; "consumer" inside the
+    consumer itself (qk_norm_rope per head, the post-attention RMSNorm per row: lora_delta_triton.DeferredDelta),
+    so the side stream runs the shrink alone beside the base GEMM (session 24's trace: the GEMM took 14 µs beside
+    shrink + delta against 8.4-9.5 alone). The same sums up to fp32 summation order, rounded as lora_delta rounds
+    them. CUDA graphs keep what they captured: set it before."""
+    if where not in ("kernel", "consumer"):
+        raise ValueError(f"set_dense_defer_expand: expected 'kernel' or 'consumer', got {where!r}")
+    _DENSE_DEFER_EXPAND[0] = where
+
+
+def dense_defer_expand() -> str:
+    return _DENSE_DEFER_EXPAND[0]
+
+
 _DENSE_DEFER_PRIORITY = [os.environ.get("MOELORA_DENSE_DEFER_PRIORITY", "high") or "high"]
 
 
