@@ -343,10 +343,15 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     switches.apply({"MOELORA_FP8_LORA_SPLIT": "0"})  # a switch with its own values, read back as set
     assert switches.current(["MOELORA_FP8_LORA_SPLIT"]) == {"MOELORA_FP8_LORA_SPLIT": "0"}
     switches.apply(before)
-    names = ["MOELORA_DENSE_LORA_DEFER", "MOELORA_DENSE_DEFER_PRIORITY"]  # session 24's switches of their own values
+    # sessions 24-25's switches of their own values
+    want = {"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal",
+            "MOELORA_DENSE_DEFER_EXPAND": "consumer", "MOELORA_DENSE_DEFER_ORDER": "gemm",
+            "MOELORA_LORA_SHRINK_SPLITS": "2"}
+    names = list(want)
     before = switches.current(names)
-    switches.apply({"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal"})
-    assert switches.current(names) == {"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal"}
+    assert before != want
+    switches.apply(want)
+    assert switches.current(names) == want
     switches.apply(before)
     assert switches.current(names) == before
     for bad, msg in [("x:MOELORA_NOPE=1", "not ENV=V"), ("x:MOELORA_DENSE_LORA_DEFER=2", "takes 0, 1 or fp8"), ("x:MOELORA_LORA_NORM_SHRINK=2", "takes 0 or 1"),

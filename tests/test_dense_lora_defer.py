@@ -382,3 +382,32 @@ def test_deferred_dense_lora_matches_peft_on_a_dequantized_fp8_checkpoint(tmp_pa
         ref, base_ref = peft_logprobs(base, ad, ids), peft_logprobs(base, None, ids)
         assert (got - ref).abs().mean() < 0.02, (got - ref).abs().mean()
         assert (ref - base_ref).abs().mean() > 0.05
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_deferred_chain_issued_after_the_gemm_changes_nothing(tmp_path):
+    """set_dense_defer_order("gemm"): the same kernels on the same inputs, only issued in the other order, so the
+    decode step is bit-equal to the default order, eagerly and on graph replay."""
+    if not ON_GPU or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU of compute capability >= 8.9 (FP8)")
+    from helpers import attention_lora_decode_case
+
+    from moelora.bench.common import captured_graph
+
+    _, step, ad = attention_lora_decode_case(str(tmp_path), "fp8", 48)
+    before = _triton.dense_defer_order()
+    outs = []
+    try:
+        with _defer(True):
+            for order in ("chain", "gemm"):
+                _triton.set_dense_defer_order(order)
+                eager = step().clone()
+                graph, out = captured_graph(step)
+                graph.replay()
+                torch.cuda.synchronize()
+                outs += [eager, out.clone()]
+    finally:
+        _triton.set_dense_defer_order(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert _rel(outs[0][ad], step(None)[ad]) > 0.1  # the adapters are there

@@ -201,15 +201,25 @@ class LoRALinear(nn.Module):
         if not x.is_cuda:  # the interpreter (tests): one stream
             chain(False)
             return self.base(x), delta
-        from moelora.kernels._triton import dense_defer_pdl, dense_defer_priority
+        from moelora.kernels._triton import dense_defer_order, dense_defer_pdl, dense_defer_priority
         from moelora.kernels.streams import fork, join, side_stream
 
         # "normal": a stream of its own at the main stream's priority (0), else the shared high-priority side stream
         side = side_stream(x.device, 0 if dense_defer_priority() == "normal" else None)
-        main = fork(side)
-        with torch.cuda.stream(side):
-            chain(dense_defer_pdl() and torch.cuda.get_device_capability(x.device) >= (9, 0))
-        y = self.base(x)
+        pdl = dense_defer_pdl() and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        if dense_defer_order() == "gemm":  # the GEMM issued (and captured) first; the chain still waits only for x
+            main = torch.cuda.current_stream(x.device)
+            ready = torch.cuda.Event()
+            ready.record(main)
+            y = self.base(x)
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                chain(pdl)
+        else:
+            main = fork(side)
+            with torch.cuda.stream(side):
+                chain(pdl)
+            y = self.base(x)
         join(main, side)
         return y, delta
 
