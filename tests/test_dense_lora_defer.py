@@ -387,8 +387,8 @@ def test_deferred_dense_lora_matches_peft_on_a_dequantized_fp8_checkpoint(tmp_pa
 @pytest.mark.gpu
 @torch.no_grad()
 def test_deferred_chain_issued_after_the_gemm_changes_nothing(tmp_path):
-    """set_dense_defer_order("gemm"): the same kernels on the same inputs, only issued in the other order, so the
-    decode step is bit-equal to the default order, eagerly and on graph replay."""
+    """set_dense_defer_order("gemm" / "serial"): the same kernels on the same inputs, only issued in another order
+    (or on one stream), so the decode step is bit-equal to the default order, eagerly and on graph replay."""
     if not ON_GPU or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a GPU of compute capability >= 8.9 (FP8)")
     from helpers import attention_lora_decode_case
@@ -400,7 +400,7 @@ def test_deferred_chain_issued_after_the_gemm_changes_nothing(tmp_path):
     outs = []
     try:
         with _defer(True):
-            for order in ("chain", "gemm"):
+            for order in ("chain", "gemm", "serial"):
                 _triton.set_dense_defer_order(order)
                 eager = step().clone()
                 graph, out = captured_graph(step)

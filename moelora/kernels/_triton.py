@@ -146,9 +146,10 @@ def set_dense_defer_order(order: str) -> None:
     default) the side stream's shrink (and delta kernel), then the base GEMM; "gemm" the GEMM first, the chain
     after it (still waiting only for the GEMM's input). A CUDA graph keeps its nodes in capture order, and the
     order decides whose CTAs get the SMs first: session 25's trace had the GEMM at 14 µs beside a 6-µs shrink
-    against 8.4-9.5 alone, as if its CTAs waited for the shrink's. Results do not change; set it before capture."""
-    if order not in ("chain", "gemm"):
-        raise ValueError(f"set_dense_defer_order: expected 'chain' or 'gemm', got {order!r}")
+    against 8.4-9.5 alone, as if its CTAs waited for the shrink's. "serial" (a diagnostic): no side stream, the
+    chain then the GEMM on the main stream. Results do not change; set it before capture."""
+    if order not in ("chain", "gemm", "serial"):
+        raise ValueError(f"set_dense_defer_order: expected 'chain', 'gemm' or 'serial', got {order!r}")
     _DENSE_DEFER_ORDER[0] = order
 
 

@@ -207,6 +207,9 @@ class LoRALinear(nn.Module):
         # "normal": a stream of its own at the main stream's priority (0), else the shared high-priority side stream
         side = side_stream(x.device, 0 if dense_defer_priority() == "normal" else None)
         pdl = dense_defer_pdl() and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        if dense_defer_order() == "serial":  # a diagnostic: the chain, then the GEMM, on the main stream
+            chain(pdl)
+            return self.base(x), delta
         if dense_defer_order() == "gemm":  # the GEMM issued (and captured) first; the chain still waits only for x
             main = torch.cuda.current_stream(x.device)
             ready = torch.cuda.Event()
