@@ -141,20 +141,6 @@ r = compile_sm90(_qk_norm_rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_
                  dict(HALF=64, BLOCK_H=64, NORM=True, WRITE_KV=True, HAS_DELTA=True), num_warps=4)
 assert "griddepcontrol.wait" in d.asm["ptx"] and "mma" in d.asm["ptx"]
 print("ok dense LoRA deferred: delta kernel, norm and qk_norm_rope adding it")
-# MOELORA_DENSE_DEFER_EXPAND=consumer: the norm (16 warps) and qk_norm_rope expanding the shrink's h themselves
-exp = {"e_h": "*fp32", "e_b": "*bf16", "e_off": "*i32", "e_rank": "*i32", "e_scale": "*fp32", "e_slot": "*i32"}
-n = compile_sm90(_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                                    "ro_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32", **exp},
-                 dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, EXPAND=True, E_SLICES=1, E_SK=8, E_BR=16),
-                 num_warps=16)
-r = compile_sm90(_qk_norm_rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
-                                        "pos_ptr": "*i64", "inv_ptr": "*fp32", "eps": "fp32", "scaling": "fp32",
-                                        "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
-                                        **exp},
-                 dict(HALF=64, BLOCK_H=64, NORM=True, WRITE_KV=True, EXPAND=True, E_SLICES=3, E_SK=8, E_BR=16),
-                 num_warps=4)
-assert "cubin" in n.asm and "cubin" in r.asm
-print("ok dense LoRA deferred: norm and qk_norm_rope expanding h")
 for grouped, block_m, split_k, decode, row_div in [(True, 16, 1, 0, 1), (False, 64, 4, 1, 1), (True, 16, 1, 2, 8)]:
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
             "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}

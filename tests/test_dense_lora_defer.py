@@ -15,7 +15,7 @@ from kernel_cases import DEVICE, DTYPES, ON_GPU, token_slots, tolerance  # sets 
 from moelora.adapters.metadata import LoRABatch
 from moelora.kernels import _triton
 from moelora.kernels.groups import SlotGroups
-from moelora.kernels.lora_delta_triton import DELTA_MAX_GROUPS, DeferredDelta, delta_ok, lora_delta, lora_delta_ref
+from moelora.kernels.lora_delta_triton import DELTA_MAX_GROUPS, delta_ok, lora_delta, lora_delta_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 S, R = 4, 16
@@ -150,83 +150,6 @@ def test_rms_norm_adds_the_o_proj_delta(device, dtype, residual):
         rms_norm(x, w, 1e-6, res, delta=d[:, :48])
 
 
-def _deferred_delta(outs, slots, dtype, seed):
-    """A DeferredDelta over `outs` slices for token slots `slots` (2 split-K partials, NaN wherever the expand
-    must not read h: past each row's rank, rows of slot -1) and the delta it stands for, from lora_delta_ref."""
-    gen = torch.Generator().manual_seed(seed)
-    b, ranks, scaling, off = _factors(dtype, gen, outs=outs)
-    groups = SlotGroups.build(slots, S, DEVICE)
-    h = torch.randn(2, len(outs), len(slots), R, generator=gen)
-    rk = ranks.cpu()
-    for t, s in enumerate(slots.tolist()):
-        for i in range(len(outs)):
-            h[:, i, t, (rk[i, s] if s >= 0 else 0):] = float("nan")
-    off_t = torch.tensor(off, dtype=torch.int32, device=DEVICE)
-    dd = DeferredDelta(h.to(DEVICE), b, off_t, tuple(off), ranks, scaling, groups)
-    want = lora_delta_ref(torch.nan_to_num(dd.h, nan=0.0), b, off_t, ranks, scaling, groups, dtype)
-    return dd, want
-
-
-@pytest.mark.parametrize("device,dtype", [(DEVICE, dt) for dt in DTYPES])
-def test_qk_norm_rope_expands_a_deferred_qkv_delta(device, dtype):
-    """set_dense_defer_expand "consumer": qk_norm_rope given the shrink's h (a DeferredDelta: 3 slices on head
-    boundaries, ranks 0-16, split-K partials, NaN where it must not read) matches qk_norm_rope given the delta
-    lora_delta_ref computes from it (q / k in place, both caches), rows of slot -1 bit-equal to no delta."""
-    qkv, _, caches, run, _ = _qkv_case(device, dtype, 12)
-    slots = torch.tensor([0, 2, -1, 3, 1], dtype=torch.int32)
-    dd, want = _deferred_delta([64, 32, 32], slots, dtype, 3)
-    ref, ref_caches = qkv.clone(), [c.clone() for c in caches]
-    run(ref, ref_caches, want)
-    got, got_caches = qkv.clone(), [c.clone() for c in caches]
-    run(got, got_caches, dd)
-    plain, plain_caches = qkv.clone(), [c.clone() for c in caches]
-    run(plain, plain_caches)
-    atol, rtol = tolerance(dtype)
-    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
-    for a, b in zip(got_caches, ref_caches):
-        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
-    assert torch.equal(got[2], plain[2])  # the row without an adapter
-    assert (got - plain).abs().max() > 0.05 and not torch.equal(got_caches[1], plain_caches[1])
-    with pytest.raises(ValueError, match="slice bounds"):  # a slice boundary inside a head
-        run(got, got_caches, _deferred_delta([56, 40, 32], slots, dtype, 3)[0])
-
-
-@pytest.mark.parametrize("device,dtype", [(DEVICE, dt) for dt in DTYPES])
-@pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_expands_a_deferred_o_proj_delta(device, dtype, residual):
-    """The post-attention norm given o_proj's shrink (a one-slice DeferredDelta) matches it given the delta
-    lora_delta_ref computes (y and the new residual); rows of slot -1 bit-equal to no delta; two slices refused."""
-    from moelora.kernels.norm_triton import rms_norm
-
-    g = torch.Generator().manual_seed(7 + residual)
-    slots = torch.tensor([1, -1, 0, 3, 3, 2, -1], dtype=torch.int32)
-    x, r = ((torch.randn(7, 96, generator=g) * s).to(device, dtype) for s in (3, 1))
-    w = (torch.rand(96, generator=g) + 0.5).to(device, dtype)
-    res = r if residual else None
-    dd, want = _deferred_delta([96], slots, dtype, 4)
-    y, r2 = rms_norm(x, w, 1e-6, res, delta=dd)
-    y_ref, r_ref = rms_norm(x, w, 1e-6, res, delta=want)
-    y0, r0 = rms_norm(x, w, 1e-6, res)
-    atol, rtol = tolerance(dtype)
-    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
-    if residual:
-        torch.testing.assert_close(r2, r_ref, atol=atol, rtol=rtol)
-    base = (slots < 0).to(device)
-    assert torch.equal(y[base], y0[base]) and (y - y0).abs().max() > 0.05
-    with pytest.raises(ValueError, match="slice bounds"):
-        rms_norm(x, w, 1e-6, res, delta=_deferred_delta([64, 32], slots, dtype, 4)[0])
-
-
-@contextlib.contextmanager
-def _expand(where: str):
-    before = _triton.dense_defer_expand()
-    _triton.set_dense_defer_expand(where)
-    try:
-        yield
-    finally:
-        _triton.set_dense_defer_expand(before)
-
-
 @contextlib.contextmanager
 def _defer(on: bool | str):
     before = _triton.dense_lora_defer()
@@ -268,13 +191,6 @@ def test_forward_deferred_is_forward_split_in_two(dtype):
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(y + delta, want, atol=atol, rtol=rtol)
     assert (want - y).abs().max() > 0.05  # the adapters are there
-    with torch.no_grad(), _defer(True), _expand("consumer"):
-        y_c, dd = lin.forward_deferred(x, lora, consumer_cols=OUTS[-1])
-        y_k, d_k = lin.forward_deferred(x, lora, consumer_cols=OUTS[-1] + 16)  # not on the slice bounds: the kernel
-    assert isinstance(dd, DeferredDelta) and torch.equal(y_c, y) and torch.equal(y_k, y) and torch.equal(d_k, delta)
-    torch.testing.assert_close(dd.materialize(dtype), delta, atol=atol, rtol=rtol)
-    with torch.no_grad(), _defer(True):
-        assert isinstance(lin.forward_deferred(x, lora, consumer_cols=OUTS[-1])[1], torch.Tensor)  # "kernel"
     wide = LoRALinear(H, [40, 24], bias=False, dtype=dtype, device=DEVICE)
     wide.enable_lora(max_loras=S, max_lora_rank=R)
     with torch.no_grad(), _defer(True):
@@ -288,8 +204,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.gpu
 @torch.no_grad()
 @pytest.mark.parametrize("quant,batch", [("fp8", 48), ("fp8", 160), (None, 48)])
-@pytest.mark.parametrize("expand", ["kernel", "consumer"])
-def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, expand):
+def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
     """A Qwen3-MoE at Qwen3-30B-A3B's attention dims (dummy weights, 2 layers, FP8 or bf16), a decode step of 48 /
     160 sequences over 4 adapters and base rows, deferred (the delta kernel runs twice a layer: qkv, o_proj) against
     the default dense path (on FP8 the GEMM's LoRA epilogue): rows without an adapter bit-equal, graph replay
@@ -298,8 +213,7 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, expand):
     and the GEMM then lora_expand: 0.06-0.07 measured). Why so wide on FP8: every FP8 GEMM re-quantizes its input
     to e4m3 (3 mantissa bits), so a 1-ulp bf16 change flips ~3% of an input row's roundings and moves the output
     by ~2%; two correct paths that round the LoRA sum differently land 6-7% apart in the logits (session 24,
-    scripts/diag_dense_lora_paths.py; session 23's consumer-expand test failed on exactly this). expand:
-    set_dense_defer_expand — "consumer": no delta kernel runs, qk_norm_rope and the norm expand h themselves."""
+    scripts/diag_dense_lora_paths.py; session 23's consumer-expand test failed on exactly this)."""
     if not ON_GPU or (quant and torch.cuda.get_device_capability() < (8, 9)):
         pytest.skip("needs a GPU (FP8: compute capability >= 8.9)")
     from helpers import attention_lora_decode_case
@@ -318,21 +232,14 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, expand):
             other = step().clone()  # the GEMM, then lora_expand (bf16: the default path itself)
         finally:
             fp8_triton.set_fp8_lora_epilogue(True)
-    from moelora.kernels import norm_triton
-
-    with _defer(True), _expand(expand):
-        with launch_records(ldt._lora_delta_kernel) as deltas, \
-                launch_records(norm_triton._rms_norm_kernel) as norms, \
-                launch_records(norm_triton._qk_norm_rope_kernel) as ropes:
+    with _defer(True):
+        with launch_records(ldt._lora_delta_kernel) as deltas:
             eager = step().clone()
         graph, out = captured_graph(step)
         graph.replay()
         torch.cuda.synchronize()
         replayed = out.clone()
-    layers = len(model.model.layers)
-    assert len(deltas) == (2 * layers if expand == "kernel" else 0)
-    expanding = [sum(bool(r.get("EXPAND")) for r in recs) for recs in (norms, ropes)]
-    assert expanding == ([0, 0] if expand == "kernel" else [layers, layers])
+    assert len(deltas) == 2 * len(model.model.layers)
     assert torch.equal(replayed, eager)
     assert torch.equal(eager[~ad], ref[~ad])  # rows without an adapter: not touched by the deferral
     got = _rel(eager[ad], ref[ad])
@@ -347,8 +254,7 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, expand):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("expand", ["kernel", "consumer"])
-def test_deferred_dense_lora_matches_peft_on_a_dequantized_fp8_checkpoint(tmp_path, expand):
+def test_deferred_dense_lora_matches_peft_on_a_dequantized_fp8_checkpoint(tmp_path):
     """The deferred path end to end against PEFT: an FP8 checkpoint whose qkv slices sit on the delta kernel's
     64-column tiles (2 heads of 64, 1 KV head: q 128, k 64, v 64), an adapter on q / v / o and the experts; prompt
     log-probabilities against transformers + PEFT on the dequantized weights, mean |d log p| < 0.02 (the bound of
@@ -367,17 +273,13 @@ def test_deferred_dense_lora_matches_peft_on_a_dequantized_fp8_checkpoint(tmp_pa
     ad = tmp(tmp_path, "ad")
     save_peft_adapter(base, ad, 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    from moelora.kernels import norm_triton
-
-    kernel = ldt._lora_delta_kernel if expand == "kernel" else norm_triton._rms_norm_kernel
-    with _defer("fp8"), _expand(expand):
+    with _defer("fp8"):
         run = Runner(fp8, max_loras=2, max_lora_rank=8, dtype="bfloat16", device="cuda")
         run.load("ad", ad)
         rows = rows_of(7, [8, 5, 13])
-        with launch_records(kernel) as launches:
+        with launch_records(ldt._lora_delta_kernel) as deltas:
             got_all = run.logprobs([(r, "ad") for r in rows])
-    # the deferred path ran: the delta kernel, or a norm expanding h (launch_records keeps the kernel's kwargs)
-    assert any(expand == "kernel" or rec.get("EXPAND") for rec in launches), "the deferred path did not run"
+    assert deltas, "the deferred path did not run"
     for ids, got in zip(rows, got_all):
         ref, base_ref = peft_logprobs(base, ad, ids), peft_logprobs(base, None, ids)
         assert (got - ref).abs().mean() < 0.02, (got - ref).abs().mean()

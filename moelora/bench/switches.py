@@ -76,8 +76,6 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_DENSE_DEFER_PDL": _bool_switch(_T, "set_dense_defer_pdl", "dense_defer_pdl"),
     "MOELORA_DENSE_DEFER_PRIORITY": (lambda v: _import(_T).set_dense_defer_priority(v),
                                      lambda: _import(_T).dense_defer_priority(), ("high", "normal")),
-    "MOELORA_DENSE_DEFER_EXPAND": (lambda v: _import(_T).set_dense_defer_expand(v),
-                                   lambda: _import(_T).dense_defer_expand(), ("kernel", "consumer")),
     "MOELORA_LORA_SHRINK_SPLITS": _shrink_splits(),
     "MOELORA_DENSE_DEFER_ORDER": (lambda v: _import(_T).set_dense_defer_order(v),
                                   lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial")),

@@ -13,8 +13,6 @@ mode-3 epilogue). With PDL (wait=True) everything up to B is loaded before the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, dot_precision, lora_even_r, require_triton
@@ -54,40 +52,6 @@ if HAS_TRITON:
         tl.store(d_ptr + rows[:, None] * sdm + offs_n[None, :] * sdo, acc.to(d_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])
 
-
-    @triton.jit
-    def lora_row_h(e_h, e_off, e_rank, e_scale, e_slot, t, col0, S, seh_i, seh_m, N_SLICES: tl.constexpr):
-        """The consumer-side expand's per-row part (set_dense_defer_expand "consumer"; DeferredDelta): for row t and
-        the slice i holding column col0: (its slot clamped to >= 0, the rank (0 for slot -1), the scaling, a pointer
-        to the row's h[0, i, t, :])."""
-        i = 0
-        for j in tl.static_range(1, N_SLICES):
-            i += (tl.load(e_off + j) <= col0).to(tl.int32)
-        slot = tl.load(e_slot + t)
-        slot_c = tl.maximum(slot, 0)
-        rank = tl.where(slot >= 0, tl.load(e_rank + i * S + slot_c), 0)
-        scale = tl.load(e_scale + i * S + slot_c)
-        return slot_c, rank, scale, e_h + i * seh_i + t * seh_m
-
-    @triton.jit
-    def lora_row_expand(e_b, hrow, slot_c, rank, scale, cols, mask, R, seh_s, seb_s, seb_o,
-                        SK: tl.constexpr, BR: tl.constexpr):
-        """One row's delta over columns cols [BLOCK] (mask: the real ones), fp32 before its one rounding, as
-        lora_delta computes it: scale * (h @ B[slot, cols, :].T), h the row's SK partials summed in order, 0 past
-        the rank, rounded to B's dtype (B rank-contiguous). In rank chunks of 16, so that one [BLOCK, 16] B tile
-        is live at a time (a 2,048-wide RMSNorm row: 64 KB of B)."""
-        acc = tl.zeros(cols.shape, dtype=tl.float32)
-        for r0 in tl.static_range(0, BR, 16):
-            offs_r = r0 + tl.arange(0, 16)
-            mask_r = offs_r < rank
-            hv = tl.load(hrow + offs_r, mask=mask_r, other=0.0)
-            for part in tl.static_range(1, SK):
-                hv += tl.load(hrow + part * seh_s + offs_r, mask=mask_r, other=0.0)
-            hb = hv.to(e_b.dtype.element_ty).to(tl.float32)
-            b = tl.load(e_b + slot_c.to(tl.int64) * seb_s + cols[:, None].to(tl.int64) * seb_o + offs_r[None, :],
-                        mask=mask[:, None] & (offs_r < R)[None, :], other=0.0)
-            acc += tl.sum(b.to(tl.float32) * hb[None, :], axis=1)
-        return acc * scale
 
 def delta_ok(slice_bounds: tuple[int, ...], num_groups: int) -> bool:
     """Whether lora_delta serves a layer: every slice boundary on a DELTA_BLOCK_N column tile boundary (a tile in one
@@ -142,42 +106,3 @@ def lora_delta_ref(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Te
     y = torch.zeros(hs.shape[1], b_cat.shape[1], dtype=torch.float32, device=h.device)
     lora_expand_ref(hs, b_cat, slice_offsets, ranks, scaling, groups, y)
     return y.to(dtype)
-
-
-@dataclass
-class DeferredDelta:
-    """A deferred dense LoRA delta left unexpanded (set_dense_defer_expand "consumer"): the shrink's partials and
-    what the expand needs, for the consumer kernel (qk_norm_rope, rms_norm) to expand each row itself as it loads
-    it (lora_row_h / lora_row_expand) — lora_delta's semantics, computed where it is added.
-    h: [split_k, n, T, R] fp32 (contiguous) · b_cat: [S, O, R] (rank dim contiguous) · slice_offsets: [n+1] int32
-    (slice_bounds the same on the host) · ranks, scaling: [n, S] · groups: the batch's slot groups."""
-
-    h: torch.Tensor
-    b_cat: torch.Tensor
-    slice_offsets: torch.Tensor
-    slice_bounds: tuple[int, ...]
-    ranks: torch.Tensor
-    scaling: torch.Tensor
-    groups: SlotGroups
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """[T, O]: the delta's shape once expanded."""
-        return self.h.shape[2], self.b_cat.shape[1]
-
-    def materialize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The delta [T, O] of dtype (lora_delta_ref), for a consumer that cannot expand it (the torch path)."""
-        return lora_delta_ref(self.h, self.b_cat, self.slice_offsets, self.ranks, self.scaling, self.groups, dtype)
-
-    def kernel_args(self, cols: int) -> dict:
-        """The consumer kernels' EXPAND arguments; cols: the consumer's column block (a head, a row), which must lie
-        in one slice (else ValueError)."""
-        if any(b % cols for b in self.slice_bounds) or self.h.stride(3) != 1 or self.b_cat.stride(2) != 1:
-            raise ValueError(f"DeferredDelta: slice bounds {list(self.slice_bounds)} must be multiples of the "
-                             f"consumer's {cols}-column block, h [split_k, n, T, R] and b_cat [S, O, R] rank-"
-                             f"contiguous; found h strides {self.h.stride()}, b_cat strides {self.b_cat.stride()}")
-        sk, n, _, R = self.h.shape
-        return dict(e_h=self.h, e_b=self.b_cat, e_off=self.slice_offsets, e_rank=self.ranks, e_scale=self.scaling,
-                    e_slot=self.groups.token_slots, e_S=self.b_cat.shape[0], e_R=R, seh_s=self.h.stride(0),
-                    seh_i=self.h.stride(1), seh_m=self.h.stride(2), seb_s=self.b_cat.stride(0),
-                    seb_o=self.b_cat.stride(1), E_SLICES=n, E_SK=sk, E_BR=16 * triton.cdiv(R, 16), EXPAND=True)

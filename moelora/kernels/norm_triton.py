@@ -10,14 +10,12 @@ from __future__ import annotations
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, producer_launch_dependents, require_triton
-from moelora.kernels.lora_delta_triton import DeferredDelta
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from moelora.kernels.fp8_triton import store_group_quant
-    from moelora.kernels.lora_delta_triton import lora_row_expand, lora_row_h
     from moelora.kernels.lora_triton import store_row_shrink
 
     @triton.jit
@@ -26,14 +24,9 @@ if HAS_TRITON:
                          LAUNCH_DEPENDENTS: tl.constexpr = False,
                          la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, S=0, sla_i=0, sla_s=0, sla_r=0,
                          slh_i=0, slh_m=0, LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4,
-                         d_ptr=None, sd=0, HAS_DELTA: tl.constexpr = False,
-                         e_h=None, e_b=None, e_off=None, e_rank=None, e_scale=None, e_slot=None, e_S=0, e_R=0, seh_s=0,
-                         seh_i=0, seh_m=0, seb_s=0, seb_o=0, E_SLICES: tl.constexpr = 1, E_SK: tl.constexpr = 1,
-                         E_BR: tl.constexpr = 16, EXPAND: tl.constexpr = False):
+                         d_ptr=None, sd=0, HAS_DELTA: tl.constexpr = False):
         # HAS_DELTA (set_dense_lora_defer): the LoRA delta d [rows, D] of the layer that produced x (o_proj) added to
         # x first, rounded once: x = x + d, then the residual add
-        # EXPAND (set_dense_defer_expand "consumer"): the same delta, expanded here from the shrink's h
-        # (lora_delta_triton.DeferredDelta; the row one slice)
         # LORA_R > 0 (set_lora_norm_shrink): program (row, i) also writes the next LoRA layer's shrink of slice i,
         # h[i, row, :LORA_R] = y_row @ A[i, slot, :, :].T (0 past the slot's rank, and for rows of slot -1), from
         # the rounded y the layer reads; only the programs of slice 0 store y, the residual and the quantization
@@ -49,11 +42,6 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0)
         if HAS_DELTA:
             x = (x.to(tl.float32) + tl.load(d_ptr + row * sd + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        if EXPAND:
-            e_sc, e_rk, e_scale_t, e_hrow = lora_row_h(e_h, e_off, e_rank, e_scale, e_slot, row, 0, e_S, seh_i, seh_m,
-                                                       E_SLICES)
-            dd = lora_row_expand(e_b, e_hrow, e_sc, e_rk, e_scale_t, offs, mask, e_R, seh_s, seb_s, seb_o, E_SK, E_BR)
-            x = (x.to(tl.float32) + dd.to(x.dtype).to(tl.float32)).to(x.dtype)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(r_ptr + row * sr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
             if stores:
@@ -81,27 +69,15 @@ if HAS_TRITON:
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
                              v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, sc_slot, sc_h,
                              HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-                             d_ptr=None, sdt=0, HAS_DELTA: tl.constexpr = False,
-                             e_h=None, e_b=None, e_off=None, e_rank=None, e_scale=None, e_slot=None, e_S=0, e_R=0, seh_s=0,
-                             seh_i=0, seh_m=0, seb_s=0, seb_o=0, E_SLICES: tl.constexpr = 1, E_SK: tl.constexpr = 1,
-                             E_BR: tl.constexpr = 16, EXPAND: tl.constexpr = False):
+                             d_ptr=None, sdt=0, HAS_DELTA: tl.constexpr = False):
         # HAS_DELTA (set_dense_lora_defer): qkv_proj's LoRA delta d [T, (Hq + 2 Hkv) * D] (the qkv layout: head h of
         # the q, k, v heads in that order at columns h * D) added to each head as it is loaded, rounded once
-        # EXPAND (set_dense_defer_expand "consumer"): the same delta expanded here per head from the shrink's h
-        # (lora_delta_triton.DeferredDelta; every head inside one slice)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs = tl.arange(0, BLOCK_H)
         mask = offs < HALF
         if HAS_DELTA:
             d_head = d_ptr + t * sdt + h * (2 * HALF)
-        if EXPAND:  # this head's delta, both halves, rounded to the dtype as lora_delta stores it
-            e_sc, e_rk, e_scale_t, e_hrow = lora_row_h(e_h, e_off, e_rank, e_scale, e_slot, t, h * (2 * HALF), e_S,
-                                                       seh_i, seh_m, E_SLICES)
-            e_c1 = h * (2 * HALF) + offs
-            dd1 = lora_row_expand(e_b, e_hrow, e_sc, e_rk, e_scale_t, e_c1, mask, e_R, seh_s, seb_s, seb_o, E_SK, E_BR)
-            dd2 = lora_row_expand(e_b, e_hrow, e_sc, e_rk, e_scale_t, e_c1 + HALF, mask, e_R, seh_s, seb_s, seb_o,
-                                  E_SK, E_BR)
         if WRITE_KV:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             wmask = mask & ((offs * 0 + slot) >= 0)  # a row of slot -1 is not written
@@ -115,9 +91,6 @@ if HAS_TRITON:
                     v1 = (v1.to(tl.float32) + tl.load(d_head + offs, mask=mask, other=0.0).to(tl.float32)).to(v1.dtype)
                     v2 = (v2.to(tl.float32) + tl.load(d_head + HALF + offs, mask=mask, other=0.0).to(tl.float32)).to(
                         v2.dtype)
-                if EXPAND:
-                    v1 = (v1.to(tl.float32) + dd1.to(v1.dtype).to(tl.float32)).to(v1.dtype)
-                    v2 = (v2.to(tl.float32) + dd2.to(v2.dtype).to(tl.float32)).to(v2.dtype)
                 tl.store(dst + offs, v1.to(vc_ptr.dtype.element_ty), mask=wmask)
                 tl.store(dst + HALF + offs, v2.to(vc_ptr.dtype.element_ty), mask=wmask)
                 return
@@ -133,9 +106,6 @@ if HAS_TRITON:
         if HAS_DELTA:
             x1 = (x1.to(tl.float32) + tl.load(d_head + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
             x2 = (x2.to(tl.float32) + tl.load(d_head + HALF + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
-        if EXPAND:
-            x1 = (x1.to(tl.float32) + dd1.to(dt).to(tl.float32)).to(dt)
-            x2 = (x2.to(tl.float32) + dd2.to(dt).to(tl.float32)).to(dt)
         if NORM:  # per-head RMSNorm over both halves, as rms_norm_ref
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
@@ -163,7 +133,7 @@ if HAS_TRITON:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quant_group: int | None = None,
              lora_shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             delta: "torch.Tensor | DeferredDelta | None" = None,
+             delta: torch.Tensor | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Semantics (rms_norm_ref, with an optional LoRA delta and residual add first):
         if delta is not None: x = (x + delta)                       # in x.dtype (the producing layer's output)
@@ -178,7 +148,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     token_slots[t] >= 0; every other entry of h 0), in the same launch (one program per row and slice), attached
     to y (attach_lora_h: that layer reads it instead of launching its shrink). h: [1, n, rows, R] fp32.
     delta: [..., D] like x (last dim contiguous), the deferred LoRA delta of the layer that produced x
-    (set_dense_lora_defer); or a lora_delta_triton.DeferredDelta of [rows, D] (one slice), expanded per row here.
+    (set_dense_lora_defer).
     """
     require_triton()
     from moelora.kernels.fp8_triton import act_quant_buffers, act_quant_ok, attach_act_quant
@@ -210,14 +180,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                     sla_r=a.stride(2), slh_i=h.stride(1), slh_m=h.stride(2), LORA_R=R, LORA_CHUNK=chunk)
         if R % chunk:
             raise ValueError(f"rms_norm: lora_shrink rank {R} is not a multiple of {chunk}")
-    warps = {}
-    if isinstance(delta, DeferredDelta):
-        if tuple(delta.shape) != (rows, D):
-            raise ValueError(f"rms_norm: the deferred delta must be [{rows}, {D}] like x, found {list(delta.shape)}")
-        lora.update(delta.kernel_args(D))
-        # the expand holds a [BLOCK, 16] B tile: at most 64 fp32 values of it a thread
-        warps = dict(num_warps=max(4, min(16, block * 16 // (32 * 64))))
-    elif delta is not None:
+    if delta is not None:
         d2 = delta.reshape(-1, delta.shape[-1])
         if tuple(d2.shape) != (rows, D) or d2.stride(-1) != 1:
             raise ValueError(f"rms_norm: delta must be [{rows}, {D}] like x with a contiguous last dim, found "
@@ -227,7 +190,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(rows, n)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
                                     ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
                                     BLOCK=block, QUANT_GROUP=quant_group if quant else 0,
-                                    **producer_launch_dependents(x.device), **lora, **warps)
+                                    **producer_launch_dependents(x.device), **lora)
     out = y.view(x.shape)
     if quant and x.dim() == 2:
         attach_act_quant(out, q, qs, quant_group)
@@ -250,7 +213,7 @@ def attached_lora_h(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                  eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
                  kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 delta: "torch.Tensor | DeferredDelta | None" = None) -> None:
+                 delta: torch.Tensor | None = None) -> None:
     """In place, per token t and head h (neox rotary on the two halves), as rms_norm_ref then apply_rotary_ref:
         if delta: q[t, h] = q[t, h] + delta_q[t, h] ; k, v likewise   (in the dtype; qkv_proj's deferred LoRA delta)
         if weights: q[t, h] = rms_norm(q[t, h], q_weight) ; k[t, h] = rms_norm(k[t, h], k_weight)
@@ -262,8 +225,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     q_weight, k_weight: [D] or both None · inv_freq: [D/2] fp32
     v: [T, Hkv, D] (last dim contiguous) · k_cache, v_cache: [NB, BS, Hkv, D] contiguous · slot_mapping: [T] int
     delta: [T, (Hq + 2 Hkv) * D] (q, k, v heads side by side, the qkv output's layout; last dim contiguous), only
-    with kv_write (v gets its delta on the cache write: the v passed in is left as it is); or a
-    lora_delta_triton.DeferredDelta of that shape (slice bounds on head boundaries), expanded per head here
+    with kv_write (v gets its delta on the cache write: the v passed in is left as it is)
     """
     require_triton()
     T, Hq, D = q.shape
@@ -286,13 +248,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     else:
         kv_args = (q, q, q, positions, 0, 0, 0, 0)
     extra = {}
-    if isinstance(delta, DeferredDelta):
-        want_d = (T, (Hq + 2 * Hkv) * D)
-        if kv_write is None or tuple(delta.shape) != want_d:
-            raise ValueError(f"qk_norm_rope: the deferred delta must be {list(want_d)} and come with kv_write, found "
-                             f"{list(delta.shape)}, kv_write {'given' if kv_write is not None else 'None'}")
-        extra = delta.kernel_args(D)
-    elif delta is not None:
+    if delta is not None:
         want_d = (T, (Hq + 2 * Hkv) * D)
         if kv_write is None or tuple(delta.shape) != want_d or delta.stride(1) != 1:
             raise ValueError(f"qk_norm_rope: delta must be {list(want_d)} with a contiguous last dim and come with "

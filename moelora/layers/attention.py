@@ -76,7 +76,7 @@ class Attention(nn.Module):
         qkv_delta = None
         if self._fused_rope_kv(x, attn) and self.qk_norm != "full" and self.clip_qkv is None:
             # set_dense_lora_defer: the LoRA delta beside the base GEMM, added by qk_norm_rope below (else None)
-            qkv, qkv_delta = self.qkv_proj.forward_deferred(x, lora, consumer_cols=self.head_dim)
+            qkv, qkv_delta = self.qkv_proj.forward_deferred(x, lora)
         else:
             qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -125,8 +125,7 @@ class Attention(nn.Module):
 
                 attach_act_quant(o_in, *o_fp8, q.shape[2])
             if self.o_proj_delta_to_norm and not self.o_proj._forward_hooks:  # (a hook: e.g. tp's all-reduce)
-                # set_dense_lora_defer, else (o_proj(...), None); the norm expands a one-slice delta itself
-                y, delta = self.o_proj.forward_deferred(o_in, lora, consumer_cols=sum(self.o_proj.out_features))
+                y, delta = self.o_proj.forward_deferred(o_in, lora)  # set_dense_lora_defer, else (o_proj(...), None)
                 if delta is not None:
                     attach_lora_delta(y, delta)  # the decoder layer's post-attention norm adds it
                 return y

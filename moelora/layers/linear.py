@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +13,6 @@ from moelora.kernels._triton import HAS_TRITON, dense_lora_overlap, fused_dense_
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused_decode
 from moelora.layers.lora import LoRAWeights, lora_active, lora_runs
-
-if TYPE_CHECKING:
-    from moelora.kernels.lora_delta_triton import DeferredDelta
 
 
 # The single-adapter path (plain matmuls on the slot: ~12 small launches for qkv) on a GPU only from this many
@@ -165,38 +161,27 @@ class LoRALinear(nn.Module):
             return False
         return delta_ok(tuple(self.lora.slice_offsets_host), lora.groups.active_slots.shape[0])
 
-    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None,
-                         consumer_cols: int = 0) -> tuple[torch.Tensor, "torch.Tensor | DeferredDelta | None"]:
+    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): where defer_ok, y = base(x) [T, sum(O)] and delta [T, sum(O)] in x's dtype, the LoRA delta
         (lora_delta: every row written, 0 for rows without an adapter) for the caller's next kernel to add, rounded
         once: y + delta is forward(x, lora) up to that one rounding. On a GPU the shrink and the delta kernel run on
         the side stream beside the base GEMM and the main stream waits for them before this returns (later work
-        may read delta). Elsewhere (forward(x, lora), None).
-        consumer_cols: the caller's next kernel can expand the delta itself in blocks of this many columns (a head
-        for qk_norm_rope, the row for rms_norm; 0: it cannot): with set_dense_defer_expand "consumer" and every
-        slice bound a multiple of it, delta is a DeferredDelta (the shrink's h; only the shrink runs beside y)."""
+        may read delta). Elsewhere (forward(x, lora), None)."""
         if not self.defer_ok(x, lora):
             return self.forward(x, lora), None
-        from moelora.kernels._triton import dense_defer_expand
-        from moelora.kernels.lora_delta_triton import DeferredDelta, lora_delta
+        from moelora.kernels.lora_delta_triton import lora_delta
         from moelora.kernels.lora_triton import lora_shrink
 
         lora_active(self.lora, lora)  # counted as forward counts it
         w = self.lora
         h = dense_lora_h(w, x)
+        delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
         g = lora.groups
-        bounds = tuple(w.slice_offsets_host)
-        if dense_defer_expand() == "consumer" and consumer_cols > 0 and all(b % consumer_cols == 0 for b in bounds):
-            delta = DeferredDelta(h, w.b_cat, w.slice_offsets, bounds, w.rank_tensor, w.scaling, g)
-        else:
-            delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
 
         def chain(pdl: bool) -> None:
-            expand = not isinstance(delta, DeferredDelta)
-            lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl and expand)
-            if expand:
-                lora_delta(h, w.b_cat, w.slice_offsets, bounds, w.rank_tensor, w.scaling, g.token_slots,
-                           g.active_slots, delta, wait=pdl)
+            lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl)
+            lora_delta(h, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
+                       g.token_slots, g.active_slots, delta, wait=pdl)
 
         if not x.is_cuda:  # the interpreter (tests): one stream
             chain(False)

@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group,
                             lora_shrink=_shrink_args(lora_next, x, lora), delta=delta)
         if delta is not None:
-            x = x + (delta if isinstance(delta, torch.Tensor) else delta.materialize(x.dtype))
+            x = x + delta
         r = x + residual
         return rms_norm_ref(r, self.weight, self.eps), r
 
