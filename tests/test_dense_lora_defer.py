@@ -232,14 +232,19 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
             other = step().clone()  # the GEMM, then lora_expand (bf16: the default path itself)
         finally:
             fp8_triton.set_fp8_lora_epilogue(True)
+    from moelora.kernels import lora_triton
+    from moelora.layers.linear import DEFER_SHRINK_MAX_SPLITS
+
     with _defer(True):
-        with launch_records(ldt._lora_delta_kernel) as deltas:
+        with launch_records(ldt._lora_delta_kernel) as deltas, launch_records(lora_triton._shrink_kernel) as shrinks:
             eager = step().clone()
         graph, out = captured_graph(step)
         graph.replay()
         torch.cuda.synchronize()
         replayed = out.clone()
     assert len(deltas) == 2 * len(model.model.layers)
+    # the deferred shrinks split K DEFER_SHRINK_MAX_SPLITS ways (8 elsewhere at these widths)
+    assert [r["SPLIT_K"] for r in shrinks] == [DEFER_SHRINK_MAX_SPLITS] * len(deltas)
     assert torch.equal(replayed, eager)
     assert torch.equal(eager[~ad], ref[~ad])  # rows without an adapter: not touched by the deferral
     got = _rel(eager[ad], ref[ad])

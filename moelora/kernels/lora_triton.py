@@ -264,10 +264,14 @@ def lora_shrink_splits(num_tokens: int, H: int) -> int:
     return max(1, min(8, H // (_block_k(H) * 4)))
 
 
-def lora_shrink_buffer(n: int, num_tokens: int, R: int, H: int, device: torch.device | str) -> torch.Tensor:
+def lora_shrink_buffer(n: int, num_tokens: int, R: int, H: int, device: torch.device | str,
+                       max_splits: int = 0) -> torch.Tensor:
     """The shrink's output for lora_shrink / lora_expand: [split_k, n, T, R] fp32, uninitialised (every entry the
-    expand reads is written by the shrink; split_k = lora_shrink_splits on a GPU, 1 elsewhere)."""
+    expand reads is written by the shrink; split_k = lora_shrink_splits on a GPU, 1 elsewhere). max_splits > 0:
+    at most that many, unless set_lora_shrink_config forces the splits (the shrink takes split_k from the buffer)."""
     splits = lora_shrink_splits(num_tokens, H) if torch.device(device).type == "cuda" else 1
+    if max_splits > 0 and not _SHRINK_CONFIG[0]:
+        splits = min(splits, max_splits)
     return torch.empty(splits, n, num_tokens, R, dtype=torch.float32, device=device)
 
 

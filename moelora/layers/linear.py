@@ -42,12 +42,20 @@ def single_slot_path(lora: LoRABatch, num_tokens: int, on_gpu: bool) -> bool:
     return not on_gpu or num_tokens >= _SINGLE_SLOT["min_tokens"]
 
 
-def dense_lora_h(w: LoRAWeights, x: torch.Tensor) -> torch.Tensor:
+# The deferred dense LoRA's shrink (LoRALinear.forward_deferred) splits K at most this many ways, not 8: half the
+# programs beside the base GEMM, which they slow down by sharing its SMs. Session 25 (fp8 128/128 batch 64, one A/B
+# process each, MOELORA_LORA_SHRINK_SPLITS=4 against 8): +0.2% / +0.3% (call 2) and +0.4% / +0.4% (call 3, two
+# rounds) with 4 / 8 adapters; the o_proj GEMM 14.1 -> 11.8 µs beside a shrink of 6.0 -> 8.8. 2 splits lost 1.4%.
+DEFER_SHRINK_MAX_SPLITS = 4
+
+
+def dense_lora_h(w: LoRAWeights, x: torch.Tensor, max_splits: int = 0) -> torch.Tensor:
     """The shrink's buffer for x [T, H]: [split_k, n_slices, T, max_lora_rank] fp32, uninitialised (the shrink
-    writes every entry the expand reads; split_k > 1 on a GPU at decode sizes: partial sums, added by the expand)."""
+    writes every entry the expand reads; split_k > 1 on a GPU at decode sizes: partial sums, added by the expand;
+    at most max_splits when > 0)."""
     from moelora.kernels.lora_triton import lora_shrink_buffer
 
-    return lora_shrink_buffer(w.num_slices, x.shape[0], w.max_lora_rank, x.shape[1], x.device)
+    return lora_shrink_buffer(w.num_slices, x.shape[0], w.max_lora_rank, x.shape[1], x.device, max_splits)
 
 
 def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor,
@@ -174,7 +182,7 @@ class LoRALinear(nn.Module):
 
         lora_active(self.lora, lora)  # counted as forward counts it
         w = self.lora
-        h = dense_lora_h(w, x)
+        h = dense_lora_h(w, x, DEFER_SHRINK_MAX_SPLITS)
         delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
         g = lora.groups
 
