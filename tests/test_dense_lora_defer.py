@@ -243,8 +243,8 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
         torch.cuda.synchronize()
         replayed = out.clone()
     assert len(deltas) == 2 * len(model.model.layers)
-    # the deferred shrinks split K DEFER_SHRINK_MAX_SPLITS ways (8 elsewhere at these widths)
-    assert [r["SPLIT_K"] for r in shrinks] == [DEFER_SHRINK_MAX_SPLITS] * len(deltas)
+    # the deferred shrinks split K DEFER_SHRINK_MAX_SPLITS ways; the dense MLP's (not deferred) 8 and 1 (H 2048, 128)
+    assert [r["SPLIT_K"] for r in shrinks].count(DEFER_SHRINK_MAX_SPLITS) == len(deltas), shrinks
     assert torch.equal(replayed, eager)
     assert torch.equal(eager[~ad], ref[~ad])  # rows without an adapter: not touched by the deferral
     got = _rel(eager[ad], ref[ad])
