@@ -141,6 +141,13 @@ r = compile_sm90(_qk_norm_rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_
                  dict(HALF=64, BLOCK_H=64, NORM=True, WRITE_KV=True, HAS_DELTA=True), num_warps=4)
 assert "griddepcontrol.wait" in d.asm["ptx"] and "mma" in d.asm["ptx"]
 print("ok dense LoRA deferred: delta kernel, norm and qk_norm_rope adding it")
+# MOELORA_LORA_DELTA_TILE=64x128: the delta kernel's widest tile tried (180 registers, 34 KB shared, no spill)
+d = compile_sm90(_lora_delta_kernel, {"h_ptr": "*fp32", "b_ptr": "*bf16", "d_ptr": "*bf16", "off_ptr": "*i32",
+                                      "ranks_ptr": "*i32", "scale_ptr": "*fp32", "slots_ptr": "*i32", "act_ptr": "*i32"},
+                 dict(N_SLICES=3, SK=4, BR=16, G=8, BLOCK_M=64, BLOCK_N=128, PRECISION=None, EVEN_R=True, WAIT=False),
+                 num_warps=4)
+assert "mma" in d.asm["ptx"]
+print("ok delta kernel with a 64 x 128 tile")
 for grouped, block_m, split_k, decode, row_div in [(True, 16, 1, 0, 1), (False, 64, 4, 1, 1), (True, 16, 1, 2, 8)]:
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
             "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}

@@ -346,7 +346,7 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     # sessions 24-25's switches of their own values
     want = {"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal",
             "MOELORA_DENSE_DEFER_ORDER": "gemm",
-            "MOELORA_LORA_SHRINK_SPLITS": "2"}
+            "MOELORA_LORA_SHRINK_SPLITS": "2", "MOELORA_LORA_DELTA_TILE": "64x128"}
     names = list(want)
     before = switches.current(names)
     assert before != want

@@ -73,6 +73,36 @@ def test_lora_delta_matches_reference_and_writes_every_row(popularity, num_token
         assert delta[lora_rows].abs().max() > 0.01  # the adapters are there
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", [(64, 128), (16, 256), (32, 64)])
+def test_lora_delta_tile_changes_no_result(tile, dtype):
+    """set_lora_delta_tile: a forced row / column tile gives lora_delta_ref's delta (every row written, rows of slot
+    -1 exactly 0); the wide column tile is taken only where every slice boundary is a multiple of it."""
+    from moelora.kernels import lora_delta_triton as ldt
+
+    outs = [256, 128, 128]
+    gen = torch.Generator().manual_seed(sum(tile))
+    b, ranks, scaling, off = _factors(dtype, gen, outs=outs)
+    slots = token_slots("with_base_rows", 40, S, gen)
+    groups = SlotGroups.build(slots, S, DEVICE)
+    h = torch.randn(2, len(outs), 40, R, generator=gen).to(DEVICE)
+    off_t = torch.tensor(off, dtype=torch.int32, device=DEVICE)
+    before = ldt.lora_delta_tile()
+    try:
+        ldt.set_lora_delta_tile(*tile)
+        assert ldt._block_n(tuple(off)) == (tile[1] if tile[1] <= 128 else ldt.DELTA_BLOCK_N)  # 384 % 256 != 0
+        delta = torch.full((40, sum(outs)), float("nan"), dtype=dtype, device=DEVICE)
+        lora_delta(h, b, off_t, tuple(off), ranks, scaling, groups.token_slots, groups.active_slots, delta)
+    finally:
+        ldt.set_lora_delta_tile(*before)
+    want = lora_delta_ref(h, b, off_t, ranks, scaling, groups, dtype)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(delta, want, atol=atol, rtol=rtol)
+    assert (delta[(slots < 0).to(DEVICE)] == 0).all() and delta.abs().max() > 0.01
+    with pytest.raises(ValueError, match="block_n"):
+        ldt.set_lora_delta_tile(32, 96)
+
+
 def test_lora_delta_refuses_layers_it_cannot_serve():
     assert delta_ok((0, 128, 192, 256), 4) and not delta_ok((0, 40, 64), 4)
     assert not delta_ok((0, 128), DELTA_MAX_GROUPS + 1) and not delta_ok((0, 128), 0)

@@ -63,6 +63,18 @@ def _shrink_splits() -> Switch:
     return set_, get, ("0", "1", "2", "4", "8")
 
 
+def _delta_tile() -> Switch:
+    def set_(value: str) -> None:
+        bm, bn = (int(v) for v in value.split("x"))
+        _import("moelora.kernels.lora_delta_triton").set_lora_delta_tile(bm, bn)
+
+    def get() -> str:
+        bm, bn = _import("moelora.kernels.lora_delta_triton").lora_delta_tile()
+        return f"{bm}x{bn}"
+
+    return set_, get, ("0x0", "32x64", "64x64", "32x128", "64x128", "64x256")
+
+
 _T = "moelora.kernels._triton"
 # env name -> (set from the env string, current value as an env string, accepted values); each one is read when
 # graphs are captured
@@ -77,6 +89,7 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_DENSE_DEFER_PRIORITY": (lambda v: _import(_T).set_dense_defer_priority(v),
                                      lambda: _import(_T).dense_defer_priority(), ("high", "normal")),
     "MOELORA_LORA_SHRINK_SPLITS": _shrink_splits(),
+    "MOELORA_LORA_DELTA_TILE": _delta_tile(),
     "MOELORA_DENSE_DEFER_ORDER": (lambda v: _import(_T).set_dense_defer_order(v),
                                   lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial")),
     "MOELORA_LORA_EVEN_R": _bool_switch(_T, "set_lora_even_r", "lora_even_r"),

@@ -13,6 +13,8 @@ mode-3 epilogue). With PDL (wait=True) everything up to B is loaded before the s
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, dot_precision, lora_even_r, require_triton
@@ -59,8 +61,48 @@ def delta_ok(slice_bounds: tuple[int, ...], num_groups: int) -> bool:
     return 0 < num_groups <= DELTA_MAX_GROUPS and all(o % DELTA_BLOCK_N == 0 for o in slice_bounds[1:-1])
 
 
+def _env_tile() -> list[int]:
+    raw = os.environ.get("MOELORA_LORA_DELTA_TILE", "") or "0x0"
+    try:
+        bm, bn = (int(v) for v in raw.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"MOELORA_LORA_DELTA_TILE must be MxN (e.g. 64x128; 0 for a default), got {raw!r}") from None
+    _check_tile(bm, bn)
+    return [bm, bn]
+
+
+def _check_tile(block_m: int, block_n: int) -> None:
+    if block_m not in (0, 16, 32, 64) or block_n not in (0, 64, 128, 256):
+        raise ValueError(f"lora_delta tile: block_m 0, 16, 32 or 64 and block_n 0, 64, 128 or 256; got "
+                         f"{block_m}x{block_n}")
+
+
+_TILE = _env_tile()
+
+
+def set_lora_delta_tile(block_m: int = 0, block_n: int = 0) -> None:
+    """lora_delta's tile (MOELORA_LORA_DELTA_TILE=MxN; 0: the default of each, rows by the batch (_block_m) and
+    DELTA_BLOCK_N columns). A wider column tile is taken only where every slice boundary is a multiple of it (else
+    DELTA_BLOCK_N): fewer programs beside the base GEMM, which they slow by sharing its SMs (session 25). The same
+    sums; CUDA graphs keep what they captured. Not measured yet."""
+    _check_tile(block_m, block_n)
+    _TILE[0], _TILE[1] = int(block_m), int(block_n)
+
+
+def lora_delta_tile() -> tuple[int, int]:
+    """set_lora_delta_tile's (block_m, block_n); 0 = the default."""
+    return _TILE[0], _TILE[1]
+
+
 def _block_m(T: int) -> int:
+    if _TILE[0]:
+        return _TILE[0]
     return 16 if T <= 16 else (32 if T <= 128 else 64)
+
+
+def _block_n(slice_bounds: tuple[int, ...]) -> int:
+    wide = _TILE[1]
+    return wide if wide and all(o % wide == 0 for o in slice_bounds[1:-1]) else DELTA_BLOCK_N
 
 
 def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, slice_bounds: tuple[int, ...],
@@ -87,13 +129,13 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
         raise ValueError(f"lora_delta: needs slice bounds on multiples of {DELTA_BLOCK_N} and 1..{DELTA_MAX_GROUPS} slot "
                          f"groups, found bounds {list(slice_bounds)} and {L} groups (use lora_expand)")
     br = max(16, triton.next_power_of_2(R))
-    bm = _block_m(T)
+    bm, bn = _block_m(T), _block_n(slice_bounds)
     if T:
-        _lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(O, DELTA_BLOCK_N))](
+        _lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(O, bn))](
             h, b_cat, delta, slice_offsets, ranks, scaling, token_slots, active_slots, T, O, S, L,
             h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
             delta.stride(0), delta.stride(1),
-            N_SLICES=n, SK=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_N=DELTA_BLOCK_N,
+            N_SLICES=n, SK=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_N=bn,
             PRECISION=dot_precision(b_cat.dtype), EVEN_R=lora_even_r() and R == br, WAIT=wait,
             **({"launch_pdl": True} if wait else {}))
 
