@@ -131,6 +131,16 @@ def test_floor_of_a_sharded_run_is_its_busiest_rank():
     assert floor_of("attention") == expect(1, 3, 2) - pair_lora
     assert floor_of("experts") == expect(1, 3, 2) - dense_lora
 
+    # --expert-lora-layout shared-a: a slot whose up slice reads the gate's A (LoRAWeights.a_src) counts one A a pair
+    gu = SimpleNamespace(a_src_host=[[0, 0], [0, 1]])  # slot 0 shared, slot 1 not
+    layer.mlp.experts = SimpleNamespace(gate_up_lora=gu)
+    try:
+        assert floor_of("all") == expect(1, 3, 2) - 4 * 2 * r * H  # two pairs of slot 0, one A [r, H] each less
+        gu.a_src_host = [[0, 0], [1, 0]]  # slot 1 shared: the batch's slot 0 is not
+        assert floor_of("all") == expect(1, 3, 2)
+    finally:
+        del layer.mlp.experts
+
 
 def _tiny_decode(tmp_path, *extra: str) -> tuple[argparse.Namespace, list[dict]]:
     """bench decode on the tiny model, batch 2, 0 and 1 adapters, the vllm workload, plus `extra` options:
@@ -142,6 +152,39 @@ def _tiny_decode(tmp_path, *extra: str) -> tuple[argparse.Namespace, list[dict]]
                          "--out", str(tmp_path)])
     assert decode.run(args) == 0
     return args, json.loads(next(tmp_path.glob("decode-*.json")).read_text())["rows"]
+
+
+def test_bench_decode_shared_a_layout(tmp_path):
+    """--expert-lora-layout shared-a: the random adapters' routed-expert up_proj takes its gate_proj's A (one
+    tensor), recorded in the JSON head; the engine then names the gate's copy for the up slice (LoRAWeights.a_src)."""
+    from moelora.layers.lora import LoRAWeights
+
+    seen = []
+    real = LoRAWeights._share_a
+
+    def spy(self, i, slot):
+        real(self, i, slot)
+        seen.append(self.a_src_host[1][slot] if self.num_slices == 2 else None)
+
+    LoRAWeights._share_a = spy
+    try:
+        args, rows = _tiny_decode(tmp_path, "--expert-lora-layout", "shared-a")
+    finally:
+        LoRAWeights._share_a = real
+    head = json.loads(next(tmp_path.glob("decode-*.json")).read_text())
+    assert head["expert_lora_layout"] == "shared-a" and rows[1]["adapters"] == 1
+    assert 0 in seen  # an up slice written after its gate named the gate's A
+    from types import SimpleNamespace
+
+    t = SimpleNamespace(num_experts=4, in_features=8, out_features=6)
+    names = [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+    targets = {n: t for n in names} | {"model.layers.0.self_attn.q_proj": SimpleNamespace(num_experts=None,
+                                                                                         in_features=8, out_features=8)}
+    for shared in (True, False):
+        ad = decode.random_adapter("x", targets, 4, 0, "cpu", torch.float32, shared)
+        ups = [k for k in ad.modules if k.endswith("experts.up_proj")]
+        same = [ad.modules[k].a is ad.modules[k.replace("up_proj", "gate_proj")].a for k in ups]
+        assert len(ups) == 2 and same == [shared] * 2
 
 
 def test_bench_decode_lora_targets(tmp_path, capsys):
@@ -346,7 +389,7 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     # sessions 24-25's switches of their own values
     want = {"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal",
             "MOELORA_DENSE_DEFER_ORDER": "gemm",
-            "MOELORA_LORA_SHRINK_SPLITS": "2", "MOELORA_LORA_DELTA_TILE": "64x128"}
+            "MOELORA_LORA_SHRINK_SPLITS": "2", "MOELORA_LORA_DELTA_TILE": "64x128", "MOELORA_LORA_SHARED_A": "1"}
     names = list(want)
     before = switches.current(names)
     assert before != want

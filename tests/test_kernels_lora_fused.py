@@ -158,6 +158,66 @@ def test_moe_fused_gate_and_up_use_their_own_a():
     assert not torch.equal(y_both[:, I:], c["y0"][:, I:])
 
 
+@pytest.mark.parametrize("store", [False, True])
+def test_moe_fused_reads_a_from_the_slice_a_src_names(store):
+    """a_src [n, S]: slice 1 (up) of the slots it names reads slice 0's A. With up's A set equal to gate's
+    (the shared-A layout) the result is bit-equal to reading its own copy; with up's own copy then spoiled (NaN)
+    where a_src points away from it, still the same — the kernel does not touch that copy — while the slots that
+    keep their own A see the NaN."""
+    gen = torch.Generator().manual_seed(31)
+    c = _moe_case("gate_up", "distinct", 9, DTYPES[0], gen)
+    ranks = c["ranks"].clone()
+    ranks[1] = ranks[0]  # shared A: equal ranks, equal factors
+    a = c["a"].clone()
+    a[1] = a[0]
+    c = dict(c, a=a, ranks=ranks)
+    a_src = torch.tensor([[0] * S, [0, 0, 1, 0]], dtype=torch.int32, device=DEVICE)  # slot 2 reads its own
+    own, named = c["y0"].clone(), c["y0"].clone()
+    _moe_call(moe_lora_fused, c, own, store=store)
+    _moe_call(moe_lora_fused, c, named, store=store, a_src=a_src)
+    assert torch.equal(named, own)
+    spoiled = a.clone()
+    spoiled[1] = float("nan")
+    got = c["y0"].clone()
+    _moe_call(moe_lora_fused, dict(c, a=spoiled), got, store=store, a_src=a_src)
+    rows = (c["slots"] >= 0) & (c["slots"] != 2) & (ranks[1][c["slots"].clamp(min=0).long()] > 0)
+    rows = rows.repeat_interleave(K)
+    assert rows.any() and torch.equal(got[rows], own[rows])
+    two = (c["slots"] == 2).repeat_interleave(K)
+    if two.any() and ranks[1, 2] > 0:
+        assert got[two][:, I:].isnan().all()
+    with pytest.raises(ValueError, match="a_src must be"):
+        _moe_call(moe_lora_fused, c, got, a_src=a_src.long())
+
+
+def test_lora_weights_name_a_shared_a():
+    """LoRAWeights.a_src: set where gate and up of a slot get the same A (either order), back to each slice's own
+    when either is rewritten with another A or cleared; dense weights never share."""
+    from moelora.layers.lora import LoRAWeights
+
+    g = torch.Generator().manual_seed(3)
+    w = LoRAWeights(H, [I, I], max_loras=S, max_lora_rank=16, num_experts=E)
+    a, b = torch.randn(E, 8, H, generator=g), torch.randn(E, I, 8, generator=g)
+    w.set_slot(0, 1, a, b, 2.0)
+    w.set_slot(1, 1, a, b, 2.0)
+    w.set_slot(1, 2, a, b, 2.0)  # up first, then gate: found too
+    w.set_slot(0, 2, a.clone(), b, 2.0)
+    w.set_slot(0, 3, a, b, 2.0)
+    w.set_slot(1, 3, a * 2, b, 2.0)  # another A
+    assert w.a_src.tolist() == [[0, 0, 0, 0], [1, 0, 0, 1]] and w.a_src_host == w.a_src.tolist()
+    w.set_slot(0, 1, a * 3, b, 2.0)  # gate rewritten: up reads its own again
+    w.clear(0, 2)
+    assert w.a_src.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]] and w.a_src_host == w.a_src.tolist()
+    w.set_slot(1, 1, a * 3, b * 5, 1.0)  # the same A again, another B and scaling: shared
+    assert w.a_src[1, 1] == 0
+    w.set_slot(1, 1, a[:, :4] * 3, b[:, :, :4], 1.0)  # rank 4 against 8: not shared
+    assert w.a_src[1, 1] == 1
+    dense = LoRAWeights(H, [I, I], max_loras=S, max_lora_rank=16)
+    dense.set_slot(0, 0, a[0], b[0], 2.0)
+    dense.set_slot(1, 0, a[0], b[0], 2.0)
+    assert dense.a_src.tolist() == [[0] * S, [1] * S]
+
+
 @pytest.mark.parametrize("R", [32, 64])
 def test_moe_fused_larger_ranks(R):
     """Max rank 32/64 (rank tile and input/output tiles change), per-slot ranks below it and 0."""
@@ -591,3 +651,38 @@ def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, mon
     expect = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
     torch.testing.assert_close(out, expect)  # bf16 tolerances: stale routing or slots would differ by far more
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() > 1e-1  # new inputs, new result
+
+
+@pytest.mark.gpu
+def test_gpu_shared_a_switch_reads_one_copy_and_changes_nothing(tmp_path):
+    """set_lora_shared_a on a GPU: a PEFT target_parameters adapter (gate and up share A) on a tiny Qwen3-MoE; the
+    fused kernel launches with a_src and the prompt log-probabilities are bit-equal to the switch off (the copy it
+    names holds the same values), and differ from no adapter."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU")
+    from helpers import Runner, rows_of, save_peft_adapter, save_tiny_model, tmp
+    from test_fp8_gpu import launch_records
+
+    from moelora.kernels import _triton
+    from moelora.kernels import moe_lora_fused_triton as mlf
+
+    base = save_tiny_model("qwen3_moe", tmp(tmp_path, "m"))
+    ad = tmp(tmp_path, "ad")
+    save_peft_adapter(base, ad, 1, r=8, lora_alpha=16, target_modules=["q_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    run = Runner(tmp(tmp_path, "m"), max_loras=2, max_lora_rank=16, dtype="bfloat16", device="cuda")
+    run.load("ad", ad)
+    rows = [(r, "ad") for r in rows_of(5, [3, 1, 1])] + [(rows_of(6, [2])[0], None)]
+    outs = {}
+    before = _triton.lora_shared_a()
+    try:
+        for on in (False, True):
+            _triton.set_lora_shared_a(on)
+            with launch_records(mlf._moe_lora_fused_kernel) as recs:
+                outs[on] = run.logprobs(rows)
+            assert recs and all(bool(r.get("HAS_A_SRC")) == on for r in recs)
+    finally:
+        _triton.set_lora_shared_a(before)
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    plain = run.logprobs([(ids, None) for ids, _ in rows[:1]])[0]
+    assert (outs[True][0] - plain).abs().max() > 1e-2

@@ -77,6 +77,12 @@ def test_adapters_cover_expected_modules(fam):
     assert all(m.rank == 16 for m in gate)
     if family in ("qwen3_moe", "olmoe"):
         assert gate
+    # target_parameters on the fused gate_up: gate and up share A, so the up slice names the gate's copy
+    # (LoRAWeights.a_src: the fused GPU kernel reads one copy); c has no gate_up, so each slice its own
+    gate_up = [t.weights for k, t in runner.targets.items() if k.endswith("experts.up_proj")]
+    assert gate_up
+    sa, sc = runner.pool.slot_of("a"), runner.pool.slot_of("c")
+    assert all(w.a_src_host[1][sa] == 0 and w.a_src_host[1][sc] == 1 for w in gate_up)
 
 
 def test_single_adapter_batch_uses_its_own_slot(fam):

@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what the adapters adapt, a comma list swept in order: all (q/k/v/o and every expert's "
                         "gate/up/down), attention (q/k/v/o only), experts (the routed experts only); the cases with "
                         "adapters run once per entry, the floor counting only the factors adapted (default all)")
+    p.add_argument("--expert-lora-layout", default="separate", choices=["separate", "shared-a"],
+                   help="the routed experts' gate / up factors of the random adapters: separate (own A each, as "
+                        "per-expert gate_proj / up_proj modules give) or shared-a (one A for both, as PEFT's "
+                        "target_parameters on fused gate_up experts gives: transformers 5's Qwen3-MoE, OLMoE, ...); "
+                        "the floor counts a shared A once (default separate)")
     p.add_argument("--workloads", default="vllm,ctx1024", help="vllm (128 in / 128 out) and/or ctx1024")
     p.add_argument("--decode-steps", type=int, default=32, help="steps timed per ctx1024 case (default 32)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | fp8 | nvfp4 (fp8, nvfp4: bf16 activations "
@@ -124,8 +129,10 @@ def adapter_name(i: int, which: str) -> str:
     return f"ad{i}" if which == "all" else f"ad{i}-{which}"
 
 
-def random_adapter(name: str, targets, rank: int, seed: int, device, dtype) -> LoRAAdapter:
-    """Random LoRA factors on every target (dense: A [r, in], B [out, r]; experts: [E, r, in], [E, out, r])."""
+def random_adapter(name: str, targets, rank: int, seed: int, device, dtype, shared_gate_up_a: bool = False
+                   ) -> LoRAAdapter:
+    """Random LoRA factors on every target (dense: A [r, in], B [out, r]; experts: [E, r, in], [E, out, r]).
+    shared_gate_up_a: each routed-expert up_proj takes its gate_proj's A (PEFT's target_parameters layout)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     mods = {}
     for tname, t in targets.items():
@@ -133,13 +140,23 @@ def random_adapter(name: str, targets, rank: int, seed: int, device, dtype) -> L
         a = torch.randn(*e, rank, t.in_features, generator=gen, device=device, dtype=dtype) * t.in_features**-0.5
         b = torch.randn(*e, t.out_features, rank, generator=gen, device=device, dtype=dtype) * 0.01
         mods[tname] = ModuleLoRA(a, b, 2.0)
+    if shared_gate_up_a:
+        for tname, m in mods.items():
+            gate = tname[: -len("up_proj")] + "gate_proj" if tname.endswith("experts.up_proj") else None
+            if gate in mods:
+                m.a = mods[gate].a
     return LoRAAdapter(name=name, path="<memory>", modules=mods)
 
 
-def _host_random_adapter(name: str, targets, rank: int, seed: int, device, dtype) -> LoRAAdapter:
+def _host_random_adapter(name: str, targets, rank: int, seed: int, device, dtype,
+                         shared_gate_up_a: bool = False) -> LoRAAdapter:
     """random_adapter drawn on `device` (fast; drawing a 1.3 GB adapter with the CPU's randn took minutes
-    beside a worker) and returned in host memory, like any registered adapter."""
-    ad = random_adapter(name, targets, rank, seed, device, dtype)
+    beside a worker) and returned in host memory, like any registered adapter (a shared A stays one tensor)."""
+    ad = random_adapter(name, targets, rank, seed, device, dtype, shared_gate_up_a)
+    if shared_gate_up_a:
+        host: dict[int, torch.Tensor] = {}
+        return LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(host.setdefault(id(m.a), m.a.cpu()), m.b.cpu(), m.scaling)
+                                              for k, m in ad.modules.items()})
     return LoRAAdapter(ad.name, ad.path, {k: ModuleLoRA(m.a.cpu(), m.b.cpu(), m.scaling) for k, m in ad.modules.items()})
 
 
@@ -184,12 +201,17 @@ def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int, lora_targets: str = "all
         touched.append(int(experts.numel()))
         common += E * H * el  # router (replicated)
         pairs = {(int(s), int(e)) for s, row in zip(slots.tolist(), ids.tolist()) if s >= 0 and routed for e in row}
+        gu = getattr(getattr(mlp, "experts", None), "gate_up_lora", None)
+        # slots whose up slice reads the gate's A (LoRAWeights.a_src: the same A, e.g. PEFT's target_parameters)
+        shared = set() if gu is None else {s for s, src in enumerate(gu.a_src_host[1]) if src == 0}
         for g in range(ep):
             lo, hi = g * E // ep, (g + 1) * E // ep
             mine = int(((experts >= lo) & (experts < hi)).sum())
             per_ep[g] += mine * 3 * H * I * wel  # gate, up, down of its touched experts
-            # gate/up A [r, H] and down B [H, r] whole, gate/up B and down A at I/tp, per (adapter, expert) pair
-            per_ep[g] += sum(lo <= e < hi for _, e in pairs) * r * (2 * H + 2 * I + I + H) * el
+            # gate/up A [r, H] (one when shared) and down B [H, r] whole, gate/up B and down A at I/tp, per
+            # (adapter, expert) pair
+            per_ep[g] += sum(r * ((1 if s in shared else 2) * H + 2 * I + I + H) * el
+                             for s, e in pairs if lo <= e < hi)
     common += -(-cfg.vocab_size // tp) * H * el  # lm_head (vocabulary-parallel)
     common += n * ctx_len * cfg.num_hidden_layers * 2 * kvs * el  # KV read
     return int(common + max(per_ep)), touched
@@ -365,7 +387,7 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
             # drawn on the device (fast), kept on the host like any registered adapter: the KV cache took the
             # GPU memory budget, and the slots hold what the batches use (loaded during prefill, untimed)
             host = _host_random_adapter(adapter_name(i, which), target_subset(targets, which), args.lora_rank, i,
-                                        dev, dt)
+                                        dev, dt, args.expert_lora_layout == "shared-a")
             if parallel:  # every rank loads it from disk (the workers take adapters by path) and keeps its shard
                 engine.load_adapter(host.name, _write_peft_adapter(engine, host, args.lora_rank))
             else:
@@ -379,7 +401,7 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
             "adapter_bytes": adapter_bytes, "graphs": engine.runner.graphs is not None,
             "memory_plan_gib": plan.as_gib() if plan else None,
             "tensor_parallel_size": engine.args.tensor_parallel_size,
-            "expert_parallel_size": engine.args.expert_parallel_size}
+            "expert_parallel_size": engine.args.expert_parallel_size, "expert_lora_layout": args.expert_lora_layout}
     if parallel:
         head["floor_note"] = ("the floor of a sharded run: the bytes of the rank that reads the most (its shard of "
                               "attention, dense LoRA and lm_head, its KV heads, its own touched experts and their "

@@ -74,9 +74,9 @@ def floor_bytes_from_tensors(engine, reqs, ctx_len: int) -> tuple[int, list[int]
         total += used.numel() * (_nbytes(experts.gate_up_proj[0]) + _nbytes(experts.down_proj[0]))
         pairs = {(s, int(e)) for s, row in zip(slots, ids.tolist()) if s >= 0 for e in row}
         for w in (experts.gate_up_lora, experts.down_lora):
-            if w is not None:
+            if w is not None:  # an A another slice's copy stands for (LoRAWeights.a_src) is read once
                 el = w.a.element_size()
-                total += sum(w.ranks[i][s] * (w.in_features + w.out_features[i]) * el
+                total += sum(w.ranks[i][s] * (w.in_features * (w.a_src_host[i][s] == i) + w.out_features[i]) * el
                              for s, _ in pairs for i in range(w.num_slices))
     total += _nbytes(m.model.embed_tokens.weight if m.lm_head is None else m.lm_head)
     return total, touched

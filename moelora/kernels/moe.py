@@ -31,6 +31,8 @@ class ExpertLoRAArgs:
     down_ranks: torch.Tensor
     gate_up_offsets: torch.Tensor | None = None  # [3] int32 (0, I, 2I) on the device; made here when None
     down_offsets: torch.Tensor | None = None  # [2] int32 (0, H)
+    # [2, S] int32 (LoRAWeights.a_src): the slice whose A copy the fused kernel reads; None: each its own
+    gate_up_a_src: torch.Tensor | None = None
 
 
 def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -181,12 +183,13 @@ def fused_moe_pairs(
         """(y, delta): y = base GEMM of one projection [P, O] with its LoRA delta added, delta None; or, when
         overlapping on the fast path, y the base GEMM alone and delta its LoRA delta [P, O] fp32, for the
         consumer (activation or combine) to add (rounded once, as y.add_(delta)). parts = (a, b, offsets,
-        ranks, scaling, slice width) or None. The delta runs on the side stream when overlapping."""
+        ranks, scaling, slice width, a_src or None) or None. The delta runs on the side stream when overlapping."""
         y_in = inp if per_pair or fast is not None else inp[pair_tok]  # the Triton GEMM reads x[p // K] itself
         if parts is None:
             return gemm(y_in, w), None
-        a, b, offs, ranks, scaling, width = parts
+        a, b, offs, ranks, scaling, width, a_src = parts
         n, R = a.shape[0], a.shape[3]
+        src = {} if a_src is None else {"a_src": a_src}  # the fused kernels only (the values are the same)
         if offs is None:
             offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
         h = None if fused is not None else torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
@@ -199,7 +202,7 @@ def fused_moe_pairs(
         if not overlap and delta_dtype == torch.float32:
             y = gemm(y_in, w)
             if fused is not None:
-                fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair)
+                fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, y, per_pair, **src)
             else:
                 h.zero_()
                 shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
@@ -214,7 +217,8 @@ def fused_moe_pairs(
         main = fork(side_stream) if overlap else None
         with torch.cuda.stream(side_stream) if overlap else contextlib.nullcontext():
             if fused is not None:  # store mode writes every entry of delta: no zero-fill, no h
-                fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, per_pair, store=True)
+                fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, per_pair, store=True,
+                      **src)
             else:
                 delta.zero_()
                 h.zero_()
@@ -228,13 +232,14 @@ def fused_moe_pairs(
         return y, delta  # the fast path's activation / combine kernel adds it (same rounding, no extra pass)
 
     gu_parts = None if lora is None else (
-        lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks, lora.gate_up_scaling, inter)
+        lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks, lora.gate_up_scaling, inter,
+        lora.gate_up_a_src)
     gu, gu_delta = project(x, w_gate_up, False, gu_parts)  # [P, 2I], LoRA delta before the activation
     # [P, I], computed in fp32 and rounded once on both paths (as silu_and_mul): a quantized down projection
     # re-quantizes it, and a bf16 rounding difference there flips FP8 roundings (~1% apart at Qwen3 shapes)
     act = fast.act(gu, activation, gu_delta) if fast is not None else act_and_mul(gu, activation)
     d_parts = None if lora is None else (
-        lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H)
+        lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H, None)
     o, o_delta = project(act, w_down, True, d_parts)  # [P, H]
     if fast is not None:
         return fast.combine(o, topk_weights, o_delta)

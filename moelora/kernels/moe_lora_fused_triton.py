@@ -117,6 +117,7 @@ if HAS_TRITON:
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
         D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
+        asrc_ptr=None, HAS_A_SRC: tl.constexpr = False,
     ):
         p = tl.program_id(0)
         i = tl.program_id(1)
@@ -141,7 +142,11 @@ if HAS_TRITON:
             offs_d = tl.arange(0, BLOCK_D)
             # h = x_row @ A[i, s, e, :rank].T, fp32, the whole input dim in this program (store mode with rank 0:
             # no iteration, h = 0, the tiles below are written with zeros)
-            a_base = a_ptr + i.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
+            # HAS_A_SRC: read A from slice a_src[i, s], which holds the same values (an adapter whose gate and up
+            # share A, as PEFT's target_parameters on fused experts: the up programs read the gate's copy, which
+            # the gate programs of the same pair read too — from L2 — instead of a second copy from HBM)
+            i_a = tl.load(asrc_ptr + i * S + slot_c) if HAS_A_SRC else i
+            a_base = a_ptr + i_a.to(tl.int64) * sa_i + slot_c.to(tl.int64) * sa_s + e * sa_e
             acc_h = tl.zeros((BLOCK_R,), dtype=tl.float32)
             d_end = tl.where(rank > 0, D, 0)
             for d0 in tl.range(0, d_end, BLOCK_D, num_stages=D_STAGES):  # D_STAGES > 1: A and x tiles prefetched
@@ -222,6 +227,7 @@ def moe_lora_fused(
     store: bool = False,
     split_n: int | None = None,
     num_warps: int | None = None,
+    a_src: torch.Tensor | None = None,
 ) -> None:
     """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
     Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
@@ -239,6 +245,8 @@ def moe_lora_fused(
     pair_weights: [T*K] or None · store: write the delta (y may be an uninitialised fp32 buffer)
     split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
     num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
+    a_src: [n, S] int32 or None: slice i of slot s reads A from slice a_src[i, s] (LoRAWeights.a_src: set only
+    where the two copies are equal, so the results are the same; fewer distinct bytes read)
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
@@ -250,6 +258,9 @@ def moe_lora_fused(
     d_stages, e_stages = fused_stages(warps)
     w = pair_weights if pair_weights is not None else scaling
     n, S, D = a.shape[0], a.shape[1], a.shape[4]
+    if a_src is not None and (tuple(a_src.shape) != (n, S) or a_src.dtype != torch.int32 or not a_src.is_contiguous()):
+        raise ValueError(f"moe_lora_fused: a_src must be a contiguous int32 [{n}, {S}] (the slice each (slice, slot) "
+                         f"reads A from), found {a_src.dtype} {tuple(a_src.shape)}")
     _moe_lora_fused_kernel[(P, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
@@ -257,6 +268,7 @@ def moe_lora_fused(
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=d_stages, E_STAGES=e_stages,
         EVEN_R=e_stages > 1 and a.shape[3] == block_r, num_warps=warps,
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
+        **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
     )
 
 
@@ -287,9 +299,11 @@ def moe_lora_fused_ref(
     store: bool = False,
     split_n: int | None = None,
     num_warps: int | None = None,
+    a_src: torch.Tensor | None = None,
 ) -> None:
     """Reference of moe_lora_fused (same semantics and shapes): moe_lora_shrink_ref into a zeroed fp32 h,
-    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored."""
+    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored;
+    a_src ignored too (it only names an equal copy of A)."""
     T, K = topk_ids.shape
     n, R = a.shape[0], a.shape[3]
     h = torch.zeros(T * K, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]

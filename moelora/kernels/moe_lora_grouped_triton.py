@@ -301,7 +301,7 @@ def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tens
     box: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights=None,
-                store=False):
+                store=False, a_src=None):  # a_src: unused (it names an equal copy; each group reads A once anyway)
         if not box:
             box.append(grouped_align(ids, slots, E, a.shape[1]))
         moe_lora_grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights,

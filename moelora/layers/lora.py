@@ -45,6 +45,11 @@ class LoRAWeights(nn.Module):
         self.register_buffer("scaling", torch.zeros(n, max_loras, dtype=torch.float32, device=device))
         self.register_buffer("rank_tensor", torch.zeros(n, max_loras, dtype=torch.int32, device=device))
         self.ranks: list[list[int]] = [[0] * max_loras for _ in range(n)]
+        # a_src[i, s]: the slice whose A copy equals slice i's for slot s (i itself unless an earlier slice holds the
+        # same A: routed experts only, e.g. gate and up of a PEFT target_parameters adapter, which share A). Every
+        # slice keeps its own copy too; moe_lora_fused reads the named one (fewer distinct bytes, same values)
+        self.register_buffer("a_src", torch.arange(n, dtype=torch.int32, device=device)[:, None].repeat(1, max_loras))
+        self.a_src_host: list[list[int]] = [[i] * max_loras for i in range(n)]
         self.shard: LoRAShard | None = None  # set when the owning layer is split over ranks (moelora.distributed)
 
     def full_dims(self, slice_idx: int) -> tuple[int, int, int | None]:
@@ -78,10 +83,31 @@ class LoRAWeights(nn.Module):
         self.scaling[slice_idx, slot] = scaling
         self.rank_tensor[slice_idx, slot] = r
         self.ranks[slice_idx][slot] = r
+        if self.num_experts is not None:
+            self._share_a(slice_idx, slot)
+
+    def _share_a(self, i: int, slot: int) -> None:
+        """After slice i of `slot` was written: where another slice of the slot holds the same A (the whole buffer
+        row: equal ranks, zeros past them in both), the later of the two reads the earlier's copy (a_src), in
+        whichever order the slices were written."""
+        for j in range(self.num_slices):
+            if j == i or self.ranks[j][slot] != self.ranks[i][slot] or self.a_src_host[j][slot] != j:
+                continue
+            if not torch.equal(self.a[j, slot], self.a[i, slot]):
+                continue
+            src, dst = min(i, j), max(i, j)
+            self.a_src[dst, slot] = src
+            self.a_src_host[dst][slot] = src
+            return
 
     @torch.no_grad()
     def clear(self, slice_idx: int, slot: int) -> None:
         LORA_SLOT_WRITES[0] += 1
+        # this slice reads its own A again, and so does any slice that read this one's copy
+        for k in range(self.num_slices):
+            if self.a_src_host[k][slot] != k and (k == slice_idx or self.a_src_host[k][slot] == slice_idx):
+                self.a_src[k, slot] = k
+                self.a_src_host[k][slot] = k
         self.a[slice_idx, slot].zero_()
         self.b[slice_idx][slot].zero_()
         self.scaling[slice_idx, slot] = 0.0

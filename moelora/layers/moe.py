@@ -8,6 +8,7 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
+from moelora.kernels._triton import lora_shared_a
 from moelora.kernels.fused_moe_triton import route_topk, routing_kernel_ok
 from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
 from moelora.kernels.streams import fork, join, side_stream
@@ -57,6 +58,7 @@ class RoutedExperts(nn.Module):
                 gate_up_a=gu.a, gate_up_b=gu.b_cat, gate_up_scaling=gu.scaling, gate_up_ranks=gu.rank_tensor,
                 down_a=d.a, down_b=d.b_cat, down_scaling=d.scaling, down_ranks=d.rank_tensor,
                 gate_up_offsets=gu.slice_offsets, down_offsets=d.slice_offsets,
+                gate_up_a_src=gu.a_src if lora_shared_a() else None,  # set_lora_shared_a: one copy of a shared A
             )
         if self.quant is not None:
             return self.quant.experts(self, x, topk_weights, topk_ids, args)
