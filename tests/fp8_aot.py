@@ -169,7 +169,7 @@ ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "ids_ptr", "slots_ptr", "sor
 ptrs.update(x_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", y_ptr="*fp32", scale_ptr="*fp32", w_ptr="*fp32")
 for block_d, store in [(128, True), (256, False)]:
     consts = dict(sxd=1, sa_d=1, sb_r=1, syo=1, X_PER_PAIR=store, HAS_W=store, STORE=store, SPLIT_HV=True,
-                  BLOCK_M=16, BLOCK_R=16, BLOCK_D=block_d, BLOCK_N=128, SPLIT_N=1, PRECISION=None)
+                  BLOCK_M=16, BLOCK_R=16, BLOCK_D=block_d, BLOCK_N=128, SPLIT_N=1, PRECISION=None, HAS_A_SRC=False)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     div = [n for n in names if n.endswith("_ptr")] + ["D", "sxm", "sa_i", "sa_s", "sa_e", "sa_r", "sb_s", "sb_e",
                                                       "sb_o", "syp"]
@@ -182,6 +182,10 @@ for block_d, store in [(128, True), (256, False)]:
 consts.update(EVEN_R=True)
 ptx = compile_sm90(_moe_lora_grouped_kernel, ptrs, consts, div16=div, num_warps=4, num_stages=3).asm["ptx"]
 assert "mma" in ptx and "ld.global.b16" not in ptx
+consts.update(HAS_A_SRC=True)  # MOELORA_LORA_SHARED_A: A read from the slice a_src names
+ptx = compile_sm90(_moe_lora_grouped_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4,
+                   num_stages=3).asm["ptx"]
+assert "mma" in ptx and "cp.async" in ptx
 print("ok grouped lora")
 # the per-pair fused routed-expert LoRA kernel (the decode default), its shrink loop pipelined (D_STAGES 3: the A and
 # x tiles copied ahead through shared memory)

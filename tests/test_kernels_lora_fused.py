@@ -160,10 +160,14 @@ def test_moe_fused_gate_and_up_use_their_own_a():
 
 @pytest.mark.parametrize("store", [False, True])
 def test_moe_fused_reads_a_from_the_slice_a_src_names(store):
+    check_reads_a_through_a_src(moe_lora_fused, store)
+
+
+def check_reads_a_through_a_src(fn, store: bool) -> None:
     """a_src [n, S]: slice 1 (up) of the slots it names reads slice 0's A. With up's A set equal to gate's
     (the shared-A layout) the result is bit-equal to reading its own copy; with up's own copy then spoiled (NaN)
     where a_src points away from it, still the same — the kernel does not touch that copy — while the slots that
-    keep their own A see the NaN."""
+    keep their own A see the NaN. (fn: moe_lora_fused, or the grouped kernel: test_kernels_moe_lora_grouped.py)"""
     gen = torch.Generator().manual_seed(31)
     c = _moe_case("gate_up", "distinct", 9, DTYPES[0], gen)
     ranks = c["ranks"].clone()
@@ -173,13 +177,13 @@ def test_moe_fused_reads_a_from_the_slice_a_src_names(store):
     c = dict(c, a=a, ranks=ranks)
     a_src = torch.tensor([[0] * S, [0, 0, 1, 0]], dtype=torch.int32, device=DEVICE)  # slot 2 reads its own
     own, named = c["y0"].clone(), c["y0"].clone()
-    _moe_call(moe_lora_fused, c, own, store=store)
-    _moe_call(moe_lora_fused, c, named, store=store, a_src=a_src)
+    _moe_call(fn, c, own, store=store)
+    _moe_call(fn, c, named, store=store, a_src=a_src)
     assert torch.equal(named, own)
     spoiled = a.clone()
     spoiled[1] = float("nan")
     got = c["y0"].clone()
-    _moe_call(moe_lora_fused, dict(c, a=spoiled), got, store=store, a_src=a_src)
+    _moe_call(fn, dict(c, a=spoiled), got, store=store, a_src=a_src)
     rows = (c["slots"] >= 0) & (c["slots"] != 2) & (ranks[1][c["slots"].clamp(min=0).long()] > 0)
     rows = rows.repeat_interleave(K)
     assert rows.any() and torch.equal(got[rows], own[rows])
@@ -187,7 +191,7 @@ def test_moe_fused_reads_a_from_the_slice_a_src_names(store):
     if two.any() and ranks[1, 2] > 0:
         assert got[two][:, I:].isnan().all()
     with pytest.raises(ValueError, match="a_src must be"):
-        _moe_call(moe_lora_fused, c, got, a_src=a_src.long())
+        _moe_call(fn, c, got, a_src=a_src.long())
 
 
 def test_lora_weights_name_a_shared_a():

@@ -12,7 +12,7 @@ from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, tolerance
 from moelora.kernels import moe_lora_grouped_triton as mg
 from moelora.kernels._triton import grouped_lora, set_fused_lora, set_grouped_lora, fused_lora
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
-from test_kernels_lora_fused import E, K, _moe_call, _moe_case, _moe_layer, _untouched_checks
+from test_kernels_lora_fused import E, K, _moe_call, _moe_case, _moe_layer, _untouched_checks, check_reads_a_through_a_src
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,6 +107,11 @@ def test_grouped_leaves_expert_minus_one_pairs_untouched():
     d = torch.full(c["y0"].shape, float("nan"), device=DEVICE)
     _grouped(c, d, store=True)
     assert d[rows].isnan().all() and not d[~rows].isnan().any()
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_grouped_reads_a_from_the_slice_a_src_names(store):
+    check_reads_a_through_a_src(mg.moe_lora_grouped, store)
 
 
 @pytest.mark.parametrize("site", ["gate_up", "down"])

@@ -144,8 +144,9 @@ _LORA_SHARED_A = [os.environ.get("MOELORA_LORA_SHARED_A", "0") == "1"]
 def set_lora_shared_a(enabled: bool) -> None:
     """Routed-expert gate / up slices that hold the same A (LoRAWeights.a_src: e.g. PEFT's target_parameters on
     fused gate_up experts, transformers 5's Qwen3-MoE layout) read one copy of it in the fused decode kernel
-    (MOELORA_LORA_SHARED_A=1): the up programs read the gate's copy, which the gate programs of the same pair read
-    too (from L2), so HBM sees that A once instead of twice (a quarter of a rank-16 Qwen3-30B-A3B pair's bytes).
+    (MOELORA_LORA_SHARED_A=1) and the grouped one: the up programs read the gate's copy, which the gate programs of
+    the same pair (group) read too, from L2, so HBM sees that A once instead of twice (a quarter of a rank-16
+    Qwen3-30B-A3B pair's bytes).
     Off by default until measured on a GPU (bench decode --expert-lora-layout shared-a); the values read are the
     same either way, so are the results. CUDA graphs keep what they captured: set it before."""
     _LORA_SHARED_A[0] = bool(enabled)

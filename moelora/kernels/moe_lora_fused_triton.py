@@ -258,9 +258,7 @@ def moe_lora_fused(
     d_stages, e_stages = fused_stages(warps)
     w = pair_weights if pair_weights is not None else scaling
     n, S, D = a.shape[0], a.shape[1], a.shape[4]
-    if a_src is not None and (tuple(a_src.shape) != (n, S) or a_src.dtype != torch.int32 or not a_src.is_contiguous()):
-        raise ValueError(f"moe_lora_fused: a_src must be a contiguous int32 [{n}, {S}] (the slice each (slice, slot) "
-                         f"reads A from), found {a_src.dtype} {tuple(a_src.shape)}")
+    check_a_src(a_src, n, S, "moe_lora_fused")
     _moe_lora_fused_kernel[(P, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
@@ -270,6 +268,13 @@ def moe_lora_fused(
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
         **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
     )
+
+
+def check_a_src(a_src: torch.Tensor | None, n: int, S: int, who: str) -> None:
+    """a_src must be None or a contiguous int32 [n, S] (the slice each (slice, slot) reads A from)."""
+    if a_src is not None and (tuple(a_src.shape) != (n, S) or a_src.dtype != torch.int32 or not a_src.is_contiguous()):
+        raise ValueError(f"{who}: a_src must be a contiguous int32 [{n}, {S}] (the slice each (slice, slot) reads A "
+                         f"from), found {a_src.dtype} {tuple(a_src.shape)}")
 
 
 def fused_launch(a: torch.Tensor, b_cat: torch.Tensor, P: int, split_n: int | None = None,

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, lora_even_r, require_triton
-from moelora.kernels.moe_lora_fused_triton import fused_split_n
+from moelora.kernels.moe_lora_fused_triton import check_a_src, fused_split_n
 from moelora.kernels.moe_lora_triton import _a_strides, _b_strides
 
 GROUPED_BLOCK_M = 16  # pairs per block: tl.dot's smallest M; decode groups hold 1-8 pairs
@@ -59,6 +59,7 @@ if HAS_TRITON:
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr, SPLIT_HV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr, PRECISION: tl.constexpr, EVEN_R: tl.constexpr = False,
+        asrc_ptr=None, HAS_A_SRC: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         i = tl.program_id(1)
@@ -89,7 +90,8 @@ if HAS_TRITON:
         mask_r = offs_r < rank
         offs_d = tl.arange(0, BLOCK_D)
         # h = X[rows] @ A[i, s, e, :rank].T (store mode with rank 0: no iteration, h = 0, zeros written below)
-        a_base = a_ptr + i.to(tl.int64) * sa_i + slot.to(tl.int64) * sa_s + e * sa_e
+        i_a = tl.load(asrc_ptr + i * S + slot) if HAS_A_SRC else i  # an equal copy of A (moe_lora_fused's a_src)
+        a_base = a_ptr + i_a.to(tl.int64) * sa_i + slot.to(tl.int64) * sa_s + e * sa_e
         acc_h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         d_end = tl.where(rank > 0, D, 0)
         for d0 in range(0, d_end, BLOCK_D):
@@ -219,6 +221,7 @@ def moe_lora_grouped(
     align: tuple[torch.Tensor, torch.Tensor] | None = None,
     split_n: int | None = None,
     config: GroupedConfig | None = None,
+    a_src: torch.Tensor | None = None,
 ) -> None:
     """moe_lora_fused's semantics (shrink + expand of every slice, one launch), with A and B read once per
     (slot, expert) group instead of once per pair:
@@ -236,6 +239,7 @@ def moe_lora_grouped(
     align: grouped_align(topk_ids, token_slots, num_experts, S) (made here when None; pass it to share one
     per layer) · split_n: output splits per (block, slice), None = from the launch size · config: launch
     parameters (None: grouped_config()). Needs grouped_ok(T * K, num_experts, S).
+    a_src: [n, S] int32 or None: as moe_lora_fused's (slice i of slot s reads the equal A copy of slice a_src[i, s])
     h and the delta are fp32, the delta is rounded once to y's dtype.
     """
     require_triton()
@@ -248,6 +252,7 @@ def moe_lora_grouped(
     if not grouped_ok(P, num_experts, S):
         raise ValueError(f"moe_lora_grouped: {P} pairs over {S} x {num_experts} (slot, expert) groups is past "
                          "the one-program alignment; use moe_lora_fused")
+    check_a_src(a_src, n, S, "moe_lora_grouped")
     sorted_ids, bvex = align if align is not None else grouped_align(topk_ids, token_slots, num_experts, S)
     block_m = GROUPED_BLOCK_M
     if sorted_ids.shape[0] != bvex.shape[0] * block_m:
@@ -272,6 +277,7 @@ def moe_lora_grouped(
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split,
         PRECISION="ieee" if f32 else None, EVEN_R=lora_even_r() and R == block_r,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
     )
 
 
@@ -301,10 +307,10 @@ def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tens
     box: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights=None,
-                store=False, a_src=None):  # a_src: unused (it names an equal copy; each group reads A once anyway)
+                store=False, a_src=None):
         if not box:
             box.append(grouped_align(ids, slots, E, a.shape[1]))
         moe_lora_grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights,
-                         store=store, align=box[0])
+                         store=store, align=box[0], a_src=a_src)
 
     return grouped
