@@ -45,9 +45,10 @@ class LoRAWeights(nn.Module):
         self.register_buffer("scaling", torch.zeros(n, max_loras, dtype=torch.float32, device=device))
         self.register_buffer("rank_tensor", torch.zeros(n, max_loras, dtype=torch.int32, device=device))
         self.ranks: list[list[int]] = [[0] * max_loras for _ in range(n)]
-        # a_src[i, s]: the slice whose A copy equals slice i's for slot s (i itself unless an earlier slice holds the
-        # same A: routed experts only, e.g. gate and up of a PEFT target_parameters adapter, which share A). Every
-        # slice keeps its own copy too; moe_lora_fused reads the named one (fewer distinct bytes, same values)
+        # a_src[i, s]: the slice whose A copy equals slice i's for slot s (i itself unless another slice holds the
+        # same A: routed experts only, e.g. gate and up of a PEFT target_parameters adapter, which share A; the later
+        # slice names the earlier). Every slice keeps its own copy too; with set_lora_shared_a the fused and grouped
+        # routed-expert kernels read the named one (fewer distinct bytes, same values)
         self.register_buffer("a_src", torch.arange(n, dtype=torch.int32, device=device)[:, None].repeat(1, max_loras))
         self.a_src_host: list[list[int]] = [[i] * max_loras for i in range(n)]
         self.shard: LoRAShard | None = None  # set when the owning layer is split over ranks (moelora.distributed)
