@@ -205,8 +205,12 @@ assert "ld.global.b16" not in compile_sm90(_moe_lora_fused_kernel, ptrs, consts,
 consts.update(E_STAGES=3, BLOCK_D=512, BLOCK_N=512)  # the expand's B tiles pipelined instead, 2x wider tiles
 assert "cp.async" in compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
 print("ok fused lora, shrink / expand pipelined, B vectorized")
-# the default launch since session 25 (LoRAWeights.a_src): A read from the slice a_src names, both loops pipelined
+# the default launch since session 26 (LoRAWeights.a_src): A read from the slice a_src names, both loops pipelined
 consts.update(D_STAGES=3, E_STAGES=3, BLOCK_D=256, BLOCK_N=256, HAS_A_SRC=True)
 ptx = compile_sm90(_moe_lora_fused_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4).asm["ptx"]
 assert "cp.async" in ptx
 print("ok fused lora reading A through a_src")
+consts.update(SHARED_H=True, N_SLICES=2)  # MOELORA_LORA_SHARED_H: the gate program expands up from its h too
+ptx = compile_sm90(_moe_lora_fused_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4).asm["ptx"]
+assert "cp.async" in ptx
+print("ok fused lora, one h for gate and up")

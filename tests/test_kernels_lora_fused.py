@@ -159,8 +159,46 @@ def test_moe_fused_gate_and_up_use_their_own_a():
 
 
 @pytest.mark.parametrize("store", [False, True])
-def test_moe_fused_reads_a_from_the_slice_a_src_names(store):
-    check_reads_a_through_a_src(moe_lora_fused, store)
+@pytest.mark.parametrize("shared_h", [False, True])
+def test_moe_fused_reads_a_from_the_slice_a_src_names(store, shared_h):
+    """shared_h (set_lora_shared_h): the gate program also expands the up slice that reads its A, from its h."""
+    from moelora.kernels import _triton
+
+    before = _triton.lora_shared_h()
+    _triton.set_lora_shared_h(shared_h)
+    try:
+        check_reads_a_through_a_src(moe_lora_fused, store)
+    finally:
+        _triton.set_lora_shared_h(before)
+
+
+def test_moe_fused_shared_h_expands_with_each_slices_scaling():
+    """set_lora_shared_h: the up columns of a pair whose up reads gate's A get up's own scaling (scaled x3 against
+    gate's here: the up delta triples, the gate delta stays), bit-equal to the kernel without shared h."""
+    from moelora.kernels import _triton
+
+    gen = torch.Generator().manual_seed(37)
+    c = _moe_case("gate_up", "uniform", 6, DTYPES[0], gen)
+    ranks, a, b, scaling = c["ranks"].clone(), c["a"].clone(), c["b"].clone(), c["scaling"].clone()
+    ranks[1], a[1], b[:, :, I:] = ranks[0], a[0], b[:, :, :I]  # up: gate's A and B, 3x its scaling
+    scaling[1] = scaling[0] * 3
+    c = dict(c, a=a, b=b, ranks=ranks, scaling=scaling)
+    a_src = torch.tensor([[0] * S, [0] * S], dtype=torch.int32, device=DEVICE)
+    before = _triton.lora_shared_h()
+    outs = {}
+    try:
+        for on in (False, True):
+            _triton.set_lora_shared_h(on)
+            outs[on] = torch.full_like(c["y0"], float("nan"), dtype=torch.float32)
+            _moe_call(moe_lora_fused, c, outs[on], store=True, a_src=a_src)
+    finally:
+        _triton.set_lora_shared_h(before)
+    assert torch.equal(outs[True], outs[False])
+    live = ((c["slots"] >= 0) & (ranks[0][c["slots"].clamp(min=0).long()] > 0)).repeat_interleave(K)
+    assert live.any()
+    gate, up = outs[True][live][:, :I], outs[True][live][:, I:]
+    assert up.abs().max() > 0
+    torch.testing.assert_close(up, gate * 3, atol=1e-4, rtol=1e-4)
 
 
 def check_reads_a_through_a_src(fn, store: bool) -> None:
@@ -678,15 +716,21 @@ def test_gpu_shared_a_switch_reads_one_copy_and_changes_nothing(tmp_path):
     run.load("ad", ad)
     rows = [(r, "ad") for r in rows_of(5, [3, 1, 1])] + [(rows_of(6, [2])[0], None)]
     outs = {}
-    before = _triton.lora_shared_a()
+    before = _triton.lora_shared_a(), _triton.lora_shared_h()
     try:
-        for on in (False, True):
+        for on, shared_h in ((False, False), (True, False), (True, True)):  # set_lora_shared_h: one h a pair too
             _triton.set_lora_shared_a(on)
+            _triton.set_lora_shared_h(shared_h)
             with launch_records(mlf._moe_lora_fused_kernel) as recs:
-                outs[on] = run.logprobs(rows)
-            assert recs and all(bool(r.get("HAS_A_SRC")) == on for r in recs)
+                outs[on, shared_h] = run.logprobs(rows)
+            gate_up = [r for r in recs if not r.get("X_PER_PAIR")]  # down (x per pair) never shares A
+            assert gate_up and all(bool(r.get("HAS_A_SRC")) == on for r in gate_up)
+            assert all(bool(r.get("SHARED_H")) == shared_h for r in gate_up)
+            assert all(not r.get("HAS_A_SRC") for r in recs if r.get("X_PER_PAIR"))
     finally:
-        _triton.set_lora_shared_a(before)
-    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+        _triton.set_lora_shared_a(before[0])
+        _triton.set_lora_shared_h(before[1])
+    for mode in ((True, False), (True, True)):
+        assert all(torch.equal(a, b) for a, b in zip(outs[mode], outs[False, False])), mode
     plain = run.logprobs([(ids, None) for ids, _ in rows[:1]])[0]
-    assert (outs[True][0] - plain).abs().max() > 1e-2
+    assert (outs[True, True][0] - plain).abs().max() > 1e-2

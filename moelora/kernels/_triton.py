@@ -138,22 +138,37 @@ def dense_defer_pdl() -> bool:
     return _DENSE_DEFER_PDL[0]
 
 
-_LORA_SHARED_A = [os.environ.get("MOELORA_LORA_SHARED_A", "0") == "1"]
+_LORA_SHARED_A = [os.environ.get("MOELORA_LORA_SHARED_A", "1") != "0"]
 
 
 def set_lora_shared_a(enabled: bool) -> None:
     """Routed-expert gate / up slices that hold the same A (LoRAWeights.a_src: e.g. PEFT's target_parameters on
     fused gate_up experts, transformers 5's Qwen3-MoE layout) read one copy of it in the fused decode kernel
-    (MOELORA_LORA_SHARED_A=1) and the grouped one: the up programs read the gate's copy, which the gate programs of
-    the same pair (group) read too, from L2, so HBM sees that A once instead of twice (a quarter of a rank-16
-    Qwen3-30B-A3B pair's bytes).
-    Off by default until measured on a GPU (bench decode --expert-lora-layout shared-a); the values read are the
-    same either way, so are the results. CUDA graphs keep what they captured: set it before."""
+    and the grouped one: the up programs read the gate's copy, which the gate programs of the same pair (group) read
+    too, from L2, so HBM sees that A once instead of twice (a quarter of a rank-16 Qwen3-30B-A3B pair's bytes).
+    On by default (MOELORA_LORA_SHARED_A=0 turns it off): session 26, fp8 128/128 batch 64, shared-A adapters (bench
+    decode --expert-lora-layout shared-a), one A/B process: +0.96% / +1.25% with 4 / 8 adapters. The values read are
+    the same either way, so are the results. CUDA graphs keep what they captured: set it before."""
     _LORA_SHARED_A[0] = bool(enabled)
 
 
 def lora_shared_a() -> bool:
     return _LORA_SHARED_A[0]
+
+
+_LORA_SHARED_H = [os.environ.get("MOELORA_LORA_SHARED_H", "0") == "1"]
+
+
+def set_lora_shared_h(enabled: bool) -> None:
+    """With set_lora_shared_a on: in the fused routed-expert decode kernel, the gate program of a pair whose up
+    slice reads the gate's A also expands the up slice from the same h (one shrink a pair instead of two; the up
+    programs return at once) (MOELORA_LORA_SHARED_H=1). Off until measured; results do not change. CUDA graphs keep
+    what they captured: set it before."""
+    _LORA_SHARED_H[0] = bool(enabled)
+
+
+def lora_shared_h() -> bool:
+    return _LORA_SHARED_H[0]
 
 
 _DENSE_DEFER_ORDER = [os.environ.get("MOELORA_DENSE_DEFER_ORDER", "chain") or "chain"]

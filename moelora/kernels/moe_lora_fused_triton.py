@@ -117,7 +117,7 @@ if HAS_TRITON:
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
         D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
-        asrc_ptr=None, HAS_A_SRC: tl.constexpr = False,
+        asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, SHARED_H: tl.constexpr = False, N_SLICES: tl.constexpr = 1,
     ):
         p = tl.program_id(0)
         i = tl.program_id(1)
@@ -132,9 +132,14 @@ if HAS_TRITON:
         e = tl.load(ids_ptr + p).to(tl.int64)
         # a split past this slice's width (a narrower slice), or another rank's expert (expert parallelism:
         # nothing written, its row is never read); add mode: rows of slot -1 and slices of rank 0 stay untouched
-        run = (pid_n * BLOCK_N < width) & (e >= 0)
+        run = e >= 0
         if not STORE:
             run = run & (rank > 0)
+        if SHARED_H:  # a slice that reads another's A: that slice's program computes h once and expands both (the
+            # width test is left to the tile loops: the other slice may be wider)
+            run = run & (tl.load(asrc_ptr + i * S + slot_c) == i)
+        else:
+            run = run & (pid_n * BLOCK_N < width)
         if run:
             row = p if X_PER_PAIR else t
             offs_r = tl.arange(0, BLOCK_R)
@@ -156,34 +161,50 @@ if HAS_TRITON:
                 at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d,
                              mask=mask_r[:, None] & mask_d[None, :], other=0.0)
                 acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
-            scale = tl.load(scale_ptr + i * S + slot_c)
-            if HAS_W:
-                scale = scale * tl.load(w_ptr + p).to(tl.float32)
-            hv = acc_h * scale  # [BLOCK_R], scaling (and router weight) folded in once
+            w_p = tl.load(w_ptr + p).to(tl.float32) if HAS_W else 1.0
             b_base = b_ptr + slot_c.to(tl.int64) * sb_s + e * sb_e
             y_row = y_ptr + p.to(tl.int64) * syp
-            for n0 in tl.range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N, num_stages=E_STAGES):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < width
-                b_ptrs = b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r
-                if EVEN_R:  # rows of BLOCK_R values (the buffer's rank R): masked by row only, so the load is
-                    # vectorized and can be pipelined (cp.async takes >= 4 bytes), the entries past this slot's
-                    # rank zeroed after it. Only with E_STAGES > 1: unpipelined, this form was slower (28.9 / 19.0
-                    # against 23.4 / 16.4 µs, gate_up / down at 64 tokens, session 17)
-                    # (rank 0 — attention-only adapters, rows without an adapter — loads nothing: store mode writes
-                    # the zeros. Before, every pair's B was read and zeroed: batch 64 with 4 / 8 attention-only
-                    # adapters 12.10 / 12.30 ms a step, then 11.87 / 12.10, session 18 calls 3-4)
-                    live_n = offs_n < tl.where(rank > 0, width, 0)
-                    bt = tl.where(mask_r[None, :], tl.load(b_ptrs, mask=live_n[:, None], other=0.0), 0.0)
-                else:
-                    bt = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-                delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
-                ptrs = y_row + (o0 + offs_n) * syo
-                if STORE:
-                    tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask_n)
-                else:
-                    y = tl.load(ptrs, mask=mask_n, other=0.0)
-                    tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask_n)
+            hv = acc_h * (tl.load(scale_ptr + i * S + slot_c) * w_p)  # [BLOCK_R], scaling (and router weight) once
+            _fused_expand(hv, b_base, y_row, o0, width, rank, mask_r, offs_r, pid_n, sb_o, sb_r, syo,
+                          STORE, BLOCK_N, SPLIT_N, E_STAGES, EVEN_R)
+            if SHARED_H:  # the slices reading this one's A (same rank; h the same, their own scaling and B)
+                for j in tl.static_range(N_SLICES):
+                    if j != i:
+                        if tl.load(asrc_ptr + j * S + slot_c) == i:
+                            o0_j = tl.load(off_ptr + j)
+                            width_j = tl.load(off_ptr + j + 1) - o0_j
+                            hv_j = acc_h * (tl.load(scale_ptr + j * S + slot_c) * w_p)
+                            _fused_expand(hv_j, b_base, y_row, o0_j, width_j, rank, mask_r, offs_r, pid_n, sb_o, sb_r,
+                                          syo, STORE, BLOCK_N, SPLIT_N, E_STAGES, EVEN_R)
+
+    @triton.jit
+    def _fused_expand(hv, b_base, y_row, o0, width, rank, mask_r, offs_r, pid_n, sb_o, sb_r, syo,
+                      STORE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr, E_STAGES: tl.constexpr,
+                      EVEN_R: tl.constexpr):
+        """y_row[o0 + n] (+)= sum_r B[o0 + n, r] * hv[r] over the output tiles pid_n, pid_n + SPLIT_N, ... of one
+        slice (columns o0 : o0 + width); B rows read at b_base + row * sb_o."""
+        for n0 in tl.range(pid_n * BLOCK_N, width, BLOCK_N * SPLIT_N, num_stages=E_STAGES):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < width
+            b_ptrs = b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r
+            if EVEN_R:  # rows of BLOCK_R values (the buffer's rank R): masked by row only, so the load is
+                # vectorized and can be pipelined (cp.async takes >= 4 bytes), the entries past this slot's
+                # rank zeroed after it. Only with E_STAGES > 1: unpipelined, this form was slower (28.9 / 19.0
+                # against 23.4 / 16.4 µs, gate_up / down at 64 tokens, session 17)
+                # (rank 0 — attention-only adapters, rows without an adapter — loads nothing: store mode writes
+                # the zeros. Before, every pair's B was read and zeroed: batch 64 with 4 / 8 attention-only
+                # adapters 12.10 / 12.30 ms a step, then 11.87 / 12.10, session 18 calls 3-4)
+                live_n = offs_n < tl.where(rank > 0, width, 0)
+                bt = tl.where(mask_r[None, :], tl.load(b_ptrs, mask=live_n[:, None], other=0.0), 0.0)
+            else:
+                bt = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            delta = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N]
+            ptrs = y_row + (o0 + offs_n) * syo
+            if STORE:
+                tl.store(ptrs, delta.to(y_row.dtype.element_ty), mask=mask_n)
+            else:
+                y = tl.load(ptrs, mask=mask_n, other=0.0)
+                tl.store(ptrs, (y.to(tl.float32) + delta).to(y_row.dtype.element_ty), mask=mask_n)
 
 def fused_num_warps(programs: int) -> int:
     """Warps per program from the number of (pair, slice) programs: few programs (1-16 tokens) get more warps
@@ -246,7 +267,9 @@ def moe_lora_fused(
     split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
     num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
     a_src: [n, S] int32 or None: slice i of slot s reads A from slice a_src[i, s] (LoRAWeights.a_src: set only
-    where the two copies are equal, so the results are the same; fewer distinct bytes read)
+    where the two copies are equal, so the results are the same; fewer distinct bytes read); with
+    set_lora_shared_h(True) too, the program of slice a_src[i, s] computes h once and expands slice i as well (slice
+    i's own programs do nothing): the same values, half the shrinks of an adapter whose gate and up share A
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
@@ -259,6 +282,9 @@ def moe_lora_fused(
     w = pair_weights if pair_weights is not None else scaling
     n, S, D = a.shape[0], a.shape[1], a.shape[4]
     check_a_src(a_src, n, S, "moe_lora_fused")
+    from moelora.kernels._triton import lora_shared_h
+
+    shared_h = a_src is not None and lora_shared_h()
     _moe_lora_fused_kernel[(P, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
@@ -267,6 +293,7 @@ def moe_lora_fused(
         EVEN_R=e_stages > 1 and a.shape[3] == block_r, num_warps=warps,
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
         **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
+        **({"SHARED_H": True, "N_SLICES": n} if shared_h else {}),
     )
 
 
