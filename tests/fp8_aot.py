@@ -214,3 +214,7 @@ consts.update(SHARED_H=True, N_SLICES=2)  # MOELORA_LORA_SHARED_H: the gate prog
 ptx = compile_sm90(_moe_lora_fused_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4).asm["ptx"]
 assert "cp.async" in ptx
 print("ok fused lora, one h for gate and up")
+consts.update(SHARED_H=False, SLICE_FIRST=True)  # MOELORA_FUSED_LORA_SLICE_FIRST: grid (slice, pair, split)
+ptx = compile_sm90(_moe_lora_fused_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4).asm["ptx"]
+assert "cp.async" in ptx
+print("ok fused lora, slices of a pair side by side")

@@ -172,6 +172,31 @@ def test_moe_fused_reads_a_from_the_slice_a_src_names(store, shared_h):
         _triton.set_lora_shared_h(before)
 
 
+@pytest.mark.parametrize("store", [False, True])
+def test_moe_fused_slice_first_grid_changes_nothing(store):
+    """set_fused_lora_slice_first: the (slice, pair, split) grid computes bit for bit what the (pair, slice, split) one
+    does (each program's work is the same), with and without a shared A read through a_src; differs from y0."""
+    from moelora.kernels import moe_lora_fused_triton as mlf
+
+    gen = torch.Generator().manual_seed(41)
+    c = _moe_case("gate_up", "with_base_rows", 7, DTYPES[0], gen)
+    a_src = torch.tensor([[0] * S, [0, 1, 0, 1]], dtype=torch.int32, device=DEVICE)
+    c_shared = dict(c, a=torch.cat([c["a"][:1], c["a"][:1]]), ranks=torch.cat([c["ranks"][:1], c["ranks"][:1]]))
+    before = mlf.fused_lora_slice_first()
+    outs = {}
+    try:
+        for first in (False, True):
+            mlf.set_fused_lora_slice_first(first)
+            for name, case, kw in (("own", c, {}), ("shared", c_shared, {"a_src": a_src})):
+                outs[first, name] = c["y0"].clone()
+                _moe_call(moe_lora_fused, case, outs[first, name], store=store, **kw)
+    finally:
+        mlf.set_fused_lora_slice_first(before)
+    for name in ("own", "shared"):
+        assert torch.equal(outs[True, name], outs[False, name]), name
+        assert not torch.equal(outs[True, name], c["y0"]), name
+
+
 def test_moe_fused_shared_h_expands_with_each_slices_scaling():
     """set_lora_shared_h: the up columns of a pair whose up reads gate's A get up's own scaling (scaled x3 against
     gate's here: the up delta triples, the gate delta stays), bit-equal to the kernel without shared h."""
@@ -716,21 +741,24 @@ def test_gpu_shared_a_switch_reads_one_copy_and_changes_nothing(tmp_path):
     run.load("ad", ad)
     rows = [(r, "ad") for r in rows_of(5, [3, 1, 1])] + [(rows_of(6, [2])[0], None)]
     outs = {}
-    before = _triton.lora_shared_a(), _triton.lora_shared_h()
+    before = _triton.lora_shared_a(), _triton.lora_shared_h(), mlf.fused_lora_slice_first()
+    modes = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
     try:
-        for on, shared_h in ((False, False), (True, False), (True, True)):  # set_lora_shared_h: one h a pair too
+        for on, shared_h, first in modes:  # set_lora_shared_h: one h a pair too; slice first: gate, up side by side
             _triton.set_lora_shared_a(on)
             _triton.set_lora_shared_h(shared_h)
+            mlf.set_fused_lora_slice_first(first)
             with launch_records(mlf._moe_lora_fused_kernel) as recs:
-                outs[on, shared_h] = run.logprobs(rows)
+                outs[on, shared_h, first] = run.logprobs(rows)
             gate_up = [r for r in recs if not r.get("X_PER_PAIR")]  # down (x per pair) never shares A
             assert gate_up and all(bool(r.get("HAS_A_SRC")) == on for r in gate_up)
-            assert all(bool(r.get("SHARED_H")) == shared_h for r in gate_up)
+            assert all(bool(r.get("SHARED_H")) == shared_h and bool(r.get("SLICE_FIRST")) == first for r in gate_up)
             assert all(not r.get("HAS_A_SRC") for r in recs if r.get("X_PER_PAIR"))
     finally:
         _triton.set_lora_shared_a(before[0])
         _triton.set_lora_shared_h(before[1])
-    for mode in ((True, False), (True, True)):
-        assert all(torch.equal(a, b) for a, b in zip(outs[mode], outs[False, False])), mode
+        mlf.set_fused_lora_slice_first(before[2])
+    for mode in modes[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[mode], outs[modes[0]])), mode
     plain = run.logprobs([(ids, None) for ids, _ in rows[:1]])[0]
-    assert (outs[True, True][0] - plain).abs().max() > 1e-2
+    assert (outs[modes[1]][0] - plain).abs().max() > 1e-2

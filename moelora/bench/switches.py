@@ -94,6 +94,8 @@ SWITCHES: dict[str, Switch] = {
                                   lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial")),
     "MOELORA_LORA_SHARED_A": _bool_switch(_T, "set_lora_shared_a", "lora_shared_a"),
     "MOELORA_LORA_SHARED_H": _bool_switch(_T, "set_lora_shared_h", "lora_shared_h"),
+    "MOELORA_FUSED_LORA_SLICE_FIRST": _bool_switch("moelora.kernels.moe_lora_fused_triton",
+                                                   "set_fused_lora_slice_first", "fused_lora_slice_first"),
     "MOELORA_LORA_EVEN_R": _bool_switch(_T, "set_lora_even_r", "lora_even_r"),
     "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),

@@ -55,6 +55,19 @@ PIPELINED_STAGES = 3  # both loops' depth where the launch has 4-warp programs (
 # MOELORA_LORA_EVEN_R=0): 6,114 / 5,151 / 4,978 tok/s against 6,116 / 4,940 / - off; with the dense whole-rank-row
 # reads too: 6,120 / 5,180 / 5,029. The GPU tests passed with both on.
 _AUTO_PIPELINE = [os.environ.get("MOELORA_FUSED_LORA_PIPELINE", "1") != "0"]
+# set_fused_lora_slice_first / MOELORA_FUSED_LORA_SLICE_FIRST=1: the grid's fastest dimension is the slice, so the
+# gate and up programs of one pair are launched side by side (with a shared A, the second reads it from L2 while it
+# is still there) instead of all gate programs, then all up programs. Off until measured; results do not change.
+_SLICE_FIRST = [os.environ.get("MOELORA_FUSED_LORA_SLICE_FIRST", "0") == "1"]
+
+
+def set_fused_lora_slice_first(enabled: bool) -> None:
+    """moe_lora_fused's programs ordered slice first ((slice, pair, split) grid) or pair first (the default)."""
+    _SLICE_FIRST[0] = bool(enabled)
+
+
+def fused_lora_slice_first() -> bool:
+    return _SLICE_FIRST[0]
 
 
 def set_fused_lora_pipeline(enabled: bool) -> None:
@@ -118,9 +131,14 @@ if HAS_TRITON:
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
         D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
         asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, SHARED_H: tl.constexpr = False, N_SLICES: tl.constexpr = 1,
+        SLICE_FIRST: tl.constexpr = False,
     ):
-        p = tl.program_id(0)
-        i = tl.program_id(1)
+        if SLICE_FIRST:  # grid (n, P, SPLIT_N): the slices of one pair side by side
+            p = tl.program_id(1)
+            i = tl.program_id(0)
+        else:  # grid (P, n, SPLIT_N)
+            p = tl.program_id(0)
+            i = tl.program_id(1)
         pid_n = tl.program_id(2)
         o0 = tl.load(off_ptr + i)
         width = tl.load(off_ptr + i + 1) - o0
@@ -266,6 +284,7 @@ def moe_lora_fused(
     pair_weights: [T*K] or None · store: write the delta (y may be an uninitialised fp32 buffer)
     split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
     num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
+    (set_fused_lora_slice_first(True): the programs' grid is (n, P, split) instead of (P, n, split), the same work)
     a_src: [n, S] int32 or None: slice i of slot s reads A from slice a_src[i, s] (LoRAWeights.a_src: set only
     where the two copies are equal, so the results are the same; fewer distinct bytes read); with
     set_lora_shared_h(True) too, the program of slice a_src[i, s] computes h once and expands slice i as well (slice
@@ -285,7 +304,8 @@ def moe_lora_fused(
     from moelora.kernels._triton import lora_shared_h
 
     shared_h = a_src is not None and lora_shared_h()
-    _moe_lora_fused_kernel[(P, n, split)](
+    slice_first = _SLICE_FIRST[0] and n > 1
+    _moe_lora_fused_kernel[(n, P, split) if slice_first else (P, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
@@ -294,6 +314,7 @@ def moe_lora_fused(
         **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
         **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
         **({"SHARED_H": True, "N_SLICES": n} if shared_h else {}),
+        **({"SLICE_FIRST": True} if slice_first else {}),
     )
 
 
