@@ -227,6 +227,54 @@ def test_forward_deferred_is_forward_split_in_two(dtype):
         assert wide.forward_deferred(x, lora)[1] is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_deferred_takes_the_producers_shrink(dtype, monkeypatch):
+    """A shrink written by the kernel that produced x (attach_lora_h: the decode attention's per-head partial sums
+    for o_proj, set_lora_attn_shrink): forward_deferred launches no shrink of its own and its delta adds those
+    partials (the same delta as its own shrink's, up to fp32 summation order; 2x the partials give 2x the delta);
+    producer_shrink_args offers the producer the shrink when the layer defers, also without the FP8 epilogue."""
+    from moelora.kernels import lora_triton
+    from moelora.kernels.norm_triton import attach_lora_h
+    from moelora.layers.linear import LoRALinear
+
+    g = torch.Generator().manual_seed(3)
+    parts, out = 4, OUTS[1]
+    lin = LoRALinear(H, [out], bias=False, dtype=dtype, device=DEVICE)  # o_proj-like: one slice
+    lin.weight.copy_(torch.randn(out, H, generator=g) * 0.05)
+    w = lin.enable_lora(max_loras=S, max_lora_rank=R)
+    for s, r in enumerate((16, 8, 4, 16)):
+        w.set_slot(0, s, torch.randn(r, H, generator=g) * 0.1, torch.randn(out, r, generator=g) * 0.1, 2.0)
+    slots = [0, -1, 3, 1, 2, 0, -1, 1]
+    lora = LoRABatch.build(slots, S, DEVICE)
+    T = len(slots)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    with torch.no_grad(), _defer(True):
+        _, own = lin.forward_deferred(x, lora)
+        assert lin.producer_shrink_args(x, lora) is not None
+        with _defer(False):
+            assert lin.producer_shrink_args(x, lora) is None  # bf16 base, not deferred: no FP8 epilogue to take it
+        # the producer's partials: x's columns in `parts` chunks, each against its slot's A (0 for rows of slot -1)
+        a = w.a[0][torch.tensor(slots).clamp(min=0).to(DEVICE)].float()  # [T, R, H]
+        xs = x.float().view(T, parts, H // parts)
+        h = torch.einsum("tpk,trpk->ptr", xs, a.view(T, R, parts, H // parts))
+        h = (h * (torch.tensor(slots, device=DEVICE) >= 0)[None, :, None]).reshape(parts, 1, T, R).contiguous()
+        shrinks = []
+        real = lora_triton.lora_shrink
+        monkeypatch.setattr(lora_triton, "lora_shrink", lambda *a, **k: shrinks.append(1) or real(*a, **k))
+        deltas = []
+        for scale in (1.0, 2.0):
+            xc = x.clone()
+            attach_lora_h(xc, h * scale, w.a)
+            deltas.append(lin.forward_deferred(xc, lora)[1])
+        assert not shrinks
+        _, again = lin.forward_deferred(x, lora)  # unmarked x: its own shrink again
+        assert len(shrinks) == 1 and torch.equal(again, own)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(deltas[0], own, atol=atol, rtol=rtol)
+    torch.testing.assert_close(deltas[1], 2 * own, atol=2 * atol, rtol=rtol)
+    assert own.abs().max() > 0.05
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

@@ -528,14 +528,16 @@ def test_norm_writes_the_qkv_lora_shrink_in_and_out_of_graphs(T):
 
 @torch.no_grad()
 @pytest.mark.parametrize("batch", [48, 160])  # the attention's reduce kernel writes o_proj's shrink / its split kernel
-def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_path, batch):
+@pytest.mark.parametrize("deferred", ["0", "fp8"])  # into the GEMM's LoRA epilogue / the deferred delta kernel
+def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_path, batch, deferred):
     """set_lora_norm_shrink + set_lora_attn_shrink, end to end in the model: an FP8 Qwen3-MoE (dummy weights,
     Qwen3-30B-A3B's attention dims, 2 layers), a decode step of 48 / 160 sequences (o_proj's shrink from the
     attention's reduce kernel / from its split kernel, one split) over 4 adapters and base rows. With
     both on, two shrink launches fewer per layer (the input norm writes qkv's, the attention reduce o_proj's), with
     the norm's alone one fewer; the logits equal those of the shrink kernels up to fp32 summation order
-    (relative 2^-7), eagerly and over a graph replay; the adapters move them. (Written in session 20 without
-    device time: scripts/gpu_next_producer_shrinks.sh runs it.)"""
+    (relative 2^-7), eagerly and over a graph replay; the adapters move them. Both with the LoRA in the GEMM's
+    epilogue (deferred "0") and deferred (session 26: the delta kernel adds the producers' partials, no shrink
+    of its own)."""
     from helpers import attention_lora_decode_case
 
     from moelora.bench.common import captured_graph
@@ -554,7 +556,7 @@ def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_pa
         return out, len(shrinks)
 
     defer = _triton.dense_lora_defer()
-    _triton.set_dense_lora_defer("0")  # the producers' shrinks serve the GEMM's LoRA epilogue, not the deferred path
+    _triton.set_dense_lora_defer(deferred)  # the producers' shrinks serve the GEMM's LoRA epilogue or the delta kernel
     try:
         ref, n_ref = run(False, False)
         norm_only, n_norm = run(True, False)

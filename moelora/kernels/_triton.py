@@ -263,12 +263,15 @@ _LORA_ATTN_SHRINK = [os.environ.get("MOELORA_LORA_ATTN_SHRINK", "0") == "1"]
 
 
 def set_lora_attn_shrink(enabled: bool) -> None:
-    """The split-KV decode attention also writes the o_proj LoRA shrink (an FP8 o_proj with the LoRA expand in its
-    GEMM, decode sizes): one partial per head from its reduce kernel (2+ KV splits: up to ~131 rows on an H200 with 4
-    KV heads), one per KV head from the split kernel writing the output itself (larger batches); the FP8 GEMM's
-    LoRA program sums them as split-K partials. No shrink launch before o_proj, and its LoRA program waits for
-    nothing. Off by default: measured in session 21 only with MOELORA_LORA_NORM_SHRINK=1 (see set_lora_norm_shrink),
-    the two together lost 2.2% / 1.7% at batch 64 with 4 / 8 adapters. MOELORA_LORA_ATTN_SHRINK=1 turns it on.
+    """The split-KV decode attention also writes the o_proj LoRA shrink (decode sizes; an FP8 o_proj with the LoRA
+    expand in its GEMM, or the deferred dense LoRA (set_dense_lora_defer), whose chain is then the delta kernel
+    alone): one partial per head from its reduce kernel (2+ KV splits: up to ~131 rows on an H200 with 4 KV heads),
+    one per KV head from the split kernel writing the output itself (larger batches); the FP8 GEMM's LoRA program or
+    the delta kernel sums them as split-K partials. No shrink launch before o_proj. Off by default: measured in
+    session 21 only with MOELORA_LORA_NORM_SHRINK=1 (see set_lora_norm_shrink) and the LoRA in the GEMM's epilogue,
+    the two together lost 2.2% / 1.7% at batch 64 with 4 / 8 adapters; beside the deferred chain (session 26:
+    o_proj's chain, shrink 8.9 + delta 4.3 µs, ends ~1.8 µs after its GEMM) not measured yet.
+    MOELORA_LORA_ATTN_SHRINK=1 turns it on.
     Results change by fp32 summation order only; CUDA graphs keep the launches they captured."""
     _LORA_ATTN_SHRINK[0] = bool(enabled)
 

@@ -180,16 +180,24 @@ class LoRALinear(nn.Module):
         from moelora.kernels.lora_delta_triton import lora_delta
         from moelora.kernels.lora_triton import lora_shrink
 
+        from moelora.kernels.norm_triton import attached_lora_h
+
         lora_active(self.lora, lora)  # counted as forward counts it
         w = self.lora
-        h = dense_lora_h(w, x, DEFER_SHRINK_MAX_SPLITS)
+        # the shrink written by the kernel that produced x (set_lora_attn_shrink / set_lora_norm_shrink: [parts, n,
+        # T, R] partial sums, which lora_delta adds as it adds split-K partials); then the chain is the delta alone
+        h = attached_lora_h(x, w.a)
+        produced = h is not None
+        if not produced:
+            h = dense_lora_h(w, x, DEFER_SHRINK_MAX_SPLITS)
         delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
         g = lora.groups
 
         def chain(pdl: bool) -> None:
-            lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl)
+            if not produced:
+                lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl)
             lora_delta(h, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
-                       g.token_slots, g.active_slots, delta, wait=pdl)
+                       g.token_slots, g.active_slots, delta, wait=pdl and not produced)
 
         if not x.is_cuda:  # the interpreter (tests): one stream
             chain(False)
@@ -251,14 +259,15 @@ class LoRALinear(nn.Module):
 
     def producer_shrink_args(self, x: torch.Tensor, lora: LoRABatch):
         """(a, ranks, token_slots) for the kernel producing x [T, in] to write this layer's LoRA shrink itself
-        (attach_lora_h), when the layer takes it: decode sizes, its LoRA running for this batch, through the FP8
-        GEMM's epilogue, not on the side stream, a rank the producer's chunks divide; else None."""
+        (attach_lora_h), when the layer takes it: decode sizes, its LoRA running for this batch, deferred
+        (forward_deferred: its chain is then the delta kernel alone) or through the FP8 GEMM's epilogue, not on the
+        side stream, a rank the producer's chunks divide; else None."""
         from moelora.kernels.lora_triton import SHRINK_SPLIT_MAX_TOKENS
 
         w = self.lora
         if not (x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS and lora_runs(w, lora)):
             return None
-        if (x.is_cuda and dense_lora_overlap()) or not self._fp8_epilogue_ok(x, lora):
+        if not self.defer_ok(x, lora) and ((x.is_cuda and dense_lora_overlap()) or not self._fp8_epilogue_ok(x, lora)):
             return None
         R = w.max_lora_rank
         return (w.a, w.rank_tensor, lora.token_slots) if R % min(4, 1 << (R - 1).bit_length()) == 0 else None
