@@ -390,7 +390,8 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     want = {"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal",
             "MOELORA_DENSE_DEFER_ORDER": "gemm",
             "MOELORA_LORA_SHRINK_SPLITS": "2", "MOELORA_LORA_DELTA_TILE": "64x128", "MOELORA_LORA_SHARED_A": "0",
-            "MOELORA_LORA_SHARED_H": "1", "MOELORA_FUSED_LORA_SLICE_FIRST": "1"}
+            "MOELORA_LORA_SHARED_H": "1", "MOELORA_FUSED_LORA_SLICE_FIRST": "1",
+            "MOELORA_DENSE_DEFER_FUSED": "1"}
     names = list(want)
     before = switches.current(names)
     assert before != want

@@ -275,14 +275,62 @@ def test_forward_deferred_takes_the_producers_shrink(dtype, monkeypatch):
     assert own.abs().max() > 0.05
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_deferred_fused_chain_is_one_launch(dtype, monkeypatch):
+    """set_dense_defer_fused: forward_deferred's delta from one lora_fused_decode launch in store mode (no shrink,
+    no delta kernel): the default chain's delta up to fp32 summation order, rows without an adapter exactly 0 (the
+    buffer starts as NaN: every entry written); a producer's shrink still goes to the delta kernel."""
+    from moelora.kernels import lora_delta_triton, lora_triton
+    from moelora.layers import linear
+
+    g = torch.Generator().manual_seed(5)
+    lin = linear.LoRALinear(H, OUTS, bias=False, dtype=dtype, device=DEVICE)
+    lin.weight.copy_(torch.randn(sum(OUTS), H, generator=g) * 0.05)
+    w = lin.enable_lora(max_loras=S, max_lora_rank=R)
+    for s, r in enumerate((16, 8, 4, 16)):
+        for i, out in enumerate(OUTS):
+            w.set_slot(i, s, torch.randn(r, H, generator=g) * 0.1, torch.randn(out, r, generator=g) * 0.1, 2.0)
+    slots = [0, -1, 3, 1, 2, 0, -1, 1, 3]
+    lora = LoRABatch.build(slots, S, DEVICE)
+    x = torch.randn(len(slots), H, generator=g).to(DEVICE, dtype)
+    calls = {"shrink": 0, "delta": 0, "fused": 0}
+
+    def spy(name, fn):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+
+    nan_empty = torch.empty
+    monkeypatch.setattr(lora_triton, "lora_shrink", spy("shrink", lora_triton.lora_shrink))
+    monkeypatch.setattr(lora_delta_triton, "lora_delta", spy("delta", lora_delta_triton.lora_delta))
+    monkeypatch.setattr(linear, "lora_fused_decode", spy("fused", linear.lora_fused_decode))
+    # every buffer forward_deferred allocates starts as NaN (torch.empty patched for the test): the delta must be written
+    monkeypatch.setattr(linear.torch, "empty", lambda *a, **k: nan_empty(*a, **k).fill_(float("nan")))
+    before = _triton.dense_defer_fused()
+    try:
+        with torch.no_grad(), _defer(True):
+            _, own = lin.forward_deferred(x, lora)
+            assert calls == {"shrink": 1, "delta": 1, "fused": 0}
+            _triton.set_dense_defer_fused(True)
+            _, fused = lin.forward_deferred(x, lora)
+            assert calls == {"shrink": 1, "delta": 1, "fused": 1}
+    finally:
+        _triton.set_dense_defer_fused(before)
+    assert not fused.isnan().any()
+    base = (torch.tensor(slots) < 0).to(DEVICE)
+    assert (fused[base] == 0).all()
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(fused, own, atol=atol, rtol=rtol)
+    assert own.abs().max() > 0.05
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.gpu
 @torch.no_grad()
-@pytest.mark.parametrize("quant,batch", [("fp8", 48), ("fp8", 160), (None, 48)])
-def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
+@pytest.mark.parametrize("quant,batch,fused", [("fp8", 48, False), ("fp8", 160, False), (None, 48, False),
+                                               ("fp8", 48, True), (None, 48, True)])
+def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     """A Qwen3-MoE at Qwen3-30B-A3B's attention dims (dummy weights, 2 layers, FP8 or bf16), a decode step of 48 /
     160 sequences over 4 adapters and base rows, deferred (the delta kernel runs twice a layer: qkv, o_proj) against
     the default dense path (on FP8 the GEMM's LoRA epilogue): rows without an adapter bit-equal, graph replay
@@ -291,7 +339,9 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
     and the GEMM then lora_expand: 0.06-0.07 measured). Why so wide on FP8: every FP8 GEMM re-quantizes its input
     to e4m3 (3 mantissa bits), so a 1-ulp bf16 change flips ~3% of an input row's roundings and moves the output
     by ~2%; two correct paths that round the LoRA sum differently land 6-7% apart in the logits (session 24,
-    scripts/diag_dense_lora_paths.py; session 23's consumer-expand test failed on exactly this)."""
+    scripts/diag_dense_lora_paths.py; session 23's consumer-expand test failed on exactly this).
+    fused (set_dense_defer_fused): the chain is one lora_fused_decode launch a projection, no shrink, no delta
+    kernel; the same bounds."""
     if not ON_GPU or (quant and torch.cuda.get_device_capability() < (8, 9)):
         pytest.skip("needs a GPU (FP8: compute capability >= 8.9)")
     from helpers import attention_lora_decode_case
@@ -313,16 +363,28 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
     from moelora.kernels import lora_triton
     from moelora.layers.linear import DEFER_SHRINK_MAX_SPLITS
 
-    with _defer(True):
-        with launch_records(ldt._lora_delta_kernel) as deltas, launch_records(lora_triton._shrink_kernel) as shrinks:
-            eager = step().clone()
-        graph, out = captured_graph(step)
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = out.clone()
-    assert len(deltas) == 2 * len(model.model.layers)
-    # the deferred shrinks split K DEFER_SHRINK_MAX_SPLITS ways; the dense MLP's (not deferred) 8 and 1 (H 2048, 128)
-    assert [r["SPLIT_K"] for r in shrinks].count(DEFER_SHRINK_MAX_SPLITS) == len(deltas), shrinks
+    from moelora.kernels import lora_fused_triton as lft
+
+    _triton.set_dense_defer_fused(fused)
+    try:
+        with _defer(True):
+            with launch_records(ldt._lora_delta_kernel) as deltas, launch_records(
+                    lora_triton._shrink_kernel) as shrinks, launch_records(lft._lora_fused_decode_kernel) as chains:
+                eager = step().clone()
+            graph, out = captured_graph(step)
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = out.clone()
+    finally:
+        _triton.set_dense_defer_fused(False)
+    layers = len(model.model.layers)
+    if fused:
+        assert not deltas and len(chains) == 2 * layers and all(r["STORE"] for r in chains), chains
+        assert [r["SPLIT_K"] for r in shrinks].count(DEFER_SHRINK_MAX_SPLITS) == 0, shrinks
+    else:
+        assert len(deltas) == 2 * layers and not chains
+        # the deferred shrinks split K DEFER_SHRINK_MAX_SPLITS ways; the dense MLP's (not deferred) 8 and 1
+        assert [r["SPLIT_K"] for r in shrinks].count(DEFER_SHRINK_MAX_SPLITS) == len(deltas), shrinks
     assert torch.equal(replayed, eager)
     assert torch.equal(eager[~ad], ref[~ad])  # rows without an adapter: not touched by the deferral
     got = _rel(eager[ad], ref[ad])

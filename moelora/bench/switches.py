@@ -92,6 +92,7 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_LORA_DELTA_TILE": _delta_tile(),
     "MOELORA_DENSE_DEFER_ORDER": (lambda v: _import(_T).set_dense_defer_order(v),
                                   lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial")),
+    "MOELORA_DENSE_DEFER_FUSED": _bool_switch(_T, "set_dense_defer_fused", "dense_defer_fused"),
     "MOELORA_LORA_SHARED_A": _bool_switch(_T, "set_lora_shared_a", "lora_shared_a"),
     "MOELORA_LORA_SHARED_H": _bool_switch(_T, "set_lora_shared_h", "lora_shared_h"),
     "MOELORA_FUSED_LORA_SLICE_FIRST": _bool_switch("moelora.kernels.moe_lora_fused_triton",

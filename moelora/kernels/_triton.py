@@ -192,6 +192,23 @@ def dense_defer_order() -> str:
     return _DENSE_DEFER_ORDER[0]
 
 
+_DENSE_DEFER_FUSED = [os.environ.get("MOELORA_DENSE_DEFER_FUSED", "0") == "1"]
+
+
+def set_dense_defer_fused(enabled: bool) -> None:
+    """The deferred dense LoRA's chain as one launch (MOELORA_DENSE_DEFER_FUSED=1): lora_fused_decode in store mode
+    writes the delta (shrink and expand in one program a row block, h in registers over the whole input dim)
+    instead of the split-K shrink, then lora_delta. Session 26's trace: o_proj's chain (shrink 8.9 + delta 4.3 µs)
+    ends ~1.8 µs after its GEMM, on the critical path; qkv's (5.9 + 5.0) beside a GEMM at 13.9 µs against 8.4
+    alone. Off until measured; results change by fp32 summation order of h only (both round h to B's dtype
+    before the expand). A producer's shrink (attached_lora_h) still takes the delta kernel."""
+    _DENSE_DEFER_FUSED[0] = bool(enabled)
+
+
+def dense_defer_fused() -> bool:
+    return _DENSE_DEFER_FUSED[0]
+
+
 _DENSE_DEFER_PRIORITY = [os.environ.get("MOELORA_DENSE_DEFER_PRIORITY", "high") or "high"]
 
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
-from moelora.kernels._triton import HAS_TRITON, dense_lora_overlap, fused_dense_lora, interpreting, lora_shrink_pdl
+from moelora.kernels._triton import (HAS_TRITON, dense_defer_fused, dense_lora_overlap, fused_dense_lora, interpreting,
+                                     lora_shrink_pdl)
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused_decode
 from moelora.layers.lora import LoRAWeights, lora_active, lora_runs
@@ -188,12 +189,18 @@ class LoRALinear(nn.Module):
         # T, R] partial sums, which lora_delta adds as it adds split-K partials); then the chain is the delta alone
         h = attached_lora_h(x, w.a)
         produced = h is not None
-        if not produced:
+        # set_dense_defer_fused: the chain as one launch, shrink and expand in one program (no h buffer)
+        fused = not produced and dense_defer_fused() and x.shape[0] <= FUSED_DENSE_MAX_TOKENS
+        if not (produced or fused):
             h = dense_lora_h(w, x, DEFER_SHRINK_MAX_SPLITS)
         delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
         g = lora.groups
 
         def chain(pdl: bool) -> None:
+            if fused:
+                lora_fused_decode(x, w.a, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, g, delta, store=True,
+                                  max_width=max(self.out_features))
+                return
             if not produced:
                 lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl)
             lora_delta(h, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
