@@ -13,6 +13,7 @@ dense kernel 64-178 registers at BLOCK_M 16/32 (mma.sync), 166-245 at BLOCK_M 64
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -43,6 +44,9 @@ def _res_usage(cubin: bytes) -> str:
 
 
 def compile_one(fn, types: dict, consts: dict, div16: tuple, arch: int, **opts) -> None:
+    # constexpr parameters with a default (switches added after this script: HAS_A_SRC, SHARED_H, ...) at it
+    consts = {**{q.name: q.default for q in fn.params if q.is_constexpr and q.default is not inspect.Parameter.empty
+                 and q.name not in consts}, **consts}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16 if n in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
