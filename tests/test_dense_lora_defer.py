@@ -190,6 +190,24 @@ def _defer(on: bool | str):
         _triton.set_dense_lora_defer(before)
 
 
+def _deferred_case(dtype, seed: int, outs=OUTS, bias: bool = False, slots=(0, -1, 3, 1, 2, 0, -1, 1, 3)):
+    """A LoRALinear (H -> outs) with 4 adapter slots of ranks 16 / 8 / 4 / 16 on every slice, a batch of `slots`
+    (-1: no adapter) and its input: (lin, its LoRAWeights, LoRABatch, x [T, H])."""
+    from moelora.layers.linear import LoRALinear
+
+    g = torch.Generator().manual_seed(seed)
+    lin = LoRALinear(H, list(outs), bias=bias, dtype=dtype, device=DEVICE)
+    lin.weight.copy_(torch.randn(sum(outs), H, generator=g) * 0.05)
+    if bias:
+        lin.bias.copy_(torch.randn(sum(outs), generator=g))
+    w = lin.enable_lora(max_loras=S, max_lora_rank=R)
+    for s, r in enumerate((16, 8, 4, 16)):
+        for i, out in enumerate(outs):
+            w.set_slot(i, s, torch.randn(r, H, generator=g) * 0.1, torch.randn(out, r, generator=g) * 0.1, 2.0)
+    lora = LoRABatch.build(list(slots), S, DEVICE)
+    return lin, w, lora, torch.randn(len(slots), H, generator=g).to(DEVICE, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_deferred_is_forward_split_in_two(dtype):
     """LoRALinear.forward_deferred: (base output, delta) whose sum is forward's output up to one rounding; rows
@@ -197,17 +215,8 @@ def test_forward_deferred_is_forward_split_in_two(dtype):
     the 64-column tiles, it is forward itself and no delta."""
     from moelora.layers.linear import LoRALinear
 
-    g = torch.Generator().manual_seed(1)
-    lin = LoRALinear(H, OUTS, bias=True, dtype=dtype, device=DEVICE)
-    lin.weight.copy_(torch.randn(sum(OUTS), H, generator=g) * 0.05)
-    lin.bias.copy_(torch.randn(sum(OUTS), generator=g))
-    w = lin.enable_lora(max_loras=S, max_lora_rank=R)
-    for s, r in enumerate((16, 8, 4, 16)):
-        for i, out in enumerate(OUTS):
-            w.set_slot(i, s, torch.randn(r, H, generator=g) * 0.1, torch.randn(out, r, generator=g) * 0.1, 2.0)
     slots = [0, -1, 3, 1, 2, 0, -1, 1, 3]
-    lora = LoRABatch.build(slots, S, DEVICE)
-    x = torch.randn(len(slots), H, generator=g).to(DEVICE, dtype)
+    lin, _, lora, x = _deferred_case(dtype, 1, bias=True, slots=slots)
     with torch.no_grad():
         want = lin(x, lora)
         with _defer(False):
@@ -235,19 +244,9 @@ def test_forward_deferred_takes_the_producers_shrink(dtype, monkeypatch):
     producer_shrink_args offers the producer the shrink when the layer defers, also without the FP8 epilogue."""
     from moelora.kernels import lora_triton
     from moelora.kernels.norm_triton import attach_lora_h
-    from moelora.layers.linear import LoRALinear
-
-    g = torch.Generator().manual_seed(3)
-    parts, out = 4, OUTS[1]
-    lin = LoRALinear(H, [out], bias=False, dtype=dtype, device=DEVICE)  # o_proj-like: one slice
-    lin.weight.copy_(torch.randn(out, H, generator=g) * 0.05)
-    w = lin.enable_lora(max_loras=S, max_lora_rank=R)
-    for s, r in enumerate((16, 8, 4, 16)):
-        w.set_slot(0, s, torch.randn(r, H, generator=g) * 0.1, torch.randn(out, r, generator=g) * 0.1, 2.0)
-    slots = [0, -1, 3, 1, 2, 0, -1, 1]
-    lora = LoRABatch.build(slots, S, DEVICE)
+    parts, slots = 4, [0, -1, 3, 1, 2, 0, -1, 1]
+    lin, w, lora, x = _deferred_case(dtype, 3, outs=[OUTS[1]], slots=slots)  # o_proj-like: one slice
     T = len(slots)
-    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     with torch.no_grad(), _defer(True):
         _, own = lin.forward_deferred(x, lora)
         assert lin.producer_shrink_args(x, lora) is not None
@@ -279,20 +278,12 @@ def test_forward_deferred_takes_the_producers_shrink(dtype, monkeypatch):
 def test_forward_deferred_fused_chain_is_one_launch(dtype, monkeypatch):
     """set_dense_defer_fused: forward_deferred's delta from one lora_fused_decode launch in store mode (no shrink,
     no delta kernel): the default chain's delta up to fp32 summation order, rows without an adapter exactly 0 (the
-    buffer starts as NaN: every entry written); a producer's shrink still goes to the delta kernel."""
+    buffer starts as NaN: every entry written)."""
     from moelora.kernels import lora_delta_triton, lora_triton
     from moelora.layers import linear
 
-    g = torch.Generator().manual_seed(5)
-    lin = linear.LoRALinear(H, OUTS, bias=False, dtype=dtype, device=DEVICE)
-    lin.weight.copy_(torch.randn(sum(OUTS), H, generator=g) * 0.05)
-    w = lin.enable_lora(max_loras=S, max_lora_rank=R)
-    for s, r in enumerate((16, 8, 4, 16)):
-        for i, out in enumerate(OUTS):
-            w.set_slot(i, s, torch.randn(r, H, generator=g) * 0.1, torch.randn(out, r, generator=g) * 0.1, 2.0)
     slots = [0, -1, 3, 1, 2, 0, -1, 1, 3]
-    lora = LoRABatch.build(slots, S, DEVICE)
-    x = torch.randn(len(slots), H, generator=g).to(DEVICE, dtype)
+    lin, _, lora, x = _deferred_case(dtype, 5, slots=slots)
     calls = {"shrink": 0, "delta": 0, "fused": 0}
 
     def spy(name, fn):
