@@ -180,7 +180,6 @@ class LoRALinear(nn.Module):
             return self.forward(x, lora), None
         from moelora.kernels.lora_delta_triton import lora_delta
         from moelora.kernels.lora_triton import lora_shrink
-
         from moelora.kernels.norm_triton import attached_lora_h
 
         lora_active(self.lora, lora)  # counted as forward counts it
