@@ -84,7 +84,8 @@ def set_lora_delta_tile(block_m: int = 0, block_n: int = 0) -> None:
     """lora_delta's tile (MOELORA_LORA_DELTA_TILE=MxN; 0: the default of each, rows by the batch (_block_m) and
     DELTA_BLOCK_N columns). A wider column tile is taken only where every slice boundary is a multiple of it (else
     DELTA_BLOCK_N): fewer programs beside the base GEMM, which they slow by sharing its SMs (session 25). The same
-    sums; CUDA graphs keep what they captured. Not measured yet."""
+    sums; CUDA graphs keep what they captured. Session 26 (fp8 128/128 batch 64, one A/B process): 64x128 and 32x128
+    lost 0.1-0.2% with 4 / 8 adapters (the qkv delta kernel 4.3 -> 4.6-4.9 µs, the GEMMs unchanged): left off."""
     _check_tile(block_m, block_n)
     _TILE[0], _TILE[1] = int(block_m), int(block_n)
 
