@@ -11,8 +11,9 @@
 # Then scripts/gpu_next_session27_b.sh (slice first, two rounds).
 # Files: tests.log, ab.log, ab/, traces/.
 source "$(dirname "$0")/gpu_prelude.sh"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
-    tests/test_fp8_gpu.py -k "norm_and_attention_write" tests/test_dense_lora_defer.py > "$OUT/tests.log" 2>&1
+timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+    tests/test_fp8_gpu.py::test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step \
+    tests/test_dense_lora_defer.py > "$OUT/tests.log" 2>&1
 echo "tests (rc $?):"; grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/tests.log" | cut -c1-250 | tail -10
 timeout 270 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 --adapter-counts 0,4,8 \
     --expert-lora-layout shared-a --profile-steps 3 --profile-trace "$OUT/traces" --out "$OUT/ab" \
