@@ -63,6 +63,17 @@ def _shrink_splits() -> Switch:
     return set_, get, ("0", "1", "2", "4", "8")
 
 
+def _shrink_block_k() -> Switch:
+    def set_(value: str) -> None:
+        lt = _import("moelora.kernels.lora_triton")
+        lt.set_lora_shrink_config(lt.lora_shrink_config()[0], int(value))
+
+    def get() -> str:
+        return str(_import("moelora.kernels.lora_triton").lora_shrink_config()[1])
+
+    return set_, get, ("0", "32", "64", "128", "256")
+
+
 def _delta_tile() -> Switch:
     def set_(value: str) -> None:
         bm, bn = (int(v) for v in value.split("x"))
@@ -89,6 +100,7 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_DENSE_DEFER_PRIORITY": (lambda v: _import(_T).set_dense_defer_priority(v),
                                      lambda: _import(_T).dense_defer_priority(), ("high", "normal")),
     "MOELORA_LORA_SHRINK_SPLITS": _shrink_splits(),
+    "MOELORA_LORA_SHRINK_BLOCK_K": _shrink_block_k(),
     "MOELORA_LORA_DELTA_TILE": _delta_tile(),
     "MOELORA_DENSE_DEFER_ORDER": (lambda v: _import(_T).set_dense_defer_order(v),
                                   lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial")),
