@@ -286,8 +286,10 @@ def test_forward_deferred_fused_chain_is_one_launch(dtype, monkeypatch):
     lin, _, lora, x = _deferred_case(dtype, 5, slots=slots)
     calls = {"shrink": 0, "delta": 0, "fused": 0}
 
+    kwargs = []
+
     def spy(name, fn):
-        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+        return lambda *a, **k: kwargs.append(k) or calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
 
     nan_empty = torch.empty
     monkeypatch.setattr(lora_triton, "lora_shrink", spy("shrink", lora_triton.lora_shrink))
@@ -300,6 +302,7 @@ def test_forward_deferred_fused_chain_is_one_launch(dtype, monkeypatch):
         with torch.no_grad(), _defer(True):
             _, own = lin.forward_deferred(x, lora)
             assert calls == {"shrink": 1, "delta": 1, "fused": 0}
+            assert kwargs[0]["block_k"] == linear.DEFER_SHRINK_BLOCK_K == 128  # the deferred shrink's K tile
             _triton.set_dense_defer_fused(True)
             _, fused = lin.forward_deferred(x, lora)
             assert calls == {"shrink": 1, "delta": 1, "fused": 1}

@@ -236,6 +236,18 @@ def test_shrink_config_sets_the_split_count_and_k_tile_without_changing_results(
             torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
         set_lora_shrink_config(0, 0)
         assert (lora_shrink_splits(T, H), _block_k(H, T)) == default
+        # a caller's decode K tile (the deferred shrink's DEFER_SHRINK_BLOCK_K): taken at decode sizes only, at most
+        # H's next power of two, and the forced one wins over it; the same sums
+        assert _block_k(H, T, 16) == 16 and _block_k(H, T, 4096) == triton.next_power_of_2(H)
+        assert _block_k(H, None, 16) == _block_k(H) == 64 and _block_k(H, 10_000, 16) == 64
+        set_lora_shrink_config(0, 32)
+        assert _block_k(H, T, 16) == 32
+        set_lora_shrink_config(0, 0)
+        parts = torch.full((2, n, T, R), float("nan"), device=DEVICE)
+        lora_shrink(x, a, ranks, groups, parts, block_k=16)
+        y = y0.clone()
+        lora_expand(parts, b, off, ranks, scaling, groups, y)
+        torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
         for bad in ((-1, 0), (0, 24), (0, 8)):
             with pytest.raises(ValueError, match="set_lora_shrink_config"):
                 set_lora_shrink_config(*bad)

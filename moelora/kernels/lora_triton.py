@@ -242,10 +242,13 @@ def lora_shrink_config() -> tuple[int, int]:
     return _SHRINK_CONFIG[0], _SHRINK_CONFIG[1]
 
 
-def _block_k(H: int, num_tokens: int | None = None) -> int:
-    forced = _SHRINK_CONFIG[1]
-    if forced and num_tokens is not None and num_tokens <= SHRINK_SPLIT_MAX_TOKENS:
-        return min(forced, max(16, triton.next_power_of_2(H)))
+def _block_k(H: int, num_tokens: int | None = None, decode_block_k: int = 0) -> int:
+    """The shrink's K tile: set_lora_shrink_config's at decode sizes when forced, else decode_block_k there when
+    given (the deferred shrink's DEFER_SHRINK_BLOCK_K), else 64; at most H's next power of two."""
+    decode = num_tokens is not None and num_tokens <= SHRINK_SPLIT_MAX_TOKENS
+    want = (_SHRINK_CONFIG[1] or decode_block_k) if decode else 0
+    if want:
+        return min(want, max(16, triton.next_power_of_2(H)))
     return 64 if H >= 64 else max(16, triton.next_power_of_2(H))
 
 
@@ -280,7 +283,7 @@ def _as_parts(t: torch.Tensor) -> torch.Tensor:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: SlotGroups, out: torch.Tensor,
-                launch_dependents: bool = False, wait_primary: bool = False) -> None:
+                launch_dependents: bool = False, wait_primary: bool = False, block_k: int = 0) -> None:
     """Semantics (out [n, T, R] is out[0] of a [1, n, T, R] one):
         for i in range(n): for t in range(T):
             s = token_slots[t]
@@ -293,6 +296,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
     wait_primary: launched with PDL itself (sm_90+) right after the kernel that writes x, which may let it start
     early (producer_launch_dependents): A's first tiles are read while that kernel runs, x only after it is complete;
     with launch_dependents, the next kernel is let start only then (it may read what x's producer wrote)
+    block_k: the K tile at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens; 0: 64; set_lora_shrink_config's, when
+    set, wins). It sets which K steps each split sums (split sk takes the tiles sk, sk + split_k, ...), so the fp32
+    partials, not what they sum to, depend on it.
     """
     require_triton()
     n, S, R, H = a.shape
@@ -308,7 +314,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         H, R, S,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
-        BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H, T), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
+        BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H, T, block_k), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
         **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}),
         **({"WAIT_PRIMARY": True, "launch_pdl": True} if wait_primary else {}),
     )

@@ -48,6 +48,11 @@ def single_slot_path(lora: LoRABatch, num_tokens: int, on_gpu: bool) -> bool:
 # process each, MOELORA_LORA_SHRINK_SPLITS=4 against 8): +0.2% / +0.3% (call 2) and +0.4% / +0.4% (call 3, two
 # rounds) with 4 / 8 adapters; the o_proj GEMM 14.1 -> 11.8 µs beside a shrink of 6.0 -> 8.8. 2 splits lost 1.4%.
 DEFER_SHRINK_MAX_SPLITS = 4
+# ... and walks K in tiles of 128, not 64: each of the 4 splits half as many serial steps (o_proj's 1,024 inputs a
+# split in 8 steps, qkv's 512 in 4) for the same programs. Session 27 call 3 (one A/B process, two rounds, shared-A
+# adapters, fp8 128/128 batch 64, MOELORA_LORA_SHRINK_BLOCK_K): 128 +1.42% / +1.11% with 4 / 8 adapters, 256 -0.85% /
+# -0.88%. set_lora_shrink_config's K tile, when set, wins.
+DEFER_SHRINK_BLOCK_K = 128
 
 
 def dense_lora_h(w: LoRAWeights, x: torch.Tensor, max_splits: int = 0) -> torch.Tensor:
@@ -201,7 +206,7 @@ class LoRALinear(nn.Module):
                                   max_width=max(self.out_features))
                 return
             if not produced:
-                lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl)
+                lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl, block_k=DEFER_SHRINK_BLOCK_K)
             lora_delta(h, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
                        g.token_slots, g.active_slots, delta, wait=pdl and not produced)
 
