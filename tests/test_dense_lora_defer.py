@@ -236,6 +236,48 @@ def test_forward_deferred_is_forward_split_in_two(dtype):
         assert wide.forward_deferred(x, lora)[1] is None
 
 
+def test_deferred_chain_launch_experiments_change_no_result():
+    """Session 28's launch experiments of the deferred chain: set_lora_shrink_warps / set_lora_delta_warps reach the
+    two kernels' launches (num_warps) and give the same delta bit for bit; set_dense_defer_k_per_split sets the
+    shrink's most splits by H (min(8, H // k), DEFER_SHRINK_MAX_SPLITS when 0); bad values raise."""
+    from test_fp8_gpu import launch_records
+
+    from moelora.kernels import lora_delta_triton as ldt
+    from moelora.kernels import lora_triton
+    from moelora.layers.linear import DEFER_SHRINK_MAX_SPLITS, defer_shrink_max_splits
+
+    dtype = DTYPES[0]
+    lin, _, lora, x = _deferred_case(dtype, 3, bias=False, slots=[0, -1, 3, 1, 2, 0, 1])
+    with torch.no_grad(), _defer(True):
+        y0, d0 = lin.forward_deferred(x, lora)
+        try:
+            lora_triton.set_lora_shrink_warps(2)
+            ldt.set_lora_delta_warps(8)
+            assert (lora_triton.lora_shrink_warps(), ldt.lora_delta_warps()) == (2, 8)
+            with launch_records(lora_triton._shrink_kernel) as shrinks, launch_records(ldt._lora_delta_kernel) as deltas:
+                y, d = lin.forward_deferred(x, lora)
+        finally:
+            lora_triton.set_lora_shrink_warps(0)
+            ldt.set_lora_delta_warps(0)
+    assert [r.get("num_warps") for r in shrinks] == [2] and [r.get("num_warps") for r in deltas] == [8]
+    assert torch.equal(y, y0) and torch.equal(d, d0) and d.abs().max() > 0.01
+    for bad in (3, 16, -1):
+        with pytest.raises(ValueError, match="num_warps"):
+            lora_triton.set_lora_shrink_warps(bad)
+        with pytest.raises(ValueError, match="num_warps"):
+            ldt.set_lora_delta_warps(bad)
+    assert [defer_shrink_max_splits(h) for h in (256, 2048, 4096)] == [DEFER_SHRINK_MAX_SPLITS] * 3
+    try:
+        _triton.set_dense_defer_k_per_split(512)
+        assert [defer_shrink_max_splits(h) for h in (256, 2048, 4096, 8192)] == [1, 4, 8, 8]
+    finally:
+        _triton.set_dense_defer_k_per_split(0)
+    assert _triton.dense_defer_k_per_split() == 0
+    for bad in (100, 32, -64):
+        with pytest.raises(ValueError, match="power of two"):
+            _triton.set_dense_defer_k_per_split(bad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_deferred_takes_the_producers_shrink(dtype, monkeypatch):
     """A shrink written by the kernel that produced x (attach_lora_h: the decode attention's per-head partial sums

@@ -86,6 +86,16 @@ def _delta_tile() -> Switch:
     return set_, get, ("0x0", "32x64", "64x64", "32x128", "64x128", "64x256")
 
 
+def _int_switch(module: str, setter: str, getter: str, values: tuple[str, ...]) -> Switch:
+    def set_(value: str) -> None:
+        getattr(_import(module), setter)(int(value))
+
+    def get() -> str:
+        return str(getattr(_import(module), getter)())
+
+    return set_, get, values
+
+
 _T = "moelora.kernels._triton"
 # env name -> (set from the env string, current value as an env string, accepted values); each one is read when
 # graphs are captured
@@ -102,6 +112,12 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_LORA_SHRINK_SPLITS": _shrink_splits(),
     "MOELORA_LORA_SHRINK_BLOCK_K": _shrink_block_k(),
     "MOELORA_LORA_DELTA_TILE": _delta_tile(),
+    "MOELORA_LORA_SHRINK_WARPS": _int_switch("moelora.kernels.lora_triton", "set_lora_shrink_warps",
+                                             "lora_shrink_warps", ("0", "1", "2", "4", "8")),
+    "MOELORA_LORA_DELTA_WARPS": _int_switch("moelora.kernels.lora_delta_triton", "set_lora_delta_warps",
+                                            "lora_delta_warps", ("0", "1", "2", "4", "8")),
+    "MOELORA_DENSE_DEFER_K_PER_SPLIT": _int_switch(_T, "set_dense_defer_k_per_split", "dense_defer_k_per_split",
+                                                   ("0", "256", "512", "1024")),
     "MOELORA_DENSE_DEFER_ORDER": (lambda v: _import(_T).set_dense_defer_order(v),
                                   lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial")),
     "MOELORA_DENSE_DEFER_FUSED": _bool_switch(_T, "set_dense_defer_fused", "dense_defer_fused"),

@@ -95,6 +95,29 @@ def lora_delta_tile() -> tuple[int, int]:
     return _TILE[0], _TILE[1]
 
 
+def _env_warps() -> list[int]:
+    raw = os.environ.get("MOELORA_LORA_DELTA_WARPS", "") or "0"
+    if raw not in ("0", "1", "2", "4", "8"):
+        raise ValueError(f"MOELORA_LORA_DELTA_WARPS must be 0 (the default), 1, 2, 4 or 8, got {raw!r}")
+    return [int(raw)]
+
+
+_WARPS = _env_warps()
+
+
+def set_lora_delta_warps(num_warps: int = 0) -> None:
+    """lora_delta's num_warps (MOELORA_LORA_DELTA_WARPS; 0: Triton's default, 4): an experiment for the delta kernel
+    beside the base GEMM. The same sums; CUDA graphs keep what they captured."""
+    if num_warps not in (0, 1, 2, 4, 8):
+        raise ValueError(f"set_lora_delta_warps: num_warps 0 (the default), 1, 2, 4 or 8, got {num_warps}")
+    _WARPS[0] = int(num_warps)
+
+
+def lora_delta_warps() -> int:
+    """set_lora_delta_warps's num_warps; 0 = the default."""
+    return _WARPS[0]
+
+
 def _block_m(T: int) -> int:
     if _TILE[0]:
         return _TILE[0]
@@ -138,7 +161,7 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
             delta.stride(0), delta.stride(1),
             N_SLICES=n, SK=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_N=bn,
             PRECISION=dot_precision(b_cat.dtype), EVEN_R=lora_even_r() and R == br, WAIT=wait,
-            **({"launch_pdl": True} if wait else {}))
+            **({"launch_pdl": True} if wait else {}), **({"num_warps": _WARPS[0]} if _WARPS[0] else {}))
 
 
 def lora_delta_ref(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, ranks: torch.Tensor,

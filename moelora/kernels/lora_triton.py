@@ -237,6 +237,25 @@ def set_lora_shrink_config(splits: int = 0, block_k: int = 0) -> None:
     _SHRINK_CONFIG[0], _SHRINK_CONFIG[1] = int(splits), int(block_k)
 
 
+# set_lora_shrink_warps / MOELORA_LORA_SHRINK_WARPS (0: Triton's 4): the dense shrink's warps a program at decode
+# sizes, an experiment for the shrink beside the base GEMM (fewer warps: fewer issue slots taken from the GEMM's CTA
+# on a shared SM)
+_SHRINK_WARPS = [_env_int("MOELORA_LORA_SHRINK_WARPS")]
+
+
+def set_lora_shrink_warps(num_warps: int = 0) -> None:
+    """The dense shrink's num_warps at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens; 0: Triton's default, 4).
+    The same sums; a CUDA graph keeps what it captured."""
+    if num_warps not in (0, 1, 2, 4, 8):
+        raise ValueError(f"set_lora_shrink_warps: num_warps 0 (the default), 1, 2, 4 or 8, got {num_warps}")
+    _SHRINK_WARPS[0] = int(num_warps)
+
+
+def lora_shrink_warps() -> int:
+    """set_lora_shrink_warps's num_warps; 0 = the default."""
+    return _SHRINK_WARPS[0]
+
+
 def lora_shrink_config() -> tuple[int, int]:
     """(splits, block_k) of set_lora_shrink_config; 0 = the default."""
     return _SHRINK_CONFIG[0], _SHRINK_CONFIG[1]
@@ -317,6 +336,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H, T, block_k), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
         **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}),
         **({"WAIT_PRIMARY": True, "launch_pdl": True} if wait_primary else {}),
+        **({"num_warps": _SHRINK_WARPS[0]} if _SHRINK_WARPS[0] and T <= SHRINK_SPLIT_MAX_TOKENS else {}),
     )
 
 

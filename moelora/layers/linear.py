@@ -55,6 +55,15 @@ DEFER_SHRINK_MAX_SPLITS = 4
 DEFER_SHRINK_BLOCK_K = 128
 
 
+def defer_shrink_max_splits(H: int) -> int:
+    """The deferred shrink's most splits for input width H: DEFER_SHRINK_MAX_SPLITS, or with
+    set_dense_defer_k_per_split(k) min(8, H // k) (at least 1)."""
+    from moelora.kernels._triton import dense_defer_k_per_split
+
+    k = dense_defer_k_per_split()
+    return max(1, min(8, H // k)) if k else DEFER_SHRINK_MAX_SPLITS
+
+
 def dense_lora_h(w: LoRAWeights, x: torch.Tensor, max_splits: int = 0) -> torch.Tensor:
     """The shrink's buffer for x [T, H]: [split_k, n_slices, T, max_lora_rank] fp32, uninitialised (the shrink
     writes every entry the expand reads; split_k > 1 on a GPU at decode sizes: partial sums, added by the expand;
@@ -196,7 +205,7 @@ class LoRALinear(nn.Module):
         # set_dense_defer_fused: the chain as one launch, shrink and expand in one program (no h buffer)
         fused = not produced and dense_defer_fused() and x.shape[0] <= FUSED_DENSE_MAX_TOKENS
         if not (produced or fused):
-            h = dense_lora_h(w, x, DEFER_SHRINK_MAX_SPLITS)
+            h = dense_lora_h(w, x, defer_shrink_max_splits(x.shape[1]))
         delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
         g = lora.groups
 
