@@ -720,6 +720,68 @@ def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, mon
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() > 1e-1  # new inputs, new result
 
 
+def test_moe_lora_order_switch():
+    """set_moe_lora_order: which projections issue their base GEMM before the LoRA kernel; bad values raise."""
+    from moelora.kernels import _triton
+
+    want = {"lora": (False, False), "gemm": (True, True), "gate_up": (True, False), "down": (False, True)}
+    try:
+        for order, (gu, down) in want.items():
+            _triton.set_moe_lora_order(order)
+            assert _triton.moe_lora_order() == order
+            assert (_triton.moe_gemm_first(False), _triton.moe_gemm_first(True)) == (gu, down)
+    finally:
+        _triton.set_moe_lora_order("lora")
+    with pytest.raises(ValueError, match="set_moe_lora_order"):
+        _triton.set_moe_lora_order("side")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["gemm", "gate_up", "down"])
+def test_gpu_moe_lora_order_changes_nothing(order, fused_switch):
+    """set_moe_lora_order on a GPU, overlapping on the side stream: the GEMM issued first gives the default order's
+    output bit for bit, eagerly and from a CUDA-graph replay after new routing and slots are written."""
+    from moelora.kernels import _triton
+    from moelora.kernels.moe import fused_moe_pairs
+    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.streams import side_stream
+
+    gen = torch.Generator().manual_seed(84)
+    x, w_gu, w_d, weights, ids, args = _moe_layer(64, torch.bfloat16, gen)
+    side = side_stream(x.device)
+    ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
+    fused_switch(True)
+
+    def run():
+        return fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
+
+    ref = run()
+    _triton.set_moe_lora_order(order)
+    try:
+        eager = run()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = run()
+        x2, _, _, weights2, ids2, args2 = _moe_layer(64, torch.bfloat16, gen, popularity="uniform")
+        x.copy_(x2)
+        weights.copy_(weights2)
+        ids.copy_(ids2)
+        args.token_slots.copy_(args2.token_slots)
+        g.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+    finally:
+        _triton.set_moe_lora_order("lora")
+    assert torch.equal(eager, ref)
+    assert torch.equal(replayed, run())  # the default order, eagerly, on the new inputs
+    assert not torch.equal(replayed, ref)
+
+
 @pytest.mark.gpu
 def test_gpu_shared_a_switch_reads_one_copy_and_changes_nothing(tmp_path):
     """set_lora_shared_a on a GPU: a PEFT target_parameters adapter (gate and up share A) on a tiny Qwen3-MoE; the

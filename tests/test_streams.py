@@ -35,3 +35,35 @@ def test_gpu_side_stream_has_the_priority(setting):
     side, main = (int(v) for v in out.split())
     assert main == 0
     assert (side < main) if setting == "high" else (side == main)
+
+
+def test_set_side_stream_priority_wins_over_the_env(monkeypatch):
+    """set_side_stream_priority (the in-process A/B switch) replaces the environment's choice until reset; bad
+    values raise."""
+    from moelora.kernels import streams
+
+    monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "high")
+    monkeypatch.setattr(streams, "_PRIORITY", [""])
+    streams.set_side_stream_priority("normal")
+    assert side_stream_priority() == 0 and streams.side_stream_priority_name() == "normal"
+    streams.set_side_stream_priority("high")
+    assert side_stream_priority() == -1 and streams.side_stream_priority_name() == "high"
+    with pytest.raises(ValueError, match="set_side_stream_priority"):
+        streams.set_side_stream_priority("urgent")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_each_priority_has_its_own_side_stream(monkeypatch):
+    """side_stream gives a stream of the priority asked now: switching set_side_stream_priority in a process (an
+    A/B) gives the other stream, and switching back the first one again."""
+    from moelora.kernels import streams
+
+    monkeypatch.setattr(streams, "_PRIORITY", ["high"])
+    dev = torch.device("cuda")
+    high = streams.side_stream(dev)
+    streams.set_side_stream_priority("normal")
+    normal = streams.side_stream(dev)
+    assert normal.priority == torch.cuda.current_stream().priority and high.priority < normal.priority
+    streams.set_side_stream_priority("high")
+    assert streams.side_stream(dev) is high

@@ -214,7 +214,17 @@ def fused_moe_pairs(
         # pairs on another rank's expert (e = -1), which the LoRA kernels leave untouched; the fast path's
         # activation and combine never read those rows
         delta = (torch.empty if fast is not None else torch.zeros)(P, w.shape[1], dtype=delta_dtype, device=x.device)
-        main = fork(side_stream) if overlap else None
+        from moelora.kernels._triton import moe_gemm_first
+
+        y = None
+        if overlap and moe_gemm_first(per_pair):  # set_moe_lora_order: the GEMM issued (and captured) first
+            main = torch.cuda.current_stream(x.device)
+            ready = torch.cuda.Event()
+            ready.record(main)
+            y = gemm(y_in, w)
+            side_stream.wait_event(ready)  # the LoRA kernel waits only for what the GEMM waits for
+        else:
+            main = fork(side_stream) if overlap else None
         with torch.cuda.stream(side_stream) if overlap else contextlib.nullcontext():
             if fused is not None:  # store mode writes every entry of delta: no zero-fill, no h
                 fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, per_pair, store=True,
@@ -224,7 +234,8 @@ def fused_moe_pairs(
                 h.zero_()
                 shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
                 expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, **kw)
-        y = gemm(y_in, w)
+        if y is None:
+            y = gemm(y_in, w)
         if overlap:
             join(main, side_stream)
         if fast is None:

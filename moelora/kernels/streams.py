@@ -24,10 +24,26 @@ def side_stream_priority() -> int:
     the pending blocks of the main stream's kernel (the base expert GEMM, many waves) instead of after them.
     Measured on the H200 (session 10, Qwen3-30B-A3B fp8, 128/128, same run): high against normal gave 4,336 / 4,162
     against 4,266 / 4,073 tok/s at batch 64 with 4 / 8 adapters, 11,614 / 10,363 against 11,223 / 10,231 at 256."""
-    raw = os.environ.get("MOELORA_SIDE_STREAM_PRIORITY", "high").strip().lower()
+    raw = _PRIORITY[0] or os.environ.get("MOELORA_SIDE_STREAM_PRIORITY", "high").strip().lower()
     if raw not in _PRIORITIES:
         raise ValueError(f"MOELORA_SIDE_STREAM_PRIORITY={raw!r}: expected one of {sorted(_PRIORITIES)}")
     return _PRIORITIES[raw]
+
+
+_PRIORITY = [""]  # set_side_stream_priority's choice ("": the environment's)
+
+
+def set_side_stream_priority(priority: str) -> None:
+    """The side stream's priority, "high" or "normal", in place of MOELORA_SIDE_STREAM_PRIORITY (for an in-process
+    A/B: each priority has a stream of its own). Set it before CUDA graphs are captured; results do not change."""
+    if priority not in _PRIORITIES:
+        raise ValueError(f"set_side_stream_priority: expected one of {sorted(_PRIORITIES)}, got {priority!r}")
+    _PRIORITY[0] = priority
+
+
+def side_stream_priority_name() -> str:
+    """"high" or "normal": the priority side_stream() gives now."""
+    return {v: k for k, v in _PRIORITIES.items()}[side_stream_priority()]
 
 
 def side_stream(device: torch.device, priority: int | None = None) -> "torch.cuda.Stream":
@@ -35,7 +51,7 @@ def side_stream(device: torch.device, priority: int | None = None) -> "torch.cud
     priority None: side_stream_priority() (the stream the routed-expert LoRA and shared experts use)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     prio = side_stream_priority() if priority is None else priority
-    key = idx if priority is None else (idx, prio)
+    key = (idx, prio)
     if key not in _SIDE:
         _SIDE[key] = torch.cuda.Stream(device=idx, priority=prio)
     return _SIDE[key]
