@@ -27,7 +27,7 @@ from moelora.bench.common import git_commit, graph_time_us
 from moelora.kernels.fp8_triton import attach_act_quant, quantize_act_group
 from moelora.kernels.lora_delta_triton import lora_delta
 from moelora.kernels.lora_triton import lora_shrink
-from moelora.layers.linear import DEFER_SHRINK_BLOCK_K, dense_lora_h, defer_shrink_max_splits
+from moelora.layers.linear import DEFER_DELTA_WARPS, DEFER_SHRINK_BLOCK_K, dense_lora_h, defer_shrink_max_splits
 
 from bench_fp8_lora_epilogue import MAX_LORAS, SHAPES, build  # noqa: E402  (scripts/ on sys.path when run as a script)
 
@@ -81,7 +81,8 @@ def main() -> None:
                     w = mods[li].lora
                     lora_shrink(x, w.a, w.rank_tensor, batch.groups, hs[li], block_k=DEFER_SHRINK_BLOCK_K)
                     lora_delta(hs[li], w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor,
-                               w.scaling, batch.groups.token_slots, batch.groups.active_slots, deltas[li])
+                               w.scaling, batch.groups.token_slots, batch.groups.active_slots, deltas[li],
+                               num_warps=DEFER_DELTA_WARPS)
 
                 row = {"case": name, "tokens": T, "adapters": n_ad,
                        "gemm": graph_time_us(lambda li: mods[li].base(x), args.layers),

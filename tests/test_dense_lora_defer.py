@@ -237,14 +237,15 @@ def test_forward_deferred_is_forward_split_in_two(dtype):
 
 
 def test_deferred_chain_launch_experiments_change_no_result():
-    """Session 28's launch experiments of the deferred chain: set_lora_shrink_warps / set_lora_delta_warps reach the
-    two kernels' launches (num_warps) and give the same delta bit for bit; set_dense_defer_k_per_split sets the
-    shrink's most splits by H (min(8, H // k), DEFER_SHRINK_MAX_SPLITS when 0); bad values raise."""
+    """Session 28's launch switches of the deferred chain: set_lora_shrink_warps / set_lora_delta_warps reach the
+    two kernels' launches (num_warps; the delta's forced warps win over the chain's default) and give the same
+    delta bit for bit; set_dense_defer_k_per_split sets the
+    shrink's most splits by H (min(8, H // k), k = DEFER_SHRINK_K_PER_SPLIT when 0); bad values raise."""
     from test_fp8_gpu import launch_records
 
     from moelora.kernels import lora_delta_triton as ldt
     from moelora.kernels import lora_triton
-    from moelora.layers.linear import DEFER_SHRINK_MAX_SPLITS, defer_shrink_max_splits
+    from moelora.layers.linear import DEFER_SHRINK_K_PER_SPLIT, defer_shrink_max_splits
 
     dtype = DTYPES[0]
     lin, _, lora, x = _deferred_case(dtype, 3, bias=False, slots=[0, -1, 3, 1, 2, 0, 1])
@@ -252,24 +253,25 @@ def test_deferred_chain_launch_experiments_change_no_result():
         y0, d0 = lin.forward_deferred(x, lora)
         try:
             lora_triton.set_lora_shrink_warps(2)
-            ldt.set_lora_delta_warps(8)
-            assert (lora_triton.lora_shrink_warps(), ldt.lora_delta_warps()) == (2, 8)
+            ldt.set_lora_delta_warps(2)  # in place of the chain's DEFER_DELTA_WARPS (8)
+            assert (lora_triton.lora_shrink_warps(), ldt.lora_delta_warps()) == (2, 2)
             with launch_records(lora_triton._shrink_kernel) as shrinks, launch_records(ldt._lora_delta_kernel) as deltas:
                 y, d = lin.forward_deferred(x, lora)
         finally:
             lora_triton.set_lora_shrink_warps(0)
             ldt.set_lora_delta_warps(0)
-    assert [r.get("num_warps") for r in shrinks] == [2] and [r.get("num_warps") for r in deltas] == [8]
+    assert [r.get("num_warps") for r in shrinks] == [2] and [r.get("num_warps") for r in deltas] == [2]
     assert torch.equal(y, y0) and torch.equal(d, d0) and d.abs().max() > 0.01
     for bad in (3, 16, -1):
         with pytest.raises(ValueError, match="num_warps"):
             lora_triton.set_lora_shrink_warps(bad)
         with pytest.raises(ValueError, match="num_warps"):
             ldt.set_lora_delta_warps(bad)
-    assert [defer_shrink_max_splits(h) for h in (256, 2048, 4096)] == [DEFER_SHRINK_MAX_SPLITS] * 3
+    assert DEFER_SHRINK_K_PER_SPLIT == 512
+    assert [defer_shrink_max_splits(h) for h in (256, 2048, 4096, 8192)] == [1, 4, 8, 8]
     try:
-        _triton.set_dense_defer_k_per_split(512)
-        assert [defer_shrink_max_splits(h) for h in (256, 2048, 4096, 8192)] == [1, 4, 8, 8]
+        _triton.set_dense_defer_k_per_split(1024)
+        assert [defer_shrink_max_splits(h) for h in (256, 2048, 4096, 8192)] == [1, 2, 4, 8]
     finally:
         _triton.set_dense_defer_k_per_split(0)
     assert _triton.dense_defer_k_per_split() == 0
@@ -397,7 +399,7 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
         finally:
             fp8_triton.set_fp8_lora_epilogue(True)
     from moelora.kernels import lora_triton
-    from moelora.layers.linear import DEFER_SHRINK_MAX_SPLITS
+    from moelora.layers.linear import DEFER_DELTA_WARPS, DEFER_SHRINK_BLOCK_K, defer_shrink_max_splits
 
     from moelora.kernels import lora_fused_triton as lft
 
@@ -414,13 +416,17 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     finally:
         _triton.set_dense_defer_fused(False)
     layers = len(model.model.layers)
+    deferred = [r["SPLIT_K"] for r in shrinks if r["BLOCK_K"] == DEFER_SHRINK_BLOCK_K]  # the others walk 64
     if fused:
         assert not deltas and len(chains) == 2 * layers and all(r["STORE"] for r in chains), chains
-        assert [r["SPLIT_K"] for r in shrinks].count(DEFER_SHRINK_MAX_SPLITS) == 0, shrinks
+        assert not deferred, shrinks
     else:
         assert len(deltas) == 2 * layers and not chains
-        # the deferred shrinks split K DEFER_SHRINK_MAX_SPLITS ways; the dense MLP's (not deferred) 8 and 1
-        assert [r["SPLIT_K"] for r in shrinks].count(DEFER_SHRINK_MAX_SPLITS) == len(deltas), shrinks
+        assert all(r.get("num_warps") == DEFER_DELTA_WARPS for r in deltas), deltas
+        # the deferred shrinks, qkv's and o_proj's a layer, split by their input width (Qwen3-30B-A3B: 4 and 8 ways)
+        attn = model.model.layers[0].self_attn
+        want = [defer_shrink_max_splits(attn.qkv_proj.in_features), defer_shrink_max_splits(attn.o_proj.in_features)]
+        assert want == [4, 8] and deferred == want * layers, shrinks
     assert torch.equal(replayed, eager)
     assert torch.equal(eager[~ad], ref[~ad])  # rows without an adapter: not touched by the deferral
     got = _rel(eager[ad], ref[ad])

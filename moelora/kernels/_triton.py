@@ -138,17 +138,17 @@ _DENSE_DEFER_K_PER_SPLIT = _env_k_per_split()
 
 
 def set_dense_defer_k_per_split(k: int = 0) -> None:
-    """The deferred shrink's split-K by its input width (MOELORA_DENSE_DEFER_K_PER_SPLIT, an experiment): k > 0
-    splits H into min(8, H // k) parts, so each walks k inputs (k=512: qkv's 2,048 in 4 splits, o_proj's 4,096 in
-    8); 0 (the default): at most DEFER_SHRINK_MAX_SPLITS (layers/linear.py) whatever H. set_lora_shrink_config's
-    splits, when set, win. The same sums up to fp32 order; CUDA graphs keep what they captured."""
+    """The deferred shrink's split-K by its input width (MOELORA_DENSE_DEFER_K_PER_SPLIT): k > 0 splits H into
+    min(8, H // k) parts, so each walks k inputs (k=512: qkv's 2,048 in 4 splits, o_proj's 4,096 in 8); 0: the
+    default, DEFER_SHRINK_K_PER_SPLIT (layers/linear.py, 512 since session 28). set_lora_shrink_config's splits,
+    when set, win. The same sums up to fp32 order; CUDA graphs keep what they captured."""
     if k < 0 or (k and (k < 64 or k & (k - 1))):
         raise ValueError(f"set_dense_defer_k_per_split: 0 or a power of two >= 64, got {k}")
     _DENSE_DEFER_K_PER_SPLIT[0] = int(k)
 
 
 def dense_defer_k_per_split() -> int:
-    """set_dense_defer_k_per_split's k; 0 = the default (DEFER_SHRINK_MAX_SPLITS)."""
+    """set_dense_defer_k_per_split's k; 0 = the default (DEFER_SHRINK_K_PER_SPLIT)."""
     return _DENSE_DEFER_K_PER_SPLIT[0]
 
 

@@ -131,7 +131,7 @@ def _block_n(slice_bounds: tuple[int, ...]) -> int:
 
 def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, slice_bounds: tuple[int, ...],
                ranks: torch.Tensor, scaling: torch.Tensor, token_slots: torch.Tensor, active_slots: torch.Tensor,
-               delta: torch.Tensor, wait: bool = False) -> None:
+               delta: torch.Tensor, wait: bool = False, num_warps: int = 0) -> None:
     """Semantics (lora_delta_ref; slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1]):
         delta[t, o_i] = scaling[i, s] * (round_B(sum_k h[k, i, t, :r]) @ b_cat[s, o_i, :r].T)   s = token_slots[t] >= 0,
                                                                                            r = ranks[i, s] > 0
@@ -140,6 +140,7 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
     the same on the host) · ranks, scaling: [n, S] · token_slots: [T] int32 · active_slots: [L] int32 (the slot of
     each slot group, -1 unused; every slot of token_slots among them) · delta: [T, O] (x's dtype), any contents
     wait: launched with PDL right after the shrink (which let it start): B is loaded, then it waits for h.
+    num_warps: per program (0: Triton's 4); set_lora_delta_warps's, when set, wins. The same sums either way.
     """
     require_triton()
     sk, n, T, R = h.shape
@@ -161,7 +162,7 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
             delta.stride(0), delta.stride(1),
             N_SLICES=n, SK=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_N=bn,
             PRECISION=dot_precision(b_cat.dtype), EVEN_R=lora_even_r() and R == br, WAIT=wait,
-            **({"launch_pdl": True} if wait else {}), **({"num_warps": _WARPS[0]} if _WARPS[0] else {}))
+            **({"launch_pdl": True} if wait else {}), **({"num_warps": _WARPS[0] or num_warps} if _WARPS[0] or num_warps else {}))
 
 
 def lora_delta_ref(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, ranks: torch.Tensor,

@@ -43,25 +43,33 @@ def single_slot_path(lora: LoRABatch, num_tokens: int, on_gpu: bool) -> bool:
     return not on_gpu or num_tokens >= _SINGLE_SLOT["min_tokens"]
 
 
-# The deferred dense LoRA's shrink (LoRALinear.forward_deferred) splits K at most this many ways, not 8: half the
-# programs beside the base GEMM, which they slow down by sharing its SMs. Session 25 (fp8 128/128 batch 64, one A/B
+# The deferred dense LoRA's shrink (LoRALinear.forward_deferred) split K at most 4 ways, not 8, from session 25 to 27:
+# half the programs beside the base GEMM, which they slow down by sharing its SMs. Session 25 (fp8 128/128 batch 64, one A/B
 # process each, MOELORA_LORA_SHRINK_SPLITS=4 against 8): +0.2% / +0.3% (call 2) and +0.4% / +0.4% (call 3, two
 # rounds) with 4 / 8 adapters; the o_proj GEMM 14.1 -> 11.8 µs beside a shrink of 6.0 -> 8.8. 2 splits lost 1.4%.
-DEFER_SHRINK_MAX_SPLITS = 4
 # ... and walks K in tiles of 128, not 64: each of the 4 splits half as many serial steps (o_proj's 1,024 inputs a
 # split in 8 steps, qkv's 512 in 4) for the same programs. Session 27 call 3 (one A/B process, two rounds, shared-A
 # adapters, fp8 128/128 batch 64, MOELORA_LORA_SHRINK_BLOCK_K): 128 +1.42% / +1.11% with 4 / 8 adapters, 256 -0.85% /
 # -0.88%. set_lora_shrink_config's K tile, when set, wins.
 DEFER_SHRINK_BLOCK_K = 128
+# ... and splits H into min(8, H // DEFER_SHRINK_K_PER_SPLIT) parts, not at most 4: qkv's 2,048 inputs still 4 ways,
+# o_proj's 4,096 now 8 (4 K steps each, 32 programs with 4 adapters instead of 16 walking 8 steps); and its delta
+# kernel runs 8 warps a program, not 4 (DEFER_DELTA_WARPS). Session 28 (one A/B process each, two rounds, shared-A
+# adapters, fp8 128/128 batch 64, 4 / 8 adapters): the split by width +0.14% / +0.20%, the 8 warps +0.47% / +0.48%,
+# both +0.69% / +0.73% and, in the next process, +0.75% / +0.74% (89.5% / 88.3% kept). scripts/bench_defer_chain.py
+# (µs per call beside the GEMM, 4 adapters): o_proj 11.9 -> 11.8 with either, qkv 11.2 -> 11.0 with the 8 warps.
+# set_dense_defer_k_per_split / set_lora_delta_warps, when set, win; MOELORA_LORA_SHRINK_SPLITS=4 is the old split.
+DEFER_SHRINK_K_PER_SPLIT = 512
+DEFER_DELTA_WARPS = 8
 
 
 def defer_shrink_max_splits(H: int) -> int:
-    """The deferred shrink's most splits for input width H: DEFER_SHRINK_MAX_SPLITS, or with
-    set_dense_defer_k_per_split(k) min(8, H // k) (at least 1)."""
+    """The deferred shrink's most splits for input width H: min(8, H // k), at least 1, for k =
+    set_dense_defer_k_per_split's k when set, else DEFER_SHRINK_K_PER_SPLIT."""
     from moelora.kernels._triton import dense_defer_k_per_split
 
-    k = dense_defer_k_per_split()
-    return max(1, min(8, H // k)) if k else DEFER_SHRINK_MAX_SPLITS
+    k = dense_defer_k_per_split() or DEFER_SHRINK_K_PER_SPLIT
+    return max(1, min(8, H // k))
 
 
 def dense_lora_h(w: LoRAWeights, x: torch.Tensor, max_splits: int = 0) -> torch.Tensor:
@@ -217,7 +225,7 @@ class LoRALinear(nn.Module):
             if not produced:
                 lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl, block_k=DEFER_SHRINK_BLOCK_K)
             lora_delta(h, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
-                       g.token_slots, g.active_slots, delta, wait=pdl and not produced)
+                       g.token_slots, g.active_slots, delta, wait=pdl and not produced, num_warps=DEFER_DELTA_WARPS)
 
         if not x.is_cuda:  # the interpreter (tests): one stream
             chain(False)
