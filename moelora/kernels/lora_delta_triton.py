@@ -106,8 +106,8 @@ _WARPS = _env_warps()
 
 
 def set_lora_delta_warps(num_warps: int = 0) -> None:
-    """lora_delta's num_warps (MOELORA_LORA_DELTA_WARPS; 0: Triton's default, 4): an experiment for the delta kernel
-    beside the base GEMM. The same sums; CUDA graphs keep what they captured."""
+    """lora_delta's num_warps forced (MOELORA_LORA_DELTA_WARPS; 0: the caller's, DEFER_DELTA_WARPS = 8 for the
+    deferred chain since session 28, else Triton's 4). The same sums; CUDA graphs keep what they captured."""
     if num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"set_lora_delta_warps: num_warps 0 (the default), 1, 2, 4 or 8, got {num_warps}")
     _WARPS[0] = int(num_warps)
