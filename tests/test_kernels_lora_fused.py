@@ -721,7 +721,8 @@ def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, mon
 
 
 def test_moe_lora_order_switch():
-    """set_moe_lora_order: which projections issue their base GEMM before the LoRA kernel; bad values raise."""
+    """set_moe_lora_order: which projections issue their base GEMM before the LoRA kernel; bad values raise.
+    set_moe_lora_early: off by default, set and read back."""
     from moelora.kernels import _triton
 
     want = {"lora": (False, False), "gemm": (True, True), "gate_up": (True, False), "down": (False, True)}
@@ -734,13 +735,20 @@ def test_moe_lora_order_switch():
         _triton.set_moe_lora_order("lora")
     with pytest.raises(ValueError, match="set_moe_lora_order"):
         _triton.set_moe_lora_order("side")
+    assert not _triton.moe_lora_early()  # off until measured
+    try:
+        _triton.set_moe_lora_early(True)
+        assert _triton.moe_lora_early()
+    finally:
+        _triton.set_moe_lora_early(False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", ["gemm", "gate_up", "down"])
-def test_gpu_moe_lora_order_changes_nothing(order, fused_switch):
+@pytest.mark.parametrize("order", ["gemm", "gate_up", "down", "early", "early_fp32"])
+def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
     """set_moe_lora_order on a GPU, overlapping on the side stream: the GEMM issued first gives the default order's
-    output bit for bit, eagerly and from a CUDA-graph replay after new routing and slots are written."""
+    output bit for bit, eagerly and from a CUDA-graph replay after new routing and slots are written; likewise
+    set_moe_lora_early (gate_up's LoRA issued beside the alignment), with deltas in bf16 and in fp32."""
     from moelora.kernels import _triton
     from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
@@ -751,12 +759,24 @@ def test_gpu_moe_lora_order_changes_nothing(order, fused_switch):
     side = side_stream(x.device)
     ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
     fused_switch(True)
+    if order == "early_fp32":
+        monkeypatch.setattr(_triton, "_LORA_DELTA", ["fp32"])
 
     def run():
         return fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
 
     ref = run()
-    _triton.set_moe_lora_order(order)
+    if order.startswith("early"):
+        from moelora.kernels import moe_lora_fused_triton as mlf
+        from test_fp8_gpu import launch_records
+
+        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", [True])
+        with launch_records(mlf._moe_lora_fused_kernel) as launches:
+            run()
+        assert len(launches) == 2  # gate_up (early) and down, both in store mode
+        assert all(r["STORE"] for r in launches)
+    else:
+        _triton.set_moe_lora_order(order)
     try:
         eager = run()
         s = torch.cuda.Stream()

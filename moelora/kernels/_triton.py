@@ -248,6 +248,24 @@ def moe_lora_order() -> str:
     return _MOE_LORA_ORDER[0]
 
 
+_MOE_LORA_EARLY = [os.environ.get("MOELORA_MOE_LORA_EARLY", "0") == "1"]
+
+
+def set_moe_lora_early(enabled: bool) -> None:
+    """gate_up's routed-expert LoRA kernel issued before the experts' alignment is done (MOELORA_MOE_LORA_EARLY=1):
+    on the Triton fast path, overlapping on the side stream, with the fused kernel, it waits only for the routing
+    (it reads x, the top-k ids and the slots, not the alignment) and is issued right after the alignment's launch,
+    so it runs beside the alignment (one program, ~3.9 µs a layer at batch 64) instead of after it. Why: session
+    27's trace had the gate_up GEMM start 11.6 µs after its LoRA kernel began (the LoRA kernel's CTAs fill the SMs
+    first); starting that kernel earlier would start the GEMM earlier. The same kernels and values (GPU test:
+    bit-equal); CUDA graphs keep what they captured. Off until measured."""
+    _MOE_LORA_EARLY[0] = bool(enabled)
+
+
+def moe_lora_early() -> bool:
+    return _MOE_LORA_EARLY[0]
+
+
 def moe_gemm_first(per_pair: bool) -> bool:
     """Whether set_moe_lora_order issues the base GEMM first for the gate_up (per_pair False) or down projection."""
     order = _MOE_LORA_ORDER[0]

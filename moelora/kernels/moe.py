@@ -155,15 +155,10 @@ def fused_moe_pairs(
     inter = two_i // 2
     from moelora.kernels.fused_moe_triton import TritonExperts, fast_path_ok  # Triton base path (fused_moe_triton.py)
 
-    fast = TritonExperts(topk_ids, E) if fast_path_ok(x, w_gate_up, w_down) else None
-    if fast is not None and lora is None and activation == "silu":
+    fast_ok = fast_path_ok(x, w_gate_up, w_down)
+    if fast_ok and lora is None and activation == "silu":
+        fast = TritonExperts(topk_ids, E)
         return fast.combine(fast(fast(x, w_gate_up, fuse_act=True), w_down), topk_weights)
-    pair_exp = topk_ids.reshape(-1)
-    pair_tok = torch.arange(T, device=x.device).repeat_interleave(K) if fast is None else None
-    gemm = fast or _ExpertGemm(pair_exp, E)
-    kw = {}
-    if lora is not None and plan is not None:
-        kw["align"] = plan(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
     overlap = side_stream is not None and lora is not None and P <= OVERLAP_MAX_PAIRS
     fused = None  # set_fused_lora(True), decode-sized P: shrink + expand in one launch (moe_lora_fused_triton.py)
     if lora is not None:
@@ -178,6 +173,30 @@ def fused_moe_pairs(
                 from moelora.kernels.moe_lora_grouped_triton import grouped_for
 
                 fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
+    from moelora.kernels._triton import lora_delta_dtype, moe_lora_early
+
+    gu_parts = None if lora is None else (
+        lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks, lora.gate_up_scaling, inter,
+        lora.gate_up_a_src)
+    # set_moe_lora_early: gate_up's LoRA kernel needs only x and the routing, not the experts' alignment: issued
+    # on the side stream right after the alignment's launch, waiting only for what the alignment waits for
+    early = fast_ok and overlap and fused is not None and moe_lora_early()
+    if early:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(x.device))
+    fast = TritonExperts(topk_ids, E) if fast_ok else None  # the alignment (one launch at decode sizes)
+    early_gu = None
+    if early:
+        early_gu = torch.empty(P, two_i, dtype=lora_delta_dtype(x.dtype), device=x.device)
+        side_stream.wait_event(ready)
+        with torch.cuda.stream(side_stream):
+            _launch_fused(fused, x, gu_parts, False, topk_ids, lora.token_slots, E, early_gu)
+    pair_exp = topk_ids.reshape(-1)
+    pair_tok = torch.arange(T, device=x.device).repeat_interleave(K) if fast is None else None
+    gemm = fast or _ExpertGemm(pair_exp, E)
+    kw = {}
+    if lora is not None and plan is not None:
+        kw["align"] = plan(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
 
     def project(inp, w, per_pair, parts):
         """(y, delta): y = base GEMM of one projection [P, O] with its LoRA delta added, delta None; or, when
@@ -187,14 +206,16 @@ def fused_moe_pairs(
         y_in = inp if per_pair or fast is not None else inp[pair_tok]  # the Triton GEMM reads x[p // K] itself
         if parts is None:
             return gemm(y_in, w), None
+        if not per_pair and early_gu is not None:  # its LoRA already issued on the side stream (set_moe_lora_early)
+            y = gemm(y_in, w)
+            torch.cuda.current_stream(x.device).wait_stream(side_stream)  # the join
+            return y, early_gu
         a, b, offs, ranks, scaling, width, a_src = parts
         n, R = a.shape[0], a.shape[3]
         src = {} if a_src is None else {"a_src": a_src}  # the fused kernels only (the values are the same)
         if offs is None:
             offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
         h = None if fused is not None else torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
-        from moelora.kernels._triton import lora_delta_dtype
-
         delta_dtype = lora_delta_dtype(x.dtype)
         # serial with fp32 deltas: the expand adds into y itself (rounded once). Otherwise a delta buffer
         # (fp32, or the activations' dtype: set_lora_delta_dtype), made on main before any fork, that the consumer
@@ -227,8 +248,7 @@ def fused_moe_pairs(
             main = fork(side_stream) if overlap else None
         with torch.cuda.stream(side_stream) if overlap else contextlib.nullcontext():
             if fused is not None:  # store mode writes every entry of delta: no zero-fill, no h
-                fused(inp, a, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, per_pair, store=True,
-                      **src)
+                _launch_fused(fused, inp, parts, per_pair, topk_ids, lora.token_slots, E, delta)
             else:
                 delta.zero_()
                 h.zero_()
@@ -242,9 +262,6 @@ def fused_moe_pairs(
             return y.add_(delta), None  # y + delta (fp32, or already rounded to y's dtype), rounded once
         return y, delta  # the fast path's activation / combine kernel adds it (same rounding, no extra pass)
 
-    gu_parts = None if lora is None else (
-        lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks, lora.gate_up_scaling, inter,
-        lora.gate_up_a_src)
     gu, gu_delta = project(x, w_gate_up, False, gu_parts)  # [P, 2I], LoRA delta before the activation
     # [P, I], computed in fp32 and rounded once on both paths (as silu_and_mul): a quantized down projection
     # re-quantizes it, and a bf16 rounding difference there flips FP8 roundings (~1% apart at Qwen3 shapes)
@@ -256,6 +273,17 @@ def fused_moe_pairs(
         return fast.combine(o, topk_weights, o_delta)
     out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)
+
+
+def _launch_fused(fused, inp: torch.Tensor, parts, per_pair: bool, topk_ids: torch.Tensor, token_slots: torch.Tensor,
+                  E: int, delta: torch.Tensor) -> None:
+    """One projection's routed-expert LoRA delta by the fused kernel in store mode (every entry of delta written).
+    parts = (a, b, offsets or None (equal slices of `width`), ranks, scaling, width, a_src or None)."""
+    a, b, offs, ranks, scaling, width, a_src = parts
+    if offs is None:
+        offs = torch.tensor([i * width for i in range(a.shape[0] + 1)], dtype=torch.int32, device=inp.device)
+    fused(inp, a, b, offs, ranks, scaling, topk_ids, token_slots, E, delta, per_pair, store=True,
+          **({} if a_src is None else {"a_src": a_src}))
 
 
 class _ExpertGemm:
