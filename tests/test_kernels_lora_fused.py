@@ -676,6 +676,27 @@ def test_gpu_dense_fused_qwen3_qkv(popularity, num_tokens, R):
     _untouched_checks(y, c["y0"], c["slots"].to(DEVICE), c["ranks"], c["off"], 1)
 
 
+def _replayed_on_new_inputs(run, x, weights, ids, args, gen) -> torch.Tensor:
+    """run() warmed up on a side stream, captured in a CUDA graph, then replayed after new x, routing and slots (a
+    64-token _moe_layer with uniform popularity) are written into the captured inputs; returns the graph's output."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    x2, _, _, weights2, ids2, args2 = _moe_layer(64, torch.bfloat16, gen, popularity="uniform")
+    x.copy_(x2)
+    weights.copy_(weights2)
+    ids.copy_(ids2)
+    args.token_slots.copy_(args2.token_slots)
+    g.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True, "fp32_delta"])
 def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, monkeypatch):
@@ -700,21 +721,8 @@ def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, mon
     eager = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
     rel = ((eager.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
-    x2, _, _, weights2, ids2, args2 = _moe_layer(64, torch.bfloat16, gen, popularity="uniform")
-    x.copy_(x2)
-    weights.copy_(weights2)
-    ids.copy_(ids2)
-    args.token_slots.copy_(args2.token_slots)
-    g.replay()
-    torch.cuda.synchronize()
+    out = _replayed_on_new_inputs(lambda: fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side),
+                                  x, weights, ids, args, gen)
     expect = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
     torch.testing.assert_close(out, expect)  # bf16 tolerances: stale routing or slots would differ by far more
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() > 1e-1  # new inputs, new result
@@ -779,22 +787,7 @@ def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
         _triton.set_moe_lora_order(order)
     try:
         eager = run()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = run()
-        x2, _, _, weights2, ids2, args2 = _moe_layer(64, torch.bfloat16, gen, popularity="uniform")
-        x.copy_(x2)
-        weights.copy_(weights2)
-        ids.copy_(ids2)
-        args.token_slots.copy_(args2.token_slots)
-        g.replay()
-        torch.cuda.synchronize()
-        replayed = out.clone()
+        replayed = _replayed_on_new_inputs(run, x, weights, ids, args, gen).clone()
     finally:
         _triton.set_moe_lora_order("lora")
     assert torch.equal(eager, ref)
