@@ -7,7 +7,7 @@
 # Files: tests.log, ab.log, ab/, traces/ (python -m moelora.bench.trace traces/*a4*).
 source "$(dirname "$0")/gpu_prelude.sh"
 timeout -s INT 120 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_kernels_lora_fused.py \
-    -k "order" > "$OUT/tests.log" 2>&1
+    -k "order or overlap" > "$OUT/tests.log" 2>&1
 echo "tests (rc $?):"; grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/tests.log" | cut -c1-250 | tail -10
 timeout -s INT 400 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 --adapter-counts 0,4,8 \
     --expert-lora-layout shared-a --ab-rounds 2 --out "$OUT/ab" --profile-steps 3 --profile-trace "$OUT/traces" \
