@@ -38,8 +38,8 @@ def test_gpu_side_stream_has_the_priority(setting):
 
 
 def test_set_side_stream_priority_wins_over_the_env(monkeypatch):
-    """set_side_stream_priority (the in-process A/B switch) replaces the environment's choice until reset; bad
-    values raise."""
+    """set_side_stream_priority (the in-process A/B switch) replaces the environment's choice until reset to "";
+    bad values raise."""
     from moelora.kernels import streams
 
     monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "high")
@@ -48,6 +48,9 @@ def test_set_side_stream_priority_wins_over_the_env(monkeypatch):
     assert side_stream_priority() == 0 and streams.side_stream_priority_name() == "normal"
     streams.set_side_stream_priority("high")
     assert side_stream_priority() == -1 and streams.side_stream_priority_name() == "high"
+    streams.set_side_stream_priority("")  # back to the environment's
+    monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "normal")
+    assert side_stream_priority() == 0 and streams.side_stream_priority_override() == ""
     with pytest.raises(ValueError, match="set_side_stream_priority"):
         streams.set_side_stream_priority("urgent")
 

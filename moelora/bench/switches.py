@@ -116,7 +116,7 @@ SWITCHES: dict[str, Switch] = {
                                ("lora", "gemm", "gate_up", "down")),
     "MOELORA_MOE_LORA_EARLY": _bool_switch(_T, "set_moe_lora_early", "moe_lora_early"),
     "MOELORA_SIDE_STREAM_PRIORITY": (lambda v: _import("moelora.kernels.streams").set_side_stream_priority(v),
-                                     lambda: _import("moelora.kernels.streams").side_stream_priority_name(),
+                                     lambda: _import("moelora.kernels.streams").side_stream_priority_override(),
                                      ("high", "normal")),
     "MOELORA_LORA_SHRINK_WARPS": _int_switch("moelora.kernels.lora_triton", "set_lora_shrink_warps",
                                              "lora_shrink_warps", ("0", "1", "2", "4", "8")),

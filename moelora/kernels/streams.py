@@ -35,10 +35,16 @@ _PRIORITY = [""]  # set_side_stream_priority's choice ("": the environment's)
 
 def set_side_stream_priority(priority: str) -> None:
     """The side stream's priority, "high" or "normal", in place of MOELORA_SIDE_STREAM_PRIORITY (for an in-process
-    A/B: each priority has a stream of its own). Set it before CUDA graphs are captured; results do not change."""
-    if priority not in _PRIORITIES:
-        raise ValueError(f"set_side_stream_priority: expected one of {sorted(_PRIORITIES)}, got {priority!r}")
+    A/B: each priority has a stream of its own); "" goes back to the environment's. Set it before CUDA graphs are
+    captured; results do not change."""
+    if priority and priority not in _PRIORITIES:
+        raise ValueError(f"set_side_stream_priority: expected one of {sorted(_PRIORITIES)} or '', got {priority!r}")
     _PRIORITY[0] = priority
+
+
+def side_stream_priority_override() -> str:
+    """set_side_stream_priority's choice: "high", "normal", or "" (none: the environment's)."""
+    return _PRIORITY[0]
 
 
 def side_stream_priority_name() -> str:
