@@ -197,6 +197,33 @@ def test_moe_fused_slice_first_grid_changes_nothing(store):
         assert not torch.equal(outs[True, name], c["y0"]), name
 
 
+@pytest.mark.parametrize("store", [False, True])
+def test_moe_fused_one_launch_a_slice_equals_one_launch(store):
+    """moe_lora_fused(slices=(i, i + 1)) for each slice, one launch after the other, writes bit for bit what one
+    launch over both writes (add and store mode, own A and a shared A through a_src), and the reference agrees;
+    one slice alone leaves the other's columns untouched, also in store mode; bad ranges raise."""
+    from moelora.kernels.moe_lora_fused_triton import moe_lora_fused_ref
+
+    gen = torch.Generator().manual_seed(43)
+    c = _moe_case("gate_up", "with_base_rows", 7, DTYPES[0], gen)
+    a_src = torch.tensor([[0] * S, [0, 1, 0, 1]], dtype=torch.int32, device=DEVICE)
+    c_shared = dict(c, a=torch.cat([c["a"][:1], c["a"][:1]]), ranks=torch.cat([c["ranks"][:1], c["ranks"][:1]]))
+    o = c["off"].tolist()
+    for case, kw in ((c, {}), (c_shared, {"a_src": a_src})):
+        for fn in (moe_lora_fused, moe_lora_fused_ref):
+            one = c["y0"].clone()
+            _moe_call(fn, case, one, store=store, **kw)
+            split = c["y0"].clone()
+            _moe_call(fn, case, split, store=store, slices=(0, 1), **kw)
+            assert torch.equal(split[:, o[1]:], c["y0"][:, o[1]:])  # the up columns untouched so far
+            assert not torch.equal(split[:, :o[1]], c["y0"][:, :o[1]])
+            _moe_call(fn, case, split, store=store, slices=(1, 2), **kw)
+            assert torch.equal(split, one), fn.__name__
+    for bad in ((1, 1), (0, 3), (-1, 1)):
+        with pytest.raises(ValueError, match="slices"):
+            _moe_call(moe_lora_fused, c, c["y0"].clone(), store=store, slices=bad)
+
+
 def test_moe_fused_shared_h_expands_with_each_slices_scaling():
     """set_lora_shared_h: the up columns of a pair whose up reads gate's A get up's own scaling (scaled x3 against
     gate's here: the up delta triples, the gate delta stays), bit-equal to the kernel without shared h."""
@@ -515,6 +542,38 @@ def test_fused_moe_pairs_switch_on_equals_off(kernels, fused_switch):
     assert ((no_lora.float() - off.float()).norm() / off.float().norm()).item() > 10 * bound
 
 
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_fused_moe_pairs_gate_up_one_launch_a_slice(kernels, fused_switch, monkeypatch):
+    """set_moe_lora_gu_split: fused_moe_pairs (no side stream, fp16 deltas in the activations' dtype: the fused op
+    in store mode) calls the fused op once a slice for gate_up, once for down, and gives the one-launch output bit for
+    bit."""
+    from moelora.kernels import _triton
+    from moelora.kernels import moe_lora_fused_triton as mf
+    from moelora.kernels.moe import fused_moe_pairs
+    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+
+    gen = torch.Generator().manual_seed(62)
+    x, w_gu, w_d, weights, ids, args = _moe_layer(11, torch.float16, gen)  # fp32 activations: fp32 deltas, add mode
+    ops = (moe_lora_shrink_ref, moe_lora_expand_ref, None) if kernels == "reference" else (
+        moe_lora_shrink, moe_lora_expand, moe_lora_plan)
+    monkeypatch.setattr(_triton, "_LORA_DELTA", ["activation"])
+    fused_switch(True)
+    one = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+    name = "moe_lora_fused_ref" if kernels == "reference" else "moe_lora_fused"
+    real, calls = getattr(mf, name), []
+
+    def spy(*a, **kw):
+        calls.append(kw.get("slices"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mf, name, spy)
+    monkeypatch.setattr(_triton, "_MOE_LORA_GU_SPLIT", [True])
+    split = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+    assert calls == [(0, 1), (1, 2), None]
+    assert torch.equal(split, one)
+
+
 def test_fused_switch_takes_the_fused_kernel(fused_switch, monkeypatch):
     """Switch on: fused_moe_pairs calls the fused op, never shrink/expand; off: never the fused op."""
     from moelora.kernels import moe_lora_fused_triton as mf
@@ -730,7 +789,7 @@ def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, mon
 
 def test_moe_lora_order_switch():
     """set_moe_lora_order: which projections issue their base GEMM before the LoRA kernel; bad values raise.
-    set_moe_lora_early: off by default, set and read back."""
+    set_moe_lora_early / set_moe_lora_gu_split: off by default, set and read back."""
     from moelora.kernels import _triton
 
     want = {"lora": (False, False), "gemm": (True, True), "gate_up": (True, False), "down": (False, True)}
@@ -743,20 +802,23 @@ def test_moe_lora_order_switch():
         _triton.set_moe_lora_order("lora")
     with pytest.raises(ValueError, match="set_moe_lora_order"):
         _triton.set_moe_lora_order("side")
-    assert not _triton.moe_lora_early()  # off until measured
+    assert not _triton.moe_lora_early() and not _triton.moe_lora_gu_split()  # off until measured
     try:
         _triton.set_moe_lora_early(True)
-        assert _triton.moe_lora_early()
+        _triton.set_moe_lora_gu_split(True)
+        assert _triton.moe_lora_early() and _triton.moe_lora_gu_split()
     finally:
         _triton.set_moe_lora_early(False)
+        _triton.set_moe_lora_gu_split(False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", ["gemm", "gate_up", "down", "early", "early_fp32"])
+@pytest.mark.parametrize("order", ["gemm", "gate_up", "down", "early", "early_fp32", "gu_split", "early_gu_split"])
 def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
     """set_moe_lora_order on a GPU, overlapping on the side stream: the GEMM issued first gives the default order's
     output bit for bit, eagerly and from a CUDA-graph replay after new routing and slots are written; likewise
-    set_moe_lora_early (gate_up's LoRA issued beside the alignment), with deltas in bf16 and in fp32."""
+    set_moe_lora_early (gate_up's LoRA issued beside the alignment), with deltas in bf16 and in fp32, and
+    set_moe_lora_gu_split (gate_up's LoRA one launch a slice), alone and with the early launch."""
     from moelora.kernels import _triton
     from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
@@ -774,15 +836,16 @@ def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
         return fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
 
     ref = run()
-    if order.startswith("early"):
+    if order.startswith("early") or order.endswith("gu_split"):
         from moelora.kernels import moe_lora_fused_triton as mlf
         from test_fp8_gpu import launch_records
 
-        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", [True])
+        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", [order.startswith("early")])
+        monkeypatch.setattr(_triton, "_MOE_LORA_GU_SPLIT", [order.endswith("gu_split")])
         with launch_records(mlf._moe_lora_fused_kernel) as launches:
             run()
-        assert len(launches) == 2  # gate_up (early) and down, both in store mode
-        assert all(r["STORE"] for r in launches)
+        # gate_up (one launch, or gate then up) and down, all in store mode
+        assert len(launches) == (3 if order.endswith("gu_split") else 2) and all(r["STORE"] for r in launches)
     else:
         _triton.set_moe_lora_order(order)
     try:

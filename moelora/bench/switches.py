@@ -115,6 +115,7 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_MOE_LORA_ORDER": (lambda v: _import(_T).set_moe_lora_order(v), lambda: _import(_T).moe_lora_order(),
                                ("lora", "gemm", "gate_up", "down")),
     "MOELORA_MOE_LORA_EARLY": _bool_switch(_T, "set_moe_lora_early", "moe_lora_early"),
+    "MOELORA_MOE_LORA_GU_SPLIT": _bool_switch(_T, "set_moe_lora_gu_split", "moe_lora_gu_split"),
     "MOELORA_SIDE_STREAM_PRIORITY": (lambda v: _import("moelora.kernels.streams").set_side_stream_priority(v),
                                      lambda: _import("moelora.kernels.streams").side_stream_priority_override(),
                                      ("high", "normal")),

@@ -266,6 +266,24 @@ def moe_lora_early() -> bool:
     return _MOE_LORA_EARLY[0]
 
 
+_MOE_LORA_GU_SPLIT = [os.environ.get("MOELORA_MOE_LORA_GU_SPLIT", "0") == "1"]
+
+
+def set_moe_lora_gu_split(enabled: bool) -> None:
+    """gate_up's routed-expert LoRA as one fused launch a slice (gate, then up, in stream order) instead of one launch
+    of both (MOELORA_MOE_LORA_GU_SPLIT=1; the fused kernel in store mode, not with set_lora_shared_h). Why: at batch
+    64 the one launch has 1,024 programs, which fill every SM's registers beside nothing else (a CTA of 7,168
+    registers, 8-9 an SM), so the base gate_up GEMM started 11.6 µs after it in session 27's trace and that phase
+    grew 12.9 µs for ~8.6 µs of LoRA bytes; the down projection's launch, 512 programs, left room for the GEMM's
+    CTAs, which started with it, and that phase grew 8.2 µs for ~7. The same values bit for bit; CUDA graphs keep
+    what they captured. Off until measured."""
+    _MOE_LORA_GU_SPLIT[0] = bool(enabled)
+
+
+def moe_lora_gu_split() -> bool:
+    return _MOE_LORA_GU_SPLIT[0]
+
+
 def moe_gemm_first(per_pair: bool) -> bool:
     """Whether set_moe_lora_order issues the base GEMM first for the gate_up (per_pair False) or down projection."""
     order = _MOE_LORA_ORDER[0]

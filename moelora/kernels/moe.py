@@ -282,8 +282,18 @@ def _launch_fused(fused, inp: torch.Tensor, parts, per_pair: bool, topk_ids: tor
     a, b, offs, ranks, scaling, width, a_src = parts
     if offs is None:
         offs = torch.tensor([i * width for i in range(a.shape[0] + 1)], dtype=torch.int32, device=inp.device)
-    fused(inp, a, b, offs, ranks, scaling, topk_ids, token_slots, E, delta, per_pair, store=True,
-          **({} if a_src is None else {"a_src": a_src}))
+    kw = {} if a_src is None else {"a_src": a_src}
+    from moelora.kernels._triton import lora_shared_h, moe_lora_gu_split
+    from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
+
+    n = a.shape[0]
+    if (not per_pair and n > 1 and moe_lora_gu_split() and fused in (moe_lora_fused, moe_lora_fused_ref)
+            and not (a_src is not None and lora_shared_h())):
+        for i in range(n):  # set_moe_lora_gu_split: one launch a slice, in stream order
+            fused(inp, a, b, offs, ranks, scaling, topk_ids, token_slots, E, delta, per_pair, store=True,
+                  slices=(i, i + 1), **kw)
+        return
+    fused(inp, a, b, offs, ranks, scaling, topk_ids, token_slots, E, delta, per_pair, store=True, **kw)
 
 
 class _ExpertGemm:

@@ -133,14 +133,15 @@ if HAS_TRITON:
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
         D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
         asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, SHARED_H: tl.constexpr = False, N_SLICES: tl.constexpr = 1,
-        SLICE_FIRST: tl.constexpr = False,
+        SLICE_FIRST: tl.constexpr = False, SLICE_BASE: tl.constexpr = 0,
     ):
+        # SLICE_BASE: the grid's slice dim covers slices SLICE_BASE, SLICE_BASE + 1, ... (moe_lora_fused's slices)
         if SLICE_FIRST:  # grid (n, P, SPLIT_N): the slices of one pair side by side
             p = tl.program_id(1)
-            i = tl.program_id(0)
+            i = tl.program_id(0) + SLICE_BASE
         else:  # grid (P, n, SPLIT_N)
             p = tl.program_id(0)
-            i = tl.program_id(1)
+            i = tl.program_id(1) + SLICE_BASE
         pid_n = tl.program_id(2)
         o0 = tl.load(off_ptr + i)
         width = tl.load(off_ptr + i + 1) - o0
@@ -269,6 +270,7 @@ def moe_lora_fused(
     split_n: int | None = None,
     num_warps: int | None = None,
     a_src: torch.Tensor | None = None,
+    slices: tuple[int, int] | None = None,
 ) -> None:
     """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
     Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
@@ -291,6 +293,9 @@ def moe_lora_fused(
     where the two copies are equal, so the results are the same; fewer distinct bytes read); with
     set_lora_shared_h(True) too, the program of slice a_src[i, s] computes h once and expands slice i as well (slice
     i's own programs do nothing): the same values, half the shrinks of an adapter whose gate and up share A
+    slices: (lo, hi): only slices lo .. hi - 1 run (their columns of y, the others untouched, also in store mode);
+    None: all. Two launches over (0, 1) and (1, 2) write what one launch over both writes, bit for bit (not with
+    set_lora_shared_h: there one slice's program expands the other's)
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
@@ -306,8 +311,13 @@ def moe_lora_fused(
     from moelora.kernels._triton import lora_shared_h
 
     shared_h = a_src is not None and lora_shared_h()
-    slice_first = _SLICE_FIRST[0] and n > 1
-    _moe_lora_fused_kernel[(n, P, split) if slice_first else (P, n, split)](
+    lo, hi = (0, n) if slices is None else slices
+    if not 0 <= lo < hi <= n or (shared_h and (lo, hi) != (0, n)):
+        raise ValueError(f"moe_lora_fused: slices {slices} of {n} (0 <= lo < hi <= n; all of them with "
+                         f"set_lora_shared_h)")
+    n_run = hi - lo
+    slice_first = _SLICE_FIRST[0] and n_run > 1
+    _moe_lora_fused_kernel[(n_run, P, split) if slice_first else (P, n_run, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
@@ -317,6 +327,7 @@ def moe_lora_fused(
         **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
         **({"SHARED_H": True, "N_SLICES": n} if shared_h else {}),
         **({"SLICE_FIRST": True} if slice_first else {}),
+        **({"SLICE_BASE": lo} if lo else {}),
     )
 
 
@@ -355,10 +366,31 @@ def moe_lora_fused_ref(
     split_n: int | None = None,
     num_warps: int | None = None,
     a_src: torch.Tensor | None = None,
+    slices: tuple[int, int] | None = None,
 ) -> None:
     """Reference of moe_lora_fused (same semantics and shapes): moe_lora_shrink_ref into a zeroed fp32 h,
     then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored;
-    a_src ignored too (it only names an equal copy of A)."""
+    a_src ignored too (it only names an equal copy of A). slices (lo, hi): the other slices' ranks taken as 0 and,
+    in store mode, only the columns of slices lo .. hi - 1 copied."""
+    if slices is not None:
+        lo, hi = slices
+        ranks = ranks.clone()
+        ranks[:lo] = 0
+        ranks[hi:] = 0
+        if store:
+            bounds = slice_offsets.tolist()
+            delta = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+            _fused_ref(x, a, b_cat, slice_offsets, ranks, topk_ids, token_slots, num_experts, delta, x_per_pair,
+                       scaling, pair_weights, True)
+            y[:, bounds[lo]:bounds[hi]] = delta[:, bounds[lo]:bounds[hi]]
+            return
+    _fused_ref(x, a, b_cat, slice_offsets, ranks, topk_ids, token_slots, num_experts, y, x_per_pair, scaling,
+               pair_weights, store)
+
+
+def _fused_ref(x, a, b_cat, slice_offsets, ranks, topk_ids, token_slots, num_experts, y, x_per_pair, scaling,
+               pair_weights, store: bool) -> None:
+    """moe_lora_fused_ref over all slices (see there)."""
     T, K = topk_ids.shape
     n, R = a.shape[0], a.shape[3]
     h = torch.zeros(T * K, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
