@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Written at the end of session 28 for session 29's first device call (~8 min): (1) the GPU tests of
+# Written at the end of session 28 for session 29's first device call (~9 min; the first start also costs ~2-3 min of device time): (1) the GPU tests of
 # set_moe_lora_early (gate_up's routed-expert LoRA issued beside the experts' alignment) and set_moe_lora_gu_split
 # (gate_up's LoRA one launch a slice): bit-equal to the default, eagerly and from graph replays, bf16 and fp32
 # deltas; the issue-order switch; the overlap graph tests (their capture helper changed); (2) one A/B process, two
@@ -8,14 +8,14 @@
 # it, the same variants on one MoE layer alone, µs a call (scripts/bench_fp8_moe_lora_layer.py --shared-a).
 # Files: tests.log, moe_layer.log, moe_layer.json, ab.log, ab/, traces/ (python -m moelora.bench.trace traces/*a4*).
 source "$(dirname "$0")/gpu_prelude.sh"
-timeout -s INT 120 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_kernels_lora_fused.py \
+timeout -s INT 110 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_kernels_lora_fused.py \
     -k "order or overlap" > "$OUT/tests.log" 2>&1
 echo "tests (rc $?):"; grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/tests.log" | cut -c1-250 | tail -10
 V="early:MOELORA_MOE_LORA_EARLY=1;gus:MOELORA_MOE_LORA_GU_SPLIT=1;egus:MOELORA_MOE_LORA_EARLY=1,MOELORA_MOE_LORA_GU_SPLIT=1;mgemm:MOELORA_MOE_LORA_ORDER=gemm"
-timeout -s INT 120 python3 scripts/bench_fp8_moe_lora_layer.py --tokens 64 --adapters 4,8 --shared-a --variants "$V" \
+timeout -s INT 80 python3 scripts/bench_fp8_moe_lora_layer.py --tokens 64 --adapters 4,8 --shared-a --variants "$V" \
     --out "$OUT/moe_layer.json" > "$OUT/moe_layer.log" 2>&1
 echo "one MoE layer, µs a call (rc $?):"; grep -v "^WARN" "$OUT/moe_layer.log" | tail -4
-timeout -s INT 420 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 --adapter-counts 0,4,8 \
+timeout -s INT 330 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 --adapter-counts 0,4,8 \
     --expert-lora-layout shared-a --ab-rounds 2 --out "$OUT/ab" --profile-steps 3 --profile-trace "$OUT/traces" \
     --ab "$V" > "$OUT/ab.log" 2>&1
 echo "A/B (rc $?):"; grep -v "^WARN" "$OUT/ab.log" | grep -E "Error|Traceback|^A/B|^variant|^default|^early|^gus|^egus|^mgemm" | cut -c1-190
