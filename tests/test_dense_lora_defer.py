@@ -103,6 +103,41 @@ def test_lora_delta_tile_changes_no_result(tile, dtype):
         ldt.set_lora_delta_tile(32, 96)
 
 
+def test_lora_delta_tile_only_from_a_width():
+    """set_lora_delta_tile_min_o: the forced tile serves layers of at least that many output columns, the default
+    tile the narrower ones; the delta is the reference's either way."""
+    from test_fp8_gpu import launch_records
+
+    from moelora.kernels import lora_delta_triton as ldt
+
+    dtype = DTYPES[0]
+    outs = [256, 128, 128]
+    gen = torch.Generator().manual_seed(29)
+    b, ranks, scaling, off = _factors(dtype, gen, outs=outs)
+    slots = token_slots("with_base_rows", 40, S, gen)
+    groups = SlotGroups.build(slots, S, DEVICE)
+    h = torch.randn(2, len(outs), 40, R, generator=gen).to(DEVICE)
+    off_t = torch.tensor(off, dtype=torch.int32, device=DEVICE)
+    want = lora_delta_ref(h, b, off_t, ranks, scaling, groups, dtype)
+    try:
+        ldt.set_lora_delta_tile(64, 128)
+        default = (ldt._block_m(40, False), ldt.DELTA_BLOCK_N)
+        assert default != (64, 128)
+        for min_o, tile in ((1024, default), (512, (64, 128)), (0, (64, 128))):  # the layer has 512 columns
+            ldt.set_lora_delta_tile_min_o(min_o)
+            delta = torch.full((40, sum(outs)), float("nan"), dtype=dtype, device=DEVICE)
+            with launch_records(ldt._lora_delta_kernel) as rec:
+                lora_delta(h, b, off_t, tuple(off), ranks, scaling, groups.token_slots, groups.active_slots, delta)
+            assert (rec[0]["BLOCK_M"], rec[0]["BLOCK_N"]) == tile, (min_o, rec)
+            atol, rtol = tolerance(dtype)
+            torch.testing.assert_close(delta, want, atol=atol, rtol=rtol)
+    finally:
+        ldt.set_lora_delta_tile(0, 0)
+        ldt.set_lora_delta_tile_min_o(0)
+    with pytest.raises(ValueError, match="min_o"):
+        ldt.set_lora_delta_tile_min_o(-1)
+
+
 def test_lora_delta_refuses_layers_it_cannot_serve():
     assert delta_ok((0, 128, 192, 256), 4) and not delta_ok((0, 40, 64), 4)
     assert not delta_ok((0, 128), DELTA_MAX_GROUPS + 1) and not delta_ok((0, 128), 0)

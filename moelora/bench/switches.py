@@ -112,6 +112,8 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_LORA_SHRINK_SPLITS": _shrink_splits(),
     "MOELORA_LORA_SHRINK_BLOCK_K": _shrink_block_k(),
     "MOELORA_LORA_DELTA_TILE": _delta_tile(),
+    "MOELORA_LORA_DELTA_TILE_MIN_O": _int_switch("moelora.kernels.lora_delta_triton", "set_lora_delta_tile_min_o",
+                                                 "lora_delta_tile_min_o", ("0", "1024", "2048", "4096")),
     "MOELORA_MOE_LORA_ORDER": (lambda v: _import(_T).set_moe_lora_order(v), lambda: _import(_T).moe_lora_order(),
                                ("lora", "gemm", "gate_up", "down")),
     "MOELORA_MOE_LORA_EARLY": _bool_switch(_T, "set_moe_lora_early", "moe_lora_early"),

@@ -95,6 +95,30 @@ def lora_delta_tile() -> tuple[int, int]:
     return _TILE[0], _TILE[1]
 
 
+def _env_min_o() -> list[int]:
+    raw = os.environ.get("MOELORA_LORA_DELTA_TILE_MIN_O", "") or "0"
+    if not raw.isdigit():
+        raise ValueError(f"MOELORA_LORA_DELTA_TILE_MIN_O must be a non-negative integer, got {raw!r}")
+    return [int(raw)]
+
+
+_TILE_MIN_O = _env_min_o()
+
+
+def set_lora_delta_tile_min_o(min_o: int = 0) -> None:
+    """set_lora_delta_tile's tile only for layers of at least min_o output columns (MOELORA_LORA_DELTA_TILE_MIN_O;
+    0: every layer), the default tile below. Why (session 28, scripts/bench_defer_chain.py, 4 adapters): 64 x 128
+    took qkv's chain beside its GEMM 11.2 -> 10.8 µs but o_proj's 11.9 -> 12.7; 4096 keeps it to qkv (5,120
+    columns at Qwen3-30B-A3B). The same sums; CUDA graphs keep what they captured."""
+    if min_o < 0:
+        raise ValueError(f"set_lora_delta_tile_min_o: min_o >= 0, got {min_o}")
+    _TILE_MIN_O[0] = int(min_o)
+
+
+def lora_delta_tile_min_o() -> int:
+    return _TILE_MIN_O[0]
+
+
 def _env_warps() -> list[int]:
     raw = os.environ.get("MOELORA_LORA_DELTA_WARPS", "") or "0"
     if raw not in ("0", "1", "2", "4", "8"):
@@ -118,14 +142,14 @@ def lora_delta_warps() -> int:
     return _WARPS[0]
 
 
-def _block_m(T: int) -> int:
-    if _TILE[0]:
+def _block_m(T: int, forced: bool = True) -> int:
+    if _TILE[0] and forced:
         return _TILE[0]
     return 16 if T <= 16 else (32 if T <= 128 else 64)
 
 
-def _block_n(slice_bounds: tuple[int, ...]) -> int:
-    wide = _TILE[1]
+def _block_n(slice_bounds: tuple[int, ...], forced: bool = True) -> int:
+    wide = _TILE[1] if forced else 0
     return wide if wide and all(o % wide == 0 for o in slice_bounds[1:-1]) else DELTA_BLOCK_N
 
 
@@ -154,7 +178,8 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
         raise ValueError(f"lora_delta: needs slice bounds on multiples of {DELTA_BLOCK_N} and 1..{DELTA_MAX_GROUPS} slot "
                          f"groups, found bounds {list(slice_bounds)} and {L} groups (use lora_expand)")
     br = max(16, triton.next_power_of_2(R))
-    bm, bn = _block_m(T), _block_n(slice_bounds)
+    forced = O >= _TILE_MIN_O[0]  # set_lora_delta_tile_min_o: the forced tile only from that width
+    bm, bn = _block_m(T, forced), _block_n(slice_bounds, forced)
     if T:
         _lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(O, bn))](
             h, b_cat, delta, slice_offsets, ranks, scaling, token_slots, active_slots, T, O, S, L,
