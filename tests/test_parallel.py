@@ -108,18 +108,30 @@ def _worker(rank: int, world: int, port: int, tp: int, ep: int, cases: list[dict
             before = sum(dropped)
             results.append(run_case(c, ps))
             results[-1]["dropped"] = sum(dropped) - before  # this case's layer calls that left pairs out
-        if rank == 0:
-            torch.save(results, out)
         # every rank past its last collective before the groups go: tearing gloo down while a peer still sends
         # aborted a rank now and then ("terminate called without an active exception", SIGABRT)
         dist.barrier()
+        if rank == 0:  # written only once every rank has passed the barrier: all results complete
+            torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
 def run_parallel(tp: int, ep: int, cases: list[dict], out: str, ep_drop: bool = False) -> list[dict]:
+    """The cases on tp x ep CPU processes (gloo); rank 0's results. A rank aborted by gloo's teardown (SIGABRT,
+    "terminate called without an active exception", seen in CI once in several runs even after the barrier)
+    after the results were written is not a failure of what is tested: the results file only exists once every
+    rank has passed the final barrier. Any other exit, or an abort before that, fails."""
+    import signal
+
     world = tp * ep
-    mp.spawn(_worker, args=(world, free_port(), tp, ep, cases, out, ep_drop), nprocs=world, join=True)
+    if os.path.exists(out):
+        os.remove(out)  # only this run's rank 0 may write it
+    try:
+        mp.spawn(_worker, args=(world, free_port(), tp, ep, cases, out, ep_drop), nprocs=world, join=True)
+    except mp.ProcessExitedException as e:
+        if not (e.signal_name == "SIGABRT" or e.exit_code == -signal.SIGABRT) or not os.path.exists(out):
+            raise
     return torch.load(out)
 
 
