@@ -8,6 +8,8 @@ the adapters, x prequantized as the decode step's producers leave it:
             then the GEMM on one stream
 Why (sessions 24-27): beside the chain the qkv / o_proj GEMMs take ~14 µs instead of 8.4 / 9.5, and every launch
 experiment so far was measured only end to end; this one times the part itself, many variants in one process.
+(The variants are measured against the defaults of the commit they run at: since session 28 the delta kernel runs
+8 warps and o_proj's shrink splits 8 ways, so "dw8" and "kps512" are the default there.)
 
     python scripts/bench_defer_chain.py [--tokens 64] [--adapters 4,8] [--json out.json]
         [--variants "name:ENV=V,ENV=V;..."]   (default: the list below)
@@ -36,7 +38,9 @@ VARIANTS = ("default:;serial:MOELORA_DENSE_DEFER_ORDER=serial;"
             "dw1:MOELORA_LORA_DELTA_WARPS=1;dw2:MOELORA_LORA_DELTA_WARPS=2;dw8:MOELORA_LORA_DELTA_WARPS=8;"
             "s2:MOELORA_LORA_SHRINK_SPLITS=2;s8:MOELORA_LORA_SHRINK_SPLITS=8;kps512:MOELORA_DENSE_DEFER_K_PER_SPLIT=512;"
             "bk64:MOELORA_LORA_SHRINK_BLOCK_K=64;bk256:MOELORA_LORA_SHRINK_BLOCK_K=256;"
-            "t64x128:MOELORA_LORA_DELTA_TILE=64x128;sw2dw2:MOELORA_LORA_SHRINK_WARPS=2,MOELORA_LORA_DELTA_WARPS=2")
+            "t64x128:MOELORA_LORA_DELTA_TILE=64x128;"
+            "qkvt:MOELORA_LORA_DELTA_TILE=64x128,MOELORA_LORA_DELTA_TILE_MIN_O=4096;"
+            "sw2dw2:MOELORA_LORA_SHRINK_WARPS=2,MOELORA_LORA_DELTA_WARPS=2")
 
 
 def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
