@@ -188,6 +188,7 @@ def fused_moe_pairs(
     early_gu = None
     if early:
         early_gu = torch.empty(P, two_i, dtype=lora_delta_dtype(x.dtype), device=x.device)
+        gu_parts = _with_offsets(gu_parts, x.device)  # on the main stream, before the side stream waits
         side_stream.wait_event(ready)
         with torch.cuda.stream(side_stream):
             _launch_fused(fused, x, gu_parts, False, topk_ids, lora.token_slots, E, early_gu)
@@ -210,11 +211,10 @@ def fused_moe_pairs(
             y = gemm(y_in, w)
             torch.cuda.current_stream(x.device).wait_stream(side_stream)  # the join
             return y, early_gu
+        parts = _with_offsets(parts, x.device)  # before any fork
         a, b, offs, ranks, scaling, width, a_src = parts
         n, R = a.shape[0], a.shape[3]
         src = {} if a_src is None else {"a_src": a_src}  # the fused kernels only (the values are the same)
-        if offs is None:
-            offs = torch.tensor([i * width for i in range(n + 1)], dtype=torch.int32, device=x.device)
         h = None if fused is not None else torch.empty(P, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
         delta_dtype = lora_delta_dtype(x.dtype)
         # serial with fp32 deltas: the expand adds into y itself (rounded once). Otherwise a delta buffer
@@ -275,13 +275,20 @@ def fused_moe_pairs(
     return out.to(x.dtype)
 
 
+def _with_offsets(parts, device: torch.device):
+    """parts with its slice offsets made when None (equal slices of `width`): on the current stream, so call it
+    before a fork (nothing the side stream uses may be allocated on it under graph capture)."""
+    a, b, offs, ranks, scaling, width, a_src = parts
+    if offs is None:
+        offs = torch.tensor([i * width for i in range(a.shape[0] + 1)], dtype=torch.int32, device=device)
+    return a, b, offs, ranks, scaling, width, a_src
+
+
 def _launch_fused(fused, inp: torch.Tensor, parts, per_pair: bool, topk_ids: torch.Tensor, token_slots: torch.Tensor,
                   E: int, delta: torch.Tensor) -> None:
     """One projection's routed-expert LoRA delta by the fused kernel in store mode (every entry of delta written).
-    parts = (a, b, offsets or None (equal slices of `width`), ranks, scaling, width, a_src or None)."""
+    parts = (a, b, offsets, ranks, scaling, width, a_src or None), offsets made beforehand (_with_offsets)."""
     a, b, offs, ranks, scaling, width, a_src = parts
-    if offs is None:
-        offs = torch.tensor([i * width for i in range(a.shape[0] + 1)], dtype=torch.int32, device=inp.device)
     kw = {} if a_src is None else {"a_src": a_src}
     from moelora.kernels._triton import lora_shared_h, moe_lora_gu_split
     from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
