@@ -45,9 +45,9 @@ def test_set_side_stream_priority_wins_over_the_env(monkeypatch):
     monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "high")
     monkeypatch.setattr(streams, "_PRIORITY", [""])
     streams.set_side_stream_priority("normal")
-    assert side_stream_priority() == 0 and streams.side_stream_priority_name() == "normal"
+    assert side_stream_priority() == 0 and streams.side_stream_priority_override() == "normal"
     streams.set_side_stream_priority("high")
-    assert side_stream_priority() == -1 and streams.side_stream_priority_name() == "high"
+    assert side_stream_priority() == -1 and streams.side_stream_priority_override() == "high"
     streams.set_side_stream_priority("")  # back to the environment's
     monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "normal")
     assert side_stream_priority() == 0 and streams.side_stream_priority_override() == ""

@@ -47,11 +47,6 @@ def side_stream_priority_override() -> str:
     return _PRIORITY[0]
 
 
-def side_stream_priority_name() -> str:
-    """"high" or "normal": the priority side_stream() gives now."""
-    return {v: k for k, v in _PRIORITIES.items()}[side_stream_priority()]
-
-
 def side_stream(device: torch.device, priority: int | None = None) -> "torch.cuda.Stream":
     """One side stream per GPU and priority, created on first use (outside capture: the graph warm-up runs first);
     priority None: side_stream_priority() (the stream the routed-expert LoRA and shared experts use)."""
