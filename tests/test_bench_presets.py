@@ -328,6 +328,27 @@ def test_kernel_trace_layer_table_orders_one_layers_kernels(tmp_path, capsys):
     assert "side stream" in format_layer_table(t)
 
 
+def test_layer_table_follows_the_markers_stream(tmp_path):
+    """A graph replay may run the marker (and the layer's main-stream kernels) on another stream from one layer to
+    the next, and another stream may be busier: each layer's main stream is the one that ran its marker."""
+    from moelora.bench.profile import write_kernel_trace
+    from moelora.bench.trace import layer_table, load_trace
+
+    def k(name, ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    events = []
+    for layer in range(6):
+        t, main = 1000.0 + 100 * layer, 7 if layer % 2 else 9
+        events += [k("attn", t, 10, main), k("norm", t + 12, 3, main), k("lora", t + 16, 80, 8)]  # 8: the busiest
+    path = str(tmp_path / "trace.json.gz")
+    write_kernel_trace(events, path)
+    t = layer_table(*load_trace(path), marker="attn")
+    assert t["layers"] == 5 and t["span_us"] == 100
+    assert [r["name"] for r in t["main"]] == ["attn", "norm"] and t["main"][1]["gap_us"] == 2
+    assert t["side"] == [{"name": "lora", "start_us": 16, "dur_us": 80}]
+
+
 def test_write_result_keeps_one_file_across_midnight(tmp_path, monkeypatch):
     """A run rewriting its result after every row keeps writing the file its first write named, even when the
     date changes in between (a CI run crossing midnight once split a decode run's rows over two files); another
@@ -394,7 +415,7 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
             "MOELORA_DENSE_DEFER_FUSED": "1", "MOELORA_LORA_SHRINK_BLOCK_K": "256",
             "MOELORA_LORA_SHRINK_WARPS": "2", "MOELORA_LORA_DELTA_WARPS": "8", "MOELORA_DENSE_DEFER_K_PER_SPLIT": "512",
             "MOELORA_MOE_LORA_ORDER": "gemm", "MOELORA_SIDE_STREAM_PRIORITY": "normal",
-            "MOELORA_MOE_LORA_EARLY": "1", "MOELORA_MOE_LORA_GU_SPLIT": "1",
+            "MOELORA_MOE_LORA_EARLY": "2", "MOELORA_MOE_LORA_GU_SPLIT": "1",
             "MOELORA_LORA_DELTA_TILE_MIN_O": "4096"}
     names = list(want)
     before = switches.current(names)

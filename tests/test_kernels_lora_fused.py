@@ -803,22 +803,31 @@ def test_moe_lora_order_switch():
     with pytest.raises(ValueError, match="set_moe_lora_order"):
         _triton.set_moe_lora_order("side")
     assert not _triton.moe_lora_early() and not _triton.moe_lora_gu_split()  # off until measured
+    assert _triton.moe_lora_early_mode() == "0"
     try:
         _triton.set_moe_lora_early(True)
         _triton.set_moe_lora_gu_split(True)
-        assert _triton.moe_lora_early() and _triton.moe_lora_gu_split()
+        assert _triton.moe_lora_early() and _triton.moe_lora_gu_split() and _triton.moe_lora_early_mode() == "1"
+        _triton.set_moe_lora_early("2")  # the alignment on its own stream, above the side stream's priority
+        assert _triton.moe_lora_early() and _triton.moe_lora_early_mode() == "2"
+        _triton.set_moe_lora_early("0")
+        assert not _triton.moe_lora_early()
+        with pytest.raises(ValueError, match="set_moe_lora_early"):
+            _triton.set_moe_lora_early("3")
     finally:
         _triton.set_moe_lora_early(False)
         _triton.set_moe_lora_gu_split(False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", ["gemm", "gate_up", "down", "early", "early_fp32", "gu_split", "early_gu_split"])
+@pytest.mark.parametrize("order", ["gemm", "gate_up", "down", "early", "early_fp32", "early_align", "gu_split",
+                                   "early_gu_split"])
 def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
     """set_moe_lora_order on a GPU, overlapping on the side stream: the GEMM issued first gives the default order's
     output bit for bit, eagerly and from a CUDA-graph replay after new routing and slots are written; likewise
     set_moe_lora_early (gate_up's LoRA issued beside the alignment), with deltas in bf16 and in fp32, and
-    set_moe_lora_gu_split (gate_up's LoRA one launch a slice), alone and with the early launch."""
+    set_moe_lora_gu_split (gate_up's LoRA one launch a slice), alone and with the early launch; and the early launch
+    with the alignment on its own stream (mode "2"), whose priority is above the side stream's."""
     from moelora.kernels import _triton
     from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
@@ -840,7 +849,12 @@ def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
         from moelora.kernels import moe_lora_fused_triton as mlf
         from test_fp8_gpu import launch_records
 
-        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", [order.startswith("early")])
+        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["2" if order == "early_align" else
+                                                         "1" if order.startswith("early") else "0"])
+        if order == "early_align":
+            from moelora.kernels.streams import align_stream
+
+            assert align_stream(x.device).priority < side.priority  # a lower number: a higher priority
         monkeypatch.setattr(_triton, "_MOE_LORA_GU_SPLIT", [order.endswith("gu_split")])
         with launch_records(mlf._moe_lora_fused_kernel) as launches:
             run()

@@ -18,23 +18,22 @@ def load_trace(path: str) -> tuple[list[str], list[list]]:
 
 
 def layer_table(names: list[str], kernels: list[list], marker: str = "_paged_attn_split_kernel") -> dict:
-    """Split the main stream (the stream with the most kernel time) into layers: a layer is the kernels from one
-    main-stream run of `marker` (a kernel that runs once a layer) to the next; gaps over 10x the median spacing are
-    step boundaries, and only the layers whose main-stream kernel sequence is the most common one are kept.
+    """Split the trace into layers: a layer is the kernels from one run of `marker` (a kernel that runs once a
+    layer) to the next, its main stream the stream that ran that marker (a CUDA graph's replay may put its branches
+    on other streams than the ones captured, and move them when the graph changes: with the routed-expert LoRA
+    issued early, session 29, the busiest stream ran the marker only once a step); gaps over 10x the median spacing
+    are step boundaries, and only the layers whose main-stream kernel sequence is the most common one are kept.
     Returns {"layers": n, "span_us": median layer span, "main": [{"name", "dur_us", "gap_us", "start_us"} per
     position], "side": [{"name", "dur_us", "start_us"}] the side stream's kernels by their median start in the
     layer}. dur / gap / start: medians over the layers."""
-    busy: dict = {}
-    for _, st, _, d in kernels:
-        busy[st] = busy.get(st, 0.0) + d
-    main = max(busy, key=busy.get)
     try:
         mk = names.index(marker)
     except ValueError:
         raise ValueError(f"layer_table: no kernel named {marker!r} in the trace (pick one that runs once a layer)")
-    starts = [k[2] for k in kernels if k[1] == main and k[0] == mk]
+    runs = [(k[2], k[1]) for k in kernels if k[0] == mk]
+    starts = [t for t, _ in runs]
     layers: list[tuple[list, list, float]] = []
-    for a, b in zip(starts, starts[1:]):
+    for (a, main), b in zip(runs, starts[1:]):
         if b - a > 10 * statistics.median([y - x for x, y in zip(starts, starts[1:])]):
             continue  # a step boundary
         m = [k for k in kernels if k[1] == main and a <= k[2] < b]

@@ -250,21 +250,44 @@ def moe_lora_order() -> str:
     return _MOE_LORA_ORDER[0]
 
 
-_MOE_LORA_EARLY = [os.environ.get("MOELORA_MOE_LORA_EARLY", "0") == "1"]
+_MOE_LORA_EARLY_MODES = ("0", "1", "2")
 
 
-def set_moe_lora_early(enabled: bool) -> None:
-    """gate_up's routed-expert LoRA kernel issued before the experts' alignment is done (MOELORA_MOE_LORA_EARLY=1):
+def _env_moe_lora_early() -> list[str]:
+    raw = os.environ.get("MOELORA_MOE_LORA_EARLY", "0") or "0"
+    if raw not in _MOE_LORA_EARLY_MODES:
+        raise ValueError(f"MOELORA_MOE_LORA_EARLY must be 0, 1 or 2, got {raw!r}")
+    return [raw]
+
+
+_MOE_LORA_EARLY = _env_moe_lora_early()
+
+
+def set_moe_lora_early(mode: bool | str) -> None:
+    """gate_up's routed-expert LoRA kernel issued before the experts' alignment is done (MOELORA_MOE_LORA_EARLY):
     on the Triton fast path, overlapping on the side stream, with the fused kernel, it waits only for the routing
-    (it reads x, the top-k ids and the slots, not the alignment) and is issued right after the alignment's launch,
-    so it runs beside the alignment (one program, ~3.9 µs a layer at batch 64) instead of after it. Why: session
-    27's trace had the gate_up GEMM start 11.6 µs after its LoRA kernel began (the LoRA kernel's CTAs fill the SMs
-    first); starting that kernel earlier would start the GEMM earlier. The same kernels and values (GPU test:
-    bit-equal); CUDA graphs keep what they captured. Off until measured."""
-    _MOE_LORA_EARLY[0] = bool(enabled)
+    (it reads x, the top-k ids and the slots, not the alignment), so it runs beside the alignment (one program,
+    ~3.9 µs a layer at batch 64) instead of after it. Why: the gate_up GEMM starts ~10 µs after its LoRA kernel
+    began (the LoRA kernel's CTAs fill the SMs first); starting that kernel earlier would start the GEMM earlier.
+    "1" (True): the alignment on the main stream. Session 29 (fp8 128/128 batch 64, one A/B process, two rounds):
+    -1.47% / -1.14% with 4 / 8 adapters; its trace had the alignment at 21 µs instead of 4: its one program, on the
+    main stream's normal priority, waited behind the LoRA kernel's 1,024 high-priority CTAs.
+    "2": the alignment launched on a stream of its own above the side stream's priority (streams.align_stream), so
+    its program is placed before the LoRA kernel's, which then fills the rest of the GPU beside it.
+    "0" (False): off. The same kernels and values (GPU test: bit-equal); CUDA graphs keep what they captured."""
+    raw = {True: "1", False: "0"}.get(mode, mode) if isinstance(mode, bool) else str(mode)
+    if raw not in _MOE_LORA_EARLY_MODES:
+        raise ValueError(f"set_moe_lora_early: expected False/True or '0', '1', '2', got {mode!r}")
+    _MOE_LORA_EARLY[0] = raw
 
 
 def moe_lora_early() -> bool:
+    """set_moe_lora_early on (mode "1" or "2")."""
+    return _MOE_LORA_EARLY[0] != "0"
+
+
+def moe_lora_early_mode() -> str:
+    """set_moe_lora_early's mode: "0", "1" or "2" (the alignment on its own higher-priority stream)."""
     return _MOE_LORA_EARLY[0]
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels.streams import launched_on
 
 if HAS_TRITON:
     import triton
@@ -196,15 +197,18 @@ EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS = int(os.environ.get("MOELORA_EXPERT_ALIGN_ON
 
 
 def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
-                       P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor):
-    """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots)."""
+                       P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                       stream: "torch.cuda.Stream | None" = None):
+    """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots);
+    stream: see moe_align."""
     groups = num_experts * max_loras
     block_e1 = triton.next_power_of_2(groups + 1)
     shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)  # scratch
-    _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
-                            sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
-                            BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
-                            HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
+    with launched_on(stream):
+        _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
+                                sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
+                                BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
+                                HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
     return sorted_ids, block_expert
 
 
@@ -229,11 +233,15 @@ def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor
     return _align_one_program(topk_ids.reshape(-1), token_slots, K, num_experts, max_loras, P, block_m, sorted_ids, bvex)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              stream: "torch.cuda.Stream | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_align_ref on the device: no atomics (stable inside each group), no host sync.
     P <= ALIGN_ONE_PROGRAM_MAX_PAIRS (and MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS, default the same): one
     launch of one program (tl.sort of the pairs by expert, a histogram for
     the group sizes); larger P: count per chunk of pairs (C programs), offsets (1 program), placement (C programs).
+    stream: launch on this CUDA stream instead (its priority places the program; set_moe_lora_early mode "2"): it
+    waits for the current stream's work so far, the current stream waits for the launches; the outputs are
+    allocated on the current stream. None: the current stream.
     topk_ids: [T, K] int · returns sorted_pair_ids [p_max] int32 (pad = T*K), block_expert [p_max/block_m] int32
     """
     require_triton()
@@ -248,15 +256,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
     if P <= min(ALIGN_ONE_PROGRAM_MAX_PAIRS, EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS):  # decode: one sort of all pairs
-        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert)
+        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert, stream)
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
     base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)
-    _align_count_kernel[(C,)](ids, counts, sorted_ids, P, p_max, triton.cdiv(p_max, C),
-                              BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
-    _align_offsets_kernel[(1,)](counts, base, block_expert, C, n_blocks,
-                                BLOCK_M=block_m, BLOCK_C=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8)
-    _align_place_kernel[(C,)](ids, base, sorted_ids, P, C, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+    with launched_on(stream):
+        _align_count_kernel[(C,)](ids, counts, sorted_ids, P, p_max, triton.cdiv(p_max, C),
+                                  BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+        _align_offsets_kernel[(1,)](counts, base, block_expert, C, n_blocks,
+                                    BLOCK_M=block_m, BLOCK_C=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8)
+        _align_place_kernel[(C,)](ids, base, sorted_ids, P, C, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
     return sorted_ids, block_expert
 
 
@@ -593,12 +602,14 @@ class TritonExperts:
     and serves both projections. inp may be per token ([T, D]: rows read as p // K, no gather copy)
     or per pair ([P, D]); with K == 1 the two are the same."""
 
-    def __init__(self, topk_ids: torch.Tensor, num_experts: int, config: GemmConfig | None = None) -> None:
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int, config: GemmConfig | None = None,
+                 align_stream: "torch.cuda.Stream | None" = None) -> None:
+        """align_stream: the alignment launched on that stream (moe_align's stream), else on the current one."""
         self.T, self.K = topk_ids.shape
         self.P = self.T * self.K
         self.topk_ids = topk_ids
         self.cfg = config or pick_config(self.P)
-        self.align = moe_align(topk_ids, num_experts, self.cfg.block_m)
+        self.align = moe_align(topk_ids, num_experts, self.cfg.block_m, align_stream)
         self.act_quant_group: int | None = None  # set by a quantized gate_up GEMM whose stack quantizes inputs
 
     def __call__(self, inp: torch.Tensor, w, fuse_act: bool = False) -> torch.Tensor:

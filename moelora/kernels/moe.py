@@ -173,18 +173,24 @@ def fused_moe_pairs(
                 from moelora.kernels.moe_lora_grouped_triton import grouped_for
 
                 fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
-    from moelora.kernels._triton import lora_delta_dtype, moe_lora_early
+    from moelora.kernels._triton import lora_delta_dtype, moe_lora_early, moe_lora_early_mode
 
     gu_parts = None if lora is None else (
         lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks, lora.gate_up_scaling, inter,
         lora.gate_up_a_src)
     # set_moe_lora_early: gate_up's LoRA kernel needs only x and the routing, not the experts' alignment: issued
-    # on the side stream right after the alignment's launch, waiting only for what the alignment waits for
+    # on the side stream right after the alignment's launch, waiting only for what the alignment waits for (mode
+    # "2": the alignment itself on a stream of a higher priority than the side stream's, so it gets an SM first)
     early = fast_ok and overlap and fused is not None and moe_lora_early()
     if early:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(x.device))
-    fast = TritonExperts(topk_ids, E) if fast_ok else None  # the alignment (one launch at decode sizes)
+    astream = None
+    if early and moe_lora_early_mode() == "2":  # the alignment on a stream above the side stream's priority
+        from moelora.kernels.streams import align_stream
+
+        astream = align_stream(x.device)
+    fast = TritonExperts(topk_ids, E, align_stream=astream) if fast_ok else None  # the alignment (one launch)
     early_gu = None
     if early:
         early_gu = torch.empty(P, two_i, dtype=lora_delta_dtype(x.dtype), device=x.device)

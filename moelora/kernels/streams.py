@@ -8,6 +8,7 @@ stream is pulled into the graph by the fork and leaves it at the join.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -58,6 +59,16 @@ def side_stream(device: torch.device, priority: int | None = None) -> "torch.cud
     return _SIDE[key]
 
 
+ALIGN_STREAM_PRIORITY = -2  # above the side stream's "high" (-1); the H200 takes 0 down to -5
+
+
+def align_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream of the experts' alignment under set_moe_lora_early mode "2": a priority above the side stream's,
+    so that the block scheduler places the alignment's one program before the pending CTAs of the routed-expert
+    LoRA kernel issued beside it (otherwise it waits for SMs behind them). One per GPU, created on first use."""
+    return side_stream(device, min(ALIGN_STREAM_PRIORITY, side_stream_priority() - 1))
+
+
 def fork(side: "torch.cuda.Stream") -> "torch.cuda.Stream":
     """side waits for everything issued so far on the current (main) stream; returns the main stream."""
     main = torch.cuda.current_stream(side.device)
@@ -68,3 +79,17 @@ def fork(side: "torch.cuda.Stream") -> "torch.cuda.Stream":
 def join(main: "torch.cuda.Stream", side: "torch.cuda.Stream") -> None:
     """main waits for everything issued so far on side."""
     main.wait_stream(side)
+
+
+@contextlib.contextmanager
+def launched_on(stream: "torch.cuda.Stream | None"):
+    """Launches inside the block run on `stream` (None: on the current stream, nothing else done): fork before
+    (stream waits for the current stream's work so far), join after (the current stream waits for it). Allocate
+    what the launches write before the block, on the current stream."""
+    if stream is None:
+        yield
+        return
+    main = fork(stream)
+    with torch.cuda.stream(stream):
+        yield
+    join(main, stream)
