@@ -70,3 +70,29 @@ def test_gpu_each_priority_has_its_own_side_stream(monkeypatch):
     assert normal.priority == torch.cuda.current_stream().priority and high.priority < normal.priority
     streams.set_side_stream_priority("high")
     assert streams.side_stream(dev) is high
+
+
+def test_align_stream_above_needs_a_higher_priority(monkeypatch):
+    """set_moe_lora_early mode "2" takes the alignment's stream only where its priority is above the side stream's;
+    a GPU that clamps the request to the side stream's priority gets None (the plain order); with the side stream at
+    "normal" it is still asked for at -2."""
+    from types import SimpleNamespace
+
+    from moelora.kernels import streams
+
+    asked = []
+
+    def fake_side_stream(device, priority=None):
+        asked.append(priority)
+        return SimpleNamespace(device=device, priority=max(priority, clamp[0]))
+
+    monkeypatch.setattr(streams, "side_stream", fake_side_stream)
+    side = SimpleNamespace(device="dev", priority=-1)
+    clamp = [-5]  # an H200: 0 down to -5
+    monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "high")
+    assert streams.align_stream_above(side).priority == -2 and asked[-1] == -2
+    clamp[0] = -1  # a GPU whose range stops at -1
+    assert streams.align_stream_above(side) is None
+    monkeypatch.setenv("MOELORA_SIDE_STREAM_PRIORITY", "normal")
+    clamp[0] = -5
+    assert streams.align_stream_above(SimpleNamespace(device="dev", priority=0)).priority == -2

@@ -182,14 +182,15 @@ def fused_moe_pairs(
     # on the side stream right after the alignment's launch, waiting only for what the alignment waits for (mode
     # "2": the alignment itself on a stream of a higher priority than the side stream's, so it gets an SM first)
     early = fast_ok and overlap and fused is not None and moe_lora_early()
+    astream = None
+    if early and moe_lora_early_mode() == "2":  # the alignment on a stream above the side stream's priority
+        from moelora.kernels.streams import align_stream_above
+
+        astream = align_stream_above(side_stream)
+        early = astream is not None  # a GPU without a priority above the side stream's: the plain order (mode 1 lost)
     if early:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(x.device))
-    astream = None
-    if early and moe_lora_early_mode() == "2":  # the alignment on a stream above the side stream's priority
-        from moelora.kernels.streams import align_stream
-
-        astream = align_stream(x.device)
     fast = TritonExperts(topk_ids, E, align_stream=astream) if fast_ok else None  # the alignment (one launch)
     early_gu = None
     if early:

@@ -69,6 +69,14 @@ def align_stream(device: torch.device) -> "torch.cuda.Stream":
     return side_stream(device, min(ALIGN_STREAM_PRIORITY, side_stream_priority() - 1))
 
 
+def align_stream_above(side: "torch.cuda.Stream") -> "torch.cuda.Stream | None":
+    """align_stream(side's device) where its priority is above side's (a lower number), else None: a GPU whose
+    priority range stops at the side stream's clamps the request to it, and then the alignment would wait for SMs
+    behind the LoRA kernel as in set_moe_lora_early mode "1" (which lost 1.5%)."""
+    stream = align_stream(side.device)
+    return stream if stream.priority < side.priority else None
+
+
 def fork(side: "torch.cuda.Stream") -> "torch.cuda.Stream":
     """side waits for everything issued so far on the current (main) stream; returns the main stream."""
     main = torch.cuda.current_stream(side.device)
