@@ -409,7 +409,7 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     switches.apply(before)
     # sessions 24-28's switches of their own values
     want = {"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal",
-            "MOELORA_DENSE_DEFER_ORDER": "gemm",
+            "MOELORA_DENSE_DEFER_ORDER": "main",
             "MOELORA_LORA_SHRINK_SPLITS": "2", "MOELORA_LORA_DELTA_TILE": "64x128", "MOELORA_LORA_SHARED_A": "0",
             "MOELORA_LORA_SHARED_H": "1", "MOELORA_FUSED_LORA_SLICE_FIRST": "0",
             "MOELORA_DENSE_DEFER_FUSED": "1", "MOELORA_LORA_SHRINK_BLOCK_K": "256",

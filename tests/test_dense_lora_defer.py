@@ -243,6 +243,23 @@ def _deferred_case(dtype, seed: int, outs=OUTS, bias: bool = False, slots=(0, -1
     return lin, w, lora, torch.randn(len(slots), H, generator=g).to(DEVICE, dtype)
 
 
+def test_defer_order_main_and_base_into_an_output():
+    """set_dense_defer_order takes "main" (the chain on the main stream, the GEMM on the side stream) and refuses
+    other names; LoRALinear.base(x, out=) writes the caller's tensor with base(x)'s values (what the side stream's GEMM
+    does in that order)."""
+    before = _triton.dense_defer_order()
+    try:
+        _triton.set_dense_defer_order("main")
+        assert _triton.dense_defer_order() == "main"
+        with pytest.raises(ValueError, match="'chain', 'gemm', 'serial' or 'main'"):
+            _triton.set_dense_defer_order("side")
+    finally:
+        _triton.set_dense_defer_order(before)
+    lin, _, _, x = _deferred_case(torch.float32, 3, bias=True)
+    out = torch.full((x.shape[0], sum(OUTS)), float("nan"), device=DEVICE)
+    assert lin.base(x, out=out) is out and torch.equal(out, lin.base(x))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_deferred_is_forward_split_in_two(dtype):
     """LoRALinear.forward_deferred: (base output, delta) whose sum is forward's output up to one rounding; rows
@@ -511,8 +528,10 @@ def test_deferred_dense_lora_matches_peft_on_a_dequantized_fp8_checkpoint(tmp_pa
 @pytest.mark.gpu
 @torch.no_grad()
 def test_deferred_chain_issued_after_the_gemm_changes_nothing(tmp_path):
-    """set_dense_defer_order("gemm" / "serial"): the same kernels on the same inputs, only issued in another order
-    (or on one stream), so the decode step is bit-equal to the default order, eagerly and on graph replay."""
+    """set_dense_defer_order("gemm" / "serial" / "main"): the same kernels on the same inputs, only issued in another
+    order (or on one stream, or the chain on the main stream and the GEMM on the side stream writing an output made
+    on the main stream — also with set_lora_shrink_pdl, the shrink PDL-launched after x's producer), so the decode
+    step is bit-equal to the default order, eagerly and on graph replay."""
     if not ON_GPU or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a GPU of compute capability >= 8.9 (FP8)")
     from helpers import attention_lora_decode_case
@@ -520,18 +539,20 @@ def test_deferred_chain_issued_after_the_gemm_changes_nothing(tmp_path):
     from moelora.bench.common import captured_graph
 
     _, step, ad = attention_lora_decode_case(str(tmp_path), "fp8", 48)
-    before = _triton.dense_defer_order()
+    before = _triton.dense_defer_order(), _triton.lora_shrink_pdl_enabled()
     outs = []
     try:
         with _defer(True):
-            for order in ("chain", "gemm", "serial"):
-                _triton.set_dense_defer_order(order)
+            for order in ("chain", "gemm", "serial", "main", "main_pdl"):
+                _triton.set_dense_defer_order(order.removesuffix("_pdl"))
+                _triton.set_lora_shrink_pdl(order.endswith("_pdl"))
                 eager = step().clone()
                 graph, out = captured_graph(step)
                 graph.replay()
                 torch.cuda.synchronize()
                 outs += [eager, out.clone()]
     finally:
-        _triton.set_dense_defer_order(before)
+        _triton.set_dense_defer_order(before[0])
+        _triton.set_lora_shrink_pdl(before[1])
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert _rel(outs[0][ad], step(None)[ad]) > 0.1  # the adapters are there

@@ -100,6 +100,27 @@ def test_triton_gemms_interpreted_prequantized(T):
     assert ((ye.float() - re.float()).norm() / re.float().norm()) < 2**-7  # bf16 output rounding
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant")
+def test_fp8_linear_writes_the_callers_output():
+    """fp8_linear(out=): the GEMM writes the caller's tensor (made on another stream than the GEMM's, as the
+    deferred dense LoRA's "main" order does) with the same values as a new one; an output of another shape, dtype or
+    layout raises, naming what it expected and found."""
+    from moelora.kernels.fp8_triton import fp8_linear
+
+    g = torch.Generator().manual_seed(5)
+    blk = (16, 16)
+    x, w = torch.randn(3, 40, generator=g), torch.randn(72, 40, generator=g)
+    q, s = quantize_weight_block(w, blk)
+    want = fp8_linear(x, q, s, blk)
+    out = torch.full((3, 72), float("nan"))
+    assert fp8_linear(x, q, s, blk, out=out) is out and torch.equal(out, want)
+    for bad, msg in [(torch.empty(3, 71), r"\[3, 72\] torch.float32 tensor, found \(3, 71\)"),
+                     (torch.empty(3, 72, dtype=torch.float16), "found \\(3, 72\\) torch.float16"),
+                     (torch.empty(72, 3).t(), "not contiguous")]:
+        with pytest.raises(ValueError, match=msg):
+            fp8_linear(x, q, s, blk, out=bad)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("cfg", [(16, 4, 2, 32), (32, 8, 4, 16), (128, 4, 3, 64)])
 def test_fp8_gemm_launch_configs_do_not_change_results(cfg):

@@ -129,7 +129,7 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_DENSE_DEFER_K_PER_SPLIT": _int_switch(_T, "set_dense_defer_k_per_split", "dense_defer_k_per_split",
                                                    ("0", "256", "512", "1024")),
     "MOELORA_DENSE_DEFER_ORDER": (lambda v: _import(_T).set_dense_defer_order(v),
-                                  lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial")),
+                                  lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial", "main")),
     "MOELORA_DENSE_DEFER_FUSED": _bool_switch(_T, "set_dense_defer_fused", "dense_defer_fused"),
     "MOELORA_LORA_SHARED_A": _bool_switch(_T, "set_lora_shared_a", "lora_shared_a"),
     "MOELORA_LORA_SHARED_H": _bool_switch(_T, "set_lora_shared_h", "lora_shared_h"),

@@ -206,10 +206,14 @@ def set_dense_defer_order(order: str) -> None:
     order decides whose CTAs get the SMs first: session 25's trace had the GEMM at 14 µs beside a 6-µs shrink
     against 8.4-9.5 alone, as if its CTAs waited for the shrink's. "serial" (a diagnostic): no side stream, the
     chain then the GEMM on the main stream. "gemm" measured in session 25 (call 2, fp8 128/128 batch 64, one A/B
-    process): -0.1% / +0.1% with 4 / 8 adapters; the o_proj GEMM still took 14.3 µs. Results do not change; set
-    it before capture."""
-    if order not in ("chain", "gemm", "serial"):
-        raise ValueError(f"set_dense_defer_order: expected 'chain', 'gemm' or 'serial', got {order!r}")
+    process): -0.1% / +0.1% with 4 / 8 adapters; the o_proj GEMM still took 14.3 µs. "main": the chain on the main
+    stream, issued right after the kernel that wrote its input, the GEMM on the side stream (into an output made on
+    the main stream); with set_lora_shrink_pdl the shrink is PDL-launched after that producer (which lets it start
+    at once) and reads its first A tiles while the producer runs — the deferred chain started 0.4 µs after its
+    producer and ended 1.1-1.3 µs after its GEMM in session 29's trace (FP8 bases; unmeasured). Results do not
+    change; set it before capture."""
+    if order not in ("chain", "gemm", "serial", "main"):
+        raise ValueError(f"set_dense_defer_order: expected 'chain', 'gemm', 'serial' or 'main', got {order!r}")
     _DENSE_DEFER_ORDER[0] = order
 
 

@@ -759,7 +759,7 @@ def _dense_block_m(rows: int) -> int:
 def fp8_linear(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    lora: Fp8LoRAEpilogue | None = None,
+    lora: Fp8LoRAEpilogue | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics (fp8_block_matmul_ref):
         xq, xs = quantize_act_group(x, block_k)    (or x, x_scale when x is already float8)
@@ -767,13 +767,18 @@ def fp8_linear(
         (+ lora: the expand of Fp8LoRAEpilogue added in fp32, rounded once with y: fp8_linear_lora_ref)
     x: [T, K] bf16/fp16/fp32, or float8 with x_scale [T, ceil(K/bk)] · w_fp8: [N, K] float8_e4m3fn
     w_scale_inv: [ceil(N/bn), ceil(K/bk)] fp32 · bias: [N] or None
-    returns [T, N] in out_dtype, default x.dtype (bf16 for a float8 x)
+    returns [T, N] in out_dtype, default x.dtype (bf16 for a float8 x); out: written instead of a new tensor (made
+    by the caller, e.g. on another stream than the one this runs on), [T, N] of that dtype
     """
     require_triton()
     T = x.shape[0]
     if out_dtype is None:
         out_dtype = torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
-    out = torch.empty(T, w_fp8.shape[0], dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(T, w_fp8.shape[0], dtype=out_dtype, device=x.device)
+    elif tuple(out.shape) != (T, w_fp8.shape[0]) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"fp8_linear: out must be a contiguous [{T}, {w_fp8.shape[0]}] {out_dtype} tensor, found "
+                         f"{tuple(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}")
     if T == 0:
         return out
     forced = _CONFIG_OVERRIDE["dense"]

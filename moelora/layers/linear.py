@@ -157,9 +157,13 @@ class LoRALinear(nn.Module):
         )
         return self.lora
 
-    def base(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> x W^T (+ bias) [T, sum(O)], from the bf16 or the quantized weight."""
-        return F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.linear(self, x)
+    def base(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> x W^T (+ bias) [T, sum(O)], from the bf16 or the quantized weight; out: written (and
+        returned) instead of a new tensor — an FP8 base's GEMM writes it itself, other bases copy into it."""
+        if out is not None and self._fp8_base():
+            return self.quant.linear(self, x, out)
+        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.linear(self, x)
+        return y if out is None else out.copy_(y)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if not lora_active(self.lora, lora):
@@ -217,13 +221,14 @@ class LoRALinear(nn.Module):
         delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
         g = lora.groups
 
-        def chain(pdl: bool) -> None:
+        def chain(pdl: bool, wait_primary: bool = False) -> None:
             if fused:
                 lora_fused_decode(x, w.a, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, g, delta, store=True,
                                   max_width=max(self.out_features))
                 return
             if not produced:
-                lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl, block_k=DEFER_SHRINK_BLOCK_K)
+                lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl, wait_primary=wait_primary,
+                            block_k=DEFER_SHRINK_BLOCK_K)
             lora_delta(h, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
                        g.token_slots, g.active_slots, delta, wait=pdl and not produced, num_warps=DEFER_DELTA_WARPS)
 
@@ -239,6 +244,16 @@ class LoRALinear(nn.Module):
         if dense_defer_order() == "serial":  # a diagnostic: the chain, then the GEMM, on the main stream
             chain(pdl)
             return self.base(x), delta
+        if dense_defer_order() == "main":  # the chain on the main stream right after x's producer, the GEMM beside it
+            # into y made here (nothing the side stream writes is allocated on it); set_lora_shrink_pdl: the shrink
+            # PDL-launched after that producer, its A tiles read while the producer runs
+            y = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
+            main = fork(side)
+            with torch.cuda.stream(side):
+                self.base(x, out=y)
+            chain(pdl, wait_primary=lora_shrink_pdl(x.device) and not produced)
+            join(main, side)
+            return y, delta
         if dense_defer_order() == "gemm":  # the GEMM issued (and captured) first; the chain still waits only for x
             main = torch.cuda.current_stream(x.device)
             ready = torch.cuda.Event()
