@@ -224,14 +224,15 @@ def dense_defer_order() -> str:
 _MOE_LORA_ORDERS = ("lora", "gemm", "gate_up", "down")
 
 
-def _moe_order_env() -> list[str]:
-    v = os.environ.get("MOELORA_MOE_LORA_ORDER", "lora") or "lora"
-    if v not in _MOE_LORA_ORDERS:
-        raise ValueError(f"MOELORA_MOE_LORA_ORDER must be one of {_MOE_LORA_ORDERS}, got {v!r}")
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> list[str]:
+    """[the value of environment variable `name`] (unset or empty: default), checked against choices."""
+    v = os.environ.get(name, default) or default
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
     return [v]
 
 
-_MOE_LORA_ORDER = _moe_order_env()
+_MOE_LORA_ORDER = _env_choice("MOELORA_MOE_LORA_ORDER", "lora", _MOE_LORA_ORDERS)
 
 
 def set_moe_lora_order(order: str) -> None:
@@ -255,16 +256,7 @@ def moe_lora_order() -> str:
 
 
 _MOE_LORA_EARLY_MODES = ("0", "1", "2")
-
-
-def _env_moe_lora_early() -> list[str]:
-    raw = os.environ.get("MOELORA_MOE_LORA_EARLY", "2") or "2"
-    if raw not in _MOE_LORA_EARLY_MODES:
-        raise ValueError(f"MOELORA_MOE_LORA_EARLY must be 0, 1 or 2, got {raw!r}")
-    return [raw]
-
-
-_MOE_LORA_EARLY = _env_moe_lora_early()
+_MOE_LORA_EARLY = _env_choice("MOELORA_MOE_LORA_EARLY", "2", _MOE_LORA_EARLY_MODES)
 
 
 def set_moe_lora_early(mode: bool | str) -> None:
