@@ -131,6 +131,11 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_DENSE_DEFER_ORDER": (lambda v: _import(_T).set_dense_defer_order(v),
                                   lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial", "main")),
     "MOELORA_DENSE_DEFER_FUSED": _bool_switch(_T, "set_dense_defer_fused", "dense_defer_fused"),
+    "MOELORA_FUSED_ROUTER": _bool_switch("moelora.kernels.router_triton", "set_fused_router", "fused_router"),
+    "MOELORA_ROUTER_CONFIG": (lambda v: _import("moelora.kernels.router_triton").set_router_config(
+                                  *(int(x) for x in v.split("x"))),
+                              lambda: _import("moelora.kernels.router_triton").router_config(),
+                              _import("moelora.kernels.router_triton").ROUTER_CONFIGS),
     "MOELORA_LORA_SHARED_A": _bool_switch(_T, "set_lora_shared_a", "lora_shared_a"),
     "MOELORA_LORA_SHARED_H": _bool_switch(_T, "set_lora_shared_h", "lora_shared_h"),
     "MOELORA_FUSED_LORA_SLICE_FIRST": _bool_switch("moelora.kernels.moe_lora_fused_triton",

@@ -11,6 +11,7 @@ from moelora.config import ModelConfig
 from moelora.kernels._triton import lora_shared_a
 from moelora.kernels.fused_moe_triton import route_topk, routing_kernel_ok
 from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
+from moelora.kernels.router_triton import router_topk, router_topk_ok
 from moelora.kernels.streams import fork, join, side_stream
 from moelora.layers.linear import LoRALinear
 from moelora.layers.lora import LoRAWeights, lora_active
@@ -94,9 +95,12 @@ class MoEBlock(nn.Module):
         return shared
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        logits = F.linear(x, self.gate)  # [T, E]
-        route = route_topk if routing_kernel_ok(logits) else route_topk_ref  # one Triton launch on CUDA
-        topk_weights, topk_ids = route(logits, self.top_k, self.renormalize, x.dtype)  # [T, K], weights in x.dtype
+        if router_topk_ok(x, self.gate):  # the gate GEMM, softmax and top-k in one launch (set_fused_router)
+            topk_weights, topk_ids, logits = router_topk(x, self.gate, self.top_k, self.renormalize, x.dtype)
+        else:
+            logits = F.linear(x, self.gate)  # [T, E]
+            route = route_topk if routing_kernel_ok(logits) else route_topk_ref  # one Triton launch on CUDA
+            topk_weights, topk_ids = route(logits, self.top_k, self.renormalize, x.dtype)  # [T, K], x.dtype weights
         self.last_topk_ids = topk_ids  # a reference, for statistics (experts touched per step)
         self.last_router_logits = logits  # a reference, for tests (is a routing difference a near-tie?)
         if self.shared_expert is None:
