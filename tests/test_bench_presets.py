@@ -370,6 +370,19 @@ def test_write_result_keeps_one_file_across_midnight(tmp_path, monkeypatch):
     assert data["rows"] == [1, 2] and data["date"].startswith("2026-12-02")
 
 
+def test_bench_decode_ab_base_runs_the_variants_no_adapter_case(tmp_path, capsys):
+    """--ab-base: each variant also runs the no-adapter case (a switch of the base step, such as the fused router),
+    and the table adds the kept share against the variant's own no-adapter median."""
+    _, rows = _tiny_decode(tmp_path, "--ab", "router:MOELORA_FUSED_ROUTER=1", "--ab-base")
+    assert [(r["variant"], r["adapters"]) for r in rows] == [("default", 0), ("default", 1), ("router", 0),
+                                                             ("router", 1)]
+    out = capsys.readouterr().out
+    table = out[out.index("A/B (medians"):].splitlines()
+    assert "own: against the variant's own no-adapter median" in table[0] and table[1].rstrip().endswith("own")
+    mine = [ln for ln in table if ln.startswith("router")]
+    assert len(mine) == 2 and mine[1].rstrip().endswith("%") and mine[0].rstrip().endswith("-")
+
+
 def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     """--ab / --ab-rounds: after the default sweep, each variant's switches are set (seen by the cases while they
     run), the graphs recaptured and the adapter cases run again; round 2 repeats the default with its no-adapter

@@ -80,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ab-rounds", type=int, default=1,
                    help="with --ab: the rotation default, variant 1, ... run this many times (the no-adapter case "
                         "again in each default pass), so drift spreads over every variant (default 1)")
+    p.add_argument("--ab-base", action="store_true",
+                   help="with --ab: each variant also runs the no-adapter case (for switches that change the base "
+                        "step too, such as MOELORA_FUSED_ROUTER); the table then adds each variant's kept share "
+                        "against its own no-adapter median ('own')")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per case, this many decode steps under torch.profiler before the timed ones (not timed): "
                         "the time per kernel and step in the JSON row ('profile') and the largest printed; with "
@@ -421,7 +425,9 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
     for rnd in range(getattr(args, "ab_rounds", 1) if variants else 0):
         if rnd:  # the default again, its no-adapter case included: drift shows there
             plan.append(("default", {}, rnd, [c for c in cases if c[:2] == passes[0]]))
-        plan += [(name, env, rnd, [c for c in cases if c[:2] == passes[0] and c[4] > 0]) for name, env in variants]
+        with_base = getattr(args, "ab_base", False)
+        plan += [(name, env, rnd, [c for c in cases if c[:2] == passes[0] and (c[4] > 0 or with_base)])
+                 for name, env in variants]
     for variant, env, rnd, variant_cases in plan:
         if variants and (variant != "default" or rnd > 0):  # the first default pass runs as things are
             apply_switches({**defaults, **env})

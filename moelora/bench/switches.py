@@ -203,9 +203,11 @@ def format_ab(rows: list[dict]) -> str:
         vals = [r[field] for r in groups.get(key, [])]
         return statistics.median(vals) if vals else None
 
-    lines = ["A/B (medians over rounds; kept: against the default's no-adapter median; vs default: same case)",
+    own_base = any(k[0] != "default" and k[3] == 0 for k in groups)  # bench decode --ab-base
+    lines = ["A/B (medians over rounds; kept: against the default's no-adapter median; vs default: same case"
+             + ("; own: against the variant's own no-adapter median" if own_base else "") + ")",
              f"{'variant':14s} {'workload':8s} {'batch':>5s} {'ad':>3s} {'targets':10s} {'runs':>4s} {'tok/s':>9s} "
-             f"{'step ms':>8s} {'kept':>6s} {'vs default':>10s}"]
+             f"{'step ms':>8s} {'kept':>6s} {'vs default':>10s}" + (f" {'own':>6s}" if own_base else "")]
     for key in groups:
         variant, workload, batch, n, which = key
         tps, step = median(key, "tokens_per_s"), median(key, "step_ms")
@@ -213,6 +215,10 @@ def format_ab(rows: list[dict]) -> str:
         same = median(("default", workload, batch, n, which), "tokens_per_s")
         kept = f"{tps / base:6.1%}" if base and n else "     -"
         vs = f"{tps / same - 1:+10.2%}" if same and variant != "default" else "         -"
+        own = ""
+        if own_base:
+            mine = median((variant, workload, batch, 0, "all"), "tokens_per_s")
+            own = f" {tps / mine:6.1%}" if mine and n else "      -"
         lines.append(f"{variant:14s} {workload or '-':8s} {batch:5d} {n:3d} {which:10s} {len(groups[key]):4d} "
-                     f"{tps:9.1f} {step:8.2f} {kept} {vs}")
+                     f"{tps:9.1f} {step:8.2f} {kept} {vs}{own}")
     return "\n".join(lines)
