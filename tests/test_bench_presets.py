@@ -373,7 +373,7 @@ def test_write_result_keeps_one_file_across_midnight(tmp_path, monkeypatch):
 def test_bench_decode_ab_base_runs_the_variants_no_adapter_case(tmp_path, capsys):
     """--ab-base: each variant also runs the no-adapter case (a switch of the base step, such as the fused router),
     and the table adds the kept share against the variant's own no-adapter median."""
-    _, rows = _tiny_decode(tmp_path, "--ab", "router:MOELORA_FUSED_ROUTER=1", "--ab-base")
+    _, rows = _tiny_decode(tmp_path, "--ab", "router:MOELORA_FUSED_ROUTER=0", "--ab-base")
     assert [(r["variant"], r["adapters"]) for r in rows] == [("default", 0), ("default", 1), ("router", 0),
                                                              ("router", 1)]
     out = capsys.readouterr().out
@@ -429,7 +429,7 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
             "MOELORA_LORA_SHRINK_WARPS": "2", "MOELORA_LORA_DELTA_WARPS": "8", "MOELORA_DENSE_DEFER_K_PER_SPLIT": "512",
             "MOELORA_MOE_LORA_ORDER": "gemm", "MOELORA_SIDE_STREAM_PRIORITY": "normal",
             "MOELORA_MOE_LORA_EARLY": "1", "MOELORA_MOE_LORA_GU_SPLIT": "1",
-            "MOELORA_LORA_DELTA_TILE_MIN_O": "4096", "MOELORA_FUSED_ROUTER": "1",
+            "MOELORA_LORA_DELTA_TILE_MIN_O": "4096", "MOELORA_FUSED_ROUTER": "0",
             "MOELORA_ROUTER_CONFIG": "16x16x64x128x4"}
     names = list(want)
     before = switches.current(names)
