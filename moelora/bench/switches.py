@@ -132,6 +132,8 @@ SWITCHES: dict[str, Switch] = {
                                   lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial", "main")),
     "MOELORA_DENSE_DEFER_FUSED": _bool_switch(_T, "set_dense_defer_fused", "dense_defer_fused"),
     "MOELORA_FUSED_ROUTER": _bool_switch("moelora.kernels.router_triton", "set_fused_router", "fused_router"),
+    "MOELORA_MOE_COMBINE_TO_NORM": _bool_switch("moelora.kernels.fused_moe_triton", "set_moe_combine_to_norm",
+                                                "moe_combine_to_norm"),
     "MOELORA_ROUTER_CONFIG": (lambda v: _import("moelora.kernels.router_triton").set_router_config(
                                   *(int(x) for x in v.split("x"))),
                               lambda: _import("moelora.kernels.router_triton").router_config(),

@@ -16,6 +16,7 @@ Torch references sit beside each kernel (`*_ref`); tests/test_kernels_fused_moe.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -636,8 +637,52 @@ class TritonExperts:
 
     def combine(self, o: torch.Tensor, topk_weights: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """sum_k topk_weights[t, k] * (o[t*K + k] (+ delta[t*K + k], rounded once to o's dtype)) · o: [P, H]
-        delta: [P, H] fp32 or None · returns [T, H] in o.dtype."""
+        delta: [P, H] fp32 or None · returns [T, H] in o.dtype. Inside defer_moe_combine: a placeholder instead,
+        not computed, carrying (o, topk_weights, delta) for the RMSNorm that reads it next (take_moe_combine)."""
+        if _DEFER_COMBINE[0]:
+            out = torch.empty(self.T, o.shape[1], dtype=o.dtype, device=o.device)
+            out.moe_combine = (o, topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous(), delta)
+            return out
         return moe_combine(o, topk_weights, delta=delta)
+
+
+# ------------------------------------------------------------------------ the combine deferred to the next norm
+
+_DEFER_COMBINE = [False]  # inside defer_moe_combine
+_COMBINE_TO_NORM = [os.environ.get("MOELORA_MOE_COMBINE_TO_NORM", "0") == "1"]
+
+
+def set_moe_combine_to_norm(enabled: bool) -> None:
+    """MoEBlock hands its routed experts' combine to the RMSNorm that reads its output next (the next layer's input
+    norm, or the final norm), which computes it as it loads its input: one launch less a MoE layer
+    (MOELORA_MOE_COMBINE_TO_NORM=1; off until measured). Only on the Triton fast path, for blocks without a shared
+    expert or forward hooks (tensor / expert parallelism add an all-reduce there); the same bits either way."""
+    _COMBINE_TO_NORM[0] = bool(enabled)
+
+
+def moe_combine_to_norm() -> bool:
+    return _COMBINE_TO_NORM[0]
+
+
+@contextlib.contextmanager
+def defer_moe_combine(enabled: bool = True):
+    """Inside: TritonExperts.combine returns a placeholder [T, H] carrying its inputs (take_moe_combine) instead of
+    launching moe_combine. The caller must hand the result to a consumer that takes it (RMSNorm.add_norm does):
+    the placeholder's memory holds nothing."""
+    before = _DEFER_COMBINE[0]
+    _DEFER_COMBINE[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _DEFER_COMBINE[0] = before
+
+
+def take_moe_combine(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The (o, topk_weights, delta) a deferred combine put on its placeholder y (removed from it), or None."""
+    c = getattr(y, "moe_combine", None)
+    if c is not None:
+        del y.moe_combine
+    return c
 
 
 def fused_moe_triton(

@@ -24,7 +24,12 @@ if HAS_TRITON:
                          LAUNCH_DEPENDENTS: tl.constexpr = False,
                          la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, S=0, sla_i=0, sla_s=0, sla_r=0,
                          slh_i=0, slh_m=0, LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4,
-                         d_ptr=None, sd=0, HAS_DELTA: tl.constexpr = False):
+                         d_ptr=None, sd=0, HAS_DELTA: tl.constexpr = False,
+                         co_ptr=None, cw_ptr=None, cd_ptr=None, s_co=0, s_cwt=0, s_cd=0,
+                         COMBINE_K: tl.constexpr = 0, COMBINE_DELTA: tl.constexpr = False):
+        # COMBINE_K > 0 (a deferred routed-expert combine, fused_moe_triton.defer_moe_combine): x is not read; its
+        # row is moe_combine's, sum_k w[row, k] * (o[row * K + k] (+ delta, rounded once to o's dtype)) in fp32 over
+        # the k of weight != 0, rounded once to o's dtype: the numbers moe_combine would have stored in x
         # HAS_DELTA (set_dense_lora_defer): the LoRA delta d [rows, D] of the layer that produced x (o_proj) added to
         # x first, rounded once: x = x + d, then the residual add
         # LORA_R > 0 (set_lora_norm_shrink): program (row, i) also writes the next LoRA layer's shrink of slice i,
@@ -39,7 +44,18 @@ if HAS_TRITON:
             stores = True
         offs = tl.arange(0, BLOCK)
         mask = offs < D
-        x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0)
+        if COMBINE_K > 0:
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k in tl.static_range(COMBINE_K):
+                wk = tl.load(cw_ptr + row * s_cwt + k).to(tl.float32)
+                ok = tl.load(co_ptr + (row * COMBINE_K + k) * s_co + offs, mask=mask, other=0.0)
+                if COMBINE_DELTA:
+                    dk = tl.load(cd_ptr + (row * COMBINE_K + k) * s_cd + offs, mask=mask, other=0.0)
+                    ok = (ok.to(tl.float32) + dk.to(tl.float32)).to(ok.dtype)
+                acc += tl.where(wk != 0.0, wk * ok.to(tl.float32), 0.0)
+            x = acc.to(co_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0)
         if HAS_DELTA:
             x = (x.to(tl.float32) + tl.load(d_ptr + row * sd + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         if HAS_RES:
@@ -134,6 +150,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
              quant_group: int | None = None,
              lora_shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              delta: torch.Tensor | None = None,
+             combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Semantics (rms_norm_ref, with an optional LoRA delta and residual add first):
         if delta is not None: x = (x + delta)                       # in x.dtype (the producing layer's output)
@@ -149,6 +166,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     to y (attach_lora_h: that layer reads it instead of launching its shrink). h: [1, n, rows, R] fp32.
     delta: [..., D] like x (last dim contiguous), the deferred LoRA delta of the layer that produced x
     (set_dense_lora_defer).
+    combine = (o [rows * K, D], topk_weights [rows, K], o_delta [rows * K, D] or None): x is the placeholder of a
+    deferred routed-expert combine (fused_moe_triton.defer_moe_combine) and is not read; each row of it is
+    computed here as moe_combine(o, topk_weights, delta=o_delta) would have stored it (the same bits), in x.dtype.
     """
     require_triton()
     from moelora.kernels.fp8_triton import act_quant_buffers, act_quant_ok, attach_act_quant
@@ -186,6 +206,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             raise ValueError(f"rms_norm: delta must be [{rows}, {D}] like x with a contiguous last dim, found "
                              f"{tuple(delta.shape)} strides {delta.stride()}")
         lora.update(d_ptr=d2, sd=d2.stride(0), HAS_DELTA=True)
+    if combine is not None:
+        o, cw, cd = combine
+        K = cw.shape[1] if cw.dim() == 2 else 0
+        if (o.dtype != x.dtype or cw.shape[0] != rows or tuple(o.shape) != (rows * K, D) or o.stride(1) != 1
+                or cw.stride(1) != 1 or (cd is not None and (tuple(cd.shape) != (rows * K, D) or cd.stride(1) != 1))):
+            raise ValueError(f"rms_norm: combine expects o [{rows} * K, {D}] of {x.dtype}, topk_weights [{rows}, K] "
+                             f"and delta like o (last dims contiguous); found o {tuple(o.shape)} {o.dtype}, "
+                             f"topk_weights {tuple(cw.shape)}, delta {None if cd is None else tuple(cd.shape)}")
+        lora.update(co_ptr=o, cw_ptr=cw, cd_ptr=o if cd is None else cd, s_co=o.stride(0), s_cwt=cw.stride(0),
+                    s_cd=0 if cd is None else cd.stride(0), COMBINE_K=K, COMBINE_DELTA=cd is not None)
     if rows:
         _rms_norm_kernel[(rows, n)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
                                     ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,

@@ -9,7 +9,7 @@ from torch import nn
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
 from moelora.kernels._triton import lora_shared_a
-from moelora.kernels.fused_moe_triton import route_topk, routing_kernel_ok
+from moelora.kernels.fused_moe_triton import defer_moe_combine, moe_combine_to_norm, route_topk, routing_kernel_ok
 from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
 from moelora.kernels.router_triton import router_topk, router_topk_ok
 from moelora.kernels.streams import fork, join, side_stream
@@ -104,7 +104,12 @@ class MoEBlock(nn.Module):
         self.last_topk_ids = topk_ids  # a reference, for statistics (experts touched per step)
         self.last_router_logits = logits  # a reference, for tests (is a routing difference a near-tie?)
         if self.shared_expert is None:
-            return self.experts(x, topk_weights, topk_ids, lora)
+            # set_moe_combine_to_norm: the combine left to the next RMSNorm (DecoderLayer hands it this output), on
+            # the Triton path only, and not under the all-reduce hooks of tensor / expert parallelism
+            defer = (moe_combine_to_norm() and x.is_cuda and not self._forward_hooks
+                     and not self.experts._forward_hooks and not self.experts._forward_pre_hooks)
+            with defer_moe_combine(defer):
+                return self.experts(x, topk_weights, topk_ids, lora)
         if not (self.experts.overlap and x.is_cuda):
             return self.experts(x, topk_weights, topk_ids, lora) + self._shared(x, lora)
         # the shared expert on the side stream while the routed experts run; the add after the join

@@ -35,12 +35,21 @@ class RMSNorm(nn.Module):
                  lora_next=None, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm on a GPU (lora, lora_next: as
         forward). delta: the deferred LoRA delta of the layer that produced x (set_dense_lora_defer), added to x
-        first (x + delta rounded to x's dtype, then the residual)."""
+        first (x + delta rounded to x's dtype, then the residual). x may be the placeholder of a deferred routed-
+        expert combine (set_moe_combine_to_norm): the norm computes x as it loads it."""
+        from moelora.kernels.fused_moe_triton import take_moe_combine
+
+        combine = take_moe_combine(x)
         if use_triton(x):
             from moelora.kernels.norm_triton import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group,
-                            lora_shrink=_shrink_args(lora_next, x, lora), delta=delta)
+                            lora_shrink=_shrink_args(lora_next, x, lora), delta=delta, combine=combine)
+        if combine is not None:  # never deferred off the Triton path; kept correct anyway
+            from moelora.kernels.fused_moe_triton import moe_combine_ref
+
+            o, w, d = combine
+            x = moe_combine_ref(o if d is None else (o.float() + d.float()).to(o.dtype), w)
         if delta is not None:
             x = x + delta
         r = x + residual
