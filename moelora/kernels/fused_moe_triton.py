@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, _env_choice, dot_precision, require_triton
 from moelora.kernels.streams import launched_on
 
 if HAS_TRITON:
@@ -649,7 +649,7 @@ class TritonExperts:
 # ------------------------------------------------------------------------ the combine deferred to the next norm
 
 _DEFER_COMBINE = [False]  # inside defer_moe_combine
-_COMBINE_TO_NORM = [os.environ.get("MOELORA_MOE_COMBINE_TO_NORM", "0") == "1"]
+_COMBINE_TO_NORM = [_env_choice("MOELORA_MOE_COMBINE_TO_NORM", "0", ("0", "1"))[0] == "1"]
 
 
 def set_moe_combine_to_norm(enabled: bool) -> None:
