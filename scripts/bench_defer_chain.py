@@ -12,7 +12,7 @@ experiment so far was measured only end to end; this one times the part itself, 
 8 warps and o_proj's shrink splits 8 ways, so "dw8" and "kps512" are the default there.)
 
     python scripts/bench_defer_chain.py [--tokens 64] [--adapters 4,8] [--json out.json]
-        [--variants "name:ENV=V,ENV=V;..."]   (default: the list below)
+        [--variants "name:ENV=V,ENV=V;..."]   (default: the list below) [--gemm-too]
 """
 
 from __future__ import annotations
@@ -62,12 +62,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gemm-too", action="store_true",
+                    help="also time each variant's base GEMM alone (column <variant>.gemm): for switches of the GEMM")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    cols = ["gemm", "chain"] + [n for n, _ in variants]
-    print(f"{'case':>4} {'T':>4} {'ad':>3} | " + " ".join(f"{c:>8}" for c in cols) + "  (µs per call)", flush=True)
+    cols = ["gemm", "chain"] + [c for n, _ in variants for c in ([n, n + ".gemm"] if args.gemm_too else [n])]
+    print(f"{'case':>4} {'T':>4} {'ad':>3} | " + " ".join(f"{c:>10}" for c in cols) + "  (µs per call)", flush=True)
     for name in SHAPES:
         mods = build(name, args.layers, g)
         D = SHAPES[name][0]
@@ -96,10 +98,12 @@ def main() -> None:
                     switches.apply(env)
                     try:
                         row[vname] = graph_time_us(lambda li: mods[li].forward_deferred(x, batch), args.layers)
+                        if args.gemm_too:
+                            row[vname + ".gemm"] = graph_time_us(lambda li: mods[li].base(x), args.layers)
                     finally:
                         switches.apply(before)
                 rows.append(row)
-                print(f"{name:>4} {T:>4} {n_ad:>3} | " + " ".join(f"{row[c]:8.1f}" for c in cols), flush=True)
+                print(f"{name:>4} {T:>4} {n_ad:>3} | " + " ".join(f"{row[c]:10.1f}" for c in cols), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),

@@ -148,6 +148,26 @@ def test_fp8_gemm_launch_configs_do_not_change_results(cfg):
         set_fp8_gemm_config("router", None)
 
 
+def test_dense_decode_stages_switch():
+    """set_fp8_dense_decode_stages: the stages of the dense decode config only (prefill-sized and grouped launches
+    keep theirs), 0 back to the default, other values refused with the choices named; bench decode --ab can set it."""
+    from moelora.bench import switches
+    from moelora.kernels import fp8_triton as ft
+
+    assert ft.fp8_gemm_config(1, 5120, grouped=False).num_stages == ft.DENSE_DECODE_STAGES
+    ft.set_fp8_dense_decode_stages(12)
+    try:
+        assert ft.fp8_gemm_config(1, 5120, grouped=False) == ft.Fp8GemmConfig(64, 4, 12)
+        assert ft.fp8_gemm_config(64, 5120, grouped=False).num_stages == 3  # prefill-sized: its own
+        assert ft.fp8_gemm_config(1, 1536, grouped=True).num_stages == 4  # grouped experts: their own
+        assert switches.current(["MOELORA_FP8_DENSE_DECODE_STAGES"]) == {"MOELORA_FP8_DENSE_DECODE_STAGES": "12"}
+    finally:
+        ft.set_fp8_dense_decode_stages(0)
+    assert ft.fp8_gemm_config(1, 5120, grouped=False).num_stages == ft.DENSE_DECODE_STAGES
+    with pytest.raises(ValueError, match="one of"):
+        ft.set_fp8_dense_decode_stages(7)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("gather_rows", [True, False])
 def test_fp8_expert_gemm_on_the_fast_path_alignment_interpreted(gather_rows):

@@ -195,6 +195,31 @@ def test_fp8_linear_lora_reads_unquantized_activations(T):
     assert _rel(wrong, exact) > 0.015
 
 
+@pytest.mark.parametrize("stages", [2, 8, 12])
+@pytest.mark.parametrize("shape", [(5120, 2048), (2048, 4096)])  # qkv (unsplit at 64 rows), o_proj (split-K)
+@pytest.mark.parametrize("T", [16, 64, 256])
+def test_dense_decode_stages_keep_the_bits(T, shape, stages):
+    """set_fp8_dense_decode_stages (session 31's experiment): the dense decode GEMM at 2 / 8 / 12 pipeline stages
+    compiles at Qwen3-30B-A3B's qkv and o_proj (12 stages: 192 KB of shared memory at 64-row blocks) and gives the
+    same bits as the default's 4."""
+    from moelora.kernels import fp8_triton as ft
+
+    g = torch.Generator(device=DEV).manual_seed(T + stages)
+    N, Kd = shape
+    q, s = quantize_weight_block(torch.randn(N, Kd, device=DEV, generator=g) * Kd**-0.5)
+    x = torch.randn(T, Kd, device=DEV, generator=g).bfloat16()
+    ft.fp8_linear(x, q, s)  # the split-K counters made eagerly
+    before = ft.fp8_linear(x, q, s)
+    ft.set_fp8_dense_decode_stages(stages)
+    try:
+        assert ft.fp8_gemm_config(1, N, grouped=False).num_stages == stages
+        y = ft.fp8_linear(x, q, s)
+    finally:
+        ft.set_fp8_dense_decode_stages(0)
+    assert torch.equal(y, before)
+    assert _rel(y, ft.fp8_linear_ref(x, q, s)) < KERNEL_TOL
+
+
 def test_dense_split_k_in_cuda_graphs():
     """Split-K counters are never made inside a graph capture (its zero-fill would only be recorded: a graph replayed
     before the one holding that memset read garbage counters and left output tiles unwritten; seen as an illegal

@@ -146,6 +146,9 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),
     "MOELORA_FP8_LORA_SPLIT": _fp8_lora_split(),
+    "MOELORA_FP8_DENSE_DECODE_STAGES": _int_switch("moelora.kernels.fp8_triton", "set_fp8_dense_decode_stages",
+                                                   "fp8_dense_decode_stages",
+                                                   _import("moelora.kernels.fp8_triton").DENSE_DECODE_STAGE_CHOICES),
 }
 
 

@@ -444,8 +444,32 @@ def fp8_gemm_config(grid_m: int, N: int, grouped: bool) -> Fp8GemmConfig:
                              maxnreg=_EXPERT_MAXNREG)
     block_n = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
     if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:  # decode: narrower tiles, more programs
-        return Fp8GemmConfig(64, 4, 4)
+        return Fp8GemmConfig(64, 4, _DECODE_STAGES[0] or DENSE_DECODE_STAGES)
     return Fp8GemmConfig(block_n)
+
+
+DENSE_DECODE_STAGES = 4  # the dense decode GEMM's pipeline stages (session 8's sweep)
+# one stage of the dense decode GEMM: a [block_m, 128] and a [128, 64] fp8 tile, 16 KB at 64-row blocks
+DENSE_DECODE_STAGE_CHOICES = ("0", "2", "3", "4", "5", "6", "8", "10", "12")
+_DECODE_STAGES = [int(os.environ.get("MOELORA_FP8_DENSE_DECODE_STAGES", "0") or 0)]
+if str(_DECODE_STAGES[0]) not in DENSE_DECODE_STAGE_CHOICES:
+    raise ValueError(f"MOELORA_FP8_DENSE_DECODE_STAGES must be one of {DENSE_DECODE_STAGE_CHOICES}, got "
+                     f"{_DECODE_STAGES[0]}")
+
+
+def set_fp8_dense_decode_stages(stages: int) -> None:
+    """Pipeline stages of the dense FP8 GEMM at decode sizes (0: DENSE_DECODE_STAGES). An experiment (session 31):
+    more stages keep more weight bytes in flight per program, and at 12 stages (192 KB of shared memory at 64-row
+    blocks) no second CTA fits on an SM beside a program, so the side stream's dense LoRA chain runs on the SMs the
+    GEMM leaves free instead of sharing its SMs. The same sums at any value."""
+    if str(stages) not in DENSE_DECODE_STAGE_CHOICES:
+        raise ValueError(f"set_fp8_dense_decode_stages: stages must be one of {DENSE_DECODE_STAGE_CHOICES}, got "
+                         f"{stages}")
+    _DECODE_STAGES[0] = stages
+
+
+def fp8_dense_decode_stages() -> int:
+    return _DECODE_STAGES[0]
 
 
 def fp8_split_k(tiles: int, k_steps: int, block_m: int = 16) -> int:
