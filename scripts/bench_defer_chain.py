@@ -12,7 +12,7 @@ experiment so far was measured only end to end; this one times the part itself, 
 8 warps and o_proj's shrink splits 8 ways, so "dw8" and "kps512" are the default there.)
 
     python scripts/bench_defer_chain.py [--tokens 64] [--adapters 4,8] [--json out.json]
-        [--variants "name:ENV=V,ENV=V;..."]   (default: the list below) [--gemm-too]
+        [--variants "name:ENV=V,ENV=V;..."]   (default: the list below) [--gemm-too] [--parts]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from moelora.bench.common import git_commit, graph_time_us
 from moelora.kernels.fp8_triton import attach_act_quant, quantize_act_group
 from moelora.kernels.lora_delta_triton import lora_delta
 from moelora.kernels.lora_triton import lora_shrink
+from moelora.kernels.streams import fork, join, side_stream
 from moelora.layers.linear import DEFER_DELTA_WARPS, DEFER_SHRINK_BLOCK_K, dense_lora_h, defer_shrink_max_splits
 
 from bench_fp8_lora_epilogue import MAX_LORAS, SHAPES, build  # noqa: E402  (scripts/ on sys.path when run as a script)
@@ -41,6 +42,20 @@ VARIANTS = ("default:;serial:MOELORA_DENSE_DEFER_ORDER=serial;"
             "t64x128:MOELORA_LORA_DELTA_TILE=64x128;"
             "qkvt:MOELORA_LORA_DELTA_TILE=64x128,MOELORA_LORA_DELTA_TILE_MIN_O=4096;"
             "sw2dw2:MOELORA_LORA_SHRINK_WARPS=2,MOELORA_LORA_DELTA_WARPS=2")
+
+
+PARTS = ("forkjoin", "b.shrink", "b.delta")
+
+
+def beside(side_fn, li: int, main_fn) -> None:
+    """side_fn(li) on the side stream beside main_fn() on the current stream, forked and joined as
+    LoRALinear.forward_deferred does (the side work issued first)."""
+    side = side_stream(torch.device("cuda"))
+    main = fork(side)
+    with torch.cuda.stream(side):
+        side_fn(li)
+    main_fn()
+    join(main, side)
 
 
 def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
@@ -62,13 +77,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the GEMM beside parts of the chain on the side stream: 'forkjoin' (a one-element "
+                         "add: the fork / join alone), 'b.shrink' (the shrink alone), 'b.delta' (the delta kernel alone)")
     ap.add_argument("--gemm-too", action="store_true",
                     help="also time each variant's base GEMM alone (column <variant>.gemm): for switches of the GEMM")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    cols = ["gemm", "chain"] + [c for n, _ in variants for c in ([n, n + ".gemm"] if args.gemm_too else [n])]
+    cols = ["gemm", "chain"] + (list(PARTS) if args.parts else []) + [c for n, _ in variants for c in ([n, n + ".gemm"] if args.gemm_too else [n])]
     print(f"{'case':>4} {'T':>4} {'ad':>3} | " + " ".join(f"{c:>10}" for c in cols) + "  (µs per call)", flush=True)
     for name in SHAPES:
         mods = build(name, args.layers, g)
@@ -90,9 +108,24 @@ def main() -> None:
                                w.scaling, batch.groups.token_slots, batch.groups.active_slots, deltas[li],
                                num_warps=DEFER_DELTA_WARPS)
 
+                def shrink(li: int) -> None:
+                    w = mods[li].lora
+                    lora_shrink(x, w.a, w.rank_tensor, batch.groups, hs[li], block_k=DEFER_SHRINK_BLOCK_K)
+
+                def delta(li: int) -> None:
+                    w = mods[li].lora
+                    lora_delta(hs[li], w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor,
+                               w.scaling, batch.groups.token_slots, batch.groups.active_slots, deltas[li],
+                               num_warps=DEFER_DELTA_WARPS)
+
                 row = {"case": name, "tokens": T, "adapters": n_ad,
                        "gemm": graph_time_us(lambda li: mods[li].base(x), args.layers),
                        "chain": graph_time_us(chain, args.layers)}
+                if args.parts:
+                    one = torch.zeros(1, device="cuda")
+                    for part, fn in (("forkjoin", lambda li: one.add_(1)), ("b.shrink", shrink), ("b.delta", delta)):
+                        row[part] = graph_time_us(lambda li, fn=fn: beside(fn, li, lambda: mods[li].base(x)),
+                                                  args.layers)
                 for vname, env in variants:
                     before = switches.current(list(env))
                     switches.apply(env)
