@@ -101,13 +101,6 @@ def main() -> None:
                 hs = [dense_lora_h(m.lora, x, defer_shrink_max_splits(D)) for m in mods]
                 deltas = [torch.empty(T, sum(m.out_features), dtype=x.dtype, device="cuda") for m in mods]
 
-                def chain(li: int) -> None:
-                    w = mods[li].lora
-                    lora_shrink(x, w.a, w.rank_tensor, batch.groups, hs[li], block_k=DEFER_SHRINK_BLOCK_K)
-                    lora_delta(hs[li], w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor,
-                               w.scaling, batch.groups.token_slots, batch.groups.active_slots, deltas[li],
-                               num_warps=DEFER_DELTA_WARPS)
-
                 def shrink(li: int) -> None:
                     w = mods[li].lora
                     lora_shrink(x, w.a, w.rank_tensor, batch.groups, hs[li], block_k=DEFER_SHRINK_BLOCK_K)
@@ -117,6 +110,10 @@ def main() -> None:
                     lora_delta(hs[li], w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor,
                                w.scaling, batch.groups.token_slots, batch.groups.active_slots, deltas[li],
                                num_warps=DEFER_DELTA_WARPS)
+
+                def chain(li: int) -> None:
+                    shrink(li)
+                    delta(li)
 
                 row = {"case": name, "tokens": T, "adapters": n_ad,
                        "gemm": graph_time_us(lambda li: mods[li].base(x), args.layers),
