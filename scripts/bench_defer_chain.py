@@ -86,7 +86,8 @@ def main() -> None:
     variants = parse_variants(args.variants)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    cols = ["gemm", "chain"] + (list(PARTS) if args.parts else []) + [c for n, _ in variants for c in ([n, n + ".gemm"] if args.gemm_too else [n])]
+    variant_cols = [c for n, _ in variants for c in ([n, n + ".gemm"] if args.gemm_too else [n])]
+    cols = ["gemm", "chain"] + (list(PARTS) if args.parts else []) + variant_cols
     print(f"{'case':>4} {'T':>4} {'ad':>3} | " + " ".join(f"{c:>10}" for c in cols) + "  (µs per call)", flush=True)
     for name in SHAPES:
         mods = build(name, args.layers, g)

@@ -456,9 +456,9 @@ _DECODE_STAGES = [int(_env_choice("MOELORA_FP8_DENSE_DECODE_STAGES", "0", DENSE_
 
 def set_fp8_dense_decode_stages(stages: int) -> None:
     """Pipeline stages of the dense FP8 GEMM at decode sizes (0: DENSE_DECODE_STAGES). An experiment (session 31):
-    more stages keep more weight bytes in flight per program, and at 12 stages (192 KB of shared memory at 64-row
-    blocks) no second CTA fits on an SM beside a program, so the side stream's dense LoRA chain runs on the SMs the
-    GEMM leaves free instead of sharing its SMs. The same sums at any value. Measured in session 31 (one A/B process
+    more stages keep more weight bytes in flight per program, and the aim at 12 stages (192 KB of shared memory at
+    64-row blocks) was that the side stream's dense LoRA chain would run on the SMs the GEMM leaves free instead of
+    sharing its SMs. The same sums at any value. Measured in session 31 (one A/B process
     each, fp8 128/128 batch 64): 8 stages -0.4% with 0 / 4 / 8 adapters, 12 stages -0.8% / -1.2% / -1.4%, and with
     the GEMM issued first -0.8% / -0.7%; the chain still costs its GEMM ~2.5-3 µs. So the default stays 4."""
     if str(stages) not in DENSE_DECODE_STAGE_CHOICES:
