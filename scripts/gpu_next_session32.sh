@@ -9,4 +9,7 @@ source "$(dirname "$0")/gpu_prelude.sh"
 timeout -s INT 120 python3 scripts/bench_defer_chain.py --tokens 64 --adapters 4,8 --parts --gemm-too \
     --variants "default:" --json "$OUT/parts.json" > "$OUT/parts.log" 2>&1
 echo "dense chain parts, µs a call (rc $?):"; grep -v "^WARN" "$OUT/parts.log" | tail -6
+
+# Session 32: the stages switch's GPU test again (fp8_triton's env read changed after its last GPU run).
+python3 -m pytest -q -x -m gpu tests/test_fp8_gpu.py -k decode_stages 2>&1 | tail -3
 true
