@@ -419,7 +419,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.gpu
 @torch.no_grad()
 @pytest.mark.parametrize("quant,batch,fused", [("fp8", 48, False), ("fp8", 160, False), (None, 48, False),
-                                               ("fp8", 48, True), (None, 48, True)])
+                                               ("fp8", 48, True), (None, 48, True), ("fp8", 48, "one"),
+                                               ("fp8", 160, "one"), (None, 48, "one")])
 def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     """A Qwen3-MoE at Qwen3-30B-A3B's attention dims (dummy weights, 2 layers, FP8 or bf16), a decode step of 48 /
     160 sequences over 4 adapters and base rows, deferred (the delta kernel runs twice a layer: qkv, o_proj) against
@@ -431,7 +432,8 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     by ~2%; two correct paths that round the LoRA sum differently land 6-7% apart in the logits (session 24,
     scripts/diag_dense_lora_paths.py; session 23's consumer-expand test failed on exactly this).
     fused (set_dense_defer_fused): the chain is one lora_fused_decode launch a projection, no shrink, no delta
-    kernel; the same bounds."""
+    kernel; the same bounds. fused "one" (set_dense_defer_one_launch): the chain is one lora_chain launch a
+    projection; the same bounds."""
     if not ON_GPU or (quant and torch.cuda.get_device_capability() < (8, 9)):
         pytest.skip("needs a GPU (FP8: compute capability >= 8.9)")
     from helpers import attention_lora_decode_case
@@ -453,27 +455,35 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     from moelora.kernels import lora_triton
     from moelora.layers.linear import DEFER_DELTA_WARPS, DEFER_SHRINK_BLOCK_K, defer_shrink_max_splits
 
+    from moelora.kernels import lora_chain_triton as lct
     from moelora.kernels import lora_fused_triton as lft
 
-    _triton.set_dense_defer_fused(fused)
+    _triton.set_dense_defer_fused(fused is True)
+    _triton.set_dense_defer_one_launch(fused == "one")
     try:
         with _defer(True):
             with launch_records(ldt._lora_delta_kernel) as deltas, launch_records(
-                    lora_triton._shrink_kernel) as shrinks, launch_records(lft._lora_fused_decode_kernel) as chains:
+                    lora_triton._shrink_kernel) as shrinks, launch_records(lft._lora_fused_decode_kernel) as chains, \
+                    launch_records(lct._lora_chain_kernel) as ones:
                 eager = step().clone()
             graph, out = captured_graph(step)
             graph.replay()
+            graph.replay()  # twice: one-launch chains left their counters at zero for the next replay
             torch.cuda.synchronize()
             replayed = out.clone()
     finally:
         _triton.set_dense_defer_fused(False)
+        _triton.set_dense_defer_one_launch(False)
     layers = len(model.model.layers)
     deferred = [r["SPLIT_K"] for r in shrinks if r["BLOCK_K"] == DEFER_SHRINK_BLOCK_K]  # the others walk 64
-    if fused:
+    if fused == "one":
+        assert not deltas and not chains and len(ones) == 2 * layers, ones
+        assert not deferred, shrinks
+    elif fused:
         assert not deltas and len(chains) == 2 * layers and all(r["STORE"] for r in chains), chains
         assert not deferred, shrinks
     else:
-        assert len(deltas) == 2 * layers and not chains
+        assert len(deltas) == 2 * layers and not chains and not ones
         assert all(r.get("num_warps") == DEFER_DELTA_WARPS for r in deltas), deltas
         # the deferred shrinks, qkv's and o_proj's a layer, split by their input width (Qwen3-30B-A3B: 4 and 8 ways)
         attn = model.model.layers[0].self_attn

@@ -332,6 +332,21 @@ def dense_defer_fused() -> bool:
     return _DENSE_DEFER_FUSED[0]
 
 
+_DENSE_DEFER_ONE_LAUNCH = [os.environ.get("MOELORA_DENSE_DEFER_ONE_LAUNCH", "0") == "1"]
+
+
+def set_dense_defer_one_launch(enabled: bool) -> None:
+    """The deferred dense LoRA's shrink and delta kernel as one launch (MOELORA_DENSE_DEFER_ONE_LAUNCH=1;
+    kernels/lora_chain_triton.py): the shrink's programs first, then the delta's, which load B and wait on a counter
+    for the shrink instead of a kernel boundary. Session 32: the two-launch chain is the phase's critical path beside
+    the base GEMM. The same sums up to fp32 order; CUDA graphs keep what they captured."""
+    _DENSE_DEFER_ONE_LAUNCH[0] = bool(enabled)
+
+
+def dense_defer_one_launch() -> bool:
+    return _DENSE_DEFER_ONE_LAUNCH[0]
+
+
 _DENSE_DEFER_PRIORITY = [os.environ.get("MOELORA_DENSE_DEFER_PRIORITY", "high") or "high"]
 
 

@@ -174,17 +174,10 @@ if HAS_TRITON:
         return i0, row_slot, rank_rows, scale_rows, slot_g, rank_g
 
     @triton.jit
-    def lora_prefetched_expand(acc, rows, offs_n, mask_n, i0, row_slot, rank_rows, scale_rows, slot_g, rank_g,
-                               lh_ptr, lb_ptr, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr,
-                               LORA_SK: tl.constexpr, LORA_BR: tl.constexpr, G: tl.constexpr,
-                               LORA_PRECISION: tl.constexpr, EVEN_R: tl.constexpr, WAIT: tl.constexpr):
-        """acc + the expand from lora_prefetch_tile's loads, in one dot: the stacked B [G x LORA_BR, BLOCK_N] (row
-        g * LORA_BR + r = lb[slot of group g, offs_n, r], 0 past the group's rank) loaded first, then (WAIT: after
-        gdc_wait, the shrink complete) each row's h [LORA_BR] (its LORA_SK partials summed, 0 past the row's rank,
-        rounded to B's dtype), placed in its slot group's columns of [BLOCK_M, G x LORA_BR] (0 in the others); their
-        product times each row's scaling: per row the products of lora_expand_tile's dot for its slot (the other
-        groups add exact zeros). EVEN_R: B read in whole rank rows, zeroed past the rank after the load."""
+    def lora_stacked_b(offs_n, mask_n, slot_g, rank_g, lb_ptr, slb_s, slb_o, slb_r, BLOCK_N: tl.constexpr,
+                       LORA_BR: tl.constexpr, G: tl.constexpr, EVEN_R: tl.constexpr):
+        """The slot groups' B stacked [G x LORA_BR, BLOCK_N]: row g * LORA_BR + r = lb[slot of group g, offs_n, r],
+        0 past the group's rank (and for unused groups). EVEN_R: read in whole rank rows, zeroed after the load."""
         offs_r = tl.arange(0, LORA_BR)
         # B as [G, BR, BLOCK_N] (the slot constant along the rank dim, so the loads along it are vectorized)
         ptrs_b = (lb_ptr + tl.maximum(slot_g, 0)[:, None, None].to(tl.int64) * slb_s + offs_r[None, :, None] * slb_r
@@ -195,19 +188,43 @@ if HAS_TRITON:
             b3 = tl.where(live_r, b3, tl.zeros_like(b3))
         else:
             b3 = tl.load(ptrs_b, mask=live_r & mask_n[None, None, :], other=0.0)
-        b = tl.reshape(b3, (G * LORA_BR, BLOCK_N))
-        if WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
-            tl.extra.cuda.gdc_wait()
+        return tl.reshape(b3, (G * LORA_BR, BLOCK_N))
+
+    @triton.jit
+    def lora_stacked_expand(acc, b, rows, i0, row_slot, rank_rows, scale_rows, slot_g, lh_ptr, slh_s, slh_i, slh_m,
+                            slh_r, BLOCK_M: tl.constexpr, LORA_SK: tl.constexpr, LORA_BR: tl.constexpr,
+                            G: tl.constexpr, LORA_PRECISION: tl.constexpr, H_CACHE: tl.constexpr = ""):
+        """acc + each row's h [LORA_BR] (its LORA_SK partials summed in order, 0 past the row's rank, rounded to B's
+        dtype) placed in its slot group's columns of [BLOCK_M, G x LORA_BR] (0 in the others) times the stacked b
+        (lora_stacked_b), times each row's scaling. H_CACHE: h's load cache modifier (".cg": written by other
+        programs of the same launch)."""
+        offs_r = tl.arange(0, LORA_BR)
         mask_h = (row_slot >= 0)[:, None] & (offs_r[None, :] < rank_rows[:, None])
         ptrs = lh_ptr + i0 * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-        h = tl.load(ptrs, mask=mask_h, other=0.0)  # [BLOCK_M, BR]
+        h = tl.load(ptrs, mask=mask_h, other=0.0, cache_modifier=H_CACHE)  # [BLOCK_M, BR]
         for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
-            h += tl.load(ptrs + part * slh_s, mask=mask_h, other=0.0)
+            h += tl.load(ptrs + part * slh_s, mask=mask_h, other=0.0, cache_modifier=H_CACHE)
         hb = h.to(b.dtype)
         in_g = (row_slot[:, None] == slot_g[None, :]) & (row_slot >= 0)[:, None]  # [BLOCK_M, G]
         h3 = tl.broadcast_to(hb[:, None, :], (BLOCK_M, G, LORA_BR))
         hg = tl.reshape(tl.where(in_g[:, :, None], h3, tl.zeros_like(h3)), (BLOCK_M, G * LORA_BR))
         return acc + tl.dot(hg, b, input_precision=LORA_PRECISION) * scale_rows[:, None]
+
+    @triton.jit
+    def lora_prefetched_expand(acc, rows, offs_n, mask_n, i0, row_slot, rank_rows, scale_rows, slot_g, rank_g,
+                               lh_ptr, lb_ptr, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr,
+                               LORA_SK: tl.constexpr, LORA_BR: tl.constexpr, G: tl.constexpr,
+                               LORA_PRECISION: tl.constexpr, EVEN_R: tl.constexpr, WAIT: tl.constexpr):
+        """acc + the expand from lora_prefetch_tile's loads, in one dot: the stacked B [G x LORA_BR, BLOCK_N]
+        (lora_stacked_b) loaded first, then (WAIT: after gdc_wait, the shrink complete) each row's h placed in its
+        slot group's columns (lora_stacked_expand); their product times each row's scaling: per row the products of
+        lora_expand_tile's dot for its slot (the other groups add exact zeros)."""
+        b = lora_stacked_b(offs_n, mask_n, slot_g, rank_g, lb_ptr, slb_s, slb_o, slb_r, BLOCK_N, LORA_BR, G, EVEN_R)
+        if WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
+            tl.extra.cuda.gdc_wait()
+        return lora_stacked_expand(acc, b, rows, i0, row_slot, rank_rows, scale_rows, slot_g, lh_ptr, slh_s, slh_i,
+                                   slh_m, slh_r, BLOCK_M, LORA_SK, LORA_BR, G, LORA_PRECISION)
 
     @triton.jit
     def _fp8_gemm_kernel(

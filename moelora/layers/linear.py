@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
-from moelora.kernels._triton import (HAS_TRITON, dense_defer_fused, dense_lora_overlap, fused_dense_lora, interpreting,
-                                     lora_shrink_pdl)
+from moelora.kernels._triton import (HAS_TRITON, dense_defer_fused, dense_defer_one_launch, dense_lora_overlap,
+                                     fused_dense_lora, interpreting, lora_shrink_pdl)
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused_decode
 from moelora.layers.lora import LoRAWeights, lora_active, lora_runs
@@ -149,12 +149,14 @@ class LoRALinear(nn.Module):
         self.lora: LoRAWeights | None = None
         self.quant = None  # a quantized base weight: layers/fp8.py Fp8State or layers/nvfp4.py Nvfp4State
         self.overlap = False  # GPU (--lora-overlap, and set_dense_lora_overlap): LoRA on the side stream
+        self.chain_counters: torch.Tensor | None = None  # set_dense_defer_one_launch's int32 [2] (enable_lora)
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAWeights:
         self.lora = LoRAWeights(
             self.in_features, self.out_features, max_loras, max_lora_rank,
             dtype=self.quant.act_dtype if self.quant else self.weight.dtype, device=self.weight.device,
         )
+        self.chain_counters = torch.zeros(2, dtype=torch.int32, device=self.weight.device)
         return self.lora
 
     def base(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,7 +223,18 @@ class LoRALinear(nn.Module):
         delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
         g = lora.groups
 
+        one = not (produced or fused) and dense_defer_one_launch()
+        if one and (self.chain_counters is None or self.chain_counters.device != x.device):
+            self.chain_counters = torch.zeros(2, dtype=torch.int32, device=x.device)
+
         def chain(pdl: bool, wait_primary: bool = False) -> None:
+            if one:  # set_dense_defer_one_launch: the shrink and the delta in one launch (lora_chain_triton)
+                from moelora.kernels.lora_chain_triton import lora_chain
+
+                lora_chain(x, w.a, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
+                           g.token_slots, g.active_slots, h, delta, self.chain_counters,
+                           block_k=DEFER_SHRINK_BLOCK_K)
+                return
             if fused:
                 lora_fused_decode(x, w.a, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, g, delta, store=True,
                                   max_width=max(self.out_features))
