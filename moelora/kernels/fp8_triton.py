@@ -193,17 +193,22 @@ if HAS_TRITON:
     @triton.jit
     def lora_stacked_expand(acc, b, rows, i0, row_slot, rank_rows, scale_rows, slot_g, lh_ptr, slh_s, slh_i, slh_m,
                             slh_r, BLOCK_M: tl.constexpr, LORA_SK: tl.constexpr, LORA_BR: tl.constexpr,
-                            G: tl.constexpr, LORA_PRECISION: tl.constexpr, H_CACHE: tl.constexpr = ""):
+                            G: tl.constexpr, LORA_PRECISION: tl.constexpr, H_CG: tl.constexpr):
         """acc + each row's h [LORA_BR] (its LORA_SK partials summed in order, 0 past the row's rank, rounded to B's
         dtype) placed in its slot group's columns of [BLOCK_M, G x LORA_BR] (0 in the others) times the stacked b
-        (lora_stacked_b), times each row's scaling. H_CACHE: h's load cache modifier (".cg": written by other
-        programs of the same launch)."""
+        (lora_stacked_b), times each row's scaling. H_CG: h loaded through L2 only (cache modifier ".cg": written by
+        other programs of the same launch)."""
         offs_r = tl.arange(0, LORA_BR)
         mask_h = (row_slot >= 0)[:, None] & (offs_r[None, :] < rank_rows[:, None])
         ptrs = lh_ptr + i0 * slh_i + rows[:, None] * slh_m + offs_r[None, :] * slh_r
-        h = tl.load(ptrs, mask=mask_h, other=0.0, cache_modifier=H_CACHE)  # [BLOCK_M, BR]
-        for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
-            h += tl.load(ptrs + part * slh_s, mask=mask_h, other=0.0, cache_modifier=H_CACHE)
+        if H_CG:
+            h = tl.load(ptrs, mask=mask_h, other=0.0, cache_modifier=".cg")  # [BLOCK_M, BR]
+            for part in tl.static_range(1, LORA_SK):  # the shrink's split-K partials, in order
+                h += tl.load(ptrs + part * slh_s, mask=mask_h, other=0.0, cache_modifier=".cg")
+        else:
+            h = tl.load(ptrs, mask=mask_h, other=0.0)  # [BLOCK_M, BR]
+            for part in tl.static_range(1, LORA_SK):
+                h += tl.load(ptrs + part * slh_s, mask=mask_h, other=0.0)
         hb = h.to(b.dtype)
         in_g = (row_slot[:, None] == slot_g[None, :]) & (row_slot >= 0)[:, None]  # [BLOCK_M, G]
         h3 = tl.broadcast_to(hb[:, None, :], (BLOCK_M, G, LORA_BR))
@@ -224,7 +229,7 @@ if HAS_TRITON:
         if WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
             tl.extra.cuda.gdc_wait()
         return lora_stacked_expand(acc, b, rows, i0, row_slot, rank_rows, scale_rows, slot_g, lh_ptr, slh_s, slh_i,
-                                   slh_m, slh_r, BLOCK_M, LORA_SK, LORA_BR, G, LORA_PRECISION)
+                                   slh_m, slh_r, BLOCK_M, LORA_SK, LORA_BR, G, LORA_PRECISION, False)
 
     @triton.jit
     def _fp8_gemm_kernel(

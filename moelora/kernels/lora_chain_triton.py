@@ -97,7 +97,7 @@ if HAS_TRITON:
                 done = tl.atomic_add(cnt_ptr, 0, sem="acquire")
             acc = lora_stacked_expand(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), b, rows, i0, row_slot,
                                       rank_rows, scale_rows, slot_g, h_ptr, sh_s, sh_i, sh_m, sh_r, BLOCK_M, SPLIT_K,
-                                      BR, G, B_PRECISION, ".cg")
+                                      BR, G, B_PRECISION, True)
             tl.store(d_ptr + rows[:, None] * sdm + offs_n[None, :] * sdo, acc.to(d_ptr.dtype.element_ty),
                      mask=mask_m[:, None] & mask_n[None, :])
             n_delta = tl.cdiv(T, BLOCK_M) * n_tn
