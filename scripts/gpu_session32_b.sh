@@ -12,10 +12,10 @@ V="$V;one256:MOELORA_DENSE_DEFER_ONE_LAUNCH=1,MOELORA_LORA_CHAIN_BLOCK_N=256"
 timeout -s INT 70 python3 scripts/bench_defer_chain.py --tokens 64 --adapters 4,8 --variants "$V" \
     --json "$OUT/chain.json" > "$OUT/chain.log" 2>&1
 echo "dense chain beside its GEMM, µs a call (rc $?):"; grep -v "^WARN" "$OUT/chain.log" | tail -6
-timeout -s INT 130 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_lora_chain.py \
+timeout -s INT 110 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_lora_chain.py \
     tests/test_dense_lora_defer.py > "$OUT/tests.log" 2>&1
 echo "chain + deferred tests (rc $?):"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | cut -c1-250 | tail -8
-timeout -s INT 220 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 --adapter-counts 0,4 \
+timeout -s INT 200 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 --adapter-counts 0,4 \
     --ab-rounds 2 --ab-base --out "$OUT/ab" --ab "one:MOELORA_DENSE_DEFER_ONE_LAUNCH=1" > "$OUT/ab.log" 2>&1
 echo "A/B (rc $?):"; grep -v "^WARN" "$OUT/ab.log" | grep -E "Error|Traceback|^A/B|^variant|^default|^one" | cut -c1-190
 timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_fp8_gpu.py \
