@@ -291,9 +291,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _expected_errors() -> tuple[type[Exception], ...]:
+    """Errors whose message says all a user needs (what is wrong and what to do): printed without a traceback."""
+    from moelora.adapters.errors import AdapterError
+    from moelora.config import ConfigError
+    from moelora.engine.memory import GPUMemoryError
+    from moelora.kernels._triton import DeviceError
+    from moelora.models.weights import WeightLoadError
+
+    return AdapterError, ConfigError, DeviceError, GPUMemoryError, WeightLoadError
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _expected_errors() as e:
+        cause = f" (from {type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
+        print(f"moelora {args.command}: error: {e}{cause}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -473,12 +473,15 @@ def test_prompt_logprobs_with_lora_vs_peft_on_dequantized(tmp_path):
         assert (base_w8a8 - base_ref).abs().mean() < 0.01
 
 
-def test_cli_quantization_fp8_on_cpu_is_a_clear_error():
+def test_cli_quantization_fp8_on_cpu_is_a_clear_error(capsys):
     from moelora.cli import build_parser, main
 
     assert build_parser().parse_args(["serve", "--quantization", "fp8"]).quantization == "fp8"
-    with pytest.raises(RuntimeError, match=r"FP8 needs a CUDA GPU of compute capability >= 8.9; found cpu"):
-        main(["generate", "--quantization", "fp8", "--device", "cpu", "--prompt", "hi", "--max-tokens", "1"])
+    rc = main(["generate", "--quantization", "fp8", "--device", "cpu", "--prompt", "hi", "--max-tokens", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "moelora generate: error: FP8 needs a CUDA GPU of compute capability >= 8.9; found cpu" in err
+    assert "leave out --quantization fp8" in err and "Traceback" not in err
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels compile for real (test_fp8_gpu.py)")

@@ -476,7 +476,7 @@ def test_fp8_dense_lora_overlap_equals_its_serial_form_in_and_out_of_graphs(T):
     """set_dense_lora_overlap on an FP8 base: the qkv LoRA chain on the side stream beside the FP8 GEMM (no LoRA
     epilogue), the fp32 delta added after the join, equals the same module without the side stream (delta then
     add) bit for bit, eagerly and in a CUDA graph; it differs from the epilogue form (switch off) by one rounding
-    only. (Written in session 19 after its device time ran out: scripts/gpu_next_dense_overlap.sh runs it.)"""
+    only. (Written in session 19 after its device time ran out: scripts/device_calls/gpu_next_dense_overlap.sh runs it.)"""
     from moelora.adapters.metadata import LoRABatch
     from moelora.bench.common import captured_graph
     from moelora.kernels._triton import dense_lora_overlap, set_dense_lora_overlap, set_deterministic
@@ -514,7 +514,7 @@ def test_norm_writes_the_qkv_lora_shrink_in_and_out_of_graphs(T):
     """set_lora_norm_shrink: RMSNorm.add_norm given the qkv LoRALinear also writes its shrink, which the FP8 GEMM's
     LoRA program reads without waiting; no shrink kernel runs. Against the separate shrink: the same output up to
     the summation order of h (relative 2^-7), eagerly and over graph replays with new norm inputs. (Written in
-    session 19 after its device time ran out: scripts/gpu_next_dense_overlap.sh runs it.)"""
+    session 19 after its device time ran out: scripts/device_calls/gpu_next_dense_overlap.sh runs it.)"""
     from moelora.adapters.metadata import LoRABatch
     from moelora.bench.common import captured_graph
     from moelora.kernels import _triton

@@ -21,6 +21,7 @@ from moelora.engine.request import Request
 from moelora.engine.sampler import Sampler, apply_penalties, fused_sampler_min_rows, make_generator, prompt_logprobs
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
+from moelora.kernels._triton import DeviceError
 from moelora.models.loader import build_model
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ class LLMEngine:
         self.args = args
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' requested but torch sees no GPU; use device='cpu'")
+            raise DeviceError("device='cuda' requested but torch sees no GPU: use device='cpu' (--device cpu), or "
+                              "install a CUDA build of torch")
         self.device = torch.device(device)
         dtype = args.dtype or ("float32" if self.device.type == "cpu" else "auto")
         self.config = ModelConfig.from_pretrained(args.model)

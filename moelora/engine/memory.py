@@ -31,6 +31,10 @@ class MemoryPlan:
         return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "num_blocks"} | {"num_blocks": self.num_blocks}
 
 
+
+class GPUMemoryError(RuntimeError):
+    """The parts of the GPU memory plan do not fit the budget; the message names each part and what to change."""
+
 def plan_kv_blocks(
     total: int, used: int, activations: int, graph_reserve: int, utilization: float, per_block: int, cap: int
 ) -> MemoryPlan:
@@ -42,7 +46,7 @@ def plan_kv_blocks(
     kv = budget - used - activations - graph_reserve
     n = min(max(kv, 0) // per_block, cap)
     if n < 1:
-        raise RuntimeError(
+        raise GPUMemoryError(
             f"GPU memory budget exceeded: gpu_memory_utilization {utilization} x {total / GIB:.2f} GiB = "
             f"{budget / GIB:.2f} GiB, but weights + adapter slots + context already use {used / GIB:.2f} GiB, "
             f"activations of the largest step {activations / GIB:.2f} GiB and the CUDA-graph pool "

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from moelora.distributed import (ParallelState, check_launch, free_port, init_parallel, kv_cache_config,
                                  shard_model)
+from moelora.kernels._triton import DeviceError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def worker_device(args, local_rank: int) -> torch.device:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda"):
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but this host has "
+            raise DeviceError(f"local rank {local_rank} needs GPU {local_rank}, but this host has "
                                f"{torch.cuda.device_count()}: start at most that many processes per node")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

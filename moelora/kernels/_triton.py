@@ -17,6 +17,11 @@ except ImportError:  # the CPU path needs no Triton
 MIN_TRITON = (3, 6)
 
 
+class DeviceError(RuntimeError):
+    """This machine lacks what a requested path needs (a CUDA GPU, its compute capability, Triton); the message
+    says what to install or which option to change. The command line prints it without a traceback."""
+
+
 _DETERMINISTIC = [os.environ.get("MOELORA_DETERMINISTIC", "0") == "1"]
 
 
@@ -492,9 +497,9 @@ def interpreting() -> bool:
 
 def require_triton() -> None:
     if not HAS_TRITON:
-        raise RuntimeError("the GPU kernels need Triton: pip install 'triton>=3.6' (it comes with CUDA builds of torch)")
+        raise DeviceError("the GPU kernels need Triton: pip install 'triton>=3.6' (it comes with CUDA builds of torch)")
     if TRITON_VERSION < MIN_TRITON:
-        raise RuntimeError(f"Triton {TRITON_VERSION} is too old for moelora's kernels; install triton>=3.6")
+        raise DeviceError(f"Triton {TRITON_VERSION} is too old for moelora's kernels; install triton>=3.6")
 
 
 def dot_precision(dtype) -> str | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, _env_choice, require_triton
+from moelora.kernels._triton import HAS_TRITON, DeviceError, _env_choice, require_triton
 from moelora.kernels.fp8 import (
     FP8_DTYPE, FP8_MAX, dequantize_act_group, fp8_block_matmul_ref, fp8_grouped_matmul_ref, grouped_matmul_dequantized,
     quantize_act_group_ref,
@@ -391,12 +391,13 @@ def check_fp8_device(device: torch.device | str) -> None:
     """Clear error instead of a silent fallback: FP8 kernels need CUDA with compute capability >= 8.9."""
     device = torch.device(device)
     if device.type != "cuda":
-        raise RuntimeError(f"FP8 needs a CUDA GPU of compute capability >= 8.9; found {device.type} "
-                           "(use dtype bfloat16, or the reference path in tests)")
+        raise DeviceError(f"FP8 needs a CUDA GPU of compute capability >= 8.9; found {device.type}: run on such a "
+                          "GPU, or keep the base in bf16 (leave out --quantization fp8; bench: --dtype bfloat16)")
     cap = torch.cuda.get_device_capability(device)
     if cap < MIN_CAPABILITY:
-        raise RuntimeError(f"FP8 needs a CUDA GPU of compute capability >= 8.9; found {torch.cuda.get_device_name(device)} "
-                           f"with compute capability {cap[0]}.{cap[1]}")
+        raise DeviceError(f"FP8 needs a CUDA GPU of compute capability >= 8.9; found {torch.cuda.get_device_name(device)} "
+                          f"with compute capability {cap[0]}.{cap[1]}: keep the base in bf16, or use --quantization "
+                          "nvfp4 (weight-only, any CUDA GPU)")
 
 
 def quantize_act_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelora.kernels._triton import DeviceError
 from moelora.kernels.nvfp4 import GROUP, dequantize_nvfp4, quantize_nvfp4
 
 SUFFIXES = ("_scale", "_scale_2")
@@ -87,7 +88,9 @@ class Nvfp4ExpertWeight:
 
 def check_nvfp4_backend(reference: bool, device: torch.device | str) -> None:
     if not reference and torch.device(device).type != "cuda":
-        raise RuntimeError(f"NVFP4 needs a CUDA GPU (weight-only, dequantized for the GEMM); found {torch.device(device).type}")
+        raise DeviceError(f"NVFP4 needs a CUDA GPU (weight-only, dequantized for the GEMM); found "
+                          f"{torch.device(device).type}: run on a GPU, or keep the base in bf16 (leave out "
+                          "--quantization nvfp4; bench: --dtype bfloat16)")
 
 
 def dequantized(module: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
