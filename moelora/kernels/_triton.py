@@ -22,6 +22,25 @@ class DeviceError(RuntimeError):
     says what to install or which option to change. The command line prints it without a traceback."""
 
 
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> list[str]:
+    """[the value of environment variable `name`] (unset or empty: default), checked against choices."""
+    v = os.environ.get(name, default) or default
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
+    return [v]
+
+
+def _env_int_default(name: str, default: int) -> int:
+    """The integer in environment variable `name` (unset or empty: default); anything else is an error naming it."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
 _DETERMINISTIC = [os.environ.get("MOELORA_DETERMINISTIC", "0") == "1"]
 
 
@@ -192,8 +211,9 @@ _LORA_SHARED_H = [os.environ.get("MOELORA_LORA_SHARED_H", "0") == "1"]
 def set_lora_shared_h(enabled: bool) -> None:
     """With set_lora_shared_a on: in the fused routed-expert decode kernel, the gate program of a pair whose up
     slice reads the gate's A also expands the up slice from the same h (one shrink a pair instead of two; the up
-    programs return at once) (MOELORA_LORA_SHARED_H=1). Off until measured; results do not change. CUDA graphs keep
-    what they captured: set it before."""
+    programs return at once) (MOELORA_LORA_SHARED_H=1). Measured in session 26 (one A/B process, shared-A
+    adapters): -0.49% / -0.15% with 4 / 8 adapters, so it stays off; results do not change. CUDA graphs keep what
+    they captured: set it before."""
     _LORA_SHARED_H[0] = bool(enabled)
 
 
@@ -201,7 +221,7 @@ def lora_shared_h() -> bool:
     return _LORA_SHARED_H[0]
 
 
-_DENSE_DEFER_ORDER = [os.environ.get("MOELORA_DENSE_DEFER_ORDER", "chain") or "chain"]
+_DENSE_DEFER_ORDER = _env_choice("MOELORA_DENSE_DEFER_ORDER", "chain", ("chain", "gemm", "serial", "main"))
 
 
 def set_dense_defer_order(order: str) -> None:
@@ -227,14 +247,6 @@ def dense_defer_order() -> str:
 
 
 _MOE_LORA_ORDERS = ("lora", "gemm", "gate_up", "down")
-
-
-def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> list[str]:
-    """[the value of environment variable `name`] (unset or empty: default), checked against choices."""
-    v = os.environ.get(name, default) or default
-    if v not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
-    return [v]
 
 
 _MOE_LORA_ORDER = _env_choice("MOELORA_MOE_LORA_ORDER", "lora", _MOE_LORA_ORDERS)
@@ -305,7 +317,8 @@ def set_moe_lora_gu_split(enabled: bool) -> None:
     registers, 8-9 an SM), so the base gate_up GEMM started 11.6 µs after it in session 27's trace and that phase
     grew 12.9 µs for ~8.6 µs of LoRA bytes; the down projection's launch, 512 programs, left room for the GEMM's
     CTAs, which started with it, and that phase grew 8.2 µs for ~7. The same values bit for bit; CUDA graphs keep
-    what they captured. Off until measured."""
+    what they captured. Measured in session 29 (one A/B process): -1.52% / -2.05% with 4 / 8 adapters, so it stays
+    off."""
     _MOE_LORA_GU_SPLIT[0] = bool(enabled)
 
 
@@ -355,7 +368,7 @@ def dense_defer_one_launch() -> bool:
     return _DENSE_DEFER_ONE_LAUNCH[0]
 
 
-_DENSE_DEFER_PRIORITY = [os.environ.get("MOELORA_DENSE_DEFER_PRIORITY", "high") or "high"]
+_DENSE_DEFER_PRIORITY = _env_choice("MOELORA_DENSE_DEFER_PRIORITY", "high", ("high", "normal"))
 
 
 def set_dense_defer_priority(priority: str) -> None:

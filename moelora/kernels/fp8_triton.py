@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, DeviceError, _env_choice, require_triton
+from moelora.kernels._triton import HAS_TRITON, DeviceError, _env_choice, _env_int_default, require_triton
 from moelora.kernels.fp8 import (
     FP8_DTYPE, FP8_MAX, dequantize_act_group, fp8_block_matmul_ref, fp8_grouped_matmul_ref, grouped_matmul_dequantized,
     quantize_act_group_ref,
@@ -436,7 +436,8 @@ class Fp8GemmConfig:
 
 
 _CONFIG_OVERRIDE: dict[str, Fp8GemmConfig | None] = {"dense": None, "expert": None}
-# MOELORA_FP8_EXPERT_MAXNREG=n: the grouped-expert GEMM's register cap (unset: none; an experiment, unmeasured)
+# MOELORA_FP8_EXPERT_MAXNREG=n: the grouped-expert GEMM's register cap (unset: none; an experiment: 80 lost in
+# session 14, the two streams' overlap did not grow)
 _EXPERT_MAXNREG = int(os.environ.get("MOELORA_FP8_EXPERT_MAXNREG", "0") or 0)
 
 
@@ -639,7 +640,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
 
 # measured on the H200 (session 6, Qwen3-30B-A3B fp8): 1 (always) against 0 (in the kernel) gave decode
 # 3,735 -> 4,192 tok/s at batch 64 and 7,048 -> 8,469 at 256; at 1,024 prefill went 15,179 -> 32,129 tok/s
-_PREQUANT_MIN_ROWS = [int(os.environ.get("MOELORA_FP8_PREQUANT_MIN_ROWS", "1"))]
+_PREQUANT_MIN_ROWS = [_env_int_default("MOELORA_FP8_PREQUANT_MIN_ROWS", 1)]
 
 
 def set_fp8_prequant_min_rows(rows: int) -> None:
@@ -680,12 +681,12 @@ def fp8_lora_epilogue() -> bool:
 
 
 def _lora_split_env() -> list[int]:
-    mode = int(os.environ.get("MOELORA_FP8_LORA_SPLIT", "4") or 0)
+    mode = _env_int_default("MOELORA_FP8_LORA_SPLIT", 4)
     if mode not in (0, 2, 3, 4):
         raise ValueError(f"MOELORA_FP8_LORA_SPLIT must be 0 (the expand after the K steps), 2 (the LoRA program), "
                          f"3 (after the K steps, its metadata loaded before them) or 4 (the LoRA program first, "
                          f"its tile awaited by a flag), got {mode}")
-    return [mode, int(os.environ.get("MOELORA_FP8_LORA_SPLIT_MAX_ROWS", "64") or 0)]
+    return [mode, _env_int_default("MOELORA_FP8_LORA_SPLIT_MAX_ROWS", 64)]
 
 
 _LORA_SPLIT = _lora_split_env()

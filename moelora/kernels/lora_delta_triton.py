@@ -63,6 +63,7 @@ def delta_ok(slice_bounds: tuple[int, ...], num_groups: int) -> bool:
 
 def _env_tile() -> list[int]:
     raw = os.environ.get("MOELORA_LORA_DELTA_TILE", "") or "0x0"
+    raw = "0x0" if raw == "0" else raw
     try:
         bm, bn = (int(v) for v in raw.lower().split("x"))
     except ValueError:

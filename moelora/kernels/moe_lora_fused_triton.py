@@ -64,7 +64,8 @@ _SLICE_FIRST = [os.environ.get("MOELORA_FUSED_LORA_SLICE_FIRST", "1") != "0"]
 
 
 def set_fused_lora_slice_first(enabled: bool) -> None:
-    """moe_lora_fused's programs ordered slice first ((slice, pair, split) grid) or pair first (the default)."""
+    """moe_lora_fused's programs ordered slice first ((slice, pair, split) grid: the gate and up programs of a pair
+    side by side; the default since session 27, +0.4-0.6%) or pair first (MOELORA_FUSED_LORA_SLICE_FIRST=0)."""
     _SLICE_FIRST[0] = bool(enabled)
 
 
