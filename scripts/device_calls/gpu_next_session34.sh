@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Written in session 33 (no device time: 244 s were left of the 1,800, too few for a fresh start and a run) for the
+# next session's first device call (~8 min + a fresh start). Set MOELORA_COMMIT from the dev machine.
+#  1. The GPU tests near session 33's host-side changes (error classes, the switches' parsing): the FP8 GPU tests,
+#     the command line's errors (those needing a GPU-less machine skip), the switch-parsing tests.
+#  2. FP8 prefill against bf16 today (`bench report --parts prefill`, Qwen3-30B-A3B, 16 x 2,048 tokens, 0 / 4
+#     adapters): the last figures are session 6's (fp8 32,129 tok/s, bf16 56,979).
+#  3. scripts/sweep_fp8_prefill.py: the FP8 GEMM's launch parameters at prefill sizes beside the bf16 GEMM. If a
+#     config beats the default clearly, make it fp8_gemm_config's prefill choice, then rerun 2 and the FP8 GPU tests.
+# Files: tests.log, prefill/ + prefill.log, sweep.json + sweep.log.
+source "$(dirname "$0")/../gpu_prelude.sh"
+timeout -s INT 200 python3 -m pytest -q -m gpu tests/test_fp8_gpu.py > "$OUT/tests.log" 2>&1
+timeout -s INT 60 python3 -m pytest -q tests/test_cli_errors.py tests/test_switch_env.py tests/test_docs_switches.py \
+    >> "$OUT/tests.log" 2>&1
+echo "tests:"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -4
+timeout -s INT 200 python3 -m moelora bench report --parts prefill --models qwen3-30b-a3b --dtypes bf16,fp8 \
+    --ranks 16 --no-plot --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1
+echo "prefill (rc $?):"; grep -E "prefill adapters|Error|Traceback" "$OUT/prefill.log" | tail -8
+timeout -s INT 240 python3 scripts/sweep_fp8_prefill.py --tokens 16384 --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
+echo "sweep (rc $?):"; grep -E "fp8 default|best|Error|Traceback" "$OUT/sweep.log"
+true
