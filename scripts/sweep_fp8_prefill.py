@@ -71,14 +71,20 @@ def dense_case(site: str, T: int):
     return (lambda: fp8_linear(xq, wq, ws, BLOCK, x_scale=xs)), (lambda: F.linear(x, w)), 2.0 * T * N * D
 
 
-def configs(kind: str) -> list[Fp8GemmConfig]:
+def configs(kind: str, quick: bool = False) -> list[Fp8GemmConfig]:
+    """The sweep's configs; quick: the few that compile for sm_90 without spills and differ most from the default
+    (128-wide tiles at 8 warps; 64-wide at 8 warps)."""
     if kind == "expert":  # block_m is the alignment's (the outer loop)
+        if quick:
+            return [Fp8GemmConfig(128, 8, 3), Fp8GemmConfig(128, 8, 4), Fp8GemmConfig(64, 8, 4)]
         return [Fp8GemmConfig(bn, w, st) for bn, w, st in itertools.product((64, 128, 256), (4, 8), (3, 4))]
+    if quick:
+        return [Fp8GemmConfig(128, 8, 3, 128, 1), Fp8GemmConfig(128, 8, 4, 128, 1)]
     return [Fp8GemmConfig(bn, w, st, bm, 1)
             for bn, w, st, bm in itertools.product((128, 256), (4, 8), (3, 4), (64, 128))]
 
 
-def sweep(name: str, kind: str, T: int, fp8, bf16, flops: float, rows: list, note: str) -> None:
+def sweep(name: str, kind: str, T: int, fp8, bf16, flops: float, rows: list, note: str, quick: bool) -> None:
     set_fp8_gemm_config(kind, None)
     ref = fp8().float()
     t_def = time_ms(fp8, warmup=3, rep=20)
@@ -86,8 +92,10 @@ def sweep(name: str, kind: str, T: int, fp8, bf16, flops: float, rows: list, not
     tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
     print(f"{name:>8} T={T:5d} {note}: fp8 default {t_def:7.3f} ms ({tf(t_def):6.0f} TFLOP/s), bf16 {t_bf:7.3f} ms "
           f"({tf(t_bf):6.0f}); fp8 / bf16 {t_def / t_bf:.2f}", flush=True)
+    rows.append({"case": name, "tokens": T, "note": note, "config": "default", "ms": t_def, "tflops": tf(t_def),
+                 "default_ms": t_def, "bf16_ms": t_bf, "bf16_tflops": tf(t_bf)})
     best = (t_def, "default")
-    for cfg in configs(kind):
+    for cfg in configs(kind, quick):
         set_fp8_gemm_config(kind, cfg)
         try:
             err = ((fp8().float() - ref).norm() / ref.norm()).item()
@@ -97,7 +105,7 @@ def sweep(name: str, kind: str, T: int, fp8, bf16, flops: float, rows: list, not
             continue
         finally:
             set_fp8_gemm_config(kind, None)
-        rows.append({"case": name, "tokens": T, "note": note, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+        rows.append({"case": name, "tokens": T, "note": note, "config": str(cfg), "block_n": cfg.block_n, "num_warps": cfg.num_warps,
                      "num_stages": cfg.num_stages, "block_m": cfg.block_m, "ms": t, "tflops": tf(t),
                      "default_ms": t_def, "bf16_ms": t_bf, "rel_err": err})
         flag = " <" if t < best[0] else ""
@@ -108,36 +116,42 @@ def sweep(name: str, kind: str, T: int, fp8, bf16, flops: float, rows: list, not
           f"(best fp8 / bf16 {best[0] / t_bf:.2f})", flush=True)
 
 
+def _write(path: str, rows: list) -> None:
+    import datetime
+    import os
+
+    import triton
+
+    meta = {"kind": "sweep_fp8_prefill", "date": datetime.date.today().isoformat(),
+            "device": torch.cuda.get_device_name(), "commit": os.environ.get("MOELORA_COMMIT"),
+            "torch": torch.__version__, "triton": triton.__version__}
+    with open(path, "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--cases", default="gate_up,down,qkv,o")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="a few configs (configs(quick=True)) and only the alignment's default block_m")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows: list = []
     for T in (int(t) for t in args.tokens.split(",")):
         for case in args.cases.split(","):
             if case in ("gate_up", "down"):
-                for bm in (64, 128):
+                for bm in ((pick_config(T * K).block_m,) if args.quick else (64, 128)):
                     fp8, bf16, flops = expert_case(case, T, bm)
-                    sweep(case, "expert", T, fp8, bf16, flops, rows, f"align block_m {bm}")
+                    sweep(case, "expert", T, fp8, bf16, flops, rows, f"align block_m {bm}", args.quick)
             else:
                 fp8, bf16, flops = dense_case(case, T)
                 sweep(case, "dense", T, fp8, bf16, flops, rows,
-                      f"default {fp8_gemm_config(T // 64, (Q + 2 * KV) if case == 'qkv' else H, False)}")
+                      f"default {fp8_gemm_config(T // 64, (Q + 2 * KV) if case == 'qkv' else H, False)}", args.quick)
             torch.cuda.empty_cache()
-    if args.json:
-        import datetime
-        import os
-
-        import triton
-
-        meta = {"kind": "sweep_fp8_prefill", "date": datetime.date.today().isoformat(),
-                "device": torch.cuda.get_device_name(), "commit": os.environ.get("MOELORA_COMMIT"),
-                "torch": torch.__version__, "triton": triton.__version__}
-        with open(args.json, "w") as f:
-            json.dump({**meta, "rows": rows}, f, indent=1)
+            if args.json:  # after every case: a run cut short keeps what it measured
+                _write(args.json, rows)
 
 
 if __name__ == "__main__":
