@@ -257,3 +257,57 @@ def test_memory_plan_within_budget(model_dir):
     with pytest.raises(RuntimeError, match="gpu_memory_utilization"):
         LLMEngine(EngineArgs(model=model_dir, max_loras=8, max_lora_rank=64, dtype="bfloat16", device="cuda",
                              load_format="dummy", gpu_memory_utilization=0.0001))
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_dir(tmp_path_factory):
+    """A Qwen2-MoE model: its shared expert (with its sigmoid gate) runs on the side stream beside the routed
+    experts when the overlap is on (layers/moe.py, MoEBlock.forward)."""
+    d = tmp_path_factory.mktemp("tiny_qwen2_moe")
+    cfg = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 1000,
+           "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+           "shared_expert_intermediate_size": 256, "num_experts": 16, "num_experts_per_tok": 4,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "norm_topk_prob": False,
+           "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+           "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rank", [16, 64])
+def test_shared_expert_on_the_side_stream_equals_serial_in_graphs(qwen2_moe_dir, rank, deterministic_kernels):
+    """FIELD_NOTES (SGLang #28091): buffers made on the side stream during graph capture and a cross-stream add
+    recorded in a graph corrupted replays. Qwen2-MoE's shared expert computes on the side stream (its output made
+    there, handed to the main stream by record_stream, added after the join): eager with the overlap equals eager
+    without it bit for bit, and graph replays (captured with the overlap) of several mixed batches, each replayed
+    twice, equal eager serial execution. Written in session 33 (no device time): scripts/device_calls/
+    gpu_next_session34.sh runs it."""
+    eng = _engine(qwen2_moe_dir, eager=False, overlap=True, max_loras=4, ranks=[rank] * 4)
+    assert any(t.startswith("model.layers.0.mlp.shared_expert") for t in eng.model.lora_targets())
+    rng = random.Random(rank)
+    for k, v in eng.kv.caches:
+        k.normal_()
+        v.normal_()
+    for n in (1, 5, 16, 48):
+        slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)]
+        positions = list(range(n))
+        tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
+        ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
+        outs = []
+        for overlap in (True, False):
+            eng.model.set_overlap(overlap)
+            outs.append(eng.model.compute_logits(_eager_hidden(eng, ids, positions, tables, slots)))
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    for n in (3, 12, 12, 30):  # the graphs were captured with the overlap on
+        slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)]
+        positions = rng.sample(range(100), n)  # distinct: no two rows write the same KV slot
+        tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
+        ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
+        eng.model.set_overlap(False)
+        serial = eng.model.compute_logits(_eager_hidden(eng, ids, positions, tables, slots))
+        replays = [eng.model.compute_logits(eng.runner.graphs.run(ids, positions, tables, slots)) for _ in range(2)]
+        eng.model.set_overlap(True)
+        torch.testing.assert_close(replays[0], replays[1], rtol=0, atol=0)
+        assert (replays[0] - serial).abs().max().item() < 0.15, (n, (replays[0] - serial).abs().max().item())
+    assert sum(v for (bs, lora), v in eng.runner.graphs.replays.items() if lora) >= 8

@@ -1,6 +1,7 @@
 """Per-batch LoRA metadata: grouping by slot, the single-slot flag, and the CUDA-graph static buffers
 (refreshed in place; padding rows and stale slots never survive a refresh)."""
 
+import pytest
 import torch
 
 from moelora.adapters.metadata import LoRABatch
@@ -30,6 +31,22 @@ def test_static_buffers_refresh_in_place_and_pad_with_base_rows():
     assert b.groups.active_slots.tolist() == [2, -1, -1, -1] and b.groups.slot_counts.tolist() == [1, 0, 0, 0]
     assert ptrs == [t.data_ptr() for t in (b.groups.token_slots, b.groups.sorted_token_ids, b.groups.active_slots)]
     assert b.slot_ids == [2]
+
+
+def test_slot_ids_are_checked_on_the_graph_path_too():
+    """Eager batches (build) and CUDA-graph batches (update_static) refuse a slot outside [-1, max_loras): a graph
+    reads whatever its buffers hold, so an out-of-range id would index past the adapter buffers (vLLM #28318's
+    lesson: bound every metadata buffer). update_static also refuses a batch that does not fill every row."""
+    with pytest.raises(ValueError, match=r"token slot out of range \[-1, 4\): found 0\.\.7"):
+        LoRABatch.build([0, 7], max_loras=4)
+    b = LoRABatch.static(4, max_loras=4, device="cpu")
+    before = b.groups.token_slots.tolist()
+    for bad in ([0, 7, -1, -1], [-2, 0, -1, -1]):
+        with pytest.raises(ValueError, match=r"token slot out of range \[-1, 4\)"):
+            b.update_static(bad, max_loras=4)
+    with pytest.raises(ValueError, match="this graph batch has 4 rows"):
+        b.update_static([1, 2], max_loras=4)
+    assert b.groups.token_slots.tolist() == before  # nothing written by a refused batch
 
 
 def test_kv_cache_reserves_a_dummy_block_for_graph_padding():

@@ -39,9 +39,7 @@ class LoRABatch:
     @classmethod
     def build(cls, token_slots: list[int] | torch.Tensor, max_loras: int, device: torch.device | str = "cpu") -> "LoRABatch":
         """token_slots: per token, a slot in [0, max_loras) or -1."""
-        host = torch.as_tensor(token_slots, dtype=torch.int32).cpu()
-        if host.numel() and (int(host.max()) >= max_loras or int(host.min()) < -1):
-            raise ValueError(f"token slot out of range [-1, {max_loras}): found {host.min()}..{host.max()}")
+        host = _checked_slots(token_slots, max_loras)
         groups = SlotGroups.build(host, max_loras, device)
         ids = groups.slot_ids
         return cls(
@@ -60,8 +58,15 @@ class LoRABatch:
         return b
 
     def update_static(self, token_slots: list[int] | torch.Tensor, max_loras: int) -> None:
-        """Write a new batch's slots (padded with -1 to this batch's size) into the graph's buffers."""
-        src = SlotGroups.build(torch.as_tensor(token_slots, dtype=torch.int32), max_loras, "cpu")
+        """Write a new batch's slots (padded with -1 to this batch's size) into the graph's buffers: every row, so no
+        slot of an earlier batch stays in a padding row. ValueError for a slot outside [-1, max_loras) or a length
+        other than the buffers' (a graph reads whatever its buffers hold: nothing else would catch it)."""
+        host = _checked_slots(token_slots, max_loras)
+        rows = self.groups.token_slots.shape[0]
+        if host.shape[0] != rows:
+            raise ValueError(f"update_static: this graph batch has {rows} rows (pad with -1 to it); found "
+                             f"{host.shape[0]} token slots")
+        src = SlotGroups.build(host, max_loras, "cpu")
         g = self.groups
         for name in ("token_slots", "sorted_token_ids", "active_slots", "slot_counts", "slot_starts"):
             getattr(g, name).copy_(getattr(src, name), non_blocking=True)
@@ -71,3 +76,11 @@ class LoRABatch:
     @classmethod
     def empty(cls, num_tokens: int, max_loras: int, device: torch.device | str = "cpu") -> "LoRABatch":
         return cls.build([-1] * num_tokens, max_loras, device)
+
+
+def _checked_slots(token_slots: list[int] | torch.Tensor, max_loras: int) -> torch.Tensor:
+    """token_slots as int32 on the host, each in [-1, max_loras) (ValueError naming the range otherwise)."""
+    host = torch.as_tensor(token_slots, dtype=torch.int32).cpu()
+    if host.numel() and (int(host.max()) >= max_loras or int(host.min()) < -1):
+        raise ValueError(f"token slot out of range [-1, {max_loras}): found {int(host.min())}..{int(host.max())}")
+    return host

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Written in session 33 (no device time: 244 s were left of the 1,800, too few for a fresh start and a run) for the
 # next session's first device call (~8 min + a fresh start). Set MOELORA_COMMIT from the dev machine.
-#  1. The GPU tests near session 33's host-side changes (error classes, the switches' parsing): the FP8 GPU tests,
+#  1. Session 33's new GPU test (Qwen2-MoE's shared expert on the side stream under graph capture: FIELD_NOTES'
+#     SGLang #28091, the one shipped bug with no test of ours on that path), then the GPU tests near session 33's
+#     host-side changes (error classes, the switches' parsing, the graph batch's slot check): the FP8 GPU tests,
 #     the command line's errors (those needing a GPU-less machine skip), the switch-parsing tests.
 #  2. FP8 prefill against bf16 today (`bench report --parts prefill`, Qwen3-30B-A3B, 16 x 2,048 tokens, 0 / 4
 #     adapters): the last figures are session 6's (fp8 32,129 tok/s, bf16 56,979).
@@ -9,7 +11,8 @@
 #     config beats the default clearly, make it fp8_gemm_config's prefill choice, then rerun 2 and the FP8 GPU tests.
 # Files: tests.log, prefill/ + prefill.log, sweep.json + sweep.log.
 source "$(dirname "$0")/../gpu_prelude.sh"
-timeout -s INT 200 python3 -m pytest -q -m gpu tests/test_fp8_gpu.py > "$OUT/tests.log" 2>&1
+timeout -s INT 120 python3 -m pytest -q -m gpu tests/test_graphs_overlap.py -k shared_expert > "$OUT/tests.log" 2>&1
+timeout -s INT 200 python3 -m pytest -q -m gpu tests/test_fp8_gpu.py >> "$OUT/tests.log" 2>&1
 timeout -s INT 60 python3 -m pytest -q tests/test_cli_errors.py tests/test_switch_env.py tests/test_docs_switches.py \
     >> "$OUT/tests.log" 2>&1
 echo "tests:"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -4
