@@ -9,7 +9,8 @@
 #     adapters): the last figures are session 6's (fp8 32,129 tok/s, bf16 56,979).
 #  3. scripts/sweep_fp8_prefill.py: the FP8 GEMM's launch parameters at prefill sizes beside the bf16 GEMM. If a
 #     config beats the default clearly, make it fp8_gemm_config's prefill choice, then rerun 2 and the FP8 GPU tests.
-# Files: tests.log, prefill/ + prefill.log, sweep.json + sweep.log.
+#  4. The bf16 base at today's defaults, batch 64 (last measured in session 8).
+# Files: tests.log, prefill/ + prefill.log, sweep.json + sweep.log, bf16/ + bf16.log.
 source "$(dirname "$0")/../gpu_prelude.sh"
 timeout -s INT 120 python3 -m pytest -q -m gpu tests/test_graphs_overlap.py -k shared_expert > "$OUT/tests.log" 2>&1
 timeout -s INT 200 python3 -m pytest -q -m gpu tests/test_fp8_gpu.py >> "$OUT/tests.log" 2>&1
@@ -21,4 +22,8 @@ timeout -s INT 200 python3 -m moelora bench report --parts prefill --models qwen
 echo "prefill (rc $?):"; grep -E "prefill adapters|Error|Traceback" "$OUT/prefill.log" | tail -8
 timeout -s INT 240 python3 scripts/sweep_fp8_prefill.py --tokens 16384 --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
 echo "sweep (rc $?):"; grep -E "fp8 default|best|Error|Traceback" "$OUT/sweep.log"
+# 4. bf16 base at today's defaults (last measured in session 8): batch 64, 0 / 4 / 8 adapters, 128/128.
+timeout -s INT 150 python3 -m moelora bench decode --dtype bfloat16 --workloads vllm --batches 64 --adapter-counts 0,4,8 \
+    --out "$OUT/bf16" > "$OUT/bf16.log" 2>&1
+echo "bf16 (rc $?):"; grep -v "^WARN" "$OUT/bf16.log" | grep -E "tok/s|Error|Traceback" | cut -c1-190
 true
