@@ -311,3 +311,30 @@ def test_shared_expert_on_the_side_stream_equals_serial_in_graphs(qwen2_moe_dir,
         torch.testing.assert_close(replays[0], replays[1], rtol=0, atol=0)
         assert (replays[0] - serial).abs().max().item() < 0.15, (n, (replays[0] - serial).abs().max().item())
     assert sum(v for (bs, lora), v in eng.runner.graphs.replays.items() if lora) >= 8
+
+
+@torch.no_grad()
+def test_padding_rows_of_a_graph_batch_get_slot_minus_one(model_dir):
+    """FIELD_NOTES (SGLang #29157 / #29468): the padded tail rows of a CUDA-graph batch kept an earlier batch's slot
+    ids. After a batch that fills its bucket with adapter rows, a smaller batch in the same bucket leaves -1 in every
+    padding row of the graph's slot buffer, and its real rows equal eager. Written in session 33 (no device time):
+    scripts/device_calls/gpu_next_session34.sh runs it."""
+    eng = _engine(model_dir, eager=False, max_loras=4, ranks=[16] * 4)
+    g = eng.runner.graphs
+    bs = g.bucket(11)
+    assert bs > 11, g.buckets
+    rng = random.Random(29157)
+
+    def batch(n: int, slots: list[int]):
+        positions = rng.sample(range(100), n)
+        tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
+        return [rng.randrange(eng.config.vocab_size) for _ in range(n)], positions, tables, slots
+
+    full = batch(bs, [i % 4 for i in range(bs)])
+    g.run(*full)
+    assert g.lora_batches[bs].groups.token_slots.tolist() == [i % 4 for i in range(bs)]
+    small = batch(11, [rng.choice([0, 1, 2, 3]) for _ in range(11)])
+    graph = eng.model.compute_logits(g.run(*small)).clone()
+    assert g.lora_batches[bs].groups.token_slots[11:].tolist() == [-1] * (bs - 11)
+    eager = eng.model.compute_logits(_eager_hidden(eng, *small))
+    assert (graph - eager).abs().max().item() < 0.15
