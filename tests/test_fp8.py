@@ -851,3 +851,54 @@ def test_fp8_lora_program_above_max_rows_only_while_the_launch_stays_small(monke
     monkeypatch.setattr(ft, "LORA_SPLIT_MAX_PROGRAMS", 0)
     assert split_of(256, 4096, 2048)[0] == 0
 
+
+
+@pytest.mark.parametrize("site", ["dense", "expert"])
+def test_fp8_prefill_config_wide_gives_the_same_sums(site, monkeypatch):
+    """set_fp8_prefill_config("wide") (MOELORA_FP8_PREFILL_CONFIG): from 257 rows (dense) or on 64-row alignment
+    blocks (grouped, > 256 tokens at top-8) the FP8 GEMMs take 128 x 128 tiles at 8 warps; the output equals the
+    default tiles' (the same K steps in the same order) and the reference; below those sizes nothing changes."""
+    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.fused_moe_triton import moe_align, pick_config
+
+    dev = "cuda" if ON_GPU else "cpu"
+    g = torch.Generator().manual_seed(33)
+    blk = (128, 128) if ON_GPU else (16, 16)
+    D, N, E, K, T = (256, 256, 8, 8, 300) if ON_GPU else (48, 128, 8, 8, 300)
+    xq, xs = (v.to(dev) for v in quantize_act_group_ref(torch.randn(T, D, generator=g), blk[1]))
+    if site == "dense":
+        q, s = (t.to(dev) for t in quantize_weight_block(torch.randn(N, D, generator=g), blk))
+
+        def run():
+            return ft.fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
+
+        ref = ft.fp8_linear_ref(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
+    else:
+        qe, se = (t.to(dev) for t in quantize_weight_block(torch.randn(E, N, D, generator=g), blk))
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+        bm = pick_config(T * K).block_m
+        assert bm >= 64
+        align = moe_align(ids, E, bm)
+
+        def run():
+            return ft.fp8_expert_gemm(xq, qe, se, blk, ids, align, True, bm, x_scale=xs)
+
+        ref = ft.fp8_expert_gemm_ref(xq, qe, se, blk, ids, align, True, bm, x_scale=xs)
+    chosen = []
+    real = ft.fp8_gemm_config
+    monkeypatch.setattr(ft, "fp8_gemm_config", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    before = ft.fp8_prefill_config()
+    try:
+        ft.set_fp8_prefill_config("default")
+        default = run()
+        ft.set_fp8_prefill_config("wide")
+        wide = run()
+    finally:
+        ft.set_fp8_prefill_config(before)
+    assert chosen[0].num_warps == 4 and (chosen[1].block_n, chosen[1].num_warps, chosen[1].num_stages) == (128, 8, 3)
+    torch.testing.assert_close(wide, default, rtol=1e-6, atol=1e-6)
+    # the expert GEMM of an FP8 input returns bf16: the reference within bf16 output rounding (as the tests above)
+    assert ((wide.float() - ref.float()).norm() / ref.float().norm()) < (2**-7 if wide.dtype == torch.bfloat16 else 1e-5)
+    assert ft._dense_block_m(256) == 64  # decode sizes (the CUDA graphs stop at 256 rows) never change
+    with pytest.raises(ValueError, match="set_fp8_prefill_config"):
+        ft.set_fp8_prefill_config("widest")

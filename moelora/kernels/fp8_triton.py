@@ -455,14 +455,43 @@ SPLIT_K_TARGET_PROGRAMS_WIDE = 132  # 32/64-row blocks (4x the MMA work per K st
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def fp8_gemm_config(grid_m: int, N: int, grouped: bool) -> Fp8GemmConfig:
+# MOELORA_FP8_PREFILL_CONFIG / set_fp8_prefill_config: the FP8 GEMMs' launch parameters at prefill sizes, where the
+# defaults come from sweeps at decode sizes (session 8). "default": as fp8_gemm_config always chose; "wide": 128 x 128
+# tiles at 8 warps and 3 stages, what the bf16 fused-MoE GEMM takes at prefill (fused_moe_triton.pick_config) — for
+# the grouped GEMM on an alignment of >= 64-row blocks (more than 256 tokens at top-8), for the dense GEMM from
+# PREFILL_MIN_ROWS rows (then in 128-row blocks). Compiled for sm_90 (scripts/compile_check_fp8_gemm.py, session 33):
+# 227-241 registers, no spills, with the dense LoRA epilogue too. Unmeasured, so off; decode never reaches it (the
+# CUDA graphs stop at 256 rows).
+PREFILL_CONFIGS = ("default", "wide")
+PREFILL_MIN_ROWS = 257
+_PREFILL = _env_choice("MOELORA_FP8_PREFILL_CONFIG", "default", PREFILL_CONFIGS)
+
+
+def set_fp8_prefill_config(name: str) -> None:
+    """The FP8 GEMMs' launch parameters at prefill sizes: "default" or "wide" (MOELORA_FP8_PREFILL_CONFIG, above).
+    The same sums either way (the K step is the scale group and prefill does not split K)."""
+    if name not in PREFILL_CONFIGS:
+        raise ValueError(f"set_fp8_prefill_config: expected one of {PREFILL_CONFIGS}, got {name!r}")
+    _PREFILL[0] = name
+
+
+def fp8_prefill_config() -> str:
+    return _PREFILL[0]
+
+
+def fp8_gemm_config(grid_m: int, N: int, grouped: bool, block_m: int = 0) -> Fp8GemmConfig:
     """Default launch parameters (scripts/sweep_fp8_gemm.py on the H200, Qwen3-30B-A3B shapes, session 8):
     grouped experts: 64-wide column tiles, 4 stages (gate_up / down at 256 tokens 124 -> 115 / 72 -> 66 us,
     64 tokens unchanged at 99 / 54 us); dense: 64-wide column tiles (128 from 256 programs: prefill), 4 stages
-    at decode sizes (qkv at 64 tokens 11.7 -> 8.5 us with 64-row blocks). set_fp8_gemm_config overrides it."""
+    at decode sizes (qkv at 64 tokens 11.7 -> 8.5 us with 64-row blocks). set_fp8_gemm_config overrides it.
+    block_m: the rows of a program (the grouped GEMM's alignment block, the dense GEMM's _dense_block_m); with
+    set_fp8_prefill_config("wide"), 128 x 128 tiles at 8 warps from 64-row alignment blocks (grouped) or 128-row
+    blocks (dense)."""
     forced = _CONFIG_OVERRIDE["expert" if grouped else "dense"]
     if forced is not None:
         return forced
+    if _PREFILL[0] == "wide" and N >= 128 and block_m >= (64 if grouped else 128):
+        return Fp8GemmConfig(128, 8, 3, 0 if grouped else 128, 0 if grouped else 1)
     if grouped:
         return Fp8GemmConfig(64 if N >= 64 else max(16, triton.next_power_of_2(N)), 4, 4,
                              maxnreg=_EXPERT_MAXNREG)
@@ -592,7 +621,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     block_k = bk
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"FP8 Triton GEMM: block_k must be a power of two >= 16, got weight_block_size {list(block)}")
-    cfg = fp8_gemm_config(grid_m, N, ids is not None)
+    cfg = fp8_gemm_config(grid_m, N, ids is not None, block_m)
     block_n = cfg.block_n
     grid_n = triton.cdiv(N, block_n)
     split_k = 1
@@ -799,7 +828,10 @@ def _block_m(rows: int) -> int:
 
 def _dense_block_m(rows: int) -> int:
     """Rows per program of the dense GEMM: the whole batch up to 64 rows (each weight tile read once; the sweep:
-    qkv at 64 / 256 tokens 11.7 -> 8.5 / 27.4 -> 13.8 us against 16-row blocks), 64 beyond."""
+    qkv at 64 / 256 tokens 11.7 -> 8.5 / 27.4 -> 13.8 us against 16-row blocks), 64 beyond (128 from
+    PREFILL_MIN_ROWS with set_fp8_prefill_config("wide"))."""
+    if rows >= PREFILL_MIN_ROWS and _PREFILL[0] == "wide":
+        return 128
     return 16 if rows <= 16 else (32 if rows <= 32 else 64)
 
 
@@ -950,5 +982,5 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)
 
 
-__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
+__all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "set_fp8_prefill_config", "fp8_prefill_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
            "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]
