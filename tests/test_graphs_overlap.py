@@ -338,3 +338,23 @@ def test_padding_rows_of_a_graph_batch_get_slot_minus_one(model_dir):
     assert g.lora_batches[bs].groups.token_slots[11:].tolist() == [-1] * (bs - 11)
     eager = eng.model.compute_logits(_eager_hidden(eng, *small))
     assert (graph - eager).abs().max().item() < 0.15
+
+
+@torch.no_grad()
+def test_graph_capture_allocates_nothing_on_the_side_streams(model_dir):
+    """ARCHITECTURE's invariant 5 and FIELD_NOTES (SGLang #28091: routing tensors and shrink intermediates allocated
+    on the side stream during capture, their memory reused by the replay): on Qwen3-MoE with adapters and the
+    overlap on, the captured graphs' memory pool holds no segment of the side stream (the routed-expert LoRA chain)
+    or of the alignment stream: every buffer those streams write was allocated on the capturing stream before the
+    fork. (Qwen2-MoE's and DeepSeek's shared experts keep temporaries on the side stream by design: docs/
+    field-bugs.md.) Written in session 33 (no device time): scripts/device_calls/gpu_next_session34.sh runs it."""
+    from moelora.kernels.streams import align_stream, side_stream
+
+    eng = _engine(model_dir, eager=False, overlap=True, max_loras=4, ranks=[16] * 4)
+    g = eng.runner.graphs
+    assert g.pool is not None and any(lora for (_, lora) in g.graphs)
+    handles = {side_stream(eng.device).cuda_stream: "side", align_stream(eng.device).cuda_stream: "align"}
+    segments = torch.cuda.memory.memory_snapshot(mempool_id=g.pool)
+    assert segments, "the graphs' pool shows no segment: the snapshot did not see it"
+    on_side = [(handles[s["stream"]], s["total_size"]) for s in segments if s["stream"] in handles]
+    assert not on_side, f"segments of the graphs' pool allocated on these streams (name, bytes): {on_side}"

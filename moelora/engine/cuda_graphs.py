@@ -105,6 +105,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the last step's host-to-device copies
         # keys (bucket, mode): mode True (LoRA), False (base only), "dense" / "experts" (variants, lora_graph_mode)
         self.graphs: dict[tuple[int, bool | str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None  # capture(): the pool every graph shares
         self.max_batch_size = B
         self.replays: dict[tuple[int, bool | str], int] = {}  # (bucket, mode) -> replays, for tests and stats
         self.lora_layer_calls: dict[tuple[int, bool | str], int] = {}  # LoRA computations recorded into each graph
@@ -140,6 +141,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.model(*args)
                 pool = graph.pool()
+                self.pool = pool  # the graphs' shared memory pool (tests read its segments)
                 self.graphs[(bs, mode)] = (graph, out)
                 self.lora_layer_calls[(bs, mode)] = lora_work_count() - calls
                 # each MoE block's routing output of this graph (statistics and tests read it after a replay)

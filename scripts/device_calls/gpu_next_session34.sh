@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Written in session 33 (no device time: 244 s were left of the 1,800, too few for a fresh start and a run) for the
 # next session's first device call (~8 min + a fresh start). Set MOELORA_COMMIT from the dev machine.
-#  1. Session 33's two new GPU tests (Qwen2-MoE's shared expert on the side stream under graph capture, SGLang
-#     #28091; a graph batch's padding rows at slot -1, SGLang #29157), then the GPU tests near session 33's
+#  1. Session 33's three new GPU tests (Qwen2-MoE's shared expert on the side stream under graph capture and no
+#     graph-pool segment of the side streams on Qwen3-MoE, SGLang #28091; a graph batch's padding rows at slot -1,
+#     SGLang #29157), then the GPU tests near session 33's
 #     host-side changes (error classes, the switches' parsing, the graph batch's slot check): the FP8 GPU tests,
 #     the command line's errors (those needing a GPU-less machine skip), the switch-parsing tests.
 #  2. FP8 prefill against bf16 today (`bench report --parts prefill`, Qwen3-30B-A3B, 16 x 2,048 tokens, 0 / 4
@@ -13,7 +14,7 @@
 #  4. The bf16 base at today's defaults, batch 64 (last measured in session 8).
 # Files: tests.log, prefill/ + prefill.log, sweep.json + sweep.log, prefill-wide/ + prefill-wide.log, bf16/ + bf16.log.
 source "$(dirname "$0")/../gpu_prelude.sh"
-timeout -s INT 120 python3 -m pytest -q -m gpu tests/test_graphs_overlap.py -k "shared_expert or padding_rows" > "$OUT/tests.log" 2>&1
+timeout -s INT 120 python3 -m pytest -q -m gpu tests/test_graphs_overlap.py -k "shared_expert or padding_rows or allocates_nothing" > "$OUT/tests.log" 2>&1
 timeout -s INT 200 python3 -m pytest -q -m gpu tests/test_fp8_gpu.py >> "$OUT/tests.log" 2>&1
 timeout -s INT 90 python3 -m pytest -q tests/test_cli_errors.py tests/test_switch_env.py tests/test_docs_switches.py \
     "tests/test_fp8.py::test_fp8_prefill_config_wide_gives_the_same_sums" >> "$OUT/tests.log" 2>&1
