@@ -3,13 +3,12 @@ slot -1 rows; the side-stream LoRA overlap equals serial execution; long generat
 base-only batch equals a model with no adapters; the memory plan holds. (GPU only.)"""
 
 import json
-import os
 import random
 
 import pytest
 import torch
 
-from moelora import LLM, SamplingParams
+from moelora import SamplingParams
 from moelora.adapters.metadata import LoRABatch
 from moelora.bench.decode import TINY, random_adapter
 from moelora.engine.batch import SeqChunk, build_flat_batch
@@ -65,6 +64,28 @@ def _eager_hidden(eng: LLMEngine, token_ids, positions, tables, slots) -> torch.
     fb = build_flat_batch(seqs, eng.kv.block_size, eng.device)
     lora = LoRABatch.build(fb.token_slots, eng.runner.max_loras, eng.device)
     return eng.model(fb.input_ids, fb.positions, fb.attn, eng.kv.caches, lora)
+
+
+def _random_decode_batch(eng: LLMEngine, rng: random.Random, n: int, slots: list[int] | None = None,
+                         distinct: bool = False):
+    """(token ids, positions, block tables, slots) of n random decode rows, slots drawn from -1..3 unless given;
+    distinct: positions drawn without repeats below 100 (no two rows write the same KV slot), else 0..n-1."""
+    slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)] if slots is None else slots
+    positions = rng.sample(range(100), n) if distinct else list(range(n))
+    tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
+    ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
+    return ids, positions, tables, slots
+
+
+def _assert_overlap_equals_serial_eager(eng: LLMEngine, rng: random.Random, sizes) -> None:
+    """Eager logits with the overlap on and off are bit-equal for random batches of these sizes."""
+    for n in sizes:
+        batch = _random_decode_batch(eng, rng, n)
+        outs = []
+        for overlap in (True, False):
+            eng.model.set_overlap(overlap)
+            outs.append(eng.model.compute_logits(_eager_hidden(eng, *batch)))
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
 def _legacy_attention_logits(eng: LLMEngine, token_ids, positions, tables, slots) -> torch.Tensor:
@@ -173,25 +194,12 @@ def test_overlap_equals_serial(model_dir, rank, deterministic_kernels):
     for k, v in eng.kv.caches:
         k.normal_()
         v.normal_()
-    for n in (1, 5, 16, 48, 200):  # 200 tokens: the tiled (prefill) kernels
-        slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)]
-        positions = list(range(n))
-        tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
-        ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
-        outs = []
-        for overlap in (True, False):
-            eng.model.set_overlap(overlap)
-            outs.append(eng.model.compute_logits(_eager_hidden(eng, ids, positions, tables, slots)))
-        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    _assert_overlap_equals_serial_eager(eng, rng, (1, 5, 16, 48, 200))  # 200 tokens: the tiled (prefill) kernels
     # graph replay with overlap captured vs eager without overlap
     eng.model.set_overlap(False)
-    n = 12
-    slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)]
-    positions = rng.sample(range(100), n)  # distinct: no two rows write the same KV slot
-    tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
-    ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
-    serial = eng.model.compute_logits(_eager_hidden(eng, ids, positions, tables, slots))
-    graph = eng.model.compute_logits(eng.runner.graphs.run(ids, positions, tables, slots))
+    batch = _random_decode_batch(eng, rng, 12, distinct=True)
+    serial = eng.model.compute_logits(_eager_hidden(eng, *batch))
+    graph = eng.model.compute_logits(eng.runner.graphs.run(*batch))
     assert (graph - serial).abs().max().item() < 0.15
 
 
@@ -289,24 +297,12 @@ def test_shared_expert_on_the_side_stream_equals_serial_in_graphs(qwen2_moe_dir,
     for k, v in eng.kv.caches:
         k.normal_()
         v.normal_()
-    for n in (1, 5, 16, 48):
-        slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)]
-        positions = list(range(n))
-        tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
-        ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
-        outs = []
-        for overlap in (True, False):
-            eng.model.set_overlap(overlap)
-            outs.append(eng.model.compute_logits(_eager_hidden(eng, ids, positions, tables, slots)))
-        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    _assert_overlap_equals_serial_eager(eng, rng, (1, 5, 16, 48))
     for n in (3, 12, 12, 30):  # the graphs were captured with the overlap on
-        slots = [rng.choice([-1, 0, 1, 2, 3]) for _ in range(n)]
-        positions = rng.sample(range(100), n)  # distinct: no two rows write the same KV slot
-        tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
-        ids = [rng.randrange(eng.config.vocab_size) for _ in range(n)]
+        batch = _random_decode_batch(eng, rng, n, distinct=True)
         eng.model.set_overlap(False)
-        serial = eng.model.compute_logits(_eager_hidden(eng, ids, positions, tables, slots))
-        replays = [eng.model.compute_logits(eng.runner.graphs.run(ids, positions, tables, slots)) for _ in range(2)]
+        serial = eng.model.compute_logits(_eager_hidden(eng, *batch))
+        replays = [eng.model.compute_logits(eng.runner.graphs.run(*batch)) for _ in range(2)]
         eng.model.set_overlap(True)
         torch.testing.assert_close(replays[0], replays[1], rtol=0, atol=0)
         assert (replays[0] - serial).abs().max().item() < 0.15, (n, (replays[0] - serial).abs().max().item())
@@ -324,16 +320,9 @@ def test_padding_rows_of_a_graph_batch_get_slot_minus_one(model_dir):
     bs = g.bucket(11)
     assert bs > 11, g.buckets
     rng = random.Random(29157)
-
-    def batch(n: int, slots: list[int]):
-        positions = rng.sample(range(100), n)
-        tables = [list(range(p // eng.kv.block_size + 1)) for p in positions]
-        return [rng.randrange(eng.config.vocab_size) for _ in range(n)], positions, tables, slots
-
-    full = batch(bs, [i % 4 for i in range(bs)])
-    g.run(*full)
+    g.run(*_random_decode_batch(eng, rng, bs, slots=[i % 4 for i in range(bs)], distinct=True))
     assert g.lora_batches[bs].groups.token_slots.tolist() == [i % 4 for i in range(bs)]
-    small = batch(11, [rng.choice([0, 1, 2, 3]) for _ in range(11)])
+    small = _random_decode_batch(eng, rng, 11, slots=[rng.choice([0, 1, 2, 3]) for _ in range(11)], distinct=True)
     graph = eng.model.compute_logits(g.run(*small)).clone()
     assert g.lora_batches[bs].groups.token_slots[11:].tolist() == [-1] * (bs - 11)
     eager = eng.model.compute_logits(_eager_hidden(eng, *small))
