@@ -855,9 +855,9 @@ def test_fp8_lora_program_above_max_rows_only_while_the_launch_stays_small(monke
 
 @pytest.mark.parametrize("site", ["dense", "expert"])
 def test_fp8_prefill_config_wide_gives_the_same_sums(site, monkeypatch):
-    """set_fp8_prefill_config("wide") (MOELORA_FP8_PREFILL_CONFIG): from 257 rows (dense) or on 64-row alignment
-    blocks (grouped, > 256 tokens at top-8) the FP8 GEMMs take 128 x 128 tiles at 8 warps; the output equals the
-    default tiles' (the same K steps in the same order) and the reference; below those sizes nothing changes."""
+    """set_fp8_prefill_config("wide") (MOELORA_FP8_PREFILL_CONFIG): from 257 rows (dense) or 2,049 pairs (grouped,
+    > 256 tokens at top-8) the FP8 GEMMs take 128 x 128 tiles at 8 warps; the output equals the default tiles' (the
+    same K steps in the same order) and the reference; below those sizes nothing changes."""
     from moelora.kernels import fp8_triton as ft
     from moelora.kernels.fused_moe_triton import moe_align, pick_config
 
@@ -899,6 +899,11 @@ def test_fp8_prefill_config_wide_gives_the_same_sums(site, monkeypatch):
     torch.testing.assert_close(wide, default, rtol=1e-6, atol=1e-6)
     # the expert GEMM of an FP8 input returns bf16: the reference within bf16 output rounding (as the tests above)
     assert ((wide.float() - ref.float()).norm() / ref.float().norm()) < (2**-7 if wide.dtype == torch.bfloat16 else 1e-5)
-    assert ft._dense_block_m(256) == 64  # decode sizes (the CUDA graphs stop at 256 rows) never change
+    ft.set_fp8_prefill_config("wide")
+    try:  # decode sizes (the CUDA graphs stop at 256 rows, 2,048 pairs at top-8) never change
+        assert ft._dense_block_m(256) == 64
+        assert real(40, N, True, 2048).num_warps == 4 and real(4, N, False, 256).num_warps == 4
+    finally:
+        ft.set_fp8_prefill_config(before)
     with pytest.raises(ValueError, match="set_fp8_prefill_config"):
         ft.set_fp8_prefill_config("widest")

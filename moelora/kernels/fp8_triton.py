@@ -458,12 +458,13 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 # MOELORA_FP8_PREFILL_CONFIG / set_fp8_prefill_config: the FP8 GEMMs' launch parameters at prefill sizes, where the
 # defaults come from sweeps at decode sizes (session 8). "default": as fp8_gemm_config always chose; "wide": 128 x 128
 # tiles at 8 warps and 3 stages, what the bf16 fused-MoE GEMM takes at prefill (fused_moe_triton.pick_config) — for
-# the grouped GEMM on an alignment of >= 64-row blocks (more than 256 tokens at top-8), for the dense GEMM from
-# PREFILL_MIN_ROWS rows (then in 128-row blocks). Compiled for sm_90 (scripts/compile_check_fp8_gemm.py, session 33):
-# 227-241 registers, no spills, with the dense LoRA epilogue too. Unmeasured, so off; decode never reaches it (the
-# CUDA graphs stop at 256 rows).
+# the grouped GEMMs from PREFILL_MIN_PAIRS pairs, for the dense GEMM from PREFILL_MIN_ROWS rows (then in 128-row
+# blocks). Compiled for sm_90 (scripts/compile_check_fp8_gemm.py, session 33): 227-241 registers, no spills, with the
+# dense LoRA epilogue too. Unmeasured, so off; decode never reaches it (the CUDA graphs stop at 256 rows, 2,048 pairs
+# at top-8).
 PREFILL_CONFIGS = ("default", "wide")
 PREFILL_MIN_ROWS = 257
+PREFILL_MIN_PAIRS = 2049
 _PREFILL = _env_choice("MOELORA_FP8_PREFILL_CONFIG", "default", PREFILL_CONFIGS)
 
 
@@ -479,18 +480,17 @@ def fp8_prefill_config() -> str:
     return _PREFILL[0]
 
 
-def fp8_gemm_config(grid_m: int, N: int, grouped: bool, block_m: int = 0) -> Fp8GemmConfig:
+def fp8_gemm_config(grid_m: int, N: int, grouped: bool, rows: int = 0) -> Fp8GemmConfig:
     """Default launch parameters (scripts/sweep_fp8_gemm.py on the H200, Qwen3-30B-A3B shapes, session 8):
     grouped experts: 64-wide column tiles, 4 stages (gate_up / down at 256 tokens 124 -> 115 / 72 -> 66 us,
     64 tokens unchanged at 99 / 54 us); dense: 64-wide column tiles (128 from 256 programs: prefill), 4 stages
     at decode sizes (qkv at 64 tokens 11.7 -> 8.5 us with 64-row blocks). set_fp8_gemm_config overrides it.
-    block_m: the rows of a program (the grouped GEMM's alignment block, the dense GEMM's _dense_block_m); with
-    set_fp8_prefill_config("wide"), 128 x 128 tiles at 8 warps from 64-row alignment blocks (grouped) or 128-row
-    blocks (dense)."""
+    rows: the GEMM's rows (pairs for the grouped GEMMs); with set_fp8_prefill_config("wide"), 128 x 128 tiles at 8
+    warps from PREFILL_MIN_PAIRS pairs (grouped) or PREFILL_MIN_ROWS rows (dense, in 128-row blocks)."""
     forced = _CONFIG_OVERRIDE["expert" if grouped else "dense"]
     if forced is not None:
         return forced
-    if _PREFILL[0] == "wide" and N >= 128 and block_m >= (64 if grouped else 128):
+    if _PREFILL[0] == "wide" and N >= 128 and rows >= (PREFILL_MIN_PAIRS if grouped else PREFILL_MIN_ROWS):
         return Fp8GemmConfig(128, 8, 3, 0 if grouped else 128, 0 if grouped else 1)
     if grouped:
         return Fp8GemmConfig(64 if N >= 64 else max(16, triton.next_power_of_2(N)), 4, 4,
@@ -621,7 +621,7 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
     block_k = bk
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"FP8 Triton GEMM: block_k must be a power of two >= 16, got weight_block_size {list(block)}")
-    cfg = fp8_gemm_config(grid_m, N, ids is not None, block_m)
+    cfg = fp8_gemm_config(grid_m, N, ids is not None, M)
     block_n = cfg.block_n
     grid_n = triton.cdiv(N, block_n)
     split_k = 1
