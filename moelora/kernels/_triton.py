@@ -30,15 +30,20 @@ def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> list[str]:
     return [v]
 
 
-def _env_int_default(name: str, default: int) -> int:
-    """The integer in environment variable `name` (unset or empty: default); anything else is an error naming it."""
+def _env_int_default(name: str, default: int, minimum: int | None = None) -> int:
+    """The integer in environment variable `name` (unset or empty: default); anything else, or a value below
+    `minimum`, is an error naming it."""
     raw = os.environ.get(name, "")
     if not raw:
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{name} must be an integer{bound}, got {raw!r}")
+    return value
 
 
 _DETERMINISTIC = [os.environ.get("MOELORA_DETERMINISTIC", "0") == "1"]

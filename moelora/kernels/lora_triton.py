@@ -8,11 +8,10 @@ References with the same signatures: kernels/lora.py.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, lora_even_r, require_triton
+from moelora.kernels._triton import HAS_TRITON, _env_int_default, dot_precision, lora_even_r, require_triton
 from moelora.kernels.groups import SlotGroups
 
 if HAS_TRITON:
@@ -215,17 +214,10 @@ def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else (32 if num_tokens <= 64 else 64)
 
 
-def _env_int(name: str) -> int:
-    v = os.environ.get(name, "0") or "0"
-    if not v.isdigit():
-        raise ValueError(f"{name} must be a non-negative integer (0: the default), got {v!r}")
-    return int(v)
-
-
 # set_lora_shrink_config / MOELORA_LORA_SHRINK_SPLITS, MOELORA_LORA_SHRINK_BLOCK_K (0: the defaults below): a
 # launch experiment for the dense shrink at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens), swept by
 # scripts/bench_fp8_lora_epilogue.py --shrink-configs
-_SHRINK_CONFIG = [_env_int("MOELORA_LORA_SHRINK_SPLITS"), _env_int("MOELORA_LORA_SHRINK_BLOCK_K")]
+_SHRINK_CONFIG = [_env_int_default("MOELORA_LORA_SHRINK_SPLITS", 0, 0), _env_int_default("MOELORA_LORA_SHRINK_BLOCK_K", 0, 0)]
 
 
 def set_lora_shrink_config(splits: int = 0, block_k: int = 0) -> None:
@@ -240,7 +232,7 @@ def set_lora_shrink_config(splits: int = 0, block_k: int = 0) -> None:
 # set_lora_shrink_warps / MOELORA_LORA_SHRINK_WARPS (0: Triton's 4): the dense shrink's warps a program at decode
 # sizes, an experiment for the shrink beside the base GEMM (fewer warps: fewer issue slots taken from the GEMM's CTA
 # on a shared SM)
-_SHRINK_WARPS = [_env_int("MOELORA_LORA_SHRINK_WARPS")]
+_SHRINK_WARPS = [_env_int_default("MOELORA_LORA_SHRINK_WARPS", 0, 0)]
 
 
 def set_lora_shrink_warps(num_warps: int = 0) -> None:
