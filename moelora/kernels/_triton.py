@@ -364,8 +364,9 @@ def set_dense_defer_one_launch(enabled: bool) -> None:
     for the shrink instead of a kernel boundary. Session 32: the two-launch chain is the phase's critical path beside
     the base GEMM. Measured in session 32 (fp8 128/128 batch 64, an A each, one A/B process, two rounds): -1.11%
     with 4 adapters (88.5% kept against 89.5%); beside its GEMM qkv / o_proj 12.1 / 13.1 µs against 11.1 / 11.4, and
-    run serially ~3.5 µs longer than the two launches (its shrink has n x split_k programs, 12 / 8). Off. The same
-    sums up to fp32 order; CUDA graphs keep what they captured."""
+    run serially ~3.5 µs longer than the two launches (its shrink has n x split_k programs, 12 / 8). Off. Since
+    session 34 its shrink takes lora_shrink's programs by default (set_lora_chain_shrink "grouped"; "stacked" is
+    session 32's form). The same sums up to fp32 order; CUDA graphs keep what they captured."""
     _DENSE_DEFER_ONE_LAUNCH[0] = bool(enabled)
 
 

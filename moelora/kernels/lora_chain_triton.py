@@ -20,10 +20,16 @@ The stream edges cost little; the chain's length does. Here the programs of one 
 No kernel boundary between the steps and no second launch; B is read while the shrink runs. The sums are the
 two-launch chain's up to fp32 order (the shrink's dot spans the stacked groups).
 
+The shrink's programs come in two forms (set_lora_chain_shrink): "stacked", above (session 32), and "grouped"
+(session 34, the default of this launch): lora_shrink's own programs, one (slot group, slice x K split, row block)
+each over the group's rows (tokens sorted by slot), programs of an unused group or past the group's rows only
+counting. Its partials are lora_shrink's bit for bit, so the chain is the two-launch chain without the kernel
+boundary; the delta programs wait for all n_shrink programs.
+
 Measured (session 32, H200, 64 tokens, 4 adapters): slower than the two launches, beside the GEMM (qkv / o_proj
 12.1 / 13.1 µs against 11.1 / 11.4) and alone (~3.5 µs longer run serially), -1.11% end to end; off by default.
-The shrink here has n x split_k programs (12 / 8) where lora_shrink has 96 / 64, and every delta program waits
-for the slowest of them.
+The stacked shrink has n x split_k programs (12 / 8) where lora_shrink has 96 / 64, and every delta program waits
+for the slowest of them; the grouped form answers that (unmeasured when written).
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ import os
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, lora_even_r, require_triton
+from moelora.kernels._triton import HAS_TRITON, _env_choice, dot_precision, lora_even_r, require_triton
+from moelora.kernels.groups import SlotGroups
 from moelora.kernels.lora_delta_triton import DELTA_BLOCK_N, delta_ok, lora_delta_ref
+from moelora.kernels.lora_triton import _block_m as _shrink_block_m
 
 CHAIN_MAX_BLOCK_M = 64  # rows a delta program (and a shrink program's K step) takes at once
 
@@ -45,42 +53,77 @@ if HAS_TRITON:
 
     @triton.jit
     def _lora_chain_kernel(x_ptr, a_ptr, h_ptr, b_ptr, d_ptr, cnt_ptr, off_ptr, ranks_ptr, scale_ptr, slots_ptr,
-                           act_ptr, T, H, O, S, L, R,
+                           act_ptr, sorted_ptr, count_ptr, start_ptr, T, H, O, S, L, R, n_shrink,
                            sxm, sxk, sa_i, sa_s, sa_r, sa_k, sh_s, sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, sdm, sdo,
                            N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BR: tl.constexpr, G: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                           X_PRECISION: tl.constexpr, B_PRECISION: tl.constexpr, EVEN_R: tl.constexpr):
+                           X_PRECISION: tl.constexpr, B_PRECISION: tl.constexpr, EVEN_R: tl.constexpr,
+                           GROUPED: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_RS: tl.constexpr):
         pid = tl.program_id(0)
-        n_shrink = N_SLICES * SPLIT_K
         offs_g = tl.arange(0, G)
         slot_g = tl.load(act_ptr + offs_g, mask=offs_g < L, other=-1)  # [G]
         offs_r = tl.arange(0, BR)
         if pid < n_shrink:
-            i = pid // SPLIT_K
-            sk = pid % SPLIT_K
-            rank_g = tl.load(ranks_ptr + i * S + tl.maximum(slot_g, 0), mask=slot_g >= 0, other=0)
-            live = offs_r[None, :] < rank_g[:, None]  # [G, BR]
-            a_gr = (a_ptr + i * sa_i + tl.maximum(slot_g, 0)[:, None].to(tl.int64) * sa_s
-                    + offs_r[None, :] * sa_r)  # [G, BR]
-            offs_k = tl.arange(0, BLOCK_K)
-            for m0 in range(0, T, BLOCK_M):
-                rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-                mask_m = rows < T
-                acc = tl.zeros((BLOCK_M, G * BR), dtype=tl.float32)
-                for k0 in range(sk * BLOCK_K, H, BLOCK_K * SPLIT_K):
-                    kk = k0 + offs_k
-                    mask_k = kk < H
-                    xt = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk,
-                                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-                    at = tl.load(a_gr[None, :, :] + kk[:, None, None] * sa_k,
-                                 mask=live[None, :, :] & mask_k[:, None, None], other=0.0)  # [BLOCK_K, G, BR]
-                    acc += tl.dot(xt, tl.reshape(at, (BLOCK_K, G * BR)), input_precision=X_PRECISION)
-                row_slot = tl.load(slots_ptr + rows, mask=mask_m, other=-1)
-                in_g = (row_slot[:, None] == slot_g[None, :]) & (row_slot >= 0)[:, None]  # [BLOCK_M, G]
-                acc3 = tl.reshape(acc, (BLOCK_M, G, BR))
-                h = tl.sum(tl.where(in_g[:, :, None], acc3, tl.zeros_like(acc3)), axis=1)  # [BLOCK_M, BR]
-                tl.store(h_ptr + sk * sh_s + i * sh_i + rows[:, None] * sh_m + offs_r[None, :] * sh_r, h,
-                         mask=mask_m[:, None] & (offs_r < R)[None, :])
+            if GROUPED:
+                # lora_shrink's programs: one (slot group, slice x K split, row block x rank block) each, over the
+                # group's rows (sorted_ptr); programs past the group's rows or rank, or of an unused group, only count
+                n_rb = tl.cdiv(R, BLOCK_RS)
+                n_mr = tl.cdiv(T, BLOCK_MS) * n_rb
+                mr = pid % n_mr
+                isk = (pid // n_mr) % (N_SLICES * SPLIT_K)
+                group = pid // (n_mr * N_SLICES * SPLIT_K)
+                slot = tl.load(act_ptr + group)
+                count = tl.load(count_ptr + group)
+                pid_m = mr // n_rb
+                pid_r = mr % n_rb
+                i = isk // SPLIT_K
+                sk = isk % SPLIT_K
+                rank = tl.load(ranks_ptr + i * S + tl.maximum(slot, 0))
+                if (slot >= 0) & (pid_m * BLOCK_MS < count) & (pid_r * BLOCK_RS < rank):
+                    offs_m = pid_m * BLOCK_MS + tl.arange(0, BLOCK_MS)
+                    mask_m = offs_m < count
+                    rows = tl.load(sorted_ptr + tl.load(start_ptr + group) + offs_m, mask=mask_m, other=0).to(tl.int64)
+                    offs_rs = pid_r * BLOCK_RS + tl.arange(0, BLOCK_RS)
+                    mask_r = offs_rs < rank
+                    offs_k = tl.arange(0, BLOCK_K)
+                    a_base = a_ptr + i * sa_i + slot.to(tl.int64) * sa_s
+                    acc = tl.zeros((BLOCK_MS, BLOCK_RS), dtype=tl.float32)
+                    for k0 in range(sk * BLOCK_K, H, BLOCK_K * SPLIT_K):
+                        kk = k0 + offs_k
+                        mask_k = kk < H
+                        xt = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk,
+                                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_MS, BLOCK_K]
+                        at = tl.load(a_base + offs_rs[None, :] * sa_r + kk[:, None] * sa_k,
+                                     mask=mask_r[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_RS]
+                        acc += tl.dot(xt, at, input_precision=X_PRECISION)
+                    tl.store(h_ptr + sk * sh_s + i * sh_i + rows[:, None] * sh_m + offs_rs[None, :] * sh_r, acc,
+                             mask=mask_m[:, None] & mask_r[None, :])
+            else:  # the stacked form (session 32): one (slice, K split) each, every row and slot group
+                i = pid // SPLIT_K
+                sk = pid % SPLIT_K
+                rank_g = tl.load(ranks_ptr + i * S + tl.maximum(slot_g, 0), mask=slot_g >= 0, other=0)
+                live = offs_r[None, :] < rank_g[:, None]  # [G, BR]
+                a_gr = (a_ptr + i * sa_i + tl.maximum(slot_g, 0)[:, None].to(tl.int64) * sa_s
+                        + offs_r[None, :] * sa_r)  # [G, BR]
+                offs_k = tl.arange(0, BLOCK_K)
+                for m0 in range(0, T, BLOCK_M):
+                    rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+                    mask_m = rows < T
+                    acc = tl.zeros((BLOCK_M, G * BR), dtype=tl.float32)
+                    for k0 in range(sk * BLOCK_K, H, BLOCK_K * SPLIT_K):
+                        kk = k0 + offs_k
+                        mask_k = kk < H
+                        xt = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk,
+                                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+                        at = tl.load(a_gr[None, :, :] + kk[:, None, None] * sa_k,
+                                     mask=live[None, :, :] & mask_k[:, None, None], other=0.0)  # [BLOCK_K, G, BR]
+                        acc += tl.dot(xt, tl.reshape(at, (BLOCK_K, G * BR)), input_precision=X_PRECISION)
+                    row_slot = tl.load(slots_ptr + rows, mask=mask_m, other=-1)
+                    in_g = (row_slot[:, None] == slot_g[None, :]) & (row_slot >= 0)[:, None]  # [BLOCK_M, G]
+                    acc3 = tl.reshape(acc, (BLOCK_M, G, BR))
+                    h = tl.sum(tl.where(in_g[:, :, None], acc3, tl.zeros_like(acc3)), axis=1)  # [BLOCK_M, BR]
+                    tl.store(h_ptr + sk * sh_s + i * sh_i + rows[:, None] * sh_m + offs_r[None, :] * sh_r, h,
+                             mask=mask_m[:, None] & (offs_r < R)[None, :])
             tl.debug_barrier()  # every thread's part of h stored before the count
             tl.atomic_add(cnt_ptr, 1, sem="release")
         else:
@@ -140,6 +183,25 @@ def chain_block_n(slice_bounds: tuple[int, ...]) -> int:
     return want if all(o % want == 0 for o in slice_bounds[1:-1]) else DELTA_BLOCK_N
 
 
+_SHRINK = _env_choice("MOELORA_LORA_CHAIN_SHRINK", "grouped", ("grouped", "stacked"))
+
+
+def set_lora_chain_shrink(form: str = "grouped") -> None:
+    """Which shrink the one-launch chain's first programs run (MOELORA_LORA_CHAIN_SHRINK): "grouped" (the default,
+    session 34) lora_shrink's programs, one (slot group, slice x K split, row block) each over the group's rows
+    (qkv at 64 tokens and 4 groups: 96, half of them counting only), so the shrink is as short as the two-launch
+    chain's and only the kernel boundary goes; "stacked" session 32's n x split_k programs over every row and group
+    (lost: ~3.5 µs longer run serially). The same sums up to fp32 order; CUDA graphs keep what they captured."""
+    if form not in ("grouped", "stacked"):
+        raise ValueError(f"set_lora_chain_shrink: 'grouped' or 'stacked', got {form!r}")
+    _SHRINK[0] = form
+
+
+def lora_chain_shrink() -> str:
+    """set_lora_chain_shrink's form."""
+    return _SHRINK[0]
+
+
 def chain_counters(device: torch.device | str) -> torch.Tensor:
     """A fresh counter pair for lora_chain: int32 [2] zeros (one per layer, made before any graph capture)."""
     return torch.zeros(2, dtype=torch.int32, device=device)
@@ -148,7 +210,7 @@ def chain_counters(device: torch.device | str) -> torch.Tensor:
 def lora_chain(x: torch.Tensor, a: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor,
                slice_bounds: tuple[int, ...], ranks: torch.Tensor, scaling: torch.Tensor, token_slots: torch.Tensor,
                active_slots: torch.Tensor, h: torch.Tensor, delta: torch.Tensor, counters: torch.Tensor,
-               block_k: int = 128, num_warps: int = 8) -> None:
+               block_k: int = 128, num_warps: int = 8, groups: SlotGroups | None = None) -> None:
     """Semantics: lora_chain_ref — the LoRA delta of x, every entry of delta written, rounded once:
         delta[t, o_i] = scaling[i, s] * (round_B(x[t] @ a[i, s, :r].T) @ b_cat[s, o_i, :r].T)   s = token_slots[t] >= 0,
                                                                                              r = ranks[i, s] > 0
@@ -159,6 +221,9 @@ def lora_chain(x: torch.Tensor, a: torch.Tensor, b_cat: torch.Tensor, slice_offs
     [L] int32 (every slot of token_slots among them, L <= DELTA_MAX_GROUPS) · h: [split_k, n, T, R] fp32, any
     contents (the workspace: split k sums the K tiles k, k + split_k, ... of width block_k) · delta: [T, O] (x's
     dtype), any contents · counters: int32 [2], zero (chain_counters), left zero · num_warps: per program.
+    groups: the batch's slot groups (token_slots and active_slots must be theirs): the shrink takes lora_shrink's
+    programs, one (slot group, slice x K split, row block) each over the group's rows (set_lora_chain_shrink
+    "grouped"); None: one program per (slice, K split) over every row and group ("stacked", session 32's form).
     """
     require_triton()
     n, S, R, H = a.shape
@@ -183,15 +248,27 @@ def lora_chain(x: torch.Tensor, a: torch.Tensor, b_cat: torch.Tensor, slice_offs
     bm = min(CHAIN_MAX_BLOCK_M, max(16, triton.next_power_of_2(T)))
     bn = chain_block_n(slice_bounds)
     bk = min(block_k, max(16, triton.next_power_of_2(H)))
-    grid = (n * sk + triton.cdiv(T, bm) * triton.cdiv(O, bn),)
+    bms, brs = _shrink_block_m(T), max(16, min(64, triton.next_power_of_2(R)))
+    if groups is None:
+        n_shrink = n * sk
+        sorted_ids, counts, starts = token_slots, token_slots, token_slots  # unread
+    else:
+        if groups.active_slots.shape[0] != L:
+            raise ValueError(f"lora_chain: groups must be the batch's ({L} active slots), found "
+                             f"{groups.active_slots.shape[0]}")
+        n_shrink = L * n * sk * triton.cdiv(T, bms) * triton.cdiv(R, brs)
+        sorted_ids, counts, starts = groups.sorted_token_ids, groups.slot_counts, groups.slot_starts
+    grid = (n_shrink + triton.cdiv(T, bm) * triton.cdiv(O, bn),)
     _lora_chain_kernel[grid](
-        x, a, h, b_cat, delta, counters, slice_offsets, ranks, scaling, token_slots, active_slots, T, H, O, S, L, R,
+        x, a, h, b_cat, delta, counters, slice_offsets, ranks, scaling, token_slots, active_slots, sorted_ids, counts,
+        starts, T, H, O, S, L, R, n_shrink,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
         delta.stride(0), delta.stride(1),
         N_SLICES=n, SPLIT_K=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
         X_PRECISION=dot_precision(x.dtype), B_PRECISION=dot_precision(b_cat.dtype),
-        EVEN_R=lora_even_r() and R == br, num_warps=num_warps,
+        EVEN_R=lora_even_r() and R == br, GROUPED=groups is not None, BLOCK_MS=bms, BLOCK_RS=brs,
+        num_warps=num_warps,
     )
 
 

@@ -229,11 +229,11 @@ class LoRALinear(nn.Module):
 
         def chain(pdl: bool, wait_primary: bool = False) -> None:
             if one:  # set_dense_defer_one_launch: the shrink and the delta in one launch (lora_chain_triton)
-                from moelora.kernels.lora_chain_triton import lora_chain
+                from moelora.kernels.lora_chain_triton import lora_chain, lora_chain_shrink
 
                 lora_chain(x, w.a, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
                            g.token_slots, g.active_slots, h, delta, self.chain_counters,
-                           block_k=DEFER_SHRINK_BLOCK_K)
+                           block_k=DEFER_SHRINK_BLOCK_K, groups=g if lora_chain_shrink() == "grouped" else None)
                 return
             if fused:
                 lora_fused_decode(x, w.a, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, g, delta, store=True,
