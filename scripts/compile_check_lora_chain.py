@@ -38,6 +38,10 @@ def main() -> None:
                     print(f"shrink {'grouped' if grouped else 'stacked'}:", end=" ")
                     compile_one(lc._lora_chain_kernel, types, consts, ("x_ptr", "a_ptr", "b_ptr", "d_ptr", "h_ptr"),
                                 args.arch, num_warps=8)
+    consts.update(SPIN_SLEEP=True)  # set_lora_chain_spin_sleep: the inline nanosleep in the counter wait
+    print("spin sleep:", end=" ")
+    compile_one(lc._lora_chain_kernel, types, consts, ("x_ptr", "a_ptr", "b_ptr", "d_ptr", "h_ptr"), args.arch,
+                num_warps=8)
 
 
 if __name__ == "__main__":

@@ -185,3 +185,26 @@ def test_forward_deferred_one_launch(dtype, monkeypatch):
     torch.testing.assert_close(stacked, own, atol=atol, rtol=rtol)
     assert own.abs().max() > 0.05
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shrink", ["grouped", "stacked"])
+def test_lora_chain_spin_sleep_gives_the_same_delta(shrink):
+    """set_lora_chain_spin_sleep (nanosleep between the delta programs' polls, GPU only): the same delta bit for
+    bit, the counters left at zero, at the qkv shape with 64 tokens over 4 adapters and base rows."""
+    from moelora.kernels.lora_chain_triton import set_lora_chain_spin_sleep
+
+    gen = torch.Generator().manual_seed(5)
+    a, b, ranks, scaling, off = _factors(torch.bfloat16, gen, OUTS)
+    slots = token_slots("with_base_rows", 64, S, gen)
+    groups = SlotGroups.build(slots, S, DEVICE)
+    x = torch.randn(64, H, generator=gen).to(DEVICE, torch.bfloat16)
+    counters = chain_counters(DEVICE)
+    plain = _run(x, a, b, off, ranks, scaling, groups, 4, counters, block_k=128, shrink=shrink)
+    try:
+        set_lora_chain_spin_sleep(True)
+        slept = _run(x, a, b, off, ranks, scaling, groups, 4, counters, block_k=128, shrink=shrink)
+    finally:
+        set_lora_chain_spin_sleep(False)
+    assert torch.equal(slept, plain) and counters.tolist() == [0, 0]
+    assert plain.abs().max() > 0.01

@@ -137,6 +137,8 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_LORA_CHAIN_SHRINK": (lambda v: _import("moelora.kernels.lora_chain_triton").set_lora_chain_shrink(v),
                                   lambda: _import("moelora.kernels.lora_chain_triton").lora_chain_shrink(),
                                   ("grouped", "stacked")),
+    "MOELORA_LORA_CHAIN_SPIN_SLEEP": _bool_switch("moelora.kernels.lora_chain_triton", "set_lora_chain_spin_sleep",
+                                                  "lora_chain_spin_sleep"),
     "MOELORA_FUSED_ROUTER": _bool_switch("moelora.kernels.router_triton", "set_fused_router", "fused_router"),
     "MOELORA_MOE_COMBINE_TO_NORM": _bool_switch("moelora.kernels.fused_moe_triton", "set_moe_combine_to_norm",
                                                 "moe_combine_to_norm"),

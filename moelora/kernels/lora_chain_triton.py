@@ -58,7 +58,8 @@ if HAS_TRITON:
                            N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BR: tl.constexpr, G: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                            X_PRECISION: tl.constexpr, B_PRECISION: tl.constexpr, EVEN_R: tl.constexpr,
-                           GROUPED: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_RS: tl.constexpr):
+                           GROUPED: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_RS: tl.constexpr,
+                           SPIN_SLEEP: tl.constexpr = False):
         pid = tl.program_id(0)
         offs_g = tl.arange(0, G)
         slot_g = tl.load(act_ptr + offs_g, mask=offs_g < L, other=-1)  # [G]
@@ -142,6 +143,9 @@ if HAS_TRITON:
             # the shrink's programs (lower ids: dispatched before this one) all counted: h is complete
             done = tl.atomic_add(cnt_ptr, 0, sem="acquire")
             while done < n_shrink:
+                if SPIN_SLEEP:  # back off ~100 ns a poll: fewer issue slots and L2 polls taken from the GEMM beside
+                    done = tl.inline_asm_elementwise("nanosleep.u32 100; mov.b32 $0, $1;", "=r,r", [done],
+                                                     dtype=tl.int32, is_pure=False, pack=1)
                 done = tl.atomic_add(cnt_ptr, 0, sem="acquire")
             acc = lora_stacked_expand(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), b, rows, i0, row_slot,
                                       rank_rows, scale_rows, slot_g, h_ptr, sh_s, sh_i, sh_m, sh_r, BLOCK_M, SPLIT_K,
@@ -195,6 +199,21 @@ def set_lora_chain_shrink(form: str = "grouped") -> None:
     if form not in ("grouped", "stacked"):
         raise ValueError(f"set_lora_chain_shrink: 'grouped' or 'stacked', got {form!r}")
     _SHRINK[0] = form
+
+
+_SPIN_SLEEP = [_env_choice("MOELORA_LORA_CHAIN_SPIN_SLEEP", "0", ("0", "1"))[0] == "1"]
+
+
+def set_lora_chain_spin_sleep(enabled: bool) -> None:
+    """The one-launch chain's delta programs back off ~100 ns (PTX nanosleep) between polls of the shrink's counter
+    (MOELORA_LORA_CHAIN_SPIN_SLEEP=1; off by default, session 34, unmeasured when written): while the shrink runs,
+    the waiting programs then take fewer issue slots and L2 polls from the base GEMM sharing their SMs. The same
+    sums; GPU only (the interpreter polls without it); CUDA graphs keep what they captured."""
+    _SPIN_SLEEP[0] = bool(enabled)
+
+
+def lora_chain_spin_sleep() -> bool:
+    return _SPIN_SLEEP[0]
 
 
 def lora_chain_shrink() -> str:
@@ -268,7 +287,7 @@ def lora_chain(x: torch.Tensor, a: torch.Tensor, b_cat: torch.Tensor, slice_offs
         N_SLICES=n, SPLIT_K=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
         X_PRECISION=dot_precision(x.dtype), B_PRECISION=dot_precision(b_cat.dtype),
         EVEN_R=lora_even_r() and R == br, GROUPED=groups is not None, BLOCK_MS=bms, BLOCK_RS=brs,
-        num_warps=num_warps,
+        SPIN_SLEEP=_SPIN_SLEEP[0] and x.is_cuda, num_warps=num_warps,
     )
 
 
