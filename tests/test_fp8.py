@@ -855,8 +855,9 @@ def test_fp8_lora_program_above_max_rows_only_while_the_launch_stays_small(monke
 
 @pytest.mark.parametrize("site", ["dense", "expert"])
 def test_fp8_prefill_config_wide_gives_the_same_sums(site, monkeypatch):
-    """set_fp8_prefill_config("wide") (MOELORA_FP8_PREFILL_CONFIG): from 257 rows (dense) or 2,049 pairs (grouped,
-    > 256 tokens at top-8) the FP8 GEMMs take 128 x 128 tiles at 8 warps; the output equals the default tiles' (the
+    """set_fp8_prefill_config (MOELORA_FP8_PREFILL_CONFIG): from 2,049 pairs (> 256 tokens at top-8) the grouped
+    GEMMs take 128 x 128 tiles at 8 warps by default ("experts") and with "wide", the decode tiles with "narrow";
+    the dense GEMM takes 128 x 128 tiles from 257 rows only with "wide". The output equals the narrow tiles' (the
     same K steps in the same order) and the reference; below those sizes nothing changes."""
     from moelora.kernels import fp8_triton as ft
     from moelora.kernels.fused_moe_triton import moe_align, pick_config
@@ -889,14 +890,24 @@ def test_fp8_prefill_config_wide_gives_the_same_sums(site, monkeypatch):
     monkeypatch.setattr(ft, "fp8_gemm_config", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
     before = ft.fp8_prefill_config()
     try:
-        ft.set_fp8_prefill_config("default")
+        ft.set_fp8_prefill_config("narrow")
         default = run()
         ft.set_fp8_prefill_config("wide")
         wide = run()
+        ft.set_fp8_prefill_config("experts")
+        experts = run()
     finally:
         ft.set_fp8_prefill_config(before)
-    assert chosen[0].num_warps == 4 and (chosen[1].block_n, chosen[1].num_warps, chosen[1].num_stages) == (128, 8, 3)
+    assert before == "experts"  # the default
+    assert chosen[0].num_warps == 4
+    if site == "dense":
+        assert (chosen[1].block_n, chosen[1].num_warps, chosen[1].num_stages) == (128, 8, 3)
+        assert chosen[2] == chosen[0]  # "experts" leaves the dense GEMM as it was
+    else:
+        assert (chosen[1].block_n, chosen[1].num_warps, chosen[1].num_stages) == ft.PREFILL_EXPERT_CONFIG
+        assert chosen[2] == chosen[1]
     torch.testing.assert_close(wide, default, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(experts, default, rtol=1e-6, atol=1e-6)
     # the expert GEMM of an FP8 input returns bf16: the reference within bf16 output rounding (as the tests above)
     assert ((wide.float() - ref.float()).norm() / ref.float().norm()) < (2**-7 if wide.dtype == torch.bfloat16 else 1e-5)
     ft.set_fp8_prefill_config("wide")

@@ -74,7 +74,7 @@ def test_fp8_linear(T, shape):
     assert _rel(fp8_linear(xq, q, s, x_scale=xs), fp8_linear_ref(xq, q, s, x_scale=xs)) < KERNEL_TOL
 
 
-@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("T", TOKENS + [512])  # 512: 4,096 pairs, a prefill chunk (PREFILL_EXPERT_CONFIG's tiles)
 @pytest.mark.parametrize("which", ["gate_up", "down"])
 def test_fp8_grouped_gemm_qwen3_experts(T, which):
     from moelora.kernels.fp8_triton import fp8_grouped_gemm, fp8_grouped_gemm_ref

@@ -456,21 +456,28 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 # MOELORA_FP8_PREFILL_CONFIG / set_fp8_prefill_config: the FP8 GEMMs' launch parameters at prefill sizes, where the
-# defaults come from sweeps at decode sizes (session 8). "default": as fp8_gemm_config always chose; "wide": 128 x 128
-# tiles at 8 warps and 3 stages, what the bf16 fused-MoE GEMM takes at prefill (fused_moe_triton.pick_config) — for
-# the grouped GEMMs from PREFILL_MIN_PAIRS pairs, for the dense GEMM from PREFILL_MIN_ROWS rows (then in 128-row
-# blocks). Compiled for sm_90 (scripts/compile_check_fp8_gemm.py, session 33): 227-241 registers, no spills, with the
-# dense LoRA epilogue too. Unmeasured, so off; decode never reaches it (the CUDA graphs stop at 256 rows, 2,048 pairs
-# at top-8).
-PREFILL_CONFIGS = ("default", "wide")
+# defaults came from sweeps at decode sizes (session 8).
+#   "experts" (the default since session 34): the grouped expert GEMMs from PREFILL_MIN_PAIRS pairs take 128 x 128
+#       tiles at 8 warps and 4 stages; the dense GEMM keeps its tiles;
+#   "wide" (session 33): the same for the grouped GEMMs, and 128 x 128 tiles at 8 warps and 3 stages for the dense
+#       GEMM from PREFILL_MIN_ROWS rows (in 128-row blocks);
+#   "narrow": the decode-swept tiles everywhere (64-wide, 4 warps for the grouped GEMMs), as before session 34.
+# Session 34 (scripts/sweep_fp8_prefill.py on the H200, Qwen3-30B-A3B, 16,384 tokens, ms): gate_up 1.675 -> 1.423
+# (bf16 1.547), down 1.373 -> 1.118 (3 stages 1.086; bf16 0.844); the dense GEMM is slower wide (qkv 0.526 ->
+# 0.538, o_proj 0.442 -> 0.506-0.544), hence "experts". Compiled for sm_90 (scripts/compile_check_fp8_gemm.py):
+# grouped 128 x 128 at 8 warps, 4 stages: 241 registers, no spills. Decode never reaches these sizes (the CUDA
+# graphs stop at 256 rows, 2,048 pairs at top-8).
+PREFILL_CONFIGS = ("experts", "wide", "narrow")
 PREFILL_MIN_ROWS = 257
 PREFILL_MIN_PAIRS = 2049
-_PREFILL = _env_choice("MOELORA_FP8_PREFILL_CONFIG", "default", PREFILL_CONFIGS)
+PREFILL_EXPERT_CONFIG = (128, 8, 4)  # block_n, num_warps, num_stages of the grouped GEMMs at prefill
+_PREFILL = _env_choice("MOELORA_FP8_PREFILL_CONFIG", "experts", PREFILL_CONFIGS)
 
 
 def set_fp8_prefill_config(name: str) -> None:
-    """The FP8 GEMMs' launch parameters at prefill sizes: "default" or "wide" (MOELORA_FP8_PREFILL_CONFIG, above).
-    The same sums either way (the K step is the scale group and prefill does not split K)."""
+    """The FP8 GEMMs' launch parameters at prefill sizes: "experts" (the default), "wide" or "narrow"
+    (MOELORA_FP8_PREFILL_CONFIG, above). The same sums each way (the K step is the scale group and prefill does not
+    split K)."""
     if name not in PREFILL_CONFIGS:
         raise ValueError(f"set_fp8_prefill_config: expected one of {PREFILL_CONFIGS}, got {name!r}")
     _PREFILL[0] = name
@@ -485,13 +492,16 @@ def fp8_gemm_config(grid_m: int, N: int, grouped: bool, rows: int = 0) -> Fp8Gem
     grouped experts: 64-wide column tiles, 4 stages (gate_up / down at 256 tokens 124 -> 115 / 72 -> 66 us,
     64 tokens unchanged at 99 / 54 us); dense: 64-wide column tiles (128 from 256 programs: prefill), 4 stages
     at decode sizes (qkv at 64 tokens 11.7 -> 8.5 us with 64-row blocks). set_fp8_gemm_config overrides it.
-    rows: the GEMM's rows (pairs for the grouped GEMMs); with set_fp8_prefill_config("wide"), 128 x 128 tiles at 8
-    warps from PREFILL_MIN_PAIRS pairs (grouped) or PREFILL_MIN_ROWS rows (dense, in 128-row blocks)."""
+    rows: the GEMM's rows (pairs for the grouped GEMMs): from PREFILL_MIN_PAIRS pairs the grouped GEMMs take
+    PREFILL_EXPERT_CONFIG (128 x 128 tiles at 8 warps) unless set_fp8_prefill_config("narrow"); with "wide" the
+    dense GEMM takes 128 x 128 tiles at 8 warps from PREFILL_MIN_ROWS rows (in 128-row blocks)."""
     forced = _CONFIG_OVERRIDE["expert" if grouped else "dense"]
     if forced is not None:
         return forced
-    if _PREFILL[0] == "wide" and N >= 128 and rows >= (PREFILL_MIN_PAIRS if grouped else PREFILL_MIN_ROWS):
-        return Fp8GemmConfig(128, 8, 3, 0 if grouped else 128, 0 if grouped else 1)
+    if grouped and _PREFILL[0] != "narrow" and N >= 128 and rows >= PREFILL_MIN_PAIRS:
+        return Fp8GemmConfig(*PREFILL_EXPERT_CONFIG)
+    if not grouped and _PREFILL[0] == "wide" and N >= 128 and rows >= PREFILL_MIN_ROWS:
+        return Fp8GemmConfig(128, 8, 3, 128, 1)
     if grouped:
         return Fp8GemmConfig(64 if N >= 64 else max(16, triton.next_power_of_2(N)), 4, 4,
                              maxnreg=_EXPERT_MAXNREG)
