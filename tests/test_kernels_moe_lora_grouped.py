@@ -206,6 +206,74 @@ def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypat
     assert rel < bound, f"relative error {rel:.2e} >= {bound}"
 
 
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+@pytest.mark.parametrize("num_tokens,popularity", [(40, "with_base_rows"), (300, "identical")])
+def test_grouped_in_prefill_blocks_matches_reference(site, popularity, num_tokens, store):
+    """set_grouped_prefill's launch: moe_lora_grouped in blocks of PREFILL_BLOCK_M pairs on prefill_align's grouping
+    (300 tokens of one adapter: groups of more pairs than a block) against moe_lora_fused_ref, add and store mode
+    (store into NaN: every entry written, rows without an adapter 0)."""
+    gen = torch.Generator().manual_seed(num_tokens + 3)
+    dtype = DTYPES[0]
+    c = _moe_case(site, popularity, num_tokens, dtype, gen)
+    align = mg.prefill_align(c["ids"], c["slots"], E, c["ranks"].shape[1])
+    assert align[0].shape[0] == align[1].shape[0] * mg.PREFILL_BLOCK_M
+    if popularity == "identical":  # a group holds more pairs than one block
+        assert (align[1][1:] == align[1][:-1]).any()
+    y0 = torch.full_like(c["y0"], float("nan")) if store else c["y0"]
+    y_ref, y = y0.clone(), y0.clone()
+    _moe_call(moe_lora_fused_ref, c, y_ref, store=store)
+    _grouped(c, y, store=store, align=align, block_m=mg.PREFILL_BLOCK_M)
+    assert not y.isnan().any()
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    if store:
+        base = (c["slots"] < 0).repeat_interleave(K)
+        assert torch.equal(y[base], torch.zeros_like(y[base]))
+    else:
+        _untouched_checks(y, c["y0"], c["slots"], c["ranks"], c["off"], K)
+    assert not torch.equal(y_ref, y0)
+
+
+def test_fused_moe_pairs_grouped_prefill(switches, monkeypatch):
+    """set_grouped_prefill: above GEMV_MAX_PAIRS pairs (a prefill chunk; lowered here to the test's batch) the
+    routed-expert LoRA is the grouped kernel in prefill blocks (one alignment for gate_up and down, no tiled
+    shrink / expand), with the tiled path's result; off, the tiled path."""
+    from moelora.kernels import moe_lora_triton as mt
+    from moelora.kernels.moe import fused_moe_pairs
+
+    calls = {"align": 0, "grouped": 0, "shrink": 0}
+    real_align, real_grouped, real_shrink = mg.prefill_align, mg.moe_lora_grouped, mt.moe_lora_shrink
+    monkeypatch.setattr(mg, "prefill_align", lambda *a: (calls.__setitem__("align", calls["align"] + 1), real_align(*a))[1])
+    monkeypatch.setattr(mg, "moe_lora_grouped",
+                        lambda *a, **kw: (calls.__setitem__("grouped", calls["grouped"] + 1), real_grouped(*a, **kw)))
+
+    def shrink(*a, **kw):
+        calls["shrink"] += 1
+        return real_shrink(*a, **kw)
+
+    gen = torch.Generator().manual_seed(61)
+    dtype = DTYPES[0]
+    x, w_gu, w_d, weights, ids, args = _moe_layer(40, dtype, gen, "with_base_rows")
+    monkeypatch.setattr(mt, "GEMV_MAX_PAIRS", ids.numel() - 1)  # this batch counts as a prefill chunk
+    ops = (shrink, mt.moe_lora_expand, mt.moe_lora_plan)
+    monkeypatch.setattr(mt, "moe_lora_shrink", shrink)  # fused_for recognises the Triton shrink by identity
+    set_fused_lora(True)
+    before = mg.grouped_prefill()
+    try:
+        mg.set_grouped_prefill(False)
+        tiled = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+        assert calls == {"align": 0, "grouped": 0, "shrink": 2}
+        mg.set_grouped_prefill(True)
+        grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+        assert calls == {"align": 1, "grouped": 2, "shrink": 2}
+    finally:
+        mg.set_grouped_prefill(before)
+    bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    rel = ((grouped.float() - tiled.float()).norm() / tiled.float().norm()).item()
+    assert rel < bound, f"relative error {rel:.2e} >= {bound}"
+
+
 def test_grouped_switch_env_default():
     import os
     import subprocess

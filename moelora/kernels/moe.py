@@ -173,6 +173,12 @@ def fused_moe_pairs(
                 from moelora.kernels.moe_lora_grouped_triton import grouped_for
 
                 fused = grouped_for(fused, topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1]) or fused
+            elif fused is None and P > GEMV_MAX_PAIRS:  # prefill: the grouped kernel (set_grouped_prefill)
+                from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
+                from moelora.kernels.moe_lora_grouped_triton import grouped_prefill, grouped_prefill_for
+
+                if grouped_prefill() and fused_for(shrink) is moe_lora_fused:
+                    fused = grouped_prefill_for(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
     from moelora.kernels._triton import lora_delta_dtype, moe_lora_early, moe_lora_early_mode
 
     gu_parts = None if lora is None else (

@@ -222,6 +222,7 @@ def moe_lora_grouped(
     split_n: int | None = None,
     config: GroupedConfig | None = None,
     a_src: torch.Tensor | None = None,
+    block_m: int = GROUPED_BLOCK_M,
 ) -> None:
     """moe_lora_fused's semantics (shrink + expand of every slice, one launch), with A and B read once per
     (slot, expert) group instead of once per pair:
@@ -238,7 +239,8 @@ def moe_lora_grouped(
     pair_weights: [T*K] or None · store: write the delta (y may be uninitialised)
     align: grouped_align(topk_ids, token_slots, num_experts, S) (made here when None; pass it to share one
     per layer) · split_n: output splits per (block, slice), None = from the launch size · config: launch
-    parameters (None: grouped_config()). Needs grouped_ok(T * K, num_experts, S).
+    parameters (None: grouped_config()). Needs grouped_ok(T * K, num_experts, S) unless align is given.
+    block_m: pairs per block, the alignment's (GROUPED_BLOCK_M; prefill_align's PREFILL_BLOCK_M at prefill).
     a_src: [n, S] int32 or None: as moe_lora_fused's (slice i of slot s reads the equal A copy of slice a_src[i, s])
     h and the delta are fp32, the delta is rounded once to y's dtype.
     """
@@ -249,16 +251,15 @@ def moe_lora_grouped(
     P = T * K
     if P == 0:
         return
-    if not grouped_ok(P, num_experts, S):
+    if align is None and not grouped_ok(P, num_experts, S):
         raise ValueError(f"moe_lora_grouped: {P} pairs over {S} x {num_experts} (slot, expert) groups is past "
-                         "the one-program alignment; use moe_lora_fused")
+                         "the one-program alignment; pass align=prefill_align(...) or use moe_lora_fused")
     check_a_src(a_src, n, S, "moe_lora_grouped")
     sorted_ids, bvex = align if align is not None else grouped_align(topk_ids, token_slots, num_experts, S)
-    block_m = GROUPED_BLOCK_M
     if sorted_ids.shape[0] != bvex.shape[0] * block_m:
         raise ValueError(f"moe_lora_grouped: align holds {sorted_ids.shape[0]} pair ids in {bvex.shape[0]} blocks; "
                          f"expected blocks of {block_m} (grouped_align)")
-    cfg = config or grouped_config()
+    cfg = config or (grouped_prefill_config() if block_m != GROUPED_BLOCK_M else grouped_config())
     nb = bvex.shape[0]
     max_width = triton.cdiv(O, n)  # a guess (equal slices) for SPLIT_N only
     block_r = max(16, triton.next_power_of_2(R))
@@ -312,5 +313,67 @@ def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tens
             box.append(grouped_align(ids, slots, E, a.shape[1]))
         moe_lora_grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights,
                          store=store, align=box[0], a_src=a_src)
+
+    return grouped
+
+
+# set_grouped_prefill / MOELORA_GROUPED_PREFILL=1 (session 34, off until measured): the grouped kernel at prefill
+# sizes too (more than GEMV_MAX_PAIRS pairs), where fused_moe_pairs otherwise runs moe_lora_shrink / moe_lora_expand
+# (tiled, 32 pairs a block) into a zero-filled delta that the expand reads and writes back: at a prefill chunk of
+# 8,192 tokens that is ~1.9 GB of delta traffic a layer beside the two kernels. Here one launch a projection writes
+# the delta once (store mode), with A and B read once a block of PREFILL_BLOCK_M pairs of one (slot, expert) group,
+# on prefill_align's grouping (moe_lora_align_fast: a counting pass and a scatter, no sort). Why: session 34's
+# `bench report --parts prefill` kept 53-61% of the no-adapter prefill tokens/s with 1-4 adapters.
+PREFILL_BLOCK_M = 64
+_PREFILL = [os.environ.get("MOELORA_GROUPED_PREFILL", "0") == "1"]
+if os.environ.get("MOELORA_GROUPED_PREFILL", "0") not in ("", "0", "1"):
+    raise ValueError(f"MOELORA_GROUPED_PREFILL must be 0 or 1, got {os.environ['MOELORA_GROUPED_PREFILL']!r}")
+# 128-deep input steps, 128-wide output tiles, 8 warps, 3 stages: at 64-pair blocks the sm_90 compile has no spills
+# (208-210 registers; 4 warps spill at 128- and 256-wide tiles, 8 warps at 256)
+_PREFILL_CONFIG = [GroupedConfig(block_d=128, block_n=128, num_warps=8, num_stages=3)]
+
+
+def set_grouped_prefill(enabled: bool) -> None:
+    """The grouped routed-expert LoRA kernel at prefill sizes (MOELORA_GROUPED_PREFILL=1; above). The same sums
+    up to fp32 order (h in fp32, the delta rounded once); off by default until measured on a GPU."""
+    _PREFILL[0] = bool(enabled)
+
+
+def grouped_prefill() -> bool:
+    return _PREFILL[0]
+
+
+def set_grouped_prefill_config(cfg: GroupedConfig | None) -> None:
+    """The prefill launch's parameters (None: 128-deep input steps, 128-wide output tiles, 8 warps, 3 stages)."""
+    _PREFILL_CONFIG[0] = cfg or GroupedConfig(block_d=128, block_n=128, num_warps=8, num_stages=3)
+
+
+def grouped_prefill_config() -> GroupedConfig:
+    return _PREFILL_CONFIG[0]
+
+
+def prefill_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
+                  max_loras: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (slot, expert) grouping at prefill sizes in blocks of PREFILL_BLOCK_M: moe_lora_align_fast on a GPU,
+    moe_lora_align (the reference, sorted) elsewhere; the same groups, padding and block_vexpert."""
+    from moelora.kernels.moe_lora import moe_lora_align
+    from moelora.kernels.moe_lora_triton import moe_lora_align_fast
+
+    align = moe_lora_align_fast if topk_ids.is_cuda else moe_lora_align
+    return align(topk_ids, token_slots, num_experts, max_loras, PREFILL_BLOCK_M)
+
+
+def grouped_prefill_for(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
+                        max_loras: int) -> Callable:
+    """For fused_moe_pairs at prefill sizes (set_grouped_prefill): moe_lora_grouped in moe_lora_fused's signature
+    on one prefill_align grouping per layer (made on the first call; the down projection's reuses it)."""
+    box: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights=None,
+                store=False, a_src=None):
+        if not box:
+            box.append(prefill_align(ids, slots, E, a.shape[1]))
+        moe_lora_grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights,
+                         store=store, align=box[0], a_src=a_src, block_m=PREFILL_BLOCK_M)
 
     return grouped

@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# Session 34, call 3 (warm after call 2, ~6.5 min). Set MOELORA_COMMIT from the dev machine.
-#  1. FP8 prefill end to end with the new prefill default (MOELORA_FP8_PREFILL_CONFIG=experts), then with the
-#     old tiles (narrow), same machine (call 1: narrow 49,889 tok/s, bf16 56,417).
+# Session 34, call 3 (warm after call 2, ~6 min). Set MOELORA_COMMIT from the dev machine.
+#  1. scripts/profile_prefill.py, fp8, 16 x 2,048 tokens, 0 / 1 / 4 adapters, one engine: the defaults (the new
+#     FP8 prefill tiles, "experts"), then the grouped routed-expert LoRA at prefill (MOELORA_GROUPED_PREFILL=1),
+#     then the old FP8 prefill tiles (narrow); the kernels of each under torch.profiler and the LoRA tax by kernel.
 #  2. The bf16 base at today's defaults, batch 64, 0 / 4 / 8 adapters, 128/128 (last measured in session 8).
-# Files: prefill/ + prefill.log, prefill-narrow/ + prefill-narrow.log, bf16/ + bf16.log.
+# Files: prefill.log, prefill.json, bf16/ + bf16.log.
 source "$(dirname "$0")/../gpu_prelude.sh"
-timeout -s INT 110 python3 -m moelora bench report --parts prefill --models qwen3-30b-a3b --dtypes fp8 \
-    --ranks 16 --no-plot --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1
-echo "prefill, experts (rc $?):"; grep -aoE "fp8 r16 prefill adapters +[0-9]+: +[0-9]+ tok/s|Error.*|Traceback" "$OUT/prefill.log"
-MOELORA_FP8_PREFILL_CONFIG=narrow timeout -s INT 110 python3 -m moelora bench report --parts prefill \
-    --models qwen3-30b-a3b --dtypes fp8 --ranks 16 --no-plot --out "$OUT/prefill-narrow" > "$OUT/prefill-narrow.log" 2>&1
-echo "prefill, narrow (rc $?):"; grep -aoE "fp8 r16 prefill adapters +[0-9]+: +[0-9]+ tok/s|Error.*|Traceback" "$OUT/prefill-narrow.log"
+timeout -s INT 220 python3 scripts/profile_prefill.py --dtype fp8 --adapters 0,1,4 --lines 12 \
+    --variants "grouped:MOELORA_GROUPED_PREFILL=1;narrow:MOELORA_FP8_PREFILL_CONFIG=narrow" \
+    --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+echo "prefill (rc $?):"; grep -A12 "^variant " "$OUT/prefill.log"; grep -E "Error|Traceback" "$OUT/prefill.log" | tail -3
 timeout -s INT 160 python3 -m moelora bench decode --dtype bfloat16 --workloads vllm --batches 64 --adapter-counts 0,4,8 \
     --out "$OUT/bf16" > "$OUT/bf16.log" 2>&1
 echo "bf16 (rc $?):"; grep -v "^WARN" "$OUT/bf16.log" | grep -E "tok/s|Error|Traceback" | cut -c1-190
