@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Session 34, call 2 (~9.5 min). Set MOELORA_COMMIT from the dev machine.
+# Session 34, call 2 (fresh machine, ~9 min). Set MOELORA_COMMIT from the dev machine.
 #  1. GPU tests of this session's GPU changes: the one-launch chain with the grouped shrink and the spin sleep
 #     (tests/test_lora_chain.py, the one-launch decode steps of test_dense_lora_defer.py); the FP8 grouped GEMM at
-#     a prefill size under the new prefill default ("experts"), and call 1's unrun rest of tests/test_fp8_gpu.py
-#     (its 200 s limit stopped it after 109 of 132; ids in scripts/device_calls/fp8_gpu_rest_s34.txt).
-#  2. scripts/bench_defer_chain.py: the chain beside its GEMM: default, one launch with the grouped shrink (one),
-#     stacked (onest, session 32's), grouped + spin sleep (onesl), and each serially on one stream.
-#     And the grouped routed-expert LoRA at prefill (MOELORA_GROUPED_PREFILL, new, off): its kernel and layer tests.
-#  3. One A/B process, fp8 128/128 batch 64, 0 / 4 adapters with an A each, two rounds: one launch (grouped shrink).
-# Files: tests.log, chain.log, chain.json, ab.log, ab/.
+#     a prefill size under the new prefill default ("experts") and call 1's unrun rest of tests/test_fp8_gpu.py
+#     (its 200 s limit stopped it after 109 of 132; ids in scripts/device_calls/fp8_gpu_rest_s34.txt); the grouped
+#     routed-expert LoRA at prefill (MOELORA_GROUPED_PREFILL, new, off): its kernel and layer tests.
+#  2. scripts/profile_prefill.py, fp8, 16 x 2,048 tokens, 0 / 1 / 4 adapters, one engine: the defaults (the new
+#     FP8 prefill tiles, "experts"), then the grouped routed-expert LoRA at prefill (MOELORA_GROUPED_PREFILL=1),
+#     then the old FP8 prefill tiles (narrow); the kernels of each under torch.profiler and the LoRA tax by kernel.
+# Files: tests.log, prefill.log, prefill.json.
 source "$(dirname "$0")/../gpu_prelude.sh"
 timeout -s INT 80 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_lora_chain.py \
     tests/test_dense_lora_defer.py -k "chain or one_launch or (decode_step and one)" > "$OUT/tests.log" 2>&1
@@ -17,16 +17,11 @@ timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m g
     $(cat scripts/device_calls/fp8_gpu_rest_s34.txt) tests/test_fp8_gpu.py::test_fp8_grouped_gemm_qwen3_experts \
     >> "$OUT/tests.log" 2>&1
 echo "fp8 tests (rc $?):"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | cut -c1-250 | tail -6
-timeout -s INT 70 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_kernels_moe_lora_grouped.py \
+timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_kernels_moe_lora_grouped.py \
     -k "prefill" >> "$OUT/tests.log" 2>&1
 echo "grouped prefill tests (rc $?):"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | cut -c1-250 | tail -4
-V="default:;one:MOELORA_DENSE_DEFER_ONE_LAUNCH=1;onest:MOELORA_DENSE_DEFER_ONE_LAUNCH=1,MOELORA_LORA_CHAIN_SHRINK=stacked"
-V="$V;onesl:MOELORA_DENSE_DEFER_ONE_LAUNCH=1,MOELORA_LORA_CHAIN_SPIN_SLEEP=1;serial:MOELORA_DENSE_DEFER_ORDER=serial"
-V="$V;oneserial:MOELORA_DENSE_DEFER_ONE_LAUNCH=1,MOELORA_DENSE_DEFER_ORDER=serial"
-timeout -s INT 70 python3 scripts/bench_defer_chain.py --tokens 64 --adapters 4,8 --variants "$V" \
-    --json "$OUT/chain.json" > "$OUT/chain.log" 2>&1
-echo "dense chain beside its GEMM, µs a call (rc $?):"; grep -v "^WARN" "$OUT/chain.log" | tail -6
-timeout -s INT 190 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 --adapter-counts 0,4 \
-    --ab-rounds 2 --ab-base --out "$OUT/ab" --ab "one:MOELORA_DENSE_DEFER_ONE_LAUNCH=1" > "$OUT/ab.log" 2>&1
-echo "A/B (rc $?):"; grep -v "^WARN" "$OUT/ab.log" | grep -E "Error|Traceback|^A/B|^variant|^default|^one" | cut -c1-190
+timeout -s INT 200 python3 scripts/profile_prefill.py --dtype fp8 --adapters 0,1,4 --lines 12 \
+    --variants "grouped:MOELORA_GROUPED_PREFILL=1;narrow:MOELORA_FP8_PREFILL_CONFIG=narrow" \
+    --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+echo "prefill (rc $?):"; grep -A10 "^variant " "$OUT/prefill.log"; grep -E "Error|Traceback" "$OUT/prefill.log" | tail -3
 true

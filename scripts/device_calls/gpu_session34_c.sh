@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Session 34, call 3 (warm after call 2, ~6 min). Set MOELORA_COMMIT from the dev machine.
-#  1. scripts/profile_prefill.py, fp8, 16 x 2,048 tokens, 0 / 1 / 4 adapters, one engine: the defaults (the new
-#     FP8 prefill tiles, "experts"), then the grouped routed-expert LoRA at prefill (MOELORA_GROUPED_PREFILL=1),
-#     then the old FP8 prefill tiles (narrow); the kernels of each under torch.profiler and the LoRA tax by kernel.
-#  2. The bf16 base at today's defaults, batch 64, 0 / 4 / 8 adapters, 128/128 (last measured in session 8).
-# Files: prefill.log, prefill.json, bf16/ + bf16.log.
+# Session 34, call 3 (warm after call 2, ~4.5 min). Set MOELORA_COMMIT from the dev machine.
+#  1. scripts/bench_defer_chain.py: the dense chain beside its GEMM: default, one launch with the grouped shrink
+#     (one), stacked (onest, session 32's), grouped + spin sleep (onesl), and serially on one stream.
+#  2. One A/B process, fp8 128/128 batch 64, 0 / 4 adapters with an A each, two rounds: one launch (grouped).
+# Files: chain.log, chain.json, ab.log, ab/.
 source "$(dirname "$0")/../gpu_prelude.sh"
-timeout -s INT 220 python3 scripts/profile_prefill.py --dtype fp8 --adapters 0,1,4 --lines 12 \
-    --variants "grouped:MOELORA_GROUPED_PREFILL=1;narrow:MOELORA_FP8_PREFILL_CONFIG=narrow" \
-    --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
-echo "prefill (rc $?):"; grep -A12 "^variant " "$OUT/prefill.log"; grep -E "Error|Traceback" "$OUT/prefill.log" | tail -3
-timeout -s INT 160 python3 -m moelora bench decode --dtype bfloat16 --workloads vllm --batches 64 --adapter-counts 0,4,8 \
-    --out "$OUT/bf16" > "$OUT/bf16.log" 2>&1
-echo "bf16 (rc $?):"; grep -v "^WARN" "$OUT/bf16.log" | grep -E "tok/s|Error|Traceback" | cut -c1-190
+V="default:;one:MOELORA_DENSE_DEFER_ONE_LAUNCH=1;onest:MOELORA_DENSE_DEFER_ONE_LAUNCH=1,MOELORA_LORA_CHAIN_SHRINK=stacked"
+V="$V;onesl:MOELORA_DENSE_DEFER_ONE_LAUNCH=1,MOELORA_LORA_CHAIN_SPIN_SLEEP=1;serial:MOELORA_DENSE_DEFER_ORDER=serial"
+V="$V;oneserial:MOELORA_DENSE_DEFER_ONE_LAUNCH=1,MOELORA_DENSE_DEFER_ORDER=serial"
+timeout -s INT 70 python3 scripts/bench_defer_chain.py --tokens 64 --adapters 4,8 --variants "$V" \
+    --json "$OUT/chain.json" > "$OUT/chain.log" 2>&1
+echo "dense chain beside its GEMM, µs a call (rc $?):"; grep -v "^WARN" "$OUT/chain.log" | tail -6
+timeout -s INT 185 python3 -m moelora bench decode --dtype fp8 --workloads vllm --batches 64 --adapter-counts 0,4 \
+    --ab-rounds 2 --ab-base --out "$OUT/ab" --ab "one:MOELORA_DENSE_DEFER_ONE_LAUNCH=1" > "$OUT/ab.log" 2>&1
+echo "A/B (rc $?):"; grep -v "^WARN" "$OUT/ab.log" | grep -E "Error|Traceback|^A/B|^variant|^default|^one" | cut -c1-190
 true
