@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 34, call 2 (fresh machine, ~9 min). Set MOELORA_COMMIT from the dev machine.
+# Session 34, call 2 (fresh machine, ~9 min; the FP8 tests first: the new prefill default is a default path). Set MOELORA_COMMIT from the dev machine.
 #  1. GPU tests of this session's GPU changes: the one-launch chain with the grouped shrink and the spin sleep
 #     (tests/test_lora_chain.py, the one-launch decode steps of test_dense_lora_defer.py); the FP8 grouped GEMM at
 #     a prefill size under the new prefill default ("experts") and call 1's unrun rest of tests/test_fp8_gpu.py
@@ -10,12 +10,9 @@
 #     then the old FP8 prefill tiles (narrow); the kernels of each under torch.profiler and the LoRA tax by kernel.
 # Files: tests.log, prefill.log, prefill.json.
 source "$(dirname "$0")/../gpu_prelude.sh"
-timeout -s INT 80 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_lora_chain.py \
-    tests/test_dense_lora_defer.py -k "chain or one_launch or (decode_step and one)" > "$OUT/tests.log" 2>&1
-echo "chain tests (rc $?):"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | cut -c1-250 | tail -6
 timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
     $(cat scripts/device_calls/fp8_gpu_rest_s34.txt) tests/test_fp8_gpu.py::test_fp8_grouped_gemm_qwen3_experts \
-    >> "$OUT/tests.log" 2>&1
+    > "$OUT/tests.log" 2>&1
 echo "fp8 tests (rc $?):"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | cut -c1-250 | tail -6
 timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_kernels_moe_lora_grouped.py \
     -k "prefill" >> "$OUT/tests.log" 2>&1
@@ -24,4 +21,7 @@ timeout -s INT 200 python3 scripts/profile_prefill.py --dtype fp8 --adapters 0,1
     --variants "grouped:MOELORA_GROUPED_PREFILL=1;narrow:MOELORA_FP8_PREFILL_CONFIG=narrow" \
     --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
 echo "prefill (rc $?):"; grep -A10 "^variant " "$OUT/prefill.log"; grep -E "Error|Traceback" "$OUT/prefill.log" | tail -3
+timeout -s INT 80 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_lora_chain.py \
+    tests/test_dense_lora_defer.py -k "chain or one_launch or (decode_step and one)" >> "$OUT/tests.log" 2>&1
+echo "chain tests (rc $?):"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | cut -c1-250 | tail -6
 true
