@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 34, call 2 (fresh machine, ~9 min; the FP8 tests first: the new prefill default is a default path). Set MOELORA_COMMIT from the dev machine.
+# Session 34, call 2 (fresh machine, ~6.5 min after four refused starts; the FP8 tests first: the new prefill
+# default is a default path). The one-launch chain's GPU tests and A/B (gpu_session34_c.sh) wait for a later session. Set MOELORA_COMMIT from the dev machine.
 #  1. GPU tests of this session's GPU changes: the one-launch chain with the grouped shrink and the spin sleep
 #     (tests/test_lora_chain.py, the one-launch decode steps of test_dense_lora_defer.py); the FP8 grouped GEMM at
 #     a prefill size under the new prefill default ("experts") and call 1's unrun rest of tests/test_fp8_gpu.py
@@ -17,11 +18,8 @@ echo "fp8 tests (rc $?):"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log"
 timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_kernels_moe_lora_grouped.py \
     -k "prefill" >> "$OUT/tests.log" 2>&1
 echo "grouped prefill tests (rc $?):"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | cut -c1-250 | tail -4
-timeout -s INT 200 python3 scripts/profile_prefill.py --dtype fp8 --adapters 0,1,4 --lines 12 \
+timeout -s INT 170 python3 scripts/profile_prefill.py --dtype fp8 --adapters 0,1,4 --lines 12 \
     --variants "grouped:MOELORA_GROUPED_PREFILL=1;narrow:MOELORA_FP8_PREFILL_CONFIG=narrow" \
     --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
 echo "prefill (rc $?):"; grep -A10 "^variant " "$OUT/prefill.log"; grep -E "Error|Traceback" "$OUT/prefill.log" | tail -3
-timeout -s INT 80 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_lora_chain.py \
-    tests/test_dense_lora_defer.py -k "chain or one_launch or (decode_step and one)" >> "$OUT/tests.log" 2>&1
-echo "chain tests (rc $?):"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | cut -c1-250 | tail -6
 true
