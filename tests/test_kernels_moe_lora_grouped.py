@@ -260,6 +260,7 @@ def test_fused_moe_pairs_grouped_prefill(switches, monkeypatch):
     monkeypatch.setattr(mt, "moe_lora_shrink", shrink)  # fused_for recognises the Triton shrink by identity
     set_fused_lora(True)
     before = mg.grouped_prefill()
+    assert before  # on by default (session 34)
     try:
         mg.set_grouped_prefill(False)
         tiled = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
@@ -285,6 +286,10 @@ def test_grouped_switch_env_default():
                                          text=True, check=True).stdout.strip()
     assert run() == "True"
     assert run(MOELORA_GROUPED_LORA="0") == "False"
+    code = "from moelora.kernels.moe_lora_grouped_triton import grouped_prefill; print(grouped_prefill())"
+    env.pop("MOELORA_GROUPED_PREFILL", None)
+    assert run() == "True"
+    assert run(MOELORA_GROUPED_PREFILL="0") == "False"
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 34, call 2 (fresh machine, ~6.5 min after four refused starts; the FP8 tests first: the new prefill
-# default is a default path). The one-launch chain's GPU tests and A/B (gpu_session34_c.sh) wait for a later session. Set MOELORA_COMMIT from the dev machine.
+# default is a default path). The one-launch chain's GPU tests and A/B (gpu_next_session35.sh) wait for a later session. Set MOELORA_COMMIT from the dev machine.
 #  1. GPU tests of this session's GPU changes: the one-launch chain with the grouped shrink and the spin sleep
 #     (tests/test_lora_chain.py, the one-launch decode steps of test_dense_lora_defer.py); the FP8 grouped GEMM at
 #     a prefill size under the new prefill default ("experts") and call 1's unrun rest of tests/test_fp8_gpu.py
