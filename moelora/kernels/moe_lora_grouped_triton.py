@@ -305,14 +305,21 @@ def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tens
         return None
     if num_experts * max_loras > GROUPED_MAX_GROUPS:
         return None
+    return _on_one_alignment(grouped_align, GROUPED_BLOCK_M)
+
+
+def _on_one_alignment(align_fn: Callable, block_m: int) -> Callable:
+    """moe_lora_grouped in moe_lora_fused's signature, bound to one alignment (align_fn(ids, slots, E, max_loras),
+    blocks of block_m) made on the first call, on whatever stream that call runs; later calls (the down projection's)
+    reuse it."""
     box: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights=None,
                 store=False, a_src=None):
         if not box:
-            box.append(grouped_align(ids, slots, E, a.shape[1]))
+            box.append(align_fn(ids, slots, E, a.shape[1]))
         moe_lora_grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights,
-                         store=store, align=box[0], a_src=a_src)
+                         store=store, align=box[0], a_src=a_src, block_m=block_m)
 
     return grouped
 
@@ -370,13 +377,4 @@ def grouped_prefill_for(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_e
                         max_loras: int) -> Callable:
     """For fused_moe_pairs at prefill sizes (set_grouped_prefill): moe_lora_grouped in moe_lora_fused's signature
     on one prefill_align grouping per layer (made on the first call; the down projection's reuses it)."""
-    box: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights=None,
-                store=False, a_src=None):
-        if not box:
-            box.append(prefill_align(ids, slots, E, a.shape[1]))
-        moe_lora_grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights,
-                         store=store, align=box[0], a_src=a_src, block_m=PREFILL_BLOCK_M)
-
-    return grouped
+    return _on_one_alignment(prefill_align, PREFILL_BLOCK_M)
