@@ -206,13 +206,15 @@ def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypat
     assert rel < bound, f"relative error {rel:.2e} >= {bound}"
 
 
+@pytest.mark.parametrize("fuse_slices", [False, True])
 @pytest.mark.parametrize("store", [False, True])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
 @pytest.mark.parametrize("num_tokens,popularity", [(40, "with_base_rows"), (300, "identical")])
-def test_grouped_in_prefill_blocks_matches_reference(site, popularity, num_tokens, store):
+def test_grouped_in_prefill_blocks_matches_reference(site, popularity, num_tokens, store, fuse_slices):
     """set_grouped_prefill's launch: moe_lora_grouped in blocks of PREFILL_BLOCK_M pairs on prefill_align's grouping
     (300 tokens of one adapter: groups of more pairs than a block) against moe_lora_fused_ref, add and store mode
-    (store into NaN: every entry written, rows without an adapter 0)."""
+    (store into NaN: every entry written, rows without an adapter 0); fuse_slices: gate_up's two slices in one
+    program (set_grouped_prefill_fuse_slices), the same result."""
     gen = torch.Generator().manual_seed(num_tokens + 3)
     dtype = DTYPES[0]
     c = _moe_case(site, popularity, num_tokens, dtype, gen)
@@ -223,7 +225,7 @@ def test_grouped_in_prefill_blocks_matches_reference(site, popularity, num_token
     y0 = torch.full_like(c["y0"], float("nan")) if store else c["y0"]
     y_ref, y = y0.clone(), y0.clone()
     _moe_call(moe_lora_fused_ref, c, y_ref, store=store)
-    _grouped(c, y, store=store, align=align, block_m=mg.PREFILL_BLOCK_M)
+    _grouped(c, y, store=store, align=align, block_m=mg.PREFILL_BLOCK_M, fuse_slices=fuse_slices)
     assert not y.isnan().any()
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
@@ -245,8 +247,14 @@ def test_fused_moe_pairs_grouped_prefill(switches, monkeypatch):
     calls = {"align": 0, "grouped": 0, "shrink": 0}
     real_align, real_grouped, real_shrink = mg.prefill_align, mg.moe_lora_grouped, mt.moe_lora_shrink
     monkeypatch.setattr(mg, "prefill_align", lambda *a: (calls.__setitem__("align", calls["align"] + 1), real_align(*a))[1])
-    monkeypatch.setattr(mg, "moe_lora_grouped",
-                        lambda *a, **kw: (calls.__setitem__("grouped", calls["grouped"] + 1), real_grouped(*a, **kw)))
+    fuse = []
+
+    def grouped_call(*a, **kw):
+        calls["grouped"] += 1
+        fuse.append(kw.get("fuse_slices", False))
+        return real_grouped(*a, **kw)
+
+    monkeypatch.setattr(mg, "moe_lora_grouped", grouped_call)
 
     def shrink(*a, **kw):
         calls["shrink"] += 1
@@ -268,11 +276,18 @@ def test_fused_moe_pairs_grouped_prefill(switches, monkeypatch):
         mg.set_grouped_prefill(True)
         grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
         assert calls == {"align": 1, "grouped": 2, "shrink": 2}
+        assert fuse == [False, False]
+        mg.set_grouped_prefill_fuse_slices(True)  # gate_up's two slices in one program: the same sums
+        fused = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+        assert calls == {"align": 2, "grouped": 4, "shrink": 2}
+        assert fuse == [False, False, True, True]
     finally:
         mg.set_grouped_prefill(before)
+        mg.set_grouped_prefill_fuse_slices(False)
     bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    rel = ((grouped.float() - tiled.float()).norm() / tiled.float().norm()).item()
-    assert rel < bound, f"relative error {rel:.2e} >= {bound}"
+    for got in (grouped, fused):
+        rel = ((got.float() - tiled.float()).norm() / tiled.float().norm()).item()
+        assert rel < bound, f"relative error {rel:.2e} >= {bound}"
 
 
 def test_grouped_switch_env_default():

@@ -139,6 +139,8 @@ SWITCHES: dict[str, Switch] = {
                                   ("grouped", "stacked")),
     "MOELORA_GROUPED_PREFILL": _bool_switch("moelora.kernels.moe_lora_grouped_triton", "set_grouped_prefill",
                                             "grouped_prefill"),
+    "MOELORA_GROUPED_PREFILL_FUSE_SLICES": _bool_switch("moelora.kernels.moe_lora_grouped_triton",
+                                                        "set_grouped_prefill_fuse_slices", "grouped_prefill_fuse_slices"),
     "MOELORA_FP8_PREFILL_CONFIG": (lambda v: _import("moelora.kernels.fp8_triton").set_fp8_prefill_config(v),
                                    lambda: _import("moelora.kernels.fp8_triton").fp8_prefill_config(),
                                    ("experts", "wide", "narrow")),

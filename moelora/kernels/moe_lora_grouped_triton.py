@@ -59,8 +59,15 @@ if HAS_TRITON:
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr, SPLIT_HV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr, PRECISION: tl.constexpr, EVEN_R: tl.constexpr = False,
-        asrc_ptr=None, HAS_A_SRC: tl.constexpr = False,
+        asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, NS: tl.constexpr = 1,
     ):
+        if NS > 1:  # every slice in one program (fuse_slices): x read once for all of them
+            _grouped_slices_program(
+                x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr, sorted_ptr,
+                bvex_ptr, D, S, E, K, P, NUM_BLOCKS, sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r,
+                syp, syo, X_PER_PAIR, HAS_W, STORE, SPLIT_HV, BLOCK_M, BLOCK_R, BLOCK_D, BLOCK_N, SPLIT_N, PRECISION,
+                asrc_ptr, HAS_A_SRC, NS)
+            return
         pid = tl.program_id(0)
         i = tl.program_id(1)
         pid_n = tl.program_id(2)
@@ -108,6 +115,67 @@ if HAS_TRITON:
         grouped_expand_tiles(hv, b_ptr + slot.to(tl.int64) * sb_s + e * sb_e, y_ptr + pairs[:, None] * syp, mask_m,
                              offs_r, mask_r, o0, width, pid_n, sb_o, sb_r, syo, STORE, SPLIT_HV, BLOCK_N, SPLIT_N,
                              EVEN_R)
+
+    @triton.jit
+    def _grouped_slices_program(
+        x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr, sorted_ptr, bvex_ptr,
+        D, S, E, K, P, NUM_BLOCKS, sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r, syp, syo,
+        X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr, SPLIT_HV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT_N: tl.constexpr, PRECISION: tl.constexpr, asrc_ptr, HAS_A_SRC: tl.constexpr, NS: tl.constexpr,
+    ):
+        """One program per (group block, output split) for all NS slices: the NS A's stacked as the columns of one
+        shrink (column c is rank c % BLOCK_R of slice c // BLOCK_R), so each x tile is loaded once; slice i's
+        expand is the stacked h against B rows that are zero outside slice i (the same sums as NS programs)."""
+        pid = tl.program_id(0)
+        pid_n = tl.program_id(2)
+        offs_m = tl.arange(0, BLOCK_M)
+        if pid >= NUM_BLOCKS:  # store mode only: zeros for the rows of tokens without an adapter
+            for i in tl.static_range(NS):
+                o0 = tl.load(off_ptr + i)
+                grouped_zero_rows(y_ptr, slots_ptr, ids_ptr, pid - NUM_BLOCKS, pid_n, o0, tl.load(off_ptr + i + 1) - o0,
+                                  K, P, syp, syo, BLOCK_M, BLOCK_N, SPLIT_N)
+            return
+        v = tl.load(bvex_ptr + pid)
+        if v < 0:
+            return
+        slot = v // E
+        e = (v % E).to(tl.int64)
+        pairs = tl.load(sorted_ptr + pid * BLOCK_M + offs_m)
+        mask_m = pairs < P
+        pairs = tl.where(mask_m, pairs, 0).to(tl.int64)
+        rows = pairs if X_PER_PAIR else pairs // K
+        offs_c = tl.arange(0, NS * BLOCK_R)
+        ci = offs_c // BLOCK_R  # the slice of stacked column c
+        cr = offs_c % BLOCK_R  # its rank index
+        rank_c = tl.load(ranks_ptr + ci * S + slot)
+        mask_c = cr < rank_c
+        i_a = tl.load(asrc_ptr + ci * S + slot) if HAS_A_SRC else ci
+        a_cols = a_ptr + i_a.to(tl.int64) * sa_i + slot.to(tl.int64) * sa_s + e * sa_e + cr * sa_r  # [NS * BLOCK_R]
+        offs_d = tl.arange(0, BLOCK_D)
+        acc_h = tl.zeros((BLOCK_M, NS * BLOCK_R), dtype=tl.float32)
+        d_end = tl.where(tl.max(rank_c, 0) > 0, D, 0)
+        for d0 in range(0, d_end, BLOCK_D):
+            dd = d0 + offs_d
+            mask_d = dd < D
+            at = tl.load(a_cols[None, :] + dd[:, None] * sa_d, mask=mask_c[None, :] & mask_d[:, None],
+                         other=0.0)  # [BLOCK_D, NS * BLOCK_R]
+            xt = tl.load(x_ptr + rows[:, None] * sxm + dd[None, :] * sxd, mask=mask_m[:, None] & mask_d[None, :],
+                         other=0.0)  # [BLOCK_M, BLOCK_D]
+            acc_h += tl.dot(xt.to(at.dtype), at, input_precision=PRECISION)
+        hv = acc_h * tl.load(scale_ptr + ci * S + slot)[None, :]
+        if HAS_W:
+            hv = hv * tl.load(w_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        b_base = b_ptr + slot.to(tl.int64) * sb_s + e * sb_e
+        for i in tl.static_range(NS):
+            o0 = tl.load(off_ptr + i)
+            width = tl.load(off_ptr + i + 1) - o0
+            rank_i = tl.load(ranks_ptr + i * S + slot)
+            if STORE:  # store mode writes every slice (zeros where its rank is 0)
+                rank_i = tl.maximum(rank_i, 1)
+            if rank_i > 0:  # add mode: slices of rank 0 stay untouched
+                grouped_expand_tiles(hv, b_base, y_ptr + pairs[:, None] * syp, mask_m, cr, mask_c & (ci == i), o0,
+                                     width, pid_n, sb_o, sb_r, syo, STORE, SPLIT_HV, BLOCK_N, SPLIT_N, False)
 
     @triton.jit
     def grouped_zero_rows(y_ptr, slots_ptr, ids_ptr, zb, pid_n, o0, width, K, P, syp, syo,
@@ -223,6 +291,7 @@ def moe_lora_grouped(
     config: GroupedConfig | None = None,
     a_src: torch.Tensor | None = None,
     block_m: int = GROUPED_BLOCK_M,
+    fuse_slices: bool = False,
 ) -> None:
     """moe_lora_fused's semantics (shrink + expand of every slice, one launch), with A and B read once per
     (slot, expert) group instead of once per pair:
@@ -242,6 +311,8 @@ def moe_lora_grouped(
     parameters (None: grouped_config()). Needs grouped_ok(T * K, num_experts, S) unless align is given.
     block_m: pairs per block, the alignment's (GROUPED_BLOCK_M; prefill_align's PREFILL_BLOCK_M at prefill).
     a_src: [n, S] int32 or None: as moe_lora_fused's (slice i of slot s reads the equal A copy of slice a_src[i, s])
+    fuse_slices: one program a (block, output split) for all n slices, their A's stacked into one shrink (x read
+    once, not n times; the same sums); otherwise one program a (block, slice, output split).
     h and the delta are fp32, the delta is rounded once to y's dtype.
     """
     require_triton()
@@ -259,24 +330,26 @@ def moe_lora_grouped(
     if sorted_ids.shape[0] != bvex.shape[0] * block_m:
         raise ValueError(f"moe_lora_grouped: align holds {sorted_ids.shape[0]} pair ids in {bvex.shape[0]} blocks; "
                          f"expected blocks of {block_m} (grouped_align)")
-    cfg = config or (grouped_prefill_config() if block_m != GROUPED_BLOCK_M else grouped_config())
+    ns = n if fuse_slices and n > 1 and n & (n - 1) == 0 else 1  # slices a program (a power of 2: tl.arange)
+    cfg = config or (grouped_config() if block_m == GROUPED_BLOCK_M else
+                     PREFILL_FUSED_CONFIG if ns > 1 else grouped_prefill_config())
     nb = bvex.shape[0]
     max_width = triton.cdiv(O, n)  # a guess (equal slices) for SPLIT_N only
     block_r = max(16, triton.next_power_of_2(R))
     block_d = min(cfg.block_d, max(16, triton.next_power_of_2(D)))
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(max_width)))
     groups = min(P, S * num_experts)  # an upper bound on the blocks that do work (fixed per batch size)
-    split = fused_split_n(groups * n, max_width, block_n, split_n)  # the per-pair kernel's rule and target
+    split = fused_split_n(groups * (n // ns), max_width, block_n, split_n)  # the per-pair kernel's rule and target
     zero_blocks = triton.cdiv(P, block_m) if store else 0
     w = pair_weights if pair_weights is not None else scaling
     f32 = b_cat.dtype == torch.float32
-    _moe_lora_grouped_kernel[(nb + zero_blocks, n, split)](
+    _moe_lora_grouped_kernel[(nb + zero_blocks, n // ns, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, sorted_ids, bvex,
         D, S, num_experts, K, P, nb,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store, SPLIT_HV=not f32,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split,
-        PRECISION="ieee" if f32 else None, EVEN_R=lora_even_r() and R == block_r,
+        PRECISION="ieee" if f32 else None, EVEN_R=lora_even_r() and R == block_r, NS=ns,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
     )
@@ -308,10 +381,10 @@ def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tens
     return _on_one_alignment(grouped_align, GROUPED_BLOCK_M)
 
 
-def _on_one_alignment(align_fn: Callable, block_m: int) -> Callable:
+def _on_one_alignment(align_fn: Callable, block_m: int, fuse_slices: bool = False) -> Callable:
     """moe_lora_grouped in moe_lora_fused's signature, bound to one alignment (align_fn(ids, slots, E, max_loras),
     blocks of block_m) made on the first call, on whatever stream that call runs; later calls (the down projection's)
-    reuse it."""
+    reuse it. fuse_slices: moe_lora_grouped's (every slice in one program)."""
     box: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights=None,
@@ -319,7 +392,7 @@ def _on_one_alignment(align_fn: Callable, block_m: int) -> Callable:
         if not box:
             box.append(align_fn(ids, slots, E, a.shape[1]))
         moe_lora_grouped(x, a, b_cat, slice_offsets, ranks, scaling, ids, slots, E, y, x_per_pair, pair_weights,
-                         store=store, align=box[0], a_src=a_src, block_m=block_m)
+                         store=store, align=box[0], a_src=a_src, block_m=block_m, fuse_slices=fuse_slices)
 
     return grouped
 
@@ -353,6 +426,27 @@ def grouped_prefill() -> bool:
     return _PREFILL[0]
 
 
+# set_grouped_prefill_fuse_slices / MOELORA_GROUPED_PREFILL_FUSE_SLICES (session 35; off until measured): at prefill,
+# gate_up's two slices in one program a block (their A's stacked into one 32-wide shrink), so the gathered x rows
+# are read once, not twice (at a chunk of 8,192 tokens: 65,536 pairs x 4 KiB = 268 MB a slice)
+# its launch: 64-wide output tiles (at 128 the sm_90 compile spills: 255 registers and a stack; at 64, 146 registers)
+PREFILL_FUSED_CONFIG = GroupedConfig(block_d=128, block_n=64, num_warps=8, num_stages=3)
+_PREFILL_FUSE = [os.environ.get("MOELORA_GROUPED_PREFILL_FUSE_SLICES", "0") == "1"]
+if os.environ.get("MOELORA_GROUPED_PREFILL_FUSE_SLICES", "0") not in ("", "0", "1"):
+    raise ValueError("MOELORA_GROUPED_PREFILL_FUSE_SLICES must be 0 or 1, got "
+                     f"{os.environ['MOELORA_GROUPED_PREFILL_FUSE_SLICES']!r}")
+
+
+def set_grouped_prefill_fuse_slices(enabled: bool) -> None:
+    """The grouped kernel at prefill with every slice of a projection in one program (MOELORA_GROUPED_PREFILL_FUSE_SLICES;
+    above): the same sums, x read once."""
+    _PREFILL_FUSE[0] = bool(enabled)
+
+
+def grouped_prefill_fuse_slices() -> bool:
+    return _PREFILL_FUSE[0]
+
+
 def set_grouped_prefill_config(cfg: GroupedConfig | None) -> None:
     """The prefill launch's parameters (None: 128-deep input steps, 128-wide output tiles, 8 warps, 3 stages)."""
     _PREFILL_CONFIG[0] = cfg or GroupedConfig(block_d=128, block_n=128, num_warps=8, num_stages=3)
@@ -377,4 +471,4 @@ def grouped_prefill_for(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_e
                         max_loras: int) -> Callable:
     """For fused_moe_pairs at prefill sizes (set_grouped_prefill): moe_lora_grouped in moe_lora_fused's signature
     on one prefill_align grouping per layer (made on the first call; the down projection's reuses it)."""
-    return _on_one_alignment(prefill_align, PREFILL_BLOCK_M)
+    return _on_one_alignment(prefill_align, PREFILL_BLOCK_M, grouped_prefill_fuse_slices())
