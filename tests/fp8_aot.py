@@ -49,6 +49,14 @@ consts.update(A_FP8=True, GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64,
 ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
 assert "e4m3" in ptx and ptx.count("mma") >= 2
 print("ok gemm with the LoRA epilogue")
+# the grouped expert GEMM at prefill with the routed-expert LoRA expand in its epilogue (set_prefill_lora_epilogue:
+# B of the block's expert through slb_e, gate_up's two slices, rows read as p // top_k)
+c = dict(consts, GROUPED=True, BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, LORA_N=2, LORA_SK=1, LORA_PRECISION=None,
+         PARTS=1, A_ROW_DIV=8)
+ptx = compile_sm90(_fp8_gemm_kernel, {**ptrs, "ids_ptr": "*i32", "bexp_ptr": "*i32"}, c, num_warps=8,
+                   num_stages=4).asm["ptx"]
+assert "e4m3" in ptx and ptx.count("mma") >= 2
+print("ok grouped gemm with the routed LoRA epilogue")
 ptrs["lact_ptr"] = "*i32"
 for split_k, groups in [(1, 0), (1, 8), (4, 8)]:  # the LoRA tile as one more split-K partial (0: over all slots)
     consts.update(SPLIT_K=split_k, LORA_SPLIT=2, PARTS=split_k + 1, LORA_GROUPS=groups)
@@ -170,13 +178,9 @@ ptrs.update(x_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", y_ptr="*fp32", scale_pt
 for block_d, store in [(128, True), (256, False)]:
     consts = dict(sxd=1, sa_d=1, sb_r=1, syo=1, X_PER_PAIR=store, HAS_W=store, STORE=store, SPLIT_HV=True,
                   BLOCK_M=16, BLOCK_R=16, BLOCK_D=block_d, BLOCK_N=128, SPLIT_N=1, PRECISION=None, HAS_A_SRC=False)
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     div = [n for n in names if n.endswith("_ptr")] + ["D", "sxm", "sa_i", "sa_s", "sa_e", "sa_r", "sb_s", "sb_e",
                                                       "sb_o", "syp"]
-    src = ASTSource(fn=_moe_lora_grouped_kernel, signature=sig,
-                    constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    ptx = compile_sm90(_moe_lora_grouped_kernel, ptrs, consts, div16=div, num_warps=4, num_stages=3).asm["ptx"]
     assert "mma" in ptx and "cp.async" in ptx, (block_d, store)
 # MOELORA_LORA_EVEN_R: B read in whole rank rows (no 2-byte loads; its tiles then copied through cp.async too)
 consts.update(EVEN_R=True)
@@ -186,6 +190,13 @@ consts.update(HAS_A_SRC=True)  # MOELORA_LORA_SHARED_A: A read from the slice a_
 ptx = compile_sm90(_moe_lora_grouped_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4,
                    num_stages=3).asm["ptx"]
 assert "mma" in ptx and "cp.async" in ptx
+# at prefill (64-pair blocks, 8 warps): gate_up's two slices in one program (NS 2), and the shrink alone for the FP8
+# expert GEMM's LoRA epilogue (SHRINK_ONLY), one slice and both
+for ns, shrink_only in [(2, False), (1, True), (2, True)]:
+    c = dict(consts, BLOCK_M=64, BLOCK_N=64, X_PER_PAIR=False, HAS_W=False, STORE=True, HAS_A_SRC=False,
+             EVEN_R=False, NS=ns, SHRINK_ONLY=shrink_only)
+    ptx = compile_sm90(_moe_lora_grouped_kernel, ptrs, c, div16=div, num_warps=8, num_stages=3).asm["ptx"]
+    assert "mma" in ptx and "cp.async" in ptx, (ns, shrink_only)
 print("ok grouped lora")
 # the per-pair fused routed-expert LoRA kernel (the decode default), its shrink loop pipelined (D_STAGES 3: the A and
 # x tiles copied ahead through shared memory)

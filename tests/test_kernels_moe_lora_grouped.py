@@ -370,3 +370,38 @@ def test_expert_alignment_threshold_leaves_the_lora_alignment(monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], env={**env, "MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS": "512"},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "512"
+
+
+@pytest.mark.parametrize("fuse_slices", [False, True])
+@pytest.mark.parametrize("site", ["gate_up", "down"])
+@pytest.mark.parametrize("num_tokens,popularity", [(40, "with_base_rows"), (300, "identical")])
+def test_grouped_shrink_writes_each_pairs_h(site, popularity, num_tokens, fuse_slices):
+    """moe_lora_grouped_shrink (the shrink for the FP8 expert GEMM's LoRA epilogue at prefill): h[i, p] = x row of
+    pair p @ A[i, slot, expert].T unscaled, zero past the slot's rank, for pairs of tokens with an adapter; rows of
+    slot -1 left as they were (NaN here); in prefill blocks, one program a slice or all slices in one."""
+    gen = torch.Generator().manual_seed(num_tokens + 11)
+    dtype = DTYPES[0]
+    c = _moe_case(site, popularity, num_tokens, dtype, gen)
+    a, ids, slots = c["a"], c["ids"], c["slots"]
+    n, S, _, R, _ = a.shape
+    P = ids.numel()
+    align = mg.prefill_align(ids, slots, E, S)
+    h = torch.full((n, P, R), float("nan"), device=DEVICE)
+    mg.moe_lora_grouped_shrink(c["x"], a, c["ranks"], ids, slots, E, h, c["per_pair"], align, mg.PREFILL_BLOCK_M,
+                               fuse_slices=fuse_slices)
+    rows = torch.arange(P, device=DEVICE) if c["per_pair"] else torch.arange(P, device=DEVICE) // K
+    pslot = slots.long()[torch.arange(P, device=DEVICE) // K]
+    ex = ids.reshape(-1).long()
+    live = pslot >= 0
+    want = torch.einsum("pd,iprd->ipr", c["x"][rows[live]].float(),
+                        a[:, pslot[live], ex[live] if a.shape[2] > 1 else 0].float())
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(h[:, live], want, atol=atol, rtol=rtol)
+    assert h[:, ~live].isnan().all()
+    for i in range(n):  # past each slot's rank: exactly 0
+        for s in range(S):
+            rs = int(c["ranks"][i, s])
+            assert torch.equal(h[i][pslot == s][:, rs:], torch.zeros_like(h[i][pslot == s][:, rs:]))
+    with pytest.raises(ValueError, match=r"h must be a \["):
+        mg.moe_lora_grouped_shrink(c["x"], a, c["ranks"], ids, slots, E, h[:, :, :R - 1], c["per_pair"], align,
+                                   mg.PREFILL_BLOCK_M)

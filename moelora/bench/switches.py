@@ -141,6 +141,8 @@ SWITCHES: dict[str, Switch] = {
                                             "grouped_prefill"),
     "MOELORA_GROUPED_PREFILL_FUSE_SLICES": _bool_switch("moelora.kernels.moe_lora_grouped_triton",
                                                         "set_grouped_prefill_fuse_slices", "grouped_prefill_fuse_slices"),
+    "MOELORA_PREFILL_LORA_EPILOGUE": _bool_switch("moelora.kernels.moe_lora_grouped_triton",
+                                                  "set_prefill_lora_epilogue", "prefill_lora_epilogue"),
     "MOELORA_FP8_PREFILL_CONFIG": (lambda v: _import("moelora.kernels.fp8_triton").set_fp8_prefill_config(v),
                                    lambda: _import("moelora.kernels.fp8_triton").fp8_prefill_config(),
                                    ("experts", "wide", "narrow")),

@@ -241,14 +241,15 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_ROW_DIV: tl.constexpr = 1,
         SPLIT_K: tl.constexpr = 1,
         lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None, lact_ptr=None,
-        S=0, L=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0,
+        S=0, L=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0, slb_e=0,
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
         LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False, LORA_EVEN_R: tl.constexpr = False,
         LORA_FLAGS: tl.constexpr = 2048,
     ):
-        # LORA_N > 0 (dense only): the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one
-        # rounding, by one of two forms:
+        # LORA_N > 0: the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one rounding. On the
+        # grouped expert GEMM (routed-expert LoRA at prefill, set_moe_lora_epilogue): the epilogue form, rows are
+        # pairs (their slot and h per pair), B of the block's expert (lb + e * slb_e). Dense, by one of two forms:
         # LORA_SPLIT == 0: in the epilogue, after the K steps (and the split-K sum). Session 14 measured four forms
         # of this epilogue, bit-equal on the H200 (scripts/bench_fp8_lora_epilogue.py, µs per qkv / o_proj call
         # at 64 tokens, 4 adapters; the base GEMM alone 10.5 / 12.1): h hoisted before the slot loop (kept) 19.9 /
@@ -379,7 +380,7 @@ if HAS_TRITON:
             if LORA_SPLIT == 0:
                 if LORA_WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
                     tl.extra.cuda.gdc_wait()
-                acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr, loff_ptr, lrank_ptr,
+                acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr + e * slb_e, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
                                        slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, 0,
                                        LORA_EVEN_R)
@@ -584,7 +585,8 @@ def split_k_buffers(out: torch.Tensor, tiles: int, split_k: int) -> tuple[int, t
 class Fp8LoRAEpilogue:
     """A dense multi-LoRA expand for fp8_linear to add in its epilogue (kernels/lora_triton.lora_expand's
     semantics, fp32, before the output's one rounding). h: the shrink's [split_k, n, T, R] fp32 (or [n, T, R])
-    · b_cat: [S, O, R] · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
+    · b_cat: [S, O, R] (or, for fp8_expert_gemm, the routed experts' [S, E|1, O, R], rows T being the pairs and
+    token_slots the slot of each pair's token) · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
     · token_slots: [T] int32 (-1: no adapter, row untouched) · active_slots: [L] int32, the slot of each of the
     batch's slot groups (SlotGroups.active_slots, -1 unused), or None (the LoRA program then walks all S slots)
     · pdl: the GEMM may be launched with programmatic dependent launch (fp8_lora_pdl)."""
@@ -611,9 +613,14 @@ class Fp8LoRAEpilogue:
         h = self.h if self.h.dim() == 4 else self.h.unsqueeze(0)
         sk, n, _, R = h.shape
         b = self.b_cat
-        return dict(lh_ptr=h, lb_ptr=b, loff_ptr=self.slice_offsets, lrank_ptr=self.ranks, lscale_ptr=self.scaling,
-                    lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0), slh_i=h.stride(1),
-                    slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1), slb_r=b.stride(2),
+        per_expert = {}
+        if b.dim() == 4:  # routed experts [S, E|1, O, R]: the expert dim's stride (0 when shared by all experts)
+            per_expert = {"slb_e": b.stride(1) if b.shape[1] > 1 else 0}
+            b = b[:, 0]
+        return dict(lh_ptr=h, lb_ptr=self.b_cat, loff_ptr=self.slice_offsets, lrank_ptr=self.ranks,
+                    lscale_ptr=self.scaling, lslot_ptr=self.token_slots, S=b.shape[0], slh_s=h.stride(0),
+                    slh_i=h.stride(1), slh_m=h.stride(2), slh_r=h.stride(3), slb_s=b.stride(0), slb_o=b.stride(1),
+                    slb_r=b.stride(2), **per_expert,
                     LORA_N=n, LORA_SK=sk, LORA_BR=max(16, triton.next_power_of_2(R)),
                     LORA_EVEN_R=lora_even_r() and R == max(16, triton.next_power_of_2(R)) and b.shape[2] == R,
                     LORA_PRECISION=dot_precision(b.dtype),
@@ -939,7 +946,7 @@ def fp8_grouped_gemm_ref(x, w_fp8, w_scale_inv, pair_exp, block=(128, 128), alig
 def fp8_expert_gemm(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
     topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool, block_m: int,
-    x_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None, lora: Fp8LoRAEpilogue | None = None,
 ) -> torch.Tensor:
     """The FP8 grouped GEMM on the routed-expert fast path's alignment (fused_moe_triton.moe_align), reading
     token rows in place. Semantics (fp8_expert_gemm_ref), pairs p = t * K + k, e = topk_ids.flatten()[p]:
@@ -948,6 +955,10 @@ def fp8_expert_gemm(
     x: [T, D] (gather_rows) or [P, D], bf16/fp16/fp32, or float8 with x_scale · w_fp8: [E, N, D] float8_e4m3fn
     w_scale_inv: [E, ceil(N/bn), ceil(D/bk)] fp32 · topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m)
     block_m: the alignment's block (>= 16) · returns [P, N] in x.dtype (bf16 for a float8 x). CUDA-graph safe.
+    lora: the routed experts' LoRA expand added in the epilogue before the one rounding (fp8_expert_gemm_lora_ref):
+        y[p, o_i] += scaling[i, s] * (h[i, p, :r] rounded to B's dtype) @ B[s, e, o_i, :r].T,  s = token_slots[p]
+    with h: [n, P, R] fp32 (the pairs' shrink, moe_lora_grouped_shrink) · b_cat: [S, E|1, N, R] · token_slots: [P]
+    (pairs of slot -1 get no delta).
     """
     require_triton()
     T, K = topk_ids.shape
@@ -958,8 +969,33 @@ def fp8_expert_gemm(
     if P:
         x, x_scale = _prequantized(x, x_scale, block[1])  # gather_rows: the T token rows, once
         _launch(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, block_m, bexp.shape[0],
-                a_row_div=K if gather_rows else 1)
+                a_row_div=K if gather_rows else 1, lora=lora)
     return out
+
+
+def fp8_expert_gemm_lora_ref(x, w_fp8, w_scale_inv, block, topk_ids, gather_rows, lora: Fp8LoRAEpilogue,
+                             x_scale=None) -> torch.Tensor:
+    """fp8_expert_gemm(..., lora=lora) in torch: the fp32 base output plus each pair's expand, rounded once."""
+    T, K = topk_ids.shape
+    rows = torch.arange(T * K, device=x.device) // K if gather_rows else torch.arange(T * K, device=x.device)
+    xr = x[rows]
+    if xr.dtype == FP8_DTYPE:
+        xr = dequantize_act_group(xr, x_scale[rows], block[1])
+    y = grouped_matmul_dequantized(xr, w_fp8, w_scale_inv, topk_ids.reshape(-1), block, torch.float32) \
+        if x.dtype == FP8_DTYPE else fp8_grouped_matmul_ref(xr, w_fp8, w_scale_inv, topk_ids.reshape(-1), block).float()
+    h = lora.h if lora.h.dim() == 3 else lora.h.sum(0)
+    b = lora.b_cat
+    off = lora.slice_offsets.tolist()
+    for p, (e, s) in enumerate(zip(topk_ids.reshape(-1).tolist(), lora.token_slots.tolist())):
+        if s < 0:
+            continue
+        be = b[s, e if b.shape[1] > 1 else 0]
+        for i in range(len(off) - 1):
+            r = int(lora.ranks[i, s])
+            if r > 0:
+                hr = h[i, p, :r].to(b.dtype).float()
+                y[p, off[i]:off[i + 1]] += lora.scaling[i, s].float() * (be[off[i]:off[i + 1], :r].float() @ hr)
+    return y.to(torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
 
 
 def expert_align_blocks(caller: str, align: tuple[torch.Tensor, torch.Tensor], block_m: int):
@@ -993,4 +1029,4 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
 
 
 __all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "set_fp8_prefill_config", "fp8_prefill_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
-           "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref"]
+           "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref", "fp8_expert_gemm_lora_ref"]

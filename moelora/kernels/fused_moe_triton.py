@@ -613,13 +613,18 @@ class TritonExperts:
         self.align = moe_align(topk_ids, num_experts, self.cfg.block_m, align_stream)
         self.act_quant_group: int | None = None  # set by a quantized gate_up GEMM whose stack quantizes inputs
 
-    def __call__(self, inp: torch.Tensor, w, fuse_act: bool = False) -> torch.Tensor:
+    def __call__(self, inp: torch.Tensor, w, fuse_act: bool = False, lora=None) -> torch.Tensor:
         """inp: [T, D] or [P, D] · w: [E, O, D], or a quantized stack with expert_gemm(inp, topk_ids, align,
-        gather_rows, block_m) · returns [P, O] (fuse_act: silu(gate) * up, [P, O/2])."""
+        gather_rows, block_m) · returns [P, O] (fuse_act: silu(gate) * up, [P, O/2]) · lora: an
+        Fp8LoRAEpilogue for a stack whose lora_epilogue is true (its expand added in the GEMM's epilogue)."""
         gather = inp.shape[0] != self.P
+        if lora is not None and not getattr(w, "lora_epilogue", False):
+            raise ValueError(f"TritonExperts: lora= needs an expert stack with a LoRA epilogue (FP8); found "
+                             f"{type(w).__name__}")
         if not isinstance(w, torch.Tensor):  # quantized: its GEMM on this alignment, then the activation kernel
             self.act_quant_group = getattr(w, "act_quant_group", None)  # the activation quantizes for the down GEMM
-            y = w.expert_gemm(inp, self.topk_ids, self.align, gather, self.cfg.block_m)
+            y = (w.expert_gemm(inp, self.topk_ids, self.align, gather, self.cfg.block_m) if lora is None else
+                 w.expert_gemm(inp, self.topk_ids, self.align, gather, self.cfg.block_m, lora=lora))
             return silu_and_mul(y, quant_group=self.act_quant_group) if fuse_act else y
         n = w.shape[1] // 2 if fuse_act else w.shape[1]
         out = torch.empty(self.P, n, dtype=inp.dtype, device=inp.device)

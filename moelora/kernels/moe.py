@@ -178,6 +178,11 @@ def fused_moe_pairs(
                 from moelora.kernels.moe_lora_grouped_triton import grouped_prefill, grouped_prefill_for
 
                 if grouped_prefill() and fused_for(shrink) is moe_lora_fused:
+                    from moelora.kernels.moe_lora_grouped_triton import prefill_lora_epilogue
+
+                    if (prefill_lora_epilogue() and fast_ok and not overlap and activation == "silu"
+                            and getattr(w_gate_up, "lora_epilogue", False) and getattr(w_down, "lora_epilogue", False)):
+                        return _experts_lora_epilogue(x, w_gate_up, w_down, topk_weights, topk_ids, lora, E)
                     fused = grouped_prefill_for(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
     from moelora.kernels._triton import lora_delta_dtype, moe_lora_early, moe_lora_early_mode
 
@@ -286,6 +291,39 @@ def fused_moe_pairs(
         return fast.combine(o, topk_weights, o_delta)
     out = (o.view(T, K, H).float() * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)
+
+
+def _experts_lora_epilogue(x: torch.Tensor, w_gate_up, w_down, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           lora: ExpertLoRAArgs, E: int) -> torch.Tensor:
+    """fused_moe_pairs at prefill on FP8 expert stacks with set_prefill_lora_epilogue: per projection the grouped
+    shrink writes each pair's h (moe_lora_grouped_shrink, on one prefill_align grouping a layer), and the expert
+    GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=)); no delta buffer, the activation and the combine
+    plain. x: [T, H] · returns [T, H]."""
+    from moelora.kernels.fp8_triton import Fp8LoRAEpilogue
+    from moelora.kernels.fused_moe_triton import TritonExperts
+    from moelora.kernels.moe_lora_grouped_triton import PREFILL_BLOCK_M, moe_lora_grouped_shrink, prefill_align
+
+    T, K = topk_ids.shape
+    P = T * K
+    inter = w_gate_up.shape[1] // 2
+    H = x.shape[1]
+    fast = TritonExperts(topk_ids, E)
+    align = prefill_align(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
+    pair_slots = lora.token_slots.repeat_interleave(K)  # [P]: the epilogue's rows are the pairs
+
+    def epilogue(inp, parts, per_pair) -> Fp8LoRAEpilogue:
+        a, b, offs, ranks, scaling, _, a_src = _with_offsets(parts, x.device)
+        h = torch.empty(a.shape[0], P, a.shape[3], dtype=torch.float32, device=x.device)  # [n, P, R]
+        moe_lora_grouped_shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, align, PREFILL_BLOCK_M,
+                                a_src=a_src)
+        return Fp8LoRAEpilogue(h, b, offs, ranks, scaling, pair_slots)
+
+    gu_lora = epilogue(x, (lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks,
+                           lora.gate_up_scaling, inter, lora.gate_up_a_src), False)
+    act = fast.act(fast(x, w_gate_up, lora=gu_lora), "silu")  # [P, I], its LoRA inside gate_up
+    d_lora = epilogue(act, (lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H,
+                            None), True)
+    return fast.combine(fast(act, w_down, lora=d_lora), topk_weights)
 
 
 def _with_offsets(parts, device: torch.device):

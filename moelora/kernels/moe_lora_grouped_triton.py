@@ -60,21 +60,25 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr, PRECISION: tl.constexpr, EVEN_R: tl.constexpr = False,
         asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, NS: tl.constexpr = 1,
+        SHRINK_ONLY: tl.constexpr = False, sh_i=0, h_r=0,
     ):
         if NS > 1:  # every slice in one program (fuse_slices): x read once for all of them
             _grouped_slices_program(
                 x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr, sorted_ptr,
                 bvex_ptr, D, S, E, K, P, NUM_BLOCKS, sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d, sb_s, sb_e, sb_o, sb_r,
                 syp, syo, X_PER_PAIR, HAS_W, STORE, SPLIT_HV, BLOCK_M, BLOCK_R, BLOCK_D, BLOCK_N, SPLIT_N, PRECISION,
-                asrc_ptr, HAS_A_SRC, NS)
+                asrc_ptr, HAS_A_SRC, NS, SHRINK_ONLY, sh_i, h_r)
             return
         pid = tl.program_id(0)
         i = tl.program_id(1)
         pid_n = tl.program_id(2)
-        o0 = tl.load(off_ptr + i)
-        width = tl.load(off_ptr + i + 1) - o0
-        if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
-            return
+        o0 = 0  # (the shrink alone has no output splits nor offsets)
+        width = 0
+        if not SHRINK_ONLY:
+            o0 = tl.load(off_ptr + i)
+            width = tl.load(off_ptr + i + 1) - o0
+            if pid_n * BLOCK_N >= width:  # a split past this slice's width (a narrower slice)
+                return
         offs_m = tl.arange(0, BLOCK_M)
         if pid >= NUM_BLOCKS:  # store mode only: zeros for the rows of tokens without an adapter
             grouped_zero_rows(y_ptr, slots_ptr, ids_ptr, pid - NUM_BLOCKS, pid_n, o0, width, K, P, syp, syo,
@@ -109,6 +113,10 @@ if HAS_TRITON:
             xt = tl.load(x_ptr + rows[:, None] * sxm + dd[None, :] * sxd, mask=mask_m[:, None] & mask_d[None, :],
                          other=0.0)  # [BLOCK_M, BLOCK_D]
             acc_h += tl.dot(xt.to(at.dtype), at, input_precision=PRECISION)
+        if SHRINK_ONLY:  # h[i, pair, :h_r] = the unscaled shrink (0 past the rank), for an expand elsewhere
+            tl.store(y_ptr + i * sh_i + pairs[:, None] * syp + offs_r[None, :] * syo, acc_h,
+                     mask=mask_m[:, None] & (offs_r < h_r)[None, :])
+            return
         hv = acc_h * tl.load(scale_ptr + i * S + slot)
         if HAS_W:
             hv = hv * tl.load(w_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
@@ -123,6 +131,7 @@ if HAS_TRITON:
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr, SPLIT_HV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_N: tl.constexpr, PRECISION: tl.constexpr, asrc_ptr, HAS_A_SRC: tl.constexpr, NS: tl.constexpr,
+        SHRINK_ONLY: tl.constexpr, sh_i, h_r,
     ):
         """One program per (group block, output split) for all NS slices: the NS A's stacked as the columns of one
         shrink (column c is rank c % BLOCK_R of slice c // BLOCK_R), so each x tile is loaded once; slice i's
@@ -163,6 +172,10 @@ if HAS_TRITON:
             xt = tl.load(x_ptr + rows[:, None] * sxm + dd[None, :] * sxd, mask=mask_m[:, None] & mask_d[None, :],
                          other=0.0)  # [BLOCK_M, BLOCK_D]
             acc_h += tl.dot(xt.to(at.dtype), at, input_precision=PRECISION)
+        if SHRINK_ONLY:  # column c to h[c // BLOCK_R, pair, c % BLOCK_R]
+            tl.store(y_ptr + ci[None, :] * sh_i + pairs[:, None] * syp + cr[None, :] * syo, acc_h,
+                     mask=mask_m[:, None] & (cr < h_r)[None, :])
+            return
         hv = acc_h * tl.load(scale_ptr + ci * S + slot)[None, :]
         if HAS_W:
             hv = hv * tl.load(w_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
@@ -355,6 +368,62 @@ def moe_lora_grouped(
     )
 
 
+def moe_lora_grouped_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    ranks: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    num_experts: int,
+    h: torch.Tensor,
+    x_per_pair: bool,
+    align: tuple[torch.Tensor, torch.Tensor],
+    block_m: int,
+    a_src: torch.Tensor | None = None,
+    fuse_slices: bool = True,
+    config: GroupedConfig | None = None,
+) -> None:
+    """The shrink half of moe_lora_grouped, for an expand in the expert GEMM's epilogue (fp8_expert_gemm(lora=)):
+        for p with s = token_slots[p // K] >= 0 and e = topk_ids.flatten()[p] >= 0, row = x[p] or x[p // K]:
+            h[i, p, :] = row @ a[i', s, e (0 if shared), :].T      (fp32; i' = a_src[i, s] if given else i;
+                                                                   0 past the slot's rank: A is zero there)
+        other pairs' rows of h are left as they were (the epilogue reads no h for a pair of slot -1)
+    No scaling, no router weight (the epilogue scales; the combine weights the pair's whole output).
+    x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · ranks: [n, S] int32 · topk_ids: [T, K] · token_slots: [T] int32
+    h: [n, T*K, R] fp32 (rows contiguous along R) · align: prefill_align(...) in blocks of block_m
+    fuse_slices: every slice in one program (x read once); config: launch parameters (None: the prefill ones)."""
+    require_triton()
+    n, S, _, R, D = a.shape
+    T, K = topk_ids.shape
+    P = T * K
+    if tuple(h.shape) != (n, P, R) or h.dtype != torch.float32 or h.stride(2) != 1:
+        raise ValueError(f"moe_lora_grouped_shrink: h must be a [{n}, {P}, {R}] fp32 tensor with contiguous rows "
+                         f"(slices, pairs, max_lora_rank), found {tuple(h.shape)} {h.dtype}")
+    if P == 0:
+        return
+    check_a_src(a_src, n, S, "moe_lora_grouped_shrink")
+    sorted_ids, bvex = align
+    if sorted_ids.shape[0] != bvex.shape[0] * block_m:
+        raise ValueError(f"moe_lora_grouped_shrink: align holds {sorted_ids.shape[0]} pair ids in {bvex.shape[0]} "
+                         f"blocks; expected blocks of {block_m}")
+    ns = n if fuse_slices and n > 1 and n & (n - 1) == 0 else 1
+    cfg = config or (PREFILL_FUSED_CONFIG if ns > 1 else grouped_prefill_config())
+    block_r = max(16, triton.next_power_of_2(R))
+    block_d = min(cfg.block_d, max(16, triton.next_power_of_2(D)))
+    f32 = a.dtype == torch.float32
+    nb = bvex.shape[0]
+    _moe_lora_grouped_kernel[(nb, n // ns, 1)](
+        x, a, a, h, ranks, ranks, ranks, topk_ids.reshape(-1), token_slots, ranks, sorted_ids, bvex,
+        D, S, num_experts, K, P, nb,
+        x.stride(0), x.stride(1), *_a_strides(a), 0, 0, 0, 0, h.stride(1), h.stride(2),
+        X_PER_PAIR=x_per_pair, HAS_W=False, STORE=True, SPLIT_HV=not f32,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=16, SPLIT_N=1,
+        PRECISION="ieee" if f32 else None, NS=ns, SHRINK_ONLY=True, sh_i=h.stride(0), h_r=R,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
+    )
+
+
 # below this many (token, k) pairs few pairs share a (slot, expert) group: the per-pair kernel (MOELORA_GROUPED_MIN_PAIRS)
 GROUPED_MIN_PAIRS = int(os.environ.get("MOELORA_GROUPED_MIN_PAIRS", "2048"))
 # max_loras x E up to this: what was measured (8 slots x 128 experts); the one-program alignment's histogram and
@@ -445,6 +514,28 @@ def set_grouped_prefill_fuse_slices(enabled: bool) -> None:
 
 def grouped_prefill_fuse_slices() -> bool:
     return _PREFILL_FUSE[0]
+
+
+# set_prefill_lora_epilogue / MOELORA_PREFILL_LORA_EPILOGUE (session 35; off until measured): at prefill on FP8
+# expert stacks, no delta buffers: moe_lora_grouped_shrink writes each pair's h [n, P, R] (x read once for both
+# gate_up slices), and the FP8 expert GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=)), rounded once
+# with the base output; the activation and the combine read no delta. At a chunk of 8,192 tokens this drops the
+# delta's writes and reads (gate_up [P, 1536] + down [P, 2048] bf16: ~0.9 GB a layer).
+_PREFILL_EPILOGUE = [os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE", "0") == "1"]
+if os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE", "0") not in ("", "0", "1"):
+    raise ValueError("MOELORA_PREFILL_LORA_EPILOGUE must be 0 or 1, got "
+                     f"{os.environ['MOELORA_PREFILL_LORA_EPILOGUE']!r}")
+
+
+def set_prefill_lora_epilogue(enabled: bool) -> None:
+    """The routed-expert LoRA at prefill on FP8 experts as a shrink plus the expert GEMM's epilogue
+    (MOELORA_PREFILL_LORA_EPILOGUE; above). Needs set_grouped_prefill on. The delta is added in fp32 before the
+    GEMM output's one rounding (not rounded on its own first)."""
+    _PREFILL_EPILOGUE[0] = bool(enabled)
+
+
+def prefill_lora_epilogue() -> bool:
+    return _PREFILL_EPILOGUE[0]
 
 
 def set_grouped_prefill_config(cfg: GroupedConfig | None) -> None:

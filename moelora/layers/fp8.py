@@ -138,13 +138,16 @@ class Fp8ExpertWeight:
         """The Triton kernels (not a reference mode): usable on fused_moe_triton's fast path."""
         return self.state.reference is None
 
+    lora_epilogue = True  # expert_gemm takes lora= (the routed-expert LoRA expand in its epilogue)
+
     def expert_gemm(self, inp: torch.Tensor, topk_ids: torch.Tensor, align, gather_rows: bool,
-                    block_m: int) -> torch.Tensor:
-        """fused_moe_triton.TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype."""
+                    block_m: int, lora=None) -> torch.Tensor:
+        """fused_moe_triton.TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype.
+        lora: an fp8_triton.Fp8LoRAEpilogue over the pairs (fp8_expert_gemm's), added before the one rounding."""
         from moelora.kernels.fp8_triton import fp8_expert_gemm
 
         return fp8_expert_gemm(inp, self.weight, self.scale_inv, self.state.block, topk_ids, align, gather_rows,
-                               block_m)
+                               block_m, lora=lora)
 
     def grouped_mm(self, inp: torch.Tensor, pair_exp: torch.Tensor, num_experts: int, scratch: dict) -> torch.Tensor:
         """inp: [P, D] · pair_exp: [P] · returns [P, O] in inp.dtype; scratch keeps the alignment for the next GEMM."""

@@ -1,0 +1,182 @@
+"""The routed-expert LoRA at prefill in the FP8 expert GEMM's epilogue (set_prefill_lora_epilogue): the grouped
+shrink's h per pair, fp8_expert_gemm(lora=) adding the expand before its one rounding, and fused_moe_pairs taking
+that path on FP8 expert stacks.
+
+CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes in fp32. GPU (marked gpu): Qwen3-30B-A3B shapes
+at a prefill chunk, against an fp32 reference beside the delta path's error."""
+
+import pytest
+import torch
+
+from kernel_cases import DEVICE, ON_GPU
+from moelora.kernels.fp8 import quantize_act_group_ref, quantize_weight_block
+from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_expert_gemm, fp8_expert_gemm_lora_ref
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RANKS = [[16, 4, 0, 8], [8, 16, 4, 2]]  # per (slice, slot): slice 0 of slot 2 has rank 0
+
+
+def _factors(n, S, E, D, outs, R, gen, nan_past_rank=False):
+    """a: [n, S, E, R, D] (zero past each rank) · b: [S, E, O, R] (zero, or NaN, past each rank)."""
+    ranks = torch.tensor(RANKS[:n], dtype=torch.int32)
+    a = torch.randn(n, S, E, R, D, generator=gen) * 0.2
+    b = torch.randn(S, E, sum(outs), R, generator=gen) * 0.2
+    off = [0]
+    for o in outs:
+        off.append(off[-1] + o)
+    for i in range(n):
+        for s in range(S):
+            a[i, s, :, ranks[i, s]:] = 0
+            b[s, :, off[i]:off[i + 1], ranks[i, s]:] = float("nan") if nan_past_rank else 0.0
+    return a, b, ranks, torch.rand(n, S, generator=gen) + 0.5, torch.tensor(off, dtype=torch.int32)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant; the GPU test below covers the GPU")
+@pytest.mark.parametrize("gather_rows", [True, False])
+def test_fp8_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows):
+    """fp8_expert_gemm(lora=): per pair, scaling * h[i, p, :r] @ B[slot, expert, o_i, :r].T added to the fp32 tile
+    before the one rounding; B past each rank and h of pairs without an adapter hold NaN (a read of either shows);
+    slices of rank 0 add nothing; rows of slot -1 equal the plain GEMM."""
+    from moelora.kernels.fused_moe_triton import moe_align
+
+    g = torch.Generator().manual_seed(31 + gather_rows)
+    blk, T, K, E, S, D, R = (16, 16), 9, 3, 5, 4, 48, 16
+    n, outs = (2, [24, 24]) if gather_rows else (1, [32])
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    slots = torch.tensor([0, -1, 2, 1, 3, 0, -1, 2, 1], dtype=torch.int32)
+    pair_slots = slots.repeat_interleave(K)
+    x = torch.randn(T if gather_rows else T * K, D, generator=g)
+    xq, xs = quantize_act_group_ref(x, blk[1])
+    qe, se = quantize_weight_block(torch.randn(E, sum(outs), D, generator=g) * 0.3, blk)
+    _, b, ranks, scaling, off = _factors(n, S, E, D, outs, R, g, nan_past_rank=True)
+    h = torch.randn(n, T * K, R, generator=g)
+    for i in range(n):
+        for p in range(T * K):
+            s = int(pair_slots[p])
+            h[i, p, (ranks[i, s] if s >= 0 else 0):] = float("nan")
+    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, pair_slots)
+    align = moe_align(ids, E, 16)
+    y = fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 16, x_scale=xs, lora=lora)
+    base = fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 16, x_scale=xs)
+    ref = fp8_expert_gemm_lora_ref(xq, qe, se, blk, ids, gather_rows, lora, x_scale=xs)
+    assert not y.isnan().any()
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()) < 2**-7  # bf16 output rounding
+    none = pair_slots < 0
+    assert torch.equal(y[none], base[none])
+    assert (y[~none].float() - base[~none].float()).abs().max() > 0.1  # the delta is there
+    with pytest.raises(ValueError, match="LoRA epilogue"):
+        from moelora.kernels.fused_moe_triton import TritonExperts
+
+        TritonExperts(ids, E)(x, torch.randn(E, sum(outs), D), lora=lora)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant; the GPU test below covers the GPU")
+def test_fused_moe_pairs_prefill_lora_epilogue_on_fp8_experts(monkeypatch):
+    """set_prefill_lora_epilogue: above GEMV_MAX_PAIRS pairs (lowered here to the test's batch), on FP8 expert
+    stacks on the fast path, the routed LoRA is one grouped shrink a projection plus the GEMM's epilogue (no
+    moe_lora_grouped delta launch), with the delta path's result (fp32 here: the two differ by roundings only);
+    without the switch, the delta path."""
+    from moelora.kernels import fused_moe_triton as fmt
+    from moelora.kernels import moe_lora_grouped_triton as mg
+    from moelora.kernels import moe_lora_triton as mt
+    from moelora.kernels._triton import fused_lora, set_fused_lora
+    from moelora.kernels.moe import ExpertLoRAArgs, fused_moe_pairs, route_topk_ref
+    from moelora.layers.fp8 import Fp8ExpertWeight, Fp8State
+
+    g = torch.Generator().manual_seed(17)
+    blk, T, E, K, H, inter, S, R = (16, 16), 10, 6, 2, 48, 32, 4, 16
+    st = Fp8State(blk, torch.float32, None)
+    w_gu = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, 2 * inter, H, generator=g) * 0.2, blk), st)
+    w_d = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, H, inter, generator=g) * 0.2, blk), st)
+    x = torch.randn(T, H, generator=g)
+    weights, ids = route_topk_ref(torch.randn(T, E, generator=g), K, True)
+    a_gu, b_gu, r_gu, s_gu, off_gu = _factors(2, S, E, H, [inter, inter], R, g)
+    a_d, b_d, r_d, s_d, off_d = _factors(1, S, E, inter, [H], R, g)
+    slots = torch.tensor([0, 1, -1, 2, 3, 0, 1, -1, 2, 3], dtype=torch.int32)
+    args = ExpertLoRAArgs(slots, a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d, off_gu, off_d)
+    ops = (mt.moe_lora_shrink, mt.moe_lora_expand, mt.moe_lora_plan)
+    monkeypatch.setattr(mt, "GEMV_MAX_PAIRS", T * K - 1)  # this batch counts as a prefill chunk
+    calls = {"shrink": 0, "grouped": 0}
+    real_shrink, real_grouped = mg.moe_lora_grouped_shrink, mg.moe_lora_grouped
+    monkeypatch.setattr(mg, "moe_lora_grouped_shrink",
+                        lambda *a, **kw: (calls.__setitem__("shrink", calls["shrink"] + 1), real_shrink(*a, **kw))[1])
+    monkeypatch.setattr(mg, "moe_lora_grouped",
+                        lambda *a, **kw: (calls.__setitem__("grouped", calls["grouped"] + 1), real_grouped(*a, **kw))[1])
+    fused_before, quant_before = fused_lora(), fmt._FAST["quantized"]
+    try:
+        set_fused_lora(True)
+        fmt.set_fast_path(True, on_cpu=True, quantized=True)
+        assert fmt.fast_path_ok(x, w_gu, w_d)
+        delta_path = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+        assert calls == {"shrink": 0, "grouped": 2}
+        mg.set_prefill_lora_epilogue(True)
+        epi = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+        assert calls == {"shrink": 2, "grouped": 2}
+        no_lora = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, *ops)
+    finally:
+        mg.set_prefill_lora_epilogue(False)
+        set_fused_lora(fused_before)
+        fmt.set_fast_path(True, on_cpu=False, quantized=quant_before)
+    rel = ((epi - delta_path).norm() / delta_path.norm()).item()
+    assert rel < 1e-4, f"relative error {rel:.2e}"
+    assert ((no_lora - delta_path).norm() / delta_path.norm()).item() > 1e-2
+    assert torch.equal(epi[slots < 0], no_lora[slots < 0])  # tokens without an adapter: the base output
+
+
+def test_prefill_lora_epilogue_switch_env_default():
+    import os
+    import subprocess
+    import sys
+
+    code = "from moelora.kernels.moe_lora_grouped_triton import prefill_lora_epilogue as f; print(f())"
+    env = {k: v for k, v in os.environ.items() if k != "MOELORA_PREFILL_LORA_EPILOGUE"}
+    run = lambda **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra},  # noqa: E731
+                                         capture_output=True, text=True)
+    assert run().stdout.strip() == "False"
+    assert run(MOELORA_PREFILL_LORA_EPILOGUE="1").stdout.strip() == "True"
+    bad = run(MOELORA_PREFILL_LORA_EPILOGUE="yes")
+    assert bad.returncode != 0 and "must be 0 or 1" in bad.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("T", [640, 2048])
+def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, monkeypatch):
+    """Qwen3-30B-A3B routed experts in FP8 with 8 rank-16 adapters (and tokens without one) at a prefill chunk:
+    the epilogue path (one grouped shrink a projection, no delta launch) within the FP8 kernels' bound of the
+    torch W8A8 reference and of the delta path; rows of tokens without an adapter equal the no-LoRA output."""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.kernels import moe_lora_grouped_triton as mg
+    from moelora.kernels.moe import route_topk_ref
+    from moelora.layers.fp8 import Fp8State
+    from test_fp8_gpu import E, H, K, _experts, _rel
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    ex = _experts(True, seed=3)
+    g = torch.Generator(device=DEVICE).manual_seed(200 + T)
+    x = torch.randn(T, H, device=DEVICE, generator=g).bfloat16()
+    tw, ti = route_topk_ref(torch.randn(T, E, device=DEVICE, generator=g), K, True)
+    slots = torch.randint(-1, 8, (T,), generator=torch.Generator().manual_seed(T)).tolist()
+    batch = LoRABatch.build(slots, 8, DEVICE)
+    calls = []
+    real = mg.moe_lora_grouped_shrink
+    monkeypatch.setattr(mg, "moe_lora_grouped_shrink", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    delta_path = ex(x, tw.bfloat16(), ti, batch)
+    no_lora = ex(x, tw.bfloat16(), ti, None)
+    assert calls == []
+    mg.set_prefill_lora_epilogue(True)
+    try:
+        epi = ex(x, tw.bfloat16(), ti, batch)
+    finally:
+        mg.set_prefill_lora_epilogue(False)
+    assert len(calls) == 2
+    ex.quant = Fp8State((128, 128), torch.bfloat16, "w8a8")
+    ref = ex(x, tw.bfloat16(), ti, batch)
+    err_epi, err_delta = _rel(epi, ref), _rel(delta_path, ref)
+    assert err_epi < 2.0**-6 and _rel(epi, delta_path) < 2.0**-6, (err_epi, err_delta)
+    assert err_epi < 1.25 * err_delta + 1e-3, (err_epi, err_delta)
+    base = torch.tensor([s < 0 for s in slots], device=DEVICE)
+    assert torch.equal(epi[base], no_lora[base])
+    assert _rel(epi[~base], no_lora[~base]) > 1e-2
