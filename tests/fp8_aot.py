@@ -51,11 +51,13 @@ assert "e4m3" in ptx and ptx.count("mma") >= 2
 print("ok gemm with the LoRA epilogue")
 # the grouped expert GEMM at prefill with the routed-expert LoRA expand in its epilogue (set_prefill_lora_epilogue:
 # B of the block's expert through slb_e, gate_up's two slices, rows read as p // top_k)
-c = dict(consts, GROUPED=True, BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, LORA_N=2, LORA_SK=1, LORA_PRECISION=None,
-         PARTS=1, A_ROW_DIV=8)
-ptx = compile_sm90(_fp8_gemm_kernel, {**ptrs, "ids_ptr": "*i32", "bexp_ptr": "*i32"}, c, num_warps=8,
-                   num_stages=4).asm["ptx"]
-assert "e4m3" in ptx and ptx.count("mma") >= 2
+# over all slots (no groups given), the batch's 4 slot groups unrolled, and mode 3 (metadata before the K steps)
+for groups, split in [(0, 0), (4, 0), (4, 3)]:
+    c = dict(consts, GROUPED=True, BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, LORA_N=2, LORA_SK=1, LORA_PRECISION=None,
+             PARTS=1, A_ROW_DIV=8, LORA_GROUPS=groups, LORA_SPLIT=split)
+    ptx = compile_sm90(_fp8_gemm_kernel, {**ptrs, "ids_ptr": "*i32", "bexp_ptr": "*i32", "lact_ptr": "*i32"}, c,
+                       num_warps=8, num_stages=4).asm["ptx"]
+    assert "e4m3" in ptx and ptx.count("mma") >= 2, (groups, split)
 print("ok grouped gemm with the routed LoRA epilogue")
 ptrs["lact_ptr"] = "*i32"
 for split_k, groups in [(1, 0), (1, 8), (4, 8)]:  # the LoRA tile as one more split-K partial (0: over all slots)

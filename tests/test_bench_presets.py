@@ -429,7 +429,7 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
             "MOELORA_LORA_CHAIN_BLOCK_N": "256", "MOELORA_LORA_CHAIN_SHRINK": "stacked",
             "MOELORA_LORA_CHAIN_SPIN_SLEEP": "1", "MOELORA_GROUPED_PREFILL": "1",
             "MOELORA_FP8_PREFILL_CONFIG": "narrow", "MOELORA_GROUPED_PREFILL_FUSE_SLICES": "1",
-            "MOELORA_PREFILL_LORA_EPILOGUE": "1",
+            "MOELORA_PREFILL_LORA_EPILOGUE": "3", "MOELORA_GROUPED_PREFILL_CONFIG": "128,128,8,3",
             "MOELORA_LORA_SHRINK_BLOCK_K": "256",
             "MOELORA_LORA_SHRINK_WARPS": "2", "MOELORA_LORA_DELTA_WARPS": "8", "MOELORA_DENSE_DEFER_K_PER_SPLIT": "512",
             "MOELORA_MOE_LORA_ORDER": "gemm", "MOELORA_SIDE_STREAM_PRIORITY": "normal",

@@ -141,8 +141,15 @@ SWITCHES: dict[str, Switch] = {
                                             "grouped_prefill"),
     "MOELORA_GROUPED_PREFILL_FUSE_SLICES": _bool_switch("moelora.kernels.moe_lora_grouped_triton",
                                                         "set_grouped_prefill_fuse_slices", "grouped_prefill_fuse_slices"),
-    "MOELORA_PREFILL_LORA_EPILOGUE": _bool_switch("moelora.kernels.moe_lora_grouped_triton",
-                                                  "set_prefill_lora_epilogue", "prefill_lora_epilogue"),
+    "MOELORA_GROUPED_PREFILL_CONFIG": (
+        lambda v: _import("moelora.kernels.moe_lora_grouped_triton").set_grouped_prefill_config(
+            _import("moelora.kernels.moe_lora_grouped_triton").parse_grouped_config(v)),
+        lambda: ",".join(str(getattr(_import("moelora.kernels.moe_lora_grouped_triton").grouped_prefill_config(), f))
+                         for f in ("block_d", "block_n", "num_warps", "num_stages")),
+        ("128,128,4,3", "128,128,8,3", "128,64,4,3")),
+    "MOELORA_PREFILL_LORA_EPILOGUE": (
+        lambda v: _import("moelora.kernels.moe_lora_grouped_triton").set_prefill_lora_epilogue(int(v)),
+        lambda: str(_import("moelora.kernels.moe_lora_grouped_triton").prefill_lora_epilogue()), ("0", "1", "2", "3")),
     "MOELORA_FP8_PREFILL_CONFIG": (lambda v: _import("moelora.kernels.fp8_triton").set_fp8_prefill_config(v),
                                    lambda: _import("moelora.kernels.fp8_triton").fp8_prefill_config(),
                                    ("experts", "wide", "narrow")),

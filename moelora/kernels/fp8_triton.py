@@ -374,16 +374,18 @@ if HAS_TRITON:
         if LORA_N > 0:
             if LORA_SPLIT == 3:
                 acc = lora_prefetched_expand(acc, rows, offs_n, mask_n, l_i0, l_slot, l_rank, l_scale, l_slot_g,
-                                             l_rank_g, lh_ptr, lb_ptr, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o,
+                                             l_rank_g, lh_ptr, lb_ptr + e * slb_e, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o,
                                              slb_r, BLOCK_M, BLOCK_N, LORA_SK, LORA_BR, LORA_GROUPS, LORA_PRECISION,
                                              LORA_EVEN_R, LORA_WAIT)
             if LORA_SPLIT == 0:
                 if LORA_WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
                     tl.extra.cuda.gdc_wait()
+                # dense: all S slots in the loop (session 14's measured form); grouped (prefill): the batch's slot
+                # groups unrolled when given, their B loads in flight together
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr + e * slb_e, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
-                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, 0,
-                                       LORA_EVEN_R)
+                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION,
+                                       LORA_GROUPS if GROUPED else 0, LORA_EVEN_R)
         c = c_ptr + rows[:, None] * scm + offs_n[None, :] * scn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -600,6 +602,7 @@ class Fp8LoRAEpilogue:
     active_slots: torch.Tensor | None = None
     pdl: bool = False  # the shrink that wrote h was launched right before with launch_dependents (fp8_lora_pdl)
     slice_bounds: tuple[int, ...] | None = None  # slice_offsets on the host (set_fp8_lora_split mode 3 needs them)
+    prefetch: bool = False  # fp8_expert_gemm: mode 3's form (metadata before the K steps) where prefetch_ok
 
     def prefetch_ok(self, block_n: int) -> bool:
         """Whether set_fp8_lora_split mode 3 can serve a launch of block_n-wide column tiles: slot groups given, at
@@ -646,6 +649,8 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         split_k = cfg.split_k or fp8_split_k(grid_m * grid_n, triton.cdiv(K, block_k), block_m)
     lora_split = 0
     tiles = grid_m * grid_n
+    if lora is not None and ids is not None:  # grouped experts: after the K steps, or mode 3 (metadata prefetched)
+        lora_split = 3 if lora.prefetch and lora.prefetch_ok(block_n) else 0
     if lora is not None and ids is None:
         mode = _LORA_SPLIT[0]
         if (mode == 3 and not lora.prefetch_ok(block_n)) or (mode == 4 and not mode4_ok(tiles, split_k)):

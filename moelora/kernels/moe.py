@@ -33,6 +33,7 @@ class ExpertLoRAArgs:
     down_offsets: torch.Tensor | None = None  # [2] int32 (0, H)
     # [2, S] int32 (LoRAWeights.a_src): the slice whose A copy the fused kernel reads; None: each its own
     gate_up_a_src: torch.Tensor | None = None
+    active_slots: torch.Tensor | None = None  # [L] int32: the batch's slot groups (SlotGroups.active_slots), or None
 
 
 def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -182,7 +183,8 @@ def fused_moe_pairs(
 
                     if (prefill_lora_epilogue() and fast_ok and not overlap and activation == "silu"
                             and getattr(w_gate_up, "lora_epilogue", False) and getattr(w_down, "lora_epilogue", False)):
-                        return _experts_lora_epilogue(x, w_gate_up, w_down, topk_weights, topk_ids, lora, E)
+                        return _experts_lora_epilogue(x, w_gate_up, w_down, topk_weights, topk_ids, lora, E,
+                                                      prefill_lora_epilogue())
                     fused = grouped_prefill_for(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
     from moelora.kernels._triton import lora_delta_dtype, moe_lora_early, moe_lora_early_mode
 
@@ -294,11 +296,13 @@ def fused_moe_pairs(
 
 
 def _experts_lora_epilogue(x: torch.Tensor, w_gate_up, w_down, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                           lora: ExpertLoRAArgs, E: int) -> torch.Tensor:
+                           lora: ExpertLoRAArgs, E: int, mode: int = 1) -> torch.Tensor:
     """fused_moe_pairs at prefill on FP8 expert stacks with set_prefill_lora_epilogue: per projection the grouped
     shrink writes each pair's h (moe_lora_grouped_shrink, on one prefill_align grouping a layer), and the expert
-    GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=)); no delta buffer, the activation and the combine
-    plain. x: [T, H] · returns [T, H]."""
+    GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=): mode 1 over all slots, 2 over lora.active_slots'
+    groups, 3 those with the metadata loaded before the K steps; 2 and 3 without active_slots: 1); no delta buffer,
+    the activation and the combine plain.
+    x: [T, H] · returns [T, H]."""
     from moelora.kernels.fp8_triton import Fp8LoRAEpilogue
     from moelora.kernels.fused_moe_triton import TritonExperts
     from moelora.kernels.moe_lora_grouped_triton import PREFILL_BLOCK_M, moe_lora_grouped_shrink, prefill_align
@@ -312,11 +316,13 @@ def _experts_lora_epilogue(x: torch.Tensor, w_gate_up, w_down, topk_weights: tor
     pair_slots = lora.token_slots.repeat_interleave(K)  # [P]: the epilogue's rows are the pairs
 
     def epilogue(inp, parts, per_pair) -> Fp8LoRAEpilogue:
-        a, b, offs, ranks, scaling, _, a_src = _with_offsets(parts, x.device)
+        a, b, offs, ranks, scaling, width, a_src = _with_offsets(parts, x.device)
+        bounds = tuple(i * width for i in range(a.shape[0] + 1))  # on the host: the experts' slices are equal
         h = torch.empty(a.shape[0], P, a.shape[3], dtype=torch.float32, device=x.device)  # [n, P, R]
         moe_lora_grouped_shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, align, PREFILL_BLOCK_M,
                                 a_src=a_src)
-        return Fp8LoRAEpilogue(h, b, offs, ranks, scaling, pair_slots)
+        return Fp8LoRAEpilogue(h, b, offs, ranks, scaling, pair_slots, lora.active_slots if mode in (2, 3) else None,
+                               slice_bounds=bounds, prefetch=mode == 3)
 
     gu_lora = epilogue(x, (lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks,
                            lora.gate_up_scaling, inter, lora.gate_up_a_src), False)

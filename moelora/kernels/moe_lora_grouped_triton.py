@@ -244,16 +244,19 @@ class GroupedConfig:
     num_stages: int = 4  # the least total over 64/256 tokens x 4/8 adapters x gate_up/down (session 9, call 1)
 
 
-def _env_config() -> GroupedConfig:
-    """MOELORA_GROUPED_CONFIG=block_d,block_n,num_warps,num_stages (e.g. 256,128,4,3), else the defaults."""
-    raw = os.environ.get("MOELORA_GROUPED_CONFIG", "")
-    if not raw:
-        return GroupedConfig()
+def parse_grouped_config(raw: str, name: str = "MOELORA_GROUPED_CONFIG") -> GroupedConfig:
+    """'block_d,block_n,num_warps,num_stages' (e.g. 256,128,4,3) as a GroupedConfig."""
     try:
         bd, bn, w, st = (int(v) for v in raw.split(","))
     except ValueError:
-        raise ValueError(f"MOELORA_GROUPED_CONFIG={raw!r}: expected four integers block_d,block_n,num_warps,num_stages")
+        raise ValueError(f"{name}={raw!r}: expected four integers block_d,block_n,num_warps,num_stages")
     return GroupedConfig(bd, bn, w, st)
+
+
+def _env_config() -> GroupedConfig:
+    """MOELORA_GROUPED_CONFIG=block_d,block_n,num_warps,num_stages (e.g. 256,128,4,3), else the defaults."""
+    raw = os.environ.get("MOELORA_GROUPED_CONFIG", "")
+    return parse_grouped_config(raw) if raw else GroupedConfig()
 
 
 _CONFIG = [_env_config()]
@@ -407,7 +410,7 @@ def moe_lora_grouped_shrink(
         raise ValueError(f"moe_lora_grouped_shrink: align holds {sorted_ids.shape[0]} pair ids in {bvex.shape[0]} "
                          f"blocks; expected blocks of {block_m}")
     ns = n if fuse_slices and n > 1 and n & (n - 1) == 0 else 1
-    cfg = config or (PREFILL_FUSED_CONFIG if ns > 1 else grouped_prefill_config())
+    cfg = config or grouped_prefill_config()  # (no expand: the output tile does not matter)
     block_r = max(16, triton.next_power_of_2(R))
     block_d = min(cfg.block_d, max(16, triton.next_power_of_2(D)))
     f32 = a.dtype == torch.float32
@@ -479,9 +482,13 @@ PREFILL_BLOCK_M = 64
 _PREFILL = [os.environ.get("MOELORA_GROUPED_PREFILL", "1") != "0"]
 if os.environ.get("MOELORA_GROUPED_PREFILL", "1") not in ("", "0", "1"):
     raise ValueError(f"MOELORA_GROUPED_PREFILL must be 0 or 1, got {os.environ['MOELORA_GROUPED_PREFILL']!r}")
-# 128-deep input steps, 128-wide output tiles, 8 warps, 3 stages: at 64-pair blocks the sm_90 compile has no spills
-# (208-210 registers; 4 warps spill at 128- and 256-wide tiles, 8 warps at 256)
-_PREFILL_CONFIG = [GroupedConfig(block_d=128, block_n=128, num_warps=8, num_stages=3)]
+# 128-deep input steps, 128-wide output tiles, 4 warps, 3 stages (MOELORA_GROUPED_PREFILL_CONFIG overrides). Session 34
+# took 8 warps (the sm_90 compile: 208-210 registers, no spills; 4 warps spill ~40-250 bytes); session 35's sweep at
+# a chunk of 8,192 tokens (scripts/sweep_grouped_prefill.py, H200, 4 adapters, rank 16) measured 4 warps faster
+# anyway: gate_up 491 -> 306 us, down 365 -> 235 (64-wide tiles: 301 / 241).
+PREFILL_CONFIG = GroupedConfig(block_d=128, block_n=128, num_warps=4, num_stages=3)
+_env_pc = os.environ.get("MOELORA_GROUPED_PREFILL_CONFIG", "")
+_PREFILL_CONFIG = [parse_grouped_config(_env_pc, "MOELORA_GROUPED_PREFILL_CONFIG") if _env_pc else PREFILL_CONFIG]
 
 
 def set_grouped_prefill(enabled: bool) -> None:
@@ -498,8 +505,9 @@ def grouped_prefill() -> bool:
 # set_grouped_prefill_fuse_slices / MOELORA_GROUPED_PREFILL_FUSE_SLICES (session 35; off until measured): at prefill,
 # gate_up's two slices in one program a block (their A's stacked into one 32-wide shrink), so the gathered x rows
 # are read once, not twice (at a chunk of 8,192 tokens: 65,536 pairs x 4 KiB = 268 MB a slice)
-# its launch: 64-wide output tiles (at 128 the sm_90 compile spills: 255 registers and a stack; at 64, 146 registers)
-PREFILL_FUSED_CONFIG = GroupedConfig(block_d=128, block_n=64, num_warps=8, num_stages=3)
+# its launch: 64-wide output tiles, 4 warps (the sweep: 296 us for gate_up at 8,192 tokens, 481 at 8 warps; at 128-wide
+# tiles and 8 warps the sm_90 compile spills)
+PREFILL_FUSED_CONFIG = GroupedConfig(block_d=128, block_n=64, num_warps=4, num_stages=3)
 _PREFILL_FUSE = [os.environ.get("MOELORA_GROUPED_PREFILL_FUSE_SLICES", "0") == "1"]
 if os.environ.get("MOELORA_GROUPED_PREFILL_FUSE_SLICES", "0") not in ("", "0", "1"):
     raise ValueError("MOELORA_GROUPED_PREFILL_FUSE_SLICES must be 0 or 1, got "
@@ -520,27 +528,40 @@ def grouped_prefill_fuse_slices() -> bool:
 # expert stacks, no delta buffers: moe_lora_grouped_shrink writes each pair's h [n, P, R] (x read once for both
 # gate_up slices), and the FP8 expert GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=)), rounded once
 # with the base output; the activation and the combine read no delta. At a chunk of 8,192 tokens this drops the
-# delta's writes and reads (gate_up [P, 1536] + down [P, 2048] bf16: ~0.9 GB a layer).
-_PREFILL_EPILOGUE = [os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE", "0") == "1"]
-if os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE", "0") not in ("", "0", "1"):
-    raise ValueError("MOELORA_PREFILL_LORA_EPILOGUE must be 0 or 1, got "
-                     f"{os.environ['MOELORA_PREFILL_LORA_EPILOGUE']!r}")
+# delta's writes and reads (gate_up [P, 1536] + down [P, 2048] bf16: ~0.9 GB a layer). Values: 0 off; 1 the expand
+# after the K steps, a loop over all max_loras slots (each skipped unless a row of the tile has it); 2 the same over
+# the batch's slot groups, unrolled (their B loads in flight together; the sm_90 compile spills 144-208 bytes at
+# 128 x 128 tiles, 8 warps); 3 the per-row slot, rank and scaling loaded before the K steps and the groups' B
+# stacked into one dot (fp8 mode 3's form; 242-246 registers, no spills).
+# Measured (session 35 call A, H200, fp8, 16 x 2,048 tokens, 4 adapters, one process, the form with all slots in a
+# loop): 35,204 -> 43,965 tok/s (+24.9%; 68.2% -> 83.2% of the no-adapter prefill).
+PREFILL_EPILOGUE_MODES = ("0", "1", "2", "3")
+_env_epi = os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE", "0") or "0"
+if _env_epi not in PREFILL_EPILOGUE_MODES:
+    raise ValueError(f"MOELORA_PREFILL_LORA_EPILOGUE must be one of {', '.join(PREFILL_EPILOGUE_MODES)}, got "
+                     f"{_env_epi!r}")
+_PREFILL_EPILOGUE = [int(_env_epi)]
 
 
-def set_prefill_lora_epilogue(enabled: bool) -> None:
+def set_prefill_lora_epilogue(mode: int | bool) -> None:
     """The routed-expert LoRA at prefill on FP8 experts as a shrink plus the expert GEMM's epilogue
-    (MOELORA_PREFILL_LORA_EPILOGUE; above). Needs set_grouped_prefill on. The delta is added in fp32 before the
-    GEMM output's one rounding (not rounded on its own first)."""
-    _PREFILL_EPILOGUE[0] = bool(enabled)
+    (MOELORA_PREFILL_LORA_EPILOGUE; above): 0 / False off, 1 / True the expand after the K steps over all slots,
+    2 over the batch's slot groups, 3 its metadata prefetched. Needs set_grouped_prefill on. The delta is added in fp32 before the GEMM output's one rounding (not
+    rounded on its own first)."""
+    mode = int(mode)
+    if str(mode) not in PREFILL_EPILOGUE_MODES:
+        raise ValueError(f"set_prefill_lora_epilogue: mode must be one of {PREFILL_EPILOGUE_MODES}, got {mode}")
+    _PREFILL_EPILOGUE[0] = mode
 
 
-def prefill_lora_epilogue() -> bool:
+def prefill_lora_epilogue() -> int:
     return _PREFILL_EPILOGUE[0]
 
 
 def set_grouped_prefill_config(cfg: GroupedConfig | None) -> None:
-    """The prefill launch's parameters (None: 128-deep input steps, 128-wide output tiles, 8 warps, 3 stages)."""
-    _PREFILL_CONFIG[0] = cfg or GroupedConfig(block_d=128, block_n=128, num_warps=8, num_stages=3)
+    """The prefill launch's parameters (None: PREFILL_CONFIG, 128-deep input steps, 128-wide output tiles, 4 warps,
+    3 stages)."""
+    _PREFILL_CONFIG[0] = cfg or PREFILL_CONFIG
 
 
 def grouped_prefill_config() -> GroupedConfig:

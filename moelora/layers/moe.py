@@ -60,6 +60,7 @@ class RoutedExperts(nn.Module):
                 down_a=d.a, down_b=d.b_cat, down_scaling=d.scaling, down_ranks=d.rank_tensor,
                 gate_up_offsets=gu.slice_offsets, down_offsets=d.slice_offsets,
                 gate_up_a_src=gu.a_src if lora_shared_a() else None,  # set_lora_shared_a: one copy of a shared A
+                active_slots=lora.groups.active_slots,
             )
         if self.quant is not None:
             return self.quant.experts(self, x, topk_weights, topk_ids, args)
