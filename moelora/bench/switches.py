@@ -144,9 +144,9 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_GROUPED_PREFILL_CONFIG": (
         lambda v: _import("moelora.kernels.moe_lora_grouped_triton").set_grouped_prefill_config(
             _import("moelora.kernels.moe_lora_grouped_triton").parse_grouped_config(v)),
-        lambda: ",".join(str(getattr(_import("moelora.kernels.moe_lora_grouped_triton").grouped_prefill_config(), f))
+        lambda: "x".join(str(getattr(_import("moelora.kernels.moe_lora_grouped_triton").grouped_prefill_config(), f))
                          for f in ("block_d", "block_n", "num_warps", "num_stages")),
-        ("128,128,4,3", "128,128,8,3", "128,64,4,3")),
+        ("128x128x4x3", "128x128x8x3", "128x64x4x3")),
     "MOELORA_PREFILL_LORA_EPILOGUE": (
         lambda v: _import("moelora.kernels.moe_lora_grouped_triton").set_prefill_lora_epilogue(int(v)),
         lambda: str(_import("moelora.kernels.moe_lora_grouped_triton").prefill_lora_epilogue()), ("0", "1", "2", "3")),

@@ -245,9 +245,9 @@ class GroupedConfig:
 
 
 def parse_grouped_config(raw: str, name: str = "MOELORA_GROUPED_CONFIG") -> GroupedConfig:
-    """'block_d,block_n,num_warps,num_stages' (e.g. 256,128,4,3) as a GroupedConfig."""
+    """'block_d,block_n,num_warps,num_stages' (e.g. 256,128,4,3; or with x between: 256x128x4x3) as a GroupedConfig."""
     try:
-        bd, bn, w, st = (int(v) for v in raw.split(","))
+        bd, bn, w, st = (int(v) for v in raw.replace("x", ",").split(","))
     except ValueError:
         raise ValueError(f"{name}={raw!r}: expected four integers block_d,block_n,num_warps,num_stages")
     return GroupedConfig(bd, bn, w, st)
