@@ -136,6 +136,8 @@ def test_fused_moe_pairs_prefill_lora_epilogue_on_fp8_experts(mode, monkeypatch)
         set_fused_lora(True)
         fmt.set_fast_path(True, on_cpu=True, quantized=True)
         assert fmt.fast_path_ok(x, w_gu, w_d)
+        assert mg.prefill_lora_epilogue() == 1  # the default
+        mg.set_prefill_lora_epilogue(0)
         delta_path = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
         assert calls == {"shrink": 0, "grouped": 2}
         mg.set_prefill_lora_epilogue(mode)
@@ -143,7 +145,7 @@ def test_fused_moe_pairs_prefill_lora_epilogue_on_fp8_experts(mode, monkeypatch)
         assert calls == {"shrink": 2, "grouped": 2}
         no_lora = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, *ops)
     finally:
-        mg.set_prefill_lora_epilogue(0)
+        mg.set_prefill_lora_epilogue(1)
         set_fused_lora(fused_before)
         fmt.set_fast_path(True, on_cpu=False, quantized=quant_before)
     rel = ((epi - delta_path).norm() / delta_path.norm()).item()
@@ -161,8 +163,8 @@ def test_prefill_lora_epilogue_switch_env_default():
     env = {k: v for k, v in os.environ.items() if k != "MOELORA_PREFILL_LORA_EPILOGUE"}
     run = lambda **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra},  # noqa: E731
                                          capture_output=True, text=True)
-    assert run().stdout.strip() == "0"
-    assert run(MOELORA_PREFILL_LORA_EPILOGUE="1").stdout.strip() == "1"
+    assert run().stdout.strip() == "1"  # on by default (session 35)
+    assert run(MOELORA_PREFILL_LORA_EPILOGUE="0").stdout.strip() == "0"
     assert run(MOELORA_PREFILL_LORA_EPILOGUE="3").stdout.strip() == "3"
     bad = run(MOELORA_PREFILL_LORA_EPILOGUE="4")
     assert bad.returncode != 0 and "must be one of 0, 1, 2, 3" in bad.stderr
@@ -196,6 +198,7 @@ def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, mode, monkeypatch):
     calls = []
     real = mg.moe_lora_grouped_shrink
     monkeypatch.setattr(mg, "moe_lora_grouped_shrink", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    mg.set_prefill_lora_epilogue(0)
     delta_path = ex(x, tw.bfloat16(), ti, batch)
     no_lora = ex(x, tw.bfloat16(), ti, None)
     assert calls == []
@@ -203,7 +206,7 @@ def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, mode, monkeypatch):
     try:
         epi = ex(x, tw.bfloat16(), ti, batch)
     finally:
-        mg.set_prefill_lora_epilogue(0)
+        mg.set_prefill_lora_epilogue(1)
     args = _lora_args(ex, batch)
     bf16 = fused_moe_pairs(x, dequantized_stack(ex, "gate_up_proj"), dequantized_stack(ex, "down_proj"),
                            tw.bfloat16(), ti, "silu", args, moe_lora_shrink, moe_lora_expand, moe_lora_plan)
