@@ -12,10 +12,10 @@
 source "$(dirname "$0")/../gpu_prelude.sh"
 V="off:MOELORA_PREFILL_LORA_EPILOGUE=0;epi2:MOELORA_PREFILL_LORA_EPILOGUE=2;epi3:MOELORA_PREFILL_LORA_EPILOGUE=3"
 V="$V;old8:MOELORA_PREFILL_LORA_EPILOGUE=0,MOELORA_GROUPED_PREFILL_CONFIG=128x128x8x3"
-timeout -s INT 200 python3 scripts/profile_prefill.py --dtype fp8 --adapters 0,4 --lines 8 --variants "$V" \
+timeout -s INT 150 python3 scripts/profile_prefill.py --dtype fp8 --adapters 0,4 --no-profile --variants "$V" \
     --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
 echo "fp8 prefill (rc $?):"; grep -A8 "^variant " "$OUT/prefill.log"; grep -E "Error|Traceback" "$OUT/prefill.log" | tail -3
-timeout -s INT 60 python3 scripts/profile_prefill.py --dtype bf16 --adapters 0,4 --no-profile \
+timeout -s INT 55 python3 scripts/profile_prefill.py --dtype bf16 --adapters 0,4 --no-profile \
     --variants "old8:MOELORA_GROUPED_PREFILL_CONFIG=128x128x8x3" --json "$OUT/bf16.json" > "$OUT/bf16.log" 2>&1
 echo "bf16 prefill (rc $?):"; grep -A4 "^variant " "$OUT/bf16.log"; grep -E "Error|Traceback" "$OUT/bf16.log" | tail -3
 true
