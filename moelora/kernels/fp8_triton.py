@@ -248,7 +248,7 @@ if HAS_TRITON:
         LORA_FLAGS: tl.constexpr = 2048,
     ):
         # LORA_N > 0: the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one rounding. On the
-        # grouped expert GEMM (routed-expert LoRA at prefill, set_moe_lora_epilogue): the epilogue form, rows are
+        # grouped expert GEMM (routed-expert LoRA at prefill, set_prefill_lora_epilogue): the epilogue form, rows are
         # pairs (their slot and h per pair), B of the block's expert (lb + e * slb_e). Dense, by one of two forms:
         # LORA_SPLIT == 0: in the epilogue, after the K steps (and the split-K sum). Session 14 measured four forms
         # of this epilogue, bit-equal on the H200 (scripts/bench_fp8_lora_epilogue.py, µs per qkv / o_proj call
