@@ -133,9 +133,11 @@ class Runner:
         self.registry.load(name, path)
         return self.pool.pin(self.registry.get(name))
 
-    def logprobs(self, rows: list[tuple[list[int], str | None]], block_size: int = 4) -> list[torch.Tensor]:
-        """Prefill every row in one flat batch; rows name their adapter (None = base)."""
-        kv = KVCache(self.cfg, 256, block_size, self.model.dtype, self.device)
+    def logprobs(self, rows: list[tuple[list[int], str | None]], block_size: int = 4,
+                 kv_blocks: int = 256) -> list[torch.Tensor]:
+        """Prefill every row in one flat batch; rows name their adapter (None = base). kv_blocks: the KV cache's
+        blocks (of block_size tokens), enough for every row."""
+        kv = KVCache(self.cfg, kv_blocks, block_size, self.model.dtype, self.device)
         chunks = []
         for ids, adapter in rows:
             slot = -1 if adapter is None else self.pool.slot_of(adapter)
