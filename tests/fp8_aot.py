@@ -10,7 +10,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moelora.kernels.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
-from moelora.kernels.fused_moe_triton import _silu_and_mul_kernel
+from moelora.kernels.fused_moe_triton import _expert_gemm_kernel, _silu_and_mul_kernel
 from moelora.kernels.lora_triton import _shrink_kernel
 from moelora.kernels.norm_triton import _rms_norm_kernel
 from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
@@ -59,6 +59,18 @@ for groups, split in [(0, 0), (4, 0), (4, 3)]:
                        num_warps=8, num_stages=4).asm["ptx"]
     assert "e4m3" in ptx and ptx.count("mma") >= 2, (groups, split)
 print("ok grouped gemm with the routed LoRA epilogue")
+# the same epilogue on the bf16 expert GEMM (fused_moe_triton.expert_gemm(lora=), the prefill config's 128 x 128
+# tiles, 8 warps), the three forms
+for groups, split in [(0, 0), (4, 0), (4, 3)]:
+    bptrs = {"inp_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+             "pw_ptr": "*bf16", "lh_ptr": "*fp32", "lb_ptr": "*bf16", "loff_ptr": "*i32", "lrank_ptr": "*i32",
+             "lscale_ptr": "*fp32", "lslot_ptr": "*i32", "lact_ptr": "*i32"}
+    bc = dict(ROW_DIV=8, FUSE_ACT=False, HAS_PW=False, EVEN_K=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+              PRECISION=None, LORA_N=2, LORA_SK=1, LORA_BR=16, LORA_PRECISION=None, LORA_SPLIT=split,
+              LORA_GROUPS=groups, LORA_EVEN_R=True)
+    ptx = compile_sm90(_expert_gemm_kernel, bptrs, bc, num_warps=8, num_stages=3).asm["ptx"]
+    assert ptx.count("mma") >= 2, (groups, split)
+print("ok bf16 expert gemm with the routed LoRA epilogue")
 ptrs["lact_ptr"] = "*i32"
 for split_k, groups in [(1, 0), (1, 8), (4, 8)]:  # the LoRA tile as one more split-K partial (0: over all slots)
     consts.update(SPLIT_K=split_k, LORA_SPLIT=2, PARTS=split_k + 1, LORA_GROUPS=groups)

@@ -587,7 +587,8 @@ def split_k_buffers(out: torch.Tensor, tiles: int, split_k: int) -> tuple[int, t
 class Fp8LoRAEpilogue:
     """A dense multi-LoRA expand for fp8_linear to add in its epilogue (kernels/lora_triton.lora_expand's
     semantics, fp32, before the output's one rounding). h: the shrink's [split_k, n, T, R] fp32 (or [n, T, R])
-    · b_cat: [S, O, R] (or, for fp8_expert_gemm, the routed experts' [S, E|1, O, R], rows T being the pairs and
+    · b_cat: [S, O, R] (or, for fp8_expert_gemm and fused_moe_triton.expert_gemm, the routed experts' [S, E|1, O,
+    R], rows T being the pairs and
     token_slots the slot of each pair's token) · slice_offsets: [n+1] int32 · ranks: [n, S] int32 · scaling: [n, S] fp32
     · token_slots: [T] int32 (-1: no adapter, row untouched) · active_slots: [L] int32, the slot of each of the
     batch's slot groups (SlotGroups.active_slots, -1 unused), or None (the LoRA program then walks all S slots)
@@ -988,6 +989,13 @@ def fp8_expert_gemm_lora_ref(x, w_fp8, w_scale_inv, block, topk_ids, gather_rows
         xr = dequantize_act_group(xr, x_scale[rows], block[1])
     y = grouped_matmul_dequantized(xr, w_fp8, w_scale_inv, topk_ids.reshape(-1), block, torch.float32) \
         if x.dtype == FP8_DTYPE else fp8_grouped_matmul_ref(xr, w_fp8, w_scale_inv, topk_ids.reshape(-1), block).float()
+    return expert_lora_expand_ref(y, topk_ids, lora).to(torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
+
+
+def expert_lora_expand_ref(y: torch.Tensor, topk_ids: torch.Tensor, lora: Fp8LoRAEpilogue) -> torch.Tensor:
+    """The routed experts' LoRA expand of a grouped GEMM's epilogue (fp8_expert_gemm / expert_gemm with lora=),
+    added in place to y [P, O] fp32: y[p, o_i] += scaling[i, s] * (h[i, p, :r] rounded to B's dtype) @
+    B[s, e, o_i, :r].T for pairs p of slot s = token_slots[p] >= 0 on expert e = topk_ids.flatten()[p]. Returns y."""
     h = lora.h if lora.h.dim() == 3 else lora.h.sum(0)
     b = lora.b_cat
     off = lora.slice_offsets.tolist()
@@ -1000,7 +1008,7 @@ def fp8_expert_gemm_lora_ref(x, w_fp8, w_scale_inv, block, topk_ids, gather_rows
             if r > 0:
                 hr = h[i, p, :r].to(b.dtype).float()
                 y[p, off[i]:off[i + 1]] += lora.scaling[i, s].float() * (be[off[i]:off[i + 1], :r].float() @ hr)
-    return y.to(torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
+    return y
 
 
 def expert_align_blocks(caller: str, align: tuple[torch.Tensor, torch.Tensor], block_m: int):
@@ -1034,4 +1042,4 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
 
 
 __all__ = ["set_fp8_lora_epilogue", "fp8_lora_epilogue", "set_fp8_lora_split", "fp8_lora_split", "set_fp8_lora_pdl", "fp8_lora_pdl", "fp8_prequantize", "Fp8LoRAEpilogue", "fp8_linear_lora_ref", "act_quant_buffers", "attach_act_quant", "act_quant_ok", "Fp8GemmConfig", "set_fp8_gemm_config", "fp8_gemm_config", "set_fp8_prefill_config", "fp8_prefill_config", "fp8_split_k", "check_fp8_device", "quantize_act_group", "quantize_act_group_ref", "fp8_linear", "fp8_linear_ref",
-           "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref", "fp8_expert_gemm_lora_ref"]
+           "fp8_grouped_gemm", "fp8_grouped_gemm_ref", "fp8_grouped_align", "fp8_expert_gemm", "fp8_expert_gemm_ref", "fp8_expert_gemm_lora_ref", "expert_lora_expand_ref"]

@@ -296,6 +296,8 @@ def expert_gemm_ref(
 
 if HAS_TRITON:
 
+    from moelora.kernels.fp8_triton import lora_expand_tile, lora_prefetch_tile, lora_prefetched_expand
+
     @triton.jit
     def _expert_gemm_kernel(
         inp_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, pw_ptr,
@@ -303,7 +305,17 @@ if HAS_TRITON:
         s_im, s_id, s_we, s_wn, s_wd, s_om, s_on,
         ROW_DIV: tl.constexpr, FUSE_ACT: tl.constexpr, HAS_PW: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None, lact_ptr=None,
+        S=0, L=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0, slb_e=0,
+        LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
+        LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, LORA_GROUPS: tl.constexpr = 0,
+        LORA_EVEN_R: tl.constexpr = False,
     ):
+        # LORA_N > 0 (never with FUSE_ACT / HAS_PW): the routed-expert LoRA expand of each pair added to the fp32
+        # tile before its one rounding, as the FP8 grouped GEMM's epilogue does (fp8_triton._fp8_gemm_kernel, same
+        # helpers): B of the block's expert (lb + e * slb_e), each pair's slot and h. LORA_SPLIT 0: after the K
+        # steps (LORA_GROUPS 0: a loop over all S slots; > 0: the batch's slot groups unrolled); 3: each row's
+        # slot, rank and scaling loaded before the K steps, the groups' B in one dot.
         pid_n = tl.program_id(0)  # n tiles of one block are neighbours: they share the block's input rows
         b = tl.program_id(1)
         e = tl.load(bexp_ptr + b)
@@ -322,6 +334,10 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if FUSE_ACT:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if LORA_SPLIT == 3:  # the expand's chain of metadata loads, before the K steps
+            l_i0, l_slot, l_rank, l_scale, l_slot_g, l_rank_g = lora_prefetch_tile(
+                pairs, mask_m, pid_n * BLOCK_N, loff_ptr, lrank_ptr, lscale_ptr, lslot_ptr, lact_ptr, S, L, LORA_N,
+                LORA_BR, LORA_GROUPS)
         for k0 in range(0, D, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -339,6 +355,18 @@ if HAS_TRITON:
                 acc_up += tl.dot(a, wu, input_precision=PRECISION)
             a_ptrs += BLOCK_K * s_id
             w_ptrs += BLOCK_K * s_wd
+        if LORA_N > 0:
+            lb_e = lb_ptr + e.to(tl.int64) * slb_e
+            if LORA_SPLIT == 3:
+                acc = lora_prefetched_expand(acc, pairs, offs_n, mask_n, l_i0, l_slot, l_rank, l_scale, l_slot_g,
+                                             l_rank_g, lh_ptr, lb_e, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
+                                             BLOCK_M, BLOCK_N, LORA_SK, LORA_BR, LORA_GROUPS, LORA_PRECISION,
+                                             LORA_EVEN_R, False)
+            else:
+                acc = lora_expand_tile(acc, pairs, mask_m, offs_n, mask_n, lh_ptr, lb_e, loff_ptr, lrank_ptr,
+                                       lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
+                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, LORA_GROUPS,
+                                       LORA_EVEN_R)
         if FUSE_ACT:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if HAS_PW:
@@ -358,6 +386,7 @@ def expert_gemm(
     pair_weights: torch.Tensor | None = None,
     fuse_act: bool = False,
     config: GemmConfig | None = None,
+    lora=None,
 ) -> torch.Tensor:
     """Grouped GEMM over expert-aligned pairs (semantics: expert_gemm_ref, written into `out`):
         for each block b of config.block_m entries of sorted_pair_ids with e = block_expert[b] >= 0:
@@ -366,6 +395,10 @@ def expert_gemm(
     inp: [T, D] (gather_rows: the token rows, no x[pair_tok] copy) or [P, D] (per pair)
     w: [E, O, D] (any strides) · align: moe_align(topk_ids, E, config.block_m) · num_pairs: P = T*K · top_k: K
     out: [P, O] (or [P, O/2] with fuse_act) · pair_weights: [P] or None · returns out
+    lora: a fp8_triton.Fp8LoRAEpilogue (not with fuse_act or pair_weights): the routed experts' LoRA expand added
+    in the epilogue before the one rounding (expert_gemm_lora_ref), as fp8_expert_gemm(lora=) does:
+        out[p, o_i] += scaling[i, s] * (h[i, p, :r] rounded to B's dtype) @ B[s, e, o_i, :r].T,  s = token_slots[p]
+    with h: [n, P, R] fp32 (moe_lora_grouped_shrink) · b_cat: [S, E|1, O, R] · token_slots: [P] (slot -1: none)
     """
     require_triton()
     cfg = config or pick_config(num_pairs, fuse_act)
@@ -375,6 +408,16 @@ def expert_gemm(
     N = O // 2 if fuse_act else O
     assert w.shape[2] == D and out.shape == (num_pairs, N), (inp.shape, w.shape, out.shape)
     assert sorted_ids.shape[0] == block_expert.shape[0] * cfg.block_m, "align was made with another block_m"
+    lora_kw = {}
+    if lora is not None:
+        if fuse_act or pair_weights is not None:
+            raise ValueError("expert_gemm: lora= adds the expand to the plain projection; found fuse_act="
+                             f"{fuse_act}, pair_weights {'given' if pair_weights is not None else 'None'}")
+        if lora.h.shape[-2] != num_pairs or lora.b_cat.shape[2] != N:
+            raise ValueError(f"expert_gemm: lora h must be [n, {num_pairs}, R] and b_cat [S, E|1, {N}, R]; found h "
+                             f"{list(lora.h.shape)}, b_cat {list(lora.b_cat.shape)}")
+        prefetch = lora.prefetch and lora.prefetch_ok(cfg.block_n)
+        lora_kw = {**lora.kernel_args(prefetch=prefetch), "LORA_SPLIT": 3 if prefetch else 0}
     grid = (triton.cdiv(N, cfg.block_n), block_expert.shape[0])
     _expert_gemm_kernel[grid](
         inp, w, out, sorted_ids, block_expert, pair_weights if pair_weights is not None else out,
@@ -382,9 +425,21 @@ def expert_gemm(
         inp.stride(0), inp.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         ROW_DIV=top_k if gather_rows else 1, FUSE_ACT=fuse_act, HAS_PW=pair_weights is not None,
         EVEN_K=D % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION=dot_precision(inp.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=dot_precision(inp.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_kw,
     )
     return out
+
+
+def expert_gemm_lora_ref(inp: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, gather_rows: bool,
+                         lora) -> torch.Tensor:
+    """expert_gemm(..., lora=lora) in torch: the fp32 base output plus each pair's expand, rounded once to
+    inp's dtype. inp: [T, D] (gather_rows) or [P, D] · w: [E, O, D] · returns [P, O]."""
+    from moelora.kernels.fp8_triton import expert_lora_expand_ref
+
+    T, K = topk_ids.shape
+    rows = inp.float()[torch.arange(T * K, device=inp.device) // K] if gather_rows else inp.float()
+    y = torch.einsum("pd,pod->po", rows, w.float()[topk_ids.reshape(-1).long()])
+    return expert_lora_expand_ref(y, topk_ids, lora).to(inp.dtype)
 
 
 # ----------------------------------------------------------------------------------- activation, combine
@@ -597,6 +652,13 @@ def routing_kernel_ok(router_logits: torch.Tensor) -> bool:
     return HAS_TRITON and _FAST["enabled"] and router_logits.is_cuda and router_logits.shape[1] <= 4096
 
 
+def lora_epilogue_ok(w) -> bool:
+    """Whether TritonExperts' GEMM for expert stack w adds a routed LoRA expand in its epilogue (lora=): plain
+    weight tensors (expert_gemm; the fast path takes them in bf16 / fp16) and quantized stacks whose
+    `lora_epilogue` is true (FP8: fp8_expert_gemm)."""
+    return isinstance(w, torch.Tensor) or bool(getattr(w, "lora_epilogue", False))
+
+
 class TritonExperts:
     """The base expert GEMMs of one MoE layer for fused_moe_pairs (same interface as moe._ExpertGemm:
     gemm(inp, w) -> [P, O]), plus the activation and the combine. The alignment is computed once here
@@ -618,9 +680,9 @@ class TritonExperts:
         gather_rows, block_m) · returns [P, O] (fuse_act: silu(gate) * up, [P, O/2]) · lora: an
         Fp8LoRAEpilogue for a stack whose lora_epilogue is true (its expand added in the GEMM's epilogue)."""
         gather = inp.shape[0] != self.P
-        if lora is not None and not getattr(w, "lora_epilogue", False):
-            raise ValueError(f"TritonExperts: lora= needs an expert stack with a LoRA epilogue (FP8); found "
-                             f"{type(w).__name__}")
+        if lora is not None and not lora_epilogue_ok(w):
+            raise ValueError(f"TritonExperts: lora= needs an expert stack with a LoRA epilogue (plain 16-bit weights "
+                             f"or FP8); found {type(w).__name__}")
         if not isinstance(w, torch.Tensor):  # quantized: its GEMM on this alignment, then the activation kernel
             self.act_quant_group = getattr(w, "act_quant_group", None)  # the activation quantizes for the down GEMM
             y = (w.expert_gemm(inp, self.topk_ids, self.align, gather, self.cfg.block_m) if lora is None else
@@ -629,7 +691,7 @@ class TritonExperts:
         n = w.shape[1] // 2 if fuse_act else w.shape[1]
         out = torch.empty(self.P, n, dtype=inp.dtype, device=inp.device)
         cfg = halved_n(self.cfg) if fuse_act else self.cfg
-        return expert_gemm(inp, w, self.align, self.P, self.K, out, gather, fuse_act=fuse_act, config=cfg)
+        return expert_gemm(inp, w, self.align, self.P, self.K, out, gather, fuse_act=fuse_act, config=cfg, lora=lora)
 
     def act(self, gu: torch.Tensor, activation: str, delta: torch.Tensor | None = None) -> torch.Tensor:
         """act(g[:, :I]) * g[:, I:], g = gu (+ delta, rounded once to gu's dtype) · gu: [P, 2I] · delta: [P, 2I]

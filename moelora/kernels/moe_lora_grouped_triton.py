@@ -525,9 +525,10 @@ def grouped_prefill_fuse_slices() -> bool:
 
 
 # set_prefill_lora_epilogue / MOELORA_PREFILL_LORA_EPILOGUE (session 35; mode 1 on by default): at prefill on FP8
-# expert stacks, no delta buffers: moe_lora_grouped_shrink writes each pair's h [n, P, R] (x read once for both
-# gate_up slices), and the FP8 expert GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=)), rounded once
-# with the base output; the activation and the combine read no delta. At a chunk of 8,192 tokens this drops the
+# expert stacks (and, since session 36, plain bf16 / fp16 ones), no delta buffers: moe_lora_grouped_shrink writes
+# each pair's h [n, P, R] (x read once for both gate_up slices), and the expert GEMM adds the expand in its epilogue
+# (fp8_expert_gemm(lora=), fused_moe_triton.expert_gemm(lora=)), rounded once with the base output; the activation
+# and the combine read no delta. At a chunk of 8,192 tokens this drops the
 # delta's writes and reads (gate_up [P, 1536] + down [P, 2048] bf16: ~0.9 GB a layer). Values: 0 off; 1 the expand
 # after the K steps, a loop over all max_loras slots (each skipped unless a row of the tile has it); 2 the same over
 # the batch's slot groups, unrolled (their B loads in flight together; the sm_90 compile spills 144-208 bytes at
@@ -544,7 +545,7 @@ _PREFILL_EPILOGUE = [int(_env_epi)]
 
 
 def set_prefill_lora_epilogue(mode: int | bool) -> None:
-    """The routed-expert LoRA at prefill on FP8 experts as a shrink plus the expert GEMM's epilogue
+    """The routed-expert LoRA at prefill on FP8 or plain bf16 / fp16 experts as a shrink plus the expert GEMM's epilogue
     (MOELORA_PREFILL_LORA_EPILOGUE; above): 0 / False off, 1 / True (the default since session 35: +24.9% FP8
     prefill with 4 adapters on the H200) the expand after the K steps over all slots, 2 over the batch's slot
     groups, 3 its metadata prefetched. Needs set_grouped_prefill on. The delta is added in fp32 before the GEMM output's one rounding (not
