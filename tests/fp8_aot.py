@@ -60,16 +60,16 @@ for groups, split in [(0, 0), (4, 0), (4, 3)]:
     assert "e4m3" in ptx and ptx.count("mma") >= 2, (groups, split)
 print("ok grouped gemm with the routed LoRA epilogue")
 # the same epilogue on the bf16 expert GEMM (fused_moe_triton.expert_gemm(lora=), the prefill config's 128 x 128
-# tiles, 8 warps), the three forms
-for groups, split in [(0, 0), (4, 0), (4, 3)]:
+# tiles, 8 warps), the three forms, and gate_up with the activation fused (128 x 64 tiles, the expand in both halves)
+for groups, split, fuse in [(0, 0, False), (4, 0, False), (4, 3, False), (0, 0, True)]:
     bptrs = {"inp_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
              "pw_ptr": "*bf16", "lh_ptr": "*fp32", "lb_ptr": "*bf16", "loff_ptr": "*i32", "lrank_ptr": "*i32",
              "lscale_ptr": "*fp32", "lslot_ptr": "*i32", "lact_ptr": "*i32"}
-    bc = dict(ROW_DIV=8, FUSE_ACT=False, HAS_PW=False, EVEN_K=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+    bc = dict(ROW_DIV=8, FUSE_ACT=fuse, HAS_PW=False, EVEN_K=True, BLOCK_M=128, BLOCK_N=64 if fuse else 128, BLOCK_K=64,
               PRECISION=None, LORA_N=2, LORA_SK=1, LORA_BR=16, LORA_PRECISION=None, LORA_SPLIT=split,
               LORA_GROUPS=groups, LORA_EVEN_R=True)
     ptx = compile_sm90(_expert_gemm_kernel, bptrs, bc, num_warps=8, num_stages=3).asm["ptx"]
-    assert ptx.count("mma") >= 2, (groups, split)
+    assert ptx.count("mma") >= 2, (groups, split, fuse)
 print("ok bf16 expert gemm with the routed LoRA epilogue")
 ptrs["lact_ptr"] = "*i32"
 for split_k, groups in [(1, 0), (1, 8), (4, 8)]:  # the LoRA tile as one more split-K partial (0: over all slots)

@@ -106,7 +106,8 @@ def test_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows, fo
     """fused_moe_triton.expert_gemm(lora=) on plain (bf16 / fp16 / fp32) expert weights, as the FP8 test above:
     per pair scaling * h[i, p, :r] @ B[slot, expert, o_i, :r].T added to the fp32 tile before the one rounding,
     against expert_gemm_lora_ref; NaN past each rank and in the h of pairs without an adapter; rows of slot -1 equal
-    the plain GEMM bit for bit; the three forms (LORA_SPLIT, LORA_GROUPS) as launched; lora= refused with fuse_act."""
+    the plain GEMM bit for bit; the three forms (LORA_SPLIT, LORA_GROUPS) as launched; with the activation fused
+    (gate_up) the expand added to both halves before it (no prefetch form there); lora= refused with pair weights."""
     from moelora.kernels import fp8_triton as ft
     from moelora.kernels import fused_moe_triton as fmt
     from moelora.kernels.groups import SlotGroups
@@ -154,9 +155,16 @@ def test_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows, fo
     none = pair_slots < 0
     assert torch.equal(y[none], base[none])
     assert (y[~none].float() - base[~none].float()).abs().max() > 0.1  # the delta is there
-    with pytest.raises(ValueError, match="fuse_act"):
-        fmt.expert_gemm(x, w, align, P, K, torch.empty(P, O // 2, dtype=dtype), gather_rows, fuse_act=True,
-                        config=cfg, lora=lora)
+    if n == 2:  # gate_up with the activation fused: the expand added to the gate and the up tile before it
+        act = fmt.expert_gemm(x, w, align, P, K, torch.empty(P, O // 2, dtype=dtype), gather_rows, fuse_act=True,
+                              config=cfg, lora=lora)
+        assert modes[-1] == {"all_slots": (0, 0), "groups": (0, 2), "prefetch": (0, 0)}[form]  # no prefetch form
+        ref_act = fmt.expert_gemm_lora_ref(x, w, ids, gather_rows, lora, fuse_act=True)
+        assert not act.isnan().any()
+        assert ((act.float() - ref_act.float()).norm() / ref_act.float().norm()) < tol
+    with pytest.raises(ValueError, match="pair_weights"):
+        fmt.expert_gemm(x, w, align, P, K, torch.empty(P, O, dtype=dtype), gather_rows, config=cfg, lora=lora,
+                        pair_weights=torch.ones(P, dtype=dtype))
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; the GPU test below covers the GPU")

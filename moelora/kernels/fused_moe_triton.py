@@ -311,11 +311,12 @@ if HAS_TRITON:
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, LORA_GROUPS: tl.constexpr = 0,
         LORA_EVEN_R: tl.constexpr = False,
     ):
-        # LORA_N > 0 (never with FUSE_ACT / HAS_PW): the routed-expert LoRA expand of each pair added to the fp32
-        # tile before its one rounding, as the FP8 grouped GEMM's epilogue does (fp8_triton._fp8_gemm_kernel, same
-        # helpers): B of the block's expert (lb + e * slb_e), each pair's slot and h. LORA_SPLIT 0: after the K
-        # steps (LORA_GROUPS 0: a loop over all S slots; > 0: the batch's slot groups unrolled); 3: each row's
-        # slot, rank and scaling loaded before the K steps, the groups' B in one dot.
+        # LORA_N > 0 (never with HAS_PW): the routed-expert LoRA expand of each pair added to the fp32 tile before
+        # its one rounding, as the FP8 grouped GEMM's epilogue does (fp8_triton._fp8_gemm_kernel, same helpers): B
+        # of the block's expert (lb + e * slb_e), each pair's slot and h. LORA_SPLIT 0: after the K steps
+        # (LORA_GROUPS 0: a loop over all S slots; > 0: the batch's slot groups unrolled), with FUSE_ACT to the
+        # gate tile and the up tile each before the activation; 3 (not with FUSE_ACT): each row's slot, rank and
+        # scaling loaded before the K steps, the groups' B in one dot.
         pid_n = tl.program_id(0)  # n tiles of one block are neighbours: they share the block's input rows
         b = tl.program_id(1)
         e = tl.load(bexp_ptr + b)
@@ -367,6 +368,11 @@ if HAS_TRITON:
                                        lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
                                        slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, LORA_GROUPS,
                                        LORA_EVEN_R)
+                if FUSE_ACT:  # the up half: columns HALF + offs_n of the projection's 2 * HALF
+                    acc_up = lora_expand_tile(acc_up, pairs, mask_m, offs_n + HALF, mask_n, lh_ptr, lb_e, loff_ptr,
+                                              lrank_ptr, lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m,
+                                              slh_r, slb_s, slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION,
+                                              LORA_GROUPS, LORA_EVEN_R)
         if FUSE_ACT:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if HAS_PW:
@@ -395,10 +401,12 @@ def expert_gemm(
     inp: [T, D] (gather_rows: the token rows, no x[pair_tok] copy) or [P, D] (per pair)
     w: [E, O, D] (any strides) · align: moe_align(topk_ids, E, config.block_m) · num_pairs: P = T*K · top_k: K
     out: [P, O] (or [P, O/2] with fuse_act) · pair_weights: [P] or None · returns out
-    lora: a fp8_triton.Fp8LoRAEpilogue (not with fuse_act or pair_weights): the routed experts' LoRA expand added
-    in the epilogue before the one rounding (expert_gemm_lora_ref), as fp8_expert_gemm(lora=) does:
-        out[p, o_i] += scaling[i, s] * (h[i, p, :r] rounded to B's dtype) @ B[s, e, o_i, :r].T,  s = token_slots[p]
-    with h: [n, P, R] fp32 (moe_lora_grouped_shrink) · b_cat: [S, E|1, O, R] · token_slots: [P] (slot -1: none)
+    lora: a fp8_triton.Fp8LoRAEpilogue (not with pair_weights): the routed experts' LoRA expand added in the
+    epilogue in fp32 (expert_gemm_lora_ref), as fp8_expert_gemm(lora=) does, before the activation with fuse_act
+    and before the one rounding:
+        y[p, o_i] += scaling[i, s] * (h[i, p, :r] rounded to B's dtype) @ B[s, e, o_i, :r].T,  s = token_slots[p]
+    (y = w[e] @ row, all O columns) with h: [n, P, R] fp32 (moe_lora_grouped_shrink) · b_cat: [S, E|1, O, R] ·
+    token_slots: [P] (slot -1: none). Its prefetch form (mode 3) is taken only without fuse_act.
     """
     require_triton()
     cfg = config or pick_config(num_pairs, fuse_act)
@@ -410,14 +418,15 @@ def expert_gemm(
     assert sorted_ids.shape[0] == block_expert.shape[0] * cfg.block_m, "align was made with another block_m"
     lora_kw = {}
     if lora is not None:
-        if fuse_act or pair_weights is not None:
-            raise ValueError("expert_gemm: lora= adds the expand to the plain projection; found fuse_act="
-                             f"{fuse_act}, pair_weights {'given' if pair_weights is not None else 'None'}")
-        if lora.h.shape[-2] != num_pairs or lora.b_cat.shape[2] != N:
-            raise ValueError(f"expert_gemm: lora h must be [n, {num_pairs}, R] and b_cat [S, E|1, {N}, R]; found h "
+        if pair_weights is not None:
+            raise ValueError("expert_gemm: lora= adds the expand to the projection itself; found pair_weights given")
+        if lora.h.shape[-2] != num_pairs or lora.b_cat.shape[2] != O:
+            raise ValueError(f"expert_gemm: lora h must be [n, {num_pairs}, R] and b_cat [S, E|1, {O}, R]; found h "
                              f"{list(lora.h.shape)}, b_cat {list(lora.b_cat.shape)}")
-        prefetch = lora.prefetch and lora.prefetch_ok(cfg.block_n)
+        prefetch = lora.prefetch and not fuse_act and lora.prefetch_ok(cfg.block_n)
         lora_kw = {**lora.kernel_args(prefetch=prefetch), "LORA_SPLIT": 3 if prefetch else 0}
+        if lora.prefetch and not prefetch:  # mode 3 where its form cannot serve: the loop over all slots (mode 1's;
+            lora_kw["LORA_GROUPS"] = 0  # the unrolled groups spill at the prefill tiles)
     grid = (triton.cdiv(N, cfg.block_n), block_expert.shape[0])
     _expert_gemm_kernel[grid](
         inp, w, out, sorted_ids, block_expert, pair_weights if pair_weights is not None else out,
@@ -431,15 +440,20 @@ def expert_gemm(
 
 
 def expert_gemm_lora_ref(inp: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, gather_rows: bool,
-                         lora) -> torch.Tensor:
-    """expert_gemm(..., lora=lora) in torch: the fp32 base output plus each pair's expand, rounded once to
-    inp's dtype. inp: [T, D] (gather_rows) or [P, D] · w: [E, O, D] · returns [P, O]."""
+                         lora, fuse_act: bool = False) -> torch.Tensor:
+    """expert_gemm(..., lora=lora) in torch: the fp32 base output plus each pair's expand (then silu(gate) * up
+    with fuse_act), rounded once to inp's dtype. inp: [T, D] (gather_rows) or [P, D] · w: [E, O, D] · returns
+    [P, O] ([P, O/2] with fuse_act)."""
     from moelora.kernels.fp8_triton import expert_lora_expand_ref
 
     T, K = topk_ids.shape
     rows = inp.float()[torch.arange(T * K, device=inp.device) // K] if gather_rows else inp.float()
-    y = torch.einsum("pd,pod->po", rows, w.float()[topk_ids.reshape(-1).long()])
-    return expert_lora_expand_ref(y, topk_ids, lora).to(inp.dtype)
+    y = expert_lora_expand_ref(torch.einsum("pd,pod->po", rows, w.float()[topk_ids.reshape(-1).long()]), topk_ids,
+                               lora)
+    if fuse_act:
+        half = y.shape[1] // 2
+        y = F.silu(y[:, :half]) * y[:, half:]
+    return y.to(inp.dtype)
 
 
 # ----------------------------------------------------------------------------------- activation, combine

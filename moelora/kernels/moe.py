@@ -329,7 +329,8 @@ def _experts_lora_epilogue(x: torch.Tensor, w_gate_up, w_down, topk_weights: tor
 
     gu_lora = epilogue(x, (lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks,
                            lora.gate_up_scaling, inter, lora.gate_up_a_src), False)
-    act = fast.act(fast(x, w_gate_up, lora=gu_lora), "silu")  # [P, I], its LoRA inside gate_up
+    act = fast(x, w_gate_up, fuse_act=True, lora=gu_lora)  # [P, I], its LoRA inside gate_up (plain stacks: the
+    # activation in the GEMM too; FP8: silu_and_mul after it, quantizing for the down GEMM)
     d_lora = epilogue(act, (lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H,
                             None), True)
     return fast.combine(fast(act, w_down, lora=d_lora), topk_weights)
