@@ -285,3 +285,48 @@ def test_shrink_after_its_producer_peels_the_first_k_tile_and_equals_the_plain_s
             outs.append(out)
         torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, equal_nan=True)
         assert not outs[1].isnan().all() and outs[1].isnan().any()  # written where live, untouched elsewhere
+
+
+@pytest.mark.parametrize("tile", ["128x128x8", "128x64x4", "64x128x4"])
+def test_expand_prefill_tile_gives_the_same_sums(tile):
+    """set_lora_expand_prefill_tile: above 256 tokens lora_expand runs at the forced tile and warps (as launched)
+    with the reference's result; rows without an adapter untouched; 0x0x0 restores the default launch."""
+    from moelora.kernels import lora_triton as lt
+
+    gen = torch.Generator().manual_seed(5)
+    dtype = DTYPES[0]
+    a, b, ranks, scaling, off = _weights(dtype, gen)
+    T = 300  # above SHRINK_SPLIT_MAX_TOKENS
+    slots = token_slots(POPULARITY[0], T, S, gen)
+    groups = SlotGroups.build(slots, S, DEVICE)
+    h = torch.randn(len(OUTS), T, R, generator=gen).to(DEVICE)
+    y0 = torch.randn(T, sum(OUTS), generator=gen).to(DEVICE, dtype)
+    y_ref, y = y0.clone(), y0.clone()
+    lora_expand_ref(h, b, off, ranks, scaling, groups, y_ref)
+    launched = []
+    real = lt._expand_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs.get("num_warps", 4)))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    lt._expand_kernel, before = Spy(), lt.lora_expand_prefill_tile()
+    try:
+        lt.set_lora_expand_prefill_tile(tile)
+        lora_expand(h, b, off, ranks, scaling, groups, y)
+        lt.set_lora_expand_prefill_tile("0x0x0")
+        lora_expand(h, b, off, ranks, scaling, groups, y0.clone())
+    finally:
+        lt._expand_kernel = real
+        lt.set_lora_expand_prefill_tile(before)
+    bm, bn, w = (int(v) for v in tile.split("x"))
+    assert launched == [(bm, min(bn, triton.next_power_of_2(sum(OUTS))), w), (64, 64, 4)]
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    base = (slots < 0).to(DEVICE)
+    assert torch.equal(y[base], y0[base])
+    with pytest.raises(ValueError, match="MxNxW"):
+        lt.set_lora_expand_prefill_tile("128x128")

@@ -124,6 +124,10 @@ SWITCHES: dict[str, Switch] = {
                                      ("high", "normal")),
     "MOELORA_LORA_SHRINK_WARPS": _int_switch("moelora.kernels.lora_triton", "set_lora_shrink_warps",
                                              "lora_shrink_warps", ("0", "1", "2", "4", "8")),
+    "MOELORA_LORA_EXPAND_PREFILL_TILE": (
+        lambda v: _import("moelora.kernels.lora_triton").set_lora_expand_prefill_tile(v),
+        lambda: _import("moelora.kernels.lora_triton").lora_expand_prefill_tile(),
+        ("0x0x0", "128x128x8", "128x64x4", "64x128x4", "128x128x4")),
     "MOELORA_LORA_DELTA_WARPS": _int_switch("moelora.kernels.lora_delta_triton", "set_lora_delta_warps",
                                             "lora_delta_warps", ("0", "1", "2", "4", "8")),
     "MOELORA_DENSE_DEFER_K_PER_SPLIT": _int_switch(_T, "set_dense_defer_k_per_split", "dense_defer_k_per_split",

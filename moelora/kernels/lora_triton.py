@@ -8,6 +8,8 @@ References with the same signatures: kernels/lora.py.
 
 from __future__ import annotations
 
+import os
+
 
 import torch
 
@@ -248,6 +250,37 @@ def lora_shrink_warps() -> int:
     return _SHRINK_WARPS[0]
 
 
+# set_lora_expand_prefill_tile / MOELORA_LORA_EXPAND_PREFILL_TILE ("MxNxW", 0x0x0: the decode tile, 64 x 64 at 4
+# warps): lora_expand's tile and warps above SHRINK_SPLIT_MAX_TOKENS tokens. Why: on a bf16 base the dense LoRA at
+# prefill is the shrink, then this expand adding into cuBLAS's output (the FP8 base adds it in its GEMM's epilogue);
+# session 36 profiled it at 73.6 ms of a 16 x 2,048-token prefill with 4 adapters (384 calls, ~190 us each for
+# qkv's 8,192 x 5,120 output: ~0.9 TB/s of y read and written, most of its programs exiting at once).
+def _parse_expand_tile(value: str, where: str) -> tuple[int, int, int]:
+    try:
+        bm, bn, w = (int(v) for v in value.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{where}: expected MxNxW (e.g. 128x128x8; 0x0x0 the default), got {value!r}") from None
+    if (bm, bn, w) != (0, 0, 0) and (bm not in (16, 32, 64, 128) or bn not in (32, 64, 128, 256)
+                                     or w not in (1, 2, 4, 8)):
+        raise ValueError(f"{where}: M in 16/32/64/128, N in 32/64/128/256, W in 1/2/4/8 (or 0x0x0), got {value!r}")
+    return bm, bn, w
+
+
+_EXPAND_PREFILL = [_parse_expand_tile(os.environ.get("MOELORA_LORA_EXPAND_PREFILL_TILE", "0x0x0") or "0x0x0",
+                                      "MOELORA_LORA_EXPAND_PREFILL_TILE")]
+
+
+def set_lora_expand_prefill_tile(value: str | tuple[int, int, int]) -> None:
+    """lora_expand's (block_m, block_n, num_warps) above SHRINK_SPLIT_MAX_TOKENS tokens ("MxNxW" or a tuple;
+    0x0x0: the decode tile, 64 x 64 at 4 warps). The same sums."""
+    _EXPAND_PREFILL[0] = (_parse_expand_tile(value, "set_lora_expand_prefill_tile") if isinstance(value, str)
+                          else _parse_expand_tile("x".join(str(v) for v in value), "set_lora_expand_prefill_tile"))
+
+
+def lora_expand_prefill_tile() -> str:
+    return "x".join(str(v) for v in _EXPAND_PREFILL[0])
+
+
 def lora_shrink_config() -> tuple[int, int]:
     """(splits, block_k) of set_lora_shrink_config; 0 = the default."""
     return _SHRINK_CONFIG[0], _SHRINK_CONFIG[1]
@@ -356,6 +389,10 @@ def lora_expand(
     L = groups.active_slots.shape[0]
     bm = _block_m(T)
     block_n = 64 if O >= 64 else max(16, triton.next_power_of_2(O))
+    warps = {}
+    if T > SHRINK_SPLIT_MAX_TOKENS and _EXPAND_PREFILL[0][0]:  # set_lora_expand_prefill_tile
+        bm, bn, w = _EXPAND_PREFILL[0]
+        block_n, warps = min(bn, max(16, triton.next_power_of_2(O))), {"num_warps": w}
     block_r = 16
     grid = (triton.cdiv(T, bm) * triton.cdiv(O, block_n), n, L)
     _expand_kernel[grid](
@@ -365,5 +402,5 @@ def lora_expand(
         h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=h.shape[0], PRECISION=dot_precision(b_cat.dtype),
-        EVEN_R=lora_even_r() and R % block_r == 0 and b_cat.shape[2] == R,
+        EVEN_R=lora_even_r() and R % block_r == 0 and b_cat.shape[2] == R, **warps,
     )
