@@ -14,6 +14,15 @@ from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_expert_gemm, fp8_exp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
+@pytest.fixture(autouse=True)
+def _restore_switches(monkeypatch):
+    """set_prefill_lora_epilogue / _plain as they were before each test, whatever the test sets."""
+    from moelora.kernels import moe_lora_grouped_triton as mg
+
+    monkeypatch.setattr(mg, "_PREFILL_EPILOGUE", list(mg._PREFILL_EPILOGUE))
+    monkeypatch.setattr(mg, "_PREFILL_EPILOGUE_PLAIN", list(mg._PREFILL_EPILOGUE_PLAIN))
+
 RANKS = [[16, 4, 0, 8], [8, 16, 4, 2]]  # per (slice, slot): slice 0 of slot 2 has rank 0
 
 
@@ -211,7 +220,8 @@ def test_fused_moe_pairs_prefill_lora_epilogue(mode, stack, monkeypatch):
         set_fused_lora(True)
         fmt.set_fast_path(True, on_cpu=True, quantized=True)
         assert fmt.fast_path_ok(x, w_gu, w_d)
-        assert mg.prefill_lora_epilogue() == 1  # the default
+        assert mg.prefill_lora_epilogue() == 3 and not mg.prefill_lora_epilogue_plain()  # the defaults (session 36)
+        mg.set_prefill_lora_epilogue_plain(stack == "plain")
         mg.set_prefill_lora_epilogue(0)
         delta_path = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
         assert calls == {"shrink": 0, "grouped": 2}
@@ -220,7 +230,7 @@ def test_fused_moe_pairs_prefill_lora_epilogue(mode, stack, monkeypatch):
         assert calls == {"shrink": 2, "grouped": 2}
         no_lora = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, *ops)
     finally:
-        mg.set_prefill_lora_epilogue(1)
+        mg.set_prefill_lora_epilogue(3)
         set_fused_lora(fused_before)
         fmt.set_fast_path(True, on_cpu=False, quantized=quant_before)
     rel = ((epi - delta_path).norm() / delta_path.norm()).item()
@@ -235,14 +245,20 @@ def test_prefill_lora_epilogue_switch_env_default():
     import sys
 
     code = "from moelora.kernels.moe_lora_grouped_triton import prefill_lora_epilogue as f; print(f())"
-    env = {k: v for k, v in os.environ.items() if k != "MOELORA_PREFILL_LORA_EPILOGUE"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOELORA_PREFILL_LORA_EPILOGUE")}
     run = lambda **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra},  # noqa: E731
                                          capture_output=True, text=True)
-    assert run().stdout.strip() == "1"  # on by default (session 35)
+    assert run().stdout.strip() == "3"  # on by default (session 35), mode 3 since session 36
     assert run(MOELORA_PREFILL_LORA_EPILOGUE="0").stdout.strip() == "0"
-    assert run(MOELORA_PREFILL_LORA_EPILOGUE="3").stdout.strip() == "3"
+    assert run(MOELORA_PREFILL_LORA_EPILOGUE="1").stdout.strip() == "1"
     bad = run(MOELORA_PREFILL_LORA_EPILOGUE="4")
     assert bad.returncode != 0 and "must be one of 0, 1, 2, 3" in bad.stderr
+    code = ("from moelora.kernels.moe_lora_grouped_triton import prefill_lora_epilogue_plain as f; "
+            "print(int(f()))")
+    assert run().stdout.strip() == "0"  # plain bf16 / fp16 stacks: off (lost in session 36)
+    assert run(MOELORA_PREFILL_LORA_EPILOGUE_PLAIN="1").stdout.strip() == "1"
+    bad = run(MOELORA_PREFILL_LORA_EPILOGUE_PLAIN="2")
+    assert bad.returncode != 0 and "must be 0 or 1" in bad.stderr
 
 
 @pytest.mark.gpu
@@ -281,15 +297,15 @@ def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, mode, monkeypatch):
     try:
         epi = ex(x, tw.bfloat16(), ti, batch)
     finally:
-        mg.set_prefill_lora_epilogue(1)
+        mg.set_prefill_lora_epilogue(3)
     args = _lora_args(ex, batch)
     assert len(calls) == 2, len(calls)
-    mg.set_prefill_lora_epilogue(0)  # bf16 on the dequantized weights by the delta path (plain stacks have the
-    try:  # epilogue too since session 36)
+    mg.set_prefill_lora_epilogue(0)  # bf16 on the dequantized weights by the delta path (plain stacks can take the
+    try:  # epilogue too since session 36, set_prefill_lora_epilogue_plain)
         bf16 = fused_moe_pairs(x, dequantized_stack(ex, "gate_up_proj"), dequantized_stack(ex, "down_proj"),
                                tw.bfloat16(), ti, "silu", args, moe_lora_shrink, moe_lora_expand, moe_lora_plan)
     finally:
-        mg.set_prefill_lora_epilogue(1)
+        mg.set_prefill_lora_epilogue(3)
     ex.quant = Fp8State((128, 128), torch.bfloat16, "w8a8")
     ref = ex(x, tw.bfloat16(), ti, batch)
     base = torch.tensor([s < 0 for s in slots], device=DEVICE)
@@ -308,7 +324,8 @@ def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, mode, monkeypatch):
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("T,mode", [(640, 1), (2048, 1), (2048, 2), (640, 3)])
 def test_gpu_prefill_lora_epilogue_bf16_qwen3_shapes(T, mode, monkeypatch):
-    """Qwen3-30B-A3B routed experts in bf16 (plain weights: fused_moe_triton.expert_gemm) with 8 rank-16 adapters
+    """Qwen3-30B-A3B routed experts in bf16 (plain weights: fused_moe_triton.expert_gemm; with
+    set_prefill_lora_epilogue_plain, off by default) with 8 rank-16 adapters
     (and tokens without one) at a prefill chunk: the epilogue path (one grouped shrink a projection, no delta
     launch) against fp32 (every tensor fp32, the torch expert GEMMs) at most 1.1x the delta path's error plus 1e-3
     and within 2^-7 of the delta path (bf16 roundings apart); rows of tokens without an adapter within 2^-7 of the
@@ -336,6 +353,8 @@ def test_gpu_prefill_lora_epilogue_bf16_qwen3_shapes(T, mode, monkeypatch):
     real = mg.moe_lora_grouped_shrink
     monkeypatch.setattr(mg, "moe_lora_grouped_shrink", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     assert fmt.fast_path_ok(x, w_gu, w_d) and fmt.lora_epilogue_ok(w_gu)
+    assert not mg.prefill_lora_epilogue_for(w_gu)  # plain stacks: off by default (lost in session 36)
+    mg.set_prefill_lora_epilogue_plain(True)
     mg.set_prefill_lora_epilogue(0)
     try:
         delta_path = fused_moe_pairs(x, w_gu, w_d, tw, ti, "silu", args, *ops)
@@ -343,7 +362,7 @@ def test_gpu_prefill_lora_epilogue_bf16_qwen3_shapes(T, mode, monkeypatch):
         mg.set_prefill_lora_epilogue(mode)
         epi = fused_moe_pairs(x, w_gu, w_d, tw, ti, "silu", args, *ops)
     finally:
-        mg.set_prefill_lora_epilogue(1)
+        mg.set_prefill_lora_epilogue(3)
     no_lora = fused_moe_pairs(x, w_gu, w_d, tw, ti, "silu", None, *ops)
     args32 = dataclasses.replace(args, **{f: getattr(args, f).float() for f in
                                           ("gate_up_a", "gate_up_b", "down_a", "down_b")})

@@ -154,6 +154,8 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_PREFILL_LORA_EPILOGUE": (
         lambda v: _import("moelora.kernels.moe_lora_grouped_triton").set_prefill_lora_epilogue(int(v)),
         lambda: str(_import("moelora.kernels.moe_lora_grouped_triton").prefill_lora_epilogue()), ("0", "1", "2", "3")),
+    "MOELORA_PREFILL_LORA_EPILOGUE_PLAIN": _bool_switch("moelora.kernels.moe_lora_grouped_triton",
+                                                        "set_prefill_lora_epilogue_plain", "prefill_lora_epilogue_plain"),
     "MOELORA_FP8_PREFILL_CONFIG": (lambda v: _import("moelora.kernels.fp8_triton").set_fp8_prefill_config(v),
                                    lambda: _import("moelora.kernels.fp8_triton").fp8_prefill_config(),
                                    ("experts", "wide", "narrow")),

@@ -250,8 +250,8 @@ def lora_shrink_warps() -> int:
     return _SHRINK_WARPS[0]
 
 
-# set_lora_expand_prefill_tile / MOELORA_LORA_EXPAND_PREFILL_TILE ("MxNxW", 0x0x0: the decode tile, 64 x 64 at 4
-# warps): lora_expand's tile and warps above SHRINK_SPLIT_MAX_TOKENS tokens. Why: on a bf16 base the dense LoRA at
+# set_lora_expand_prefill_tile / MOELORA_LORA_EXPAND_PREFILL_TILE ("MxNxW", default EXPAND_PREFILL_TILE; 0x0x0:
+# the decode tile, 64 x 64 at 4 warps): lora_expand's tile and warps above SHRINK_SPLIT_MAX_TOKENS tokens. Why: on a bf16 base the dense LoRA at
 # prefill is the shrink, then this expand adding into cuBLAS's output (the FP8 base adds it in its GEMM's epilogue);
 # session 36 profiled it at 73.6 ms of a 16 x 2,048-token prefill with 4 adapters (384 calls, ~190 us each for
 # qkv's 8,192 x 5,120 output: ~0.9 TB/s of y read and written, most of its programs exiting at once).
@@ -266,13 +266,16 @@ def _parse_expand_tile(value: str, where: str) -> tuple[int, int, int]:
     return bm, bn, w
 
 
-_EXPAND_PREFILL = [_parse_expand_tile(os.environ.get("MOELORA_LORA_EXPAND_PREFILL_TILE", "0x0x0") or "0x0x0",
-                                      "MOELORA_LORA_EXPAND_PREFILL_TILE")]
+# Session 36 call C (bf16, 16 x 2,048 tokens, 4 adapters, one process; kept share of the no-adapter prefill): the
+# decode tile 71.1%, 128x128x8 71.8%, 64x128x4 71.9%, 128x64x4 73.2% (+2.8% tok/s): the default since session 36.
+EXPAND_PREFILL_TILE = "128x64x4"
+_EXPAND_PREFILL = [_parse_expand_tile(os.environ.get("MOELORA_LORA_EXPAND_PREFILL_TILE", EXPAND_PREFILL_TILE)
+                                      or EXPAND_PREFILL_TILE, "MOELORA_LORA_EXPAND_PREFILL_TILE")]
 
 
 def set_lora_expand_prefill_tile(value: str | tuple[int, int, int]) -> None:
     """lora_expand's (block_m, block_n, num_warps) above SHRINK_SPLIT_MAX_TOKENS tokens ("MxNxW" or a tuple;
-    0x0x0: the decode tile, 64 x 64 at 4 warps). The same sums."""
+    default EXPAND_PREFILL_TILE, 128 x 64 at 4 warps; 0x0x0: the decode tile, 64 x 64 at 4 warps). The same sums."""
     _EXPAND_PREFILL[0] = (_parse_expand_tile(value, "set_lora_expand_prefill_tile") if isinstance(value, str)
                           else _parse_expand_tile("x".join(str(v) for v in value), "set_lora_expand_prefill_tile"))
 

@@ -179,12 +179,10 @@ def fused_moe_pairs(
                 from moelora.kernels.moe_lora_grouped_triton import grouped_prefill, grouped_prefill_for
 
                 if grouped_prefill() and fused_for(shrink) is moe_lora_fused:
-                    from moelora.kernels.moe_lora_grouped_triton import prefill_lora_epilogue
-
-                    from moelora.kernels.fused_moe_triton import lora_epilogue_ok
+                    from moelora.kernels.moe_lora_grouped_triton import prefill_lora_epilogue, prefill_lora_epilogue_for
 
                     if (prefill_lora_epilogue() and fast_ok and not overlap and activation == "silu"
-                            and lora_epilogue_ok(w_gate_up) and lora_epilogue_ok(w_down)):
+                            and prefill_lora_epilogue_for(w_gate_up) and prefill_lora_epilogue_for(w_down)):
                         return _experts_lora_epilogue(x, w_gate_up, w_down, topk_weights, topk_ids, lora, E,
                                                       prefill_lora_epilogue())
                     fused = grouped_prefill_for(topk_ids, lora.token_slots, E, lora.gate_up_a.shape[1])
@@ -300,7 +298,7 @@ def fused_moe_pairs(
 def _experts_lora_epilogue(x: torch.Tensor, w_gate_up, w_down, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                            lora: ExpertLoRAArgs, E: int, mode: int = 1) -> torch.Tensor:
     """fused_moe_pairs at prefill with set_prefill_lora_epilogue, on the fast path's expert stacks with a LoRA
-    epilogue (FP8, or plain bf16 / fp16 weights: fused_moe_triton.lora_epilogue_ok): per projection the grouped
+    epilogue (FP8; plain bf16 / fp16 weights with set_prefill_lora_epilogue_plain): per projection the grouped
     shrink writes each pair's h (moe_lora_grouped_shrink, on one prefill_align grouping a layer), and the expert
     GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=) / expert_gemm(lora=): mode 1 over all slots, 2
     over lora.active_slots' groups, 3 those with the metadata loaded before the K steps; 2 and 3 without

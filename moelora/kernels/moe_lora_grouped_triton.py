@@ -535,21 +535,33 @@ def grouped_prefill_fuse_slices() -> bool:
 # 128 x 128 tiles, 8 warps); 3 the per-row slot, rank and scaling loaded before the K steps and the groups' B
 # stacked into one dot (fp8 mode 3's form; 242-246 registers, no spills).
 # Measured (session 35 call A, H200, fp8, 16 x 2,048 tokens, 4 adapters, one process, the form with all slots in a
-# loop): 35,204 -> 43,965 tok/s (+24.9%; 68.2% -> 83.2% of the no-adapter prefill).
+# loop): 35,204 -> 43,965 tok/s (+24.9%; 68.2% -> 83.2% of the no-adapter prefill). Session 36 (FP8, the grouped
+# kernel's delta path at its 4-warp launch beside): off 78.4%, mode 1 82.5%, 2 78.9%, 3 83.9% kept (call A); 1 84.6%,
+# 3 85.9% (call B): mode 3 is the default since session 36.
+# Plain bf16 / fp16 stacks (fused_moe_triton.expert_gemm(lora=), gate_up's activation in the same GEMM) only with
+# set_prefill_lora_epilogue_plain / MOELORA_PREFILL_LORA_EPILOGUE_PLAIN=1: there it lost (session 36 call C, bf16,
+# one process, 4 adapters: 70.8% / 71.0% kept in modes 1 / 3 against 72.0% by the delta path); its expert GEMMs
+# took +138 ms a prefill with the epilogue (242 -> 380 ms: 242 registers a thread instead of 116, one CTA an SM
+# instead of two), more than the grouped kernel's expand, the activation and the delta's reads it saves (~126 ms).
 PREFILL_EPILOGUE_MODES = ("0", "1", "2", "3")
-_env_epi = os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE", "1") or "1"
+_env_epi = os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE", "3") or "3"
 if _env_epi not in PREFILL_EPILOGUE_MODES:
     raise ValueError(f"MOELORA_PREFILL_LORA_EPILOGUE must be one of {', '.join(PREFILL_EPILOGUE_MODES)}, got "
                      f"{_env_epi!r}")
 _PREFILL_EPILOGUE = [int(_env_epi)]
+_env_plain = os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE_PLAIN", "0") or "0"
+if _env_plain not in ("0", "1"):
+    raise ValueError(f"MOELORA_PREFILL_LORA_EPILOGUE_PLAIN must be 0 or 1, got {_env_plain!r}")
+_PREFILL_EPILOGUE_PLAIN = [_env_plain == "1"]
 
 
 def set_prefill_lora_epilogue(mode: int | bool) -> None:
-    """The routed-expert LoRA at prefill on FP8 or plain bf16 / fp16 experts as a shrink plus the expert GEMM's epilogue
-    (MOELORA_PREFILL_LORA_EPILOGUE; above): 0 / False off, 1 / True (the default since session 35: +24.9% FP8
-    prefill with 4 adapters on the H200) the expand after the K steps over all slots, 2 over the batch's slot
-    groups, 3 its metadata prefetched. Needs set_grouped_prefill on. The delta is added in fp32 before the GEMM output's one rounding (not
-    rounded on its own first)."""
+    """The routed-expert LoRA at prefill on FP8 experts (plain bf16 / fp16 ones too with
+    set_prefill_lora_epilogue_plain) as a shrink plus the expert GEMM's epilogue (MOELORA_PREFILL_LORA_EPILOGUE;
+    above): 0 / False off, 1 / True the expand after the K steps over all slots (+24.9% FP8 prefill with 4 adapters
+    on the H200, session 35), 2 over the batch's slot groups, 3 (the default since session 36, ~1% above 1) its
+    metadata prefetched. Needs set_grouped_prefill on. The delta is added in fp32 before the GEMM output's one
+    rounding (not rounded on its own first)."""
     mode = int(mode)
     if str(mode) not in PREFILL_EPILOGUE_MODES:
         raise ValueError(f"set_prefill_lora_epilogue: mode must be one of {PREFILL_EPILOGUE_MODES}, got {mode}")
@@ -558,6 +570,24 @@ def set_prefill_lora_epilogue(mode: int | bool) -> None:
 
 def prefill_lora_epilogue() -> int:
     return _PREFILL_EPILOGUE[0]
+
+
+def set_prefill_lora_epilogue_plain(enabled: bool) -> None:
+    """set_prefill_lora_epilogue's path on plain bf16 / fp16 expert stacks too (MOELORA_PREFILL_LORA_EPILOGUE_PLAIN;
+    off by default: it lost 1.7% in session 36, above)."""
+    _PREFILL_EPILOGUE_PLAIN[0] = bool(enabled)
+
+
+def prefill_lora_epilogue_plain() -> bool:
+    return _PREFILL_EPILOGUE_PLAIN[0]
+
+
+def prefill_lora_epilogue_for(w) -> bool:
+    """Whether set_prefill_lora_epilogue's path serves expert stack w: its GEMM adds a LoRA expand in its epilogue
+    (fused_moe_triton.lora_epilogue_ok) and, for a plain weight tensor, set_prefill_lora_epilogue_plain is on."""
+    from moelora.kernels.fused_moe_triton import lora_epilogue_ok
+
+    return lora_epilogue_ok(w) and (not isinstance(w, torch.Tensor) or _PREFILL_EPILOGUE_PLAIN[0])
 
 
 def set_grouped_prefill_config(cfg: GroupedConfig | None) -> None:
