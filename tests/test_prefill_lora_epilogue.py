@@ -41,6 +41,41 @@ def _factors(n, S, E, D, outs, R, gen, nan_past_rank=False):
     return a, b, ranks, torch.rand(n, S, generator=gen) + 0.5, torch.tensor(off, dtype=torch.int32)
 
 
+def _nan_h_lora(form: str, n: int, outs: list[int], S: int, E: int, D: int, R: int, slots: torch.Tensor,
+                pair_slots: torch.Tensor, gen: torch.Generator, dtype=torch.float32) -> Fp8LoRAEpilogue:
+    """The routed LoRA epilogue of one form over pairs of `pair_slots`: B (in dtype) and each pair's h [n, P, R]
+    hold NaN past each rank, h also in pairs without an adapter (a read of either shows); slot groups of `slots`
+    unless form is "all_slots"; slice bounds given (mode 3 needs them)."""
+    from moelora.kernels.groups import SlotGroups
+
+    _, b, ranks, scaling, off = _factors(n, S, E, D, outs, R, gen, nan_past_rank=True)
+    h = torch.randn(n, pair_slots.numel(), R, generator=gen)
+    for i in range(n):
+        for p in range(pair_slots.numel()):
+            s = int(pair_slots[p])
+            h[i, p, (ranks[i, s] if s >= 0 else 0):] = float("nan")
+    groups = None if form == "all_slots" else SlotGroups.build(slots, S).active_slots
+    return Fp8LoRAEpilogue(h, b.to(dtype), off, ranks, scaling, pair_slots, groups, slice_bounds=tuple(off.tolist()),
+                           prefetch=form == "prefetch")
+
+
+def _record_launches(monkeypatch, module, name: str) -> list[tuple[int, int]]:
+    """Kernel `name` of `module` replaced by one that records each launch's (LORA_SPLIT, LORA_GROUPS) (-1 where not
+    given), then launches it."""
+    launched: list[tuple[int, int]] = []
+    real = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs.get("LORA_SPLIT", -1), kwargs.get("LORA_GROUPS", -1)))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, name, Spy())
+    return launched
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; the GPU test below covers the GPU")
 @pytest.mark.parametrize("form", ["all_slots", "groups", "prefetch"])
 @pytest.mark.parametrize("gather_rows", [True, False])
@@ -52,7 +87,6 @@ def test_fp8_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows
     before the K steps with the groups' B in one dot (LORA_SPLIT 3; slices on tile boundaries)."""
     from moelora.kernels import fp8_triton as ft
     from moelora.kernels.fused_moe_triton import moe_align
-    from moelora.kernels.groups import SlotGroups
 
     monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
     g = torch.Generator().manual_seed(31 + gather_rows)
@@ -64,27 +98,9 @@ def test_fp8_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows
     x = torch.randn(T if gather_rows else T * K, D, generator=g)
     xq, xs = quantize_act_group_ref(x, blk[1])
     qe, se = quantize_weight_block(torch.randn(E, sum(outs), D, generator=g) * 0.3, blk)
-    _, b, ranks, scaling, off = _factors(n, S, E, D, outs, R, g, nan_past_rank=True)
-    h = torch.randn(n, T * K, R, generator=g)
-    for i in range(n):
-        for p in range(T * K):
-            s = int(pair_slots[p])
-            h[i, p, (ranks[i, s] if s >= 0 else 0):] = float("nan")
-    groups = None if form == "all_slots" else SlotGroups.build(slots, S).active_slots
-    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, pair_slots, groups, slice_bounds=tuple(off.tolist()),
-                           prefetch=form == "prefetch")
+    lora = _nan_h_lora(form, n, outs, S, E, D, R, slots, pair_slots, g)
     align = moe_align(ids, E, 16)
-    modes: list[int] = []
-    real = ft._fp8_gemm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                modes.append((kwargs.get("LORA_SPLIT", -1), kwargs.get("LORA_GROUPS", -1)))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(ft, "_fp8_gemm_kernel", Spy())
+    modes = _record_launches(monkeypatch, ft, "_fp8_gemm_kernel")
     ft.set_fp8_gemm_config("expert", ft.Fp8GemmConfig(32, 4, 2))
     try:
         y = fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 16, x_scale=xs, lora=lora)
@@ -119,7 +135,6 @@ def test_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows, fo
     (gate_up) the expand added to both halves before it (no prefetch form there); lora= refused with pair weights."""
     from moelora.kernels import fp8_triton as ft
     from moelora.kernels import fused_moe_triton as fmt
-    from moelora.kernels.groups import SlotGroups
 
     monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
     g = torch.Generator().manual_seed(41 + gather_rows)
@@ -130,29 +145,10 @@ def test_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows, fo
     pair_slots = slots.repeat_interleave(K)
     x = torch.randn(T if gather_rows else T * K, D, generator=g).to(dtype)
     w = (torch.randn(E, sum(outs), D, generator=g) * 0.3).to(dtype)
-    _, b, ranks, scaling, off = _factors(n, S, E, D, outs, R, g, nan_past_rank=True)
-    b = b.to(dtype)
-    h = torch.randn(n, T * K, R, generator=g)
-    for i in range(n):
-        for p in range(T * K):
-            s = int(pair_slots[p])
-            h[i, p, (ranks[i, s] if s >= 0 else 0):] = float("nan")
-    groups = None if form == "all_slots" else SlotGroups.build(slots, S).active_slots
-    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, pair_slots, groups, slice_bounds=tuple(off.tolist()),
-                           prefetch=form == "prefetch")
+    lora = _nan_h_lora(form, n, outs, S, E, D, R, slots, pair_slots, g, dtype)
     cfg = fmt.GemmConfig(16, 32, 16, 4, 2)
     align = fmt.moe_align(ids, E, cfg.block_m)
-    modes: list[tuple[int, int]] = []
-    real = fmt._expert_gemm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                modes.append((kwargs.get("LORA_SPLIT", -1), kwargs.get("LORA_GROUPS", -1)))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(fmt, "_expert_gemm_kernel", Spy())
+    modes = _record_launches(monkeypatch, fmt, "_expert_gemm_kernel")
     P, O = T * K, sum(outs)
     y = fmt.expert_gemm(x, w, align, P, K, torch.empty(P, O, dtype=dtype), gather_rows, config=cfg, lora=lora)
     base = fmt.expert_gemm(x, w, align, P, K, torch.empty(P, O, dtype=dtype), gather_rows, config=cfg)
