@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, _env_int_default, dot_precision, lora_even_r, require_triton
@@ -251,10 +250,11 @@ def lora_shrink_warps() -> int:
 
 
 # set_lora_expand_prefill_tile / MOELORA_LORA_EXPAND_PREFILL_TILE ("MxNxW", default EXPAND_PREFILL_TILE; 0x0x0:
-# the decode tile, 64 x 64 at 4 warps): lora_expand's tile and warps above SHRINK_SPLIT_MAX_TOKENS tokens. Why: on a bf16 base the dense LoRA at
-# prefill is the shrink, then this expand adding into cuBLAS's output (the FP8 base adds it in its GEMM's epilogue);
-# session 36 profiled it at 73.6 ms of a 16 x 2,048-token prefill with 4 adapters (384 calls, ~190 us each for
-# qkv's 8,192 x 5,120 output: ~0.9 TB/s of y read and written, most of its programs exiting at once).
+# the decode tile, 64 x 64 at 4 warps): lora_expand's tile and warps above SHRINK_SPLIT_MAX_TOKENS tokens. Why: on
+# a bf16 base the dense LoRA at prefill is the shrink, then this expand adding into cuBLAS's output (the FP8 base
+# adds it in its GEMM's epilogue); session 36 profiled it at 73.6 ms of a 16 x 2,048-token prefill with 4 adapters
+# (384 calls, ~190 us each for qkv's 8,192 x 5,120 output: ~0.9 TB/s of y read and written, most of its programs
+# exiting at once).
 def _parse_expand_tile(value: str, where: str) -> tuple[int, int, int]:
     try:
         bm, bn, w = (int(v) for v in value.lower().split("x"))

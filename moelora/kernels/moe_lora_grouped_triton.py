@@ -524,8 +524,8 @@ def grouped_prefill_fuse_slices() -> bool:
     return _PREFILL_FUSE[0]
 
 
-# set_prefill_lora_epilogue / MOELORA_PREFILL_LORA_EPILOGUE (session 35; mode 1 on by default): at prefill on FP8
-# expert stacks (and, since session 36, plain bf16 / fp16 ones), no delta buffers: moe_lora_grouped_shrink writes
+# set_prefill_lora_epilogue / MOELORA_PREFILL_LORA_EPILOGUE (session 35; on by default, mode 3 since session 36): at
+# prefill on FP8 expert stacks (plain bf16 / fp16 ones with set_prefill_lora_epilogue_plain), no delta buffers: moe_lora_grouped_shrink writes
 # each pair's h [n, P, R] (x read once for both gate_up slices), and the expert GEMM adds the expand in its epilogue
 # (fp8_expert_gemm(lora=), fused_moe_triton.expert_gemm(lora=)), rounded once with the base output; the activation
 # and the combine read no delta. At a chunk of 8,192 tokens this drops the
