@@ -525,11 +525,11 @@ def grouped_prefill_fuse_slices() -> bool:
 
 
 # set_prefill_lora_epilogue / MOELORA_PREFILL_LORA_EPILOGUE (session 35; on by default, mode 3 since session 36): at
-# prefill on FP8 expert stacks (plain bf16 / fp16 ones with set_prefill_lora_epilogue_plain), no delta buffers: moe_lora_grouped_shrink writes
-# each pair's h [n, P, R] (x read once for both gate_up slices), and the expert GEMM adds the expand in its epilogue
-# (fp8_expert_gemm(lora=), fused_moe_triton.expert_gemm(lora=)), rounded once with the base output; the activation
-# and the combine read no delta. At a chunk of 8,192 tokens this drops the
-# delta's writes and reads (gate_up [P, 1536] + down [P, 2048] bf16: ~0.9 GB a layer). Values: 0 off; 1 the expand
+# prefill on FP8 expert stacks (plain bf16 / fp16 ones with set_prefill_lora_epilogue_plain), no delta buffers:
+# moe_lora_grouped_shrink writes each pair's h [n, P, R] (x read once for both gate_up slices), and the expert GEMM
+# adds the expand in its epilogue (fp8_expert_gemm(lora=), fused_moe_triton.expert_gemm(lora=)), rounded once with
+# the base output; the activation and the combine read no delta. At a chunk of 8,192 tokens this drops the delta's
+# writes and reads (gate_up [P, 1536] + down [P, 2048] bf16: ~0.9 GB a layer). Values: 0 off; 1 the expand
 # after the K steps, a loop over all max_loras slots (each skipped unless a row of the tile has it); 2 the same over
 # the batch's slot groups, unrolled (their B loads in flight together; the sm_90 compile spills 144-208 bytes at
 # 128 x 128 tiles, 8 warps); 3 the per-row slot, rank and scaling loaded before the K steps and the groups' B
