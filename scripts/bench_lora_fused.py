@@ -22,6 +22,7 @@ bench/results/gpu-session7-2026-11-30-NVIDIA-H200.log.)
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import torch
 
@@ -36,27 +37,37 @@ H, I, E, K = 2048, 768, 128, 8
 EL = 2  # bf16
 
 
+def moe_inputs(site: str, T: int, n_ad: int, R: int, layers: int, ids: torch.Tensor, dev: str,
+               dt: torch.dtype) -> SimpleNamespace:
+    """One routed-expert projection's inputs at Qwen3-30B-A3B shapes (also scripts/sweep_grouped_prefill.py): gate_up
+    (x [T, H], two I-wide slices) or down (x [P, I] per pair, router weights w [P]); n_ad adapters round-robin over
+    the T tokens, rank R, `layers` copies of the factors. Fields: slots, P, n, D, O, per_pair, x, w (None for
+    gate_up), a [layers x [n, S, E, R, D]], b [layers x [S, E, O, R]], ranks, scaling, off."""
+    S, P = n_ad, T * K
+    c = SimpleNamespace(slots=(torch.arange(T) % n_ad).to(torch.int32).to(dev), P=P)
+    if site == "gate_up":
+        c.n, c.D, c.O, c.per_pair, outs = 2, H, 2 * I, False, [0, I, 2 * I]
+        c.x, c.w = torch.randn(T, H, device=dev, dtype=dt), None
+    else:
+        c.n, c.D, c.O, c.per_pair, outs = 1, I, H, True, [0, H]
+        c.x, c.w = torch.randn(P, I, device=dev, dtype=dt), torch.rand(P, device=dev)
+    c.a = [torch.randn(c.n, S, E, R, c.D, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
+    c.b = [torch.randn(S, E, c.O, R, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
+    c.ranks = torch.full((c.n, S), R, dtype=torch.int32, device=dev)
+    c.scaling = torch.ones(c.n, S, device=dev)
+    c.off = torch.tensor(outs, dtype=torch.int32, device=dev)
+    return c
+
+
 def moe_case(site: str, T: int, n_ad: int, R: int, layers: int):
     """(current(li), fused(li, split_n), store(li), check() -> rel err, bytes) for one routed-expert projection."""
     dev, dt = "cuda", torch.bfloat16
     gen = torch.Generator().manual_seed(T * 131 + n_ad)
     S = n_ad
-    slots = (torch.arange(T) % n_ad).to(torch.int32).to(dev)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(dev)
-    P = T * K
-    if site == "gate_up":
-        n, D, O, per_pair, outs = 2, H, 2 * I, False, [0, I, 2 * I]
-        x = torch.randn(T, H, device=dev, dtype=dt)
-        wts = None
-    else:
-        n, D, O, per_pair, outs = 1, I, H, True, [0, H]
-        x = torch.randn(P, I, device=dev, dtype=dt)
-        wts = torch.rand(P, device=dev)
-    a = [torch.randn(n, S, E, R, D, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
-    b = [torch.randn(S, E, O, R, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
-    ranks = torch.full((n, S), R, dtype=torch.int32, device=dev)
-    scaling = torch.ones(n, S, device=dev)
-    off = torch.tensor(outs, dtype=torch.int32, device=dev)
+    c = moe_inputs(site, T, n_ad, R, layers, ids, dev, dt)
+    slots, P, n, D, O, per_pair, x, wts = c.slots, c.P, c.n, c.D, c.O, c.per_pair, c.x, c.w
+    a, b, ranks, scaling, off = c.a, c.b, c.ranks, c.scaling, c.off
     y = torch.randn(P, O, device=dev, dtype=dt)
     delta = torch.empty(P, O, device=dev, dtype=torch.float32)
     h = torch.empty(P, n, R, device=dev, dtype=torch.float32)

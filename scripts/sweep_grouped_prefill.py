@@ -21,12 +21,12 @@ import json
 
 import torch
 
+from bench_lora_fused import E, K, moe_inputs  # scripts/ is on sys.path when run as a script
 from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
 from moelora.kernels import moe_lora_grouped_triton as mg
 from moelora.kernels.moe_lora_grouped_triton import GroupedConfig, moe_lora_grouped
 from moelora.kernels.moe_lora_triton import moe_lora_align_fast
 
-H, I, E, K = 2048, 768, 128, 8
 
 
 def variants(site: str) -> list[tuple[int, bool, GroupedConfig]]:
@@ -50,22 +50,10 @@ def case(site: str, T: int, n_ad: int, R: int, layers: int, dev: str = "cuda"):
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(T * 7 + n_ad)
     S = n_ad
-    slots = (torch.arange(T) % n_ad).to(torch.int32).to(dev)
     ids = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to(dev)
-    P = T * K
-    if site == "gate_up":
-        n, D, O, per_pair, outs = 2, H, 2 * I, False, [0, I, 2 * I]
-        x = torch.randn(T, H, device=dev, dtype=dt)
-        w = None
-    else:
-        n, D, O, per_pair, outs = 1, I, H, True, [0, H]
-        x = torch.randn(P, I, device=dev, dtype=dt)
-        w = torch.rand(P, device=dev)
-    a = [torch.randn(n, S, E, R, D, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
-    b = [torch.randn(S, E, O, R, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
-    ranks = torch.full((n, S), R, dtype=torch.int32, device=dev)
-    scaling = torch.ones(n, S, device=dev)
-    off = torch.tensor(outs, dtype=torch.int32, device=dev)
+    c = moe_inputs(site, T, n_ad, R, layers, ids, dev, dt)
+    slots, P, n, D, O, per_pair, x, w = c.slots, c.P, c.n, c.D, c.O, c.per_pair, c.x, c.w
+    a, b, ranks, scaling, off = c.a, c.b, c.ranks, c.scaling, c.off
     delta = torch.empty(P, O, device=dev, dtype=dt)
     used = int((slots.long().repeat_interleave(K) * E + ids.reshape(-1)).unique().numel())
     aligns = {bm: moe_lora_align_fast(ids, slots, E, S, bm) for bm in (64, 128)}
