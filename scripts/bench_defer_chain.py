@@ -81,7 +81,8 @@ def main() -> None:
                     help="also time the GEMM beside parts of the chain on the side stream: 'forkjoin' (a one-element "
                          "add: the fork / join alone), 'b.shrink' (the shrink alone), 'b.delta' (the delta kernel alone)")
     ap.add_argument("--gemm-too", action="store_true",
-                    help="also time each variant's base GEMM alone (column <variant>.gemm): for switches of the GEMM")
+                    help="also time each variant's base GEMM alone (column <variant>.gemm), at the launch "
+                         "forward_deferred gives it (LoRALinear.deferred_base): for switches of the GEMM")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -130,7 +131,7 @@ def main() -> None:
                     try:
                         row[vname] = graph_time_us(lambda li: mods[li].forward_deferred(x, batch), args.layers)
                         if args.gemm_too:
-                            row[vname + ".gemm"] = graph_time_us(lambda li: mods[li].base(x), args.layers)
+                            row[vname + ".gemm"] = graph_time_us(lambda li: mods[li].deferred_base(x), args.layers)
                     finally:
                         switches.apply(before)
                 rows.append(row)

@@ -148,6 +148,68 @@ def test_fp8_gemm_launch_configs_do_not_change_results(cfg):
         set_fp8_gemm_config("router", None)
 
 
+def test_dense_defer_gemm_switch(monkeypatch):
+    """set_dense_defer_gemm (session 37's experiment): "0" leaves every deferred GEMM at its default; "NxS" gives
+    both kinds of layer a launch of column tile N and S K splits, "A/B" the layers of several slices (qkv_proj) A and
+    one slice (o_proj) B; dense_gemm_config forces it within its block only (and restores it on an error); the
+    interpreter's GEMM takes it (S K splits) and gives the reference's numbers; LoRALinear.deferred_base runs its
+    base under its layer's launch, base() elsewhere keeps the default; bad values are refused with the form named;
+    bench decode --ab can set it."""
+    from test_fp8_gpu import launch_records
+
+    from moelora.bench import switches
+    from moelora.kernels import fp8_triton as ft
+    from moelora.layers.linear import LoRALinear
+
+    assert ft.dense_defer_gemm() == "0" and ft.defer_gemm_config(3) is None and ft.defer_gemm_config(1) is None
+    try:
+        ft.set_dense_defer_gemm("0/64x2")
+        assert ft.defer_gemm_config(3) is None
+        assert ft.defer_gemm_config(1) == ft.Fp8GemmConfig(64, 4, ft.DENSE_DECODE_STAGES, split_k=2)
+        assert switches.current(["MOELORA_DENSE_DEFER_GEMM"]) == {"MOELORA_DENSE_DEFER_GEMM": "0/64x2"}
+        ft.set_dense_defer_gemm("128x1")
+        assert ft.dense_defer_gemm() == "128x1/128x1"
+        assert ft.defer_gemm_config(3) == ft.defer_gemm_config(1) == ft.Fp8GemmConfig(128, 4, 4, split_k=1)
+    finally:
+        ft.set_dense_defer_gemm("0")
+    assert ft.dense_defer_gemm() == "0"
+    for bad in ("64x3", "256x1", "64x2/0/0", "", "x"):
+        with pytest.raises(ValueError, match="'NxS' or 'A/B'"):
+            ft.set_dense_defer_gemm(bad)
+
+    g = torch.Generator().manual_seed(5)
+    blk, T = (16, 16), 5
+    x, w = torch.randn(T, 128, generator=g), torch.randn(96, 128, generator=g)
+    xq, xs = quantize_act_group_ref(x, blk[1])
+    q, s = quantize_weight_block(w, blk)
+    ref = ft.fp8_linear_ref(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
+    cfg = ft.Fp8GemmConfig(32, 4, 2, split_k=2)
+    ft.fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)  # the split-K counters made eagerly
+    with launch_records(ft._fp8_gemm_kernel) as launches, ft.dense_gemm_config(cfg):
+        assert ft.fp8_gemm_config(1, 96, grouped=False) == cfg
+        y = ft.fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
+    assert [(r["SPLIT_K"], r["BLOCK_N"]) for r in launches] == [(2, 32)]
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    assert ft.fp8_gemm_config(1, 96, grouped=False) != cfg  # restored
+    with pytest.raises(RuntimeError), ft.dense_gemm_config(cfg):
+        raise RuntimeError("inside")
+    assert ft._CONFIG_OVERRIDE["dense"] is None
+
+    seen = []
+    lin = LoRALinear(32, [16, 8], False, torch.float32, "cpu")
+    to_fp8(lin, Fp8State(BLOCK, torch.float32, "w8a8"), quantize=True)
+    monkeypatch.setattr(lin, "base", lambda x, out=None: seen.append(ft._CONFIG_OVERRIDE["dense"]))
+    try:
+        ft.set_dense_defer_gemm("128x2/64x2")
+        lin.deferred_base(x[:, :32])
+        lin.out_features = [24]  # one slice: B
+        lin.deferred_base(x[:, :32])
+    finally:
+        ft.set_dense_defer_gemm("0")
+    lin.deferred_base(x[:, :32])
+    assert seen == [ft.Fp8GemmConfig(128, 4, 4, split_k=2), ft.Fp8GemmConfig(64, 4, 4, split_k=2), None]
+
+
 def test_dense_decode_stages_switch():
     """set_fp8_dense_decode_stages: the stages of the dense decode config only (prefill-sized and grouped launches
     keep theirs), 0 back to the default, other values refused with the choices named; bench decode --ab can set it."""

@@ -14,6 +14,7 @@ repeated by every column tile; set_fp8_prequant_min_rows(n) quantizes inputs of 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -535,6 +536,67 @@ def set_fp8_dense_decode_stages(stages: int) -> None:
 
 def fp8_dense_decode_stages() -> int:
     return _DECODE_STAGES[0]
+
+
+# MOELORA_DENSE_DEFER_GEMM / set_dense_defer_gemm: the dense FP8 GEMM's launch when it runs beside a deferred LoRA
+# chain (LoRALinear.forward_deferred: the LoRA steps at decode sizes only; the no-adapter step keeps the default).
+# Why (session 37): beside the chain the qkv / o_proj GEMMs take ~2.5 µs more than alone (sessions 25-32), and at 64
+# tokens o_proj's default launch is 32 column tiles x 4 K splits = 128 programs on 132 SMs, qkv's 80: the chain's
+# CTAs (56 / 44 registers a thread, 24 / 10 KB of shared memory; the GEMM's 128 and 64 KB, sm_90 compile) always
+# find room beside a GEMM CTA, so fewer GEMM programs leave whole SMs to the chain. "0" the default launch; "NxS"
+# block_n N (64 or 128) and S K splits (1, 2, 4, 8) for every deferred GEMM; "A/B": A for layers of several slices
+# (qkv_proj), B for one slice (o_proj), either "0". Only S changes the fp32 summation order (rows without an
+# adapter may then differ from the no-adapter step's in the last bit, as between two split-K choices).
+DEFER_GEMM_PARTS = ("0", "64x1", "64x2", "64x4", "64x8", "128x1", "128x2", "128x4")
+# the values bench decode --ab takes (as dense_defer_gemm reads them back)
+DEFER_GEMM_AB_VALUES = ("0", "0/64x2", "0/64x1", "128x1/0", "128x2/0", "128x1/64x2", "64x2/64x2")
+
+
+def _parse_defer_gemm(value: str, where: str) -> tuple[str, str]:
+    parts = value.split("/")
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or any(p not in DEFER_GEMM_PARTS for p in parts):
+        raise ValueError(f"{where}: '0', 'NxS' or 'A/B' with each part one of {DEFER_GEMM_PARTS}, got {value!r}")
+    return parts[0], parts[1]
+
+
+_DEFER_GEMM = [_parse_defer_gemm(os.environ.get("MOELORA_DENSE_DEFER_GEMM", "") or "0", "MOELORA_DENSE_DEFER_GEMM")]
+
+
+def set_dense_defer_gemm(value: str = "0") -> None:
+    """The dense FP8 GEMM's launch beside a deferred LoRA chain (MOELORA_DENSE_DEFER_GEMM; the comment above):
+    "0", "NxS" or "A/B" (A: layers of several slices, B: one slice). CUDA graphs keep what they captured."""
+    _DEFER_GEMM[0] = _parse_defer_gemm(value, "set_dense_defer_gemm")
+
+
+def dense_defer_gemm() -> str:
+    """set_dense_defer_gemm's value, "0" or "A/B"."""
+    a, b = _DEFER_GEMM[0]
+    return "0" if a == b == "0" else f"{a}/{b}"
+
+
+def defer_gemm_config(n_slices: int) -> Fp8GemmConfig | None:
+    """The launch set_dense_defer_gemm gives a deferred layer of n_slices output slices; None: the default."""
+    part = _DEFER_GEMM[0][0 if n_slices > 1 else 1]
+    if part == "0":
+        return None
+    block_n, split_k = (int(v) for v in part.split("x"))
+    return Fp8GemmConfig(block_n, 4, _DECODE_STAGES[0] or DENSE_DECODE_STAGES, split_k=split_k)
+
+
+@contextmanager
+def dense_gemm_config(config: Fp8GemmConfig | None):
+    """Within the block the dense FP8 GEMM takes `config` (None: no change), as set_fp8_gemm_config("dense") would."""
+    if config is None:
+        yield
+        return
+    before = _CONFIG_OVERRIDE["dense"]
+    _CONFIG_OVERRIDE["dense"] = config
+    try:
+        yield
+    finally:
+        _CONFIG_OVERRIDE["dense"] = before
 
 
 def fp8_split_k(tiles: int, k_steps: int, block_m: int = 16) -> int:

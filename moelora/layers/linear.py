@@ -167,6 +167,16 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.linear(self, x)
         return y if out is None else out.copy_(y)
 
+    def deferred_base(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """base(x, out) as forward_deferred runs it beside its LoRA chain: an FP8 base's GEMM at the launch
+        set_dense_defer_gemm gives this layer (default: base's own)."""
+        if not self._fp8_base():
+            return self.base(x, out)
+        from moelora.kernels.fp8_triton import defer_gemm_config, dense_gemm_config
+
+        with dense_gemm_config(defer_gemm_config(len(self.out_features))):
+            return self.base(x, out)
+
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if not lora_active(self.lora, lora):
             return self.base(x)
@@ -247,7 +257,7 @@ class LoRALinear(nn.Module):
 
         if not x.is_cuda:  # the interpreter (tests): one stream
             chain(False)
-            return self.base(x), delta
+            return self.deferred_base(x), delta
         from moelora.kernels._triton import dense_defer_order, dense_defer_pdl, dense_defer_priority
         from moelora.kernels.streams import fork, join, side_stream
 
@@ -256,14 +266,14 @@ class LoRALinear(nn.Module):
         pdl = dense_defer_pdl() and torch.cuda.get_device_capability(x.device) >= (9, 0)
         if dense_defer_order() == "serial":  # a diagnostic: the chain, then the GEMM, on the main stream
             chain(pdl)
-            return self.base(x), delta
+            return self.deferred_base(x), delta
         if dense_defer_order() == "main":  # the chain on the main stream right after x's producer, the GEMM beside it
             # into y made here (nothing the side stream writes is allocated on it); set_lora_shrink_pdl: the shrink
             # PDL-launched after that producer, its A tiles read while the producer runs
             y = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
             main = fork(side)
             with torch.cuda.stream(side):
-                self.base(x, out=y)
+                self.deferred_base(x, out=y)
             chain(pdl, wait_primary=lora_shrink_pdl(x.device) and not produced)
             join(main, side)
             return y, delta
@@ -271,7 +281,7 @@ class LoRALinear(nn.Module):
             main = torch.cuda.current_stream(x.device)
             ready = torch.cuda.Event()
             ready.record(main)
-            y = self.base(x)
+            y = self.deferred_base(x)
             side.wait_event(ready)
             with torch.cuda.stream(side):
                 chain(pdl)
@@ -279,7 +289,7 @@ class LoRALinear(nn.Module):
             main = fork(side)
             with torch.cuda.stream(side):
                 chain(pdl)
-            y = self.base(x)
+            y = self.deferred_base(x)
         join(main, side)
         return y, delta
 
