@@ -421,7 +421,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("quant,batch,fused", [("fp8", 48, False), ("fp8", 160, False), (None, 48, False),
                                                ("fp8", 48, True), (None, 48, True), ("fp8", 48, "one"),
                                                ("fp8", 160, "one"), (None, 48, "one"), ("fp8", 48, "gemm"),
-                                               ("fp8", 160, "gemm")])
+                                               ("fp8", 160, "gemm"), ("fp8", 48, "gemm14")])
 def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     """A Qwen3-MoE at Qwen3-30B-A3B's attention dims (dummy weights, 2 layers, FP8 or bf16), a decode step of 48 /
     160 sequences over 4 adapters and base rows, deferred (the delta kernel runs twice a layer: qkv, o_proj) against
@@ -436,7 +436,8 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     kernel; the same bounds. fused "one" (set_dense_defer_one_launch): the chain is one lora_chain launch a
     projection; the same bounds. fused "gemm" (set_dense_defer_gemm "128x1/64x2"): the default chain, the deferred
     GEMMs at their own launch (qkv 128-wide tiles unsplit, o_proj 2 K splits where the default takes 4): o_proj's
-    other fp32 order may move rows without an adapter by an ulp, so those too are held to the FP8 bound."""
+    other fp32 order may move rows without an adapter by an ulp, so those too are held to the FP8 bound; "gemm14"
+    ("64x1s14/0"): qkv's GEMM at 14 stages, the same sums, rows without an adapter bit-equal."""
     if not ON_GPU or (quant and torch.cuda.get_device_capability() < (8, 9)):
         pytest.skip("needs a GPU (FP8: compute capability >= 8.9)")
     from helpers import attention_lora_decode_case
@@ -463,7 +464,7 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
 
     _triton.set_dense_defer_fused(fused is True)
     _triton.set_dense_defer_one_launch(fused == "one")
-    fp8_triton.set_dense_defer_gemm("128x1/64x2" if fused == "gemm" else "0")
+    fp8_triton.set_dense_defer_gemm({"gemm": "128x1/64x2", "gemm14": "64x1s14/0"}.get(fused, "0"))
     try:
         with _defer(True):
             with launch_records(ldt._lora_delta_kernel) as deltas, launch_records(
@@ -481,12 +482,14 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
         fp8_triton.set_dense_defer_gemm("0")
     layers = len(model.model.layers)
     gemm_launch = fused == "gemm"
+    dense = [(r["BLOCK_N"], r["SPLIT_K"], r.get("num_stages")) for r in gemms if not r["GROUPED"]]
     if gemm_launch:  # the deferred GEMMs at the switch's launches (decode never takes 128-wide tiles otherwise)
-        dense = [(r["BLOCK_N"], r["SPLIT_K"]) for r in gemms if not r["GROUPED"]]
-        assert dense.count((128, 1)) == layers and dense.count((64, 2)) >= layers, dense
-        fused = False
+        assert [d[:2] for d in dense].count((128, 1)) == layers and [d[:2] for d in dense].count((64, 2)) >= layers
+    elif fused == "gemm14":
+        assert [d[2] for d in dense].count(14) == layers, dense
     else:
-        assert (128, 1) not in [(r["BLOCK_N"], r["SPLIT_K"]) for r in gemms], gemms
+        assert (128, 1) not in [d[:2] for d in dense] and 14 not in [d[2] for d in dense], dense
+    fused = False if fused in ("gemm", "gemm14") else fused
     deferred = [r["SPLIT_K"] for r in shrinks if r["BLOCK_K"] == DEFER_SHRINK_BLOCK_K]  # the others walk 64
     if fused == "one":
         assert not deltas and not chains and len(ones) == 2 * layers, ones

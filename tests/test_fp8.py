@@ -170,10 +170,13 @@ def test_dense_defer_gemm_switch(monkeypatch):
         ft.set_dense_defer_gemm("128x1")
         assert ft.dense_defer_gemm() == "128x1/128x1"
         assert ft.defer_gemm_config(3) == ft.defer_gemm_config(1) == ft.Fp8GemmConfig(128, 4, 4, split_k=1)
+        ft.set_dense_defer_gemm("64x1s14/0")
+        assert ft.dense_defer_gemm() == "64x1s14/0" and ft.defer_gemm_config(1) is None
+        assert ft.defer_gemm_config(3) == ft.Fp8GemmConfig(64, 4, 14, split_k=1)
     finally:
         ft.set_dense_defer_gemm("0")
     assert ft.dense_defer_gemm() == "0"
-    for bad in ("64x3", "256x1", "64x2/0/0", "", "x"):
+    for bad in ("64x3", "256x1", "64x2/0/0", "", "x", "64x1s9", "64x4s14"):
         with pytest.raises(ValueError, match="'NxS' or 'A/B'"):
             ft.set_dense_defer_gemm(bad)
 

@@ -223,10 +223,11 @@ def test_dense_decode_stages_keep_the_bits(T, shape, stages):
 
 @pytest.mark.parametrize("part", [p for p in DEFER_GEMM_PARTS if p != "0"])
 @pytest.mark.parametrize("shape", [(5120, 2048), (2048, 4096)])  # qkv, o_proj
-@pytest.mark.parametrize("T", [48, 64, 160])
+@pytest.mark.parametrize("T", [64, 160])
 def test_dense_defer_gemm_launches(T, shape, part):
-    """set_dense_defer_gemm's launches (session 37) compile at Qwen3-30B-A3B's qkv and o_proj and give the
-    reference's numbers; where the launch keeps the default's K splits (only the column tile differs) the same bits."""
+    """set_dense_defer_gemm's launches (session 37) compile at Qwen3-30B-A3B's qkv and o_proj (14 stages: 224 KB of
+    shared memory a program) and give the reference's numbers; where the launch keeps the default's K splits (only
+    the column tile or the stages differ) the same bits."""
     from moelora.kernels import fp8_triton as ft
 
     g = torch.Generator(device=DEV).manual_seed(T)
@@ -235,8 +236,9 @@ def test_dense_defer_gemm_launches(T, shape, part):
     x = torch.randn(T, Kd, device=DEV, generator=g).bfloat16()
     with launch_records(ft._fp8_gemm_kernel) as default_launch:
         before = ft.fp8_linear(x, q, s)
-    block_n, split_k = (int(v) for v in part.split("x"))
-    cfg = ft.Fp8GemmConfig(block_n, 4, ft.DENSE_DECODE_STAGES, split_k=split_k)
+    tile, _, stages = part.partition("s")
+    block_n, split_k = (int(v) for v in tile.split("x"))
+    cfg = ft.Fp8GemmConfig(block_n, 4, int(stages or ft.DENSE_DECODE_STAGES), split_k=split_k)
     with launch_records(ft._fp8_gemm_kernel) as launches, ft.dense_gemm_config(cfg):
         y = ft.fp8_linear(x, q, s)
     assert [(r["BLOCK_N"], r["SPLIT_K"]) for r in launches] == [(block_n, split_k)]

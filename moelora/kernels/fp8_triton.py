@@ -544,12 +544,18 @@ def fp8_dense_decode_stages() -> int:
 # tokens o_proj's default launch is 32 column tiles x 4 K splits = 128 programs on 132 SMs, qkv's 80: the chain's
 # CTAs (56 / 44 registers a thread, 24 / 10 KB of shared memory; the GEMM's 128 and 64 KB, sm_90 compile) always
 # find room beside a GEMM CTA, so fewer GEMM programs leave whole SMs to the chain. "0" the default launch; "NxS"
-# block_n N (64 or 128) and S K splits (1, 2, 4, 8) for every deferred GEMM; "A/B": A for layers of several slices
+# block_n N (64 or 128) and S K splits (1, 2, 4, 8) for every deferred GEMM ("NxSsT": and T stages, below);
+# "A/B": A for layers of several slices
 # (qkv_proj), B for one slice (o_proj), either "0". Only S changes the fp32 summation order (rows without an
 # adapter may then differ from the no-adapter step's in the last bit, as between two split-K choices).
-DEFER_GEMM_PARTS = ("0", "64x1", "64x2", "64x4", "64x8", "128x1", "128x2", "128x4")
+# "NxSsT": also T pipeline stages (default: the dense decode GEMM's). At 14 stages a qkv-sized program takes 224 KB
+# of shared memory (sm_90 compile), so no chain CTA (the shrink's 24 KB, the delta kernel's 10 KB) fits on its SM:
+# the chain runs only on the SMs the GEMM leaves free (qkv's 80 programs leave 52); at 13 (208 KB) the delta fits.
+DEFER_GEMM_PARTS = ("0", "64x1", "64x2", "64x4", "64x8", "128x1", "128x2", "128x4", "64x1s12", "64x1s13", "64x1s14",
+                    "64x2s14")
 # the values bench decode --ab takes (as dense_defer_gemm reads them back)
-DEFER_GEMM_AB_VALUES = ("0", "0/64x2", "0/64x1", "128x1/0", "128x2/0", "128x1/64x2", "64x2/64x2")
+DEFER_GEMM_AB_VALUES = ("0", "0/64x2", "0/64x1", "128x1/0", "128x2/0", "128x1/64x2", "64x2/64x2", "64x1s14/0",
+                        "64x1s13/0", "64x1s12/0", "0/64x2s14", "64x1s14/64x2s14")
 
 
 def _parse_defer_gemm(value: str, where: str) -> tuple[str, str]:
@@ -581,8 +587,9 @@ def defer_gemm_config(n_slices: int) -> Fp8GemmConfig | None:
     part = _DEFER_GEMM[0][0 if n_slices > 1 else 1]
     if part == "0":
         return None
-    block_n, split_k = (int(v) for v in part.split("x"))
-    return Fp8GemmConfig(block_n, 4, _DECODE_STAGES[0] or DENSE_DECODE_STAGES, split_k=split_k)
+    tile, _, stages = part.partition("s")
+    block_n, split_k = (int(v) for v in tile.split("x"))
+    return Fp8GemmConfig(block_n, 4, int(stages or 0) or _DECODE_STAGES[0] or DENSE_DECODE_STAGES, split_k=split_k)
 
 
 @contextmanager
