@@ -243,3 +243,22 @@ consts.update(SHARED_H=False, SLICE_FIRST=True)  # MOELORA_FUSED_LORA_SLICE_FIRS
 ptx = compile_sm90(_moe_lora_fused_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4).asm["ptx"]
 assert "cp.async" in ptx
 print("ok fused lora, slices of a pair side by side")
+# MOELORA_LORA_L2_PREFETCH (session 37): the deferred chain's shrink prefetches its layer's B into L2, the delta
+# kernel the next layer's A and B (PTX prefetch.global.L2; no value read)
+from moelora.kernels.lora_delta_triton import _lora_delta_kernel  # noqa: E402
+
+ptx = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",
+                                    "sorted_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32",
+                                    "start_ptr": "*i32", "pf_ptr": "*bf16", "pf_stride": "i64", "pf_bytes": "i32"},
+                   dict(BLOCK_M=32, BLOCK_R=16, BLOCK_K=128, SPLIT_K=4, PRECISION="ieee", PREFETCH=True),
+                   num_warps=4).asm["ptx"]
+assert "prefetch.global.L2" in ptx
+print("ok shrink prefetching B into L2")
+ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "slots_ptr", "act_ptr")}
+ptrs.update(h_ptr="*fp32", b_ptr="*bf16", d_ptr="*bf16", scale_ptr="*fp32", pfa_ptr="*bf16", pfb_ptr="*bf16",
+            pfa_stride="i64", pfb_stride="i64", pfa_bytes="i32", pfb_bytes="i32")
+ptx = compile_sm90(_lora_delta_kernel, ptrs, dict(N_SLICES=3, SK=4, BR=16, G=4, BLOCK_M=32, BLOCK_N=128,
+                                                  PRECISION="ieee", EVEN_R=True, WAIT=False, PREFETCH=True),
+                   num_warps=8).asm["ptx"]
+assert ptx.count("prefetch.global.L2") >= 2
+print("ok delta kernel prefetching the next layer's A and B into L2")

@@ -437,7 +437,8 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
             "MOELORA_LORA_DELTA_TILE_MIN_O": "4096", "MOELORA_FUSED_ROUTER": "0",
             "MOELORA_ROUTER_CONFIG": "16x16x64x128x4", "MOELORA_MOE_COMBINE_TO_NORM": "0",
             "MOELORA_FP8_DENSE_DECODE_STAGES": "12", "MOELORA_LORA_EXPAND_PREFILL_TILE": "128x128x8",
-            "MOELORA_PREFILL_LORA_EPILOGUE_PLAIN": "1", "MOELORA_DENSE_DEFER_GEMM": "128x1/64x2"}
+            "MOELORA_PREFILL_LORA_EPILOGUE_PLAIN": "1", "MOELORA_DENSE_DEFER_GEMM": "128x1/64x2",
+            "MOELORA_LORA_L2_PREFETCH": "both"}
     names = list(want)
     before = switches.current(names)
     assert before != want

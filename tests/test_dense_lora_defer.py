@@ -332,6 +332,50 @@ def test_deferred_chain_launch_experiments_change_no_result():
             _triton.set_dense_defer_k_per_split(bad)
 
 
+@pytest.mark.parametrize("mode", ["own", "next", "both"])
+def test_l2_prefetch_reaches_the_chain_and_changes_no_result(mode, monkeypatch):
+    """set_lora_l2_prefetch (session 37): "own" hands the shrink its layer's B to prefetch, "next" hands the delta
+    kernel the next deferred layer's (A, B) (one slice, as o_proj after qkv_proj), "both" both; the outputs stay bit
+    for bit what mode "0" gives (on the CPU the launchers take no PTX; the sm_90 compile is in fp8_aot.py, the GPU
+    decode step in test_deferred_dense_lora_in_a_decode_step). A next layer of several slices is not prefetched;
+    bad modes and tensors whose slots are not contiguous are refused."""
+    from moelora.kernels import lora_delta_triton as ldt
+    from moelora.kernels import lora_triton
+    from moelora.kernels.lora_triton import l2_prefetch_args
+
+    dtype = DTYPES[0]
+    lin, w, lora, x = _deferred_case(dtype, 5)
+    nxt_lin, nxt, _, _ = _deferred_case(dtype, 6, outs=[64])
+    with torch.no_grad(), _defer(True):
+        y0, d0 = lin.forward_deferred(x, lora, prefetch_next=nxt)
+        calls: dict[str, list] = {"shrink": [], "delta": []}
+        real_shrink, real_delta = lora_triton.lora_shrink, ldt.lora_delta
+        monkeypatch.setattr(lora_triton, "lora_shrink",
+                            lambda *a, **k: (calls["shrink"].append(k.get("prefetch_b")), real_shrink(*a, **k))[1])
+        monkeypatch.setattr(ldt, "lora_delta",
+                            lambda *a, **k: (calls["delta"].append(k.get("prefetch")), real_delta(*a, **k))[1])
+        try:
+            _triton.set_lora_l2_prefetch(mode)
+            y, d = lin.forward_deferred(x, lora, prefetch_next=nxt)
+            multi = lin.forward_deferred(x, lora, prefetch_next=w)  # a next layer of 3 slices: no A prefetch
+        finally:
+            _triton.set_lora_l2_prefetch("0")
+    assert torch.equal(y, y0) and torch.equal(d, d0) and torch.equal(multi[1], d0)
+    own, nxt_pf = mode in ("own", "both"), mode in ("next", "both")
+    assert calls["shrink"][0] is (w.b_cat if own else None)
+    assert (calls["delta"][0] is not None) == nxt_pf and calls["delta"][1] is None
+    if nxt_pf:
+        assert calls["delta"][0][0] is nxt.a and calls["delta"][0][1] is nxt.b_cat
+    args = l2_prefetch_args(nxt.b_cat, "pfb")
+    assert args["pfb_bytes"] == nxt.b_cat[0].numel() * nxt.b_cat.element_size() and args["PREFETCH"]
+    with pytest.raises(ValueError, match="contiguous"):
+        l2_prefetch_args(nxt.b_cat.transpose(1, 2), "pfb")
+    with pytest.raises(ValueError, match="a \\[1, S, R, H\\]"):
+        ldt._prefetch_args((w.a, w.b_cat))
+    with pytest.raises(ValueError, match="one of"):
+        _triton.set_lora_l2_prefetch("all")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_deferred_takes_the_producers_shrink(dtype, monkeypatch):
     """A shrink written by the kernel that produced x (attach_lora_h: the decode attention's per-head partial sums
@@ -421,7 +465,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("quant,batch,fused", [("fp8", 48, False), ("fp8", 160, False), (None, 48, False),
                                                ("fp8", 48, True), (None, 48, True), ("fp8", 48, "one"),
                                                ("fp8", 160, "one"), (None, 48, "one"), ("fp8", 48, "gemm"),
-                                               ("fp8", 160, "gemm"), ("fp8", 48, "gemm14")])
+                                               ("fp8", 160, "gemm"), ("fp8", 48, "gemm14"),
+                                               ("fp8", 48, "prefetch"), ("fp8", 160, "prefetch")])
 def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     """A Qwen3-MoE at Qwen3-30B-A3B's attention dims (dummy weights, 2 layers, FP8 or bf16), a decode step of 48 /
     160 sequences over 4 adapters and base rows, deferred (the delta kernel runs twice a layer: qkv, o_proj) against
@@ -437,7 +482,9 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     projection; the same bounds. fused "gemm" (set_dense_defer_gemm "128x1/64x2"): the default chain, the deferred
     GEMMs at their own launch (qkv 128-wide tiles unsplit, o_proj 2 K splits where the default takes 4): o_proj's
     other fp32 order may move rows without an adapter by an ulp, so those too are held to the FP8 bound; "gemm14"
-    ("64x1s14/0"): qkv's GEMM at 14 stages, the same sums, rows without an adapter bit-equal."""
+    ("64x1s14/0"): qkv's GEMM at 14 stages, the same sums, rows without an adapter bit-equal. fused "prefetch"
+    (set_lora_l2_prefetch "both"): the same launches with the L2 prefetches, bit-equal to the deferral without them,
+    eagerly and on replay."""
     if not ON_GPU or (quant and torch.cuda.get_device_capability() < (8, 9)):
         pytest.skip("needs a GPU (FP8: compute capability >= 8.9)")
     from helpers import attention_lora_decode_case
@@ -465,6 +512,11 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
     _triton.set_dense_defer_fused(fused is True)
     _triton.set_dense_defer_one_launch(fused == "one")
     fp8_triton.set_dense_defer_gemm({"gemm": "128x1/64x2", "gemm14": "64x1s14/0"}.get(fused, "0"))
+    plain = None
+    if fused == "prefetch":
+        with _defer(True):
+            plain = step().clone()  # the deferral without the prefetches
+        _triton.set_lora_l2_prefetch("both")
     try:
         with _defer(True):
             with launch_records(ldt._lora_delta_kernel) as deltas, launch_records(
@@ -480,7 +532,10 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
         _triton.set_dense_defer_fused(False)
         _triton.set_dense_defer_one_launch(False)
         fp8_triton.set_dense_defer_gemm("0")
+        _triton.set_lora_l2_prefetch("0")
     layers = len(model.model.layers)
+    if plain is not None:
+        assert torch.equal(eager, plain) and torch.equal(replayed, plain)
     gemm_launch = fused == "gemm"
     dense = [(r["BLOCK_N"], r["SPLIT_K"], r.get("num_stages")) for r in gemms if not r["GROUPED"]]
     if gemm_launch:  # the deferred GEMMs at the switch's launches (decode never takes 128-wide tiles otherwise)
@@ -489,7 +544,7 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch, fused):
         assert [d[2] for d in dense].count(14) == layers, dense
     else:
         assert (128, 1) not in [d[:2] for d in dense] and 14 not in [d[2] for d in dense], dense
-    fused = False if fused in ("gemm", "gemm14") else fused
+    fused = False if fused in ("gemm", "gemm14", "prefetch") else fused
     deferred = [r["SPLIT_K"] for r in shrinks if r["BLOCK_K"] == DEFER_SHRINK_BLOCK_K]  # the others walk 64
     if fused == "one":
         assert not deltas and not chains and len(ones) == 2 * layers, ones

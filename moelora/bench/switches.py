@@ -176,6 +176,8 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),
     "MOELORA_FP8_LORA_SPLIT": _fp8_lora_split(),
+    "MOELORA_LORA_L2_PREFETCH": (lambda v: _import(_T).set_lora_l2_prefetch(v), lambda: _import(_T).lora_l2_prefetch(),
+                                 ("0", "own", "next", "both")),
     "MOELORA_DENSE_DEFER_GEMM": (lambda v: _import("moelora.kernels.fp8_triton").set_dense_defer_gemm(v),
                                  lambda: _import("moelora.kernels.fp8_triton").dense_defer_gemm(),
                                  _import("moelora.kernels.fp8_triton").DEFER_GEMM_AB_VALUES),

@@ -374,6 +374,30 @@ def dense_defer_one_launch() -> bool:
     return _DENSE_DEFER_ONE_LAUNCH[0]
 
 
+# MOELORA_LORA_L2_PREFETCH / set_lora_l2_prefetch (session 37): in the deferred dense LoRA chain, LoRA factors
+# prefetched into L2 (PTX prefetch.global.L2, GPU only) before the kernel that reads them, so that its loads do not
+# wait on HBM behind the base GEMM's weight stream. Why: session 37's call C gave the qkv GEMM 224 KB of shared
+# memory a program (14 stages), so that no chain CTA could share its SMs, and the chain still ended ~2 µs after the
+# GEMM (11.9 µs against 9.9 alone): beside the GEMM the chain is longer than alone (7.4 µs), not crowded off SMs;
+# each of its kernels waits on an HBM round trip for its factors (the shrink's A, the delta kernel's B) while the
+# GEMM streams 8-10 MB. "own": each shrink prefetches its own layer's B for the delta kernel after it; "next": the
+# qkv delta kernel prefetches o_proj's A and B (read after the attention); "both". The same sums.
+L2_PREFETCH_CHOICES = ("0", "own", "next", "both")
+_LORA_L2_PREFETCH = _env_choice("MOELORA_LORA_L2_PREFETCH", "0", L2_PREFETCH_CHOICES)
+
+
+def set_lora_l2_prefetch(mode: str = "0") -> None:
+    """Which LoRA factors the deferred dense chain prefetches into L2 (MOELORA_LORA_L2_PREFETCH; the comment above):
+    "0" none, "own", "next" or "both". The same sums; CUDA graphs keep what they captured."""
+    if mode not in L2_PREFETCH_CHOICES:
+        raise ValueError(f"set_lora_l2_prefetch: one of {L2_PREFETCH_CHOICES}, got {mode!r}")
+    _LORA_L2_PREFETCH[0] = mode
+
+
+def lora_l2_prefetch() -> str:
+    return _LORA_L2_PREFETCH[0]
+
+
 _DENSE_DEFER_PRIORITY = _env_choice("MOELORA_DENSE_DEFER_PRIORITY", "high", ("high", "normal"))
 
 

@@ -32,15 +32,22 @@ if HAS_TRITON:
     import triton.language as tl
 
     from moelora.kernels.fp8_triton import lora_prefetch_tile, lora_prefetched_expand
+    from moelora.kernels.lora_triton import l2_prefetch_slots
 
     @triton.jit
     def _lora_delta_kernel(h_ptr, b_ptr, d_ptr, off_ptr, ranks_ptr, scale_ptr, slots_ptr, act_ptr, T, O, S, L,
                            sh_s, sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, sdm, sdo,
                            N_SLICES: tl.constexpr, SK: tl.constexpr, BR: tl.constexpr, G: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                           EVEN_R: tl.constexpr, WAIT: tl.constexpr):
+                           EVEN_R: tl.constexpr, WAIT: tl.constexpr, pfa_ptr=None, pfa_stride=0, pfa_bytes=0,
+                           pfb_ptr=None, pfb_stride=0, pfb_bytes=0, PREFETCH: tl.constexpr = False):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        if PREFETCH:  # the next deferred layer's A and B for the batch's slots, into L2 (set_lora_l2_prefetch "next")
+            q = pid_m * tl.num_programs(1) + pid_n
+            nq = tl.num_programs(0) * tl.num_programs(1)
+            l2_prefetch_slots(pfa_ptr, act_ptr, L, pfa_stride, pfa_bytes, q, nq, G, 128)
+            l2_prefetch_slots(pfb_ptr, act_ptr, L, pfb_stride, pfb_bytes, q, nq, G, 128)
         rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask_m = rows < T
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,7 +163,8 @@ def _block_n(slice_bounds: tuple[int, ...], forced: bool = True) -> int:
 
 def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, slice_bounds: tuple[int, ...],
                ranks: torch.Tensor, scaling: torch.Tensor, token_slots: torch.Tensor, active_slots: torch.Tensor,
-               delta: torch.Tensor, wait: bool = False, num_warps: int = 0) -> None:
+               delta: torch.Tensor, wait: bool = False, num_warps: int = 0,
+               prefetch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Semantics (lora_delta_ref; slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1]):
         delta[t, o_i] = scaling[i, s] * (round_B(sum_k h[k, i, t, :r]) @ b_cat[s, o_i, :r].T)   s = token_slots[t] >= 0,
                                                                                            r = ranks[i, s] > 0
@@ -166,6 +174,9 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
     each slot group, -1 unused; every slot of token_slots among them) · delta: [T, O] (x's dtype), any contents
     wait: launched with PDL right after the shrink (which let it start): B is loaded, then it waits for h.
     num_warps: per program (0: Triton's 4); set_lora_delta_warps's, when set, wins. The same sums either way.
+    prefetch: (a [1, S, R, H], b_cat [S, O', R]) of the layer whose chain runs next, on a GPU: the programs prefetch
+    the active slots' a[0, slot] and b_cat[slot] into L2 between them (set_lora_l2_prefetch "next"); no value
+    changes. Ignored without CUDA (the interpreter runs no PTX).
     """
     require_triton()
     sk, n, T, R = h.shape
@@ -188,7 +199,20 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
             delta.stride(0), delta.stride(1),
             N_SLICES=n, SK=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_N=bn,
             PRECISION=dot_precision(b_cat.dtype), EVEN_R=lora_even_r() and R == br, WAIT=wait,
+            **(_prefetch_args(prefetch) if prefetch is not None and h.is_cuda else {}),
             **({"launch_pdl": True} if wait else {}), **({"num_warps": _WARPS[0] or num_warps} if _WARPS[0] or num_warps else {}))
+
+
+def _prefetch_args(prefetch: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    from moelora.kernels.lora_triton import l2_prefetch_args
+
+    a, b = prefetch
+    if a.dim() != 4 or a.shape[0] != 1 or b.dim() != 3 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"lora_delta: prefetch takes (a [1, S, R, H], b_cat [S, O, R]) of one layer, found a "
+                         f"{tuple(a.shape)} and b_cat {tuple(b.shape)}")
+    args = l2_prefetch_args(a[0], "pfa")
+    args.update(l2_prefetch_args(b, "pfb"))
+    return args
 
 
 def lora_delta_ref(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, ranks: torch.Tensor,

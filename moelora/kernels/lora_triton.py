@@ -34,6 +34,25 @@ if HAS_TRITON:
         return bt
 
     @triton.jit
+    def l2_prefetch_slots(ptr, act_ptr, L, slot_stride, nbytes, q, Q, G: tl.constexpr, LINES: tl.constexpr):
+        """Prefetch into L2 (PTX prefetch.global.L2, one 128-byte line a lane) program q's share (of Q programs) of the
+        nbytes-long range at ptr + slot * slot_stride bytes, for each active slot among act_ptr[:L] (G >= L, -1:
+        unused). No value is read or written: what the kernel computes does not change. GPU only (inline PTX)."""
+        base = ptr.to(tl.pointer_type(tl.int8))
+        chunk = tl.cdiv(tl.cdiv(nbytes, Q), 128) * 128
+        lo = q * chunk
+        hi = tl.minimum(lo + chunk, nbytes)
+        lines = tl.arange(0, LINES) * 128
+        for g in tl.static_range(G):
+            slot = tl.load(act_ptr + g, mask=g < L, other=-1)
+            if slot >= 0:
+                for o0 in range(lo, hi, LINES * 128):
+                    o = o0 + lines
+                    p = base + slot.to(tl.int64) * slot_stride + tl.where(o < hi, o, lo)
+                    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p],
+                                              dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def store_row_shrink(v, a_ptr, sa_r, offs, mask, rank, h_ptr, LORA_R: tl.constexpr, LORA_CHUNK: tl.constexpr):
         """For a kernel that produces a dense LoRA layer's input row (norm, decode attention): its part of the
         layer's shrink, h_ptr[r] = sum_d v[d] * a_ptr[r * sa_r + offs[d]] for r < LORA_R, 0 for r >= rank.
@@ -106,7 +125,7 @@ if HAS_TRITON:
         sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False, WAIT_PRIMARY: tl.constexpr = False,
-        GDC: tl.constexpr = True,
+        GDC: tl.constexpr = True, pf_ptr=None, pf_stride=0, pf_bytes=0, PREFETCH: tl.constexpr = False,
     ):
         if WAIT_PRIMARY:  # launched with PDL after x's producer: A's first tile read before x is complete
             _shrink_after_producer(
@@ -131,6 +150,10 @@ if HAS_TRITON:
         i = pid_isk // SPLIT_K
         sk = pid_isk % SPLIT_K
         rank = tl.load(ranks_ptr + i * S + slot)
+        if PREFETCH:  # the first row block's programs: share pid_isk of this slot's B for the delta kernel (L2)
+            if pid_mr == 0:
+                l2_prefetch_slots(pf_ptr, active_ptr + group, 1, pf_stride, pf_bytes, pid_isk,
+                                  tl.num_programs(1), 1, 128)
         if pid_r * BLOCK_R >= rank:
             return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -330,7 +353,8 @@ def _as_parts(t: torch.Tensor) -> torch.Tensor:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: SlotGroups, out: torch.Tensor,
-                launch_dependents: bool = False, wait_primary: bool = False, block_k: int = 0) -> None:
+                launch_dependents: bool = False, wait_primary: bool = False, block_k: int = 0,
+                prefetch_b: torch.Tensor | None = None) -> None:
     """Semantics (out [n, T, R] is out[0] of a [1, n, T, R] one):
         for i in range(n): for t in range(T):
             s = token_slots[t]
@@ -346,6 +370,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
     block_k: the K tile at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens; 0: 64; set_lora_shrink_config's, when
     set, wins). It sets which K steps each split sums (split sk takes the tiles sk, sk + split_k, ...), so the fp32
     partials, not what they sum to, depend on it.
+    prefetch_b: [S, O, R] (each slot's rows contiguous), on a GPU: the first row block's programs prefetch each
+    active slot's prefetch_b[slot] into L2 (for the delta kernel that reads it next; set_lora_l2_prefetch); no
+    value changes. Ignored without CUDA (the interpreter runs no PTX), and with wait_primary.
     """
     require_triton()
     n, S, R, H = a.shape
@@ -365,7 +392,18 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}),
         **({"WAIT_PRIMARY": True, "launch_pdl": True} if wait_primary else {}),
         **({"num_warps": _SHRINK_WARPS[0]} if _SHRINK_WARPS[0] and T <= SHRINK_SPLIT_MAX_TOKENS else {}),
+        **(l2_prefetch_args(prefetch_b, "pf") if prefetch_b is not None and x.is_cuda and not wait_primary else {}),
     )
+
+
+def l2_prefetch_args(t: torch.Tensor, prefix: str) -> dict:
+    """A [S, ...] tensor's per-slot ranges as l2_prefetch_slots takes them: {prefix_ptr, prefix_stride (bytes),
+    prefix_bytes, PREFETCH: True} (each slot's part contiguous)."""
+    if not t[0].is_contiguous():
+        raise ValueError(f"L2 prefetch: each slot's part of a {tuple(t.shape)} tensor must be contiguous, found "
+                         f"strides {t.stride()}")
+    return {f"{prefix}_ptr": t, f"{prefix}_stride": t.stride(0) * t.element_size(),
+            f"{prefix}_bytes": t[0].numel() * t.element_size(), "PREFETCH": True}
 
 
 def lora_expand(

@@ -76,7 +76,9 @@ class Attention(nn.Module):
         qkv_delta = None
         if self._fused_rope_kv(x, attn) and self.qk_norm != "full" and self.clip_qkv is None:
             # set_dense_lora_defer: the LoRA delta beside the base GEMM, added by qk_norm_rope below (else None)
-            qkv, qkv_delta = self.qkv_proj.forward_deferred(x, lora)
+            # o_proj's factors prefetched into L2 by qkv's chain where o_proj defers too (set_lora_l2_prefetch)
+            nxt = self.o_proj.lora if self.o_proj_delta_to_norm and not self.o_proj._forward_hooks else None
+            qkv, qkv_delta = self.qkv_proj.forward_deferred(x, lora, prefetch_next=nxt)
         else:
             qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -10,7 +10,7 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.kernels._triton import (HAS_TRITON, dense_defer_fused, dense_defer_one_launch, dense_lora_overlap,
-                                     fused_dense_lora, interpreting, lora_shrink_pdl)
+                                     fused_dense_lora, interpreting, lora_l2_prefetch, lora_shrink_pdl)
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused_decode
 from moelora.layers.lora import LoRAWeights, lora_active, lora_runs
@@ -208,12 +208,16 @@ class LoRALinear(nn.Module):
             return False
         return delta_ok(tuple(self.lora.slice_offsets_host), lora.groups.active_slots.shape[0])
 
-    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None,
+                         prefetch_next: LoRAWeights | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): where defer_ok, y = base(x) [T, sum(O)] and delta [T, sum(O)] in x's dtype, the LoRA delta
         (lora_delta: every row written, 0 for rows without an adapter) for the caller's next kernel to add, rounded
         once: y + delta is forward(x, lora) up to that one rounding. On a GPU the shrink and the delta kernel run on
         the side stream beside the base GEMM and the main stream waits for them before this returns (later work
-        may read delta). Elsewhere (forward(x, lora), None)."""
+        may read delta). Elsewhere (forward(x, lora), None).
+        prefetch_next: the LoRA weights of the layer whose deferred chain runs next (one slice: o_proj's after
+        qkv_proj's): with set_lora_l2_prefetch "next" / "both" the delta kernel prefetches its A and B into L2;
+        with "own" / "both" the shrink prefetches this layer's B. No value changes."""
         if not self.defer_ok(x, lora):
             return self.forward(x, lora), None
         from moelora.kernels.lora_delta_triton import lora_delta
@@ -234,6 +238,10 @@ class LoRALinear(nn.Module):
         g = lora.groups
 
         one = not (produced or fused) and dense_defer_one_launch()
+        pf = lora_l2_prefetch()  # set_lora_l2_prefetch: factors into L2 before the kernel that reads them
+        pf_own = pf in ("own", "both")
+        nxt = prefetch_next if pf in ("next", "both") else None
+        pf_next = (nxt.a, nxt.b_cat) if nxt is not None and nxt.a.shape[0] == 1 else None
         if one and (self.chain_counters is None or self.chain_counters.device != x.device):
             self.chain_counters = torch.zeros(2, dtype=torch.int32, device=x.device)
 
@@ -251,9 +259,10 @@ class LoRALinear(nn.Module):
                 return
             if not produced:
                 lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl, wait_primary=wait_primary,
-                            block_k=DEFER_SHRINK_BLOCK_K)
+                            block_k=DEFER_SHRINK_BLOCK_K, prefetch_b=w.b_cat if pf_own else None)
             lora_delta(h, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
-                       g.token_slots, g.active_slots, delta, wait=pdl and not produced, num_warps=DEFER_DELTA_WARPS)
+                       g.token_slots, g.active_slots, delta, wait=pdl and not produced, num_warps=DEFER_DELTA_WARPS,
+                       prefetch=pf_next)
 
         if not x.is_cuda:  # the interpreter (tests): one stream
             chain(False)
