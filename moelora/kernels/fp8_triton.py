@@ -548,6 +548,12 @@ def fp8_dense_decode_stages() -> int:
 # "A/B": A for layers of several slices
 # (qkv_proj), B for one slice (o_proj), either "0". Only S changes the fp32 summation order (rows without an
 # adapter may then differ from the no-adapter step's in the last bit, as between two split-K choices).
+# Measured in session 37 (calls B, C; fp8 128/128 batch 64, an A each, 4 adapters, one A/B process, two rounds;
+# scripts/bench_defer_chain.py --gemm-too, µs a call, the GEMM alone / beside the chain): the default qkv 8.7 / 11.0,
+# o_proj 9.2 / 11.2; o_proj at 2 splits 11.2 / 11.9 (-0.31% end to end), with qkv at 128-wide tiles 10.9 / 12.0 too
+# (-0.73%); qkv at 14 stages 9.9 / 11.9 (-0.29%), 13 stages 9.7 / 11.7 (-0.26%). Fewer GEMM programs shrink what the
+# chain adds, but slow the GEMM more; with its SMs closed to the chain (14 stages) the chain still ends ~2 µs after
+# the GEMM. Off.
 # "NxSsT": also T pipeline stages (default: the dense decode GEMM's). At 14 stages a qkv-sized program takes 224 KB
 # of shared memory (sm_90 compile), so no chain CTA (the shrink's 24 KB, the delta kernel's 10 KB) fits on its SM:
 # the chain runs only on the SMs the GEMM leaves free (qkv's 80 programs leave 52); at 13 (208 KB) the delta fits.
