@@ -544,10 +544,10 @@ def fp8_dense_decode_stages() -> int:
 # tokens o_proj's default launch is 32 column tiles x 4 K splits = 128 programs on 132 SMs, qkv's 80: the chain's
 # CTAs (56 / 44 registers a thread, 24 / 10 KB of shared memory; the GEMM's 128 and 64 KB, sm_90 compile) always
 # find room beside a GEMM CTA, so fewer GEMM programs leave whole SMs to the chain. "0" the default launch; "NxS"
-# block_n N (64 or 128) and S K splits (1, 2, 4, 8) for every deferred GEMM ("NxSsT": and T stages, below);
-# "A/B": A for layers of several slices
-# (qkv_proj), B for one slice (o_proj), either "0". Only S changes the fp32 summation order (rows without an
-# adapter may then differ from the no-adapter step's in the last bit, as between two split-K choices).
+# block_n N (64 or 128) and S K splits (1, 2, 4, 8) for every deferred GEMM ("NxSsT": and T stages, below); "A/B":
+# A for layers of several slices (qkv_proj), B for one slice (o_proj), either "0". Only S changes the fp32
+# summation order (rows without an adapter may then differ from the no-adapter step's in the last bit, as between
+# two split-K choices).
 # Measured in session 37 (calls B, C; fp8 128/128 batch 64, an A each, 4 adapters, one A/B process, two rounds;
 # scripts/bench_defer_chain.py --gemm-too, µs a call, the GEMM alone / beside the chain): the default qkv 8.7 / 11.0,
 # o_proj 9.2 / 11.2; o_proj at 2 splits 11.2 / 11.9 (-0.31% end to end), with qkv at 128-wide tiles 10.9 / 12.0 too
