@@ -139,6 +139,53 @@ def test_fp8_moe_layer_qwen3_shapes(T, lora):
     assert _rel(y, bf16) < 2.0**-3
 
 
+@pytest.mark.parametrize("T", [3, 64])
+def test_fp8_moe_down_lora_from_gate_up_keeps_the_bits_eager_and_replayed(T, monkeypatch):
+    """set_moe_lora_early_down on the FP8 routed experts overlapping on the side stream: the down projection's LoRA
+    launch reads gate_up's output and delta (act_in) and the layer's output is bit-equal to the switch off, eagerly
+    and from a CUDA-graph replay captured with it on after new inputs, routing and slots are written."""
+    from moelora.adapters.metadata import LoRABatch
+    from moelora.kernels import _triton
+    from moelora.kernels import moe_lora_fused_triton as mlf
+    from moelora.kernels.moe import route_topk_ref
+
+    ex = _experts(True)
+    ex.overlap = True
+    g = torch.Generator(device=DEV).manual_seed(300 + T)
+
+    def inputs(seed):
+        x = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+        tw, ti = route_topk_ref(torch.randn(T, E, device=DEV, generator=g), K, True)
+        slots = torch.randint(-1, 8, (T,), generator=torch.Generator().manual_seed(seed)).tolist()
+        return x, tw.bfloat16(), ti, LoRABatch.build(slots, 8, DEV)
+
+    x, tw, ti, batch = inputs(T)
+    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY_DOWN", [False])
+    assert _triton.moe_lora_early()  # the early gate_up launch the switch builds on (the default)
+    ref = ex(x, tw, ti, batch)
+    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY_DOWN", [True])
+    with launch_records(mlf._moe_lora_fused_kernel) as launches:
+        y = ex(x, tw, ti, batch)
+    assert [r.get("ACT_IN", False) for r in launches] == [False, True]
+    assert torch.equal(y, ref)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ex(x, tw, ti, batch)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ex(x, tw, ti, batch)
+    x2, tw2, ti2, batch2 = inputs(T + 1)
+    for buf, v in ((x, x2), (tw, tw2), (ti, ti2), (batch.token_slots, batch2.token_slots)):
+        buf.copy_(v)
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY_DOWN", [False])
+    assert torch.equal(out, ex(x, tw, ti, batch))
+    assert not torch.equal(out, ref)
+
+
 def dequantized_stack(ex, name):
     return dequantize_weight_block(getattr(ex, name), getattr(ex, f"{name}_scale_inv"), (128, 128), torch.bfloat16)
 

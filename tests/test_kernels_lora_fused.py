@@ -98,6 +98,46 @@ def test_moe_fused_matches_reference(site, popularity, num_tokens, dtype):
         assert not torch.equal(y, c["y0"])
 
 
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("delta", [None, "same", "fp32"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_fused_act_in_reads_the_activation_silu_and_mul_writes(dtype, delta, store):
+    """moe_lora_fused(act_in=True) on gate_up's output [P, 2I] (and its delta, in the activations' dtype or fp32)
+    gives what it gives on silu_and_mul's output from the same inputs, bit for bit (the same operations on the same
+    numbers; set_moe_lora_early_down relies on it), and its reference what the reference gives on
+    silu_and_mul_ref's; the two agree within the dtype's tolerance. Wrong shapes are refused by name."""
+    from moelora.kernels.fused_moe_triton import silu_and_mul, silu_and_mul_ref
+
+    gen = torch.Generator().manual_seed(29)
+    c = _moe_case("down", "with_base_rows", 7, dtype, gen)
+    P = c["x"].shape[0]
+    gu = (torch.randn(P, 2 * I, generator=gen) * 2).to(DEVICE, dtype)
+    xd = None if delta is None else (torch.randn(P, 2 * I, generator=gen) * 0.5).to(
+        DEVICE, torch.float32 if delta == "fp32" else dtype)
+    act = silu_and_mul(gu, delta=xd)  # [P, I]
+    act_ref = silu_and_mul_ref(gu if xd is None else (gu.float() + xd.float()).to(dtype))
+
+    def run(fn, x, **kw):
+        y = c["y0"].clone()
+        fn(x, c["a"], c["b"], c["off"], c["ranks"], c["scaling"], c["ids"], c["slots"], E, y, True, c["w"],
+           store=store, **kw)
+        return y
+
+    got = run(moe_lora_fused, gu, act_in=True, act_delta=xd)
+    assert torch.equal(got, run(moe_lora_fused, act))
+    ref = run(moe_lora_fused_ref, gu, act_in=True, act_delta=xd)
+    assert torch.equal(ref, run(moe_lora_fused_ref, act_ref))
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    assert not torch.equal(got, c["y0"])
+    with pytest.raises(ValueError, match=rf"x \[{P}, {2 * I}\].*found \({P}, {I}\)"):
+        run(moe_lora_fused, act, act_in=True)
+    with pytest.raises(ValueError, match="act_delta must be"):
+        run(moe_lora_fused, gu, act_in=True, act_delta=gu[:, :I])
+    with pytest.raises(ValueError, match="only with act_in"):
+        run(moe_lora_fused_ref, act, act_delta=gu)
+
+
 @pytest.mark.parametrize("site", ["gate_up", "down"])
 @pytest.mark.parametrize("popularity", ["with_base_rows", "identical", "distinct"])
 def test_moe_fused_store_mode_writes_every_entry(site, popularity):
@@ -821,13 +861,14 @@ def test_moe_lora_order_switch():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("order", ["gemm", "gate_up", "down", "early", "early_fp32", "early_align", "gu_split",
-                                   "early_gu_split"])
+                                   "early_gu_split", "early_down", "early_down_fp32"])
 def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
     """set_moe_lora_order on a GPU, overlapping on the side stream: the GEMM issued first gives the default order's
     output bit for bit, eagerly and from a CUDA-graph replay after new routing and slots are written; likewise
     set_moe_lora_early (gate_up's LoRA issued beside the alignment), with deltas in bf16 and in fp32, and
-    set_moe_lora_gu_split (gate_up's LoRA one launch a slice), alone and with the early launch; and the early launch
-    with the alignment on its own stream (mode "2"), whose priority is above the side stream's."""
+    set_moe_lora_gu_split (gate_up's LoRA one launch a slice), alone and with the early launch; the early launch
+    with the alignment on its own stream (mode "2"), whose priority is above the side stream's; and with
+    set_moe_lora_early_down too (down's LoRA reading gate_up's output and delta, act_in), deltas in bf16 and fp32."""
     from moelora.kernels import _triton
     from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
@@ -838,8 +879,9 @@ def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
     side = side_stream(x.device)
     ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
     fused_switch(True)
-    if order == "early_fp32":
+    if order.endswith("fp32"):
         monkeypatch.setattr(_triton, "_LORA_DELTA", ["fp32"])
+    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY_DOWN", [False])
 
     def run():
         return fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
@@ -850,8 +892,9 @@ def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
         from moelora.kernels import moe_lora_fused_triton as mlf
         from test_fp8_gpu import launch_records
 
-        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["2" if order == "early_align" else
+        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["2" if order in ("early_align", "early_down") else
                                                          "1" if order.startswith("early") else "0"])
+        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY_DOWN", [order.startswith("early_down")])
         if order == "early_align":
             from moelora.kernels.streams import align_stream
 
@@ -861,6 +904,8 @@ def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
             run()
         # gate_up (one launch, or gate then up) and down, all in store mode
         assert len(launches) == (3 if order.endswith("gu_split") else 2) and all(r["STORE"] for r in launches)
+        # the down projection's launch reads gate_up's output and delta only with set_moe_lora_early_down
+        assert [r.get("ACT_IN", False) for r in launches][-1] == order.startswith("early_down")
     else:
         _triton.set_moe_lora_order(order)
     try:

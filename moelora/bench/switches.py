@@ -119,6 +119,7 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_MOE_LORA_EARLY": (lambda v: _import(_T).set_moe_lora_early(v), lambda: _import(_T).moe_lora_early_mode(),
                                ("0", "1", "2")),
     "MOELORA_MOE_LORA_GU_SPLIT": _bool_switch(_T, "set_moe_lora_gu_split", "moe_lora_gu_split"),
+    "MOELORA_MOE_LORA_EARLY_DOWN": _bool_switch(_T, "set_moe_lora_early_down", "moe_lora_early_down"),
     "MOELORA_SIDE_STREAM_PRIORITY": (lambda v: _import("moelora.kernels.streams").set_side_stream_priority(v),
                                      lambda: _import("moelora.kernels.streams").side_stream_priority_override(),
                                      ("high", "normal")),

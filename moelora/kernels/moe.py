@@ -283,11 +283,18 @@ def fused_moe_pairs(
         return y, delta  # the fast path's activation / combine kernel adds it (same rounding, no extra pass)
 
     gu, gu_delta = project(x, w_gate_up, False, gu_parts)  # [P, 2I], LoRA delta before the activation
+    d_parts = None if lora is None else (
+        lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H, None)
+    d_early = None  # set_moe_lora_early_down: down's LoRA on the side stream from gu + its delta, issued now
+    if early_gu is not None and activation == "silu" and _early_down_ok(fused):
+        d_early = _down_lora_from_gate_up(fused, gu, gu_delta, d_parts, topk_ids, lora.token_slots, E, side_stream)
     # [P, I], computed in fp32 and rounded once on both paths (as silu_and_mul): a quantized down projection
     # re-quantizes it, and a bf16 rounding difference there flips FP8 roundings (~1% apart at Qwen3 shapes)
     act = fast.act(gu, activation, gu_delta) if fast is not None else act_and_mul(gu, activation)
-    d_parts = None if lora is None else (
-        lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H, None)
+    if d_early is not None:
+        o = gemm(act, w_down)
+        torch.cuda.current_stream(x.device).wait_stream(side_stream)  # the join
+        return fast.combine(o, topk_weights, d_early)
     o, o_delta = project(act, w_down, True, d_parts)  # [P, H]
     if fast is not None:
         return fast.combine(o, topk_weights, o_delta)
@@ -332,6 +339,32 @@ def _experts_lora_epilogue(x: torch.Tensor, w_gate_up, w_down, topk_weights: tor
     d_lora = epilogue(act, (lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H,
                             None), True)
     return fast.combine(fast(act, w_down, lora=d_lora), topk_weights)
+
+
+def _early_down_ok(fused) -> bool:
+    """set_moe_lora_early_down applies: on, and `fused` the per-pair kernel or its reference (they take act_in)."""
+    from moelora.kernels._triton import moe_lora_early_down
+    from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
+
+    return moe_lora_early_down() and fused in (moe_lora_fused, moe_lora_fused_ref)
+
+
+def _down_lora_from_gate_up(fused, gu: torch.Tensor, gu_delta: torch.Tensor, parts, topk_ids: torch.Tensor,
+                            token_slots: torch.Tensor, E: int, side_stream) -> torch.Tensor:
+    """The down projection's LoRA delta [P, H] (store mode) issued on side_stream once everything on the main
+    stream so far (the gate_up GEMM and its join) is done, reading gu [P, 2I] and gu_delta [P, 2I] and computing the
+    activation itself (moe_lora_fused(act_in=True)), so it runs beside the activation kernel. The caller joins
+    before the combine reads the delta. parts = the down projection's (a, b, offsets, ranks, scaling, H, None)."""
+    from moelora.kernels._triton import lora_delta_dtype
+    from moelora.kernels.streams import fork
+
+    a, b, offs, ranks, scaling, width, _ = _with_offsets(parts, gu.device)  # before the fork
+    delta = torch.empty(gu.shape[0], b.shape[2], dtype=lora_delta_dtype(gu.dtype), device=gu.device)
+    fork(side_stream)
+    with torch.cuda.stream(side_stream):
+        fused(gu, a, b, offs, ranks, scaling, topk_ids, token_slots, E, delta, True, store=True, act_in=True,
+              act_delta=gu_delta)
+    return delta
 
 
 def _with_offsets(parts, device: torch.device):

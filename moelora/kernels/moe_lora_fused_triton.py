@@ -135,6 +135,7 @@ if HAS_TRITON:
         D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
         asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, SHARED_H: tl.constexpr = False, N_SLICES: tl.constexpr = 1,
         SLICE_FIRST: tl.constexpr = False, SLICE_BASE: tl.constexpr = 0,
+        xd_ptr=None, sxdm=0, sxdn=0, ACT_IN: tl.constexpr = False, HAS_XD: tl.constexpr = False,
     ):
         # SLICE_BASE: the grid's slice dim covers slices SLICE_BASE, SLICE_BASE + 1, ... (moe_lora_fused's slices)
         if SLICE_FIRST:  # grid (n, P, SPLIT_N): the slices of one pair side by side
@@ -179,7 +180,11 @@ if HAS_TRITON:
             for d0 in tl.range(0, d_end, BLOCK_D, num_stages=D_STAGES):  # D_STAGES > 1: A and x tiles prefetched
                 dd = d0 + offs_d
                 mask_d = dd < D
-                xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
+                if ACT_IN:  # x is gate_up's output [P, 2D] (+ its delta): silu(g) * u as silu_and_mul stores it
+                    xv = _act_tile(x_ptr + row.to(tl.int64) * sxm, xd_ptr + row.to(tl.int64) * sxdm, dd, mask_d, D,
+                                   sxd, sxdn, HAS_XD)
+                else:
+                    xv = tl.load(x_ptr + row.to(tl.int64) * sxm + dd * sxd, mask=mask_d, other=0.0).to(tl.float32)
                 at = tl.load(a_base + offs_r[:, None] * sa_r + dd[None, :] * sa_d,
                              mask=mask_r[:, None] & mask_d[None, :], other=0.0)
                 acc_h += tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
@@ -198,6 +203,20 @@ if HAS_TRITON:
                             hv_j = acc_h * (tl.load(scale_ptr + j * S + slot_c) * w_p)
                             _fused_expand(hv_j, b_base, y_row, o0_j, width_j, rank, mask_r, offs_r, pid_n, sb_o, sb_r,
                                           syo, STORE, BLOCK_N, SPLIT_N, E_STAGES, EVEN_R)
+
+    @triton.jit
+    def _act_tile(gu_row, d_row, dd, mask_d, D, s_gn, s_dn, HAS_XD: tl.constexpr):
+        """fp32 [BLOCK_D] of silu(g) * u at columns dd of one row of gate_up's output (g at dd, u at D + dd), its
+        delta added first and rounded once to its dtype (HAS_XD), the product rounded to its dtype: the numbers
+        fused_moe_triton._silu_and_mul_kernel writes, by the same operations."""
+        g = tl.load(gu_row + dd * s_gn, mask=mask_d, other=0.0)
+        u = tl.load(gu_row + (dd + D) * s_gn, mask=mask_d, other=0.0)
+        if HAS_XD:
+            g = (g.to(tl.float32) + tl.load(d_row + dd * s_dn, mask=mask_d, other=0.0)).to(g.dtype)
+            u = (u.to(tl.float32) + tl.load(d_row + (dd + D) * s_dn, mask=mask_d, other=0.0)).to(u.dtype)
+        g = g.to(tl.float32)
+        u = u.to(tl.float32)
+        return (g / (1.0 + tl.exp(-g)) * u).to(gu_row.dtype.element_ty).to(tl.float32)
 
     @triton.jit
     def _fused_expand(hv, b_base, y_row, o0, width, rank, mask_r, offs_r, pid_n, sb_o, sb_r, syo,
@@ -272,6 +291,8 @@ def moe_lora_fused(
     num_warps: int | None = None,
     a_src: torch.Tensor | None = None,
     slices: tuple[int, int] | None = None,
+    act_in: bool = False,
+    act_delta: torch.Tensor | None = None,
 ) -> None:
     """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
     Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
@@ -297,11 +318,16 @@ def moe_lora_fused(
     slices: (lo, hi): only slices lo .. hi - 1 run (their columns of y, the others untouched, also in store mode);
     None: all. Two launches over (0, 1) and (1, 2) write what one launch over both writes, bit for bit (not with
     set_lora_shared_h: there one slice's program expands the other's)
+    act_in: x is gate_up's output [T*K, 2D] (x_per_pair) and each row read is its activation, silu(x[p, :D]) *
+    x[p, D:] in fp32 rounded once to x's dtype, with act_delta [T*K, 2D] (fp32 or x's dtype; None: none) added to x
+    and rounded to x's dtype first: the numbers fused_moe_triton.silu_and_mul(x, delta=act_delta) writes, so the
+    down projection's LoRA need not wait for that kernel (set_moe_lora_early_down).
     h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
     T, K = topk_ids.shape
     P = T * K
+    act_kw = check_act_in(x, act_in, act_delta, x_per_pair, P, a.shape[4], "moe_lora_fused")
     if P == 0:
         return
     warps, (block_r, block_d, block_n), split = fused_launch(a, b_cat, P, split_n, num_warps)
@@ -329,7 +355,27 @@ def moe_lora_fused(
         **({"SHARED_H": True, "N_SLICES": n} if shared_h else {}),
         **({"SLICE_FIRST": True} if slice_first else {}),
         **({"SLICE_BASE": lo} if lo else {}),
+        **act_kw,
     )
+
+
+def check_act_in(x: torch.Tensor, act_in: bool, act_delta: torch.Tensor | None, x_per_pair: bool, P: int, D: int,
+                 who: str) -> dict:
+    """The kernel's act_in arguments ({} without act_in) after checking x [P, 2D] per pair and act_delta [P, 2D]
+    (fp32 or x's dtype) or None; a ValueError that names the tensor, the expected and the found shape otherwise."""
+    if not act_in:
+        if act_delta is not None:
+            raise ValueError(f"{who}: act_delta is read only with act_in=True")
+        return {}
+    if not x_per_pair or tuple(x.shape) != (P, 2 * D):
+        raise ValueError(f"{who}: act_in needs gate_up's output per pair, x [{P}, {2 * D}] (x_per_pair=True), found "
+                         f"{tuple(x.shape)} (x_per_pair={x_per_pair})")
+    if act_delta is not None and (tuple(act_delta.shape) != (P, 2 * D)
+                                  or act_delta.dtype not in (torch.float32, x.dtype)):
+        raise ValueError(f"{who}: act_delta must be fp32 or {x.dtype} [{P}, {2 * D}], found {act_delta.dtype} "
+                         f"{tuple(act_delta.shape)}")
+    xd = x if act_delta is None else act_delta
+    return {"xd_ptr": xd, "sxdm": xd.stride(0), "sxdn": xd.stride(1), "ACT_IN": True, "HAS_XD": act_delta is not None}
 
 
 def check_a_src(a_src: torch.Tensor | None, n: int, S: int, who: str) -> None:
@@ -368,11 +414,19 @@ def moe_lora_fused_ref(
     num_warps: int | None = None,
     a_src: torch.Tensor | None = None,
     slices: tuple[int, int] | None = None,
+    act_in: bool = False,
+    act_delta: torch.Tensor | None = None,
 ) -> None:
     """Reference of moe_lora_fused (same semantics and shapes): moe_lora_shrink_ref into a zeroed fp32 h,
     then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored;
     a_src ignored too (it only names an equal copy of A). slices (lo, hi): the other slices' ranks taken as 0 and,
-    in store mode, only the columns of slices lo .. hi - 1 copied."""
+    in store mode, only the columns of slices lo .. hi - 1 copied. act_in: x becomes silu_and_mul_ref of x (+
+    act_delta, rounded once to x's dtype) first."""
+    check_act_in(x, act_in, act_delta, x_per_pair, topk_ids.numel(), a.shape[4], "moe_lora_fused_ref")
+    if act_in:
+        from moelora.kernels.fused_moe_triton import silu_and_mul_ref
+
+        x = silu_and_mul_ref(x if act_delta is None else (x.float() + act_delta.float()).to(x.dtype))
     if slices is not None:
         lo, hi = slices
         ranks = ranks.clone()
