@@ -722,6 +722,13 @@ def test_session17_switch_env_defaults():
 
     assert run() == "True (3, 3) (1, 1)"
     assert run(MOELORA_FUSED_LORA_PIPELINE="0", MOELORA_LORA_EVEN_R="0") == "False (1, 1) (1, 1)"
+    early_down = "from moelora.kernels._triton import moe_lora_early_down; print(moe_lora_early_down())"
+    for value, want in ((None, "True"), ("0", "False"), ("1", "True")):  # on unless =0 (session 38)
+        extra = {} if value is None else {"MOELORA_MOE_LORA_EARLY_DOWN": value}
+        base = {k: v for k, v in env.items() if k != "MOELORA_MOE_LORA_EARLY_DOWN"}
+        got = subprocess.run([sys.executable, "-c", early_down], env={**base, **extra}, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert got == want, (value, got)
     assert run(MOELORA_LORA_EVEN_R="0", MOELORA_FUSED_LORA_EXPAND_STAGES="2") == "False (3, 2) (1, 2)"
 
 
@@ -844,6 +851,8 @@ def test_moe_lora_order_switch():
         _triton.set_moe_lora_order("side")
     assert _triton.moe_lora_early() and _triton.moe_lora_early_mode() == "2"  # the default since session 29
     assert not _triton.moe_lora_gu_split()  # off: lost 1.5-2.1% (session 29)
+    if "MOELORA_MOE_LORA_EARLY_DOWN" not in __import__("os").environ:
+        assert _triton.moe_lora_early_down()  # on: +0.75% (session 38)
     try:
         _triton.set_moe_lora_early(True)
         _triton.set_moe_lora_gu_split(True)
