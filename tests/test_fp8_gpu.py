@@ -908,15 +908,21 @@ def test_nvfp4_moe_layer_with_lora_equals_dequantized_bf16(T):
 
 
 @pytest.mark.parametrize("T", [1, 64, 300])
-def test_fp8_experts_fast_path_equal_their_grouped_path_qwen3_shapes(T):
+def test_fp8_experts_fast_path_equal_their_grouped_path_qwen3_shapes(T, monkeypatch):
     """set_fast_path(quantized=True) at Qwen3-30B-A3B expert shapes in bf16: the FP8 GEMMs on the Triton fast
     path's alignment (token rows read in place, SiLU-and-mul and combine kernels) give FP8's grouped path's
-    output up to bf16 rounding, with and without routed-expert LoRA, and inside a CUDA graph."""
+    output up to bf16 rounding, with and without routed-expert LoRA, and inside a CUDA graph.
+    With the prefill LoRA epilogue off (300 tokens are a prefill chunk): there the fast path adds the LoRA before
+    the expert GEMM's one rounding, the grouped path after it, and the bf16 differences flip FP8 roundings of the
+    down projection's input (1.57% apart at 300 tokens in session 38's call C, where this test passed with the
+    epilogue off). test_prefill_lora_epilogue.py bounds the epilogue against the torch W8A8 reference."""
     from kernel_cases import qwen3_fp8_experts_with_lora
     from moelora.kernels import fused_moe_triton as fmt
+    from moelora.kernels import moe_lora_grouped_triton as mg
     from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
+    monkeypatch.setattr(mg, "_PREFILL_EPILOGUE", [0])
     w_gu, w_d, x, weights, ids, lora = qwen3_fp8_experts_with_lora(T)
     ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
     default = fmt._FAST["quantized"]

@@ -4,8 +4,11 @@
 # anything): test_fp8_gpu.py in three contiguous chunks of its node ids, test_kernels_fused_moe.py, the other
 # kernel files, the engine files. test_graphs_overlap.py's test_memory_plan_within_budget reads the GPU's free
 # memory (other shards' memory would count), so it runs alone at the end. tests/test_parallel_gpu.py needs 2 GPUs
-# (nvidia-h200-x2, not lent this session) and is left out. Files: ids-<shard>.txt, tests-<shard>.log, memory.log.
+# (nvidia-h200-x2, not lent this session) and is left out. Files: tests-<shard>.log (6), memory.log.
+# (As run in call B the node-id lists were written under $OUT too, and the 8-file limit on what comes back kept the
+# six logs there; the summary lines printed below came back. The lists now go to $IDS.)
 source "$(dirname "$0")/../gpu_prelude.sh"
+IDS=$(mktemp -d)
 FP8="tests/test_fp8_gpu.py"
 MOE="tests/test_kernels_fused_moe.py"
 KERN="tests/test_kernels_attention.py tests/test_kernels_lora.py tests/test_kernels_lora_fused.py
@@ -18,17 +21,17 @@ ENG="tests/test_combine_to_norm.py tests/test_cuda_graphs.py tests/test_deepseek
 MEM="tests/test_graphs_overlap.py::test_memory_plan_within_budget"
 collect() { python3 -m pytest -q -p no:cacheprovider --collect-only "$@" 2>/dev/null | grep "::" | grep -v "$MEM"; }
 # shellcheck disable=SC2086
-collect $FP8 > "$OUT/ids-fp8.txt"
-n=$(wc -l < "$OUT/ids-fp8.txt"); c=$(( (n + 2) / 3 ))
-split -l "$c" -d "$OUT/ids-fp8.txt" "$OUT/ids-fp8-"
-collect $MOE > "$OUT/ids-moe.txt"
+collect $FP8 > "$IDS/ids-fp8.txt"
+n=$(wc -l < "$IDS/ids-fp8.txt"); c=$(( (n + 2) / 3 ))
+split -l "$c" -d "$IDS/ids-fp8.txt" "$IDS/ids-fp8-"
+collect $MOE > "$IDS/ids-moe.txt"
 # shellcheck disable=SC2086
-collect $KERN > "$OUT/ids-kern.txt"
+collect $KERN > "$IDS/ids-kern.txt"
 # shellcheck disable=SC2086
-collect $ENG > "$OUT/ids-eng.txt"
-wc -l "$OUT"/ids-*.txt | sed 's|.*/||' | tr '\n' ' '; echo
+collect $ENG > "$IDS/ids-eng.txt"
+wc -l "$IDS"/ids-*.txt | sed 's|.*/||' | tr '\n' ' '; echo
 pids=()
-for f in "$OUT"/ids-fp8-0* "$OUT/ids-moe.txt" "$OUT/ids-kern.txt" "$OUT/ids-eng.txt"; do
+for f in "$IDS"/ids-fp8-0* "$IDS/ids-moe.txt" "$IDS/ids-kern.txt" "$IDS/ids-eng.txt"; do
   name=$(basename "$f" .txt); name=${name#ids-}
   # shellcheck disable=SC2046
   timeout -s INT 470 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short $(cat "$f") > "$OUT/tests-$name.log" 2>&1 &
