@@ -262,3 +262,14 @@ ptx = compile_sm90(_lora_delta_kernel, ptrs, dict(N_SLICES=3, SK=4, BR=16, G=4, 
                    num_warps=8).asm["ptx"]
 assert ptx.count("prefetch.global.L2") >= 2
 print("ok delta kernel prefetching the next layer's A and B into L2")
+# MOELORA_WEIGHT_L2_PREFETCH (session 39): base weights into L2 beside small kernels, in both forms (no value read)
+from moelora.kernels.l2_prefetch import _l2_prefetch_kernel  # noqa: E402
+
+for bulk in (False, True):
+    k = compile_sm90(_l2_prefetch_kernel, {"ptr": "*fp8e4nv", "stride": "i64", "nbytes": "i64", "limit": "i64"},
+                     dict(CHUNK=16384 if bulk else 128, LANES=32 if bulk else 1024, BULK=bulk),
+                     num_warps=1 if bulk else 4)
+    ptx = k.asm["ptx"]
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1 if bulk else ptx.count("prefetch.global.L2") == 8, ptx
+    assert len(k.asm["cubin"]) > 0  # ptxas took it
+    print("ok weight prefetch into L2,", "bulk" if bulk else "line", "form")

@@ -97,6 +97,7 @@ def _int_switch(module: str, setter: str, getter: str, values: tuple[str, ...]) 
 
 
 _T = "moelora.kernels._triton"
+_PF = "moelora.kernels.l2_prefetch"
 # env name -> (set from the env string, current value as an env string, accepted values); each one is read when
 # graphs are captured
 SWITCHES: dict[str, Switch] = {
@@ -169,6 +170,12 @@ SWITCHES: dict[str, Switch] = {
                                   *(int(x) for x in v.split("x"))),
                               lambda: _import("moelora.kernels.router_triton").router_config(),
                               _import("moelora.kernels.router_triton").ROUTER_CONFIGS),
+    "MOELORA_WEIGHT_L2_PREFETCH": (lambda v: _import(_PF).set_weight_l2_prefetch(v),
+                                   lambda: _import(_PF).weight_l2_prefetch(), ("0", "experts", "dense", "both")),
+    "MOELORA_EXPERT_L2_PREFETCH_ROWS": _int_switch(_PF, "set_expert_l2_prefetch_rows", "expert_l2_prefetch_rows",
+                                                   ("32", "64", "128", "192", "256", "384", "512")),
+    "MOELORA_L2_PREFETCH_FORM": (lambda v: _import(_PF).set_l2_prefetch_form(v),
+                                 lambda: _import(_PF).l2_prefetch_form(), ("line", "bulk")),
     "MOELORA_LORA_SHARED_A": _bool_switch(_T, "set_lora_shared_a", "lora_shared_a"),
     "MOELORA_LORA_SHARED_H": _bool_switch(_T, "set_lora_shared_h", "lora_shared_h"),
     "MOELORA_FUSED_LORA_SLICE_FIRST": _bool_switch("moelora.kernels.moe_lora_fused_triton",
