@@ -19,8 +19,8 @@ import json
 
 import torch
 import triton
-import triton.language as tl
 
+from moelora.bench._read_kernel import read_words
 from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs, time_ms
 from moelora.kernels.fp8 import quantize_weight_block
 from moelora.kernels.fp8_triton import fp8_expert_gemm, fp8_linear, quantize_act_group
@@ -32,16 +32,6 @@ H, I, E, K, Q, KV = 2048, 768, 128, 8, 4096, 512
 BLOCK = (128, 128)
 
 
-@triton.jit
-def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for i in range(ITERS):
-        offs = (pid * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(x_ptr + offs, mask=offs < n, other=0)
-    tl.store(out_ptr + pid, tl.sum(acc))
-
-
 def read_bandwidth(nbytes: int = 2 << 30) -> dict:
     buf = torch.randint(-1000, 1000, (nbytes // 4,), dtype=torch.int32, device="cuda")
     out = {"copy_gbs": hbm_bandwidth_gbs(nbytes)}
@@ -50,11 +40,7 @@ def read_bandwidth(nbytes: int = 2 << 30) -> dict:
     best = (0.0, "")
     for block, iters, warps in [(2048, 8, 4), (4096, 4, 8), (4096, 16, 8), (8192, 4, 8), (8192, 8, 16),
                                 (16384, 2, 16)]:
-        n = buf.numel()
-        grid = triton.cdiv(n, block * iters)
-        res = torch.empty(grid, dtype=torch.int32, device="cuda")
-        gbs = nbytes / (time_ms(lambda: _read_kernel[(grid,)](buf, res, n, BLOCK=block, ITERS=iters,
-                                                              num_warps=warps), rep=50) * 1e-3) / 1e9
+        gbs = nbytes / (time_ms(lambda: read_words(buf, block, iters, warps), rep=50) * 1e-3) / 1e9
         out[f"triton_read_{block}x{iters}w{warps}_gbs"] = gbs
         best = max(best, (gbs, f"{block}x{iters}w{warps}"))
     out["triton_read_best_gbs"], out["triton_read_best"] = best

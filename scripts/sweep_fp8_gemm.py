@@ -22,7 +22,7 @@ import torch
 from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
 from moelora.kernels.fp8 import quantize_weight_block
 from moelora.kernels.fp8_triton import (
-    Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group, set_fp8_gemm_config,
+    EXPERT_DECODE_TILES, Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group, set_fp8_gemm_config,
 )
 from moelora.kernels.fused_moe_triton import moe_align, pick_config
 
@@ -64,8 +64,8 @@ def dense_case(site: str, T: int, layers: int):
 
 
 def configs(kind: str) -> list[Fp8GemmConfig]:
-    if kind == "expert":
-        return [Fp8GemmConfig(bn, w, st) for bn, w, st in itertools.product((64, 128), (4,), (3, 4, 5))]
+    if kind == "expert":  # the decode tiles MOELORA_FP8_EXPERT_DECODE_TILE takes (session 39; 64 x 4 x 4 is "0")
+        return [Fp8GemmConfig(*(int(v) for v in t.split("x"))) for t in EXPERT_DECODE_TILES[1:]]
     out = [Fp8GemmConfig(bn, 4, st, 64, sk) for bn, st, sk in itertools.product((64, 128), (3, 4), (1, 2, 4, 8))]
     return out + [Fp8GemmConfig(64, 4, 4, 16, sk) for sk in (1, 4)]
 

@@ -277,6 +277,38 @@ def test_fp8_expert_gemm_register_cap_keeps_the_results(monkeypatch):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
+@pytest.mark.parametrize("tile", ["16x2x4", "32x4x4", "128x8x3"])
+def test_fp8_expert_decode_tile_reaches_the_launch_and_keeps_the_results(tile):
+    """MOELORA_FP8_EXPERT_DECODE_TILE (session 39): the grouped GEMM's decode launch takes the tile (N tile narrowed
+    to the weight's width), prefill sizes and the dense GEMM keep theirs; the output stays within bf16 rounding of
+    the reference (bit-equality on the GPU: test_fp8_gpu.py); bad tiles are refused."""
+    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.fused_moe_triton import moe_align
+
+    g = torch.Generator().manual_seed(7)
+    blk, T, K, E = (16, 16), 6, 2, 4
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    xq, xs = quantize_act_group_ref(torch.randn(T, 32, generator=g), blk[1])
+    qe, se = quantize_weight_block(torch.randn(E, 64, 32, generator=g), blk)
+    align = moe_align(ids, E, 16)
+    ref = ft.fp8_expert_gemm_ref(xq, qe, se, blk, ids, align, True, 16, x_scale=xs)
+    bn, nw, st = (int(v) for v in tile.split("x"))
+    try:
+        ft.set_fp8_expert_decode_tile(tile)
+        assert ft.fp8_gemm_config(4, 1536, True, 512) == ft.Fp8GemmConfig(bn, nw, st)
+        assert ft.fp8_gemm_config(4, 48, True, 512).block_n == min(bn, 64)
+        assert ft.fp8_gemm_config(4, 1536, True, ft.PREFILL_MIN_PAIRS) == ft.Fp8GemmConfig(*ft.PREFILL_EXPERT_CONFIG)
+        assert ft.fp8_gemm_config(1, 5120, False) == ft.Fp8GemmConfig(64, 4, ft.DENSE_DECODE_STAGES)
+        y = ft.fp8_expert_gemm(xq, qe, se, blk, ids, align, True, 16, x_scale=xs)
+    finally:
+        ft.set_fp8_expert_decode_tile("0")
+    assert ft.fp8_gemm_config(4, 1536, True, 512) == ft.Fp8GemmConfig(64, 4, 4)
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()) < 2**-7
+    with pytest.raises(ValueError, match="one of"):
+        ft.set_fp8_expert_decode_tile("64x4x5")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 def test_fp8_experts_on_the_triton_fast_path_equal_their_grouped_path():
     """set_fast_path(quantized=True): FP8 expert stacks run on fused_moe_triton's alignment, activation and combine
     (their GEMM reads the token rows in place); the same numbers as FP8's own grouped path. Both quantize the

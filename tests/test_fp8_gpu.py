@@ -95,6 +95,33 @@ def test_fp8_grouped_gemm_qwen3_experts(T, which):
     assert _rel(y, exact) <= FP8_RMS_BOUND
 
 
+@pytest.mark.parametrize("T", [3, 64, 256])
+def test_fp8_expert_decode_tiles_are_bit_equal_qwen3_shapes(T):
+    """MOELORA_FP8_EXPERT_DECODE_TILE (session 39): every decode tile of the grouped expert GEMM gives the default
+    tile's bits at Qwen3-30B-A3B's gate_up and down shapes on the fast path's alignment (the K step is the scale
+    group, so only the tiling of N and the pipeline change)."""
+    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.fp8_triton import quantize_act_group
+    from moelora.kernels.fused_moe_triton import moe_align, pick_config
+
+    g = torch.Generator(device=DEV).manual_seed(T + 7)
+    topk = torch.rand(T, E, device=DEV, generator=g).topk(K, dim=1).indices.to(torch.int32)
+    bm = pick_config(T * K).block_m
+    align = moe_align(topk, E, bm)
+    for which, (N, D) in (("gate_up", (2 * I, H)), ("down", (H, I))):
+        q, s = quantize_weight_block(torch.randn(E, N, D, device=DEV, generator=g) * D**-0.5)
+        rows = T if which == "gate_up" else T * K
+        xq, xs = quantize_act_group(torch.randn(rows, D, device=DEV, generator=g).bfloat16())
+        ref = ft.fp8_expert_gemm(xq, q, s, (128, 128), topk, align, which == "gate_up", bm, x_scale=xs)
+        try:
+            for tile in ft.EXPERT_DECODE_TILES[1:]:
+                ft.set_fp8_expert_decode_tile(tile)
+                y = ft.fp8_expert_gemm(xq, q, s, (128, 128), topk, align, which == "gate_up", bm, x_scale=xs)
+                assert torch.equal(y, ref), (which, tile, _rel(y, ref))
+        finally:
+            ft.set_fp8_expert_decode_tile("0")
+
+
 def _experts(lora: bool, reference=None, seed: int = 0):
     from moelora.layers.fp8 import Fp8State, to_fp8
     from moelora.layers.moe import RoutedExperts

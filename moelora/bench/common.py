@@ -87,6 +87,20 @@ def hbm_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def hbm_read_bandwidth_gbs(nbytes: int = 1 << 31) -> float:
+    """Read-only bandwidth (GB/s): a Triton kernel summing int32 words over `nbytes`, the best of three launches
+    (session 39 on the H200: 4,496 GB/s read against 4,269 copied; torch's amax over the same buffer 3,485). A decode
+    step mostly reads, so this is the tighter ceiling; `bench decode` reports its floor at both."""
+    from moelora.bench._read_kernel import read_words
+
+    buf = torch.ones(nbytes // 4, dtype=torch.int32, device="cuda")
+    best = 0.0
+    for block, iters, warps in ((4096, 4, 8), (16384, 2, 16), (2048, 8, 4)):
+        ms = time_ms(lambda: read_words(buf, block, iters, warps), rep=50)
+        best = max(best, nbytes / (ms * 1e-3) / 1e9)
+    return best
+
+
 _FILE_DATES: dict[tuple[str, str, str], str] = {}  # (kind, out_dir, suffix) -> the date in its file name
 
 

@@ -507,12 +507,35 @@ def fp8_gemm_config(grid_m: int, N: int, grouped: bool, rows: int = 0) -> Fp8Gem
     if not grouped and _PREFILL[0] == "wide" and N >= 128 and rows >= PREFILL_MIN_ROWS:
         return Fp8GemmConfig(128, 8, 3, 128, 1)
     if grouped:
-        return Fp8GemmConfig(64 if N >= 64 else max(16, triton.next_power_of_2(N)), 4, 4,
-                             maxnreg=_EXPERT_MAXNREG)
+        tile = _EXPERT_DECODE_TILE[0]
+        bn, nw, st = (int(v) for v in tile.split("x")) if tile != "0" else (64, 4, 4)
+        return Fp8GemmConfig(bn if N >= bn else max(16, triton.next_power_of_2(N)), nw, st, maxnreg=_EXPERT_MAXNREG)
     block_n = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
     if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:  # decode: narrower tiles, more programs
         return Fp8GemmConfig(64, 4, _DECODE_STAGES[0] or DENSE_DECODE_STAGES)
     return Fp8GemmConfig(block_n)
+
+
+# MOELORA_FP8_EXPERT_DECODE_TILE / set_fp8_expert_decode_tile: the grouped expert GEMM's launch below the prefill
+# sizes as "BLOCK_NxWARPSxSTAGES" ("0": 64 x 4 x 4, session 8's sweep). Why look again (session 39): at 64 tokens
+# gate_up streams its 393 MB of touched weights in 99 µs, 88% of the 4.50 TB/s a plain read reaches on the H200
+# (down 84%); session 8 swept only 64- and 128-wide tiles at 3-5 stages. The same sums at any tile (the K step is
+# the scale group).
+EXPERT_DECODE_TILES = ("0", "16x2x4", "32x2x4", "32x4x4", "32x4x6", "64x4x3", "64x4x6", "64x8x4", "128x4x4",
+                       "128x8x4", "128x8x3")
+_EXPERT_DECODE_TILE = _env_choice("MOELORA_FP8_EXPERT_DECODE_TILE", "0", EXPERT_DECODE_TILES)
+
+
+def set_fp8_expert_decode_tile(tile: str) -> None:
+    """The grouped FP8 expert GEMM's decode launch, "BLOCK_NxWARPSxSTAGES" or "0" (64 x 4 x 4; the comment above).
+    The same sums at any tile; CUDA graphs keep what they captured."""
+    if tile not in EXPERT_DECODE_TILES:
+        raise ValueError(f"set_fp8_expert_decode_tile: one of {EXPERT_DECODE_TILES}, got {tile!r}")
+    _EXPERT_DECODE_TILE[0] = tile
+
+
+def fp8_expert_decode_tile() -> str:
+    return _EXPERT_DECODE_TILE[0]
 
 
 DENSE_DECODE_STAGES = 4  # the dense decode GEMM's pipeline stages (session 8's sweep)
