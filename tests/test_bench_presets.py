@@ -440,7 +440,8 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
             "MOELORA_PREFILL_LORA_EPILOGUE_PLAIN": "1", "MOELORA_DENSE_DEFER_GEMM": "128x1/64x2",
             "MOELORA_LORA_L2_PREFETCH": "both", "MOELORA_WEIGHT_L2_PREFETCH": "experts",
             "MOELORA_EXPERT_L2_PREFETCH_ROWS": "192", "MOELORA_L2_PREFETCH_FORM": "bulk",
-            "MOELORA_FP8_EXPERT_DECODE_TILE": "32x4x4"}
+            "MOELORA_FP8_EXPERT_DECODE_TILE": "32x4x4", "MOELORA_ATTN_SPLITS_PER_SM": "8",
+            "MOELORA_ATTN_SPLIT_MIN_TILES": "1"}
     names = list(want)
     before = switches.current(names)
     assert before != want

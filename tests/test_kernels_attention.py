@@ -150,6 +150,27 @@ def test_choose_splits_rule():
     assert choose_splits(1, 1, 8) == 32
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attn_split_switches_reach_the_rule_and_the_launch(dtype):
+    """set_attn_split (session 39; MOELORA_ATTN_SPLITS_PER_SM / MOELORA_ATTN_SPLIT_MIN_TILES): the programs-per-SM
+    target changes choose_splits, the least tiles a split reaches paged_attention's default launch; results stay
+    right (against the reference) and the defaults come back; bad values are refused."""
+    from moelora.kernels import attention_triton as at
+
+    assert at.attn_split() == (at.SPLIT_PROGRAMS_PER_SM, at.SPLIT_MIN_TILES) == (4, 2)
+    try:
+        at.set_attn_split(per_sm=8, min_tiles=1)
+        assert [choose_splits(T, 4, 132) for T in (16, 64, 128, 256)] == [17, 5, 3, 2]
+        seqs = [(c - 1, 1) for c in (65, 130, 300)]
+        run_and_check(seqs, 4, 1, 64, 16, dtype, None, 1, kernel="decode", extra_width=5)
+    finally:
+        at.set_attn_split(per_sm=4, min_tiles=2)
+    assert [choose_splits(T, 4, 132) for T in (16, 64, 128, 256)] == [9, 3, 2, 1]
+    for kw in ({"per_sm": 3}, {"min_tiles": 0}):
+        with pytest.raises(ValueError, match="must be one of"):
+            at.set_attn_split(**kw)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernels for real")
 def test_kernels_compile_for_sm90():
     """Compile (not interpret) every attention kernel for sm_90 with Triton's bundled ptxas: the split kernel

@@ -98,6 +98,7 @@ def _int_switch(module: str, setter: str, getter: str, values: tuple[str, ...]) 
 
 _T = "moelora.kernels._triton"
 _PF = "moelora.kernels.l2_prefetch"
+_AT = "moelora.kernels.attention_triton"
 # env name -> (set from the env string, current value as an env string, accepted values); each one is read when
 # graphs are captured
 SWITCHES: dict[str, Switch] = {
@@ -170,6 +171,10 @@ SWITCHES: dict[str, Switch] = {
                                   *(int(x) for x in v.split("x"))),
                               lambda: _import("moelora.kernels.router_triton").router_config(),
                               _import("moelora.kernels.router_triton").ROUTER_CONFIGS),
+    "MOELORA_ATTN_SPLITS_PER_SM": (lambda v: _import(_AT).set_attn_split(per_sm=int(v)),
+                                   lambda: str(_import(_AT).attn_split()[0]), ("2", "4", "8", "16")),
+    "MOELORA_ATTN_SPLIT_MIN_TILES": (lambda v: _import(_AT).set_attn_split(min_tiles=int(v)),
+                                     lambda: str(_import(_AT).attn_split()[1]), ("1", "2", "4")),
     "MOELORA_FP8_EXPERT_DECODE_TILE": (lambda v: _import("moelora.kernels.fp8_triton").set_fp8_expert_decode_tile(v),
                                        lambda: _import("moelora.kernels.fp8_triton").fp8_expert_decode_tile(),
                                        _import("moelora.kernels.fp8_triton").EXPERT_DECODE_TILES),

@@ -25,12 +25,42 @@ import functools
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, producer_launch_dependents, require_triton
+from moelora.kernels._triton import HAS_TRITON, _env_choice, producer_launch_dependents, require_triton
 
 TILE_N = 64  # keys per inner step of the split kernel
 SPLIT_PROGRAMS_PER_SM = 4  # split-KV grid target: this many (row, KV head, split) programs per SM
 MAX_SPLITS = 64  # splits per (row, KV head) at most
 SPLIT_MIN_TILES = 2  # each split covers at least this many tiles (128 keys)
+# MOELORA_ATTN_SPLITS_PER_SM / MOELORA_ATTN_SPLIT_MIN_TILES (set_attn_split): the two numbers above, for an A/B.
+# Why (session 39): at batch 64 on 128/128 the split kernel takes 10.7 µs a layer for ~25 MB of K and V (5.6 µs at
+# the read bandwidth): its programs walk 1-2 tiles of a 3-5-tile row one after another, a chain of dependent loads.
+# More, shorter splits shorten the chain (the reduce kernel runs anyway at NUM_SPLITS > 1). Other bits (another
+# chunking of each row's keys), as any change of T gives.
+ATTN_SPLITS_PER_SM_CHOICES = ("2", "4", "8", "16")
+ATTN_SPLIT_MIN_TILES_CHOICES = ("1", "2", "4")
+_SPLITS_PER_SM = [int(_env_choice("MOELORA_ATTN_SPLITS_PER_SM", str(SPLIT_PROGRAMS_PER_SM),
+                                  ATTN_SPLITS_PER_SM_CHOICES)[0])]
+_MIN_TILES = [int(_env_choice("MOELORA_ATTN_SPLIT_MIN_TILES", str(SPLIT_MIN_TILES), ATTN_SPLIT_MIN_TILES_CHOICES)[0])]
+
+
+def set_attn_split(per_sm: int | None = None, min_tiles: int | None = None) -> None:
+    """The split-KV decode kernel's grid target (programs per SM) and least tiles a split (None: unchanged);
+    MOELORA_ATTN_SPLITS_PER_SM / MOELORA_ATTN_SPLIT_MIN_TILES set the starting values. Read at each launch (CUDA
+    graphs keep what they captured)."""
+    if per_sm is not None:
+        if str(per_sm) not in ATTN_SPLITS_PER_SM_CHOICES:
+            raise ValueError(f"set_attn_split: per_sm must be one of {ATTN_SPLITS_PER_SM_CHOICES}, got {per_sm}")
+        _SPLITS_PER_SM[0] = int(per_sm)
+    if min_tiles is not None:
+        if str(min_tiles) not in ATTN_SPLIT_MIN_TILES_CHOICES:
+            raise ValueError(f"set_attn_split: min_tiles must be one of {ATTN_SPLIT_MIN_TILES_CHOICES}, got "
+                             f"{min_tiles}")
+        _MIN_TILES[0] = int(min_tiles)
+
+
+def attn_split() -> tuple[int, int]:
+    """(programs per SM, least tiles a split) of the split-KV decode kernel."""
+    return _SPLITS_PER_SM[0], _MIN_TILES[0]
 PREFILL_TILE_ROWS = 128  # (query row, head) pairs per program of the prefill kernel
 
 if HAS_TRITON:
@@ -378,14 +408,14 @@ def split_workspace_numel(T: int, Hq: int, D: int, num_splits: int) -> int:
 def choose_splits(T: int, Hkv: int, num_sms: int = 132) -> int:
     """Splits per (row, KV head) of the split-KV kernel, from shapes only (CUDA-graph safe).
 
-    Rule: enough programs to fill the GPU, SPLIT_PROGRAMS_PER_SM programs per SM:
+    Rule: enough programs to fill the GPU, SPLIT_PROGRAMS_PER_SM programs per SM (set_attn_split):
         NUM_SPLITS = clamp(ceil(SPLIT_PROGRAMS_PER_SM * num_sms / (T * Hkv)), 1, MAX_SPLITS)
     e.g. on 132 SMs with Hkv = 4: T = 1 -> 64, 16 -> 9, 64 -> 3, 128 -> 2, >= 132 -> 1 (no workspace).
     A row's key range is cut into min(NUM_SPLITS, ceil(tiles / SPLIT_MIN_TILES)) chunks of whole
     TILE_N-key tiles; so short rows use fewer splits (the other programs exit at once) and the
     workspace is only T * Hq * NUM_SPLITS * (D + 2) fp32 (~ a few MiB), whatever the table width.
     """
-    return max(1, min(MAX_SPLITS, -(-SPLIT_PROGRAMS_PER_SM * num_sms // (T * Hkv))))
+    return max(1, min(MAX_SPLITS, -(-_SPLITS_PER_SM[0] * num_sms // (T * Hkv))))
 
 
 def decode_kernel_chosen(num_tokens: int, num_seqs: int, kernel: str = "auto") -> bool:
@@ -500,7 +530,7 @@ def paged_attention(
         elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous():
             raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {need} elements")
         ws_o, ws_m, ws_l = workspace[: n_ml * D], workspace[n_ml * D : n_ml * (D + 1)], workspace[n_ml * (D + 1) : need]
-    min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
+    min_tiles = _MIN_TILES[0] if min_tiles is None else min_tiles
     if min_tiles < 1 or num_splits < 1:
         raise ValueError(f"num_splits and min_tiles must be >= 1, got {num_splits}, {min_tiles}")
     h, lora = None, {}
