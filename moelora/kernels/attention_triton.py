@@ -32,10 +32,13 @@ SPLIT_PROGRAMS_PER_SM = 4  # split-KV grid target: this many (row, KV head, spli
 MAX_SPLITS = 64  # splits per (row, KV head) at most
 SPLIT_MIN_TILES = 2  # each split covers at least this many tiles (128 keys)
 # MOELORA_ATTN_SPLITS_PER_SM / MOELORA_ATTN_SPLIT_MIN_TILES (set_attn_split): the two numbers above, for an A/B.
-# Why (session 39): at batch 64 on 128/128 the split kernel takes 10.7 µs a layer for ~25 MB of K and V (5.6 µs at
+# Why (session 39): at batch 64 on 128/128 the split kernel took 10.7 µs a layer (session 37's trace) for ~25 MB of K and V (5.6 µs at
 # the read bandwidth): its programs walk 1-2 tiles of a 3-5-tile row one after another, a chain of dependent loads.
 # More, shorter splits shorten the chain (the reduce kernel runs anyway at NUM_SPLITS > 1). Other bits (another
-# chunking of each row's keys), as any change of T gives.
+# chunking of each row's keys), as any change of T gives. Measured in session 39 (fp8, one A/B process each,
+# decode-s39-call{E,F}-*): 8 programs per SM +0.66% / +0.68% on ctx 1,024 at batch 64 (0 / 4 adapters), -0.17% /
+# +0.09% on 128/128, but -2.7% / -2.4% and -2.9% / -3.3% at batch 256 (two splits and a reduce where one direct
+# launch was); 1 tile a split -0.2% / +0.1%; both -0.9% to +0.7%. The defaults stay.
 ATTN_SPLITS_PER_SM_CHOICES = ("2", "4", "8", "16")
 ATTN_SPLIT_MIN_TILES_CHOICES = ("1", "2", "4")
 _SPLITS_PER_SM = [int(_env_choice("MOELORA_ATTN_SPLITS_PER_SM", str(SPLIT_PROGRAMS_PER_SM),

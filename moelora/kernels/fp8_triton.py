@@ -519,8 +519,11 @@ def fp8_gemm_config(grid_m: int, N: int, grouped: bool, rows: int = 0) -> Fp8Gem
 # MOELORA_FP8_EXPERT_DECODE_TILE / set_fp8_expert_decode_tile: the grouped expert GEMM's launch below the prefill
 # sizes as "BLOCK_NxWARPSxSTAGES" ("0": 64 x 4 x 4, session 8's sweep). Why look again (session 39): at 64 tokens
 # gate_up streams its 393 MB of touched weights in 99 µs, 88% of the 4.50 TB/s a plain read reaches on the H200
-# (down 84%); session 8 swept only 64- and 128-wide tiles at 3-5 stages. The same sums at any tile (the K step is
-# the scale group).
+# (down 83%); session 8 swept only 64- and 128-wide tiles at 3-5 stages. The same sums at any tile (the K step is
+# the scale group; every tile bit-equal on the H200 at 3 / 64 / 256 tokens). Measured in session 39
+# (scripts/sweep_fp8_gemm.py, sweep-fp8-expert-tiles-s39-callB-*): none beats the default; at 64 tokens gate_up /
+# down 99.3 / 53.3 µs, the next best 32 x 2 x 4 99.4 / 53.3; at 256 tokens 114.2 / 66.3, every other tile slower
+# but 64 x 4 x 3 on down (65.7). So "0" stays.
 EXPERT_DECODE_TILES = ("0", "16x2x4", "32x2x4", "32x4x4", "32x4x6", "64x4x3", "64x4x6", "64x8x4", "128x4x4",
                        "128x8x4", "128x8x3")
 _EXPERT_DECODE_TILE = _env_choice("MOELORA_FP8_EXPERT_DECODE_TILE", "0", EXPERT_DECODE_TILES)

@@ -16,6 +16,15 @@ The form (set_l2_prefetch_form / MOELORA_L2_PREFETCH_FORM): "line" (PTX prefetch
 lane) or "bulk" (sm_90's cp.async.bulk.prefetch.L2, one 16 KB range a lane, issued by the TMA unit).
 Nothing is read into registers or written: every result is the same with or without it (prefetch_ref is a no-op).
 GPU only (inline PTX); on the CPU and under the interpreter nothing is launched.
+
+Measured in session 39 (H200, fp8 Qwen3-30B-A3B, `bench/results/*-s39-callA-*`), and lost, so off:
+- scripts/bench_l2_prefetch.py, gate_up at 64 tokens after a 12.7 µs spin on one SM (HBM idle): 112.2 µs without,
+  110.9 with 128 rows (33.6 MB) prefetched beside the spin, 110.3 at best (256 rows): -1.3 to -1.9 µs where the
+  bytes alone would save ~7.5 µs; prefetched beside the GEMM itself, +2.5 to +8.2 µs. qkv / o_proj after a 6.6 µs
+  spin: -0.3 / -0.4 µs.
+- End to end (one A/B process, two rounds, 128/128 batch 64, 0 / 4 adapters): "experts" -2.5% / -2.3% (bulk form
+  -2.7% / -2.3%, 256 rows -3.4% / -3.1%), "dense" -2.0% / -1.1%, "both" -3.7% / -3.4%: the prefetch traffic slows
+  the latency-bound kernels beside it (the router, the norms) more than the GEMM gains.
 """
 
 from __future__ import annotations
