@@ -15,13 +15,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-import triton
 
 from moelora.bench._read_kernel import read_words
-from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs, time_ms
+from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs, time_ms, write_json
 from moelora.kernels.fp8 import quantize_weight_block
 from moelora.kernels.fp8_triton import fp8_expert_gemm, fp8_linear, quantize_act_group
 from moelora.kernels.fused_moe_triton import moe_align, pick_config
@@ -157,14 +155,7 @@ def main() -> None:
                                  "delta_us": t - base})
             print(line, flush=True)
     if args.json:
-        import datetime
-        import os
-
-        meta = {"kind": "bench_l2_prefetch", "date": datetime.date.today().isoformat(),
-                "device": torch.cuda.get_device_name(), "commit": os.environ.get("MOELORA_COMMIT"),
-                "torch": torch.__version__, "triton": triton.__version__}
-        with open(args.json, "w") as f:
-            json.dump({**meta, "bandwidth": bw, "rows": rows_out}, f, indent=1)
+        write_json(args.json, "bench_l2_prefetch", {"bandwidth": bw, "rows": rows_out})
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 
 import torch
 
-from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
+from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs, write_json
 from moelora.kernels.fp8 import quantize_weight_block
 from moelora.kernels.fp8_triton import (
     EXPERT_DECODE_TILES, Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group, set_fp8_gemm_config,
@@ -116,16 +115,7 @@ def main() -> None:
             fn = None
             torch.cuda.empty_cache()
     if args.json:
-        import datetime
-        import os
-
-        import triton
-
-        meta = {"kind": "sweep_fp8_gemm", "date": datetime.date.today().isoformat(),
-                "device": torch.cuda.get_device_name(), "commit": os.environ.get("MOELORA_COMMIT"),
-                "torch": torch.__version__, "triton": triton.__version__}
-        with open(args.json, "w") as f:
-            json.dump({**meta, "hbm_gbs": bw, "rows": rows}, f, indent=1)
+        write_json(args.json, "sweep_fp8_gemm", {"hbm_gbs": bw, "rows": rows})
 
 
 if __name__ == "__main__":

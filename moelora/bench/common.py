@@ -113,9 +113,15 @@ def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffi
     <out_dir>/<kind>-<date>-<device><suffix>.json. The date in the name is that of this process's first write of
     (kind, out_dir, suffix): a run rewriting its file after each row keeps one file across midnight."""
     os.makedirs(out_dir, exist_ok=True)
-    now = _utcnow()
-    day = _FILE_DATES.setdefault((kind, os.path.abspath(out_dir), suffix), f"{now:%Y-%m-%d}")
-    payload = {"kind": kind, "date": now.isoformat(timespec="seconds"), "device": device_name(),
+    day = _FILE_DATES.setdefault((kind, os.path.abspath(out_dir), suffix), f"{_utcnow():%Y-%m-%d}")
+    dev = device_name().replace(" ", "-")
+    return write_json(os.path.join(out_dir, f"{kind}-{day}-{dev}{suffix}.json"), kind, payload)
+
+
+def write_json(path: str, kind: str, payload: dict) -> str:
+    """Write `payload` to `path` after what every result file carries: kind, date, device, commit (git's, or
+    $MOELORA_COMMIT), torch and Triton versions, and the MOELORA_* switches set in the environment."""
+    payload = {"kind": kind, "date": _utcnow().isoformat(timespec="seconds"), "device": device_name(),
                "commit": git_commit(), "torch": torch.__version__,
                "env_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")}, **payload}
     try:
@@ -124,8 +130,6 @@ def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffi
         payload["triton"] = triton.__version__
     except ImportError:
         pass
-    dev = device_name().replace(" ", "-")
-    path = os.path.join(out_dir, f"{kind}-{day}-{dev}{suffix}.json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path
