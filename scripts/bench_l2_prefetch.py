@@ -134,8 +134,8 @@ def main() -> None:
                 same = torch.equal(fn(0), ref)
                 t = graph_time_us(fn, layers)
                 mb = E * r * H / 1e6
-                print(f"   {form:4s} rows {r:3d} ({mb:5.1f} MB): {t:6.1f} us  ({t - base:+5.1f}){'' if same else ' DIFFERS'}",
-                      flush=True)
+                flag = "" if same else " DIFFERS"
+                print(f"   {form:4s} rows {r:3d} ({mb:5.1f} MB): {t:6.1f} us  ({t - base:+5.1f}){flag}", flush=True)
                 rows_out.append({"case": "gate_up", "wait_us": wait, "spin_us": spin_only, "rows": r, "form": form,
                                  "us": t, "delta_us": t - base, "same_output": same})
     del gemm, ranges

@@ -21,7 +21,8 @@ import torch
 from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs, write_json
 from moelora.kernels.fp8 import quantize_weight_block
 from moelora.kernels.fp8_triton import (
-    EXPERT_DECODE_TILES, Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group, set_fp8_gemm_config,
+    EXPERT_DECODE_TILES, Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group,
+    set_fp8_gemm_config,
 )
 from moelora.kernels.fused_moe_triton import moe_align, pick_config
 

@@ -1,7 +1,8 @@
 """`moelora bench decode`: decode tokens/s and step time at real model dimensions with dummy weights,
 beside the byte floor (weights, experts and LoRA factors actually touched, plus KV read, over the measured
-HBM copy bandwidth: `floor_ms`; over the measured read-only bandwidth, ~5% higher on the H200: `floor_read_ms`), with 0..8 distinct rank-r adapters (q/k/v/o and every expert's gate/up/down) spread evenly
-over the batch. Also start-up time to the first token and the time to load one adapter from disk.
+HBM copy bandwidth: `floor_ms`; over the measured read-only bandwidth, ~5% higher on the H200: `floor_read_ms`),
+with 0..8 distinct rank-r adapters (q/k/v/o and every expert's gate/up/down) spread evenly over the batch.
+Also start-up time to the first token and the time to load one adapter from disk.
 
 Workloads: "ctx1024" (decode steps right after 1,024-token prompts) and "vllm" (128-token prompts, 128
 generated tokens: the workload FIELD_NOTES.md reports for vLLM 0.26 on an H200).

@@ -32,8 +32,9 @@ SPLIT_PROGRAMS_PER_SM = 4  # split-KV grid target: this many (row, KV head, spli
 MAX_SPLITS = 64  # splits per (row, KV head) at most
 SPLIT_MIN_TILES = 2  # each split covers at least this many tiles (128 keys)
 # MOELORA_ATTN_SPLITS_PER_SM / MOELORA_ATTN_SPLIT_MIN_TILES (set_attn_split): the two numbers above, for an A/B.
-# Why (session 39): at batch 64 on 128/128 the split kernel took 10.7 µs a layer (session 37's trace) for ~25 MB of K and V (5.6 µs at
-# the read bandwidth): its programs walk 1-2 tiles of a 3-5-tile row one after another, a chain of dependent loads.
+# Why (session 39): at batch 64 on 128/128 the split kernel took 10.7 µs a layer (session 37's trace) for ~25 MB of
+# K and V (5.6 µs at the read bandwidth): its programs walk 1-2 tiles of a 3-5-tile row one after another, a chain
+# of dependent loads.
 # More, shorter splits shorten the chain (the reduce kernel runs anyway at NUM_SPLITS > 1). Other bits (another
 # chunking of each row's keys), as any change of T gives. Measured in session 39 (fp8, one A/B process each,
 # decode-s39-call{E,F}-*): 8 programs per SM +0.66% / +0.68% on ctx 1,024 at batch 64 (0 / 4 adapters), -0.17% /
