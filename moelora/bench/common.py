@@ -113,15 +113,17 @@ def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffi
     <out_dir>/<kind>-<date>-<device><suffix>.json. The date in the name is that of this process's first write of
     (kind, out_dir, suffix): a run rewriting its file after each row keeps one file across midnight."""
     os.makedirs(out_dir, exist_ok=True)
-    day = _FILE_DATES.setdefault((kind, os.path.abspath(out_dir), suffix), f"{_utcnow():%Y-%m-%d}")
+    now = _utcnow()
+    day = _FILE_DATES.setdefault((kind, os.path.abspath(out_dir), suffix), f"{now:%Y-%m-%d}")
     dev = device_name().replace(" ", "-")
-    return write_json(os.path.join(out_dir, f"{kind}-{day}-{dev}{suffix}.json"), kind, payload)
+    return write_json(os.path.join(out_dir, f"{kind}-{day}-{dev}{suffix}.json"), kind, payload, now)
 
 
-def write_json(path: str, kind: str, payload: dict) -> str:
-    """Write `payload` to `path` after what every result file carries: kind, date, device, commit (git's, or
-    $MOELORA_COMMIT), torch and Triton versions, and the MOELORA_* switches set in the environment."""
-    payload = {"kind": kind, "date": _utcnow().isoformat(timespec="seconds"), "device": device_name(),
+def write_json(path: str, kind: str, payload: dict, now: datetime.datetime | None = None) -> str:
+    """Write `payload` to `path` after what every result file carries: kind, date (`now`, default the present),
+    device, commit (git's, or $MOELORA_COMMIT), torch and Triton versions, and the MOELORA_* switches set in the
+    environment."""
+    payload = {"kind": kind, "date": (now or _utcnow()).isoformat(timespec="seconds"), "device": device_name(),
                "commit": git_commit(), "torch": torch.__version__,
                "env_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")}, **payload}
     try:
