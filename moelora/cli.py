@@ -5,6 +5,42 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moelora.server.launch import LaunchError, dtype_name, float_in, int_at_least, lora_spec
+
+
+class UsageError(Exception):
+    """A bad combination of flags found after parsing: printed as one line, exit status 2 (as argparse's)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors ("moelora serve: error: argument --port: expected ...", no usage block: serve
+    has too many flags for one) and each command's checks across flags (`post_check`) run as part of parsing."""
+
+    post_check = None  # a function(args) raising ValueError, set on a command's parser
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if self.post_check is not None and not extras:  # an unrecognized argument is reported first
+            try:
+                self.post_check(ns)
+            except ValueError as e:
+                self.error(str(e))
+        return ns, extras
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moelora")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        from moelora import __version__
+
+        return __version__
+
 
 def _cmd_check_adapter(args: argparse.Namespace) -> int:
     from moelora.adapters.errors import AdapterError
@@ -44,12 +80,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_specs(specs: list[str]) -> dict[str, str]:
+def _lora_specs(specs) -> dict[str, str]:
+    """--lora NAME=PATH values (parsed by launch.lora_spec) by name."""
     out = {}
     for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--lora expects NAME=PATH, got {spec!r}")
+        name, path = spec[:2] if not isinstance(spec, str) else lora_spec(spec)[:2]
+        if name in out and out[name] != path:
+            raise UsageError(f"adapter {name!r} given twice, as {out[name]!r} and {path!r}: give it once")
         out[name] = path
     return out
 
@@ -57,23 +94,29 @@ def _lora_specs(specs: list[str]) -> dict[str, str]:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from moelora.demo.run import run_demo
 
-    return run_demo(device=args.device, per_adapter=args.per_adapter, seed=args.seed)
+    return run_demo(device=args.device, per_adapter=args.per_adapter, seed=args.seed, cpu_threads=args.cpu_threads)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from moelora import LLM, SamplingParams
 
     adapters = _lora_specs(args.lora)
+    try:  # before the model loads: a bad value fails at once
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop or None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.model is None:  # the bundled demo model and its adapters
         from moelora.demo import adapter_paths, model_path
 
         args.model = model_path()
         adapters = {**adapter_paths(), **adapters}
     if args.adapter is not None and args.adapter not in adapters:
-        raise SystemExit(f"--adapter {args.adapter!r} is not among the --lora names {sorted(adapters)}")
+        raise UsageError(f"--adapter {args.adapter!r} is not among the --lora names {sorted(adapters)}")
     kw = dict(max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank, dtype=args.dtype,
               device=args.device, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
+              cpu_threads=args.cpu_threads)
     launch = _torchrun_launch(args)
     if launch is not None and launch.rank != 0:  # torchrun: ranks 1..N-1 follow rank 0's steps
         from moelora.engine.llm_engine import EngineArgs
@@ -82,8 +125,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return run_worker(EngineArgs(model=args.model, **kw))
     llm = LLM(args.model, adapters=adapters, show_progress=True, **kw)
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=args.stop or None)
         prompts = args.prompt
         if args.chat:
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -151,12 +192,28 @@ gloo on the CPU. A rank that exits stops rank 0 with an error (torchrun then sto
 """
 
 
+VLLM_HELP = """\
+vLLM's command lines: the flags keep vLLM's names where moelora has the feature, so
+
+  moelora serve /models/qwen3-moe --enable-lora --lora-modules sql=/adapters/sql \\
+      '{"name": "chat", "path": "/adapters/chat"}' --max-loras 4 --max-cpu-loras 8 --port 8000
+
+runs as `vllm serve` would: the positional MODEL, --served-model-name, --tensor-parallel-size/-tp,
+--gpu-memory-utilization, --max-model-len, --max-num-seqs, --max-num-batched-tokens, --max-lora-rank,
+--max-logprobs, --generation-config, --dtype, --quantization fp8, --enforce-eager, --api-key, --host, --port,
+--uvicorn-log-level, --disable-uvicorn-access-log (--enable-lora, --enable-chunked-prefill,
+--disable-log-requests and --disable-log-stats are accepted: moelora always does or never does those).
+vLLM flags for features moelora lacks (the last group above) stop with the reason and what to do instead.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="moelora",
         description="Serve one Mixture-of-Experts LLM with many LoRA adapters at once (Qwen3-MoE, Qwen2-MoE, "
         "Mixtral, OLMoE, DeepSeek-V2/V3). Each request names its adapter; one batch mixes adapters freely.",
     )
+    p.add_argument("--version", action="version", version=f"moelora {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
 
     info = sub.add_parser("info", help="print the model configuration moelora reads from a model folder")
@@ -171,8 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs; prints adapter, input, output, expected, ok and the tokens/s. Exit status 1 if any row is wrong.",
     )
     demo.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    demo.add_argument("--per-adapter", type=int, default=4, help="rows per adapter and for the base (default 4)")
+    demo.add_argument("--per-adapter", type=int_at_least(1), default=4,
+                      help="rows per adapter and for the base (default 4)")
     demo.add_argument("--seed", type=int, default=None, help="seed for the random inputs (default: fresh each run)")
+    demo.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
+                      help="CPU: torch's threads (default: MOELORA_CPU_THREADS or OMP_NUM_THREADS, else a count that "
+                      "does not oversubscribe the machine)")
     demo.set_defaults(func=_cmd_demo)
 
     gen = sub.add_parser(
@@ -185,28 +246,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None,
                      help="model folder (config.json, safetensors, tokenizer.json); default: the bundled demo model "
                      "with its adapters upper, reverse and rot13 (prompts look like 'hello world => ')")
-    gen.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="load a PEFT adapter (repeatable)")
+    gen.add_argument("--lora", action="append", type=lora_spec, default=[], metavar="NAME=PATH",
+                     help="load a PEFT adapter (repeatable)")
     gen.add_argument("--adapter", default=None, help="adapter NAME to use for every prompt (default: the base model)")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--max-tokens", type=int_at_least(1), default=64, help="tokens to generate at most (default 64)")
+    gen.add_argument("--temperature", type=float_in(0), default=0.0, help=">= 0; 0 = greedy (default)")
+    gen.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0, help="in (0, 1] (default 1)")
+    gen.add_argument("--top-k", type=int_at_least(-1), default=0, help="0 or -1 = off (default)")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--max-lora-rank", type=int, default=64)
-    gen.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto (default: float32 on CPU)")
+    gen.add_argument("--max-lora-rank", type=int_at_least(1), default=64, help="largest adapter rank (default 64)")
+    gen.add_argument("--dtype", type=dtype_name, default=None,
+                     help="float32 | bfloat16 | float16 | auto (default: float32 on CPU)")
     gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     gen.add_argument("--quantization", default=None, choices=["fp8", "nvfp4"],
                      help="fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 "
                      "weight-only (ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 "
                      "checkpoint stays quantized on a GPU without this flag")
     gen.add_argument("--token-ids", action="store_true", help="print the generated token ids instead of the text")
-    gen.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
+    gen.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int_at_least(1), default=1,
                      help="ranks splitting attention heads, dense layers and the vocabulary (default 1)")
-    gen.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int, default=1,
+    gen.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int_at_least(1), default=1,
                      help="ranks splitting the routed experts (default 1)")
+    gen.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
+                     help="CPU: torch's threads (default: MOELORA_CPU_THREADS or OMP_NUM_THREADS, else a count that "
+                     "does not oversubscribe the machine)")
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser(
@@ -215,14 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
         "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health and /metrics. A request picks its adapter "
         "with model=ADAPTER or model=BASE:ADAPTER; model=BASE means no adapter.",
-        epilog=TORCHRUN_HELP.replace("COMMAND",
-                                     "serve --model /shared/model --host 0.0.0.0 --kv-cache-memory 8000000000")
+        epilog=VLLM_HELP + "\n" + TORCHRUN_HELP.replace(
+            "COMMAND", "serve --model /shared/model --host 0.0.0.0 --kv-cache-memory 8000000000")
         + "\nRank 0 serves HTTP on --host/--port; the other ranks only run the model.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from moelora.server.launch import add_arguments as _serve_args
+    from moelora.server.launch import add_arguments as _serve_args, check_args
 
     _serve_args(srv)
+    srv.post_check = check_args
     srv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser(
@@ -285,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model's shapes and prints what it targets, or why it is rejected. Exit status 1 if any is rejected.",
     )
     chk.add_argument("--model", required=True, help="base model folder with config.json")
-    chk.add_argument("--max-lora-rank", type=int, default=64, help="largest rank the server will accept (default 64)")
+    chk.add_argument("--max-lora-rank", type=int_at_least(1), default=64,
+                     help="largest rank the server will accept (default 64)")
     chk.add_argument("adapters", nargs="+", metavar="NAME=PATH", help="adapter folders (NAME= optional)")
     chk.set_defaults(func=_cmd_check_adapter)
     return p
@@ -299,13 +367,16 @@ def _expected_errors() -> tuple[type[Exception], ...]:
     from moelora.kernels._triton import DeviceError
     from moelora.models.weights import WeightLoadError
 
-    return AdapterError, ConfigError, DeviceError, GPUMemoryError, WeightLoadError
+    return AdapterError, ConfigError, DeviceError, GPUMemoryError, LaunchError, WeightLoadError
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"moelora {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except _expected_errors() as e:
         cause = f" (from {type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
         print(f"moelora {args.command}: error: {e}{cause}", file=sys.stderr)

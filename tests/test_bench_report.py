@@ -179,3 +179,36 @@ def test_parts_of_a_split_run_merge_in_order(tmp_path):
     assert order == sorted(order)
     assert "Run time 10 s (the sum of 4 parts" in table
     assert table.index("engine DeepSeek bf16 rank 16") < table.index("engine Qwen3 fp8 rank 16")
+
+
+def test_write_result_never_overwrites_an_earlier_run(tmp_path, monkeypatch):
+    """A run rewriting its report after every case keeps one file; a later run of the same day (a new process:
+    another first write) takes <name>-2.json, -3 ..., leaving the earlier ones as they were. The same for every
+    kind; `new_file=True` (bench serve) takes a new name at every write."""
+    from moelora.bench import common
+    from moelora.bench.report import Report
+
+    out = str(tmp_path)
+    monkeypatch.setattr(common, "_FILE_PATHS", {}, raising=False)
+    rep = Report(out, {"run": 1}, tag="part1")
+    first = rep.save()
+    rep.data["notes"].append("second case")
+    assert rep.save() == first and first.endswith("-cpu-part1.json")
+    monkeypatch.setattr(common, "_FILE_PATHS", {}, raising=False)  # as in a new process
+    second = Report(out, {"run": 2}, tag="part1").save()
+    monkeypatch.setattr(common, "_FILE_PATHS", {}, raising=False)
+    third = Report(out, {"run": 3}, tag="part1").save()
+    assert second == first[: -len(".json")] + "-2.json" and third == first[: -len(".json")] + "-3.json"
+    assert [json.load(open(p))["settings"]["run"] for p in (first, second, third)] == [1, 2, 3]
+    assert json.load(open(first))["notes"] == ["second case"]
+
+    for kind in ("decode", "kernels"):
+        a = common.write_result(kind, {"rows": [1]}, out)
+        assert common.write_result(kind, {"rows": [1, 2]}, out) == a  # rows appended: the same file
+        monkeypatch.setattr(common, "_FILE_PATHS", {}, raising=False)
+        b = common.write_result(kind, {"rows": [3]}, out)
+        assert b != a and json.load(open(a))["rows"] == [1, 2] and json.load(open(b))["rows"] == [3]
+    s1 = common.write_result("serve", {"n": 1}, out, new_file=True)
+    s2 = common.write_result("serve", {"n": 2}, out, new_file=True)
+    assert s1 != s2 and [json.load(open(p))["n"] for p in (s1, s2)] == [1, 2]
+    assert len(glob.glob(os.path.join(out, "*.json"))) == 3 + 2 + 2 + 2

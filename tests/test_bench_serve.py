@@ -3,7 +3,9 @@
 The fake server (a ThreadingHTTPServer in a thread) serves GET /v1/models, GET /metrics and
 POST /v1/completions. Per model: "base"/"upper" stream `max_tokens` content chunks (after one empty
 role-like chunk), then a usage chunk reporting 2 tokens per chunk, then [DONE]; "bad" answers 500;
-"garbled" sends a non-JSON data line; "truncated" never sends [DONE].
+"garbled" sends a non-JSON data line; "truncated" never sends [DONE]. With `kv` set (see _FakeServer.kv_text) its
+/metrics also has the free-block, lowest-free-block and LoRA-slots-in-use gauges of a KV cache that each running
+request takes 10 blocks of. The last tests run the load against a real `moelora serve` of the demo model.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.server.metrics is None:
                 self._json(404, {"detail": "Not Found"})
                 return
-            data = self.server.metrics.encode()
+            data = (self.server.metrics + self.server.kv_text()).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(data)))
@@ -101,6 +103,13 @@ class _Handler(BaseHTTPRequestHandler):
         if model not in (*NORMAL_MODELS, "garbled", "truncated"):
             self._json(404, {"error": {"message": f"model {model!r} not found"}})
             return
+        self.server.request_started()
+        try:
+            self._complete(body, model, n)
+        finally:
+            self.server.request_ended()
+
+    def _complete(self, body, model, n):
         if not body.get("stream"):
             self._json(200, {"id": "cmpl-1", "object": "text_completion", "model": model,
                              "choices": [{"index": 0, "text": "ab" * n, "finish_reason": "length"}],
@@ -149,9 +158,43 @@ class _FakeServer(ThreadingHTTPServer):
         self.client_gone = 0
         self.lock = threading.Lock()
 
+        # the KV gauges (None: none): {"min_gauge": serve moelora_kv_blocks_free_min?, "free_min": its value,
+        # "leak_blocks" / "leak_slots": never given back, "free_delay": seconds a finished request holds its blocks}
+        self.kv: dict | None = None
+        self.active = 0
+        self.releases: list[float] = []  # when finished requests give their blocks back
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def _held(self) -> tuple[int, int]:
+        """(KV blocks, LoRA slots in use) now (lock held)."""
+        now = time.monotonic()
+        busy = self.active + sum(t > now for t in self.releases)
+        return 10 * busy + self.kv.get("leak_blocks", 0), min(busy, 1) + self.kv.get("leak_slots", 0)
+
+    def request_started(self) -> None:
+        with self.lock:
+            self.active += 1
+            if self.kv is not None:
+                self.kv["free_min"] = min(self.kv.get("free_min", 1024), 1024 - self._held()[0])
+
+    def request_ended(self) -> None:
+        with self.lock:
+            self.active -= 1
+            if self.kv is not None:
+                self.releases.append(time.monotonic() + self.kv.get("free_delay", 0.0))
+
+    def kv_text(self) -> str:
+        if self.kv is None:
+            return ""
+        with self.lock:
+            blocks, slots = self._held()
+            lines = [f"moelora_kv_blocks_free {1024.0 - blocks}", f"moelora_lora_slots_in_use {float(slots)}"]
+            if self.kv.get("min_gauge"):
+                lines.append(f"moelora_kv_blocks_free_min {float(self.kv.get('free_min', 1024))}")
+        return "".join(f"# TYPE {ln.split()[0]} gauge\n{ln}\n" for ln in lines)
 
 
 @pytest.fixture
@@ -367,3 +410,196 @@ def test_parse_metrics_fallback_matches(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_prom)
     assert serve.parse_metrics(METRICS_TEXT) == expected
+
+
+# --------------------------------------------------------------------------------------------- progress
+
+def test_progress_on_stderr_never_in_json(fake_server, tmp_path, capsys):
+    """A tqdm bar on stderr while the load runs (off with --no-progress); stdout's table and the JSON carry none."""
+    pytest.importorskip("tqdm")
+    args = _args("--url", fake_server.url, "--num-requests", "6", "--concurrency", "2", "--output-len", "2:2",
+                 "--out", str(tmp_path / "on"))
+    assert serve.main(args) == 0
+    out, err = capsys.readouterr()
+    assert "bench serve" in err and "6/6" in err and "ok=6" in err
+    assert "6/6" not in out
+    (path,) = glob.glob(str(tmp_path / "on" / "serve-*.json"))
+    assert "bench serve" not in open(path).read() and "progress" not in json.load(open(path))["config"]
+
+    args = _args("--url", fake_server.url, "--num-requests", "6", "--concurrency", "2", "--output-len", "2:2",
+                 "--out", str(tmp_path / "off"), "--no-progress")
+    assert serve.main(args) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_without_tqdm_prints_lines(fake_server, tmp_path, capsys, monkeypatch):
+    """Without tqdm: a line on stderr every few seconds and one at the end."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *a, **k):
+        if name == "tqdm" or name.startswith("tqdm."):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    args = _args("--url", fake_server.url, "--models", "base,bad", "--num-requests", "6", "--concurrency", "2",
+                 "--output-len", "2:2", "--out", str(tmp_path))
+    assert serve.main(args) == 1
+    err = capsys.readouterr().err
+    assert "bench serve: 6/6 requests (ok 3, errors 3, disconnected 0)" in err
+
+    p = serve.Progress(total=None, duration=10.0, every=0.0)
+    p.update(serve.RequestResult(index=0, model="m", status="ok"))
+    p.tick()
+    p.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("bench serve: 1 requests (ok 1,") and "s left" in lines[0]
+    serve.Progress(total=3, duration=None, enabled=False).close()
+    assert capsys.readouterr().err == ""
+
+
+# --------------------------------------------------------------------------------------------- KV cache, leaks
+
+def _kv_run(fake_server, *extra: str) -> dict:
+    fake_server.chunk_delay = 0.01
+    args = _args("--url", fake_server.url, "--num-requests", "12", "--concurrency", "4", "--output-len", "5:5",
+                 "--metrics-interval", "0.01", "--no-progress", *extra)
+    return asyncio.run(serve.run_load(args))
+
+
+def test_kv_min_free_from_the_server_gauge(fake_server):
+    """The fewest free KV blocks of the run: the server's moelora_kv_blocks_free_min, read after the run (a
+    polled peak of the free count only ever showed the total); used at peak = total - min free."""
+    fake_server.kv = {"min_gauge": True}
+    s = _kv_run(fake_server)
+    kv = s["kv_cache"]
+    lowest = fake_server.kv["free_min"]
+    assert lowest < 1024
+    assert kv == {"blocks_total": 1024, "blocks_free_min": lowest, "blocks_used_peak": 1024 - lowest,
+                  "blocks_free_min_source": "server", "blocks_free_after": 1024}
+    assert s["kv_blocks_leaked"] == 0 and s["lora_slots_leaked"] == 0
+    assert "moelora_kv_blocks_free" not in s["metrics_peak"]  # the peak of a free count says nothing
+    assert s["metrics"]["moelora_kv_blocks_free_min"] == {"moelora_kv_blocks_free_min": float(lowest)}
+    table = serve.format_table(s)
+    assert f"min free during the run {lowest} (used at peak {1024 - lowest}" in table
+    assert "KV blocks leaked 0, LoRA slots leaked 0" in table and "LEAK" not in table
+
+
+def test_kv_min_free_polled_without_the_gauge_or_with_an_older_low(fake_server):
+    """A server without moelora_kv_blocks_free_min: the polled minimum of moelora_kv_blocks_free. A server whose
+    lowest mark predates the run (an earlier, heavier load): not that mark, the polled minimum of this run."""
+    fake_server.kv = {"min_gauge": False}
+    s = _kv_run(fake_server)
+    kv = s["kv_cache"]
+    assert kv["blocks_free_min_source"] == "polled" and 1024 - 40 <= kv["blocks_free_min"] < 1024
+    assert kv["blocks_used_peak"] == 1024 - kv["blocks_free_min"] and kv["blocks_total"] == 1024
+    assert "upper bound" in serve.format_table(s)
+
+    fake_server.kv = {"min_gauge": True, "free_min": 500}
+    s = _kv_run(fake_server)
+    assert fake_server.kv["free_min"] == 500
+    assert s["kv_cache"]["blocks_free_min_source"] == "polled"
+    assert 1024 - 40 <= s["kv_cache"]["blocks_free_min"] < 1024
+
+
+def test_kv_without_free_gauges(fake_server):
+    """The gauges a server lacks are None, not invented."""
+    s = _kv_run(fake_server)
+    assert s["kv_cache"] == {"blocks_total": 1024, "blocks_free_min": None, "blocks_used_peak": None,
+                             "blocks_free_min_source": None, "blocks_free_after": None}
+    assert s["kv_blocks_leaked"] is None and s["lora_slots_leaked"] is None
+
+
+def test_leaks_wait_for_asynchronous_frees(fake_server):
+    """Blocks freed a moment after the last request (aborts are freed asynchronously) are no leak: the load waits
+    for them (up to --settle-timeout)."""
+    fake_server.kv = {"min_gauge": True, "free_delay": 0.5}
+    t0 = time.perf_counter()
+    s = _kv_run(fake_server, "--disconnect-fraction", "0.5")
+    assert time.perf_counter() - t0 >= 0.5
+    assert s["kv_blocks_leaked"] == 0 and s["lora_slots_leaked"] == 0 and s["kv_cache"]["blocks_free_after"] == 1024
+    assert s["duration_s"] < time.perf_counter() - t0  # the wait is not part of the run's time
+
+
+def test_leaks_are_reported(fake_server, tmp_path, capsys):
+    """Blocks and slots still held after --settle-timeout: kv_blocks_leaked / lora_slots_leaked in the JSON."""
+    fake_server.kv = {"min_gauge": True, "leak_blocks": 8, "leak_slots": 1}
+    t0 = time.perf_counter()
+    args = _args("--url", fake_server.url, "--num-requests", "4", "--concurrency", "2", "--output-len", "2:2",
+                 "--settle-timeout", "0.3", "--no-progress", "--out", str(tmp_path))
+    assert serve.main(args) == 0
+    assert time.perf_counter() - t0 >= 0.3
+    assert "LEAK after the run: KV blocks leaked 8, LoRA slots leaked 1" in capsys.readouterr().out
+    (path,) = glob.glob(str(tmp_path / "serve-*.json"))
+    data = json.load(open(path))
+    assert data["kv_blocks_leaked"] == 8 and data["lora_slots_leaked"] == 1
+    assert data["kv_cache"]["blocks_free_after"] == 1016
+
+
+def test_kv_summary_arithmetic():
+    def m(free=None, total=1024.0, low=None):
+        out = {"moelora_kv_blocks_total": {"moelora_kv_blocks_total": total}}
+        if free is not None:
+            out["moelora_kv_blocks_free"] = {"moelora_kv_blocks_free": free}
+        if low is not None:
+            out["moelora_kv_blocks_free_min"] = {"moelora_kv_blocks_free_min": low}
+        return out
+
+    lows = {"moelora_kv_blocks_free": {"moelora_kv_blocks_free": 900.0}}
+    # the run lowered the server's mark: exact
+    assert serve.kv_summary(m(1024, low=1024), m(1024, low=700), lows)["blocks_free_min"] == 700
+    # the mark predates the run and the polls saw less use: the polled minimum
+    k = serve.kv_summary(m(1024, low=600), m(1024, low=600), lows)
+    assert (k["blocks_free_min"], k["blocks_free_min_source"]) == (900, "polled")
+    # the polls caught the mark itself
+    k = serve.kv_summary(m(1024, low=900), m(1024, low=900), lows)
+    assert (k["blocks_free_min"], k["blocks_free_min_source"], k["blocks_used_peak"]) == (900, "server", 124)
+    assert serve.leaks(m(1000)) == (24, None) and serve.leaks(None) == (None, None)
+
+
+# --------------------------------------------------------------------------------------------- result files
+
+def test_a_second_run_does_not_overwrite_the_first(fake_server, tmp_path, capsys):
+    """Two runs the same day into one folder: two files, each path printed, the first one's result intact."""
+    paths = []
+    for n in (3, 5):
+        args = _args("--url", fake_server.url, "--num-requests", str(n), "--concurrency", "2", "--output-len", "2:2",
+                     "--no-progress", "--out", str(tmp_path))
+        assert serve.main(args) == 0
+        paths.append(capsys.readouterr().out.rsplit("wrote ", 1)[1].strip())
+    assert paths[0] != paths[1] and paths[1].endswith("-2.json")
+    assert sorted(glob.glob(str(tmp_path / "serve-*.json"))) == sorted(paths)
+    assert [json.load(open(p))["requests"] for p in paths] == [3, 5]
+
+
+# --------------------------------------------------------------------------------------------- a real server
+
+@pytest.fixture(scope="module")
+def demo_server():
+    """`moelora serve` of the bundled demo model on the CPU, in this process."""
+    from moelora.server.launch import ServerThread, add_arguments, build_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    engine, app = build_from_args(p.parse_args(["--device", "cpu", "--max-num-seqs", "8"]))
+    srv = ServerThread(engine, app).start()
+    yield srv
+    srv.stop()
+
+
+def test_real_server_kv_minimum_and_no_leaks(demo_server, tmp_path):
+    """Against the real server, with half the streams dropped mid-way: the KV cache's minimum of free blocks is below
+    its total, and once the run settles every block and slot is free again."""
+    args = _args("--url", demo_server.url, "--num-requests", "12", "--concurrency", "4", "--output-len", "8:16",
+                 "--disconnect-fraction", "0.5", "--metrics-interval", "0.02", "--no-progress", "--out",
+                 str(tmp_path))
+    s = asyncio.run(serve.run_load(args))
+    assert s["errors"]["count"] == 0 and s["ok"] + s["disconnected"] == 12 and s["disconnected"] > 0
+    kv = s["kv_cache"]
+    assert kv["blocks_total"] > 0 and kv["blocks_free_min_source"] in ("server", "polled")
+    assert 0 <= kv["blocks_free_min"] < kv["blocks_total"]
+    assert kv["blocks_used_peak"] == kv["blocks_total"] - kv["blocks_free_min"] > 0
+    assert kv["blocks_free_after"] == kv["blocks_total"]
+    assert s["kv_blocks_leaked"] == 0 and s["lora_slots_leaked"] == 0

@@ -68,3 +68,96 @@ def test_an_unexpected_error_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     with pytest.raises(KeyError, match="a bug"):
         cli.main(["info", "anything"])
+
+
+# ---- every invalid value is one line naming the flag and its accepted range (exit status 2), before any work ------
+
+def _parse_error(capsys, argv: list[str]) -> str:
+    from moelora.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "usage:" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, flag, accepted", [
+    (["serve", "--max-loras", "0"], "--max-loras", ">= 1"),
+    (["serve", "--max-lora-rank", "0"], "--max-lora-rank", ">= 1"),
+    (["serve", "--max-cpu-loras", "0"], "--max-cpu-loras", ">= 1"),
+    (["serve", "--port", "70000"], "--port", "[1, 65535]"),
+    (["serve", "--port", "http"], "--port", "[1, 65535]"),
+    (["serve", "--max-num-seqs", "0"], "--max-num-seqs", ">= 1"),
+    (["serve", "--max-num-batched-tokens", "-1"], "--max-num-batched-tokens", ">= 1"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization", "(0, 1]"),
+    (["serve", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization", "(0, 1]"),
+    (["serve", "--block-size", "0"], "--block-size", ">= 1"),
+    (["serve", "--max-model-len", "-1"], "--max-model-len", "positive"),
+    (["serve", "--max-body-bytes", "0"], "--max-body-bytes", ">= 1"),
+    (["serve", "--max-n", "0"], "--max-n", ">= 1"),
+    (["serve", "--kv-cache-memory", "0"], "--kv-cache-memory", ">= 1"),
+    (["serve", "--max-graph-batch-size", "0"], "--max-graph-batch-size", ">= 1"),
+    (["serve", "--tp", "0"], "--tp", ">= 1"),
+    (["serve", "--ep", "0"], "--ep", ">= 1"),
+    (["serve", "--dtype", "int8"], "--dtype", "bfloat16"),
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens", ">= 1"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature", ">= 0"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "--top-p", "(0, 1]"),
+    (["generate", "--prompt", "hi", "--top-p", "1.5"], "--top-p", "(0, 1]"),
+    (["generate", "--prompt", "hi", "--top-k", "-2"], "--top-k", ">= -1"),
+    (["generate", "--prompt", "hi", "--max-lora-rank", "0"], "--max-lora-rank", ">= 1"),
+    (["generate", "--prompt", "hi", "--lora", "no-equals-sign"], "--lora", "NAME=PATH"),
+    (["demo", "--per-adapter", "0"], "--per-adapter", ">= 1"),
+    (["check-adapter", "--model", "m", "--max-lora-rank", "0", "a=b"], "--max-lora-rank", ">= 1"),
+])
+def test_an_invalid_value_is_one_line_naming_the_flag_and_range(capsys, argv, flag, accepted):
+    line = _parse_error(capsys, argv)
+    assert line.startswith(f"moelora {argv[0]}: error: argument {flag}"), line
+    assert accepted in line, line
+
+
+def test_max_cpu_loras_below_max_loras_is_refused_as_vllm_does(capsys):
+    line = _parse_error(capsys, ["serve", "--max-loras", "4", "--max-cpu-loras", "2"])
+    assert line.startswith("moelora serve: error: --max-cpu-loras (2) must be >= --max-loras (4)")
+
+
+def _no_model_load(monkeypatch):
+    import moelora
+
+    def load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(moelora, "LLM", load)
+
+
+def test_a_sampling_params_error_in_generate_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    assert main(["generate", "--device", "cpu", "--prompt", "hi", "--stop", ""]) == 2
+    line = _error_line(capsys)
+    assert line.startswith("moelora generate: error: SamplingParams: stop must be non-empty strings")
+
+
+def test_an_unknown_adapter_in_generate_is_one_line(monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    assert main(["generate", "--device", "cpu", "--prompt", "hi", "--adapter", "nope"]) == 2
+    line = _error_line(capsys)
+    assert line.startswith("moelora generate: error: --adapter 'nope' is not among the --lora names")
+
+
+def test_one_adapter_name_given_two_paths_is_one_line(monkeypatch, capsys, tmp_path):
+    _no_model_load(monkeypatch)
+    rc = main(["generate", "--device", "cpu", "--prompt", "hi", "--lora", f"a={tmp_path / 'x'}",
+               "--lora", f"a={tmp_path / 'y'}"])
+    assert rc == 2
+    assert _error_line(capsys).startswith("moelora generate: error: adapter 'a' given twice")
+    line = _parse_error(capsys, ["serve", "--lora", f"a={tmp_path / 'x'}", "--lora-modules", f"a={tmp_path / 'y'}"])
+    assert line.startswith("moelora serve: error: adapter 'a' given twice")
+
+
+def test_an_unrecognized_flag_is_one_line(capsys):
+    line = _parse_error(capsys, ["serve", "--no-such-flag"])
+    assert line.startswith("moelora: error: unrecognized arguments: --no-such-flag")

@@ -117,7 +117,15 @@ def test_sampling_fields_logprobs_echo_n(server):
     r = c.completions.create(model="rot13", prompt=make_prompt("abc"), max_tokens=8, temperature=0, logprobs=2, echo=True)
     ch = r.choices[0]
     assert ch.text == make_prompt("abc") + "nop"
-    assert ch.logprobs.tokens[:3] == ["n", "o", "p"] and all(len(t) <= 2 for t in ch.logprobs.top_logprobs)
+    prompt = make_prompt("abc")
+    # echo with logprobs: the prompt's tokens first (the first one has no log-probability), then the generated
+    # (the generated tokens end with the EOS token "\n", which is not part of the text)
+    assert "".join(ch.logprobs.tokens) == ch.text + "\n" and ch.logprobs.tokens[-4:] == ["n", "o", "p", "\n"]
+    assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in ch.logprobs.token_logprobs[1:])
+    assert all(len(t) <= 3 for t in ch.logprobs.top_logprobs[1:])  # the top 2, and the token itself if not in them
+    assert ch.logprobs.text_offset == [sum(map(len, ch.logprobs.tokens[:j])) for j in range(len(ch.logprobs.tokens))]
+    assert len(ch.logprobs.tokens) == len(prompt) + 4
     kw = dict(model="reverse", prompt=make_prompt("abc"), max_tokens=8, temperature=1.5, seed=7, n=3, top_p=0.9,
               frequency_penalty=0.1, presence_penalty=0.1, extra_body={"top_k": 5, "min_p": 0.01})
     r = c.completions.create(**kw)

@@ -3,10 +3,13 @@ and the weight file, grouped by module. Layout normalization is in normalize.py.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,16 +64,78 @@ def _finite_number(name: str, file: str, what: str, value: Any) -> float:
     return float(value)
 
 
-def read_config(name: str, path: str) -> PeftLoraConfig:
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")  # the first present is read
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """The bytes of one PEFT adapter folder, read once: every later step parses these, never the files again.
+    digest: sha256 over the config's and the weights' bytes — the adapter's content identity (two folders with
+    the same files share it; the same folder rewritten does not)."""
+
+    folder: str
+    config_file: str
+    config: bytes
+    weights_file: str
+    weights: bytes
+
+    @property
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for part in (self.config, os.path.basename(self.weights_file).encode(), self.weights):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+        return h.hexdigest()
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(os.path.commonpath([path, r]) == r for r in roots)
+
+
+def _read_file(name: str, file: str, roots: list[str] | None) -> bytes:
+    """The bytes of `file`. With `roots`, the file actually opened (every symlink resolved) must lie under one of
+    them, and must be a regular file (not a FIFO or a device)."""
+    real = os.path.realpath(file)
+    if roots is not None and not _under(real, [os.path.realpath(r) for r in roots]):
+        raise AdapterError(name, f"{file!r} resolves to {real!r}, outside the allowed --lora-root {roots}")
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise AdapterError(name, f"cannot open {file!r}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise AdapterError(name, f"{file!r} is not a regular file")
+        return f.read()
+
+
+def read_files(name: str, path: str, roots: list[str] | None = None) -> AdapterFiles:
+    """Read adapter_config.json and the weight file of the PEFT folder `path` (see _read_file for `roots`)."""
+    if "\x00" in path:
+        raise AdapterError(name, f"adapter path {path!r} contains a NUL byte")
     if not os.path.isdir(path):
         raise AdapterError(name, f"adapter folder {path!r} does not exist or is not a folder")
-    file = os.path.join(path, "adapter_config.json")
-    if not os.path.isfile(file):
-        raise AdapterError(name, f"{file} is missing: a PEFT adapter folder holds adapter_config.json")
+    config_file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_file):
+        raise AdapterError(name, f"{config_file} is missing: a PEFT adapter folder holds {CONFIG_FILE}")
+    config = _read_file(name, config_file, roots)
+    for w in WEIGHT_FILES:
+        weights_file = os.path.join(path, w)
+        if os.path.isfile(weights_file):
+            return AdapterFiles(path, config_file, config, weights_file, _read_file(name, weights_file, roots))
+    raise AdapterError(name, f"no adapter_model.safetensors (or adapter_model.bin) in {path!r}")
+
+
+def read_config(name: str, path: str) -> PeftLoraConfig:
+    """adapter_config.json of the folder `path`, parsed and checked."""
+    return parse_config(name, read_files(name, path))
+
+
+def parse_config(name: str, files: AdapterFiles) -> PeftLoraConfig:
+    file = files.config_file
     try:
-        with open(file) as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raw = json.loads(files.config.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(name, f"{file} is not valid JSON ({e})") from e
     if not isinstance(raw, dict):
         raise AdapterError(name, f"{file} must hold a JSON object, found {type(raw).__name__}")
@@ -119,24 +184,22 @@ def read_config(name: str, path: str) -> PeftLoraConfig:
 
 def read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
     """adapter_model.safetensors, else the older adapter_model.bin (a torch.save'd dict of tensors)."""
-    for file, load in ((os.path.join(path, "adapter_model.safetensors"), _load_safetensors),
-                       (os.path.join(path, "adapter_model.bin"), _load_bin)):
-        if os.path.isfile(file):
-            try:
-                return load(file)
-            except Exception as e:  # safetensors and torch raise many types for a corrupt file
-                raise AdapterError(name, f"cannot read the weights in {file!r}: {e}") from e
-    raise AdapterError(name, f"no adapter_model.safetensors (or adapter_model.bin) in {path!r}")
+    return parse_tensors(name, read_files(name, path))
 
 
-def _load_safetensors(file: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def parse_tensors(name: str, files: AdapterFiles) -> dict[str, torch.Tensor]:
+    try:
+        if files.weights_file.endswith(".safetensors"):
+            from safetensors.torch import load
 
-    return load_file(file)
+            return load(files.weights)
+        return _load_bin(files.weights)
+    except Exception as e:  # safetensors and torch raise many types for a corrupt file
+        raise AdapterError(name, f"cannot read the weights in {files.weights_file!r}: {e}") from e
 
 
-def _load_bin(file: str) -> dict[str, torch.Tensor]:
-    obj = torch.load(file, map_location="cpu", weights_only=True)
+def _load_bin(data: bytes) -> dict[str, torch.Tensor]:
+    obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
         raise ValueError(f"expected a dict of tensors (tensor name -> tensor), found {type(obj).__name__}")
     return obj

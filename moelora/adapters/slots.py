@@ -7,11 +7,15 @@ request holds and that is not pinned; an adapter in use is never evicted.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
 from moelora.adapters.registry import LoRAAdapter
 from moelora.layers.lora import LoRATarget
+
+
+log = logging.getLogger("moelora.adapters")
 
 
 class NoFreeSlot(RuntimeError):
@@ -44,6 +48,7 @@ class SlotPool:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
         self._refs: dict[str, int] = {}
         self._pinned: set[str] = set()
+        self.counters = {"slot_loads": 0, "slot_evictions": 0}  # adapters written into a slot; evicted from one
 
     def slot_of(self, name: str) -> int | None:
         return self._slot_of.get(name)
@@ -74,11 +79,23 @@ class SlotPool:
                         f"{adapter.name!r} must wait (or raise --max-loras)"
                     )
                 slot = self._slot_of.pop(victim)
+                self.counters["slot_evictions"] += 1
+                log.info("adapter %r evicted from LoRA slot %d for %r", victim, slot, adapter.name)
             self._write(adapter, slot)
+            self.counters["slot_loads"] += 1
             self._slot_of[adapter.name] = slot
         self._slot_of.move_to_end(adapter.name)
         self._refs[adapter.name] = self._refs.get(adapter.name, 0) + 1
         return slot
+
+    def acquire_by_name(self, name: str, get: Callable[[str], LoRAAdapter]) -> int:
+        """acquire() for the adapter `name`, calling get(name) for its factors only when no slot holds it (an
+        adapter read again from disk may raise there: nothing has changed then)."""
+        if name in self._slot_of:
+            self._slot_of.move_to_end(name)
+            self._refs[name] = self._refs.get(name, 0) + 1
+            return self._slot_of[name]
+        return self.acquire(get(name))
 
     def release(self, name: str) -> None:
         n = self._refs.get(name, 0)

@@ -101,22 +101,46 @@ def hbm_read_bandwidth_gbs(nbytes: int = 1 << 31) -> float:
     return best
 
 
-_FILE_DATES: dict[tuple[str, str, str], str] = {}  # (kind, out_dir, suffix) -> the date in its file name
+_FILE_PATHS: dict[tuple[str, str, str], str] = {}  # (kind, out_dir, suffix) -> the file this process writes
 
 
 def _utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffix: str = "") -> str:
+def _claim_new_path(stem: str) -> str:
+    """`<stem>.json`, or where a file of that name exists `<stem>-2.json`, `<stem>-3.json`, ...: the first name no
+    file has, created empty at once (O_EXCL) so that two processes starting together never take the same one."""
+    n = 1
+    while True:
+        path = f"{stem}.json" if n == 1 else f"{stem}-{n}.json"
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            n += 1
+            continue
+        os.close(fd)
+        return path
+
+
+def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffix: str = "",
+                 new_file: bool = False) -> str:
     """Write `payload` with date, device, commit, versions and the MOELORA_* switches set in the environment to
-    <out_dir>/<kind>-<date>-<device><suffix>.json. The date in the name is that of this process's first write of
-    (kind, out_dir, suffix): a run rewriting its file after each row keeps one file across midnight."""
+    <out_dir>/<kind>-<date>-<device><suffix>.json and return the path.
+
+    A result never overwrites an earlier run's: this process's first write of (kind, out_dir, suffix), or any write
+    with `new_file=True` (a run that writes its result once, such as `bench serve`, whose next run may be in the same
+    process), takes a name no file has yet, adding -2, -3, ... before .json when an earlier run of the same day holds
+    the plain name. Later writes of the same (kind, out_dir, suffix) rewrite the file the first one named: a run
+    rewriting its file after each row keeps one file, across midnight too (the date is that of the first write)."""
     os.makedirs(out_dir, exist_ok=True)
     now = _utcnow()
-    day = _FILE_DATES.setdefault((kind, os.path.abspath(out_dir), suffix), f"{now:%Y-%m-%d}")
-    dev = device_name().replace(" ", "-")
-    return write_json(os.path.join(out_dir, f"{kind}-{day}-{dev}{suffix}.json"), kind, payload, now)
+    key = (kind, os.path.abspath(out_dir), suffix)
+    path = None if new_file else _FILE_PATHS.get(key)
+    if path is None:
+        dev = device_name().replace(" ", "-")
+        path = _FILE_PATHS[key] = _claim_new_path(os.path.join(out_dir, f"{kind}-{now:%Y-%m-%d}-{dev}{suffix}"))
+    return write_json(path, kind, payload, now)
 
 
 def write_json(path: str, kind: str, payload: dict, now: datetime.datetime | None = None) -> str:

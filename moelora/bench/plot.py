@@ -7,7 +7,8 @@
   vLLM 0.26's measured figures (`published.py`);
 - `<stem>-peft.png`: moelora vs transformers + PEFT, tokens/s vs batch;
 - `<stem>-summary.md`: the same figures as markdown tables (`summary.py`).
-Several files (parts of one split run) are merged into one set of plots.
+Several files (parts of one split run) are merged into one set of plots. Any other file (a `bench serve` or
+`bench decode` result, not JSON, ...) is an error naming the file and what it is, before anything is written.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 from moelora.bench.figures import add_kept
 from moelora.bench.published import KEPT, VLLM_TOKENS_PER_S, kept_value
 from moelora.bench.summary import markdown, panel_key as _panel_key
+from moelora.config import ConfigError
 
 ADAPTER_COLORS = {0: "#222222", 1: "#1f77b4", 2: "#17becf", 4: "#2ca02c", 8: "#d62728", 32: "#9467bd"}
 PLOTTED_ADAPTERS = (0, 1, 2, 4, 8)  # tokens/s and floor plots: the counts a reader compares first
@@ -25,13 +27,40 @@ FULL_QWEN3 = "Qwen3-30B-A3B"
 OUR_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#d62728")  # moelora lines in the kept plot (references are warm colours)
 
 
+class NotAReportError(ConfigError):
+    """A file `bench plot` cannot plot. (A ConfigError so that `moelora bench plot` prints its one-line message
+    without a traceback and exits 1, see moelora.cli._expected_errors; it is a ValueError too.)"""
+
+
+EXPECTED = "`moelora bench plot` expects the JSON that `moelora bench report` writes (report-*.json)"
+
+
+def read_report(path: str) -> dict:
+    """The report in `path`; NotAReportError, saying what the file is instead, for anything else."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise NotAReportError(f"cannot read {path}: {e.strerror or e}; {EXPECTED}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:80]
+        raise NotAReportError(f"{path} is not JSON ({why}); {EXPECTED}") from None
+    if not isinstance(d, dict):
+        raise NotAReportError(f"{path} holds a JSON {type(d).__name__}, not a report; {EXPECTED}")
+    kind = d.get("kind")
+    if kind == "report" or (kind is None and any(isinstance(d.get(k), list) for k in ("decode", "prefill"))):
+        return d
+    what = f"a `bench {kind}` result (kind {kind!r})" if isinstance(kind, str) and kind else \
+        f"JSON without a report's decode / prefill rows (keys: {', '.join(sorted(map(str, d))[:6]) or 'none'})"
+    raise NotAReportError(f"{path} is {what}, not a `bench report` result; {EXPECTED}")
+
+
 def load(files: list[str]) -> dict:
     """One report from several files: rows and engines concatenated, run times summed (`parts` counts the
     files); ceilings, device, date and commit of the first file."""
     merged: dict = {}
     for path in files:
-        with open(path) as f:
-            d = json.load(f)
+        d = read_report(path)
         if not merged:
             merged = {**d, "decode": [], "prefill": [], "notes": [], "peft": None, "engines": [], "elapsed_s": 0.0,
                       "parts": 0}
@@ -257,13 +286,14 @@ def _save(fig, path: str) -> str:
 
 
 def plot_files(files: list[str], out_dir: str | None = None) -> list[str]:
-    """Write the PNGs for the report(s) in `files`; returns their paths."""
+    """Write the PNGs for the report(s) in `files`; returns their paths. NotAReportError (nothing written) when a
+    file is not a `bench report` result."""
+    d = load(files)  # first: a wrong file is an error before matplotlib is needed or anything is written
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    d = load(files)
     out_dir = out_dir or os.path.dirname(os.path.abspath(files[0]))
     os.makedirs(out_dir, exist_ok=True)
     stems = [os.path.splitext(os.path.basename(f))[0] for f in files]

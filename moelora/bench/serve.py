@@ -13,7 +13,23 @@ TTFT (time to the first content chunk), TPOT ((last chunk time - first chunk tim
 the output tokens (from the final usage chunk, else the number of content chunks) and the latency.
 After the run it reads ``GET /metrics`` (Prometheus text) and keeps the families whose names contain
 ``kv_blocks``, ``lora_slots``, ``running`` or ``waiting``; while it runs it also polls them and keeps
-each sample's peak.
+each sample's peak (``metrics_peak``; not of the free-block gauges, whose peak says nothing).
+
+The KV cache (``kv_cache`` in the summary): ``blocks_total``; ``blocks_free_min``, the fewest free blocks
+during the run, and ``blocks_used_peak`` = total - min free. The minimum comes from the server's
+``moelora_kv_blocks_free_min`` gauge (its lowest since it started; read before and after the run, so a low
+mark older than the run is not taken for the run's) where the server has it (``blocks_free_min_source``
+"server"), else from the polled ``moelora_kv_blocks_free`` samples ("polled": every --metrics-interval
+seconds, so an upper bound of the true minimum).
+
+Leaks: after the last request, aborted requests are freed asynchronously, so it polls ``/metrics`` for up
+to --settle-timeout seconds until every KV block is free and no LoRA slot is in use, then reports
+``kv_blocks_leaked`` (total - free) and ``lora_slots_leaked`` (``moelora_lora_slots_in_use``), None where the
+server lacks the gauge. Other clients of the same server count as leaks.
+
+A progress bar (tqdm where installed, the ``bench`` extra; else a line every few seconds) goes to stderr,
+never into the JSON; --no-progress turns it off. The JSON goes to <out>/serve-<date>-<device>.json, or with
+-2, -3, ... added when an earlier run of the day has that name.
 
 Standalone: ``python -m moelora.bench.serve --url http://127.0.0.1:8000 --concurrency 32``.
 """
@@ -34,9 +50,14 @@ from typing import Any
 import httpx
 
 __all__ = ["add_arguments", "run_load", "main", "RequestSpec", "RequestResult", "build_spec",
-           "parse_range", "parse_metrics", "summarize", "format_table", "METRIC_KEYS"]
+           "parse_range", "parse_metrics", "summarize", "format_table", "kv_summary", "leaks", "Progress",
+           "METRIC_KEYS"]
 
 METRIC_KEYS = ("kv_blocks", "lora_slots", "running", "waiting")
+KV_FREE = "moelora_kv_blocks_free"
+KV_FREE_MIN = "moelora_kv_blocks_free_min"  # the server's lowest free-block count since it started
+KV_TOTAL = "moelora_kv_blocks_total"
+SLOTS_IN_USE = "moelora_lora_slots_in_use"
 MAX_ERROR_MESSAGES = 10
 DEFAULT_NUM_REQUESTS = 200
 
@@ -74,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--timeout", type=float, default=300.0, help="per-request timeout in seconds (default %(default)s)")
     _add(parser, "--metrics-interval", type=float, default=1.0,
          help="seconds between /metrics polls during the run, for the peaks (default %(default)s)")
+    _add(parser, "--settle-timeout", type=float, default=5.0,
+         help="after the last request, seconds to wait for the server to free every KV block and LoRA slot "
+              "(aborted requests are freed asynchronously) before counting what is left as leaked "
+              "(default %(default)s)")
+    _add(parser, "--progress", action=argparse.BooleanOptionalAction, default=True,
+         help="a progress bar on stderr (tqdm if installed, else a line every few seconds); --no-progress: none")
     _add(parser, "--out", default="bench/results", help="folder for the JSON results (default %(default)s)")
 
 
@@ -311,16 +338,147 @@ async def _fetch_metrics(client: httpx.AsyncClient) -> tuple[dict | None, str | 
         return None, f"GET /metrics: {type(e).__name__}: {e}"
 
 
-async def _poll_metrics(client: httpx.AsyncClient, peaks: dict, stop: asyncio.Event, interval: float) -> None:
+def _is_free_gauge(family: str) -> bool:
+    """A count of free blocks (or slots): its low point matters, its peak says nothing."""
+    return "_free" in family
+
+
+def _track(m: dict | None, peaks: dict, lows: dict) -> None:
+    """Fold one /metrics sample into `peaks` (the maximum of every sample but the free gauges') and `lows` (the
+    minimum of the free gauges')."""
+    for fam, samples in (m or {}).items():
+        free = _is_free_gauge(fam)
+        dst = (lows if free else peaks).setdefault(fam, {})
+        for k, v in samples.items():
+            if not math.isnan(v):
+                dst[k] = (min if free else max)(dst.get(k, v), v)
+
+
+async def _poll_metrics(client: httpx.AsyncClient, peaks: dict, lows: dict, stop: asyncio.Event,
+                        interval: float) -> None:
     while not stop.is_set():
         m, err = await _fetch_metrics(client)
         if err is not None:
             return  # no /metrics (or not parseable): stop polling
-        for fam, samples in m.items():
-            dst = peaks.setdefault(fam, {})
-            for k, v in samples.items():
-                if not math.isnan(v):
-                    dst[k] = max(dst.get(k, v), v)
+        _track(m, peaks, lows)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        except asyncio.TimeoutError:
+            pass
+
+
+def _gauge(m: dict | None, name: str) -> float | None:
+    """The unlabelled sample of gauge `name` in parse_metrics' output, or None."""
+    v = ((m or {}).get(name) or {}).get(name)
+    return None if v is None or math.isnan(v) else v
+
+
+def _idle(m: dict | None) -> bool | None:
+    """Whether the server holds no KV block and no LoRA slot for a request; None where it has neither gauge."""
+    free, total, in_use = _gauge(m, KV_FREE), _gauge(m, KV_TOTAL), _gauge(m, SLOTS_IN_USE)
+    kv_known, slots_known = free is not None and total is not None, in_use is not None
+    if not kv_known and not slots_known:
+        return None
+    return (not kv_known or free >= total) and (not slots_known or in_use == 0)
+
+
+async def _settle(client: httpx.AsyncClient, timeout: float, poll_s: float = 0.1) -> tuple[dict | None, str | None]:
+    """/metrics after the run, once the server is idle (see _idle) or `timeout` seconds have passed."""
+    deadline = time.perf_counter() + max(timeout, 0.0)
+    while True:
+        m, err = await _fetch_metrics(client)
+        if m is None or _idle(m) is not False or time.perf_counter() >= deadline:
+            return m, err
+        await asyncio.sleep(poll_s)
+
+
+def kv_summary(before: dict | None, after: dict | None, lows: dict) -> dict:
+    """The KV cache over the run: total blocks, the fewest free (and from where), the most used, the free blocks
+    after it. `before` / `after`: /metrics (parse_metrics) before the first request and after the last one settled;
+    `lows`: the polled minima of the free gauges (see _track)."""
+    total = _gauge(after, KV_TOTAL)
+    if total is None:
+        total = _gauge(before, KV_TOTAL)
+    polled = _gauge(lows, KV_FREE)
+    low_before, low_after = _gauge(before, KV_FREE_MIN), _gauge(after, KV_FREE_MIN)
+    free_min, source = None, None
+    if low_after is not None and (low_before is None or low_after < low_before or polled is None
+                                  or polled <= low_after):
+        free_min, source = low_after, "server"  # the run set the server's low mark (or met it)
+    elif polled is not None:  # no such gauge, or its low mark predates the run
+        free_min, source = polled, "polled"
+    out = {"blocks_total": None if total is None else int(total),
+           "blocks_free_min": None if free_min is None else int(free_min),
+           "blocks_used_peak": None if free_min is None or total is None else int(total - free_min),
+           "blocks_free_min_source": source,
+           "blocks_free_after": None if _gauge(after, KV_FREE) is None else int(_gauge(after, KV_FREE))}
+    # (the prefix cache's hit rate belongs here once the server exports it)
+    return out
+
+
+def leaks(after: dict | None) -> tuple[int | None, int | None]:
+    """(KV blocks, LoRA slots) still held once every request finished (and the server had time to settle), or None
+    where the server lacks the gauges."""
+    free, total, in_use = _gauge(after, KV_FREE), _gauge(after, KV_TOTAL), _gauge(after, SLOTS_IN_USE)
+    kv = None if free is None or total is None else int(max(total - free, 0))
+    return kv, None if in_use is None else int(in_use)
+
+
+# --------------------------------------------------------------------------------------------- progress
+
+class Progress:
+    """Requests done, on stderr: a tqdm bar where tqdm is installed, else a line every `every` seconds (tick)
+    and one at the end; nothing at all when not enabled."""
+
+    def __init__(self, total: int | None, duration: float | None, enabled: bool = True, every: float = 5.0) -> None:
+        self.enabled, self.total, self.duration, self.every = enabled, total, duration, every
+        self.counts = {"ok": 0, "error": 0, "disconnected": 0}
+        self.done = 0
+        self.t0 = self.last = time.perf_counter()
+        self.stream = sys.stderr
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, unit="req", desc="bench serve", file=self.stream, mininterval=0.5,
+                            dynamic_ncols=True)
+
+    def update(self, res: RequestResult) -> None:
+        self.done += 1
+        self.counts[res.status] = self.counts.get(res.status, 0) + 1
+        if self.bar is not None:
+            self.bar.set_postfix({"ok": self.counts["ok"], "errors": self.counts["error"],
+                                  "disconnected": self.counts["disconnected"]}, refresh=False)
+            self.bar.update(1)
+
+    def line(self) -> str:
+        el = time.perf_counter() - self.t0
+        left = f", {max(self.duration - el, 0.0):.0f} s left" if self.duration is not None else ""
+        of = f"/{self.total}" if self.total is not None else ""
+        return (f"bench serve: {self.done}{of} requests (ok {self.counts['ok']}, errors {self.counts['error']}, "
+                f"disconnected {self.counts['disconnected']}) in {el:.1f} s{left}")
+
+    def tick(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.refresh()
+        elif time.perf_counter() - self.last >= self.every:
+            self.last = time.perf_counter()
+            print(self.line(), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            print(self.line(), file=self.stream, flush=True)
+
+
+async def _tick(progress: Progress, stop: asyncio.Event, interval: float = 0.5) -> None:
+    while not stop.is_set():
+        progress.tick()
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval)
         except asyncio.TimeoutError:
@@ -394,8 +552,9 @@ async def _list_models(client: httpx.AsyncClient) -> list[str]:
 
 async def run_load(args: argparse.Namespace) -> dict:
     """Run the load described by `args` (the options of add_arguments) and return the summary dict
-    (see summarize), with 'config', 'metrics' (after the run), 'metrics_peak' (polled during it) and
-    'metrics_error' (None, or why /metrics could not be read)."""
+    (see summarize), with 'config', 'metrics' (after the run, once settled), 'metrics_peak' (polled during it),
+    'metrics_error' (None, or why /metrics could not be read), 'kv_cache' (see kv_summary), 'kv_blocks_leaked'
+    and 'lora_slots_leaked' (see leaks)."""
     concurrency = int(_get(args, "concurrency", 16))
     if concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
@@ -427,6 +586,11 @@ async def run_load(args: argparse.Namespace) -> dict:
 
         queue: asyncio.Queue[RequestSpec | None] = asyncio.Queue(maxsize=2 * concurrency)
         results: list[RequestResult] = []
+        peaks: dict = {}
+        lows: dict = {}
+        before, _ = await _fetch_metrics(client)  # the server's low marks before this run
+        _track(before, {}, lows)
+        progress = Progress(num_requests, duration, bool(_get(args, "progress", True)))
         t_start = time.perf_counter()
         deadline = t_start + duration if duration is not None else None
 
@@ -449,18 +613,25 @@ async def run_load(args: argparse.Namespace) -> dict:
                         "temperature": temperature, "stream": stream}
                 if stream:
                     body["stream_options"] = {"include_usage": True}
-                    results.append(await _stream_request(client, spec, body))
+                    res = await _stream_request(client, spec, body)
                 else:
-                    results.append(await _plain_request(client, spec, body))
+                    res = await _plain_request(client, spec, body)
+                results.append(res)
+                progress.update(res)
 
         stop = asyncio.Event()
-        peaks: dict = {}
-        poller = asyncio.create_task(_poll_metrics(client, peaks, stop, float(_get(args, "metrics_interval", 1.0))))
-        await asyncio.gather(producer(), *(worker() for _ in range(concurrency)))
-        duration_s = time.perf_counter() - t_start
-        stop.set()
-        await poller
-        metrics, metrics_error = await _fetch_metrics(client)
+        poller = asyncio.create_task(_poll_metrics(client, peaks, lows, stop,
+                                                   float(_get(args, "metrics_interval", 1.0))))
+        ticker = asyncio.create_task(_tick(progress, stop))
+        try:
+            await asyncio.gather(producer(), *(worker() for _ in range(concurrency)))
+        finally:
+            duration_s = time.perf_counter() - t_start
+            stop.set()
+            await asyncio.gather(poller, ticker, return_exceptions=True)
+            progress.close()
+        metrics, metrics_error = await _settle(client, float(_get(args, "settle_timeout", 5.0)))
+        _track(metrics, peaks, lows)
 
     summary = summarize(results, duration_s)
     summary["config"] = {
@@ -471,6 +642,8 @@ async def run_load(args: argparse.Namespace) -> dict:
     summary["metrics"] = metrics or {}
     summary["metrics_peak"] = peaks
     summary["metrics_error"] = metrics_error
+    summary["kv_cache"] = kv_summary(before, metrics, lows)
+    summary["kv_blocks_leaked"], summary["lora_slots_leaked"] = leaks(metrics)
     return summary
 
 
@@ -502,6 +675,19 @@ def format_table(s: dict) -> str:
                      f"{m['disconnected']:>6d} {m['output_tokens']:>8d}")
     if s["errors"]["messages"]:
         lines += ["", "first errors:"] + [f"  {msg}" for msg in s["errors"]["messages"]]
+    kv = s.get("kv_cache") or {}
+    if kv.get("blocks_total") is not None or kv.get("blocks_free_min") is not None:
+        used = kv.get("blocks_used_peak")
+        share = f", {100 * used / kv['blocks_total']:.1f}%" if used is not None and kv.get("blocks_total") else ""
+        src = {"server": KV_FREE_MIN,
+               "polled": f"polled {KV_FREE}: an upper bound"}.get(kv.get("blocks_free_min_source"))
+        lines += ["", f"KV cache: {_fmt(kv.get('blocks_total'))} blocks; min free during the run "
+                      f"{_fmt(kv.get('blocks_free_min'))} (used at peak {_fmt(used)}{share})"
+                      + (f" [{src}]" if src else "")]
+    if s.get("kv_blocks_leaked") is not None or s.get("lora_slots_leaked") is not None:
+        leaked = (s.get("kv_blocks_leaked") or 0) + (s.get("lora_slots_leaked") or 0)
+        lines += [("LEAK " if leaked else "") + f"after the run: KV blocks leaked {_fmt(s.get('kv_blocks_leaked'))}, "
+                  f"LoRA slots leaked {_fmt(s.get('lora_slots_leaked'))}"]
     if s.get("metrics"):
         lines += ["", "server metrics after the run (peak during it):"]
         peak = s.get("metrics_peak") or {}
@@ -525,7 +711,7 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(summary))
     from moelora.bench.common import write_result
 
-    path = write_result("serve", summary, _get(args, "out", "bench/results"))
+    path = write_result("serve", summary, _get(args, "out", "bench/results"), new_file=True)  # never overwrites
     print(f"\nwrote {path}")
     return 1 if summary["errors"]["count"] else 0
 

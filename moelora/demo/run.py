@@ -29,10 +29,12 @@ def _show(text: str, width: int) -> str:
     return s if len(s) <= width else s[: width - 3] + "..."
 
 
-def run_demo(device: str | None = None, per_adapter: int = 4, seed: int | None = None) -> int:
+def run_demo(device: str | None = None, per_adapter: int = 4, seed: int | None = None,
+             cpu_threads: int | None = None) -> int:
     """Run one mixed batch over the bundled model and adapters and print a table.
     device: "cuda", "cpu", ... (None: a GPU when present, else the CPU) · per_adapter: rows per adapter
-    (and for the base) · seed: the inputs' random seed (None: fresh inputs each run).
+    (and for the base) · seed: the inputs' random seed (None: fresh inputs each run) · cpu_threads: torch's
+    threads on the CPU (None: the engine's choice).
     Returns 0 when every row is right, 1 otherwise."""
     import torch
 
@@ -51,7 +53,8 @@ def run_demo(device: str | None = None, per_adapter: int = 4, seed: int | None =
     rng.shuffle(rows)  # adapters interleaved within the one batch
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_path(), adapters=paths, max_loras=8, max_lora_rank=64, dtype="float32", device=device)
+    llm = LLM(model=model_path(), adapters=paths, max_loras=8, max_lora_rank=64, dtype="float32", device=device,
+              cpu_threads=cpu_threads)
     t_load = time.perf_counter() - t0
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     t0 = time.perf_counter()
@@ -89,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: a GPU if present, else the CPU)")
     p.add_argument("--per-adapter", type=int, default=4, help="requests per adapter and for the base model")
     p.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: fresh each run)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch's threads on the CPU (default: the engine's)")
     args = p.parse_args(argv)
-    return run_demo(args.device, args.per_adapter, args.seed)
+    return run_demo(args.device, args.per_adapter, args.seed, args.cpu_threads)
 
 
 if __name__ == "__main__":

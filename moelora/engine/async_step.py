@@ -23,7 +23,7 @@ import torch
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import StepOutput
 from moelora.engine.request import Request
-from moelora.engine.sampler import Sampler, to_device
+from moelora.engine.sampler import Sampler, apply_logit_bias, to_device
 from moelora.engine.scheduler import ScheduledChunk, Scheduler
 
 PLACEHOLDER = -1  # a request's step-N token while step N+1 is scheduled on it (replaced when step N is read)
@@ -61,7 +61,8 @@ def can_defer(out: StepOutput) -> bool:
 def launch_sampling(sampler: Sampler, out: StepOutput) -> PendingStep:
     """Sample out's rows on the device and start copying the tokens to the host; nothing waits."""
     reqs = [c.request for c in out.sampled]
-    tokens = sampler.sample_tokens(out.sample_logits, [r.params for r in reqs], [r.generator for r in reqs])
+    params = [r.params for r in reqs]
+    tokens = sampler.sample_tokens(apply_logit_bias(out.sample_logits, params), params, [r.generator for r in reqs])
     if not tokens.is_cuda:
         return PendingStep(reqs, tokens, tokens, None)
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

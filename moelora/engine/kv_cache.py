@@ -25,6 +25,7 @@ class KVCache:
         ]
         self.dummy_block = num_blocks  # never handed out: CUDA-graph padding rows write their keys here
         self._free = list(range(num_blocks - 1, -1, -1))
+        self.min_free = num_blocks  # the fewest free blocks there have been (metrics: how close the cache came to full)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -41,7 +42,9 @@ class KVCache:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"KV cache out of blocks: need {n}, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
+        self.min_free = min(self.min_free, len(self._free))
+        return out
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))

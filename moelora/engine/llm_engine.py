@@ -18,7 +18,8 @@ from moelora.engine.async_step import PLACEHOLDER, PendingStep, can_defer, launc
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import ModelRunner, StepOutput, graph_settings
 from moelora.engine.request import Request
-from moelora.engine.sampler import Sampler, apply_penalties, fused_sampler_min_rows, make_generator, prompt_logprobs
+from moelora.engine.sampler import (Sampler, apply_logit_bias, apply_penalties, fused_sampler_min_rows, make_generator,
+                                    prompt_logprobs)
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
 from moelora.kernels._triton import DeviceError
@@ -57,6 +58,9 @@ class EngineArgs:
     # rank only. None: on for a CUDA device (measured faster on the H200 in every case, session 13), off on the
     # CPU (nothing to overlap); MOELORA_ASYNC_SCHEDULING=0|1 sets that default
     async_scheduling: bool | None = None
+    # CPU: torch's intra-op threads. None: engine/cpu_threads.py's choice (MOELORA_CPU_THREADS or OMP_NUM_THREADS
+    # when set, else a count that does not oversubscribe the machine)
+    cpu_threads: int | None = None
 
 
 def resolve_async_scheduling(requested: bool | None, device: torch.device) -> bool:
@@ -110,6 +114,9 @@ class LLMEngine:
         if planned:  # the KV cache of every rank holds the same blocks: the fewest any rank can afford
             num_blocks = self.workers.agree_min(num_blocks)
         self.kv = KVCache(self.kv_config, num_blocks, args.block_size, self.model.dtype, self.device)
+        # the longest sequence that can run: the context, or what the whole KV cache holds if that is less (a
+        # request that reaches it ends with finish_reason "length", as at max_model_len)
+        self.max_context = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
         if self.workers is not None:
             self.workers.send("init", self.kv.num_blocks)
         if args.max_loras:
@@ -136,10 +143,12 @@ class LLMEngine:
             self.load_adapter(name, path)
 
     # ---- adapters -------------------------------------------------------------------------------
-    def load_adapter(self, name: str, path: str) -> None:
+    def load_adapter(self, name: str, path: str, roots: list[str] | None = None) -> None:
+        """Read, validate and register a PEFT adapter folder (thread-safe: the server calls it off the engine
+        thread). roots: its files (symlinks resolved) must lie under one of these folders."""
         if self.registry is None:
             raise ValueError("this engine was started with max_loras=0: no adapters can be loaded")
-        self.registry.load(name, path)
+        self.registry.load(name, path, roots)
         if self.workers is not None:
             self.workers.send("load", name, path)
 
@@ -161,11 +170,20 @@ class LLMEngine:
             self.workers.check()
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a parallel engine (nothing otherwise). Every rank frees its CUDA graphs
-        before leaving the process group (graphs that captured NCCL collectives keep the communicator alive)."""
-        if self.workers is not None:
-            self.runner.release_graphs()
-            self.workers.stop()
+        """Free the CUDA graphs and, for a parallel engine, stop the worker processes and leave the
+        torch.distributed process group this process joined (a second parallel engine can then start here).
+        Every rank frees its CUDA graphs before leaving the group (graphs that captured NCCL collectives keep
+        the communicator alive). Idempotent, and safe on an engine whose __init__ stopped part way (LLM calls it
+        then); the workers are stopped even if freeing the graphs fails."""
+        runner, workers = getattr(self, "runner", None), getattr(self, "workers", None)
+        try:
+            if runner is not None:
+                if getattr(self, "device", None) is not None and self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # no graph still running when it is freed
+                runner.release_graphs()
+        finally:
+            if workers is not None:
+                workers.stop()
 
     def list_adapters(self) -> list[str]:
         return self.registry.names if self.registry else []
@@ -181,13 +199,24 @@ class LLMEngine:
         if adapter is not None and (self.registry is None or adapter not in self.registry):
             raise ValueError(f"unknown adapter {adapter!r}; loaded adapters: {self.list_adapters()}")
         ids = self._prompt_ids(prompt)
+        bad = [t for t in (params.logit_bias or {}) if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, but the context holds {self.max_model_len} "
                 "(max_model_len) including at least one generated token"
             )
-        if self.kv.blocks_needed(len(ids) + 1, 0) > self.kv.num_blocks:
-            raise ValueError(f"prompt of {len(ids)} tokens needs more KV blocks than the cache has ({self.kv.num_blocks})")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if len(ids) + 1 > capacity:
+            raise ValueError(f"prompt of {len(ids)} tokens needs more KV blocks than the cache has "
+                             f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > capacity:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{len(ids) + params.max_tokens} tokens of KV cache, but the whole cache holds {capacity} "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size}): lower max_tokens, or give the cache more "
+                "memory (--kv-cache-memory, --gpu-memory-utilization)")
         req = Request(request_id, ids, params, adapter, next(self._arrival))
         req.generator = make_generator(params.seed, self.device)
         if self.tokenizer is not None:
@@ -237,20 +266,22 @@ class LLMEngine:
         launched from them (engine/async_step.py); this call then returns the earlier step's requests."""
         if self._pending is None:
             chunks = self.scheduler.schedule()
+            failed = self.scheduler.take_failed()  # requests whose adapter could not be read: they alone end
             if not chunks:
                 if self.scheduler.waiting and not self.scheduler.running:
-                    raise RuntimeError(
-                        "no request can be scheduled (KV cache or LoRA slots exhausted with nothing running)")
-                return []
+                    failed += self._fail_unschedulable()
+                return failed
             out = self._execute(chunks)
             for c in chunks:
                 c.request.num_computed += c.num_tokens
             self._record_prompt_logprobs(chunks, out)
             if not (self.async_scheduling and can_defer(out)):
-                return self._sample(out)
+                return failed + self._sample(out)
             self._pending = launch_sampling(self.sampler, out)
+            if failed:
+                return failed
         pending, self._pending = self._pending, None
-        ahead = schedule_ahead(self.scheduler, self.kv, pending, self.max_model_len)
+        ahead = schedule_ahead(self.scheduler, self.kv, pending, self.max_context)
         if ahead is not None:
             out = self._execute(ahead.chunks, ahead.input_tokens)
             for c in ahead.chunks:
@@ -258,6 +289,18 @@ class LLMEngine:
             self.ahead_steps += 1
             self._pending = launch_sampling(self.sampler, out)  # its rows passed can_defer one step earlier
         return self._read(pending)
+
+    def _fail_unschedulable(self) -> list[Request]:
+        """Nothing runs and the first waiting request still cannot start: it can never run (add_request and
+        max_context keep this from happening; kept as a guard so that such a request fails alone, with the
+        reason, instead of the step failing every request)."""
+        req = self.scheduler.waiting[0]
+        need = self.kv.blocks_needed(req.num_tokens, 0)
+        why = (f"it needs {need} KV blocks and the cache has {self.kv.num_blocks}" if need > self.kv.num_blocks
+               else "no LoRA slot can be freed for its adapter" if req.adapter is not None else "no KV blocks are free")
+        self.scheduler.finish(req)
+        req.finish_reason, req.error = "abort", f"request {req.request_id!r} cannot be scheduled: {why}"
+        return [req]
 
     def _execute(self, chunks: list, input_tokens: torch.Tensor | None = None) -> StepOutput:
         if self.workers is None:
@@ -304,7 +347,7 @@ class LLMEngine:
             return []
         reqs = [c.request for c in out.sampled]
         params = [r.params for r in reqs]
-        logits = out.sample_logits
+        logits = apply_logit_bias(out.sample_logits, params)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, [r.prompt_ids for r in reqs], [r.output_ids for r in reqs], params)
         res = self.sampler.sample(logits, params, [r.generator for r in reqs])
@@ -333,7 +376,7 @@ class LLMEngine:
             if reason is None and req.stopper.stopped:
                 reason, req.stop_reason = "stop", req.stopper.stop_str
         if reason is None and (
-            (p.max_tokens is not None and len(req.output_ids) >= p.max_tokens) or req.num_tokens >= self.max_model_len
+            (p.max_tokens is not None and len(req.output_ids) >= p.max_tokens) or req.num_tokens >= self.max_context
         ):
             reason = "length"
         if reason is None:

@@ -29,6 +29,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     slot: int = -1  # LoRA slot while running (-1 = base model)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    error: str | None = None  # why this request alone failed (finish_reason "abort"): e.g. its adapter's files
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -1,7 +1,8 @@
 """Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeded draws, logprobs.
 
 Order of operations for one step (as vLLM):
-    logits = apply_penalties(raw_logits, ...)        # repetition, frequency, presence
+    logits = apply_logit_bias(raw_logits, ...)       # OpenAI logit_bias, per request
+    logits = apply_penalties(logits, ...)            # repetition, frequency, presence
     logprobs = log_softmax(logits)                    # what is reported (no temperature, no filters)
     greedy rows:  token = argmax(logits)              # ties: lowest id
     other rows:   logits /= temperature; top-k; top-p; min-p; token ~ softmax(logits)
@@ -49,6 +50,26 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     )  # [B, L]
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits[b, v] + params[b].logit_bias[v] for every biased (row, token); a new fp32 tensor when any row has a
+    bias, else logits itself. The bias is copied to the device without a synchronisation, so this also runs
+    between an asynchronous step's forward and its sampling. logits: [B, V]. Token ids must be < V (the engine
+    checks them when the request is added)."""
+    rows, cols, vals = [], [], []
+    for b, p in enumerate(params):
+        for t, v in (p.logit_bias or {}).items():
+            rows.append(b)
+            cols.append(t)
+            vals.append(float(v))
+    if not rows:
+        return logits
+    device = logits.device
+    out = logits.float().clone()
+    out.index_put_((to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)),
+                   to_device(vals, torch.float32, device), accumulate=True)
+    return out
 
 
 def apply_penalties(

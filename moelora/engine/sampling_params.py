@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -14,6 +15,8 @@ class SamplingParams:
     logprobs: how many top logprobs to return per generated token (the chosen
     token's own logprob is always returned). prompt_logprobs: the same for
     prompt positions. stop is normalized to a list of strings.
+    logit_bias: token id -> a value in [-100, 100] added to that token's logit
+    before penalties and sampling (OpenAI's logit_bias; logprobs see it too).
     """
 
     n: int = 1
@@ -33,6 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -42,12 +46,17 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self._validate()
 
     def _validate(self) -> None:
         def fail(msg: str) -> None:
             raise ValueError(f"SamplingParams: {msg}")
 
+        for key in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                fail(f"{key} must be a finite number, got {value!r}")
         if self.n < 1:
             fail(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
@@ -74,6 +83,11 @@ class SamplingParams:
             fail(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        for t, b in (self.logit_bias or {}).items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                fail(f"logit_bias keys must be token ids (non-negative ints), got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                fail(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,9 @@ holds a slot; a request whose adapter cannot get a slot waits, and from then on 
 adapter is admitted ahead of it (base requests still are), so every adapter gets its turn. When KV blocks
 run out, the most recently arrived running request is preempted: its blocks and adapter reference are
 freed, and it later recomputes its prompt and output so far.
+
+A request whose adapter cannot be read (its files gone or changed since it was loaded, after it left host memory)
+fails alone: it is finished with `error` set and handed out by take_failed(); the rest of the batch runs on.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
 
+from moelora.adapters.errors import AdapterError
 from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import SlotPool
 from moelora.engine.kv_cache import KVCache
@@ -49,6 +53,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.failed: list[Request] = []  # finished with an error since the last take_failed()
+        self.num_preemptions = 0  # since start (metrics)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -89,17 +95,33 @@ class Scheduler:
                 skipped.append(req)
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
-            if not self._reserve(req, req.num_computed + n):
+            if self.kv.blocks_needed(req.num_computed + n, len(req.block_table)) > self.kv.num_free_blocks:
                 skipped.append(req)
                 break  # no blocks: later requests would not fit either (FIFO)
             if req.adapter is not None:
-                req.slot = self.pool.acquire(self.registry.get(req.adapter))
+                try:
+                    req.slot = self.pool.acquire_by_name(req.adapter, self.registry.get)
+                except AdapterError as e:  # its files are gone or changed: this request fails, no other
+                    self._fail(req, str(e))
+                    continue
+            self._reserve(req, req.num_computed + n)
             req.status = Status.RUNNING
             self.running.append(req)
             out.append(ScheduledChunk(req, req.num_computed, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def take_failed(self) -> list[Request]:
+        """The requests failed (finished with `error`) since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _fail(self, req: Request, error: str) -> None:
+        self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason, req.error = "abort", error
+        self.failed.append(req)
 
     def finish(self, req: Request) -> None:
         """Free everything a request holds (finished or aborted)."""
@@ -134,4 +156,5 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)

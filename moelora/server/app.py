@@ -1,10 +1,12 @@
-"""FastAPI app: OpenAI completions and chat (streaming or not), models, adapter load/unload, health, metrics."""
+"""FastAPI app: OpenAI completions and chat (streaming or not), models, adapter load/unload, tokenize /
+detokenize, version, health, metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import time
 import uuid
@@ -16,12 +18,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from moelora import __version__
 from moelora.adapters.errors import AdapterError
+from moelora.adapters.registry import check_name
 from moelora.engine.sampling_params import SamplingParams
 from moelora.server.async_engine import AdapterNotFound, AsyncEngine, RequestStream, Update
+from moelora.server.generation_config import generation_defaults
 from moelora.server.metrics import ServerMetrics
-from moelora.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadAdapterRequest,
-                                     UnloadAdapterRequest)
+from moelora.server.middleware import Guard
+from moelora.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadAdapterRequest,
+                                     TokenizeRequest, UnloadAdapterRequest, unsupported_fields)
+from moelora.server.responses import CompletionLogprobs, chat_logprobs, prompt_logprobs_field
+
+log = logging.getLogger("moelora.server")
 
 
 @dataclass
@@ -34,57 +43,71 @@ class ServerSettings:
     max_n: int = 16
     max_tokens_limit: int | None = None  # None: the context length
     shutdown_timeout: float = 30.0
+    max_logprobs: int = 20  # largest logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's default)
+    # sampling defaults for fields a request leaves out: "auto" reads the model folder's generation_config.json
+    # (as vLLM), "vllm" uses the built-in defaults, any other value is a folder holding a generation_config.json
+    generation_config: str = "auto"
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None,
-                 code: int | str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
-        self.code = code if code is not None else status
-
-
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status)
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    metrics = ServerMetrics(engine.stats)
+    metrics = ServerMetrics(engine.stats, engine.counters)
     engine.on_step = lambda n: metrics.batch_size.observe(n) if n else None
     tok = engine.engine.tokenizer
     max_len = engine.engine.max_model_len
+    defaults = generation_defaults(settings.generation_config, settings.model_path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout)
 
-    app = FastAPI(title="moelora", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="moelora", version=__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    app.add_middleware(Guard, api_key=settings.api_key, max_bytes=settings.max_body_bytes,
+                       on_reject=lambda status: metrics.http_errors.labels(status=str(status)).inc())
 
-    # ---- errors, auth, limits --------------------------------------------------------------------
+    def error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+        metrics.http_errors.labels(status=str(status)).inc()
+        return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
+                            status_code=status)
+
+    # ---- errors ----------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return _error(e.status, e.message, e.type, e.param)
+        return error(e.status, e.message, e.type, e.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            return error(400, f"the request body is not valid JSON: {first.get('msg', '')} "
+                              f"({first.get('ctx', {}).get('error', '')})", "BadRequestError")
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return _error(400, f"invalid request: {loc}: {first.get('msg', str(e))}", "BadRequestError", loc)
+        return error(400, f"invalid request: {loc}: {first.get('msg', str(e))}", "BadRequestError", loc)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if settings.api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
-                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "AuthenticationError")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return _error(413, f"request body of {length} bytes is over the limit of {settings.max_body_bytes}",
-                          "BadRequestError")
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError")
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def model_card(model_id: str) -> dict | None:
+        created = int(time.time())
+        if model_id == settings.served_model_name:
+            return {"id": model_id, "object": "model", "created": created, "owned_by": "moelora",
+                    "root": settings.model_path, "parent": None, "max_model_len": max_len}
+        if model_id in engine.engine.list_adapters():
+            return {"id": model_id, "object": "model", "created": created, "owned_by": "moelora",
+                    "root": engine.engine.registry.path(model_id), "parent": settings.served_model_name,
+                    "max_model_len": max_len}
+        return None
+
     def resolve_adapter(model: str) -> str | None:
         if model == settings.served_model_name:
             return None
@@ -99,16 +122,28 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         raise APIError(404, f"model {model!r} does not exist; models: {[settings.served_model_name, *engine.engine.list_adapters()]}",
                        "NotFoundError", "model")
 
-    def check_limits(n: int, max_tokens: int | None) -> None:
+    def check_supported(req) -> None:
+        bad = unsupported_fields(req)
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0])
+
+    def check_limits(n: int, max_tokens: int | None, min_tokens: int = 1) -> None:
         if not 1 <= n <= settings.max_n:
             raise APIError(400, f"n must be between 1 and {settings.max_n}, got {n}", param="n")
         limit = settings.max_tokens_limit or max_len
-        if max_tokens is not None and not 1 <= max_tokens <= limit:
-            raise APIError(400, f"max_tokens must be between 1 and {limit}, got {max_tokens}", param="max_tokens")
+        if max_tokens is not None and not min_tokens <= max_tokens <= limit:
+            raise APIError(400, f"max_tokens must be between {min_tokens} and {limit}, got {max_tokens}",
+                           param="max_tokens")
+
+    def check_logprobs(value: int | None, name: str) -> int | None:
+        if value is not None and not 0 <= value <= settings.max_logprobs:
+            raise APIError(400, f"{name} must be between 0 and {settings.max_logprobs} (--max-logprobs), got {value}",
+                           param=name)
+        return value
 
     def make_params(req, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
         try:
-            return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return req.sampling_params(max_tokens, logprobs, prompt_logprobs, defaults)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -142,6 +177,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             metrics.ttft.observe(max(0.0, final.first_token_time - t0))
             if final.num_output_tokens > 1:
                 metrics.tpot.observe((time.monotonic() - final.first_token_time) / (final.num_output_tokens - 1))
+
+    def stream_error(message: str) -> dict:
+        return {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
 
     async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
         """(choice index, update) from all streams as they come; aborts the rest if the consumer leaves."""
@@ -182,32 +220,16 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         task.result()
         return out
 
+    def first_error(per_choice: list[list[Update]], adapter: str | None, t0: float) -> None:
+        failed = [ups[-1] for ups in per_choice if ups[-1].error]
+        for final in failed:
+            record(adapter, t0, final, "error")
+        if failed:
+            raise APIError(500, failed[0].error, "InternalServerError")
+
     def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
-
-    def completion_logprobs(updates: list[Update], offset: int) -> dict:
-        tokens, lps, tops, offsets = [], [], [], []
-        for u in updates:
-            for tid, d in zip(u.token_ids, u.logprobs):
-                s = token_str(tid)
-                tokens.append(s)
-                lps.append(d.get(tid))
-                tops.append({token_str(t): lp for t, lp in d.items()})
-                offsets.append(offset)
-                offset += len(s)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def chat_logprobs(updates: list[Update], k: int) -> dict:
-        content = []
-        for u in updates:
-            for tid, d in zip(u.token_ids, u.logprobs):
-                s = token_str(tid)
-                top = sorted(d.items(), key=lambda kv: -kv[1])[:k]
-                content.append({"token": s, "logprob": d.get(tid), "bytes": list(s.encode()),
-                                "top_logprobs": [{"token": token_str(t), "logprob": lp, "bytes": list(token_str(t).encode())}
-                                                 for t, lp in top]})
-        return {"content": content}
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -217,33 +239,70 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def health():
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
-        created = int(time.time())
-        data = [{"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "moelora",
-                 "root": settings.model_path, "parent": None, "max_model_len": max_len}]
-        reg = engine.engine.registry
-        for name in engine.engine.list_adapters():
-            data.append({"id": name, "object": "model", "created": created, "owned_by": "moelora",
-                         "root": reg.path(name), "parent": settings.served_model_name})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(m) for m in [settings.served_model_name,
+                                                                   *engine.engine.list_adapters()]]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        card = model_card(model_id)
+        if card is None:
+            raise APIError(404, f"model {model_id!r} does not exist", "NotFoundError", "model")
+        return card
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send either prompt or messages", param="prompt")
+        if req.model is not None:
+            resolve_adapter(req.model)
+        if req.messages is not None:
+            text = render_chat(req.messages, req.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+        if req.model is not None:
+            resolve_adapter(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < engine.engine.config.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids out of vocabulary [0, {engine.engine.config.vocab_size}): {bad[:5]}",
+                           param="tokens")
+        return {"prompt": tok.decode(req.tokens)}
 
     @app.post("/v1/load_lora_adapter")
     async def load_adapter(req: LoadAdapterRequest):
-        path = os.path.realpath(req.lora_path)
-        if settings.lora_roots:
-            roots = [os.path.realpath(r) for r in settings.lora_roots]
-            if not any(os.path.commonpath([path, r]) == r for r in roots):
-                raise APIError(400, f"lora_path {req.lora_path!r} is not under an allowed --lora-root {settings.lora_roots}",
-                               param="lora_path")
-        if req.lora_name == settings.served_model_name or ":" in req.lora_name:
-            raise APIError(400, f"lora_name {req.lora_name!r} is reserved or contains ':'", param="lora_name")
         try:
-            await engine.load_adapter(req.lora_name, path)
+            check_name(req.lora_name)
+        except AdapterError as e:
+            raise APIError(400, str(e), param="lora_name") from None
+        if req.lora_name == settings.served_model_name:
+            raise APIError(400, f"lora_name {req.lora_name!r} is the base model's name", param="lora_name")
+        if "\x00" in req.lora_path:
+            raise APIError(400, "lora_path contains a NUL byte", param="lora_path")
+        path = os.path.realpath(req.lora_path)
+        roots = [os.path.realpath(r) for r in settings.lora_roots] or None
+        if roots and not any(os.path.commonpath([path, r]) == r for r in roots):
+            raise APIError(400, f"lora_path {req.lora_path!r} is not under an allowed --lora-root {settings.lora_roots}",
+                           param="lora_path")
+        try:
+            await engine.load_adapter(req.lora_name, path, roots)
         except (AdapterError, ValueError) as e:
             raise APIError(400, str(e), param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
@@ -258,13 +317,19 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
+        check_supported(req)
         adapter = resolve_adapter(req.model)
-        check_limits(req.n, req.max_tokens)
+        check_limits(req.n, req.max_tokens, min_tokens=0)
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
-        lp = req.logprobs
-        params = make_params(req, req.max_tokens, lp, lp if (req.echo and lp is not None) else None)
+        lp = check_logprobs(req.logprobs, "logprobs")
+        plp = check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        echo_lp = lp if req.echo else None  # the echoed prompt's tokens get log-probabilities too
+        prompt_k = max((k for k in (plp, echo_lp) if k is not None), default=None)
+        # max_tokens 0 (scoring a prompt): one token is computed and dropped, so the prompt's logprobs come out
+        scoring = req.max_tokens == 0
+        params = make_params(req, 1 if scoring else req.max_tokens, lp, prompt_k)
         t0 = time.monotonic()
         streams = await submit_all(prompts, params, req.n, adapter, "cmpl")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -274,22 +339,43 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                     "choices": choices, "usage": usage_}
 
+        def finish_reason(u: Update) -> str | None:
+            return "length" if scoring else u.finish_reason
+
         if req.stream:
             async def events():
-                sent_echo, out_tokens, prompt_tokens = set(), 0, {}
+                started: set[int] = set()
+                out_tokens, prompt_tokens = 0, {}
+                offsets = [CompletionLogprobs(token_str) for _ in streams]
                 async for i, u in merged(streams):
-                    text = u.text
-                    if req.echo and i not in sent_echo:
-                        sent_echo.add(i)
-                        text = prompt_texts[i // req.n] + text
-                    out_tokens += len(u.token_ids)
                     prompt_tokens[i // req.n] = u.num_prompt_tokens
-                    lps = completion_logprobs([u], 0) if lp is not None else None
+                    if u.error:
+                        record(adapter, t0, u, "error")
+                        yield sse(stream_error(u.error))
+                        continue
+                    text, lps = "", None
+                    if i not in started:
+                        started.add(i)
+                        if req.echo:
+                            text = prompt_texts[i // req.n]
+                            if lp is not None:
+                                lps = offsets[i].prompt(u.prompt_ids, u.prompt_logprobs)
+                            else:
+                                offsets[i].offset = len(text)
+                    if not scoring:
+                        text += u.text
+                        out_tokens += len(u.token_ids)
+                        if lp is not None:
+                            gen = offsets[i].tokens([u])
+                            lps = gen if lps is None else CompletionLogprobs.join(lps, gen)
                     if text or u.finished or lps:
-                        yield sse(chunk([{"index": i, "text": text, "logprobs": lps,
-                                          "finish_reason": u.finish_reason if u.finished else None}]))
+                        choice = {"index": i, "text": text, "logprobs": lps,
+                                  "finish_reason": finish_reason(u) if u.finished else None}
+                        if plp is not None and u.prompt_logprobs is not None:
+                            choice["prompt_logprobs"] = prompt_logprobs_field(u.prompt_ids, u.prompt_logprobs, token_str)
+                        yield sse(chunk([choice]))
                     if u.finished:
-                        record(adapter, t0, u, "error" if u.error else (u.finish_reason or "stop"))
+                        record(adapter, t0, u, finish_reason(u) or "stop")
                 if req.include_usage:
                     yield sse(chunk([], usage(sum(prompt_tokens.values()), out_tokens)))
                 yield "data: [DONE]\n\n"
@@ -297,34 +383,53 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         per_choice = await collect(streams, raw)
+        first_error(per_choice, adapter, t0)
         choices, n_prompt, n_out = [], {}, 0
         for i, ups in enumerate(per_choice):
             final = ups[-1]
-            if final.error:
-                raise APIError(500, final.error, "InternalServerError")
-            record(adapter, t0, final, final.finish_reason or "stop")
-            text = "".join(u.text for u in ups)
+            record(adapter, t0, final, finish_reason(final) or "stop")
             echo = prompt_texts[i // req.n] if req.echo else ""
+            text = "" if scoring else "".join(u.text for u in ups)
             n_prompt[i // req.n] = final.num_prompt_tokens
-            n_out += final.num_output_tokens
-            choices.append({"index": i, "text": echo + text,
-                            "logprobs": completion_logprobs(ups, len(echo)) if lp is not None else None,
-                            "finish_reason": final.finish_reason})
+            n_out += 0 if scoring else final.num_output_tokens
+            logprobs = None
+            if lp is not None:
+                fmt = CompletionLogprobs(token_str)
+                parts = [fmt.prompt(final.prompt_ids, final.prompt_logprobs)] if req.echo else []
+                parts += [] if scoring else [fmt.tokens(ups)]
+                logprobs = CompletionLogprobs.join(*parts) if parts else None
+            choice = {"index": i, "text": echo + text, "logprobs": logprobs, "finish_reason": finish_reason(final)}
+            if plp is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_field(final.prompt_ids, final.prompt_logprobs, token_str)
+            choices.append(choice)
         return chunk(choices, usage(sum(n_prompt.values()), n_out))
+
+    def render_chat(messages, add_generation_prompt: bool) -> str:
+        for m in messages:
+            kind = m.non_text_part()
+            if kind is not None:
+                raise APIError(400, f"message content of type {kind!r} is not supported: moelora serves text models",
+                               param="messages")
+        try:
+            return tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                           add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # a missing template or one that rejects these messages
+            raise APIError(400, f"chat template: {e}", param="messages") from None
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
+        check_supported(req)
         adapter = resolve_adapter(req.model)
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         check_limits(req.n, max_tokens)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        k = check_logprobs(req.top_logprobs, "top_logprobs") or 0
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
-        try:
-            prompt = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                             add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # a missing template or one that rejects these messages
-            raise APIError(400, f"chat template: {e}", param="messages") from None
-        k = req.top_logprobs or 0
+        prompt = render_chat(req.messages, req.add_generation_prompt)
         params = make_params(req, max_tokens, k if req.logprobs else None, None)
         t0 = time.monotonic()
         streams = await submit_all([prompt], params, req.n, adapter, "chat")
@@ -337,17 +442,21 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             async def events():
                 started, out_tokens, n_prompt = set(), 0, 0
                 async for i, u in merged(streams):
+                    n_prompt = u.num_prompt_tokens
+                    if u.error:
+                        record(adapter, t0, u, "error")
+                        yield sse(stream_error(u.error))
+                        continue
                     if i not in started:
                         started.add(i)
                         yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]))
                     out_tokens += len(u.token_ids)
-                    n_prompt = u.num_prompt_tokens
-                    lps = chat_logprobs([u], k) if req.logprobs else None
+                    lps = chat_logprobs([u], k, token_str) if req.logprobs else None
                     if u.text or lps:
                         yield sse(chunk([{"index": i, "delta": {"content": u.text}, "logprobs": lps, "finish_reason": None}]))
                     if u.finished:
-                        record(adapter, t0, u, "error" if u.error else (u.finish_reason or "stop"))
+                        record(adapter, t0, u, u.finish_reason or "stop")
                         yield sse(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": u.finish_reason}]))
                 if req.include_usage:
                     yield sse(chunk([], usage(n_prompt, out_tokens)))
@@ -356,15 +465,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         per_choice = await collect(streams, raw)
+        first_error(per_choice, adapter, t0)
         choices, n_out, n_prompt = [], 0, 0
         for i, ups in enumerate(per_choice):
             final = ups[-1]
-            if final.error:
-                raise APIError(500, final.error, "InternalServerError")
             record(adapter, t0, final, final.finish_reason or "stop")
             n_prompt, n_out = final.num_prompt_tokens, n_out + final.num_output_tokens
             choices.append({"index": i, "message": {"role": "assistant", "content": "".join(u.text for u in ups)},
-                            "logprobs": chat_logprobs(ups, k) if req.logprobs else None,
+                            "logprobs": chat_logprobs(ups, k, token_str) if req.logprobs else None,
                             "finish_reason": final.finish_reason})
         return chunk(choices, usage(n_prompt, n_out), obj="chat.completion")
 

@@ -39,8 +39,8 @@ class Update:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    prompt_ids: list[int] = field(default_factory=list)  # on the final update
-    prompt_logprobs: list | None = None  # on the final update, when asked
+    prompt_ids: list[int] = field(default_factory=list)  # on the final update, and with prompt_logprobs
+    prompt_logprobs: list | None = None  # when asked: on the first update after the prefill, and on the final
     error: str | None = None
     first_token_time: float | None = None
 
@@ -51,6 +51,7 @@ class _Stream:
     queue: asyncio.Queue
     text_sent: int = 0
     tokens_sent: int = 0
+    prompt_sent: bool = False  # its prompt logprobs went out (on the first update that has them all)
 
 
 class RequestStream:
@@ -97,6 +98,8 @@ class AsyncEngine:
         # a failure that ends serving (a tensor/expert-parallel worker died): its message, and the server's hook
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
+        self.num_cancelled = 0  # requests aborted before they finished (client gone, shutdown)
+        self.num_failed = 0  # requests ended by an error (their adapter's files, or a failed engine step)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,10 +151,12 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.call(lambda: self._abort(request_id))
 
-    async def load_adapter(self, name: str, path: str) -> None:
+    async def load_adapter(self, name: str, path: str, roots: list[str] | None = None) -> None:
+        """Read and register an adapter off the engine thread. roots: its files must resolve under one of these
+        folders (--lora-root), now and whenever they are read again."""
         if name in self._draining:
             raise ValueError(f"adapter {name!r} is being unloaded; load it again once that is done")
-        await asyncio.to_thread(self.engine.load_adapter, name, path)
+        await asyncio.to_thread(self.engine.load_adapter, name, path, roots)
 
     async def unload_adapter(self, name: str) -> None:
         """Refuses new requests for the adapter at once; unloads once the requests using it finish."""
@@ -178,6 +183,27 @@ class AsyncEngine:
             "lora_slots_used": len(e.pool.resident) if e.pool else 0,
             "lora_slots_in_use": sum(1 for n in (e.pool.resident if e.pool else {}) if e.pool.refcount(n) > 0),
             "adapters_loaded": len(e.list_adapters()),
+            "kv_blocks_free_min": e.kv.min_free,
+        }
+
+    def counters(self) -> dict[str, int]:
+        """Totals since start (monotonic; read from other threads): requests cancelled and failed, preemptions,
+        adapter loads from files, reads again after leaving host memory, failed reads, unloads, writes into a
+        LoRA slot (swaps), evictions from a slot and from host memory."""
+        e = self.engine
+        reg = e.registry.counters if e.registry is not None else {}
+        pool = e.pool.counters if e.pool is not None else {}
+        return {
+            "requests_cancelled": self.num_cancelled,
+            "requests_failed": self.num_failed,
+            "preemptions": e.scheduler.num_preemptions,
+            "adapter_loads": reg.get("loads", 0),
+            "adapter_reloads": reg.get("reloads", 0),
+            "adapter_load_failures": reg.get("load_failures", 0),
+            "adapter_unloads": reg.get("unloads", 0),
+            "adapter_slot_loads": pool.get("slot_loads", 0),
+            "adapter_slot_evictions": pool.get("slot_evictions", 0),
+            "adapter_cpu_evictions": reg.get("cpu_evictions", 0),
         }
 
     # ---- engine thread ----------------------------------------------------------------------------
@@ -233,18 +259,27 @@ class AsyncEngine:
             num_prompt_tokens=len(req.prompt_ids),
             num_output_tokens=len(req.output_ids),
             first_token_time=req.first_token_time,
+            error=req.error,
         )
+        if req.error is not None:
+            self.num_failed += 1
+            log.warning("request %s failed: %s", req.request_id, req.error)
         s.text_sent, s.tokens_sent = len(req.text), len(req.output_ids)
-        if req.finished:
+        wants_prompt = req.params.prompt_logprobs is not None
+        if req.finished or (wants_prompt and not s.prompt_sent and len(req.prompt_logprobs) >= len(req.prompt_ids)):
             upd.prompt_ids = list(req.prompt_ids)
-            upd.prompt_logprobs = req.prompt_logprobs if req.params.prompt_logprobs is not None else None
+            upd.prompt_logprobs = list(req.prompt_logprobs) if wants_prompt else None
+            s.prompt_sent = s.prompt_sent or wants_prompt
+        if req.finished:
             del self._streams[req.request_id]
             self.engine.pop_finished(req.request_id)
         s.loop.call_soon_threadsafe(s.queue.put_nowait, upd)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, cancelled: bool = True) -> None:
         self._streams.pop(request_id, None)
         if request_id in self.engine.requests:
+            if cancelled and not self.engine.requests[request_id].finished:
+                self.num_cancelled += 1
             self.engine.abort_request(request_id)
             self.engine.pop_finished(request_id)
         if self._draining:
@@ -263,7 +298,9 @@ class AsyncEngine:
         for rid in list(self._streams):
             s = self._streams[rid]
             s.loop.call_soon_threadsafe(s.queue.put_nowait, Update(finished=True, finish_reason="abort", error=error))
-            self._abort(rid)
+            if error is not None:
+                self.num_failed += 1
+            self._abort(rid, cancelled=error is None)
 
     def _finish_unloads(self) -> None:
         for name in list(self._draining):

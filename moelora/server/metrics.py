@@ -2,15 +2,56 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+GAUGES = {
+    "running": "Requests running", "waiting": "Requests waiting",
+    "kv_blocks_total": "KV cache blocks", "kv_blocks_free": "KV cache blocks free",
+    "kv_blocks_free_min": "The fewest KV cache blocks free since the server started",
+    "lora_slots_total": "LoRA slots (max_loras)", "lora_slots_used": "LoRA slots holding an adapter",
+    "lora_slots_in_use": "LoRA slots whose adapter running requests use",
+    "adapters_loaded": "Adapters registered",
+}
+
+COUNTERS = {
+    "requests_cancelled": "Requests aborted before they finished (client disconnected, shutdown)",
+    "requests_failed": "Requests ended by an error (an adapter whose files could not be read again, a failed step)",
+    "preemptions": "Running requests preempted for KV blocks (recomputed later)",
+    "adapter_loads": "Adapters loaded (API, start-up)",
+    "adapter_reloads": "Adapters read again from their files after leaving host memory (--max-cpu-loras)",
+    "adapter_load_failures": "Adapters that could not be read again (files gone, changed or outside --lora-root)",
+    "adapter_unloads": "Adapters unloaded",
+    "adapter_slot_loads": "Adapters written into a LoRA slot (swaps)",
+    "adapter_slot_evictions": "Adapters evicted from a LoRA slot for another",
+    "adapter_cpu_evictions": "Adapters dropped from host memory (--max-cpu-loras)",
+}
+
+
+class _EngineCounters:
+    """Monotonic totals the engine keeps as plain ints, exposed as Prometheus counters when scraped."""
+
+    def __init__(self, counters: Callable[[], dict[str, int]]) -> None:
+        self.counters = counters
+
+    def collect(self):
+        values = self.counters()
+        for key, doc in COUNTERS.items():
+            c = CounterMetricFamily(f"moelora_{key}", doc)
+            c.add_metric([], values.get(key, 0))
+            yield c
 
 
 class ServerMetrics:
-    def __init__(self, stats) -> None:
-        """stats: a callable returning the engine's current counters (AsyncEngine.stats)."""
+    def __init__(self, stats: Callable[[], dict[str, int]], counters: Callable[[], dict[str, int]] | None = None) -> None:
+        """stats: the engine's current gauges (AsyncEngine.stats); counters: its totals since start
+        (AsyncEngine.counters)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("moelora_requests", "Finished requests by status and adapter", ["status", "adapter"], registry=r)
+        self.http_errors = Counter("moelora_http_errors", "Error responses by HTTP status", ["status"], registry=r)
         self.prompt_tokens = Counter("moelora_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("moelora_generation_tokens", "Tokens generated", registry=r)
         self.batch_size = Histogram("moelora_batch_size", "Requests sampled per engine step", registry=r,
@@ -19,15 +60,10 @@ class ServerMetrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.tpot = Histogram("moelora_time_per_output_token_seconds", "Time per output token after the first",
                               registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
-        gauges = {
-            "running": "Requests running", "waiting": "Requests waiting",
-            "kv_blocks_total": "KV cache blocks", "kv_blocks_free": "KV cache blocks free",
-            "lora_slots_total": "LoRA slots (max_loras)", "lora_slots_used": "LoRA slots holding an adapter",
-            "lora_slots_in_use": "LoRA slots whose adapter running requests use",
-            "adapters_loaded": "Adapters registered",
-        }
-        for key, doc in gauges.items():
+        for key, doc in GAUGES.items():
             Gauge(f"moelora_{key}", doc, registry=r).set_function(lambda k=key: stats()[k])
+        if counters is not None:
+            r.register(_EngineCounters(counters))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
