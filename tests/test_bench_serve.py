@@ -5,7 +5,10 @@ POST /v1/completions. Per model: "base"/"upper" stream `max_tokens` content chun
 role-like chunk), then a usage chunk reporting 2 tokens per chunk, then [DONE]; "bad" answers 500;
 "garbled" sends a non-JSON data line; "truncated" never sends [DONE]. With `kv` set (see _FakeServer.kv_text) its
 /metrics also has the free-block, lowest-free-block and LoRA-slots-in-use gauges of a KV cache that each running
-request takes 10 blocks of. The last tests run the load against a real `moelora serve` of the demo model.
+request takes 10 blocks of. With `prefix` set it is a toy prefix cache per model (see _FakeServer.lookup): /metrics has
+the moelora_prefix_cache_queries_total / _hits_total counters and every usage object
+prompt_tokens_details.cached_tokens.
+The last tests run the load against a real `moelora serve` of the demo model.
 """
 
 from __future__ import annotations
@@ -46,6 +49,21 @@ moelora_num_requests_waiting 0.0
 moelora_prompt_tokens_total 4242.0
 """
 
+
+def _counter_text(family: str, value, per_label: dict | None = None, labelled: bool = False) -> str:
+    """A counter as prometheus_client's generate_latest writes it (TYPE of the `_total` name, `_created` a gauge of its
+    own); labelled: one sample per adapter, none at all before the first."""
+    out = f"# HELP {family}_total x\n# TYPE {family}_total counter\n"
+    if labelled:
+        out += "".join(f'{family}_total{{adapter="{k}"}} {float(v)}\n' for k, v in sorted((per_label or {}).items()))
+        out += f"# HELP {family}_created x\n# TYPE {family}_created gauge\n"
+        out += "".join(f'{family}_created{{adapter="{k}"}} 1.7e9\n' for k in sorted(per_label or {}))
+    else:
+        out += f"{family}_total {float(value)}\n# HELP {family}_created x\n# TYPE {family}_created gauge\n"
+        out += f"{family}_created 1.7e9\n"
+    return out
+
+
 NORMAL_MODELS = ("base", "upper")
 
 
@@ -78,7 +96,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.server.metrics is None:
                 self._json(404, {"detail": "Not Found"})
                 return
-            data = (self.server.metrics + self.server.kv_text()).encode()
+            data = (self.server.metrics + self.server.kv_text() + self.server.prefix_text()).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(data)))
@@ -110,10 +128,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.request_ended()
 
     def _complete(self, body, model, n):
+        usage_obj = {"prompt_tokens": 5, "completion_tokens": 2 * n, "total_tokens": 5 + 2 * n}
+        cached = self.server.lookup(model, body.get("prompt", ""))
+        if cached is not None:
+            p = len(body.get("prompt", ""))
+            usage_obj = {"prompt_tokens": p, "completion_tokens": 2 * n, "total_tokens": p + 2 * n,
+                         "prompt_tokens_details": {"cached_tokens": cached}}
         if not body.get("stream"):
             self._json(200, {"id": "cmpl-1", "object": "text_completion", "model": model,
                              "choices": [{"index": 0, "text": "ab" * n, "finish_reason": "length"}],
-                             "usage": {"prompt_tokens": 5, "completion_tokens": 2 * n, "total_tokens": 5 + 2 * n}})
+                             "usage": usage_obj})
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -135,7 +159,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
             if body.get("stream_options", {}).get("include_usage"):
                 usage = {"id": "cmpl-1", "object": "text_completion", "model": model, "choices": [],
-                         "usage": {"prompt_tokens": 5, "completion_tokens": 2 * n, "total_tokens": 5 + 2 * n}}
+                         "usage": usage_obj}
                 self.wfile.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
             if model != "truncated":
                 self.wfile.write(b"data: [DONE]\n\n")
@@ -164,6 +188,10 @@ class _FakeServer(ThreadingHTTPServer):
         self.active = 0
         self.releases: list[float] = []  # when finished requests give their blocks back
 
+        # the toy prefix cache (None: none): {"queries": n, "hits": n, "labels": per-model samples?}
+        self.prefix: dict | None = None
+        self.seen: dict[str, list[str]] = {}  # model -> the prompts it was sent
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
@@ -185,6 +213,33 @@ class _FakeServer(ThreadingHTTPServer):
             self.active -= 1
             if self.kv is not None:
                 self.releases.append(time.monotonic() + self.kv.get("free_delay", 0.0))
+
+    def lookup(self, model: str, prompt: str) -> int | None:
+        """The toy prefix cache: the prompt's characters (= tokens) that an earlier prompt of the same model began
+        with too are hits; all of them are queries. Returns the hits (cached_tokens), None without a cache."""
+        if self.prefix is None:
+            return None
+        with self.lock:
+            hit = 0
+            for old in self.seen.get(model, []):
+                hit = max(hit, len(os.path.commonprefix([old, prompt])))
+            self.seen.setdefault(model, []).append(prompt)
+            self.prefix["queries"] += len(prompt)
+            self.prefix["hits"] += hit
+            self.prefix.setdefault("per_model", {}).setdefault(model, [0, 0])
+            self.prefix["per_model"][model][0] += len(prompt)
+            self.prefix["per_model"][model][1] += hit
+            return hit
+
+    def prefix_text(self) -> str:
+        """The counters as a prometheus_client Counter writes them; with "labels", one sample per model."""
+        if self.prefix is None:
+            return ""
+        with self.lock:
+            per_model = self.prefix.get("per_model", {})
+            return "".join(_counter_text(f"moelora_prefix_cache_{name}", self.prefix[name],
+                                           {m: c[i] for m, c in per_model.items()}, bool(self.prefix.get("labels")))
+                           for i, name in enumerate(("queries", "hits")))
 
     def kv_text(self) -> str:
         if self.kv is None:
@@ -219,7 +274,7 @@ def test_add_arguments_defaults_and_existing_out():
     assert a.url == "http://127.0.0.1:8000" and a.api_key is None and a.models is None
     assert a.concurrency == 16 and a.num_requests is None and a.duration is None
     assert a.prompt_len is None and a.disconnect_fraction == 0 and a.stream is True
-    assert a.temperature == 0 and a.out == "bench/results"
+    assert a.temperature == 0 and a.out == "bench/results" and a.shared_prefix_len == 0
     assert _args("--no-stream").stream is False
     # a parser that already has --out (like `moelora bench`) keeps its own
     p = argparse.ArgumentParser()
@@ -397,7 +452,10 @@ def test_module_standalone(fake_server, tmp_path):
 
 
 def test_parse_metrics_fallback_matches(monkeypatch):
-    expected = serve.parse_metrics(METRICS_TEXT)
+    texts = [METRICS_TEXT, _prefix_metrics(7, 3), _prefix_metrics(labels={}),
+             _prefix_metrics(labels={"a": {"queries": 6, "hits": 2}, "b": {"queries": 4, "hits": 1}})]
+    expected = [serve.parse_metrics(t) for t in texts]
+    assert expected[1]["moelora_prefix_cache_hits"] == {"moelora_prefix_cache_hits_total": 3.0}
     assert serve.parse_metrics("") == {}
     import builtins
 
@@ -409,7 +467,7 @@ def test_parse_metrics_fallback_matches(monkeypatch):
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_prom)
-    assert serve.parse_metrics(METRICS_TEXT) == expected
+    assert [serve.parse_metrics(t) for t in texts] == expected
 
 
 # --------------------------------------------------------------------------------------------- progress
@@ -559,6 +617,150 @@ def test_kv_summary_arithmetic():
     assert serve.leaks(m(1000)) == (24, None) and serve.leaks(None) == (None, None)
 
 
+# --------------------------------------------------------------------------------------------- prefix cache
+
+def test_shared_prefixes_per_model_deterministic_and_lengths():
+    """Each model its own prefix, the same for every request of it, fixed by --seed; N characters (the demo
+    tokenizer's tokens) by default, N words with --prompt-len; the request's own prompt after it unchanged."""
+    models = ["base", "upper", "reverse", "rot13"]
+    p = serve.shared_prefixes(models, 1000, seed=5)
+    assert list(p) == models and len(set(p.values())) == 4  # different across models
+    for text in p.values():
+        assert len(text) == 1000 and text.endswith(" ") and not text.startswith(" ") and "  " not in text
+        assert set(text) <= set("abcdefghijklmnopqrstuvwxyz ") and len(text.split()) > 100
+    assert serve.shared_prefixes(models, 1000, seed=5) == p  # deterministic
+    assert serve.shared_prefixes(["rot13"], 1000, seed=5) == {"rot13": p["rot13"]}  # not by the other models
+    other = serve.shared_prefixes(models, 1000, seed=6)
+    assert all(other[m] != p[m] for m in models)
+    for n in range(1, 40):  # every length exact, never a double space where the cut fell
+        t = serve.shared_prefix("m", n, seed=n)
+        assert len(t) == n and t.endswith(" ") and "  " not in t
+    words = serve.shared_prefixes(models, 50, seed=5, words=True)
+    assert all(len(t.split(" ")) == 51 and t.endswith(" ") for t in words.values()) and len(set(words.values())) == 4
+    assert serve.shared_prefixes(models, 0, seed=5) == {} and serve.shared_prefix("m", 0, 5) == ""
+
+    for prompt_len in (None, (4, 8)):
+        pre = serve.shared_prefixes(["a", "b"], 64, seed=2, words=prompt_len is not None)
+        for i in range(12):
+            plain = serve.build_spec(i, ["a", "b"], prompt_len, (4, 9), 0.3, True, seed=2)
+            shared = serve.build_spec(i, ["a", "b"], prompt_len, (4, 9), 0.3, True, seed=2, prefixes=pre)
+            assert shared.prompt == pre[shared.model] + plain.prompt
+            assert (shared.model, shared.max_tokens, shared.disconnect_after) == (
+                plain.model, plain.max_tokens, plain.disconnect_after)
+
+
+def _prefix_metrics(queries=None, hits=None, labels: dict | None = None) -> str:
+    out = METRICS_TEXT
+    for name, v in (("queries", queries), ("hits", hits)):
+        if v is None and labels is None:
+            continue
+        out += _counter_text(f"moelora_prefix_cache_{name}", v, labels and {k: c[name] for k, c in labels.items()},
+                             labelled=labels is not None)
+    return out
+
+
+
+def test_prefix_cache_summary_arithmetic(monkeypatch):
+    """hit_rate = the hits' growth over the queries' growth during the run; None where the server has no counters,
+    looked nothing up or restarted; cached_tokens_reported: the sum over the responses that carried it."""
+    R = serve.RequestResult
+    results = [R(0, "a", "ok", prompt_tokens=110, cached_tokens=96),
+               R(1, "b", "ok", prompt_tokens=105, cached_tokens=0),
+               R(2, "a", "disconnected"), R(3, "b", "ok", prompt_tokens=120, cached_tokens=112)]
+
+    def check():
+        pm = serve.parse_metrics
+        pc = serve.prefix_cache_summary(pm(_prefix_metrics(100, 40)), pm(_prefix_metrics(1100, 790)), results)
+        assert pc == {"queries": 1000, "hits": 750, "hit_rate": 0.75, "cached_tokens_reported": 208,
+                      "prompt_tokens_reported": 335}
+        # 1/3: rounded to 4 places
+        assert serve.prefix_cache_summary(pm(_prefix_metrics(0, 0)), pm(_prefix_metrics(300, 100)), [])["hit_rate"] \
+            == 0.3333
+        # labelled per adapter: summed; a labelled counter with no sample yet counts 0
+        after = pm(_prefix_metrics(labels={"a": {"queries": 60, "hits": 30}, "b": {"queries": 40, "hits": 10}}))
+        pc = serve.prefix_cache_summary(pm(_prefix_metrics(labels={})), after, [])
+        assert (pc["queries"], pc["hits"], pc["hit_rate"], pc["cached_tokens_reported"]) == (100, 40, 0.4, None)
+        # nothing looked up (caching off): no rate
+        pc = serve.prefix_cache_summary(pm(_prefix_metrics(50, 20)), pm(_prefix_metrics(50, 20)), results)
+        assert (pc["queries"], pc["hits"], pc["hit_rate"]) == (0, 0, None)
+        # a server without the counters, or one restarted mid-run, or no /metrics at all
+        none = {"queries": None, "hits": None, "hit_rate": None, "cached_tokens_reported": None,
+                "prompt_tokens_reported": None}
+        assert serve.prefix_cache_summary(pm(METRICS_TEXT), pm(METRICS_TEXT), []) == none
+        assert serve.prefix_cache_summary(None, None, [R(0, "a", "ok")]) == none
+        pc = serve.prefix_cache_summary(pm(_prefix_metrics(500, 400)), pm(_prefix_metrics(30, 10)), [])
+        assert (pc["queries"], pc["hits"], pc["hit_rate"]) == (None, None, None)
+        pc = serve.prefix_cache_summary(pm(METRICS_TEXT), pm(_prefix_metrics(30, 10)), [])
+        assert pc["hit_rate"] is None
+
+    check()
+    import builtins  # the same without prometheus_client (the fallback parser)
+
+    real_import = builtins.__import__
+
+    def no_prom(name, *a, **k):
+        if name.startswith("prometheus_client"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_prom)
+    check()
+
+
+@pytest.mark.parametrize("stream,labels,prompt_len", [(True, False, None), (False, True, None), (True, False, "3:5")])
+def test_shared_prefix_load_reports_hit_rate(fake_server, stream, labels, prompt_len):
+    """Against the toy prefix cache: every prompt begins with its model's prefix; queries / hits are the counters'
+    growth during the run (not their totals), and the cached tokens the responses reported add up to the hits."""
+    n, seed, plen = 16, 4, 60
+    fake_server.prefix = {"queries": 5000, "hits": 1000, "labels": labels}
+    if labels:
+        fake_server.prefix["per_model"] = {"old": [5000, 1000]}  # an earlier run's, not this one's
+    extra = ["--prompt-len", prompt_len] if prompt_len else []
+    args = _args("--url", fake_server.url, "--num-requests", str(n), "--concurrency", "4", "--output-len", "2:3",
+                 "--seed", str(seed), "--shared-prefix-len", str(plen), "--no-progress",
+                 *(["--stream"] if stream else ["--no-stream"]), *extra)
+    s = asyncio.run(serve.run_load(args))
+    assert s["ok"] == n and s["errors"]["count"] == 0
+
+    words = prompt_len is not None
+    cfg = s["config"]
+    assert cfg["shared_prefix_len"] == plen and cfg["shared_prefix_unit"] == ("words" if words else "chars")
+    assert cfg["shared_prefix_tokens"] == {"base": None, "upper": None}  # the fake has no /tokenize
+    prefixes = serve.shared_prefixes(["base", "upper"], plen, seed, words=words)
+    posts = [r["body"] for r in fake_server.requests if r["path"] == "/v1/completions"]
+    assert len(posts) == n and all(b["prompt"].startswith(prefixes[b["model"]]) for b in posts)
+    assert all(b.get("stream_options") == ({"include_usage": True} if stream else None) for b in posts)
+
+    queries, hits = fake_server.prefix["queries"] - 5000, fake_server.prefix["hits"] - 1000
+    assert queries == sum(len(b["prompt"]) for b in posts)
+    assert hits >= (n - 2) * len(prefixes["base"])  # all but each model's first request hit its prefix
+    assert s["prefix_cache"] == {"queries": queries, "hits": hits, "hit_rate": round(hits / queries, 4),
+                                 "cached_tokens_reported": hits, "prompt_tokens_reported": queries}
+    table = serve.format_table(s)
+    assert f"prefix cache: hit rate {100 * hits / queries:.1f}% ({hits} of {queries} prompt tokens" in table
+    assert f"cached_tokens reported {hits} of {queries} prompt tokens" in table
+    assert f"[shared prefix per model: {plen} {'words' if words else 'chars'}]" in table
+
+
+def test_no_prefix_cache_and_ttft_in_the_table(fake_server):
+    """A server without the counters or cached_tokens (and no shared prefix): every prefix-cache figure None, said so
+    in the table; TTFT p50 on a line of its own near the top."""
+    args = _args("--url", fake_server.url, "--num-requests", "4", "--concurrency", "2", "--output-len", "2:2",
+                 "--no-progress")
+    s = asyncio.run(serve.run_load(args))
+    assert s["prefix_cache"] == {"queries": None, "hits": None, "hit_rate": None, "cached_tokens_reported": None,
+                                 "prompt_tokens_reported": 4 * 5}  # the fake's usage: 5 prompt tokens, no details
+    assert s["config"]["shared_prefix_len"] == 0 and s["config"]["shared_prefix_unit"] is None
+    assert s["config"]["shared_prefix_tokens"] is None
+    assert not any(r["path"] == "/tokenize" for r in fake_server.requests)
+    lines = serve.format_table(s).splitlines()
+    assert lines[2] == f"TTFT p50: {s['ttft_ms']['p50']:.2f} ms (p99 {s['ttft_ms']['p99']:.2f} ms)"
+    assert lines[3] == ("prefix cache: hit rate - (no prefix-cache counters on /metrics); cached_tokens reported - "
+                        "[no shared prefix]")
+    with pytest.raises(ValueError, match="shared-prefix-len"):
+        asyncio.run(serve.run_load(_args("--url", fake_server.url, "--shared-prefix-len", "-1")))
+
+
 # --------------------------------------------------------------------------------------------- result files
 
 def test_a_second_run_does_not_overwrite_the_first(fake_server, tmp_path, capsys):
@@ -603,3 +805,25 @@ def test_real_server_kv_minimum_and_no_leaks(demo_server, tmp_path):
     assert kv["blocks_used_peak"] == kv["blocks_total"] - kv["blocks_free_min"] > 0
     assert kv["blocks_free_after"] == kv["blocks_total"]
     assert s["kv_blocks_leaked"] == 0 and s["lora_slots_leaked"] == 0
+
+
+def test_real_server_shared_prefix(demo_server):
+    """Against the real server with a shared prefix per model: no errors; each prefix takes exactly N tokens (the demo
+    tokenizer: one per character, counted by /tokenize); the prefix-cache figures are well-formed whether or not this
+    server has a prefix cache."""
+    n, plen = 8, 100
+    args = _args("--url", demo_server.url, "--num-requests", str(n), "--concurrency", "4", "--output-len", "4:8",
+                 "--shared-prefix-len", str(plen), "--no-progress")
+    s = asyncio.run(serve.run_load(args))
+    assert s["errors"]["count"] == 0 and s["ok"] == n, s["errors"]
+    models = s["config"]["models"]
+    assert s["config"]["shared_prefix_tokens"] == {m: plen for m in models}
+    pc = s["prefix_cache"]
+    assert set(pc) == {"queries", "hits", "hit_rate", "cached_tokens_reported", "prompt_tokens_reported"}
+    assert pc["prompt_tokens_reported"] >= n * plen  # every response's usage has prompt_tokens
+    if pc["queries"] is not None:
+        assert pc["hits"] is not None and 0 <= pc["hits"] <= pc["queries"]
+        assert pc["hit_rate"] is None or 0.0 <= pc["hit_rate"] <= 1.0
+    if pc["cached_tokens_reported"] is not None:
+        assert 0 <= pc["cached_tokens_reported"] <= pc["prompt_tokens_reported"]
+    assert "prefix cache: " in serve.format_table(s)

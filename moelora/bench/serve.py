@@ -8,12 +8,29 @@ each adapter). A share of the streaming clients (``--disconnect-fraction``) clos
 purpose after 1-3 content chunks, to exercise the server's abort path; those are counted apart and are
 not errors.
 
+With ``--shared-prefix-len N`` every model requests are sent to (the base model and each adapter) gets a fixed random
+prefix of about N tokens of its own (``shared_prefixes``: deterministic in --seed and the model's name), and each
+request's prompt is its model's prefix followed by the usual short per-request prompt (the same one the unshared
+workload sends; --prompt-len still sets its length): a workload for a prefix cache keyed by adapter. The prefix is N
+characters of random lowercase words with the default (demo) prompts, whose tokenizer has one token per character, or
+N random words with --prompt-len (for other tokenizers, so only about N tokens). The tokens each prefix really takes
+are asked of the server (vLLM's ``POST /tokenize``) and kept in the config (``shared_prefix_tokens``, None where it
+cannot say).
+
 Per request it records the model, the status (``ok`` / ``error`` with a message / ``disconnected``),
 TTFT (time to the first content chunk), TPOT ((last chunk time - first chunk time) / (tokens - 1)),
 the output tokens (from the final usage chunk, else the number of content chunks) and the latency.
 After the run it reads ``GET /metrics`` (Prometheus text) and keeps the families whose names contain
-``kv_blocks``, ``lora_slots``, ``running`` or ``waiting``; while it runs it also polls them and keeps
-each sample's peak (``metrics_peak``; not of the free-block gauges, whose peak says nothing).
+``kv_blocks``, ``lora_slots``, ``running``, ``waiting`` or ``prefix_cache``; while it runs it also polls them and
+keeps each sample's peak (``metrics_peak``; not of the free-block gauges, whose peak says nothing).
+
+The prefix cache (``prefix_cache`` in the summary): ``queries`` and ``hits``, the growth over the run of the server's
+``moelora_prefix_cache_queries_total`` (prompt tokens looked up in the prefix cache) and
+``moelora_prefix_cache_hits_total`` (prompt tokens served from it) counters, read before the first request and after
+the last one settled; ``hit_rate`` = hits / queries (None where the server lacks the counters or looked nothing up);
+``cached_tokens_reported``, the sum of ``usage.prompt_tokens_details.cached_tokens`` over the responses (in streams the
+final usage chunk, which is always asked for), None where no response carried it; ``prompt_tokens_reported``, the sum
+of ``usage.prompt_tokens``. Other clients of the same server count in the counters too.
 
 The KV cache (``kv_cache`` in the summary): ``blocks_total``; ``blocks_free_min``, the fewest free blocks
 during the run, and ``blocks_used_peak`` = total - min free. The minimum comes from the server's
@@ -51,13 +68,15 @@ import httpx
 
 __all__ = ["add_arguments", "run_load", "main", "RequestSpec", "RequestResult", "build_spec",
            "parse_range", "parse_metrics", "summarize", "format_table", "kv_summary", "leaks", "Progress",
-           "METRIC_KEYS"]
+           "METRIC_KEYS", "shared_prefix", "shared_prefixes", "prefix_cache_summary"]
 
-METRIC_KEYS = ("kv_blocks", "lora_slots", "running", "waiting")
+METRIC_KEYS = ("kv_blocks", "lora_slots", "running", "waiting", "prefix_cache")
 KV_FREE = "moelora_kv_blocks_free"
 KV_FREE_MIN = "moelora_kv_blocks_free_min"  # the server's lowest free-block count since it started
 KV_TOTAL = "moelora_kv_blocks_total"
 SLOTS_IN_USE = "moelora_lora_slots_in_use"
+PREFIX_QUERIES = "moelora_prefix_cache_queries_total"  # prompt tokens looked up in the prefix cache (a counter)
+PREFIX_HITS = "moelora_prefix_cache_hits_total"  # prompt tokens served from it (a counter)
 MAX_ERROR_MESSAGES = 10
 DEFAULT_NUM_REQUESTS = 200
 
@@ -85,6 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--prompt-len", default=None,
          help="MIN:MAX prompt length in words (~tokens) of random lowercase words, followed by ' => '; "
               "default: the demo task's inputs (moelora.demo.random_input, 3..24 characters)")
+    _add(parser, "--shared-prefix-len", type=int, default=0,
+         help="give each model (the base and each adapter requests go to) a fixed random prefix of about N tokens of "
+              "its own, deterministic in --seed, before every request's prompt (whose length --prompt-len still "
+              "sets): N characters of random words with the demo prompts (the demo tokenizer: one token per "
+              "character), N random words with --prompt-len (other tokenizers: approximate); the tokens it really "
+              "takes are asked of the server's /tokenize. Default 0: no shared prefix")
     _add(parser, "--output-len", default="16:64", help="MIN:MAX max_tokens per request (default %(default)s)")
     _add(parser, "--disconnect-fraction", type=float, default=0.0,
          help="share of streaming requests whose client closes the connection after 1-3 chunks (default 0)")
@@ -145,6 +170,21 @@ class RequestResult:
     output_tokens: int = 0
     chunks: int = 0
     latency_s: float | None = None
+    prompt_tokens: int | None = None  # usage.prompt_tokens, where the response reported it
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the response reported it
+
+
+def _read_usage(usage: Any, res: RequestResult) -> int | None:
+    """Take prompt_tokens and prompt_tokens_details.cached_tokens of a usage object into `res`; return its
+    completion_tokens (None where absent)."""
+    if not isinstance(usage, dict):
+        return None
+    if usage.get("prompt_tokens") is not None:
+        res.prompt_tokens = int(usage["prompt_tokens"])
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+        res.cached_tokens = int(details["cached_tokens"])
+    return None if usage.get("completion_tokens") is None else int(usage["completion_tokens"])
 
 
 def _random_words(rng: random.Random, n_words: int) -> str:
@@ -152,9 +192,38 @@ def _random_words(rng: random.Random, n_words: int) -> str:
                     for _ in range(n_words))
 
 
+def shared_prefix(model: str, length: int, seed: int, words: bool = False) -> str:
+    """`model`'s shared prefix: random lowercase words separated by single spaces and one space after the last,
+    deterministic in (seed, model). words=False: exactly `length` characters (= tokens for the demo model's tokenizer,
+    one per character); words=True: `length` words (about that many tokens for other tokenizers). '' for length 0."""
+    if length <= 0:
+        return ""
+    rng = random.Random(f"{seed}:shared-prefix:{model}")
+    if words:
+        return _random_words(rng, length) + " "
+    text = ""
+    while len(text) < length - 1:
+        text += ("" if not text else " ") + "".join(rng.choice(string.ascii_lowercase)
+                                                      for _ in range(rng.randint(2, 7)))
+    text = text[: length - 1]
+    if text.endswith(" "):  # a cut at a word break: no double space before the separator
+        text = text[:-1] + rng.choice(string.ascii_lowercase)
+    return text + " "
+
+
+def shared_prefixes(models: list[str], length: int, seed: int, words: bool = False) -> dict[str, str]:
+    """Every model's shared prefix (see shared_prefix); {} for length 0."""
+    if length <= 0:
+        return {}
+    return {m: shared_prefix(m, length, seed, words) for m in models}
+
+
 def build_spec(index: int, models: list[str], prompt_len: tuple[int, int] | None, output_len: tuple[int, int],
-               disconnect_fraction: float, stream: bool, seed: int) -> RequestSpec:
-    """The index-th request: deterministic in (seed, index), whatever the order workers take them in."""
+               disconnect_fraction: float, stream: bool, seed: int,
+               prefixes: dict[str, str] | None = None) -> RequestSpec:
+    """The index-th request: deterministic in (seed, index), whatever the order workers take them in. `prefixes`
+    (model -> its shared prefix, see shared_prefixes) goes before the prompt; the rest of the request is the same
+    with or without it."""
     from moelora.demo import make_prompt, random_input
 
     rng = random.Random(f"{seed}:{index}")
@@ -165,7 +234,8 @@ def build_spec(index: int, models: list[str], prompt_len: tuple[int, int] | None
     max_tokens = rng.randint(*output_len)
     disconnect = rng.random() < disconnect_fraction
     after = rng.randint(1, 3)
-    return RequestSpec(index=index, model=models[index % len(models)], prompt=make_prompt(text),
+    model = models[index % len(models)]
+    return RequestSpec(index=index, model=model, prompt=(prefixes or {}).get(model, "") + make_prompt(text),
                        max_tokens=max_tokens, disconnect_after=after if (disconnect and stream) else None)
 
 
@@ -224,9 +294,9 @@ async def _stream_request(client: httpx.AsyncClient, spec: RequestSpec, body: di
                     err = chunk["error"]
                     msg = err.get("message", err) if isinstance(err, dict) else err
                     raise _StreamError(f"error in stream: {str(msg)[:300]}")
-                usage = chunk.get("usage")
-                if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-                    usage_tokens = int(usage["completion_tokens"])
+                completion = _read_usage(chunk.get("usage"), res)
+                if completion is not None:
+                    usage_tokens = completion
                 choices = chunk.get("choices") or []
                 if any(isinstance(c, dict) and c.get("text") for c in choices):
                     now = time.perf_counter()
@@ -266,9 +336,9 @@ async def _plain_request(client: httpx.AsyncClient, spec: RequestSpec, body: dic
             raise _StreamError(f"malformed JSON response: {resp.text[:120]!r}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
             raise _StreamError(f"response without choices: {resp.text[:120]!r}")
-        usage = obj.get("usage") or {}
-        if usage.get("completion_tokens") is not None:
-            res.output_tokens = int(usage["completion_tokens"])
+        completion = _read_usage(obj.get("usage"), res)
+        if completion is not None:
+            res.output_tokens = completion
         else:
             res.output_tokens = sum(1 for c in obj["choices"] if c.get("text"))
     except _StreamError as e:
@@ -282,12 +352,27 @@ async def _plain_request(client: httpx.AsyncClient, spec: RequestSpec, body: dic
 # --------------------------------------------------------------------------------------------- metrics
 
 def _fallback_families(text: str):
-    """A minimal Prometheus text parser, used only when prometheus_client is not installed."""
+    """A minimal Prometheus text parser, used only when prometheus_client is not installed. As prometheus_client's:
+    a TYPE line opens a family (listed even without samples; a counter's named without `_total`, its samples with
+    it) that takes the samples of its name (and a histogram's or summary's `_bucket` / `_sum` / `_count`); any other
+    sample is a family of its own name."""
     from types import SimpleNamespace
 
     fams: dict[str, Any] = {}
+    suffixes = {"summary": ("", "_count", "_sum"), "histogram": ("_count", "_sum", "_bucket")}
+    cur, allowed, rename = None, (), False
     for line in text.splitlines():
         line = line.strip()
+        if line.startswith("# TYPE "):
+            parts = line.split()
+            if len(parts) >= 4:
+                name, kind = parts[2], parts[3]
+                allowed = tuple(name + suf for suf in suffixes.get(kind, ("",)))
+                rename = kind == "counter" and not name.endswith("_total")
+                if kind == "counter" and name.endswith("_total"):
+                    name = name[: -len("_total")]
+                cur = fams.setdefault(name, SimpleNamespace(name=name, samples=[]))
+            continue
         if not line or line.startswith("#"):
             continue
         head, _, rest = line.rpartition("}") if "}" in line else ("", "", line)
@@ -302,7 +387,11 @@ def _fallback_families(text: str):
         else:
             name, value = rest.split()[:2]
             labels = {}
-        fam = fams.setdefault(name, SimpleNamespace(name=name, samples=[]))
+        if cur is not None and name in allowed:
+            fam, name = cur, name + ("_total" if rename else "")
+        else:
+            cur, allowed = None, ()
+            fam = fams.setdefault(name, SimpleNamespace(name=name, samples=[]))
         fam.samples.append(SimpleNamespace(name=name, labels=labels, value=float(value)))
     return list(fams.values())
 
@@ -317,8 +406,8 @@ def parse_metrics(text: str, keys: tuple[str, ...] = METRIC_KEYS) -> dict[str, d
         families = _fallback_families(text)
     out: dict[str, dict[str, float]] = {}
     for fam in families:
-        if not any(k in fam.name for k in keys):
-            continue
+        if not any(k in fam.name for k in keys) or fam.name.endswith("_created"):
+            continue  # (a counter's creation time, a family of its own as generate_latest writes it: no figure)
         samples = out.setdefault(fam.name, {})
         for s in fam.samples:
             if s.name.endswith("_created"):
@@ -412,8 +501,38 @@ def kv_summary(before: dict | None, after: dict | None, lows: dict) -> dict:
            "blocks_used_peak": None if free_min is None or total is None else int(total - free_min),
            "blocks_free_min_source": source,
            "blocks_free_after": None if _gauge(after, KV_FREE) is None else int(_gauge(after, KV_FREE))}
-    # (the prefix cache's hit rate belongs here once the server exports it)
     return out
+
+
+def _counter(m: dict | None, sample: str) -> float | None:
+    """The sum of every sample named `sample` (any labels) in parse_metrics' output; 0 for a family listed without
+    samples (a labelled counter none of whose labels has counted yet); None where there is no such counter."""
+    total, found = 0.0, False
+    for samples in (m or {}).values():
+        for k, v in samples.items():
+            if (k == sample or k.startswith(sample + "{")) and not math.isnan(v):
+                total, found = total + v, True
+    if not found and m and (sample in m or sample.removesuffix("_total") in m):
+        return 0.0
+    return total if found else None
+
+
+def prefix_cache_summary(before: dict | None, after: dict | None, results: list[RequestResult]) -> dict:
+    """The prefix cache over the run: the growth of the server's query and hit counters (prompt tokens) between
+    `before` and `after` (parse_metrics of /metrics before the first request and after the last one settled), their
+    ratio, and the cached / prompt tokens the responses' usage reported. None where the server does not say (a
+    counter missing before or after the run, or one that went down: the server restarted)."""
+    deltas = []
+    for name in (PREFIX_QUERIES, PREFIX_HITS):
+        a, b = _counter(before, name), _counter(after, name)
+        deltas.append(None if a is None or b is None or b < a else int(round(b - a)))
+    queries, hits = deltas
+    cached = [r.cached_tokens for r in results if r.cached_tokens is not None]
+    prompt = [r.prompt_tokens for r in results if r.prompt_tokens is not None]
+    return {"queries": queries, "hits": hits,
+            "hit_rate": round(hits / queries, 4) if queries and hits is not None else None,
+            "cached_tokens_reported": sum(cached) if cached else None,
+            "prompt_tokens_reported": sum(prompt) if prompt else None}
 
 
 def leaks(after: dict | None) -> tuple[int | None, int | None]:
@@ -550,11 +669,21 @@ async def _list_models(client: httpx.AsyncClient) -> list[str]:
     return models
 
 
+async def _count_tokens(client: httpx.AsyncClient, model: str, text: str) -> int | None:
+    """The tokens `text` takes in `model`'s tokenizer, from vLLM's POST /tokenize; None where the server cannot say."""
+    try:
+        resp = await client.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+        count = resp.json().get("count") if resp.status_code == 200 else None
+        return None if count is None else int(count)
+    except Exception:  # noqa: BLE001 - only a note in the config; never fail the run on it
+        return None
+
+
 async def run_load(args: argparse.Namespace) -> dict:
     """Run the load described by `args` (the options of add_arguments) and return the summary dict
     (see summarize), with 'config', 'metrics' (after the run, once settled), 'metrics_peak' (polled during it),
     'metrics_error' (None, or why /metrics could not be read), 'kv_cache' (see kv_summary), 'kv_blocks_leaked'
-    and 'lora_slots_leaked' (see leaks)."""
+    and 'lora_slots_leaked' (see leaks), 'prefix_cache' (see prefix_cache_summary)."""
     concurrency = int(_get(args, "concurrency", 16))
     if concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
@@ -571,6 +700,10 @@ async def run_load(args: argparse.Namespace) -> dict:
     seed = int(_get(args, "seed", 0) or 0)
     temperature = float(_get(args, "temperature", 0.0))
     timeout = float(_get(args, "timeout", 300.0) or 300.0)
+    prefix_len = int(_get(args, "shared_prefix_len", 0) or 0)
+    if prefix_len < 0:
+        raise ValueError("--shared-prefix-len must be >= 0")
+    prefix_words = prompt_len is not None  # random words with --prompt-len, characters with the demo prompts
 
     headers = {}
     if _get(args, "api_key"):
@@ -583,6 +716,8 @@ async def run_load(args: argparse.Namespace) -> dict:
             models = [m.strip() for m in models_arg.split(",") if m.strip()]
         else:
             models = await _list_models(client)
+        prefixes = shared_prefixes(models, prefix_len, seed, prefix_words)
+        prefix_tokens = {m: await _count_tokens(client, m, p) for m, p in prefixes.items()} if prefixes else None
 
         queue: asyncio.Queue[RequestSpec | None] = asyncio.Queue(maxsize=2 * concurrency)
         results: list[RequestResult] = []
@@ -597,7 +732,7 @@ async def run_load(args: argparse.Namespace) -> dict:
         async def producer() -> None:
             i = 0
             while (num_requests is None or i < num_requests) and (deadline is None or time.perf_counter() < deadline):
-                await queue.put(build_spec(i, models, prompt_len, output_len, frac, stream, seed))
+                await queue.put(build_spec(i, models, prompt_len, output_len, frac, stream, seed, prefixes))
                 i += 1
             for _ in range(concurrency):
                 await queue.put(None)
@@ -638,12 +773,16 @@ async def run_load(args: argparse.Namespace) -> dict:
         "url": _get(args, "url"), "models": models, "concurrency": concurrency, "num_requests": num_requests,
         "duration": duration, "prompt_len": _get(args, "prompt_len") or "demo", "output_len": _get(args, "output_len"),
         "disconnect_fraction": frac, "stream": stream, "temperature": temperature, "seed": seed,
+        "shared_prefix_len": prefix_len,
+        "shared_prefix_unit": ("words" if prefix_words else "chars") if prefix_len else None,
+        "shared_prefix_tokens": prefix_tokens,
     }
     summary["metrics"] = metrics or {}
     summary["metrics_peak"] = peaks
     summary["metrics_error"] = metrics_error
     summary["kv_cache"] = kv_summary(before, metrics, lows)
     summary["kv_blocks_leaked"], summary["lora_slots_leaked"] = leaks(metrics)
+    summary["prefix_cache"] = prefix_cache_summary(before, metrics, results)
     return summary
 
 
@@ -657,12 +796,40 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _prefix_line(s: dict) -> str:
+    """The prefix cache's line of the table: the hit rate of the server's counters over the run, the cached tokens the
+    responses reported, and the shared prefix the workload had."""
+    pc = s.get("prefix_cache") or {}
+    if pc.get("hit_rate") is not None:
+        rate = (f"hit rate {100 * pc['hit_rate']:.1f}% ({pc['hits']} of {pc['queries']} prompt tokens looked up, "
+                f"server counters)")
+    elif pc.get("queries") is not None:
+        rate = f"hit rate - ({pc['queries']} prompt tokens looked up)"
+    else:
+        rate = "hit rate - (no prefix-cache counters on /metrics)"
+    cached = pc.get("cached_tokens_reported")
+    line = f"prefix cache: {rate}; cached_tokens reported {_fmt(cached)}"
+    if cached is not None and pc.get("prompt_tokens_reported"):
+        line += f" of {pc['prompt_tokens_reported']} prompt tokens"
+    cfg = s.get("config") or {}
+    if cfg.get("shared_prefix_len"):
+        toks = [t for t in (cfg.get("shared_prefix_tokens") or {}).values() if t is not None]
+        took = f", {min(toks)}-{max(toks)} tokens" if toks and min(toks) != max(toks) else (
+            f", {toks[0]} tokens" if toks else "")
+        line += f" [shared prefix per model: {cfg['shared_prefix_len']} {cfg.get('shared_prefix_unit')}{took}]"
+    else:
+        line += " [no shared prefix]"
+    return line
+
+
 def format_table(s: dict) -> str:
     lines = [
         f"requests {s['requests']}: ok {s['ok']}, errors {s['errors']['count']}, "
         f"disconnected {s['disconnected']} in {s['duration_s']:.2f} s",
         f"throughput: {s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tok/s "
         f"({s['output_tokens']} tokens)",
+        f"TTFT p50: {_fmt(s['ttft_ms']['p50'])} ms (p99 {_fmt(s['ttft_ms']['p99'])} ms)",
+        _prefix_line(s),
         "",
         f"{'':12s} {'p50':>10s} {'p99':>10s} {'mean':>10s} {'n':>6s}",
     ]

@@ -24,9 +24,9 @@ from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import StepOutput
 from moelora.engine.request import Request
 from moelora.engine.sampler import Sampler, apply_logit_bias, to_device
-from moelora.engine.scheduler import ScheduledChunk, Scheduler
+from moelora.engine.scheduler import UNKNOWN_TOKEN, ScheduledChunk, Scheduler
 
-PLACEHOLDER = -1  # a request's step-N token while step N+1 is scheduled on it (replaced when step N is read)
+PLACEHOLDER = UNKNOWN_TOKEN  # a request's step-N token while step N+1 is scheduled on it (replaced when step N is read)
 
 
 @dataclass

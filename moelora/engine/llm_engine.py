@@ -17,6 +17,7 @@ from moelora.distributed import ParallelState, check_launch, kv_cache_config
 from moelora.engine.async_step import PLACEHOLDER, PendingStep, can_defer, launch_sampling, schedule_ahead
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import ModelRunner, StepOutput, graph_settings
+from moelora.engine.prefix_cache import BASE_IDENTITY, adapter_identity
 from moelora.engine.request import Request
 from moelora.engine.sampler import (Sampler, apply_logit_bias, apply_penalties, fused_sampler_min_rows, make_generator,
                                     prompt_logprobs)
@@ -61,6 +62,9 @@ class EngineArgs:
     # CPU: torch's intra-op threads. None: engine/cpu_threads.py's choice (MOELORA_CPU_THREADS or OMP_NUM_THREADS
     # when set, else a count that does not oversubscribe the machine)
     cpu_threads: int | None = None
+    # automatic prefix caching keyed by adapter (engine/prefix_cache.py): a prompt prefix computed once under an
+    # adapter (or the base model) is reused by later requests of the same adapter content
+    enable_prefix_caching: bool = True
 
 
 def resolve_async_scheduling(requested: bool | None, device: torch.device) -> bool:
@@ -160,7 +164,10 @@ class LLMEngine:
         if users:
             raise RuntimeError(f"adapter {name!r} is used by {len(users)} unfinished requests ({users[:3]}...)")
         self.pool.evict(name)
+        digest = self.registry.digest(name)
         self.registry.unload(name)
+        if not any(self.registry.digest(n) == digest for n in self.registry.names):  # no other name shares it
+            self.kv.drop_identity(adapter_identity(digest))
         if self.workers is not None:
             self.workers.send("unload", name)
 
@@ -218,6 +225,8 @@ class LLMEngine:
                 f"({self.kv.num_blocks} blocks of {self.kv.block_size}): lower max_tokens, or give the cache more "
                 "memory (--kv-cache-memory, --gpu-memory-utilization)")
         req = Request(request_id, ids, params, adapter, next(self._arrival))
+        if self.args.enable_prefix_caching:
+            req.cache_identity = BASE_IDENTITY if adapter is None else adapter_identity(self.registry.digest(adapter))
         req.generator = make_generator(params.seed, self.device)
         if self.tokenizer is not None:
             from moelora.engine.tokenizer import IncrementalDetokenizer, StopChecker
@@ -274,6 +283,7 @@ class LLMEngine:
             out = self._execute(chunks)
             for c in chunks:
                 c.request.num_computed += c.num_tokens
+                self.scheduler.register_blocks(c.request)
             self._record_prompt_logprobs(chunks, out)
             if not (self.async_scheduling and can_defer(out)):
                 return failed + self._sample(out)
@@ -286,6 +296,7 @@ class LLMEngine:
             out = self._execute(ahead.chunks, ahead.input_tokens)
             for c in ahead.chunks:
                 c.request.num_computed += 1
+                self.scheduler.register_blocks(c.request)
             self.ahead_steps += 1
             self._pending = launch_sampling(self.sampler, out)  # its rows passed can_defer one step earlier
         return self._read(pending)
@@ -318,6 +329,7 @@ class LLMEngine:
                 continue
             if req.output_ids and req.output_ids[-1] == PLACEHOLDER:
                 req.output_ids[-1] = t  # scheduled ahead on this token: its placeholder
+                self.scheduler.register_blocks(req)  # a block that held the placeholder is full of known tokens
             else:
                 req.output_ids.append(t)
             req.first_token_time = req.first_token_time or now

@@ -39,6 +39,14 @@ class Request:
     first_token_time: float | None = None
     detok: object | None = None  # IncrementalDetokenizer when a tokenizer is present
     stopper: object | None = None  # StopChecker
+    # prefix caching (engine/prefix_cache.py): what its keys and values are computed under (None: no caching),
+    # the hash chain of its full blocks so far, how many of its table's blocks are in the cache index, and how
+    # many prompt tokens its first admission found cached (usage.prompt_tokens_details.cached_tokens)
+    cache_identity: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
+    admitted: bool = False  # admitted once (preemptions re-admit it)
 
     @property
     def all_ids(self) -> list[int]:

@@ -8,6 +8,11 @@ adapter is admitted ahead of it (base requests still are), so every adapter gets
 run out, the most recently arrived running request is preempted: its blocks and adapter reference are
 freed, and it later recomputes its prompt and output so far.
 
+With prefix caching (engine/prefix_cache.py), a request being admitted first takes the cached blocks of its
+longest cached prefix (whole blocks, never its last token: that one's logits are needed) and computes from there;
+requests that want prompt log-probabilities compute every position. register_blocks() names a running request's
+newly full blocks after each step.
+
 A request whose adapter cannot be read (its files gone or changed since it was loaded, after it left host memory)
 fails alone: it is finished with `error` set and handed out by take_failed(); the rest of the batch runs on.
 """
@@ -22,7 +27,10 @@ from moelora.adapters.errors import AdapterError
 from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import SlotPool
 from moelora.engine.kv_cache import KVCache
+from moelora.engine.prefix_cache import extend_hashes
 from moelora.engine.request import Request, Status
+
+UNKNOWN_TOKEN = -1  # a token still on the device (asynchronous scheduling's placeholder): its block is not named yet
 
 
 @dataclass
@@ -55,6 +63,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.failed: list[Request] = []  # finished with an error since the last take_failed()
         self.num_preemptions = 0  # since start (metrics)
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admissions (metrics)
+        self.prefix_hits = 0  # of those, tokens found cached
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -94,10 +104,18 @@ class Scheduler:
                 blocked_adapter = True
                 skipped.append(req)
                 continue
+            matched = self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if self.kv.blocks_needed(req.num_computed + n, len(req.block_table)) > self.kv.num_free_blocks:
+                self._unmatch(req, matched)
                 skipped.append(req)
                 break  # no blocks: later requests would not fit either (FIFO)
+            if not req.admitted:
+                req.admitted = True
+                if req.cache_identity is not None:
+                    self.prefix_queries += len(req.prompt_ids)
+                    self.prefix_hits += matched * self.kv.block_size
+                    req.num_cached_tokens = matched * self.kv.block_size
             if req.adapter is not None:
                 try:
                     req.slot = self.pool.acquire_by_name(req.adapter, self.registry.get)
@@ -111,6 +129,37 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _match_prefix(self, req: Request) -> int:
+        """A request being admitted with nothing computed takes the cached blocks of its longest cached prefix
+        (at most its first num_tokens - 1 tokens: the last is computed for its logits); returns how many."""
+        if req.cache_identity is None or req.num_computed or req.block_table or req.wants_prompt_logprobs:
+            return 0
+        bs = self.kv.block_size
+        hashes = extend_hashes(req.block_hashes, req.ids_slice, req.num_tokens - 1, bs, req.cache_identity,
+                               UNKNOWN_TOKEN)
+        blocks = self.kv.match(hashes[: (req.num_tokens - 1) // bs])
+        req.block_table, req.num_registered_blocks, req.num_computed = blocks, len(blocks), len(blocks) * bs
+        return len(blocks)
+
+    def _unmatch(self, req: Request, matched: int) -> None:
+        if matched:
+            self.kv.free(req.block_table)
+            req.block_table, req.num_computed, req.num_registered_blocks = [], 0, 0
+
+    def register_blocks(self, req: Request) -> None:
+        """Name the request's full blocks computed since the last call in the prefix cache (a block holding a
+        token still on the device waits for a later call)."""
+        if req.cache_identity is None or req.finished:
+            return
+        bs = self.kv.block_size
+        full = min(req.num_computed // bs, len(req.block_table))
+        if full <= req.num_registered_blocks:
+            return
+        hashes = extend_hashes(req.block_hashes, req.ids_slice, full * bs, bs, req.cache_identity, UNKNOWN_TOKEN)
+        for i in range(req.num_registered_blocks, min(full, len(hashes))):
+            self.kv.cache_block(req.block_table[i], hashes[i], req.cache_identity)
+        req.num_registered_blocks = min(full, len(hashes))
 
     def take_failed(self) -> list[Request]:
         """The requests failed (finished with `error`) since the last call."""
@@ -146,6 +195,7 @@ class Scheduler:
         if req.block_table:
             self.kv.free(req.block_table)
             req.block_table = []
+        req.num_registered_blocks = 0
         if req.status is Status.RUNNING and req.adapter is not None and req.slot >= 0:
             self.pool.release(req.adapter)
         req.slot = -1

@@ -227,9 +227,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if failed:
             raise APIError(500, failed[0].error, "InternalServerError")
 
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -345,10 +346,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if req.stream:
             async def events():
                 started: set[int] = set()
-                out_tokens, prompt_tokens = 0, {}
+                out_tokens, prompt_tokens, cached = 0, {}, {}
                 offsets = [CompletionLogprobs(token_str) for _ in streams]
                 async for i, u in merged(streams):
                     prompt_tokens[i // req.n] = u.num_prompt_tokens
+                    cached[i // req.n] = max(cached.get(i // req.n, 0), u.num_cached_tokens)
                     if u.error:
                         record(adapter, t0, u, "error")
                         yield sse(stream_error(u.error))
@@ -377,17 +379,18 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                     if u.finished:
                         record(adapter, t0, u, finish_reason(u) or "stop")
                 if req.include_usage:
-                    yield sse(chunk([], usage(sum(prompt_tokens.values()), out_tokens)))
+                    yield sse(chunk([], usage(sum(prompt_tokens.values()), out_tokens, sum(cached.values()))))
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
         per_choice = await collect(streams, raw)
         first_error(per_choice, adapter, t0)
-        choices, n_prompt, n_out = [], {}, 0
+        choices, n_prompt, n_out, cached = [], {}, 0, {}
         for i, ups in enumerate(per_choice):
             final = ups[-1]
             record(adapter, t0, final, finish_reason(final) or "stop")
+            cached[i // req.n] = max(cached.get(i // req.n, 0), final.num_cached_tokens)
             echo = prompt_texts[i // req.n] if req.echo else ""
             text = "" if scoring else "".join(u.text for u in ups)
             n_prompt[i // req.n] = final.num_prompt_tokens
@@ -402,7 +405,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             if plp is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_field(final.prompt_ids, final.prompt_logprobs, token_str)
             choices.append(choice)
-        return chunk(choices, usage(sum(n_prompt.values()), n_out))
+        return chunk(choices, usage(sum(n_prompt.values()), n_out, sum(cached.values())))
 
     def render_chat(messages, add_generation_prompt: bool) -> str:
         for m in messages:
@@ -440,9 +443,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
         if req.stream:
             async def events():
-                started, out_tokens, n_prompt = set(), 0, 0
+                started, out_tokens, n_prompt, cached = set(), 0, 0, 0
                 async for i, u in merged(streams):
-                    n_prompt = u.num_prompt_tokens
+                    n_prompt, cached = u.num_prompt_tokens, max(cached, u.num_cached_tokens)
                     if u.error:
                         record(adapter, t0, u, "error")
                         yield sse(stream_error(u.error))
@@ -459,21 +462,22 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                         record(adapter, t0, u, u.finish_reason or "stop")
                         yield sse(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": u.finish_reason}]))
                 if req.include_usage:
-                    yield sse(chunk([], usage(n_prompt, out_tokens)))
+                    yield sse(chunk([], usage(n_prompt, out_tokens, cached)))
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
         per_choice = await collect(streams, raw)
         first_error(per_choice, adapter, t0)
-        choices, n_out, n_prompt = [], 0, 0
+        choices, n_out, n_prompt, cached = [], 0, 0, 0
         for i, ups in enumerate(per_choice):
             final = ups[-1]
             record(adapter, t0, final, final.finish_reason or "stop")
             n_prompt, n_out = final.num_prompt_tokens, n_out + final.num_output_tokens
+            cached = max(cached, final.num_cached_tokens)
             choices.append({"index": i, "message": {"role": "assistant", "content": "".join(u.text for u in ups)},
                             "logprobs": chat_logprobs(ups, k, token_str) if req.logprobs else None,
                             "finish_reason": final.finish_reason})
-        return chunk(choices, usage(n_prompt, n_out), obj="chat.completion")
+        return chunk(choices, usage(n_prompt, n_out, cached), obj="chat.completion")
 
     return app

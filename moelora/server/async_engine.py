@@ -43,6 +43,7 @@ class Update:
     prompt_logprobs: list | None = None  # when asked: on the first update after the prefill, and on the final
     error: str | None = None
     first_token_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 @dataclass
@@ -184,6 +185,7 @@ class AsyncEngine:
             "lora_slots_in_use": sum(1 for n in (e.pool.resident if e.pool else {}) if e.pool.refcount(n) > 0),
             "adapters_loaded": len(e.list_adapters()),
             "kv_blocks_free_min": e.kv.min_free,
+            "prefix_cache_blocks": e.kv.num_cached_blocks,
         }
 
     def counters(self) -> dict[str, int]:
@@ -204,6 +206,9 @@ class AsyncEngine:
             "adapter_slot_loads": pool.get("slot_loads", 0),
             "adapter_slot_evictions": pool.get("slot_evictions", 0),
             "adapter_cpu_evictions": reg.get("cpu_evictions", 0),
+            "prefix_cache_queries": e.scheduler.prefix_queries,
+            "prefix_cache_hits": e.scheduler.prefix_hits,
+            "prefix_cache_evictions": e.kv.evictions,
         }
 
     # ---- engine thread ----------------------------------------------------------------------------
@@ -260,6 +265,7 @@ class AsyncEngine:
             num_output_tokens=len(req.output_ids),
             first_token_time=req.first_token_time,
             error=req.error,
+            num_cached_tokens=req.num_cached_tokens,
         )
         if req.error is not None:
             self.num_failed += 1

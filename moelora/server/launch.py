@@ -276,6 +276,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory, in (0, 1], for weights, adapter slots, activations, CUDA graphs "
                    "and the KV cache together (default 0.9)")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes already computed, keyed by adapter content (the same "
+                   "prefix under another adapter or the base model is never shared); freed prefixes stay until "
+                   "their memory is needed, least recently used first. Default on; --no-enable-prefix-caching "
+                   "turns it off")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each decode step before the last one's tokens are read, hiding the "
                         "host's work behind the GPU (single GPU; rows asking for logprobs or penalties keep the "
@@ -391,6 +396,7 @@ def engine_args(args: argparse.Namespace) -> tuple[EngineArgs, dict[str, str], s
         gpu_memory_utilization=args.gpu_memory_utilization, max_graph_batch_size=args.max_graph_batch_size,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
         async_scheduling=args.async_scheduling, cpu_threads=args.cpu_threads,
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
     )
     return eargs, adapters, served
 

@@ -14,6 +14,7 @@ GAUGES = {
     "lora_slots_total": "LoRA slots (max_loras)", "lora_slots_used": "LoRA slots holding an adapter",
     "lora_slots_in_use": "LoRA slots whose adapter running requests use",
     "adapters_loaded": "Adapters registered",
+    "prefix_cache_blocks": "KV blocks holding a cached prompt prefix (in use or evictable)",
 }
 
 COUNTERS = {
@@ -27,6 +28,9 @@ COUNTERS = {
     "adapter_slot_loads": "Adapters written into a LoRA slot (swaps)",
     "adapter_slot_evictions": "Adapters evicted from a LoRA slot for another",
     "adapter_cpu_evictions": "Adapters dropped from host memory (--max-cpu-loras)",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (first admissions)",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache (not computed again)",
+    "prefix_cache_evictions": "Cached prefix blocks reused for other contents",
 }
 
 
