@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One device call for the server: the carried wheels the device image lacks (fastapi, starlette, pydantic, uvicorn;
+# `.whl` in the call's carry), `moelora bench serve` against `moelora serve` at Qwen3-30B-A3B
+# dimensions (dummy FP8 weights, the demo's one-token-per-character tokenizer, 4 random rank-16 adapters on
+# q/k/v/o), with prefix caching on and off, each on two workloads: every adapter's requests sharing a prefix of
+# SHARED_PREFIX tokens, and nothing shared (prompts of about as many tokens); then the GPU tests. JSON and logs go
+# to $OUT.
+# Usage: MOELORA_COMMIT=<sha> bash scripts/gpu_serve_bench.sh [pytest files...]
+# env: SHARED_PREFIX (1000), NUM_REQUESTS (128), CONCURRENCY (16), OUTPUT_LEN (32), SERVE_ARGS (extra serve flags,
+# default --quantization fp8), PRESET (QWEN3_30B_A3B, or TINY for a check of this script on the CPU with
+# SERVE_ARGS="--device cpu" and no tests: `bash scripts/gpu_serve_bench.sh none`)
+if [ -d .whl ] && [ "${SKIP_WHEELS:-0}" != 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site || exit 1
+fi
+source "$(dirname "$0")/gpu_prelude.sh"
+SHARED_PREFIX=${SHARED_PREFIX:-1000}
+N=${NUM_REQUESTS:-128}
+C=${CONCURRENCY:-16}
+L=${OUTPUT_LEN:-32}
+WORK=/tmp/serve-bench
+python3 - "$WORK" <<'EOF'
+import json, os, shutil, sys
+import torch
+from safetensors.torch import save_file
+from moelora.bench import decode
+from moelora.demo import model_path
+
+QWEN3_30B_A3B = getattr(decode, os.environ.get("PRESET", "QWEN3_30B_A3B"))
+
+work = sys.argv[1]
+model = os.path.join(work, "model")
+os.makedirs(model, exist_ok=True)
+with open(os.path.join(model, "config.json"), "w") as f:
+    json.dump(QWEN3_30B_A3B, f)
+for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(model_path(), name), model)
+cfg, r = QWEN3_30B_A3B, 16
+H, D = cfg["hidden_size"], cfg.get("head_dim", 128)
+shapes = {"q_proj": (H, cfg["num_attention_heads"] * D), "k_proj": (H, cfg["num_key_value_heads"] * D),
+          "v_proj": (H, cfg["num_key_value_heads"] * D), "o_proj": (cfg["num_attention_heads"] * D, H)}
+for i in range(4):
+    g = torch.Generator().manual_seed(i)
+    t = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, (fin, fout) in shapes.items():
+            p = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            t[f"{p}.lora_A.weight"] = (torch.randn(r, fin, generator=g) / fin ** 0.5).bfloat16()
+            t[f"{p}.lora_B.weight"] = (torch.randn(fout, r, generator=g) * 0.01).bfloat16()
+    folder = os.path.join(work, f"a{i}")
+    os.makedirs(folder, exist_ok=True)
+    save_file(t, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
+                   "target_modules": list(shapes)}, f)
+print("model and adapters in", work)
+EOF
+for caching in on off; do
+    flag=--enable-prefix-caching; [ $caching = off ] && flag=--no-enable-prefix-caching
+    python3 -m moelora serve "$WORK/model" --load-format dummy ${SERVE_ARGS:---quantization fp8} --max-loras 4 \
+        --lora a0=$WORK/a0 --lora a1=$WORK/a1 --lora a2=$WORK/a2 --lora a3=$WORK/a3 --max-model-len 4096 \
+        --port 8123 --log-level warning $flag > "$OUT/serve_$caching.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 300); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+    curl -sf localhost:8123/health >/dev/null || { echo "server ($caching) did not start"; tail -20 "$OUT/serve_$caching.log"; kill $pid; continue; }
+    for workload in shared unshared; do
+        shape="--shared-prefix-len $SHARED_PREFIX"
+        [ $workload = unshared ] && shape="--prompt-len 170:200"
+        mkdir -p "$WORK/out-$caching-$workload"
+        python3 -m moelora bench serve --url http://127.0.0.1:8123 --models a0,a1,a2,a3 --num-requests $N \
+            --concurrency $C --output-len $L:$L $shape --no-progress --out "$WORK/out-$caching-$workload" \
+            2>&1 | tail -12
+        cp "$WORK"/out-$caching-$workload/serve-*.json "$OUT/serve-prefix-$caching-$workload.json"
+    done
+    kill $pid; wait $pid 2>/dev/null
+done
+python3 - "$OUT" <<'EOF'
+import json, sys, glob, os
+rows = {}
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "serve-prefix-*.json"))):
+    d = json.load(open(f))
+    rows[os.path.basename(f)[13:-5]] = d
+print(f"{'run':18s} {'TTFT p50 ms':>12s} {'out tok/s':>10s} {'hit rate':>9s} {'errors':>7s}")
+for k, d in rows.items():
+    pc = d.get("prefix_cache") or {}
+    print(f"{k:18s} {d['ttft_ms']['p50']:12.1f} {d['output_tokens_per_s']:10.1f} {str(pc.get('hit_rate')):>9s} "
+          f"{d['errors']['count']:7d}")
+EOF
+TESTS=${*:-tests/test_prefix_cache_gpu.py}
+[ "$TESTS" = none ] || timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs $TESTS 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|assert" | tail -15
