@@ -204,3 +204,28 @@ def test_dummy_model_too_big_for_one_gpu_is_drawn_in_host_memory(monkeypatch):
     tried.clear()
     with pytest.raises(torch.cuda.OutOfMemoryError):  # one rank, nothing to shard: the error stands
         workers.build_sharded_model(None, args, "bfloat16", torch.device("cuda", 0), ParallelState())
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(expert_parallel_size=2)])
+def test_prefix_cache_hits_under_tensor_and_expert_parallelism(setup, parallel):
+    """Rank 0 matches and names the blocks; the workers compute only what its block tables say: later requests
+    that hit earlier ones' blocks give the single-process tokens and log-probabilities with caching off."""
+    model, kw, _, _, _, _ = setup
+    prefix = rows_of(9, [10])[0]
+    names = ["a", None, "b", "a"]
+    first = [prefix + s for s in rows_of(10, [2, 3, 4, 1])]
+    second = [prefix + s for s in rows_of(11, [3, 1, 2, 4])]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+    ref = LLM(model, enable_prefix_caching=False, **kw).generate(second, params, adapter=names)
+    llm = LLM(model, **parallel, **kw)
+    try:
+        llm.generate(first, params, adapter=names)
+        before = llm.engine.scheduler.prefix_hits
+        outs = llm.generate(second, params, adapter=names)
+        assert llm.engine.scheduler.prefix_hits - before == 4 * 8  # two full blocks of 4 of the prefix, every row
+        for o, r in zip(outs, ref):
+            assert o.outputs[0].token_ids == r.outputs[0].token_ids
+            for got, want in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+                assert max(abs(got[t] - want[t]) for t in want) < TOL
+    finally:
+        llm.shutdown()

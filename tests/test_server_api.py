@@ -280,3 +280,41 @@ def test_generation_config_defaults_apply_when_a_request_leaves_them_out(tmp_pat
         assert r.usage.completion_tokens == 7
     finally:
         srv.stop()
+
+
+# ---- prefix caching ------------------------------------------------------------------------------------------
+
+def test_prefix_cache_reports_cached_tokens_per_adapter(server):
+    c = client(server)
+
+    def value(name):
+        text = httpx.get(server.url + "/metrics", headers=AUTH).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    prompt = make_prompt("the same long prompt shared by two requests")  # one token per character
+    hit = (len(prompt) - 1) // 16 * 16  # whole blocks of 16, never the last token: 32 of 47
+    q0, h0 = value("moelora_prefix_cache_queries_total"), value("moelora_prefix_cache_hits_total")
+    first = c.completions.create(model="upper", prompt=prompt, max_tokens=4, temperature=0)
+    again = c.completions.create(model="upper", prompt=prompt, max_tokens=4, temperature=0)
+    other = c.completions.create(model="rot13", prompt=prompt, max_tokens=4, temperature=0)  # never shares
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == hit and again.choices[0].text == first.choices[0].text
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert value("moelora_prefix_cache_queries_total") - q0 == 3 * len(prompt)
+    assert value("moelora_prefix_cache_hits_total") - h0 == hit
+    chunks = list(c.completions.create(model="upper", prompt=prompt, max_tokens=4, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == hit
+
+
+def test_no_enable_prefix_caching_turns_it_off():
+    srv = start("--no-enable-prefix-caching")
+    try:
+        c = client(srv)
+        prompt = make_prompt("the same long prompt shared by two requests")
+        for _ in range(2):
+            r = c.completions.create(model="upper", prompt=prompt, max_tokens=4, temperature=0)
+            assert r.usage.prompt_tokens_details.cached_tokens == 0
+        assert srv.engine.engine.scheduler.prefix_hits == 0 and srv.engine.engine.kv.num_cached_blocks == 0
+    finally:
+        srv.stop()
