@@ -9,6 +9,10 @@ from __future__ import annotations
 
 SOURCE_SGLANG = "SGLang (published: PRs #28091, #27329 line, MoE-LoRA benchmarks; via FIELD_NOTES.md)"
 SOURCE_VLLM = "vLLM 0.26.0 measured on one H200, Qwen3-30B-A3B dims, 128 in / 128 out, 2026-11-30 (FIELD_NOTES.md)"
+# the FP8 rows of that run were withdrawn: vLLM's dummy weights round to ~0 in e4m3, the router's softmax became
+# uniform and every token took the same 8 experts. Re-measured beside moelora on one H100 with block-scaled FP8:
+SOURCE_VLLM_FP8 = ("vLLM 0.26.0 measured beside moelora on one H100, block-scaled FP8, Qwen3-30B-A3B dims, 128 in / "
+                   "128 out, 2026-12-06 (FIELD_NOTES.md)")
 
 # share of the no-LoRA throughput kept, per (system, setup, dtype, batch, adapters)
 KEPT: list[dict] = [
@@ -28,13 +32,10 @@ KEPT: list[dict] = [
     {"system": "vLLM 0.26", "setup": "H200, bf16", "dtype": "bf16", "batch": 64, "adapters": 4, "kept": 0.74, "source": SOURCE_VLLM},
     {"system": "vLLM 0.26", "setup": "H200, bf16", "dtype": "bf16", "batch": 16, "adapters": 1, "kept": 0.76, "source": SOURCE_VLLM},
     {"system": "vLLM 0.26", "setup": "H200, bf16", "dtype": "bf16", "batch": 16, "adapters": 4, "kept": 0.73, "source": SOURCE_VLLM},
-    {"system": "vLLM 0.26", "setup": "H200, fp8 per-tensor", "dtype": "fp8", "batch": 64, "adapters": 1, "kept": 0.59, "source": SOURCE_VLLM},
-    {"system": "vLLM 0.26", "setup": "H200, fp8 per-tensor", "dtype": "fp8", "batch": 64, "adapters": 4, "kept": (0.54, 0.70), "source": SOURCE_VLLM},
-    {"system": "vLLM 0.26", "setup": "H200, fp8 per-tensor", "dtype": "fp8", "batch": 16, "adapters": 1, "kept": 0.57, "source": SOURCE_VLLM},
-    {"system": "vLLM 0.26", "setup": "H200, fp8 per-tensor", "dtype": "fp8", "batch": 16, "adapters": 4, "kept": 0.52, "source": SOURCE_VLLM},
+    {"system": "vLLM 0.26", "setup": "H100, fp8 block-scaled", "dtype": "fp8", "batch": 64, "adapters": 4, "kept": 0.68, "source": SOURCE_VLLM_FP8},
 ]
 
-# vLLM 0.26 decode tokens/s on the H200 (Qwen3-30B-A3B dims, rank-16 adapters on q/k/v/o + experts)
+# vLLM 0.26 decode tokens/s (Qwen3-30B-A3B dims, rank-16 adapters on q/k/v/o + experts): bf16 on the H200
 VLLM_TOKENS_PER_S: list[dict] = [
     {"dtype": "bf16", "batch": 64, "adapters": 0, "tokens_per_s": 3644},
     {"dtype": "bf16", "batch": 64, "adapters": 1, "tokens_per_s": 2956},
@@ -42,11 +43,9 @@ VLLM_TOKENS_PER_S: list[dict] = [
     {"dtype": "bf16", "batch": 16, "adapters": 0, "tokens_per_s": 1286},
     {"dtype": "bf16", "batch": 16, "adapters": 1, "tokens_per_s": 977},
     {"dtype": "bf16", "batch": 16, "adapters": 4, "tokens_per_s": 933},
-    {"dtype": "fp8", "batch": 64, "adapters": 1, "tokens_per_s": 6771},
-    {"dtype": "fp8", "batch": 64, "adapters": 4, "tokens_per_s": 6240},
-    {"dtype": "fp8", "batch": 16, "adapters": 0, "tokens_per_s": 3404},
-    {"dtype": "fp8", "batch": 16, "adapters": 1, "tokens_per_s": 1942},
-    {"dtype": "fp8", "batch": 16, "adapters": 4, "tokens_per_s": 1785},
+    # FP8: on an H100 (the card differs from the bf16 rows': compare these with moelora's H100 figures, 4,642 / 4,174)
+    {"dtype": "fp8", "batch": 64, "adapters": 0, "tokens_per_s": 4357},
+    {"dtype": "fp8", "batch": 64, "adapters": 4, "tokens_per_s": 2964},
 ]
 
 
