@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import weakref
 from collections.abc import Sequence
 
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.outputs import CompletionOutput, RequestOutput
 from moelora.engine.request import Request
 from moelora.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -22,15 +26,52 @@ class LLM:
     tensor_parallel_size / expert_parallel_size > 1 start one worker process per extra rank. Under torchrun
     (WORLD_SIZE = tp x ep) nothing is started: rank 0 builds the LLM and ranks 1..N-1 call
     moelora.engine.workers.run_worker(EngineArgs(model, ...same keywords...)).
+
+    Lifetime: `shutdown()`, the end of a `with LLM(...) as llm:` block, or the LLM's garbage collection release
+    everything it holds: the CUDA graphs, the worker processes, the torch.distributed process group this
+    process joined (so another parallel LLM can start in the same process), and the engine (model, KV cache).
+    A constructor that fails part way releases what it had started. Afterwards every method raises
+    "this LLM was shut down".
     """
 
     def __init__(self, model: str, adapters: dict[str, str] | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs), adapters)
+        self._engine: LLMEngine | None = None
         self._ids = itertools.count()
+        engine = LLMEngine.__new__(LLMEngine)  # kept by hand, so a constructor failing part way can be released
+        try:
+            engine.__init__(EngineArgs(model=model, **kwargs), adapters)
+        except BaseException:
+            _release(engine)  # e.g. an adapter that does not load after the workers and process group started
+            raise
+        self._engine = engine
+        # on garbage collection (and at interpreter exit) the engine is released; the finalizer holds the engine,
+        # never the LLM, so it does not keep the LLM alive
+        self._finalizer = weakref.finalize(self, _release, engine)
+        if engine.workers is not None:
+            engine.workers.on_exit = self._finalizer  # at exit: graphs freed before the group is left
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a tensor/expert-parallel engine (they also stop when this process exits)."""
-        self.engine.shutdown()
+        """Release the engine: its CUDA graphs, the worker processes of a tensor/expert-parallel engine and the
+        torch.distributed process group this process joined, then the model and KV cache (once nothing else
+        references the engine). Idempotent: a second call does nothing. Afterwards generate() and the other
+        methods raise RuntimeError("this LLM was shut down")."""
+        finalizer = getattr(self, "_finalizer", None)
+        self._engine = None
+        if finalizer is not None:
+            finalizer()  # runs _release(engine) the first time only, then drops its reference to the engine
+
+    def __enter__(self) -> LLM:
+        self.engine  # noqa: B018 - raises if already shut down
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.shutdown()
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("this LLM was shut down (shutdown(), the end of its `with` block): create a new LLM")
+        return self._engine
 
     @property
     def tokenizer(self):
@@ -93,6 +134,15 @@ class LLM:
             out.finished = True
             results.append(out)
         return results
+
+
+def _release(engine: LLMEngine) -> None:
+    """LLMEngine.shutdown that never raises (it runs from a finalizer, at interpreter exit, or while a failed
+    constructor's error propagates)."""
+    try:
+        engine.shutdown()
+    except Exception as e:  # noqa: BLE001 - releasing anyway; nothing the caller can do
+        log.warning("moelora: shutting the engine down: %s: %s", type(e).__name__, e)
 
 
 def _completion(index: int, r: Request) -> CompletionOutput:

@@ -15,6 +15,7 @@ from moelora.adapters.slots import SlotPool
 from moelora.config import ModelConfig
 from moelora.distributed import ParallelState, check_launch, kv_cache_config
 from moelora.engine.async_step import PLACEHOLDER, PendingStep, can_defer, launch_sampling, schedule_ahead
+from moelora.engine.cpu_threads import configure_cpu_threads, host_processes
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.model_runner import ModelRunner, StepOutput, graph_settings
 from moelora.engine.prefix_cache import BASE_IDENTITY, adapter_identity
@@ -86,6 +87,7 @@ class LLMEngine:
             raise DeviceError("device='cuda' requested but torch sees no GPU: use device='cpu' (--device cpu), or "
                               "install a CUDA build of torch")
         self.device = torch.device(device)
+        self.cpu_threads = configure_cpu_threads(args.cpu_threads, self.device, processes=host_processes(args))
         dtype = args.dtype or ("float32" if self.device.type == "cpu" else "auto")
         self.config = ModelConfig.from_pretrained(args.model)
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings

@@ -10,6 +10,11 @@ Failure: a watchdog on rank 0 checks the worker processes before every message, 
 because a peer went away (gloo sees the closed connection at once) is re-raised as WorkerFailed naming the
 rank, its pid and exit code. Workers are daemons of rank 0, so they end with it.
 
+Lifetime: `WorkerGroup.stop` (LLMEngine.shutdown, LLM.shutdown / its `with` block / its garbage collection)
+tells the workers to finish, reaps them and leaves the process group, so a second parallel engine can start in
+the same process. A group nobody stopped is stopped at interpreter exit (one atexit hook over the live groups,
+which does not keep a group alive).
+
 Under torchrun (`check_launch`: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, WORLD_SIZE = tp x ep; one or many
 nodes) nothing is spawned: every process joins the process group from the environment (env://), global rank 0
 is the engine and ranks 1..N-1 call `run_worker`. There are no child processes to watch, so rank 0 pings the
@@ -20,10 +25,13 @@ the ranks that did not answer), and any collective failing with a communication 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
+import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import torch
@@ -115,6 +123,18 @@ def worker_main(rank: int, world: int, port: int, args) -> None:
     ps = init_parallel(args.tensor_parallel_size, args.expert_parallel_size, _backend(args),
                        f"tcp://127.0.0.1:{port}", rank, world, timeout=_IDLE)
     _worker_loop(ps, args, rank, rank)
+    # stopped cleanly (group left, graphs freed): end here, without the interpreter's teardown, where gloo's
+    # objects (still referenced past destroy_process_group) can be freed after Python is gone and the worker
+    # then dies of SIGABRT (seen once on a loaded machine: exit code -6)
+    del ps
+    _free_groups()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
+            pass
+    os._exit(0)
 
 
 def run_worker(args) -> int:
@@ -132,7 +152,15 @@ def run_worker(args) -> int:
     if beacon is not None:
         beacon.start(env.rank)
     _worker_loop(ps, args, env.rank, env.local_rank, beacon)
+    del ps
+    _free_groups()
     return 0
+
+
+def _free_groups() -> None:
+    """After a clean stop: the process groups' objects, which the model's hooks and the ParallelState held past
+    destroy_process_group, are freed now, while the interpreter is whole, rather than in its teardown."""
+    gc.collect()
 
 
 class _Beacon:
@@ -211,12 +239,15 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
     from moelora.adapters.registry import AdapterRegistry
     from moelora.adapters.slots import clear_slot, write_slot
     from moelora.config import ModelConfig
+    from moelora.engine.cpu_threads import configure_cpu_threads, host_processes
     from moelora.engine.kv_cache import KVCache
     from moelora.engine.model_runner import ModelRunner, graph_settings
 
     runner = None
     try:
         device = worker_device(args, local_rank)
+        # on the CPU the ranks of a host share its cores (rank 0 makes the same choice in LLMEngine)
+        configure_cpu_threads(getattr(args, "cpu_threads", None), device, processes=host_processes(args))
         cfg = ModelConfig.from_pretrained(args.model)
         model = build_sharded_model(cfg, args, engine_dtype(args, device), device, ps)
         max_model_len = args.max_model_len or cfg.max_position_embeddings
@@ -284,11 +315,17 @@ class WorkerGroup:
     def __init__(self, args) -> None:
         self.world = args.tensor_parallel_size * args.expert_parallel_size
         if dist.is_initialized():
+            gc.collect()  # an unreachable LLM (a reference cycle) still holding the group: its finalizer leaves it
+        if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed process group (another parallel "
-                               "engine still running? call its shutdown() first)")
+                               "engine still running? call its shutdown() first, or use `with LLM(...) as llm:`)")
         self._events: list[tuple[int, str | None]] = []
         self._stopped = False
         self.procs: list = []
+        self.beacon = None
+        # at interpreter exit, called before stop(): the owner's own release (LLM: the engine's shutdown, which
+        # frees rank 0's CUDA graphs before the group is left); it must not reference this group strongly
+        self.on_exit = None
         launch = check_launch(args.tensor_parallel_size, args.expert_parallel_size)
         self.external = launch is not None
         if self.external:
@@ -304,15 +341,25 @@ class WorkerGroup:
                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
             self._last_ok = time.monotonic()
             self.beacon = _beacon()
-            atexit.register(self.stop)
+            _LIVE.add(self)
             return
         port = free_port()
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, args=(r, self.world, port, args), daemon=True,
                                   name=f"moelora-rank{r}") for r in range(1, self.world)]
-        for p in self.procs:
-            p.start()
-        atexit.register(self.stop)
+        _LIVE.add(self)
+        try:
+            for p in self.procs:
+                p.start()
+            self.state: ParallelState = self._rendezvous(args, port)
+        except BaseException:
+            self._stopped = True  # nothing to tell the workers: end them, leave whatever group formed
+            self._terminate()
+            _leave_group()
+            _LIVE.discard(self)
+            raise
+
+    def _rendezvous(self, args, port: int) -> ParallelState:
         box: dict = {}
 
         def join() -> None:  # in a thread, so that a worker dying before the rendezvous is seen at once
@@ -331,7 +378,7 @@ class WorkerGroup:
         if "error" in box:
             self.check(grace_s=2.0)
             raise WorkerFailed(f"could not form the process group of {self.world} ranks: {box['error']}")
-        self.state: ParallelState = box["ps"]
+        return box["ps"]
 
     def check(self, grace_s: float = 0.0, ping: bool = False) -> None:
         """Raise WorkerFailed if a worker has exited (waiting up to grace_s for one to show its exit). Under
@@ -429,23 +476,50 @@ class WorkerGroup:
         self.send("graph", token_ids, positions, block_tables, slots)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Tell the workers to finish, wait for them, leave the process group."""
-        if self._stopped:
+        """Tell the workers to finish, wait for them (terminated after timeout_s), leave the process group.
+        Idempotent; after it this process can join a new process group (another parallel engine)."""
+        _LIVE.discard(self)
+        if self._stopped:  # stopped, or failed (which left the group): the process group now may be another engine's
             return
         try:
             self.send("stop")
         except Exception:  # noqa: BLE001 - stopping anyway
             pass
         self._stopped = True
+        deadline = time.monotonic() + timeout_s
         for p in self.procs:
-            p.join(timeout_s)
+            p.join(max(0.0, deadline - time.monotonic()))
         self._terminate()
         _leave_group()
 
     def _terminate(self) -> None:
+        """End the workers still running and reap them all (no zombie processes left behind)."""
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+        for p in self.procs:
+            if p.pid is not None:  # started
+                p.join(5.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5.0)
+
+
+# the groups not stopped yet, for the interpreter's exit (a weak set: an engine garbage-collected away takes its
+# group along, see LLM). Registered after torch.multiprocessing's import, so it runs before multiprocessing's
+# own exit hook terminates the daemonic workers: they get "stop" and end cleanly.
+_LIVE: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_groups() -> None:
+    for group in list(_LIVE):
+        try:
+            if group.on_exit is not None:
+                group.on_exit()
+            group.stop()
+        except Exception as e:  # noqa: BLE001 - exiting anyway
+            log.warning("stopping the parallel engine's workers at exit: %s", e)
 
 
 def _is_comm_error(e: BaseException) -> bool:
