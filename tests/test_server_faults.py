@@ -174,3 +174,34 @@ def test_prompt_plus_max_tokens_over_the_kv_cache_is_refused_up_front():
         assert e.kv.num_free_blocks == e.kv.num_blocks
     finally:
         srv.stop()
+
+
+def test_a_slot_write_that_fails_fails_its_request_alone(monkeypatch):
+    """Loading an adapter from host memory into a LoRA slot can fail too (a device error): that request fails with
+    an error naming the adapter, the others in the same step finish."""
+    srv = start("--max-loras", "1")
+    try:
+        pool = srv.engine.engine.pool
+        real = pool._write
+
+        def write(adapter, slot):
+            if adapter.name == "reverse":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            real(adapter, slot)
+
+        monkeypatch.setattr(pool, "_write", write)
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+
+        async def both():
+            ac = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+            ok = ac.completions.create(model=BASE, prompt=make_prompt("abcdef"), max_tokens=8, temperature=0)
+            bad = ac.completions.create(model="reverse", prompt=make_prompt("abc"), max_tokens=8, temperature=0)
+            return await asyncio.gather(ok, bad, return_exceptions=True)
+
+        ok, bad = asyncio.run(both())
+        assert ok.choices[0].text == "abcdef"
+        assert isinstance(bad, openai.InternalServerError) and "adapter 'reverse'" in str(bad)
+        assert "illegal memory access" in str(bad)
+        assert c.completions.create(model="upper", prompt=make_prompt("abc"), max_tokens=8, temperature=0).choices[0].text == "ABC"
+    finally:
+        srv.stop()

@@ -122,6 +122,10 @@ class Scheduler:
                 except AdapterError as e:  # its files are gone or changed: this request fails, no other
                     self._fail(req, str(e))
                     continue
+                except Exception as e:  # writing its slot failed: the same, with what went wrong
+                    self._fail(req, f"adapter {req.adapter!r} could not be put in a LoRA slot: "
+                                    f"{type(e).__name__}: {e}")
+                    continue
             self._reserve(req, req.num_computed + n)
             req.status = Status.RUNNING
             self.running.append(req)
