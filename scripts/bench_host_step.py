@@ -5,8 +5,8 @@ input tensors and the per-request bookkeeping run while the GPU idles. This time
 do not need the GPU: Scheduler.schedule() over B running requests of a given context, the runner's per-request
 inputs (ModelRunner._graph_step's lists), decode_host_inputs (the graph's padded host tensors) and
 SlotGroups.build of the LoRA slots; the GPU's sampling and copies are not in it. Median µs of --reps steps.
-incremental_host_inputs: DecodeHostInputs.build, the default since session 12 (kept arrays, block tables updated
-in place), in steady decode; the total counts it, not decode_host_inputs (MOELORA_INCREMENTAL_HOST_INPUTS=0).
+incremental_host_inputs: DecodeHostInputs.build, the default (kept arrays, block tables updated in place), in
+steady decode; the total counts it, not decode_host_inputs (MOELORA_INCREMENTAL_HOST_INPUTS=0).
 
 Usage: python scripts/bench_host_step.py [--batches 64,256] [--contexts 128,1024] [--reps 50] [--out FILE]
 """

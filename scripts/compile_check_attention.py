@@ -63,14 +63,6 @@ def main() -> None:
                     {"D": D, "BLOCK_D": BLOCK_D, "BLOCK_P": 64, "TILE": at.TILE_N, "HAS_WINDOW": window,
                      "QUANT": window},  # QUANT: the output also quantized per head for an FP8 o_proj
                     args.arch, num_warps=1)
-        if window:  # LORA_R (set_lora_attn_shrink): o_proj's LoRA shrink, rank 16, per KV head (direct) / per head
-            compile_one(at._paged_attn_split_kernel,
-                        {"BLOCK_SIZE": BS, "BLOCK_G": max(16, triton.next_power_of_2(G)), "D": D, "BLOCK_D": BLOCK_D,
-                         "TILE": at.TILE_N, "HAS_WINDOW": False, "DIRECT": True, "DOT_PRECISION": "tf32",
-                         "QUANT": True, "LORA_R": 16}, args.arch, num_warps=4, num_stages=2)
-            compile_one(at._paged_attn_reduce_kernel,
-                        {"D": D, "BLOCK_D": BLOCK_D, "BLOCK_P": 64, "TILE": at.TILE_N, "HAS_WINDOW": False,
-                         "QUANT": True, "LORA_R": 16, "LORA_CHUNK": 4}, args.arch, num_warps=1)
         BLOCK_G = triton.next_power_of_2(G)
         compile_one(at._paged_attn_prefill_kernel,
                     {"BLOCK_SIZE": BS, "BLOCK_G": BLOCK_G, "BLOCK_M": max(1, at.PREFILL_TILE_ROWS // BLOCK_G),

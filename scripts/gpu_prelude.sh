@@ -1,6 +1,6 @@
 # Sourced by the one-call device scripts: strict pipes, unbuffered Python, $OUT made, the project installed
 # (no dependencies: the device image has them), and the versions printed. Give the tree's commit in the run command
-# (MOELORA_COMMIT=<sha> bash scripts/...): the device copy's .git may be another (session 39's JSON said bcb7ffa).
+# (MOELORA_COMMIT=<sha> bash scripts/...): the device copy's .git may be another tree's.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

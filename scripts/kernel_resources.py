@@ -1,11 +1,12 @@
-"""Registers, spills, shared memory and warps of every compiled Triton kernel in moelora.kernels after the decode
-cases of two benchmarks (GPU): scripts/bench_lora_fused.py (routed-expert LoRA at 64 tokens, 4 adapters, rank 16)
-and scripts/bench_fp8_kernels.py (the FP8 expert and dense GEMMs). Why: a side-stream kernel can only run beside
-the base expert GEMM if both fit on an SM at once (65,536 registers, 228 KiB of shared memory, 64 warps); whichever
-starts first can take a whole SM's register file. Printed per compiled variant: registers per thread, spills,
-shared bytes, warps, and the CTAs an SM can hold by registers, by shared memory and by warps.
+"""Registers, spills, shared memory and warps of every Triton kernel of moelora.kernels compiled by a moelora command
+run in this process (GPU; default: `bench decode` at fp8, batch 64, 0 and 4 adapters, two layers: the decode
+step's kernels at Qwen3-30B-A3B shapes). Why: a side-stream kernel can only run beside the base expert GEMM if both
+fit on an SM at once (65,536 registers, 228 KiB of shared memory, 64 warps); whichever starts first can take a whole
+SM's register file. Printed per compiled variant: registers per thread, spills, shared bytes, warps, and the CTAs an
+SM can hold by registers, by shared memory and by warps.
 
-    python scripts/kernel_resources.py [--out FILE.json]
+    python scripts/kernel_resources.py [--out FILE.json] [-- MOELORA ARGS...]
+    python scripts/kernel_resources.py -- bench kernels --quick      # the LoRA kernels of `bench kernels` instead
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import pkgutil
-import runpy
-import sys
+import tempfile
 
 import moelora.kernels as kernels_pkg
+from moelora.cli import main as moelora_main
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SM_REGS, SM_SHARED, SM_WARPS = 65536, 228 * 1024, 64
 
 
@@ -39,18 +38,19 @@ def compiled_variants(fn) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="after --: the moelora command to run first")
     args = ap.parse_args()
-    argv = sys.argv
-    sys.argv = ["bench_lora_fused.py", "--tokens", "64", "--adapters", "4", "--ranks", "16", "--cases", "gate_up,down"]
-    runpy.run_path(os.path.join(HERE, "bench_lora_fused.py"), run_name="__main__")
-    sys.argv = ["bench_fp8_kernels.py"]
-    runpy.run_path(os.path.join(HERE, "bench_fp8_kernels.py"), run_name="__main__")
-    sys.argv = argv
+    command = [a for a in args.command if a != "--"] or [
+        "bench", "decode", "--dtype", "fp8", "--batches", "64", "--adapter-counts", "0,4", "--workloads", "vllm",
+        "--layers", "2", "--out", tempfile.mkdtemp()]
+    rc = moelora_main(command)
+    if rc:
+        raise SystemExit(rc)
     rows = []
-    for info in pkgutil.iter_modules(kernels_pkg.__path__):
-        mod = importlib.import_module(f"moelora.kernels.{info.name}")
+    for info in pkgutil.walk_packages(kernels_pkg.__path__, "moelora.kernels."):
+        mod = importlib.import_module(info.name)
         for name, fn in vars(mod).items():
             if not hasattr(fn, "run") or not name.startswith("_"):
                 continue
@@ -63,8 +63,9 @@ def main() -> None:
                 threads = 32 * warps
                 by_regs = SM_REGS // max(1, regs * threads) if regs else None
                 by_shared = SM_SHARED // shared if shared else None
-                rows.append({"kernel": f"{info.name}.{name}", "regs": regs, "spills": spills, "shared": shared,
-                             "warps": warps, "ctas_per_sm_by_regs": by_regs, "ctas_per_sm_by_shared": by_shared,
+                kernel = f"{info.name.removeprefix('moelora.kernels.')}.{name}"
+                rows.append({"kernel": kernel, "regs": regs, "spills": spills, "shared": shared, "warps": warps,
+                             "ctas_per_sm_by_regs": by_regs, "ctas_per_sm_by_shared": by_shared,
                              "ctas_per_sm_by_warps": SM_WARPS // warps})
     for r in rows:
         print(f"{r['kernel']:60s} regs {r['regs']:3d} spills {r['spills']:3d} shared {r['shared']:6d} warps "

@@ -3,8 +3,9 @@
 under torch.profiler per adapter count; the kernels by device time, and the per-kernel difference against no
 adapter (bench/profile.py's profile_tax).
 
-Why (session 34, call 1): prefill with adapters keeps only 53-61% of the no-adapter tokens/s (bf16 56,417 ->
-34,346 / 30,092 with 1 / 4 adapters; fp8 49,889 -> 32,553 / 33,105), although rank-16 LoRA adds ~0.1% of the FLOPs.
+Why: prefill with adapters kept only 53-66% of the no-adapter tokens/s (bench/results/report.jsonl, set
+report-prefill: bf16 56,417 -> 34,346 / 30,092 with 1 / 4 adapters; fp8 49,889 -> 32,553 / 33,105), although
+rank-16 LoRA adds ~0.1% of the FLOPs. Its rows: bench/results/prefill.jsonl.
 
     python scripts/profile_prefill.py [--dtype fp8] [--adapters 0,1,4] [--json out.json] [--lines 25]
         [--variants "grouped:MOELORA_GROUPED_PREFILL=1;narrow:MOELORA_FP8_PREFILL_CONFIG=narrow"]

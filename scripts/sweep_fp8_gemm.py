@@ -21,13 +21,15 @@ import torch
 from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs, write_json
 from moelora.kernels.fp8 import quantize_weight_block
 from moelora.kernels.fp8_triton import (
-    EXPERT_DECODE_TILES, Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group,
-    set_fp8_gemm_config,
+    Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group, set_fp8_gemm_config,
 )
 from moelora.kernels.fused_moe_triton import moe_align, pick_config
 
 H, I, E, K, Q, KV = 2048, 768, 128, 8, 4096, 512
 BLOCK = (128, 128)
+# the grouped expert GEMM's decode launches swept, block_n x warps x stages (the default is 64 x 4 x 4; none was
+# faster at 64 or 256 tokens: bench/results/micro.jsonl, set sweep-fp8-expert-tiles)
+EXPERT_TILES = ("16x2x4", "32x2x4", "32x4x4", "32x4x6", "64x4x3", "64x4x6", "64x8x4", "128x4x4", "128x8x4", "128x8x3")
 
 
 def expert_case(site: str, T: int, layers: int):
@@ -64,8 +66,8 @@ def dense_case(site: str, T: int, layers: int):
 
 
 def configs(kind: str) -> list[Fp8GemmConfig]:
-    if kind == "expert":  # the decode tiles MOELORA_FP8_EXPERT_DECODE_TILE takes (session 39; 64 x 4 x 4 is "0")
-        return [Fp8GemmConfig(*(int(v) for v in t.split("x"))) for t in EXPERT_DECODE_TILES[1:]]
+    if kind == "expert":
+        return [Fp8GemmConfig(*(int(v) for v in t.split("x"))) for t in EXPERT_TILES]
     out = [Fp8GemmConfig(bn, 4, st, 64, sk) for bn, st, sk in itertools.product((64, 128), (3, 4), (1, 2, 4, 8))]
     return out + [Fp8GemmConfig(64, 4, 4, 16, sk) for sk in (1, 4)]
 

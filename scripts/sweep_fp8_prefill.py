@@ -1,7 +1,7 @@
 """Sweep the FP8 block-scaled GEMM's launch parameters at Qwen3-30B-A3B prefill shapes (GPU), beside the bf16 GEMM
 of the same shape: ms per call (eager, median), TFLOP/s, and the FP8 / bf16 time ratio.
 
-Why: FP8 prefill ran at 32k tok/s against bf16's 57k (16 x 2,048 tokens, session 6), and fp8_gemm_config's
+Why: FP8 prefill ran at 32k tok/s against bf16's 57k (16 x 2,048 tokens, 2026-11-30), and fp8_gemm_config's
 launch parameters were swept at decode sizes only (scripts/sweep_fp8_gemm.py, 64 / 256 tokens). At prefill the
 grouped GEMM takes 64-wide column tiles with 4 warps where the bf16 fused-MoE GEMM takes 128 x 128 tiles with 8
 warps (fused_moe_triton.pick_config). Compiled for sm_90 without a GPU (Triton 3.9, unit strides specialised as the

@@ -18,15 +18,38 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from types import SimpleNamespace
 
 import torch
 
-from bench_lora_fused import E, K, moe_inputs  # scripts/ is on sys.path when run as a script
 from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
 from moelora.kernels import moe_lora_grouped_triton as mg
 from moelora.kernels.moe_lora_grouped_triton import GroupedConfig, moe_lora_grouped
 from moelora.kernels.moe_lora_triton import moe_lora_align_fast
 
+H, I, E, K = 2048, 768, 128, 8
+
+
+def moe_inputs(site: str, T: int, n_ad: int, R: int, layers: int, ids: torch.Tensor, dev: str,
+               dt: torch.dtype) -> SimpleNamespace:
+    """One routed-expert projection's inputs at Qwen3-30B-A3B shapes: gate_up (x [T, H], two I-wide slices) or down
+    (x [P, I] per pair, router weights w [P]); n_ad adapters round-robin over the T tokens, rank R, `layers` copies
+    of the factors. Fields: slots, P, n, D, O, per_pair, x, w (None for
+    gate_up), a [layers x [n, S, E, R, D]], b [layers x [S, E, O, R]], ranks, scaling, off."""
+    S, P = n_ad, T * K
+    c = SimpleNamespace(slots=(torch.arange(T) % n_ad).to(torch.int32).to(dev), P=P)
+    if site == "gate_up":
+        c.n, c.D, c.O, c.per_pair, outs = 2, H, 2 * I, False, [0, I, 2 * I]
+        c.x, c.w = torch.randn(T, H, device=dev, dtype=dt), None
+    else:
+        c.n, c.D, c.O, c.per_pair, outs = 1, I, H, True, [0, H]
+        c.x, c.w = torch.randn(P, I, device=dev, dtype=dt), torch.rand(P, device=dev)
+    c.a = [torch.randn(c.n, S, E, R, c.D, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
+    c.b = [torch.randn(S, E, c.O, R, device=dev, dtype=dt) * 0.05 for _ in range(layers)]
+    c.ranks = torch.full((c.n, S), R, dtype=torch.int32, device=dev)
+    c.scaling = torch.ones(c.n, S, device=dev)
+    c.off = torch.tensor(outs, dtype=torch.int32, device=dev)
+    return c
 
 
 def variants(site: str) -> list[tuple[int, bool, GroupedConfig]]:

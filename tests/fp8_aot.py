@@ -1,7 +1,7 @@
 """Compile the FP8 Triton kernels for sm_90 without a GPU (run by test_fp8.py in a subprocess, without the
 interpreter): grouped with in-kernel quantization, dense, pre-quantized input, the activation quantization, and the
 NVFP4 weight-only GEMM (grouped and dense); and the grouped routed-expert LoRA kernel; the dense LoRA shrink
-launched with PDL after its producers."""
+letting the GEMM start with PDL."""
 
 import inspect
 
@@ -10,7 +10,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moelora.kernels.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
-from moelora.kernels.fused_moe_triton import _expert_gemm_kernel, _silu_and_mul_kernel
+from moelora.kernels.fused_moe_triton import _silu_and_mul_kernel
 from moelora.kernels.lora_triton import _shrink_kernel
 from moelora.kernels.norm_triton import _rms_norm_kernel
 from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
@@ -59,18 +59,6 @@ for groups, split in [(0, 0), (4, 0), (4, 3)]:
                        num_warps=8, num_stages=4).asm["ptx"]
     assert "e4m3" in ptx and ptx.count("mma") >= 2, (groups, split)
 print("ok grouped gemm with the routed LoRA epilogue")
-# the same epilogue on the bf16 expert GEMM (fused_moe_triton.expert_gemm(lora=), the prefill config's 128 x 128
-# tiles, 8 warps), the three forms, and gate_up with the activation fused (128 x 64 tiles, the expand in both halves)
-for groups, split, fuse in [(0, 0, False), (4, 0, False), (4, 3, False), (0, 0, True)]:
-    bptrs = {"inp_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
-             "pw_ptr": "*bf16", "lh_ptr": "*fp32", "lb_ptr": "*bf16", "loff_ptr": "*i32", "lrank_ptr": "*i32",
-             "lscale_ptr": "*fp32", "lslot_ptr": "*i32", "lact_ptr": "*i32"}
-    bc = dict(ROW_DIV=8, FUSE_ACT=fuse, HAS_PW=False, EVEN_K=True, BLOCK_M=128, BLOCK_N=64 if fuse else 128, BLOCK_K=64,
-              PRECISION=None, LORA_N=2, LORA_SK=1, LORA_BR=16, LORA_PRECISION=None, LORA_SPLIT=split,
-              LORA_GROUPS=groups, LORA_EVEN_R=True)
-    ptx = compile_sm90(_expert_gemm_kernel, bptrs, bc, num_warps=8, num_stages=3).asm["ptx"]
-    assert ptx.count("mma") >= 2, (groups, split, fuse)
-print("ok bf16 expert gemm with the routed LoRA epilogue")
 ptrs["lact_ptr"] = "*i32"
 for split_k, groups in [(1, 0), (1, 8), (4, 8)]:  # the LoRA tile as one more split-K partial (0: over all slots)
     consts.update(SPLIT_K=split_k, LORA_SPLIT=2, PARTS=split_k + 1, LORA_GROUPS=groups)
@@ -103,26 +91,6 @@ sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr"
                   num_warps=4).asm["ptx"]
 assert "griddepcontrol.launch_dependents" in sh
 print("ok gemm with PDL after the shrink")
-# MOELORA_LORA_SHRINK_PDL: the shrink launched with PDL after x's producer waits for it (after its first A tile),
-# then lets the GEMM start; the producers (RMSNorm, decode attention) let it start at once
-sh = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",
-                                   "sorted_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32",
-                                   "start_ptr": "*i32"},
-                  dict(BLOCK_M=32, BLOCK_R=16, BLOCK_K=64, SPLIT_K=8, PRECISION="ieee", LAUNCH_DEPENDENTS=True,
-                       WAIT_PRIMARY=True), num_warps=4, launch_pdl=True).asm["ptx"]
-assert sh.index("griddepcontrol.wait") < sh.index("griddepcontrol.launch_dependents")
-from moelora.kernels.attention_triton import _paged_attn_reduce_kernel  # noqa: E402
-
-for kern, ptrs_p, consts_p in [
-        (_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "ro_ptr": "*bf16",
-                            "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32"},
-         dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, LAUNCH_DEPENDENTS=True)),
-        (_paged_attn_reduce_kernel, {"out_ptr": "*bf16", "ws_o_ptr": "*fp32", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
-                                     "token_seq_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
-                                     "oq_ptr": "*fp8e4nv", "os_ptr": "*fp32"},
-         dict(D=128, BLOCK_D=128, BLOCK_P=8, TILE=64, HAS_WINDOW=False, QUANT=True, LAUNCH_DEPENDENTS=True))]:
-    assert "griddepcontrol.launch_dependents" in compile_sm90(kern, ptrs_p, consts_p, num_warps=4).asm["ptx"]
-print("ok shrink with PDL after its producer")
 consts.update(LORA_SPLIT=0, PARTS=1, LORA_WAIT=False)
 q = compile_sm90(_act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                  dict(FP8_MAX_C=448.0, GROUP=128, BLOCK=128), num_warps=4)
@@ -137,21 +105,14 @@ a = compile_sm90(_silu_and_mul_kernel, {"gu_ptr": "*bf16", "d_ptr": "*fp32", "ou
                  num_warps=4)
 assert all("cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] for k in (n, a))
 print("ok producers quantize")
-# MOELORA_LORA_NORM_SHRINK: the norm also writes the qkv LoRA shrink (grid rows x slices, rank 16 in chunks of 4)
-n = compile_sm90(_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                                    "ro_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32",
-                                    "la_ptr": "*bf16", "lrank_ptr": "*i32", "lslot_ptr": "*i32", "lh_ptr": "*fp32"},
-                 dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, LORA_R=16, LORA_CHUNK=4), num_warps=4)
-assert "cvt.rn.satfinite.e4m3x2.f32" in n.asm["ptx"] and n.asm["ptx"].count("st.global") >= 5
-print("ok norm with the LoRA shrink")
-# MOELORA_DENSE_LORA_DEFER: the delta kernel (stacked B, PDL wait on the shrink), the norm and qk_norm_rope adding it
+# MOELORA_DENSE_LORA_DEFER: the delta kernel (stacked B), the norm and qk_norm_rope adding it
 from moelora.kernels.lora_delta_triton import _lora_delta_kernel  # noqa: E402
 from moelora.kernels.norm_triton import _qk_norm_rope_kernel  # noqa: E402
 
 d = compile_sm90(_lora_delta_kernel, {"h_ptr": "*fp32", "b_ptr": "*bf16", "d_ptr": "*bf16", "off_ptr": "*i32",
                                       "ranks_ptr": "*i32", "scale_ptr": "*fp32", "slots_ptr": "*i32", "act_ptr": "*i32"},
-                 dict(N_SLICES=3, SK=8, BR=16, G=8, BLOCK_M=32, BLOCK_N=64, PRECISION=None, EVEN_R=True, WAIT=True),
-                 num_warps=4, launch_pdl=True)
+                 dict(N_SLICES=3, SK=8, BR=16, G=8, BLOCK_M=32, BLOCK_N=64, PRECISION=None, EVEN_R=True),
+                 num_warps=8)
 n = compile_sm90(_rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                     "ro_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32",
                                     "d_ptr": "*bf16"}, dict(HAS_RES=True, BLOCK=2048, QUANT_GROUP=128, HAS_DELTA=True),
@@ -161,15 +122,8 @@ r = compile_sm90(_qk_norm_rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_
                                         "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
                                         "d_ptr": "*bf16"},
                  dict(HALF=64, BLOCK_H=64, NORM=True, WRITE_KV=True, HAS_DELTA=True), num_warps=4)
-assert "griddepcontrol.wait" in d.asm["ptx"] and "mma" in d.asm["ptx"]
-print("ok dense LoRA deferred: delta kernel, norm and qk_norm_rope adding it")
-# MOELORA_LORA_DELTA_TILE=64x128: the delta kernel's widest tile tried (180 registers, 34 KB shared, no spill)
-d = compile_sm90(_lora_delta_kernel, {"h_ptr": "*fp32", "b_ptr": "*bf16", "d_ptr": "*bf16", "off_ptr": "*i32",
-                                      "ranks_ptr": "*i32", "scale_ptr": "*fp32", "slots_ptr": "*i32", "act_ptr": "*i32"},
-                 dict(N_SLICES=3, SK=4, BR=16, G=8, BLOCK_M=64, BLOCK_N=128, PRECISION=None, EVEN_R=True, WAIT=False),
-                 num_warps=4)
 assert "mma" in d.asm["ptx"]
-print("ok delta kernel with a 64 x 128 tile")
+print("ok dense LoRA deferred: delta kernel, norm and qk_norm_rope adding it")
 for grouped, block_m, split_k, decode, row_div in [(True, 16, 1, 0, 1), (False, 64, 4, 1, 1), (True, 16, 1, 2, 8)]:
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "c_ptr": "*bf16",
             "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
@@ -230,46 +184,12 @@ assert "ld.global.b16" not in compile_sm90(_moe_lora_fused_kernel, ptrs, consts,
 consts.update(E_STAGES=3, BLOCK_D=512, BLOCK_N=512)  # the expand's B tiles pipelined instead, 2x wider tiles
 assert "cp.async" in compile_sm90(_moe_lora_fused_kernel, ptrs, consts, div16=div, num_warps=4).asm["ptx"]
 print("ok fused lora, shrink / expand pipelined, B vectorized")
-# the default launch since session 26 (LoRAWeights.a_src): A read from the slice a_src names, both loops pipelined
+# the default launch (LoRAWeights.a_src): A read from the slice a_src names, both loops pipelined
 consts.update(D_STAGES=3, E_STAGES=3, BLOCK_D=256, BLOCK_N=256, HAS_A_SRC=True)
 ptx = compile_sm90(_moe_lora_fused_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4).asm["ptx"]
 assert "cp.async" in ptx
 print("ok fused lora reading A through a_src")
-consts.update(SHARED_H=True, N_SLICES=2)  # MOELORA_LORA_SHARED_H: the gate program expands up from its h too
-ptx = compile_sm90(_moe_lora_fused_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4).asm["ptx"]
-assert "cp.async" in ptx
-print("ok fused lora, one h for gate and up")
-consts.update(SHARED_H=False, SLICE_FIRST=True)  # MOELORA_FUSED_LORA_SLICE_FIRST: grid (slice, pair, split)
+consts.update(SLICE_FIRST=True)  # MOELORA_FUSED_LORA_SLICE_FIRST: grid (slice, pair, split)
 ptx = compile_sm90(_moe_lora_fused_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4).asm["ptx"]
 assert "cp.async" in ptx
 print("ok fused lora, slices of a pair side by side")
-# MOELORA_LORA_L2_PREFETCH (session 37): the deferred chain's shrink prefetches its layer's B into L2, the delta
-# kernel the next layer's A and B (PTX prefetch.global.L2; no value read)
-from moelora.kernels.lora_delta_triton import _lora_delta_kernel  # noqa: E402
-
-ptx = compile_sm90(_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32", "ranks_ptr": "*i32",
-                                    "sorted_ptr": "*i32", "active_ptr": "*i32", "count_ptr": "*i32",
-                                    "start_ptr": "*i32", "pf_ptr": "*bf16", "pf_stride": "i64", "pf_bytes": "i32"},
-                   dict(BLOCK_M=32, BLOCK_R=16, BLOCK_K=128, SPLIT_K=4, PRECISION="ieee", PREFETCH=True),
-                   num_warps=4).asm["ptx"]
-assert "prefetch.global.L2" in ptx
-print("ok shrink prefetching B into L2")
-ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "slots_ptr", "act_ptr")}
-ptrs.update(h_ptr="*fp32", b_ptr="*bf16", d_ptr="*bf16", scale_ptr="*fp32", pfa_ptr="*bf16", pfb_ptr="*bf16",
-            pfa_stride="i64", pfb_stride="i64", pfa_bytes="i32", pfb_bytes="i32")
-ptx = compile_sm90(_lora_delta_kernel, ptrs, dict(N_SLICES=3, SK=4, BR=16, G=4, BLOCK_M=32, BLOCK_N=128,
-                                                  PRECISION="ieee", EVEN_R=True, WAIT=False, PREFETCH=True),
-                   num_warps=8).asm["ptx"]
-assert ptx.count("prefetch.global.L2") >= 2
-print("ok delta kernel prefetching the next layer's A and B into L2")
-# MOELORA_WEIGHT_L2_PREFETCH (session 39): base weights into L2 beside small kernels, in both forms (no value read)
-from moelora.kernels.l2_prefetch import _l2_prefetch_kernel  # noqa: E402
-
-for bulk in (False, True):
-    k = compile_sm90(_l2_prefetch_kernel, {"ptr": "*fp8e4nv", "stride": "i64", "nbytes": "i64", "limit": "i64"},
-                     dict(CHUNK=16384 if bulk else 128, LANES=32 if bulk else 1024, BULK=bulk),
-                     num_warps=1 if bulk else 4)
-    ptx = k.asm["ptx"]
-    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1 if bulk else ptx.count("prefetch.global.L2") == 8, ptx
-    assert len(k.asm["cubin"]) > 0  # ptxas took it
-    print("ok weight prefetch into L2,", "bulk" if bulk else "line", "form")

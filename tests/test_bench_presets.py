@@ -395,53 +395,43 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     real = decode._repeated_case
 
     def spy(engine, batch, n, *args, **kwargs):
-        seen.append((n, switches.current(["MOELORA_LORA_NORM_SHRINK", "MOELORA_LORA_ATTN_SHRINK"])))
+        seen.append((n, switches.current(["MOELORA_LORA_EVEN_R", "MOELORA_MOE_LORA_EARLY_DOWN"])))
         return real(engine, batch, n, *args, **kwargs)
 
     monkeypatch.setattr(decode, "_repeated_case", spy)
-    _triton.set_lora_attn_shrink(False)
-    _triton.set_lora_norm_shrink(False)
-    _, rows = _tiny_decode(tmp_path, "--ab", "norm:MOELORA_LORA_NORM_SHRINK=1; both:MOELORA_LORA_NORM_SHRINK=1,"
-                           "MOELORA_LORA_ATTN_SHRINK=1", "--ab-rounds", "2")
+    _triton.set_lora_even_r(True)
+    _triton.set_moe_lora_early_down(True)
+    _, rows = _tiny_decode(tmp_path, "--ab", "even:MOELORA_LORA_EVEN_R=0; both:MOELORA_LORA_EVEN_R=0,"
+                           "MOELORA_MOE_LORA_EARLY_DOWN=0", "--ab-rounds", "2")
     assert [(r["variant"], r["ab_round"], r["adapters"]) for r in rows] == [
-        ("default", 0, 0), ("default", 0, 1), ("norm", 0, 1), ("both", 0, 1),
-        ("default", 1, 0), ("default", 1, 1), ("norm", 1, 1), ("both", 1, 1)]
-    off, norm, both = ({"MOELORA_LORA_NORM_SHRINK": a, "MOELORA_LORA_ATTN_SHRINK": b} for a, b in
-                       (("0", "0"), ("1", "0"), ("1", "1")))
-    assert [s for _, s in seen] == [off, off, norm, both, off, off, norm, both]
-    assert rows[3]["switches"] == {"MOELORA_LORA_NORM_SHRINK": "1", "MOELORA_LORA_ATTN_SHRINK": "1"}
-    assert not _triton.lora_norm_shrink() and not _triton.lora_attn_shrink()  # restored
+        ("default", 0, 0), ("default", 0, 1), ("even", 0, 1), ("both", 0, 1),
+        ("default", 1, 0), ("default", 1, 1), ("even", 1, 1), ("both", 1, 1)]
+    on, even, both = ({"MOELORA_LORA_EVEN_R": a, "MOELORA_MOE_LORA_EARLY_DOWN": b} for a, b in
+                      (("1", "1"), ("0", "1"), ("0", "0")))
+    assert [s for _, s in seen] == [on, on, even, both, on, on, even, both]
+    assert rows[3]["switches"] == {"MOELORA_LORA_EVEN_R": "0", "MOELORA_MOE_LORA_EARLY_DOWN": "0"}
+    assert _triton.lora_even_r() and _triton.moe_lora_early_down()  # restored
     out = capsys.readouterr().out
     assert "--- variant both (round 2)" in out and "A/B (medians over rounds" in out
     table = out[out.index("A/B (medians"):].splitlines()
-    assert any(ln.startswith("norm") and " 2 " in ln and "%" in ln for ln in table), table
+    assert any(ln.startswith("even") and " 2 " in ln and "%" in ln for ln in table), table
     assert switches.parse_ab("s:MOELORA_FP8_LORA_SPLIT=0") == [("s", {"MOELORA_FP8_LORA_SPLIT": "0"})]
     before = switches.current(["MOELORA_FP8_LORA_SPLIT"])
     switches.apply({"MOELORA_FP8_LORA_SPLIT": "0"})  # a switch with its own values, read back as set
     assert switches.current(["MOELORA_FP8_LORA_SPLIT"]) == {"MOELORA_FP8_LORA_SPLIT": "0"}
     switches.apply(before)
-    # sessions 24-28's switches of their own values
-    want = {"MOELORA_DENSE_LORA_DEFER": "1", "MOELORA_DENSE_DEFER_PRIORITY": "normal",
-            "MOELORA_DENSE_DEFER_ORDER": "main",
-            "MOELORA_LORA_SHRINK_SPLITS": "2", "MOELORA_LORA_DELTA_TILE": "64x128", "MOELORA_LORA_SHARED_A": "0",
-            "MOELORA_LORA_SHARED_H": "1", "MOELORA_FUSED_LORA_SLICE_FIRST": "0",
-            "MOELORA_DENSE_DEFER_FUSED": "1", "MOELORA_DENSE_DEFER_ONE_LAUNCH": "1",
-            "MOELORA_LORA_CHAIN_BLOCK_N": "256", "MOELORA_LORA_CHAIN_SHRINK": "stacked",
-            "MOELORA_LORA_CHAIN_SPIN_SLEEP": "1", "MOELORA_GROUPED_PREFILL": "1",
+    # the switches of their own values
+    want = {"MOELORA_DENSE_LORA_DEFER": "1",
+            "MOELORA_LORA_SHRINK_SPLITS": "2", "MOELORA_LORA_SHARED_A": "0", "MOELORA_FUSED_LORA_SLICE_FIRST": "0",
+            "MOELORA_GROUPED_PREFILL": "1",
             "MOELORA_FP8_PREFILL_CONFIG": "narrow", "MOELORA_GROUPED_PREFILL_FUSE_SLICES": "1",
             "MOELORA_PREFILL_LORA_EPILOGUE": "1", "MOELORA_GROUPED_PREFILL_CONFIG": "128x128x8x3",
             "MOELORA_LORA_SHRINK_BLOCK_K": "256",
             "MOELORA_LORA_SHRINK_WARPS": "2", "MOELORA_LORA_DELTA_WARPS": "8", "MOELORA_DENSE_DEFER_K_PER_SPLIT": "512",
-            "MOELORA_MOE_LORA_ORDER": "gemm", "MOELORA_SIDE_STREAM_PRIORITY": "normal",
-            "MOELORA_MOE_LORA_EARLY": "1", "MOELORA_MOE_LORA_GU_SPLIT": "1", "MOELORA_MOE_LORA_EARLY_DOWN": "0",
-            "MOELORA_LORA_DELTA_TILE_MIN_O": "4096", "MOELORA_FUSED_ROUTER": "0",
+            "MOELORA_SIDE_STREAM_PRIORITY": "normal",
+            "MOELORA_MOE_LORA_EARLY": "1", "MOELORA_MOE_LORA_EARLY_DOWN": "0", "MOELORA_FUSED_ROUTER": "0",
             "MOELORA_ROUTER_CONFIG": "16x16x64x128x4", "MOELORA_MOE_COMBINE_TO_NORM": "0",
-            "MOELORA_FP8_DENSE_DECODE_STAGES": "12", "MOELORA_LORA_EXPAND_PREFILL_TILE": "128x128x8",
-            "MOELORA_PREFILL_LORA_EPILOGUE_PLAIN": "1", "MOELORA_DENSE_DEFER_GEMM": "128x1/64x2",
-            "MOELORA_LORA_L2_PREFETCH": "both", "MOELORA_WEIGHT_L2_PREFETCH": "experts",
-            "MOELORA_EXPERT_L2_PREFETCH_ROWS": "192", "MOELORA_L2_PREFETCH_FORM": "bulk",
-            "MOELORA_FP8_EXPERT_DECODE_TILE": "32x4x4", "MOELORA_ATTN_SPLITS_PER_SM": "8",
-            "MOELORA_ATTN_SPLIT_MIN_TILES": "1"}
+            "MOELORA_LORA_EXPAND_PREFILL_TILE": "128x128x8"}
     names = list(want)
     before = switches.current(names)
     assert before != want
@@ -449,9 +439,9 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     assert switches.current(names) == want
     switches.apply(before)
     assert switches.current(names) == before
-    for bad, msg in [("x:MOELORA_NOPE=1", "not ENV=V"), ("x:MOELORA_DENSE_LORA_DEFER=2", "takes 0, 1 or fp8"), ("x:MOELORA_LORA_NORM_SHRINK=2", "takes 0 or 1"),
-                     ("x:MOELORA_FP8_LORA_SPLIT=1", "takes 0, 2, 3 or 4"),
-                     ("default:MOELORA_LORA_NORM_SHRINK=1", "unique name"), ("x MOELORA_LORA_NORM_SHRINK=1", "name:")]:
+    for bad, msg in [("x:MOELORA_NOPE=1", "not ENV=V"), ("x:MOELORA_DENSE_LORA_DEFER=2", "takes 0, 1 or fp8"),
+                     ("x:MOELORA_LORA_EVEN_R=2", "takes 0 or 1"), ("x:MOELORA_FP8_LORA_SPLIT=1", "takes 0, 2, 3 or 4"),
+                     ("default:MOELORA_LORA_EVEN_R=0", "unique name"), ("x MOELORA_LORA_EVEN_R=0", "name:")]:
         with pytest.raises(ValueError, match=msg):
             _tiny_decode(tmp_path / "bad", "--ab", bad)
 
@@ -460,14 +450,14 @@ def test_bench_decode_ab_profiles_each_variant_against_the_default(tmp_path, cap
     """--ab with --profile-steps: each variant's profiled row also carries its per-kernel difference from the
     default's profiled row of the same case (the second round's too, against the default's first run), printed under
     the variant's name; the default's rows carry none."""
-    _, rows = _tiny_decode(tmp_path, "--profile-steps", "1", "--ab", "norm:MOELORA_LORA_NORM_SHRINK=1",
+    _, rows = _tiny_decode(tmp_path, "--profile-steps", "1", "--ab", "even:MOELORA_LORA_EVEN_R=0",
                            "--ab-rounds", "2")
     default0 = next(r for r in rows if r["variant"] == "default" and r["adapters"] == 1 and r["ab_round"] == 0)
     assert all("profile_vs_default" not in r for r in rows if r["variant"] == "default")
-    variant = [r for r in rows if r["variant"] == "norm"]
+    variant = [r for r in rows if r["variant"] == "even"]
     assert len(variant) == 2
     for r in variant:
         t = r["profile_vs_default"]
         assert t["total_us"] == pytest.approx(r["profile"]["total_us"] - default0["profile"]["total_us"])
         assert t["kernels"][-1]["name"] == "other" and any(k["name"] != "other" for k in t["kernels"])
-    assert capsys.readouterr().out.count("norm against the default (profiled)") == 2
+    assert capsys.readouterr().out.count("even against the default (profiled)") == 2

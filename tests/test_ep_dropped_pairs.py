@@ -1,8 +1,9 @@
-"""Expert parallelism on the Triton base path: a (token, k) pair routed to another rank's expert gets expert id
--1 and is left out of every kernel (alignment, expert GEMMs, LoRA shrink/expand and the fused LoRA kernel) and
-of the combine, instead of being computed on local expert 0 with weight 0. Under TRITON_INTERPRET=1 on the CPU
-(fp32), compiled on a GPU: the kernels match their references with such pairs, the combine never reads their
-rows, and two expert shards computed this way sum to the whole layer with mixed adapters."""
+"""Pairs on expert id -1 on the Triton base path: such a (token, k) pair is left out of every kernel (alignment,
+expert GEMMs, LoRA shrink/expand and the fused LoRA kernel) and of the combine (the kernels' documented semantics;
+expert parallelism itself gives another rank's pairs local expert 0 and weight 0: sharding._local_experts_hook).
+Under TRITON_INTERPRET=1 on the CPU (fp32), compiled on a GPU: the kernels match their references with such pairs,
+the combine never reads their rows, and two expert shards computed either way sum to the whole layer with mixed
+adapters."""
 
 from __future__ import annotations
 
@@ -111,15 +112,16 @@ def _shard(args: ExpertLoRAArgs, es: slice) -> ExpertLoRAArgs:
                                down_a=args.down_a[:, :, es].contiguous(), down_b=args.down_b[:, es].contiguous())
 
 
+@pytest.mark.parametrize("dropped", [False, True])
 @pytest.mark.parametrize("fused_lora", [True, False])
 @pytest.mark.parametrize("T,K,tiled", [(9, 4, False), (21, 4, True)])
-def test_two_expert_shards_sum_to_the_whole_layer(T, K, tiled, fused_lora, fast_on_cpu, monkeypatch):
-    """Each half of the experts, through the EP hook (pairs of the other half on expert -1) and fused_moe_pairs
-    with the Triton kernels, sums with the other half to fused_moe_ref of the whole layer (mixed adapters)."""
+def test_two_expert_shards_sum_to_the_whole_layer(T, K, tiled, fused_lora, dropped, fast_on_cpu, monkeypatch):
+    """Each half of the experts, through the EP hook (pairs of the other half on local expert 0 with weight 0) or
+    with those pairs on expert -1 (dropped), and fused_moe_pairs with the Triton kernels, sums with the other half
+    to fused_moe_ref of the whole layer (mixed adapters)."""
     if tiled:  # the prefill LoRA variant (alignment by virtual expert) at a small P
         monkeypatch.setattr(mlt, "GEMV_MAX_PAIRS", 0)
     monkeypatch.setattr(_triton, "_FUSED_LORA", [fused_lora])
-    monkeypatch.setattr(sharding, "_EP_DROP", [True])
     gen = torch.Generator().manual_seed(T)
     E, S, R, H, inter = 16, 3, 8, 48, 24
     x = torch.randn(T, H, generator=gen).to(DEVICE, DT)
@@ -133,16 +135,18 @@ def test_two_expert_shards_sum_to_the_whole_layer(T, K, tiled, fused_lora, fast_
         es = slice(first, first + E // 2)
         rank = SimpleNamespace(quant=None, gate_up_proj=w_gu[es].contiguous(), down_proj=w_d[es].contiguous())
         _, w_loc, ids_loc, _ = sharding._local_experts_hook(first, E // 2)(rank, (x, weights, ids, args))
-        assert (ids_loc == -1).any() and bool((w_loc[ids_loc == -1] == 0).all())
+        other = (ids < first) | (ids >= first + E // 2)
+        assert other.any() and bool((w_loc[other] == 0).all()) and bool((ids_loc[other] == 0).all())
+        if dropped:
+            ids_loc = ids_loc.masked_fill(other, -1)
         total += fused_moe_pairs(x, rank.gate_up_proj, rank.down_proj, w_loc, ids_loc, "silu", _shard(args, es),
                                  mlt.moe_lora_shrink, mlt.moe_lora_expand, mlt.moe_lora_plan).float()
     rel = ((total - ref.float()).norm() / ref.float().norm()).item()
     assert rel < tolerance(DT)[0], f"relative error {rel:.2e}"
 
 
-def test_hook_keeps_the_weight_zero_masking_off_the_triton_path(monkeypatch):
-    """Where the layer's path indexes experts by id (fast path off, or switched off), non-local pairs go to
-    local expert 0 with weight 0, never -1."""
+def test_hook_keeps_the_weight_zero_masking(monkeypatch):
+    """Non-local pairs go to local expert 0 with weight 0, never -1, on the reference path and on the Triton one."""
     gen = torch.Generator().manual_seed(3)
     w, ids = route_topk_ref(torch.randn(5, 8, generator=gen), 2, True)
     rank = SimpleNamespace(quant=None, gate_up_proj=torch.zeros(4, 6, 3), down_proj=torch.zeros(4, 3, 3))
@@ -152,7 +156,6 @@ def test_hook_keeps_the_weight_zero_masking_off_the_triton_path(monkeypatch):
     mine = (ids >= 4)
     assert bool((ids_loc >= 0).all()) and torch.equal(ids_loc[~mine], torch.zeros_like(ids_loc[~mine]))
     assert torch.equal(w_loc[~mine], torch.zeros_like(w_loc[~mine])) and torch.equal(ids_loc[mine], ids[mine] - 4)
-    monkeypatch.setattr(sharding, "_EP_DROP", [False])
     fmt.set_fast_path(True, on_cpu=True)
     try:
         assert bool((sharding._local_experts_hook(4, 4)(rank, (x, w, ids, None))[2] >= 0).all())

@@ -9,7 +9,6 @@ rounded): <= sqrt(2) * 2^-4 (FP8_RMS_BOUND) for one GEMM. A MoE layer vs bf16 on
 """
 
 import contextlib
-import dataclasses
 import random
 
 import pytest
@@ -21,7 +20,6 @@ from moelora.kernels.fp8 import (
     FP8_RMS_BOUND, dequantize_act_group, dequantize_weight_block, fp8_error_bound, quantize_act_group_ref,
     quantize_weight_block,
 )
-from moelora.kernels.fp8_triton import DEFER_GEMM_PARTS
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -93,33 +91,6 @@ def test_fp8_grouped_gemm_qwen3_experts(T, which):
         p = (pair_exp == e).nonzero().squeeze(1)
         exact[p] = x[p].float() @ w[e].T
     assert _rel(y, exact) <= FP8_RMS_BOUND
-
-
-@pytest.mark.parametrize("T", [3, 64, 256])
-def test_fp8_expert_decode_tiles_are_bit_equal_qwen3_shapes(T):
-    """MOELORA_FP8_EXPERT_DECODE_TILE (session 39): every decode tile of the grouped expert GEMM gives the default
-    tile's bits at Qwen3-30B-A3B's gate_up and down shapes on the fast path's alignment (the K step is the scale
-    group, so only the tiling of N and the pipeline change)."""
-    from moelora.kernels import fp8_triton as ft
-    from moelora.kernels.fp8_triton import quantize_act_group
-    from moelora.kernels.fused_moe_triton import moe_align, pick_config
-
-    g = torch.Generator(device=DEV).manual_seed(T + 7)
-    topk = torch.rand(T, E, device=DEV, generator=g).topk(K, dim=1).indices.to(torch.int32)
-    bm = pick_config(T * K).block_m
-    align = moe_align(topk, E, bm)
-    for which, (N, D) in (("gate_up", (2 * I, H)), ("down", (H, I))):
-        q, s = quantize_weight_block(torch.randn(E, N, D, device=DEV, generator=g) * D**-0.5)
-        rows = T if which == "gate_up" else T * K
-        xq, xs = quantize_act_group(torch.randn(rows, D, device=DEV, generator=g).bfloat16())
-        ref = ft.fp8_expert_gemm(xq, q, s, (128, 128), topk, align, which == "gate_up", bm, x_scale=xs)
-        try:
-            for tile in ft.EXPERT_DECODE_TILES[1:]:
-                ft.set_fp8_expert_decode_tile(tile)
-                y = ft.fp8_expert_gemm(xq, q, s, (128, 128), topk, align, which == "gate_up", bm, x_scale=xs)
-                assert torch.equal(y, ref), (which, tile, _rel(y, ref))
-        finally:
-            ft.set_fp8_expert_decode_tile("0")
 
 
 def _experts(lora: bool, reference=None, seed: int = 0):
@@ -270,57 +241,6 @@ def test_fp8_linear_lora_reads_unquantized_activations(T):
     assert _rel(wrong, exact) > 0.015
 
 
-@pytest.mark.parametrize("stages", [2, 8, 12])
-@pytest.mark.parametrize("shape", [(5120, 2048), (2048, 4096)])  # qkv (unsplit at 64 rows), o_proj (split-K)
-@pytest.mark.parametrize("T", [16, 64, 256])
-def test_dense_decode_stages_keep_the_bits(T, shape, stages):
-    """set_fp8_dense_decode_stages (session 31's experiment): the dense decode GEMM at 2 / 8 / 12 pipeline stages
-    compiles at Qwen3-30B-A3B's qkv and o_proj (12 stages: 192 KB of shared memory at 64-row blocks) and gives the
-    same bits as the default's 4."""
-    from moelora.kernels import fp8_triton as ft
-
-    g = torch.Generator(device=DEV).manual_seed(T + stages)
-    N, Kd = shape
-    q, s = quantize_weight_block(torch.randn(N, Kd, device=DEV, generator=g) * Kd**-0.5)
-    x = torch.randn(T, Kd, device=DEV, generator=g).bfloat16()
-    ft.fp8_linear(x, q, s)  # the split-K counters made eagerly
-    before = ft.fp8_linear(x, q, s)
-    ft.set_fp8_dense_decode_stages(stages)
-    try:
-        assert ft.fp8_gemm_config(1, N, grouped=False).num_stages == stages
-        y = ft.fp8_linear(x, q, s)
-    finally:
-        ft.set_fp8_dense_decode_stages(0)
-    assert torch.equal(y, before)
-    assert _rel(y, ft.fp8_linear_ref(x, q, s)) < KERNEL_TOL
-
-
-@pytest.mark.parametrize("part", [p for p in DEFER_GEMM_PARTS if p != "0"])
-@pytest.mark.parametrize("shape", [(5120, 2048), (2048, 4096)])  # qkv, o_proj
-@pytest.mark.parametrize("T", [64, 160])
-def test_dense_defer_gemm_launches(T, shape, part):
-    """set_dense_defer_gemm's launches (session 37) compile at Qwen3-30B-A3B's qkv and o_proj (14 stages: 224 KB of
-    shared memory a program) and give the reference's numbers; where the launch keeps the default's K splits (only
-    the column tile or the stages differ) the same bits."""
-    from moelora.kernels import fp8_triton as ft
-
-    g = torch.Generator(device=DEV).manual_seed(T)
-    N, Kd = shape
-    q, s = quantize_weight_block(torch.randn(N, Kd, device=DEV, generator=g) * Kd**-0.5)
-    x = torch.randn(T, Kd, device=DEV, generator=g).bfloat16()
-    with launch_records(ft._fp8_gemm_kernel) as default_launch:
-        before = ft.fp8_linear(x, q, s)
-    tile, _, stages = part.partition("s")
-    block_n, split_k = (int(v) for v in tile.split("x"))
-    cfg = ft.Fp8GemmConfig(block_n, 4, int(stages or ft.DENSE_DECODE_STAGES), split_k=split_k)
-    with launch_records(ft._fp8_gemm_kernel) as launches, ft.dense_gemm_config(cfg):
-        y = ft.fp8_linear(x, q, s)
-    assert [(r["BLOCK_N"], r["SPLIT_K"]) for r in launches] == [(block_n, split_k)]
-    if default_launch[0]["SPLIT_K"] == split_k:
-        assert torch.equal(y, before)
-    assert _rel(y, ft.fp8_linear_ref(x, q, s)) < KERNEL_TOL
-
-
 def test_dense_split_k_in_cuda_graphs():
     """Split-K counters are never made inside a graph capture (its zero-fill would only be recorded: a graph replayed
     before the one holding that memset read garbage counters and left output tiles unwritten; seen as an illegal
@@ -469,16 +389,6 @@ def pdl_launches(kernel):
     return launch_records(kernel, lambda kw: bool(kw.get("launch_pdl", False)))
 
 
-def _over_inputs(inputs, bufs, fn) -> list[torch.Tensor]:
-    """For each tuple of `inputs`: copied into `bufs` (a step's static input buffers), then fn()'s output cloned."""
-    outs = []
-    for vals in inputs:
-        for buf, v in zip(bufs, vals):
-            buf.copy_(v)
-        outs.append(fn().clone())
-    return outs
-
-
 @pytest.mark.parametrize("mode", [2, 3, 4])  # set_fp8_lora_split: LoRA program / metadata before the K steps / flag
 @pytest.mark.parametrize("D", [2048, 4096])  # qkv (unsplit at 64 rows) and o_proj's input width (split-K 4)
 @pytest.mark.parametrize("T", [3, 64, 256])  # 256: the LoRA expand after the K steps (set_fp8_lora_split mode 0)
@@ -516,190 +426,6 @@ def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D, mode, mon
     assert torch.equal(eager, plain)
     assert all(torch.equal(o, plain) for o in outs)
     assert (plain.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
-
-
-@pytest.mark.parametrize("T", [3, 64])
-@pytest.mark.parametrize("ranks", ["adapters", "all_rank_0"])
-def test_lora_shrink_launched_with_pdl_after_the_norm_equals_the_plain_launch(T, ranks):
-    """set_lora_shrink_pdl: the residual-add RMSNorm (quantizing its output for the FP8 GEMM) lets the next kernel
-    start at once, the qkv shrink is launched with PDL after it (first A tiles read while the norm runs), then the
-    GEMM with PDL after the shrink: bit-equal to the plain launches, eagerly and over CUDA-graph replays whose norm
-    input changes before each replay (a shrink or a GEMM reading the norm's output early would differ); also when
-    every slot has rank 0 here (every shrink program exits, and the GEMM must still wait for the norm)."""
-    from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels import _triton
-    from moelora.kernels import lora_triton as lt
-    from moelora.kernels.norm_triton import rms_norm
-
-    g = torch.Generator(device=DEV).manual_seed(T)
-    D = 2048
-    lin = _fp8_qkv_with_adapters(D, g)
-    if ranks == "all_rank_0":
-        for s in range(4):
-            for i in range(3):
-                lin.lora.clear(i, s)
-    w = torch.rand(D, device=DEV, generator=g).bfloat16() + 0.5
-    # graph=True: the LoRA kernels run whatever the ranks (as in a CUDA graph), also eagerly
-    batch = dataclasses.replace(LoRABatch.build([i % 5 - 1 for i in range(T)], 4, DEV), graph=True)
-    inputs = [(torch.randn(T, D, device=DEV, generator=g).bfloat16(), torch.randn(T, D, device=DEV, generator=g)
-               .bfloat16()) for _ in range(6)]
-    x_in, r_in = (torch.empty_like(inputs[0][0]) for _ in range(2))
-
-    def step():
-        y, _ = rms_norm(x_in, w, 1e-6, residual=r_in, quant_group=128)
-        return lin(y, batch)
-
-    try:
-        _triton.set_lora_shrink_pdl(False)
-        plain = _over_inputs(inputs, (x_in, r_in), step)
-        _triton.set_lora_shrink_pdl(True)
-        assert _triton.lora_shrink_pdl(torch.device(DEV)), "PDL expected on this GPU"
-        with pdl_launches(lt._shrink_kernel) as launches:
-            eager = _over_inputs(inputs, (x_in, r_in), step)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = step()
-        replays = []
-        for _ in range(3):
-            replays += _over_inputs(inputs, (x_in, r_in), lambda: (graph.replay(), replayed)[1])
-        torch.cuda.synchronize()
-    finally:
-        _triton.set_lora_shrink_pdl(False)
-    assert launches and all(launches), launches  # the shrink was launched with PDL
-    assert all(torch.equal(a, b) for a, b in zip(eager, plain))
-    assert all(torch.equal(o, plain[k % len(plain)]) for k, o in enumerate(replays))
-    assert not torch.equal(plain[0], plain[1])  # the inputs matter
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("T", [3, 64])
-def test_fp8_dense_lora_overlap_equals_its_serial_form_in_and_out_of_graphs(T):
-    """set_dense_lora_overlap on an FP8 base: the qkv LoRA chain on the side stream beside the FP8 GEMM (no LoRA
-    epilogue), the fp32 delta added after the join, equals the same module without the side stream (delta then
-    add) bit for bit, eagerly and in a CUDA graph; it differs from the epilogue form (switch off) by one rounding
-    only. (Written in session 19 after its device time ran out: scripts/device_calls/gpu_next_dense_overlap.sh runs it.)"""
-    from moelora.adapters.metadata import LoRABatch
-    from moelora.bench.common import captured_graph
-    from moelora.kernels._triton import dense_lora_overlap, set_dense_lora_overlap, set_deterministic
-
-    g = torch.Generator(device=DEV).manual_seed(T)
-    lin = _fp8_qkv_with_adapters(2048, g)
-    x = torch.randn(T, 2048, device=DEV, generator=g).bfloat16()
-    batch = LoRABatch.build([i % 5 - 1 for i in range(T)], 4, DEV)
-    prev = dense_lora_overlap()
-    set_deterministic(True)
-    try:
-        set_dense_lora_overlap(False)
-        epilogue = lin(x, batch)
-        set_dense_lora_overlap(True)
-        lin.overlap = False
-        serial = lin(x, batch)
-        lin.overlap = True
-        overlapped = lin(x, batch)
-        graph, replayed = captured_graph(lambda: lin(x, batch))
-        graph.replay()
-        torch.cuda.synchronize()
-    finally:
-        set_dense_lora_overlap(prev)
-        set_deterministic(False)
-        lin.overlap = False
-    assert torch.equal(overlapped, serial) and torch.equal(replayed, serial)
-    rel = ((serial.float() - epilogue.float()).norm() / epilogue.float().norm()).item()
-    assert 0 < rel < 2**-7  # bf16 roundings apart, no more
-    assert (serial.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("T", [3, 64])
-def test_norm_writes_the_qkv_lora_shrink_in_and_out_of_graphs(T):
-    """set_lora_norm_shrink: RMSNorm.add_norm given the qkv LoRALinear also writes its shrink, which the FP8 GEMM's
-    LoRA program reads without waiting; no shrink kernel runs. Against the separate shrink: the same output up to
-    the summation order of h (relative 2^-7), eagerly and over graph replays with new norm inputs. (Written in
-    session 19 after its device time ran out: scripts/device_calls/gpu_next_dense_overlap.sh runs it.)"""
-    from moelora.adapters.metadata import LoRABatch
-    from moelora.bench.common import captured_graph
-    from moelora.kernels import _triton
-    from moelora.kernels import lora_triton as lt
-    from moelora.layers.norm import RMSNorm
-
-    g = torch.Generator(device=DEV).manual_seed(T)
-    lin = _fp8_qkv_with_adapters(2048, g)
-    norm = RMSNorm(2048, 1e-6, torch.bfloat16, DEV)
-    norm.act_quant_group = 128
-    batch = dataclasses.replace(LoRABatch.build([i % 5 - 1 for i in range(T)], 4, DEV), graph=True)
-    inputs = [(torch.randn(T, 2048, device=DEV, generator=g).bfloat16(),
-               torch.randn(T, 2048, device=DEV, generator=g).bfloat16()) for _ in range(3)]
-    x_in, r_in = (torch.empty_like(inputs[0][0]) for _ in range(2))
-
-    def step():
-        return lin(norm.add_norm(x_in, r_in, batch, lin)[0], batch)
-
-    try:
-        _triton.set_lora_norm_shrink(False)
-        ref = _over_inputs(inputs, (x_in, r_in), step)
-        _triton.set_lora_norm_shrink(True)
-        with pdl_launches(lt._shrink_kernel) as shrinks:
-            eager = _over_inputs(inputs, (x_in, r_in), step)
-        graph, out = captured_graph(step)
-        replayed = _over_inputs(inputs, (x_in, r_in), lambda: (graph.replay(), out)[1])
-    finally:
-        _triton.set_lora_norm_shrink(False)
-    assert shrinks == []  # the norm wrote h: no shrink launch
-    for got in (eager, replayed):
-        for a, b in zip(got, ref):
-            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2**-7
-    base = lin(norm.add_norm(x_in, r_in)[0])  # the last inputs, no adapter
-    assert (ref[-1].float() - base.float()).abs().max() > 0.05  # the delta is there
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("batch", [48, 160])  # the attention's reduce kernel writes o_proj's shrink / its split kernel
-@pytest.mark.parametrize("deferred", ["0", "fp8"])  # into the GEMM's LoRA epilogue / the deferred delta kernel
-def test_norm_and_attention_write_the_dense_lora_shrinks_in_a_decode_step(tmp_path, batch, deferred):
-    """set_lora_norm_shrink + set_lora_attn_shrink, end to end in the model: an FP8 Qwen3-MoE (dummy weights,
-    Qwen3-30B-A3B's attention dims, 2 layers), a decode step of 48 / 160 sequences (o_proj's shrink from the
-    attention's reduce kernel / from its split kernel, one split) over 4 adapters and base rows. With
-    both on, two shrink launches fewer per layer (the input norm writes qkv's, the attention reduce o_proj's), with
-    the norm's alone one fewer; the logits equal those of the shrink kernels up to fp32 summation order
-    (relative 2^-7), eagerly and over a graph replay; the adapters move them. Both with the LoRA in the GEMM's
-    epilogue (deferred "0") and deferred (session 26: the delta kernel adds the producers' partials, no shrink
-    of its own)."""
-    from helpers import attention_lora_decode_case
-
-    from moelora.bench.common import captured_graph
-    from moelora.kernels import _triton
-    from moelora.kernels import lora_triton as lt
-
-    # as the engine builds it: FP8 before the LoRA slots, norms tagged
-    model, step, _ = attention_lora_decode_case(str(tmp_path), "fp8", batch, device=DEV, seed=20)
-    assert model.model.layers[0].self_attn.o_proj.quant is not None
-
-    def run(norm: bool, attn: bool):
-        _triton.set_lora_norm_shrink(norm)
-        _triton.set_lora_attn_shrink(attn)
-        with pdl_launches(lt._shrink_kernel) as shrinks:
-            out = step()
-        return out, len(shrinks)
-
-    defer = _triton.dense_lora_defer()
-    _triton.set_dense_lora_defer(deferred)  # the producers' shrinks serve the GEMM's LoRA epilogue or the delta kernel
-    try:
-        ref, n_ref = run(False, False)
-        norm_only, n_norm = run(True, False)
-        both, n_both = run(True, True)
-        graph, replayed = captured_graph(step)
-        graph.replay()
-        torch.cuda.synchronize()
-    finally:
-        _triton.set_lora_norm_shrink(False)
-        _triton.set_lora_attn_shrink(False)
-        _triton.set_dense_lora_defer(defer)
-    layers = len(model.model.layers)
-    assert n_ref >= 2 * layers and (n_norm, n_both) == (n_ref - layers, n_ref - 2 * layers)
-    for got in (norm_only, both, replayed):
-        assert _rel(got, ref) < 2**-7, _rel(got, ref)
-    base = step(None)
-    assert (ref - base).abs().max() > 0.05  # the adapters are there
 
 
 def test_fp8_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):

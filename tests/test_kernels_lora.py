@@ -264,29 +264,6 @@ def _mixed_case(seed: int, T: int = 24):
     return gen, dtype, weights, groups, torch.randn(T, H, generator=gen).to(DEVICE, dtype)
 
 
-def test_shrink_after_its_producer_peels_the_first_k_tile_and_equals_the_plain_shrink():
-    """The shrink's PDL form (set_lora_shrink_pdl; its griddepcontrol waits left out here, GDC=False, as the
-    interpreter has none): the first K tile's A read before x, dead programs (unused groups, rows past a group's
-    count, rank 0) writing nothing — the same partials as the plain kernel, split-K 1 and 3."""
-    import moelora.kernels.lora_triton as lt
-
-    _, _, (a, _, ranks, _, _), groups, x = _mixed_case(9)
-    T, n = x.shape[0], len(OUTS)
-    for split_k in (1, 3):
-        outs = []
-        for wait in (False, True):
-            out = torch.full((split_k, n, T, R), float("nan"), device=DEVICE)
-            grid = (triton.cdiv(T, 16), n * split_k, groups.active_slots.shape[0])
-            lt._shrink_kernel[grid](
-                x, a, out, ranks, groups.sorted_token_ids, groups.active_slots, groups.slot_counts,
-                groups.slot_starts, H, R, S, x.stride(0), x.stride(1), *a.stride(), *out.stride(),
-                BLOCK_M=16, BLOCK_R=16, BLOCK_K=16, SPLIT_K=split_k, PRECISION="ieee",
-                **({"WAIT_PRIMARY": True, "GDC": False} if wait else {}))
-            outs.append(out)
-        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, equal_nan=True)
-        assert not outs[1].isnan().all() and outs[1].isnan().any()  # written where live, untouched elsewhere
-
-
 @pytest.mark.parametrize("tile", ["128x128x8", "128x64x4", "64x128x4"])
 def test_expand_prefill_tile_gives_the_same_sums(tile):
     """set_lora_expand_prefill_tile: above 256 tokens lora_expand runs at the forced tile and warps (as launched)

@@ -1,5 +1,5 @@
-"""Fused decode LoRA kernels (moe_lora_fused_triton.py, lora_fused_triton.py) vs their references, and the
-set_fused_lora switch in fused_moe_pairs / apply_dense_lora.
+"""The fused decode routed-expert LoRA kernel (moe_lora_fused_triton.py) vs its reference, and the set_fused_lora
+switch in fused_moe_pairs.
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes in fp32/fp16. GPU (marked gpu): Qwen3-30B-A3B
 shapes in bf16, CUDA-graph replay, the side-stream (store mode) path."""
@@ -8,18 +8,13 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, token_slots, tolerance
-from moelora.kernels._triton import fused_dense_lora, fused_lora, set_fused_dense_lora, set_fused_lora
-from moelora.kernels.groups import SlotGroups
-from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref
-from moelora.kernels.lora_fused_triton import lora_fused_decode, lora_fused_decode_ref
+from moelora.kernels._triton import fused_lora, set_fused_lora
 from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
 
 S = 4
 TOKENS = [1, 3, 7, 33]
 # CPU: small widths (gate/up 24 wide, down 48) with several output tiles at forced splits; GPU: Qwen3-30B-A3B
 E, K, H, I = (128, 8, 2048, 768) if ON_GPU else (8, 2, 48, 24)
-# dense: slices of different widths (qkv); GPU: Qwen3-30B-A3B's qkv (q 32x128, k/v 4x128 over H 2048)
-DH, DOUTS = (2048, [4096, 512, 512]) if ON_GPU else (40, [40, 24, 24])
 RANK_TABLE = [[16, 4, 0, 8], [8, 16, 4, 2], [2, 16, 8, 4]]  # per (slice, slot); rank 0 for slice 0 at slot 2
 
 
@@ -199,17 +194,8 @@ def test_moe_fused_gate_and_up_use_their_own_a():
 
 
 @pytest.mark.parametrize("store", [False, True])
-@pytest.mark.parametrize("shared_h", [False, True])
-def test_moe_fused_reads_a_from_the_slice_a_src_names(store, shared_h):
-    """shared_h (set_lora_shared_h): the gate program also expands the up slice that reads its A, from its h."""
-    from moelora.kernels import _triton
-
-    before = _triton.lora_shared_h()
-    _triton.set_lora_shared_h(shared_h)
-    try:
-        check_reads_a_through_a_src(moe_lora_fused, store)
-    finally:
-        _triton.set_lora_shared_h(before)
+def test_moe_fused_reads_a_from_the_slice_a_src_names(store):
+    check_reads_a_through_a_src(moe_lora_fused, store)
 
 
 @pytest.mark.parametrize("store", [False, True])
@@ -235,62 +221,6 @@ def test_moe_fused_slice_first_grid_changes_nothing(store):
     for name in ("own", "shared"):
         assert torch.equal(outs[True, name], outs[False, name]), name
         assert not torch.equal(outs[True, name], c["y0"]), name
-
-
-@pytest.mark.parametrize("store", [False, True])
-def test_moe_fused_one_launch_a_slice_equals_one_launch(store):
-    """moe_lora_fused(slices=(i, i + 1)) for each slice, one launch after the other, writes bit for bit what one
-    launch over both writes (add and store mode, own A and a shared A through a_src), and the reference agrees;
-    one slice alone leaves the other's columns untouched, also in store mode; bad ranges raise."""
-    from moelora.kernels.moe_lora_fused_triton import moe_lora_fused_ref
-
-    gen = torch.Generator().manual_seed(43)
-    c = _moe_case("gate_up", "with_base_rows", 7, DTYPES[0], gen)
-    a_src = torch.tensor([[0] * S, [0, 1, 0, 1]], dtype=torch.int32, device=DEVICE)
-    c_shared = dict(c, a=torch.cat([c["a"][:1], c["a"][:1]]), ranks=torch.cat([c["ranks"][:1], c["ranks"][:1]]))
-    o = c["off"].tolist()
-    for case, kw in ((c, {}), (c_shared, {"a_src": a_src})):
-        for fn in (moe_lora_fused, moe_lora_fused_ref):
-            one = c["y0"].clone()
-            _moe_call(fn, case, one, store=store, **kw)
-            split = c["y0"].clone()
-            _moe_call(fn, case, split, store=store, slices=(0, 1), **kw)
-            assert torch.equal(split[:, o[1]:], c["y0"][:, o[1]:])  # the up columns untouched so far
-            assert not torch.equal(split[:, :o[1]], c["y0"][:, :o[1]])
-            _moe_call(fn, case, split, store=store, slices=(1, 2), **kw)
-            assert torch.equal(split, one), fn.__name__
-    for bad in ((1, 1), (0, 3), (-1, 1)):
-        with pytest.raises(ValueError, match="slices"):
-            _moe_call(moe_lora_fused, c, c["y0"].clone(), store=store, slices=bad)
-
-
-def test_moe_fused_shared_h_expands_with_each_slices_scaling():
-    """set_lora_shared_h: the up columns of a pair whose up reads gate's A get up's own scaling (scaled x3 against
-    gate's here: the up delta triples, the gate delta stays), bit-equal to the kernel without shared h."""
-    from moelora.kernels import _triton
-
-    gen = torch.Generator().manual_seed(37)
-    c = _moe_case("gate_up", "uniform", 6, DTYPES[0], gen)
-    ranks, a, b, scaling = c["ranks"].clone(), c["a"].clone(), c["b"].clone(), c["scaling"].clone()
-    ranks[1], a[1], b[:, :, I:] = ranks[0], a[0], b[:, :, :I]  # up: gate's A and B, 3x its scaling
-    scaling[1] = scaling[0] * 3
-    c = dict(c, a=a, b=b, ranks=ranks, scaling=scaling)
-    a_src = torch.tensor([[0] * S, [0] * S], dtype=torch.int32, device=DEVICE)
-    before = _triton.lora_shared_h()
-    outs = {}
-    try:
-        for on in (False, True):
-            _triton.set_lora_shared_h(on)
-            outs[on] = torch.full_like(c["y0"], float("nan"), dtype=torch.float32)
-            _moe_call(moe_lora_fused, c, outs[on], store=True, a_src=a_src)
-    finally:
-        _triton.set_lora_shared_h(before)
-    assert torch.equal(outs[True], outs[False])
-    live = ((c["slots"] >= 0) & (ranks[0][c["slots"].clamp(min=0).long()] > 0)).repeat_interleave(K)
-    assert live.any()
-    gate, up = outs[True][live][:, :I], outs[True][live][:, I:]
-    assert up.abs().max() > 0
-    torch.testing.assert_close(up, gate * 3, atol=1e-4, rtol=1e-4)
 
 
 def check_reads_a_through_a_src(fn, store: bool) -> None:
@@ -412,11 +342,10 @@ def test_moe_fused_split_n_does_not_change_results():
         assert torch.equal(y, outs[0])
 
 
-@pytest.mark.parametrize("experiment", ["warps_maxnreg", "stages", "expand_stages"])
+@pytest.mark.parametrize("experiment", ["stages", "expand_stages"])
 def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
-    """MOELORA_FUSED_LORA_WARPS / MOELORA_FUSED_LORA_MAXNREG (launch experiments for co-residency beside the FP8
-    expert GEMM), MOELORA_FUSED_LORA_STAGES / _EXPAND_STAGES (the shrink / expand loops pipelined through shared
-    memory; on the GPU the Qwen3 input dim takes 8 tiles): they change how the kernel runs, not what it computes."""
+    """MOELORA_FUSED_LORA_STAGES / _EXPAND_STAGES (the shrink / expand loops pipelined through shared memory; on the
+    GPU the Qwen3 input dim takes 8 tiles): they change how the kernel runs, not what it computes."""
     from moelora.kernels import moe_lora_fused_triton as mf
 
     gen = torch.Generator().manual_seed(32)
@@ -424,6 +353,7 @@ def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
     c = _moe_case("gate_up", "uniform", 3, torch.float32, gen, R=64 if experiment == "expand_stages" else 16)
     y0 = c["y0"].clone()
     _moe_call(moe_lora_fused, c, y0)
+    kw = {}
     if experiment == "stages":
         monkeypatch.setattr(mf, "_D_STAGES", [3])
         with pytest.raises(ValueError, match="stages"):
@@ -437,95 +367,13 @@ def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
         monkeypatch.setattr(mf, "_D_STAGES", [3])
     elif experiment == "expand_stages":
         monkeypatch.setattr(mf, "_E_STAGES", [3])
-        monkeypatch.setattr(mf, "_FORCED_WARPS", 1)
+        kw = {"num_warps": 1}
         with pytest.raises(ValueError, match="expand_stages"):
             mf.set_fused_lora_stages(1, -1)
-    else:
-        monkeypatch.setattr(mf, "_FORCED_WARPS", 2)
-        monkeypatch.setattr(mf, "_MAXNREG", 64)
     y = c["y0"].clone()
-    _moe_call(moe_lora_fused, c, y)
+    _moe_call(moe_lora_fused, c, y, **kw)
     torch.testing.assert_close(y, y0, atol=1e-5, rtol=1e-5)
     assert not torch.equal(y, c["y0"])
-
-
-# ---------------------------------------------------------------- dense
-
-
-def _dense_case(popularity, T, dtype, gen, R=16):
-    n = len(DOUTS)
-    ranks = _ranks(n, R)
-    a = torch.randn(n, S, R, DH, generator=gen) * 0.1
-    b = torch.randn(S, sum(DOUTS), R, generator=gen) * 0.1
-    off = _offsets(DOUTS)
-    for i in range(n):
-        for s in range(S):
-            a[i, s, ranks[i, s]:] = 0
-            b[s, off[i]:off[i + 1], ranks[i, s]:] = 0
-    slots = token_slots(popularity, T, S, gen)
-    return dict(x=torch.randn(T, DH, generator=gen).to(DEVICE, dtype), a=a.to(DEVICE, dtype), b=b.to(DEVICE, dtype),
-                off=torch.tensor(off, dtype=torch.int32, device=DEVICE), ranks=ranks.to(DEVICE),
-                scaling=(torch.rand(n, S, generator=gen) + 0.5).to(DEVICE), slots=slots,
-                groups=SlotGroups.build(slots, S, DEVICE),
-                y0=torch.randn(T, sum(DOUTS), generator=gen).to(DEVICE, dtype))
-
-
-def _dense_call(fn, c, y, **kw):
-    fn(c["x"], c["a"], c["b"], c["off"], c["ranks"], c["scaling"], c["groups"], y, max_width=max(DOUTS), **kw)
-
-
-def _dense_ref_rounding_h(c: dict, y: torch.Tensor) -> None:
-    """lora_fused_decode_ref's arithmetic with h rounded to the factors' dtype before the expand, as the dense
-    fused kernel does (and as PEFT does: lora_A's output is in the adapter's dtype). The unrounded reference
-    differs from it by up to 2^-8 of sum_r scaling |h_r| |B_r| per element: on the H200 one element in 655,360
-    of the Qwen3 qkv case at rank 64 (base and delta cancelling to 0.005 from terms of ~4) then exceeded the
-    bf16 tolerance. Against this reference only h's fp32 summation order differs (a CPU emulation with another
-    order: 8 bf16 flips of h over all 20 GPU cases, the largest error 0.17 of the tolerance)."""
-    n, _, R, _ = c["a"].shape
-    h = torch.zeros(n, y.shape[0], R, dtype=torch.float32, device=y.device)  # [n, T, R]
-    lora_shrink_ref(c["x"], c["a"], c["ranks"], c["groups"], h)
-    lora_expand_ref(h.to(c["b"].dtype).float(), c["b"], c["off"], c["ranks"], c["scaling"], c["groups"], y)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens", TOKENS)
-@pytest.mark.parametrize("popularity", POPULARITY)
-def test_dense_fused_matches_reference(popularity, num_tokens, dtype):
-    gen = torch.Generator().manual_seed(num_tokens * 7 + len(popularity))
-    c = _dense_case(popularity, num_tokens, dtype, gen)
-    y_ref, y = c["y0"].clone(), c["y0"].clone()
-    _dense_call(lora_fused_decode_ref, c, y_ref)
-    _dense_call(lora_fused_decode, c, y)
-    atol, rtol = tolerance(dtype)
-    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
-    _untouched_checks(y, c["y0"], c["slots"].to(DEVICE), c["ranks"], c["off"], 1)
-
-
-@pytest.mark.parametrize("popularity", ["with_base_rows", "identical", "skewed"])
-@pytest.mark.parametrize("num_tokens", [1, 33])
-def test_dense_fused_store_mode_writes_every_entry(popularity, num_tokens):
-    gen = torch.Generator().manual_seed(41 + num_tokens)
-    c = _dense_case(popularity, num_tokens, DTYPES[0], gen)
-    ref = torch.full(c["y0"].shape, float("nan"), device=DEVICE)
-    got = ref.clone()
-    _dense_call(lora_fused_decode_ref, c, ref, store=True)
-    _dense_call(lora_fused_decode, c, got, store=True)
-    assert not got.isnan().any()
-    torch.testing.assert_close(got, ref, atol=1e-4 if DTYPES[0] == torch.float32 else 2e-2, rtol=1e-3)
-    base = (c["slots"] < 0).to(DEVICE)
-    assert torch.equal(got[base], torch.zeros_like(got[base]))
-
-
-@pytest.mark.parametrize("R", [32, 64])
-def test_dense_fused_larger_ranks_and_splits(R):
-    gen = torch.Generator().manual_seed(50 + R)
-    c = _dense_case("with_base_rows", 7, torch.float32, gen, R=R)
-    y_ref = c["y0"].clone()
-    _dense_call(lora_fused_decode_ref, c, y_ref)
-    for split in (None, 1, 2, 7):
-        y = c["y0"].clone()
-        _dense_call(lora_fused_decode, c, y, split_n=split)
-        torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- the switch
@@ -536,13 +384,6 @@ def fused_switch():
     before = fused_lora()
     yield set_fused_lora
     set_fused_lora(before)
-
-
-@pytest.fixture
-def fused_dense_switch():
-    before = fused_dense_lora()
-    yield set_fused_dense_lora
-    set_fused_dense_lora(before)
 
 
 def _moe_layer(T, dtype, gen, popularity="with_base_rows"):
@@ -582,38 +423,6 @@ def test_fused_moe_pairs_switch_on_equals_off(kernels, fused_switch):
     assert ((no_lora.float() - off.float()).norm() / off.float().norm()).item() > 10 * bound
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
-def test_fused_moe_pairs_gate_up_one_launch_a_slice(kernels, fused_switch, monkeypatch):
-    """set_moe_lora_gu_split: fused_moe_pairs (no side stream, fp16 deltas in the activations' dtype: the fused op
-    in store mode) calls the fused op once a slice for gate_up, once for down, and gives the one-launch output bit for
-    bit."""
-    from moelora.kernels import _triton
-    from moelora.kernels import moe_lora_fused_triton as mf
-    from moelora.kernels.moe import fused_moe_pairs
-    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
-
-    gen = torch.Generator().manual_seed(62)
-    x, w_gu, w_d, weights, ids, args = _moe_layer(11, torch.float16, gen)  # fp32 activations: fp32 deltas, add mode
-    ops = (moe_lora_shrink_ref, moe_lora_expand_ref, None) if kernels == "reference" else (
-        moe_lora_shrink, moe_lora_expand, moe_lora_plan)
-    monkeypatch.setattr(_triton, "_LORA_DELTA", ["activation"])
-    fused_switch(True)
-    one = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    name = "moe_lora_fused_ref" if kernels == "reference" else "moe_lora_fused"
-    real, calls = getattr(mf, name), []
-
-    def spy(*a, **kw):
-        calls.append(kw.get("slices"))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(mf, name, spy)
-    monkeypatch.setattr(_triton, "_MOE_LORA_GU_SPLIT", [True])
-    split = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    assert calls == [(0, 1), (1, 2), None]
-    assert torch.equal(split, one)
-
-
 def test_fused_switch_takes_the_fused_kernel(fused_switch, monkeypatch):
     """Switch on: fused_moe_pairs calls the fused op, never shrink/expand; off: never the fused op."""
     from moelora.kernels import moe_lora_fused_triton as mf
@@ -643,68 +452,26 @@ def test_fused_switch_takes_the_fused_kernel(fused_switch, monkeypatch):
     assert calls == {"fused": 2, "shrink": 2}
 
 
-def _dense_layer(T, dtype, gen, popularity):
-    from moelora.adapters.metadata import LoRABatch
-    from moelora.layers.lora import LoRAWeights
-
-    n = len(DOUTS)
-    w = LoRAWeights(DH, DOUTS, S, 16, dtype=dtype, device=DEVICE)
-    ranks = _ranks(n, 16)
-    for i in range(n):
-        for s in range(S):
-            r = int(ranks[i, s])
-            if r:
-                w.set_slot(i, s, torch.randn(r, DH, generator=gen) * 0.1, torch.randn(DOUTS[i], r, generator=gen) * 0.1,
-                           0.5 + 0.25 * s)
-    slots = token_slots(popularity, T, S, gen)
-    return w, LoRABatch.build(slots, S, DEVICE), torch.randn(T, DH, generator=gen).to(DEVICE, dtype)
-
-
-@pytest.mark.parametrize("popularity", ["with_base_rows", "identical"])
-def test_apply_dense_lora_switch_on_equals_off(popularity, fused_dense_switch, monkeypatch):
-    from moelora.layers import linear
-    from moelora.layers.linear import apply_dense_lora
-
-    calls = []
-    monkeypatch.setattr(linear, "lora_fused_decode", lambda *a, **kw: (calls.append(1), lora_fused_decode(*a, **kw)))
-    gen = torch.Generator().manual_seed(71)
-    dtype = DTYPES[0]
-    w, batch, x = _dense_layer(9, dtype, gen, popularity)
-    y0 = torch.randn(9, sum(DOUTS), generator=gen).to(DEVICE, dtype)
-    fused_dense_switch(False)
-    y_off = y0.clone()
-    apply_dense_lora(x, w, batch, y_off)
-    fused_dense_switch(True)
-    y_on = y0.clone()
-    apply_dense_lora(x, w, batch, y_on)
-    atol, rtol = tolerance(dtype)
-    torch.testing.assert_close(y_on, y_off, atol=atol, rtol=rtol)
-    assert not torch.equal(y_on, y0)
-    assert len(calls) == 1  # the switch-off call took the existing path, the switch-on call the fused kernel
-
-
 def test_switch_env_defaults():
-    """Routed-expert fused LoRA on unless MOELORA_FUSED_LORA=0; dense fused off unless MOELORA_FUSED_DENSE_LORA=1."""
+    """Routed-expert fused LoRA on unless MOELORA_FUSED_LORA=0."""
     import os
     import subprocess
     import sys
 
-    code = ("from moelora.kernels._triton import fused_dense_lora, fused_lora; "
-            "print(fused_lora(), fused_dense_lora())")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MOELORA_FUSED_LORA", "MOELORA_FUSED_DENSE_LORA")}
+    code = "from moelora.kernels._triton import fused_lora; print(fused_lora())"
+    env = {k: v for k, v in os.environ.items() if k != "MOELORA_FUSED_LORA"}
 
     def run(**extra):
         return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
                               check=True).stdout.strip()
 
-    assert run() == "True False"
-    assert run(MOELORA_FUSED_LORA="0", MOELORA_FUSED_DENSE_LORA="1") == "False True"
+    assert run() == "True"
+    assert run(MOELORA_FUSED_LORA="0") == "False"
 
 
-def test_session17_switch_env_defaults():
+def test_pipeline_switch_env_defaults():
     """The pipelined routed LoRA form and the dense whole-rank-row reads are on unless MOELORA_FUSED_LORA_PIPELINE=0
-    / MOELORA_LORA_EVEN_R=0 (session 18 measured both end to end); forced depths from the environment win."""
+    / MOELORA_LORA_EVEN_R=0 (both measured end to end); forced depths from the environment win."""
     import os
     import subprocess
     import sys
@@ -723,7 +490,7 @@ def test_session17_switch_env_defaults():
     assert run() == "True (3, 3) (1, 1)"
     assert run(MOELORA_FUSED_LORA_PIPELINE="0", MOELORA_LORA_EVEN_R="0") == "False (1, 1) (1, 1)"
     early_down = "from moelora.kernels._triton import moe_lora_early_down; print(moe_lora_early_down())"
-    for value, want in ((None, "True"), ("0", "False"), ("1", "True")):  # on unless =0 (session 38)
+    for value, want in ((None, "True"), ("0", "False"), ("1", "True")):  # on unless =0
         extra = {} if value is None else {"MOELORA_MOE_LORA_EARLY_DOWN": value}
         base = {k: v for k, v in env.items() if k != "MOELORA_MOE_LORA_EARLY_DOWN"}
         got = subprocess.run([sys.executable, "-c", early_down], env={**base, **extra}, capture_output=True,
@@ -751,35 +518,6 @@ def test_gpu_moe_fused_qwen3_shapes(site, num_tokens, R):
     _moe_call(moe_lora_fused_ref, c, d_ref, store=True)
     _moe_call(moe_lora_fused, c, d, store=True)
     torch.testing.assert_close(d, d_ref, atol=3e-2, rtol=3e-2)  # the reference rounds h to bf16, the kernel keeps fp32
-
-
-@pytest.mark.parametrize("popularity", ["distinct", "with_base_rows"])
-def test_dense_fused_rounds_h_as_its_gpu_test_reference_does(popularity):
-    """The reference of the GPU qkv test (_dense_ref_rounding_h) models the kernel's arithmetic: in fp16 under
-    the interpreter (almost) every output equals it to the bit, where 8-10% differ from the unrounded reference
-    (allowing 1% for h's fp32 summation order, which can flip a rounding)."""
-    gen = torch.Generator().manual_seed(33)
-    c = _dense_case(popularity, 33, torch.float16, gen)
-    y_ref, y_unrounded, y = c["y0"].clone(), c["y0"].clone(), c["y0"].clone()
-    _dense_ref_rounding_h(c, y_ref)
-    _dense_call(lora_fused_decode_ref, c, y_unrounded)
-    _dense_call(lora_fused_decode, c, y)
-    assert (y != y_ref).float().mean().item() < 0.01
-    assert (y != y_unrounded).float().mean().item() > 0.03, "the case no longer tells the two references apart"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R", [16, 64])
-@pytest.mark.parametrize("num_tokens", [1, 16, 64, 128, 256])
-@pytest.mark.parametrize("popularity", ["distinct", "with_base_rows"])
-def test_gpu_dense_fused_qwen3_qkv(popularity, num_tokens, R):
-    gen = torch.Generator().manual_seed(num_tokens + R)
-    c = _dense_case(popularity, num_tokens, torch.bfloat16, gen, R=R)
-    y_ref, y = c["y0"].clone(), c["y0"].clone()
-    _dense_ref_rounding_h(c, y_ref)
-    _dense_call(lora_fused_decode, c, y)
-    torch.testing.assert_close(y, y_ref, atol=3e-2, rtol=3e-2)
-    _untouched_checks(y, c["y0"], c["slots"].to(DEVICE), c["ranks"], c["off"], 1)
 
 
 def _replayed_on_new_inputs(run, x, weights, ids, args, gen) -> torch.Tensor:
@@ -834,29 +572,17 @@ def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, mon
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() > 1e-1  # new inputs, new result
 
 
-def test_moe_lora_order_switch():
-    """set_moe_lora_order: which projections issue their base GEMM before the LoRA kernel; bad values raise.
-    set_moe_lora_early: mode "2" by default (session 29), set and read back; set_moe_lora_gu_split: off by default."""
+def test_moe_lora_early_switch():
+    """set_moe_lora_early: mode "2" by default, set and read back; bad values raise; set_moe_lora_early_down: on by
+    default."""
     from moelora.kernels import _triton
 
-    want = {"lora": (False, False), "gemm": (True, True), "gate_up": (True, False), "down": (False, True)}
-    try:
-        for order, (gu, down) in want.items():
-            _triton.set_moe_lora_order(order)
-            assert _triton.moe_lora_order() == order
-            assert (_triton.moe_gemm_first(False), _triton.moe_gemm_first(True)) == (gu, down)
-    finally:
-        _triton.set_moe_lora_order("lora")
-    with pytest.raises(ValueError, match="set_moe_lora_order"):
-        _triton.set_moe_lora_order("side")
-    assert _triton.moe_lora_early() and _triton.moe_lora_early_mode() == "2"  # the default since session 29
-    assert not _triton.moe_lora_gu_split()  # off: lost 1.5-2.1% (session 29)
+    assert _triton.moe_lora_early() and _triton.moe_lora_early_mode() == "2"  # the default
     if "MOELORA_MOE_LORA_EARLY_DOWN" not in __import__("os").environ:
-        assert _triton.moe_lora_early_down()  # on: +0.75% (session 38)
+        assert _triton.moe_lora_early_down()  # on: +0.75%
     try:
         _triton.set_moe_lora_early(True)
-        _triton.set_moe_lora_gu_split(True)
-        assert _triton.moe_lora_early() and _triton.moe_lora_gu_split() and _triton.moe_lora_early_mode() == "1"
+        assert _triton.moe_lora_early() and _triton.moe_lora_early_mode() == "1"
         _triton.set_moe_lora_early("2")  # the alignment on its own stream, above the side stream's priority
         assert _triton.moe_lora_early() and _triton.moe_lora_early_mode() == "2"
         _triton.set_moe_lora_early("0")
@@ -865,19 +591,16 @@ def test_moe_lora_order_switch():
             _triton.set_moe_lora_early("3")
     finally:
         _triton.set_moe_lora_early("2")
-        _triton.set_moe_lora_gu_split(False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", ["gemm", "gate_up", "down", "early", "early_fp32", "early_align", "gu_split",
-                                   "early_gu_split", "early_down", "early_down_fp32"])
-def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
-    """set_moe_lora_order on a GPU, overlapping on the side stream: the GEMM issued first gives the default order's
-    output bit for bit, eagerly and from a CUDA-graph replay after new routing and slots are written; likewise
-    set_moe_lora_early (gate_up's LoRA issued beside the alignment), with deltas in bf16 and in fp32, and
-    set_moe_lora_gu_split (gate_up's LoRA one launch a slice), alone and with the early launch; the early launch
-    with the alignment on its own stream (mode "2"), whose priority is above the side stream's; and with
-    set_moe_lora_early_down too (down's LoRA reading gate_up's output and delta, act_in), deltas in bf16 and fp32."""
+@pytest.mark.parametrize("order", ["early", "early_fp32", "early_align", "early_down", "early_down_fp32"])
+def test_gpu_moe_lora_early_changes_nothing(order, fused_switch, monkeypatch):
+    """set_moe_lora_early on a GPU, overlapping on the side stream (gate_up's LoRA issued beside the alignment),
+    with deltas in bf16 and in fp32: the output of the plain order bit for bit, eagerly and from a CUDA-graph replay
+    after new routing and slots are written; the early launch with the alignment on its own stream (mode "2"),
+    whose priority is above the side stream's; and with set_moe_lora_early_down too (down's LoRA reading gate_up's
+    output and delta, act_in), deltas in bf16 and fp32."""
     from moelora.kernels import _triton
     from moelora.kernels.moe import fused_moe_pairs
     from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
@@ -895,33 +618,25 @@ def test_gpu_moe_lora_order_changes_nothing(order, fused_switch, monkeypatch):
     def run():
         return fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
 
-    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["0"])  # the reference and the issue orders: no early launch
+    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["0"])  # the reference: no early launch
     ref = run()
-    if order.startswith("early") or order.endswith("gu_split"):
-        from moelora.kernels import moe_lora_fused_triton as mlf
-        from test_fp8_gpu import launch_records
+    from moelora.kernels import moe_lora_fused_triton as mlf
+    from test_fp8_gpu import launch_records
 
-        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["2" if order in ("early_align", "early_down") else
-                                                         "1" if order.startswith("early") else "0"])
-        monkeypatch.setattr(_triton, "_MOE_LORA_EARLY_DOWN", [order.startswith("early_down")])
-        if order == "early_align":
-            from moelora.kernels.streams import align_stream
+    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["2" if order in ("early_align", "early_down") else "1"])
+    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY_DOWN", [order.startswith("early_down")])
+    if order == "early_align":
+        from moelora.kernels.streams import align_stream
 
-            assert align_stream(x.device).priority < side.priority  # a lower number: a higher priority
-        monkeypatch.setattr(_triton, "_MOE_LORA_GU_SPLIT", [order.endswith("gu_split")])
-        with launch_records(mlf._moe_lora_fused_kernel) as launches:
-            run()
-        # gate_up (one launch, or gate then up) and down, all in store mode
-        assert len(launches) == (3 if order.endswith("gu_split") else 2) and all(r["STORE"] for r in launches)
-        # the down projection's launch reads gate_up's output and delta only with set_moe_lora_early_down
-        assert [r.get("ACT_IN", False) for r in launches][-1] == order.startswith("early_down")
-    else:
-        _triton.set_moe_lora_order(order)
-    try:
-        eager = run()
-        replayed = _replayed_on_new_inputs(run, x, weights, ids, args, gen).clone()
-    finally:
-        _triton.set_moe_lora_order("lora")
+        assert align_stream(x.device).priority < side.priority  # a lower number: a higher priority
+    with launch_records(mlf._moe_lora_fused_kernel) as launches:
+        run()
+    # gate_up and down, both in store mode
+    assert len(launches) == 2 and all(r["STORE"] for r in launches)
+    # the down projection's launch reads gate_up's output and delta only with set_moe_lora_early_down
+    assert [r.get("ACT_IN", False) for r in launches][-1] == order.startswith("early_down")
+    eager = run()
+    replayed = _replayed_on_new_inputs(run, x, weights, ids, args, gen).clone()
     assert torch.equal(eager, ref)
     assert torch.equal(replayed, run())  # the default order, eagerly, on the new inputs
     assert not torch.equal(replayed, ref)
@@ -948,23 +663,21 @@ def test_gpu_shared_a_switch_reads_one_copy_and_changes_nothing(tmp_path):
     run.load("ad", ad)
     rows = [(r, "ad") for r in rows_of(5, [3, 1, 1])] + [(rows_of(6, [2])[0], None)]
     outs = {}
-    before = _triton.lora_shared_a(), _triton.lora_shared_h(), mlf.fused_lora_slice_first()
-    modes = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
+    before = _triton.lora_shared_a(), mlf.fused_lora_slice_first()
+    modes = ((False, False), (True, False), (True, True))
     try:
-        for on, shared_h, first in modes:  # set_lora_shared_h: one h a pair too; slice first: gate, up side by side
+        for on, first in modes:  # slice first: gate, up side by side
             _triton.set_lora_shared_a(on)
-            _triton.set_lora_shared_h(shared_h)
             mlf.set_fused_lora_slice_first(first)
             with launch_records(mlf._moe_lora_fused_kernel) as recs:
-                outs[on, shared_h, first] = run.logprobs(rows)
+                outs[on, first] = run.logprobs(rows)
             gate_up = [r for r in recs if not r.get("X_PER_PAIR")]  # down (x per pair) never shares A
             assert gate_up and all(bool(r.get("HAS_A_SRC")) == on for r in gate_up)
-            assert all(bool(r.get("SHARED_H")) == shared_h and bool(r.get("SLICE_FIRST")) == first for r in gate_up)
+            assert all(bool(r.get("SLICE_FIRST")) == first for r in gate_up)
             assert all(not r.get("HAS_A_SRC") for r in recs if r.get("X_PER_PAIR"))
     finally:
         _triton.set_lora_shared_a(before[0])
-        _triton.set_lora_shared_h(before[1])
-        mlf.set_fused_lora_slice_first(before[2])
+        mlf.set_fused_lora_slice_first(before[1])
     for mode in modes[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[mode], outs[modes[0]])), mode
     plain = run.logprobs([(ids, None) for ids, _ in rows[:1]])[0]

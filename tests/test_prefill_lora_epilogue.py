@@ -17,11 +17,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True)
 def _restore_switches(monkeypatch):
-    """set_prefill_lora_epilogue / _plain as they were before each test, whatever the test sets."""
+    """set_prefill_lora_epilogue as it was before each test, whatever the test sets."""
     from moelora.kernels import moe_lora_grouped_triton as mg
 
     monkeypatch.setattr(mg, "_PREFILL_EPILOGUE", list(mg._PREFILL_EPILOGUE))
-    monkeypatch.setattr(mg, "_PREFILL_EPILOGUE_PLAIN", list(mg._PREFILL_EPILOGUE_PLAIN))
 
 RANKS = [[16, 4, 0, 8], [8, 16, 4, 2]]  # per (slice, slot): slice 0 of slot 2 has rank 0
 
@@ -124,62 +123,14 @@ def test_fp8_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; the GPU test below covers the GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("form", ["all_slots", "groups", "prefetch"])
-@pytest.mark.parametrize("gather_rows", [True, False])
-def test_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows, form, dtype, monkeypatch):
-    """fused_moe_triton.expert_gemm(lora=) on plain (bf16 / fp16 / fp32) expert weights, as the FP8 test above:
-    per pair scaling * h[i, p, :r] @ B[slot, expert, o_i, :r].T added to the fp32 tile before the one rounding,
-    against expert_gemm_lora_ref; NaN past each rank and in the h of pairs without an adapter; rows of slot -1 equal
-    the plain GEMM bit for bit; the three forms (LORA_SPLIT, LORA_GROUPS) as launched; with the activation fused
-    (gate_up) the expand added to both halves before it (no prefetch form there); lora= refused with pair weights."""
-    from moelora.kernels import fp8_triton as ft
-    from moelora.kernels import fused_moe_triton as fmt
-
-    monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
-    g = torch.Generator().manual_seed(41 + gather_rows)
-    T, K, E, S, D, R = 9, 3, 5, 4, 48, 16
-    n, outs = (2, [32, 32]) if gather_rows else (1, [32])
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    slots = torch.tensor([0, -1, 2, 1, 2, 0, -1, 2, 1], dtype=torch.int32)  # three slot groups, slot 3 unused
-    pair_slots = slots.repeat_interleave(K)
-    x = torch.randn(T if gather_rows else T * K, D, generator=g).to(dtype)
-    w = (torch.randn(E, sum(outs), D, generator=g) * 0.3).to(dtype)
-    lora = _nan_h_lora(form, n, outs, S, E, D, R, slots, pair_slots, g, dtype)
-    cfg = fmt.GemmConfig(16, 32, 16, 4, 2)
-    align = fmt.moe_align(ids, E, cfg.block_m)
-    modes = _record_launches(monkeypatch, fmt, "_expert_gemm_kernel")
-    P, O = T * K, sum(outs)
-    y = fmt.expert_gemm(x, w, align, P, K, torch.empty(P, O, dtype=dtype), gather_rows, config=cfg, lora=lora)
-    base = fmt.expert_gemm(x, w, align, P, K, torch.empty(P, O, dtype=dtype), gather_rows, config=cfg)
-    assert modes == [{"all_slots": (0, 0), "groups": (0, 2), "prefetch": (3, 4)}[form], (-1, -1)]
-    ref = fmt.expert_gemm_lora_ref(x, w, ids, gather_rows, lora)
-    assert not y.isnan().any()
-    tol = 1e-5 if dtype == torch.float32 else 2**-9  # fp32: summation order; fp16: the output's rounding
-    assert ((y.float() - ref.float()).norm() / ref.float().norm()) < tol
-    none = pair_slots < 0
-    assert torch.equal(y[none], base[none])
-    assert (y[~none].float() - base[~none].float()).abs().max() > 0.1  # the delta is there
-    if n == 2:  # gate_up with the activation fused: the expand added to the gate and the up tile before it
-        act = fmt.expert_gemm(x, w, align, P, K, torch.empty(P, O // 2, dtype=dtype), gather_rows, fuse_act=True,
-                              config=cfg, lora=lora)
-        assert modes[-1] == {"all_slots": (0, 0), "groups": (0, 2), "prefetch": (0, 0)}[form]  # no prefetch form
-        ref_act = fmt.expert_gemm_lora_ref(x, w, ids, gather_rows, lora, fuse_act=True)
-        assert not act.isnan().any()
-        assert ((act.float() - ref_act.float()).norm() / ref_act.float().norm()) < tol
-    with pytest.raises(ValueError, match="pair_weights"):
-        fmt.expert_gemm(x, w, align, P, K, torch.empty(P, O, dtype=dtype), gather_rows, config=cfg, lora=lora,
-                        pair_weights=torch.ones(P, dtype=dtype))
-
-
-@pytest.mark.skipif(ON_GPU, reason="the interpreter variant; the GPU test below covers the GPU")
 @pytest.mark.parametrize("stack", ["fp8", "plain"])
 @pytest.mark.parametrize("mode", [1, 2, 3])
 def test_fused_moe_pairs_prefill_lora_epilogue(mode, stack, monkeypatch):
     """set_prefill_lora_epilogue: above GEMV_MAX_PAIRS pairs (lowered here to the test's batch), on FP8 expert
-    stacks and on plain weights (fp32 here, bf16 / fp16 on a GPU) on the fast path, the routed LoRA is one grouped
-    shrink a projection plus the GEMM's epilogue (no moe_lora_grouped delta launch), with the delta path's result
-    (fp32 here: the two differ by roundings only); without the switch, the delta path."""
+    stacks on the fast path, the routed LoRA is one grouped shrink a projection plus the GEMM's epilogue (no
+    moe_lora_grouped delta launch), with the delta path's result (fp32 here: the two differ by roundings only);
+    without the switch, the delta path. Plain weights (fp32 here, bf16 / fp16 on a GPU) take the delta path in
+    every mode."""
     from moelora.kernels import fused_moe_triton as fmt
     from moelora.kernels import moe_lora_grouped_triton as mg
     from moelora.kernels import moe_lora_triton as mt
@@ -216,14 +167,14 @@ def test_fused_moe_pairs_prefill_lora_epilogue(mode, stack, monkeypatch):
         set_fused_lora(True)
         fmt.set_fast_path(True, on_cpu=True, quantized=True)
         assert fmt.fast_path_ok(x, w_gu, w_d)
-        assert mg.prefill_lora_epilogue() == 3 and not mg.prefill_lora_epilogue_plain()  # the defaults (session 36)
-        mg.set_prefill_lora_epilogue_plain(stack == "plain")
+        assert mg.prefill_lora_epilogue() == 3  # the default
+        assert mg.prefill_lora_epilogue_for(w_gu) == (stack == "fp8")
         mg.set_prefill_lora_epilogue(0)
         delta_path = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
         assert calls == {"shrink": 0, "grouped": 2}
         mg.set_prefill_lora_epilogue(mode)
         epi = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-        assert calls == {"shrink": 2, "grouped": 2}
+        assert calls == ({"shrink": 2, "grouped": 2} if stack == "fp8" else {"shrink": 0, "grouped": 4})
         no_lora = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, *ops)
     finally:
         mg.set_prefill_lora_epilogue(3)
@@ -244,17 +195,11 @@ def test_prefill_lora_epilogue_switch_env_default():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOELORA_PREFILL_LORA_EPILOGUE")}
     run = lambda **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra},  # noqa: E731
                                          capture_output=True, text=True)
-    assert run().stdout.strip() == "3"  # on by default (session 35), mode 3 since session 36
+    assert run().stdout.strip() == "3"  # on by default, mode 3
     assert run(MOELORA_PREFILL_LORA_EPILOGUE="0").stdout.strip() == "0"
     assert run(MOELORA_PREFILL_LORA_EPILOGUE="1").stdout.strip() == "1"
     bad = run(MOELORA_PREFILL_LORA_EPILOGUE="4")
     assert bad.returncode != 0 and "must be one of 0, 1, 2, 3" in bad.stderr
-    code = ("from moelora.kernels.moe_lora_grouped_triton import prefill_lora_epilogue_plain as f; "
-            "print(int(f()))")
-    assert run().stdout.strip() == "0"  # plain bf16 / fp16 stacks: off (lost in session 36)
-    assert run(MOELORA_PREFILL_LORA_EPILOGUE_PLAIN="1").stdout.strip() == "1"
-    bad = run(MOELORA_PREFILL_LORA_EPILOGUE_PLAIN="2")
-    assert bad.returncode != 0 and "must be 0 or 1" in bad.stderr
 
 
 @pytest.mark.gpu
@@ -296,8 +241,8 @@ def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, mode, monkeypatch):
         mg.set_prefill_lora_epilogue(3)
     args = _lora_args(ex, batch)
     assert len(calls) == 2, len(calls)
-    mg.set_prefill_lora_epilogue(0)  # bf16 on the dequantized weights by the delta path (plain stacks can take the
-    try:  # epilogue too since session 36, set_prefill_lora_epilogue_plain)
+    mg.set_prefill_lora_epilogue(0)  # bf16 on the dequantized weights by the delta path
+    try:
         bf16 = fused_moe_pairs(x, dequantized_stack(ex, "gate_up_proj"), dequantized_stack(ex, "down_proj"),
                                tw.bfloat16(), ti, "silu", args, moe_lora_shrink, moe_lora_expand, moe_lora_plan)
     finally:
@@ -312,68 +257,5 @@ def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, mode, monkeypatch):
     assert diag["calls"] == 2, diag
     assert diag["w8a8_epi"] < 2.0**-6 and diag["epi_vs_delta"] < 2.0**-6, diag
     assert diag["bf16_epi"] < 1.1 * diag["bf16_delta"] + 1e-3, diag
-    assert diag["base_rows_rel"] < 2.0**-7, diag
-    assert diag["lora_rows_vs_no_lora"] > 1e-2, diag
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("T,mode", [(640, 1), (2048, 1), (2048, 2), (640, 3)])
-def test_gpu_prefill_lora_epilogue_bf16_qwen3_shapes(T, mode, monkeypatch):
-    """Qwen3-30B-A3B routed experts in bf16 (plain weights: fused_moe_triton.expert_gemm; with
-    set_prefill_lora_epilogue_plain, off by default) with 8 rank-16 adapters
-    (and tokens without one) at a prefill chunk: the epilogue path (one grouped shrink a projection, no delta
-    launch) against fp32 (every tensor fp32, the torch expert GEMMs) at most 1.1x the delta path's error plus 1e-3
-    and within 2^-7 of the delta path (bf16 roundings apart); rows of tokens without an adapter within 2^-7 of the
-    no-LoRA output, the LoRA rows not."""
-    import dataclasses
-
-    from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels import fused_moe_triton as fmt
-    from moelora.kernels import moe_lora_grouped_triton as mg
-    from moelora.kernels.moe import fused_moe_pairs, route_topk_ref
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
-    from test_fp8_gpu import E, H, K, _experts, _lora_args, _rel, dequantized_stack
-
-    ex = _experts(True, seed=5)
-    w_gu, w_d = dequantized_stack(ex, "gate_up_proj"), dequantized_stack(ex, "down_proj")  # bf16 [E, O, D]
-    g = torch.Generator(device=DEVICE).manual_seed(300 + T)
-    x = torch.randn(T, H, device=DEVICE, generator=g).bfloat16()
-    tw, ti = route_topk_ref(torch.randn(T, E, device=DEVICE, generator=g), K, True)
-    tw = tw.bfloat16()
-    slots = torch.randint(-1, 8, (T,), generator=torch.Generator().manual_seed(T + 1)).tolist()
-    batch = LoRABatch.build(slots, 8, DEVICE)
-    args = dataclasses.replace(_lora_args(ex, batch), active_slots=batch.groups.active_slots)
-    ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
-    calls = []
-    real = mg.moe_lora_grouped_shrink
-    monkeypatch.setattr(mg, "moe_lora_grouped_shrink", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    assert fmt.fast_path_ok(x, w_gu, w_d) and fmt.lora_epilogue_ok(w_gu)
-    assert not mg.prefill_lora_epilogue_for(w_gu)  # plain stacks: off by default (lost in session 36)
-    mg.set_prefill_lora_epilogue_plain(True)
-    mg.set_prefill_lora_epilogue(0)
-    try:
-        delta_path = fused_moe_pairs(x, w_gu, w_d, tw, ti, "silu", args, *ops)
-        assert calls == []
-        mg.set_prefill_lora_epilogue(mode)
-        epi = fused_moe_pairs(x, w_gu, w_d, tw, ti, "silu", args, *ops)
-    finally:
-        mg.set_prefill_lora_epilogue(3)
-    no_lora = fused_moe_pairs(x, w_gu, w_d, tw, ti, "silu", None, *ops)
-    args32 = dataclasses.replace(args, **{f: getattr(args, f).float() for f in
-                                          ("gate_up_a", "gate_up_b", "down_a", "down_b")})
-    fmt.set_fast_path(False)
-    try:
-        ref = fused_moe_pairs(x.float(), w_gu.float(), w_d.float(), tw.float(), ti, "silu", args32, *ops)
-    finally:
-        fmt.set_fast_path(True)
-    base = torch.tensor([s < 0 for s in slots], device=DEVICE)
-    diag = dict(calls=len(calls), f32_epi=_rel(epi, ref), f32_delta=_rel(delta_path, ref),
-                epi_vs_delta=_rel(epi, delta_path), base_rows_rel=_rel(epi[base], no_lora[base]),
-                lora_rows_vs_no_lora=_rel(epi[~base], no_lora[~base]))
-    print(diag)
-    assert diag["calls"] == 2, diag
-    assert diag["f32_epi"] < 1.1 * diag["f32_delta"] + 1e-3, diag
-    assert diag["epi_vs_delta"] < 2.0**-7, diag
     assert diag["base_rows_rel"] < 2.0**-7, diag
     assert diag["lora_rows_vs_no_lora"] > 1e-2, diag

@@ -12,8 +12,8 @@ import pytest
 
 PROBE = ("import moelora.kernels.fp8_triton as f, moelora.kernels.lora_delta_triton as d, "
          "moelora.kernels._triton as t; "
-         "print(f._PREQUANT_MIN_ROWS[0], f._LORA_SPLIT[0], f._LORA_SPLIT[1], t.dense_defer_order(), "
-         "t.dense_defer_priority(), d.lora_delta_tile())")
+         "print(f._PREQUANT_MIN_ROWS[0], f._LORA_SPLIT[0], f._LORA_SPLIT[1], t.moe_lora_early_mode(), "
+         "f.fp8_prefill_config(), d.lora_delta_warps())")
 
 
 def _import_with(env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -24,25 +24,20 @@ def _import_with(env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def test_the_defaults_and_empty_values_are_the_same():
     names = ("MOELORA_FP8_PREQUANT_MIN_ROWS", "MOELORA_FP8_LORA_SPLIT", "MOELORA_FP8_LORA_SPLIT_MAX_ROWS",
-             "MOELORA_DENSE_DEFER_ORDER", "MOELORA_DENSE_DEFER_PRIORITY", "MOELORA_LORA_DELTA_TILE")
+             "MOELORA_MOE_LORA_EARLY", "MOELORA_FP8_PREFILL_CONFIG", "MOELORA_LORA_DELTA_WARPS")
     unset, empty = _import_with({}), _import_with({n: "" for n in names})
     assert unset.returncode == 0 and empty.returncode == 0, unset.stderr + empty.stderr
     assert unset.stdout == empty.stdout
-    assert unset.stdout.split()[:5] == ["1", "4", "64", "chain", "high"], unset.stdout
+    assert unset.stdout.split() == ["1", "4", "64", "2", "experts", "0"], unset.stdout
 
 
 @pytest.mark.parametrize("name, value, want", [
     ("MOELORA_FP8_PREQUANT_MIN_ROWS", "many", "MOELORA_FP8_PREQUANT_MIN_ROWS must be an integer, got 'many'"),
     ("MOELORA_FP8_LORA_SPLIT_MAX_ROWS", "6x4", "MOELORA_FP8_LORA_SPLIT_MAX_ROWS must be an integer"),
-    ("MOELORA_DENSE_DEFER_ORDER", "chian", "MOELORA_DENSE_DEFER_ORDER must be one of"),
-    ("MOELORA_DENSE_DEFER_PRIORITY", "low", "MOELORA_DENSE_DEFER_PRIORITY must be one of"),
+    ("MOELORA_MOE_LORA_EARLY", "3", "MOELORA_MOE_LORA_EARLY must be one of"),
+    ("MOELORA_FP8_PREFILL_CONFIG", "huge", "MOELORA_FP8_PREFILL_CONFIG must be one of"),
+    ("MOELORA_LORA_DELTA_WARPS", "3", "MOELORA_LORA_DELTA_WARPS must be 0 (the default), 1, 2, 4 or 8"),
 ])
 def test_a_bad_value_is_an_error_naming_the_variable(name, value, want):
     r = _import_with({name: value})
     assert r.returncode != 0 and want in r.stderr, r.stderr[-2000:]
-
-
-def test_a_bare_zero_delta_tile_is_the_default():
-    zero, unset = _import_with({"MOELORA_LORA_DELTA_TILE": "0"}), _import_with({})
-    assert zero.returncode == 0, zero.stderr
-    assert zero.stdout == unset.stdout

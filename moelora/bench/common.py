@@ -89,7 +89,7 @@ def hbm_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 
 def hbm_read_bandwidth_gbs(nbytes: int = 1 << 31) -> float:
     """Read-only bandwidth (GB/s): a Triton kernel summing int32 words over `nbytes`, the best of three launches
-    (session 39 on the H200: 4,496 GB/s read against 4,269 copied; torch's amax over the same buffer 3,485). A decode
+    (on the H200: 4,496 GB/s read against 4,269 copied; torch's amax over the same buffer 3,485). A decode
     step mostly reads, so this is the tighter ceiling; `bench decode` reports its floor at both."""
     from moelora.bench._read_kernel import read_words
 

@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "setting, then the adapter cases again with it flipped (graphs recaptured)")
     p.add_argument("--ab", default="",
                    help="in-process A/B of MOELORA_* switches, 'name:ENV=V[,ENV=V];name2:...' (e.g. "
-                        "'norm:MOELORA_LORA_NORM_SHRINK=1;both:MOELORA_LORA_NORM_SHRINK=1,MOELORA_LORA_ATTN_SHRINK=1'): "
+                        "'late:MOELORA_MOE_LORA_EARLY=0;both:MOELORA_MOE_LORA_EARLY=0,MOELORA_MOE_LORA_EARLY_DOWN=0'): "
                         "after the sweep with the present settings (variant 'default'), each variant's switches are "
                         "set, the graphs recaptured and the adapter cases run again; rows carry 'variant' and "
                         "'switches', and a table of medians and kept shares ends the run (bench/switches.py lists "

@@ -1,6 +1,6 @@
 """`moelora bench plot FILE... [--out DIR]`: PNGs from `bench report` JSON (matplotlib, no GPU needed).
 
-- `<stem>-tokens.png`: decode tokens/s vs batch for 0/1/4/8 adapters (vLLM 0.26's H200 points beside, at
+- `<stem>-tokens.png`: decode tokens/s vs batch for 0/1/4/8 adapters (vLLM 0.26's measured points beside, at
   Qwen3-30B-A3B dimensions);
 - `<stem>-floor.png`: decode step time as a multiple of the byte-floor time;
 - `<stem>-kept.png`: share of the no-adapter throughput kept vs adapters, beside SGLang's published and
@@ -143,7 +143,8 @@ def plot_tokens(plt, d: dict, path: str) -> str:
             for ref in VLLM_TOKENS_PER_S:
                 if ref["dtype"] == dtype and ref["adapters"] in PLOTTED_ADAPTERS:
                     ax.plot(ref["batch"], ref["tokens_per_s"], "^", color=_color(ref["adapters"]), markersize=9,
-                            markeredgecolor="black", label=f"vLLM 0.26 (H200), {_adapters(ref['adapters'])}")
+                            markeredgecolor="black",
+                            label=f"vLLM 0.26 ({ref.get('device', 'H200')}), {_adapters(ref['adapters'])}")
         _batch_axis(ax, batches)
         _log_y(ax)
         ax.set_ylabel("decode tokens/s (log scale)")
@@ -211,8 +212,8 @@ def plot_kept(plt, d: dict, path: str) -> str:
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
         ax.set_title(f"{model}, {dtype} base — markers: {'fp8/nvfp4' if low else 'bf16'} figures of other systems")
     fig.suptitle(f"Share of the no-adapter decode throughput kept — {_title(d)}\n"
-                 "lines: moelora, this run · markers: vLLM 0.26 (measured on an H200) and SGLang (published), "
-                 "from FIELD_NOTES.md, not re-measured here", fontsize=11)
+                 "lines: moelora, this run · markers: vLLM 0.26 (measured: bf16 on an H200, FP8 on an H100) and "
+                 "SGLang (published), from FIELD_NOTES.md, not re-measured here", fontsize=11)
     return _save(fig, path)
 
 

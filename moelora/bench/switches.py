@@ -74,18 +74,6 @@ def _shrink_block_k() -> Switch:
     return set_, get, ("0", "32", "64", "128", "256")
 
 
-def _delta_tile() -> Switch:
-    def set_(value: str) -> None:
-        bm, bn = (int(v) for v in value.split("x"))
-        _import("moelora.kernels.lora_delta_triton").set_lora_delta_tile(bm, bn)
-
-    def get() -> str:
-        bm, bn = _import("moelora.kernels.lora_delta_triton").lora_delta_tile()
-        return f"{bm}x{bn}"
-
-    return set_, get, ("0x0", "32x64", "64x64", "32x128", "64x128", "64x256")
-
-
 def _int_switch(module: str, setter: str, getter: str, values: tuple[str, ...]) -> Switch:
     def set_(value: str) -> None:
         getattr(_import(module), setter)(int(value))
@@ -97,30 +85,15 @@ def _int_switch(module: str, setter: str, getter: str, values: tuple[str, ...]) 
 
 
 _T = "moelora.kernels._triton"
-_PF = "moelora.kernels.l2_prefetch"
-_AT = "moelora.kernels.attention_triton"
 # env name -> (set from the env string, current value as an env string, accepted values); each one is read when
 # graphs are captured
 SWITCHES: dict[str, Switch] = {
-    "MOELORA_LORA_NORM_SHRINK": _bool_switch(_T, "set_lora_norm_shrink", "lora_norm_shrink"),
-    "MOELORA_LORA_ATTN_SHRINK": _bool_switch(_T, "set_lora_attn_shrink", "lora_attn_shrink"),
-    "MOELORA_LORA_SHRINK_PDL": _bool_switch(_T, "set_lora_shrink_pdl", "lora_shrink_pdl_enabled"),
-    "MOELORA_DENSE_LORA_OVERLAP": _bool_switch(_T, "set_dense_lora_overlap", "dense_lora_overlap"),
     "MOELORA_DENSE_LORA_DEFER": (lambda v: _import(_T).set_dense_lora_defer(v), lambda: _import(_T).dense_lora_defer(),
                                  ("0", "1", "fp8")),
-    "MOELORA_DENSE_DEFER_PDL": _bool_switch(_T, "set_dense_defer_pdl", "dense_defer_pdl"),
-    "MOELORA_DENSE_DEFER_PRIORITY": (lambda v: _import(_T).set_dense_defer_priority(v),
-                                     lambda: _import(_T).dense_defer_priority(), ("high", "normal")),
     "MOELORA_LORA_SHRINK_SPLITS": _shrink_splits(),
     "MOELORA_LORA_SHRINK_BLOCK_K": _shrink_block_k(),
-    "MOELORA_LORA_DELTA_TILE": _delta_tile(),
-    "MOELORA_LORA_DELTA_TILE_MIN_O": _int_switch("moelora.kernels.lora_delta_triton", "set_lora_delta_tile_min_o",
-                                                 "lora_delta_tile_min_o", ("0", "1024", "2048", "4096")),
-    "MOELORA_MOE_LORA_ORDER": (lambda v: _import(_T).set_moe_lora_order(v), lambda: _import(_T).moe_lora_order(),
-                               ("lora", "gemm", "gate_up", "down")),
     "MOELORA_MOE_LORA_EARLY": (lambda v: _import(_T).set_moe_lora_early(v), lambda: _import(_T).moe_lora_early_mode(),
                                ("0", "1", "2")),
-    "MOELORA_MOE_LORA_GU_SPLIT": _bool_switch(_T, "set_moe_lora_gu_split", "moe_lora_gu_split"),
     "MOELORA_MOE_LORA_EARLY_DOWN": _bool_switch(_T, "set_moe_lora_early_down", "moe_lora_early_down"),
     "MOELORA_SIDE_STREAM_PRIORITY": (lambda v: _import("moelora.kernels.streams").set_side_stream_priority(v),
                                      lambda: _import("moelora.kernels.streams").side_stream_priority_override(),
@@ -135,15 +108,6 @@ SWITCHES: dict[str, Switch] = {
                                             "lora_delta_warps", ("0", "1", "2", "4", "8")),
     "MOELORA_DENSE_DEFER_K_PER_SPLIT": _int_switch(_T, "set_dense_defer_k_per_split", "dense_defer_k_per_split",
                                                    ("0", "256", "512", "1024")),
-    "MOELORA_DENSE_DEFER_ORDER": (lambda v: _import(_T).set_dense_defer_order(v),
-                                  lambda: _import(_T).dense_defer_order(), ("chain", "gemm", "serial", "main")),
-    "MOELORA_DENSE_DEFER_FUSED": _bool_switch(_T, "set_dense_defer_fused", "dense_defer_fused"),
-    "MOELORA_DENSE_DEFER_ONE_LAUNCH": _bool_switch(_T, "set_dense_defer_one_launch", "dense_defer_one_launch"),
-    "MOELORA_LORA_CHAIN_BLOCK_N": _int_switch("moelora.kernels.lora_chain_triton", "set_lora_chain_block_n",
-                                              "lora_chain_block_n", ("0", "64", "128", "256")),
-    "MOELORA_LORA_CHAIN_SHRINK": (lambda v: _import("moelora.kernels.lora_chain_triton").set_lora_chain_shrink(v),
-                                  lambda: _import("moelora.kernels.lora_chain_triton").lora_chain_shrink(),
-                                  ("grouped", "stacked")),
     "MOELORA_GROUPED_PREFILL": _bool_switch("moelora.kernels.moe_lora_grouped_triton", "set_grouped_prefill",
                                             "grouped_prefill"),
     "MOELORA_GROUPED_PREFILL_FUSE_SLICES": _bool_switch("moelora.kernels.moe_lora_grouped_triton",
@@ -157,13 +121,9 @@ SWITCHES: dict[str, Switch] = {
     "MOELORA_PREFILL_LORA_EPILOGUE": (
         lambda v: _import("moelora.kernels.moe_lora_grouped_triton").set_prefill_lora_epilogue(int(v)),
         lambda: str(_import("moelora.kernels.moe_lora_grouped_triton").prefill_lora_epilogue()), ("0", "1", "2", "3")),
-    "MOELORA_PREFILL_LORA_EPILOGUE_PLAIN": _bool_switch("moelora.kernels.moe_lora_grouped_triton",
-                                                        "set_prefill_lora_epilogue_plain", "prefill_lora_epilogue_plain"),
     "MOELORA_FP8_PREFILL_CONFIG": (lambda v: _import("moelora.kernels.fp8_triton").set_fp8_prefill_config(v),
                                    lambda: _import("moelora.kernels.fp8_triton").fp8_prefill_config(),
                                    ("experts", "wide", "narrow")),
-    "MOELORA_LORA_CHAIN_SPIN_SLEEP": _bool_switch("moelora.kernels.lora_chain_triton", "set_lora_chain_spin_sleep",
-                                                  "lora_chain_spin_sleep"),
     "MOELORA_FUSED_ROUTER": _bool_switch("moelora.kernels.router_triton", "set_fused_router", "fused_router"),
     "MOELORA_MOE_COMBINE_TO_NORM": _bool_switch("moelora.kernels.fused_moe_triton", "set_moe_combine_to_norm",
                                                 "moe_combine_to_norm"),
@@ -171,35 +131,13 @@ SWITCHES: dict[str, Switch] = {
                                   *(int(x) for x in v.split("x"))),
                               lambda: _import("moelora.kernels.router_triton").router_config(),
                               _import("moelora.kernels.router_triton").ROUTER_CONFIGS),
-    "MOELORA_ATTN_SPLITS_PER_SM": (lambda v: _import(_AT).set_attn_split(per_sm=int(v)),
-                                   lambda: str(_import(_AT).attn_split()[0]), ("2", "4", "8", "16")),
-    "MOELORA_ATTN_SPLIT_MIN_TILES": (lambda v: _import(_AT).set_attn_split(min_tiles=int(v)),
-                                     lambda: str(_import(_AT).attn_split()[1]), ("1", "2", "4")),
-    "MOELORA_FP8_EXPERT_DECODE_TILE": (lambda v: _import("moelora.kernels.fp8_triton").set_fp8_expert_decode_tile(v),
-                                       lambda: _import("moelora.kernels.fp8_triton").fp8_expert_decode_tile(),
-                                       _import("moelora.kernels.fp8_triton").EXPERT_DECODE_TILES),
-    "MOELORA_WEIGHT_L2_PREFETCH": (lambda v: _import(_PF).set_weight_l2_prefetch(v),
-                                   lambda: _import(_PF).weight_l2_prefetch(), ("0", "experts", "dense", "both")),
-    "MOELORA_EXPERT_L2_PREFETCH_ROWS": _int_switch(_PF, "set_expert_l2_prefetch_rows", "expert_l2_prefetch_rows",
-                                                   ("32", "64", "128", "192", "256", "384", "512")),
-    "MOELORA_L2_PREFETCH_FORM": (lambda v: _import(_PF).set_l2_prefetch_form(v),
-                                 lambda: _import(_PF).l2_prefetch_form(), ("line", "bulk")),
     "MOELORA_LORA_SHARED_A": _bool_switch(_T, "set_lora_shared_a", "lora_shared_a"),
-    "MOELORA_LORA_SHARED_H": _bool_switch(_T, "set_lora_shared_h", "lora_shared_h"),
     "MOELORA_FUSED_LORA_SLICE_FIRST": _bool_switch("moelora.kernels.moe_lora_fused_triton",
                                                    "set_fused_lora_slice_first", "fused_lora_slice_first"),
     "MOELORA_LORA_EVEN_R": _bool_switch(_T, "set_lora_even_r", "lora_even_r"),
     "MOELORA_FP8_LORA_PDL": _bool_switch("moelora.kernels.fp8_triton", "set_fp8_lora_pdl", "fp8_lora_pdl_enabled"),
     "MOELORA_LORA_DELTA_DTYPE": _delta_dtype(),
     "MOELORA_FP8_LORA_SPLIT": _fp8_lora_split(),
-    "MOELORA_LORA_L2_PREFETCH": (lambda v: _import(_T).set_lora_l2_prefetch(v), lambda: _import(_T).lora_l2_prefetch(),
-                                 ("0", "own", "next", "both")),
-    "MOELORA_DENSE_DEFER_GEMM": (lambda v: _import("moelora.kernels.fp8_triton").set_dense_defer_gemm(v),
-                                 lambda: _import("moelora.kernels.fp8_triton").dense_defer_gemm(),
-                                 _import("moelora.kernels.fp8_triton").DEFER_GEMM_AB_VALUES),
-    "MOELORA_FP8_DENSE_DECODE_STAGES": _int_switch("moelora.kernels.fp8_triton", "set_fp8_dense_decode_stages",
-                                                   "fp8_dense_decode_stages",
-                                                   _import("moelora.kernels.fp8_triton").DENSE_DECODE_STAGE_CHOICES),
 }
 
 

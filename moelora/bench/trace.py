@@ -21,7 +21,7 @@ def layer_table(names: list[str], kernels: list[list], marker: str = "_paged_att
     """Split the trace into layers: a layer is the kernels from one run of `marker` (a kernel that runs once a
     layer) to the next, its main stream the stream that ran that marker (a CUDA graph's replay may put its branches
     on other streams than the ones captured, and move them when the graph changes: with the routed-expert LoRA
-    issued early, session 29, the busiest stream ran the marker only once a step); gaps over 10x the median spacing
+    issued early, the busiest stream ran the marker only once a step); gaps over 10x the median spacing
     are step boundaries, and only the layers whose main-stream kernel sequence is the most common one are kept.
     Returns {"layers": n, "span_us": median layer span, "main": [{"name", "dur_us", "gap_us", "start_us"} per
     position], "side": [{"name", "dur_us", "start_us"}] the side stream's kernels by their median start in the

@@ -17,8 +17,7 @@ collectives in as forward hooks, so the modules of moelora.layers run unchanged 
 
 Expert parallelism dispatches the simplest correct way: activations are replicated (every rank holds every
 token after the attention all-reduce), every rank routes every token, computes only the (token, k) pairs whose
-expert it holds (the others get router weight 0 and local expert 0, contributing exactly nothing; with
-set_ep_drop_nonlocal(True) expert id -1 on the Triton path, which leaves them out of every kernel), and the
+expert it holds (the others get router weight 0 and local expert 0, contributing exactly nothing), and the
 block's all-reduce sums the ranks' partial outputs. No all-to-all, no token permutation across ranks, and the
 combine is the same all-reduce that tensor parallelism needs anyway; the cost is that every rank touches every
 token (an all-to-all dispatch sends each token only to the ranks of its experts: the better choice at large
@@ -33,7 +32,6 @@ by the SlotPool (whole tensors, as the registry holds them) lands cut to this ra
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -176,39 +174,15 @@ def shard_experts(ex: RoutedExperts, ps: ParallelState, lora: tuple[int, int], n
         ex.register_forward_pre_hook(_local_experts_hook(es.start, ex.num_experts))
 
 
-_EP_DROP = [os.environ.get("MOELORA_EP_DROP_NONLOCAL", "0") == "1"]
-
-
-def set_ep_drop_nonlocal(enabled: bool) -> None:
-    """Expert parallelism on the Triton base path (CUDA bf16/fp16 experts, unquantized): pairs routed to
-    another rank's expert get expert id -1 and are left out of the alignment, so no GEMM or LoRA kernel of
-    this rank computes them (off: they are computed on local expert 0 with router weight 0, as on every
-    other path). Off by default: on 2 H200s (Qwen3-30B-A3B dims, batch 64/256, 0/4 adapters) it moved decode by
-    -4% to +3%, inside the run-to-run spread (README, decode-s7-ep2-drop-*); MOELORA_EP_DROP_NONLOCAL=1 turns
-    it on."""
-    _EP_DROP[0] = bool(enabled)
-
-
-def _drops_pairs(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether this layer's expert path takes expert id -1 as 'not here': the Triton base path of plain
-    weights (alignment, GEMMs, LoRA kernels and combine all skip it); the quantized stacks, the grouped
-    GEMM and the references on the CPU index experts by id and keep the weight-0 masking."""
-    from moelora.kernels.fused_moe_triton import fast_path_ok
-
-    return _EP_DROP[0] and getattr(module, "quant", None) is None and fast_path_ok(x, module.gate_up_proj, module.down_proj)
-
-
 def _local_experts_hook(first: int, count: int):
     """Forward pre-hook of RoutedExperts(x, topk_weights, topk_ids, lora): pairs routed to another rank's expert
-    get weight 0 and expert id -1 where the layer's path leaves such pairs out (_drops_pairs), else local
-    expert 0 (they add exactly nothing either way); the others their local expert id."""
+    get weight 0 and local expert 0 (they add exactly nothing); the others their local expert id."""
 
     def hook(module: nn.Module, args):
         x, topk_weights, topk_ids, lora = args
         local = topk_ids - first  # [T, K]
         mine = (local >= 0) & (local < count)
-        other = -1 if _drops_pairs(module, x) else 0
-        return x, topk_weights.masked_fill(~mine, 0), local.masked_fill(~mine, other), lora
+        return x, topk_weights.masked_fill(~mine, 0), local.masked_fill(~mine, 0), lora
 
     return hook
 

@@ -24,10 +24,10 @@ from moelora.layers.attention import AttentionMetadata
 from moelora.layers.lora import LORA_SLOT_WRITES, LoRAWeights, lora_work_count, slot_target_groups
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-# Batch 64 fp8 with attention-only adapters paid 1.24 ms a step over no adapter (11.87 against 10.63 ms, session
-# 18) for 0.04 ms of LoRA bytes: the routed-expert LoRA kernels ran for slots of rank 0. With the variants (session
-# 19, call 1; 128/128, 4 / 8 adapters, ms a step, no adapter 10.46): attention-only 11.13 / 11.35 against 11.87 /
-# 12.10, experts-only 11.78 / 11.97 against 12.42 / 12.65 (session 18). On by default; =0 turns them off.
+# Batch 64 fp8 with attention-only adapters paid 1.24 ms a step over no adapter (11.87 against 10.63 ms) for
+# 0.04 ms of LoRA bytes: the routed-expert LoRA kernels ran for slots of rank 0. With the variants (128/128, 4 / 8
+# adapters, ms a step, no adapter 10.46): attention-only 11.13 / 11.35 against 11.87 /
+# 12.10, experts-only 11.78 / 11.97 against 12.42 / 12.65. On by default; =0 turns them off.
 LORA_GRAPH_VARIANTS = os.environ.get("MOELORA_LORA_GRAPH_VARIANTS", "1") != "0"
 
 

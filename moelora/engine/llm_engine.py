@@ -57,7 +57,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks splitting attention heads, dense layers, vocabulary and expert widths
     expert_parallel_size: int = 1  # ranks splitting the routed experts (world = tensor x expert parallel size)
     # schedule and launch the next decode step before reading this step's tokens (engine/async_step.py); single
-    # rank only. None: on for a CUDA device (measured faster on the H200 in every case, session 13), off on the
+    # rank only. None: on for a CUDA device (measured faster on the H200 in every case), off on the
     # CPU (nothing to overlap); MOELORA_ASYNC_SCHEDULING=0|1 sets that default
     async_scheduling: bool | None = None
     # CPU: torch's intra-op threads. None: engine/cpu_threads.py's choice (MOELORA_CPU_THREADS or OMP_NUM_THREADS

@@ -152,8 +152,8 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 # From how many rows Sampler(fused=None) takes the kernel. Synchronous scheduling (the host waits for each step):
 # 256 — faster end to end there at batch 256, slower at 64 (its two Triton launches cost the host more than the
-# GPU passes saved; session 12). Asynchronous scheduling (the host's launches hide behind the GPU): 1 — faster at
-# batch 64 (6,003 against 5,920 tok/s) and 128 (10,654 against 10,406; session 13). MOELORA_FUSED_SAMPLER_MIN_ROWS
+# GPU passes saved). Asynchronous scheduling (the host's launches hide behind the GPU): 1 — faster at
+# batch 64 (6,003 against 5,920 tok/s) and 128 (10,654 against 10,406). MOELORA_FUSED_SAMPLER_MIN_ROWS
 # sets both.
 FUSED_SAMPLER_MIN_ROWS = 256
 FUSED_SAMPLER_MIN_ROWS_ASYNC = 1
@@ -175,10 +175,10 @@ class Sampler:
     None (default) = on for CUDA logits of at least `min_rows` rows when Triton is present (None: 256, the
     engine passes fused_sampler_min_rows(async_scheduling): 1 under asynchronous scheduling)
     (MOELORA_FUSED_SAMPLER=0 turns it off). On the H200 (Qwen3-30B-A3B fp8, `bench decode`, no adapter, one run
-    each way, session 12): batch 256 decoded 15,077 against 14,730 tok/s (128/128) and 11,597 against 11,065
+    each way): batch 256 decoded 15,077 against 14,730 tok/s (128/128) and 11,597 against 11,065
     (ctx1024); batch 64 5,370 against 5,452 and 4,621 against 4,669 — there its two Triton launches cost the
     host more than the four passes it saves on the GPU (alone, timed with its host work: 0.185 against 0.305 ms
-    at batch 64, 0.394 against 0.829 ms at 256; scripts/bench_sampler.py). True: the kernel whatever the size.
+    at batch 64, 0.394 against 0.829 ms at 256). True: the kernel whatever the size.
     It draws the same distribution as the torch path (the exponential race below), from other random numbers.
     last_path: "fused" or "torch", the path the last call took."""
 

@@ -25,46 +25,12 @@ import functools
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, _env_choice, producer_launch_dependents, require_triton
+from moelora.kernels._triton import HAS_TRITON, require_triton
 
 TILE_N = 64  # keys per inner step of the split kernel
 SPLIT_PROGRAMS_PER_SM = 4  # split-KV grid target: this many (row, KV head, split) programs per SM
 MAX_SPLITS = 64  # splits per (row, KV head) at most
 SPLIT_MIN_TILES = 2  # each split covers at least this many tiles (128 keys)
-# MOELORA_ATTN_SPLITS_PER_SM / MOELORA_ATTN_SPLIT_MIN_TILES (set_attn_split): the two numbers above, for an A/B.
-# Why (session 39): at batch 64 on 128/128 the split kernel took 10.7 µs a layer (session 37's trace) for ~25 MB of
-# K and V (5.6 µs at the read bandwidth): its programs walk 1-2 tiles of a 3-5-tile row one after another, a chain
-# of dependent loads.
-# More, shorter splits shorten the chain (the reduce kernel runs anyway at NUM_SPLITS > 1). Other bits (another
-# chunking of each row's keys), as any change of T gives. Measured in session 39 (fp8, one A/B process each,
-# decode-s39-call{E,F}-*): 8 programs per SM +0.66% / +0.68% on ctx 1,024 at batch 64 (0 / 4 adapters), -0.17% /
-# +0.09% on 128/128, but -2.7% / -2.4% and -2.9% / -3.3% at batch 256 (two splits and a reduce where one direct
-# launch was); 1 tile a split -0.2% / +0.1%; both -0.9% to +0.7%. The defaults stay.
-ATTN_SPLITS_PER_SM_CHOICES = ("2", "4", "8", "16")
-ATTN_SPLIT_MIN_TILES_CHOICES = ("1", "2", "4")
-_SPLITS_PER_SM = [int(_env_choice("MOELORA_ATTN_SPLITS_PER_SM", str(SPLIT_PROGRAMS_PER_SM),
-                                  ATTN_SPLITS_PER_SM_CHOICES)[0])]
-_MIN_TILES = [int(_env_choice("MOELORA_ATTN_SPLIT_MIN_TILES", str(SPLIT_MIN_TILES), ATTN_SPLIT_MIN_TILES_CHOICES)[0])]
-
-
-def set_attn_split(per_sm: int | None = None, min_tiles: int | None = None) -> None:
-    """The split-KV decode kernel's grid target (programs per SM) and least tiles a split (None: unchanged);
-    MOELORA_ATTN_SPLITS_PER_SM / MOELORA_ATTN_SPLIT_MIN_TILES set the starting values. Read at each launch (CUDA
-    graphs keep what they captured)."""
-    if per_sm is not None:
-        if str(per_sm) not in ATTN_SPLITS_PER_SM_CHOICES:
-            raise ValueError(f"set_attn_split: per_sm must be one of {ATTN_SPLITS_PER_SM_CHOICES}, got {per_sm}")
-        _SPLITS_PER_SM[0] = int(per_sm)
-    if min_tiles is not None:
-        if str(min_tiles) not in ATTN_SPLIT_MIN_TILES_CHOICES:
-            raise ValueError(f"set_attn_split: min_tiles must be one of {ATTN_SPLIT_MIN_TILES_CHOICES}, got "
-                             f"{min_tiles}")
-        _MIN_TILES[0] = int(min_tiles)
-
-
-def attn_split() -> tuple[int, int]:
-    """(programs per SM, least tiles a split) of the split-KV decode kernel."""
-    return _SPLITS_PER_SM[0], _MIN_TILES[0]
 PREFILL_TILE_ROWS = 128  # (query row, head) pairs per program of the prefill kernel
 
 if HAS_TRITON:
@@ -72,7 +38,6 @@ if HAS_TRITON:
     import triton.language as tl
 
     from moelora.kernels.fp8_triton import e4m3_groups
-    from moelora.kernels.lora_triton import store_row_shrink
 
     @triton.jit
     def _paged_attn_kernel(
@@ -171,16 +136,10 @@ if HAS_TRITON:
         sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False,
-        la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, sla_s=0, sla_r=0, slh_s=0, slh_m=0,
-        LORA_R: tl.constexpr = 0,
+        oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
     ):
-        if LAUNCH_DEPENDENTS:  # (DIRECT) a LoRA shrink launched with PDL after this may start now (it waits)
-            tl.extra.cuda.gdc_launch_dependents()
         # QUANT (DIRECT only): also out quantized per (row, head) for an FP8 o_proj: oq [T, Hq * D] e4m3 and
         # os [T, Hq] fp32 (one scale group = one head: D == the GEMM's group), the numbers of quantize_act_group
-        # LORA_R > 0 (DIRECT only; set_lora_attn_shrink): also KV head kvh's partial of o_proj's LoRA shrink of the
-        # rounded output of its G heads, lh[kvh, 0, t, :LORA_R] (as the reduce kernel's, per KV head instead of head)
         # program (t, kvh, sp): query row t, its G heads of KV head kvh, the sp-th chunk of tps tiles of
         # the row's key range [lo_key, pos] (tiles of TILE positions counted from lo_key's tile)
         t = tl.program_id(0)
@@ -198,9 +157,6 @@ if HAS_TRITON:
                 if QUANT:
                     _store_head_quant(zeros, oq_ptr, os_ptr, t, kvh * G + offs_gp, offs_gp < G, tl.num_programs(1) * G, D,
                                       BLOCK_D)
-                if LORA_R > 0:
-                    tl.store(lh_ptr + kvh * slh_s + t.to(tl.int64) * slh_m + tl.arange(0, LORA_R),
-                             tl.zeros((LORA_R,), tl.float32))
         if (b < 0) | (sp >= n_active):  # padding row, or nothing left for this split
             return
         k_lo = (tile_lo + sp * tps) * TILE  # its first tile holds a visible key (lo_key or k_lo itself)
@@ -245,19 +201,6 @@ if HAS_TRITON:
             if QUANT:
                 _store_head_quant(tl.where(mask_o, ob.to(tl.float32), 0.0), oq_ptr, os_ptr, t, heads, mask_g,
                                   tl.num_programs(1) * G, D, BLOCK_D)
-            if LORA_R > 0:
-                lslot = tl.load(lslot_ptr + t)
-                lslot_c = tl.maximum(lslot, 0)
-                rank = tl.where(lslot >= 0, tl.load(lrank_ptr + lslot_c), 0)
-                a_ptrs = la_ptr + lslot_c.to(tl.int64) * sla_s + heads[:, None] * D + offs_d[None, :]
-                ov = tl.where(mask_o, ob.to(tl.float32), 0.0)
-                offs_r = tl.arange(0, LORA_R)
-                hvec = tl.zeros((LORA_R,), tl.float32)
-                rank_d = offs_d * 0 + rank  # [BLOCK_D]: a block mask (a scalar one trips the interpreter)
-                for r in tl.static_range(LORA_R):
-                    at = tl.load(a_ptrs + r * sla_r, mask=mask_o & (rank_d > r)[None, :], other=0.0)
-                    hvec = tl.where(offs_r == r, tl.sum(tl.sum(at.to(tl.float32) * ov, axis=1), axis=0), hvec)
-                tl.store(lh_ptr + kvh * slh_s + t.to(tl.int64) * slh_m + offs_r, hvec)
         else:
             # workspace: ws_o [T, Hq, NUM_SPLITS, D], ws_m / ws_l [T, Hq, NUM_SPLITS], all contiguous fp32
             row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + sp  # [BLOCK_G]
@@ -271,17 +214,9 @@ if HAS_TRITON:
         window, NUM_SPLITS, MIN_TILES, so_t, so_h,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TILE: tl.constexpr,
         HAS_WINDOW: tl.constexpr, oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
-        LAUNCH_DEPENDENTS: tl.constexpr = False,
-        la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, sla_s=0, sla_r=0, slh_s=0, slh_m=0,
-        LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4,
     ):
-        if LAUNCH_DEPENDENTS:  # a LoRA shrink launched with PDL after this may start now (it waits for out)
-            tl.extra.cuda.gdc_launch_dependents()
         # program (t, h): out[t, h] = sum_s w_s * o_s over the row's active splits, in index order,
         # w_s = l_s * 2^(m_s - M) / sum_s' l_s' * 2^(m_s' - M), M = max_s m_s (maxima in log2 units)
-        # LORA_R > 0 (set_lora_attn_shrink): also head h's partial of o_proj's LoRA shrink of the rounded out[t, h],
-        # lh[h, 0, t, :LORA_R] = out[t, h] @ A[0, slot, :, h*D:(h+1)*D].T (0 past the slot's rank, for rows of slot
-        # -1 and for padding rows); the FP8 GEMM's LoRA program sums the Hq partials as split-K partials
         t = tl.program_id(0)
         h = tl.program_id(1)
         b, pos, lo_key, tile_lo, tps, n_active = _split_range(
@@ -294,9 +229,6 @@ if HAS_TRITON:
                      mask=mask_d)
             if QUANT:
                 _store_one_head_quant(zeros, oq_ptr, os_ptr, t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
-            if LORA_R > 0:
-                tl.store(lh_ptr + h * slh_s + t.to(tl.int64) * slh_m + tl.arange(0, LORA_R),
-                         tl.zeros((LORA_R,), tl.float32))
             return
         row0 = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
         offs_p = tl.arange(0, BLOCK_P)
@@ -314,13 +246,6 @@ if HAS_TRITON:
         if QUANT:
             _store_one_head_quant(tl.where(mask_d, ob.to(tl.float32), 0.0), oq_ptr, os_ptr,
                                   t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
-        if LORA_R > 0:
-            slot = tl.load(lslot_ptr + t)
-            slot_c = tl.maximum(slot, 0)
-            rank = tl.where(slot >= 0, tl.load(lrank_ptr + slot_c), 0)
-            store_row_shrink(tl.where(mask_d, ob.to(tl.float32), 0.0), la_ptr + slot_c.to(tl.int64) * sla_s + h * D,
-                             sla_r, offs_d, mask_d, rank, lh_ptr + h * slh_s + t.to(tl.int64) * slh_m, LORA_R,
-                             LORA_CHUNK)
 
     @triton.jit
     def _paged_attn_prefill_kernel(
@@ -412,14 +337,14 @@ def split_workspace_numel(T: int, Hq: int, D: int, num_splits: int) -> int:
 def choose_splits(T: int, Hkv: int, num_sms: int = 132) -> int:
     """Splits per (row, KV head) of the split-KV kernel, from shapes only (CUDA-graph safe).
 
-    Rule: enough programs to fill the GPU, SPLIT_PROGRAMS_PER_SM programs per SM (set_attn_split):
+    Rule: enough programs to fill the GPU, SPLIT_PROGRAMS_PER_SM programs per SM:
         NUM_SPLITS = clamp(ceil(SPLIT_PROGRAMS_PER_SM * num_sms / (T * Hkv)), 1, MAX_SPLITS)
     e.g. on 132 SMs with Hkv = 4: T = 1 -> 64, 16 -> 9, 64 -> 3, 128 -> 2, >= 132 -> 1 (no workspace).
     A row's key range is cut into min(NUM_SPLITS, ceil(tiles / SPLIT_MIN_TILES)) chunks of whole
     TILE_N-key tiles; so short rows use fewer splits (the other programs exit at once) and the
     workspace is only T * Hq * NUM_SPLITS * (D + 2) fp32 (~ a few MiB), whatever the table width.
     """
-    return max(1, min(MAX_SPLITS, -(-_SPLITS_PER_SM[0] * num_sms // (T * Hkv))))
+    return max(1, min(MAX_SPLITS, -(-SPLIT_PROGRAMS_PER_SM * num_sms // (T * Hkv))))
 
 
 def decode_kernel_chosen(num_tokens: int, num_seqs: int, kernel: str = "auto") -> bool:
@@ -444,8 +369,7 @@ def paged_attention(
     min_tiles: int | None = None,
     workspace: torch.Tensor | None = None,
     out_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-    lora_shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | None:
+) -> None:
     """Semantics, per query row t of sequence b = token_seq[t] (-1: padding: written 0 by the "decode" kernel,
     left untouched by "prefill" and "legacy"; decode_kernel_chosen says which one runs), with
     L = seq_lens[b], s:e = query_start_loc[b]:query_start_loc[b+1], p = L - (e - s) + (t - s):
@@ -471,14 +395,6 @@ def paged_attention(
               may change with T, not from run to run). NUM_SPLITS == 1: direct output, no workspace.
       "prefill": tiled; BLOCK_M rows of one sequence x G heads (128 tile rows) per (query block, KV head).
       "legacy": the first kernel (one program per (row, KV head), serial over blocks, no tensor cores).
-
-    lora_shrink = (a [1, S, R, Hq * D], ranks [1, S] int32, token_slots [T] int32) or None: the "decode" kernel also
-    writes the next (o_proj) LoRA layer's shrink of the rounded out, in P partials — one per head from the reduce
-    kernel (NUM_SPLITS > 1), one per KV head from the split kernel when it writes out directly (NUM_SPLITS == 1):
-    h [P, 1, T, R] fp32 with sum_p h[p, 0, t, :ranks[0, s]] = out[t].reshape(-1) @ a[0, s, :ranks[0, s]].T for
-    s = token_slots[t] >= 0, every other entry 0 (padding rows too) — the split-K partials lora_expand and the FP8
-    GEMM's LoRA program sum. Returns h, or None when it was not written (another kernel): the caller then runs the
-    shrink itself.
     """
     require_triton()
     T, Hq, D = q.shape
@@ -486,7 +402,7 @@ def paged_attention(
     G = Hq // Hkv
     B = block_tables.shape[0]
     if T == 0:
-        return None
+        return
     if kernel == "auto":
         kernel = "decode" if decode_kernel_chosen(T, B, kernel) else "prefill"
     if out_fp8 is not None and (kernel != "decode" or D & (D - 1)):
@@ -504,7 +420,7 @@ def paged_attention(
             BLOCK_SIZE=BS, BLOCK_G=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
             HAS_WINDOW=has_window,
         )
-        return None
+        return
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
     BLOCK_D = max(16, triton.next_power_of_2(D))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -518,7 +434,7 @@ def paged_attention(
             BLOCK_D=BLOCK_D, TILE=TILE_N,
             HAS_WINDOW=has_window, DOT_PRECISION=precision, num_warps=8, num_stages=2,
         )
-        return None
+        return
     if kernel != "decode":
         raise ValueError(f"kernel must be auto, decode, prefill or legacy, got {kernel!r}")
     if num_splits is None:
@@ -534,43 +450,22 @@ def paged_attention(
         elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous():
             raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {need} elements")
         ws_o, ws_m, ws_l = workspace[: n_ml * D], workspace[n_ml * D : n_ml * (D + 1)], workspace[n_ml * (D + 1) : need]
-    min_tiles = _MIN_TILES[0] if min_tiles is None else min_tiles
+    min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
     if min_tiles < 1 or num_splits < 1:
         raise ValueError(f"num_splits and min_tiles must be >= 1, got {num_splits}, {min_tiles}")
-    h, lora = None, {}
-    if lora_shrink is not None:  # per KV head from the split kernel (direct), else per head from the reduce kernel
-        h, lora = _attn_shrink_args(lora_shrink, T, Hq, D, Hkv if direct else Hq)
     _paged_attn_split_kernel[(T, Hkv, num_splits)](
         q, k_cache, v_cache, out, ws_o, ws_m, ws_l, block_tables, token_seq, seq_lens, query_start_loc,
         scale, sliding_window or 0, G, num_splits, min_tiles, *strides,
         BLOCK_SIZE=BS, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
         TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=direct, DOT_PRECISION=precision,
         num_warps=4, num_stages=2, **(quant if direct else {}),
-        **(producer_launch_dependents(q.device) if direct else {}),
-        **({k: v for k, v in lora.items() if k != "LORA_CHUNK"} if direct else {}),
     )
     if direct:
-        return h
+        return
     _paged_attn_reduce_kernel[(T, Hq)](
         out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
         sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
         D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_splits), TILE=TILE_N,
-        HAS_WINDOW=has_window, num_warps=1, **quant, **producer_launch_dependents(q.device), **lora,
+        HAS_WINDOW=has_window, num_warps=1, **quant,
     )
-    return h
 
-
-def _attn_shrink_args(lora_shrink, T: int, Hq: int, D: int, parts: int) -> tuple[torch.Tensor, dict]:
-    """paged_attention's lora_shrink -> (h [parts, 1, T, R] fp32, the decode kernels' LoRA arguments)."""
-    a, ranks, slots = lora_shrink
-    n, S, R, K = a.shape
-    if n != 1 or K != Hq * D or a.stride(3) != 1 or tuple(slots.shape) != (T,) or tuple(ranks.shape) != (1, S):
-        raise ValueError(f"paged_attention: lora_shrink expects a [1, S, R, {Hq * D}] (last dim contiguous), ranks "
-                         f"[1, S] and token_slots [{T}], found a {tuple(a.shape)}, ranks {tuple(ranks.shape)} and "
-                         f"token_slots {tuple(slots.shape)}")
-    chunk = min(4, triton.next_power_of_2(R))
-    if R % chunk:
-        raise ValueError(f"paged_attention: lora_shrink rank {R} is not a multiple of {chunk}")
-    h = torch.empty(parts, 1, T, R, dtype=torch.float32, device=a.device)
-    return h, dict(la_ptr=a, lrank_ptr=ranks, lslot_ptr=slots, lh_ptr=h, sla_s=a.stride(1), sla_r=a.stride(2),
-                   slh_s=h.stride(0), slh_m=h.stride(2), LORA_R=R, LORA_CHUNK=chunk)

@@ -14,7 +14,6 @@ repeated by every column tile; set_fp8_prequant_min_rows(n) quantizes inputs of 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +72,7 @@ if HAS_TRITON:
         stores its partial in ws[sk] ([SPLIT_K, M, N] fp32, contiguous) and counts itself in cnt[tile]; the split
         arriving last adds the partials in order sk = 0, 1, ... (deterministic) and resets the counter to 0 for
         the next launch (stream order). Returns (the sum on the last split, else acc unchanged; whether last):
-        the caller returns unless last. (Session 15 tried a split first reading the counter and, finding the
+        the caller returns unless last. (A split first reading the counter and, finding the
         others all in, keeping its partial in registers: slower at decode sizes, e.g. the LoRA-split qkv / o_proj
         at 16 tokens 17.4 / 19.1 against 16.5 / 17.0 µs; removed.)"""
         tile_ws = ws_ptr + rows[:, None] * N + offs_n[None, :]
@@ -160,7 +159,7 @@ if HAS_TRITON:
         B, loaded before the K steps so that none of it follows them: the tile's slice i0 (n0: its first column),
         per row its slot and that slot's rank and scaling for i0 (0 for rows without one), and per slot group g < G
         its slot (lact[g]; -1 unused or g >= L) and that slot's rank. Returns (i0, row_slot, rank_rows, scale_rows,
-        slot_g [G], rank_g [G]). (Holding B itself through the K steps took 255 registers and spilled, session 22.)"""
+        slot_g [G], rank_g [G]). (Holding B itself through the K steps took 255 registers and spilled.)"""
         i0 = 0
         for i in tl.static_range(1, LORA_N):
             i0 += (tl.load(loff_ptr + i) <= n0).to(tl.int32)
@@ -251,7 +250,7 @@ if HAS_TRITON:
         # LORA_N > 0: the multi-LoRA expand (lora_expand_tile) added to the fp32 tile before its one rounding. On the
         # grouped expert GEMM (routed-expert LoRA at prefill, set_prefill_lora_epilogue): the epilogue form, rows are
         # pairs (their slot and h per pair), B of the block's expert (lb + e * slb_e). Dense, by one of two forms:
-        # LORA_SPLIT == 0: in the epilogue, after the K steps (and the split-K sum). Session 14 measured four forms
+        # LORA_SPLIT == 0: in the epilogue, after the K steps (and the split-K sum). Four forms were measured
         # of this epilogue, bit-equal on the H200 (scripts/bench_fp8_lora_epilogue.py, µs per qkv / o_proj call
         # at 64 tokens, 4 adapters; the base GEMM alone 10.5 / 12.1): h hoisted before the slot loop (kept) 19.9 /
         # 22.8; h loaded per slot present 22.2 / 24.7 (end to end 4,651 / 4,443 against 4,715 / 4,593 tok/s at
@@ -267,26 +266,24 @@ if HAS_TRITON:
         # partial of the split-K sum (PARTS = SPLIT_K + 1 partials, the LoRA one last in the order), so its chain
         # of dependent loads (slots, ranks, h, then B per slot) runs beside the K steps instead of after them.
         # It walks the batch's slot groups, the first LORA_GROUPS unrolled without branches (lora_expand_tile; 0:
-        # all S slots in the loop, as session 15's mode 1 did: 18.8 / 20.3 µs against 18.6 / 20.1, call 2; the form
+        # all S slots in the loop, as a removed mode 1 did: 18.8 / 20.3 µs against 18.6 / 20.1; the form
         # for an epilogue given no slot groups). LORA_WAIT (launched with PDL right after the shrink,
         # which lets it start at once): the K steps run beside the shrink and whatever adds the LoRA tile (the
         # LoRA program, or in mode 0 the program writing the tile) first waits for it (gdc_wait) before reading h;
         # every other input was written before the shrink started. Every tile has such a program, so the GEMM
         # completes after the shrink (what stream order promises the next kernel).
-        # (Session 16 tried the shrink inline: no shrink launch and no h, each program accumulating its K steps'
+        # (The shrink inline was tried: no shrink launch and no h, each program accumulating its K steps'
         # h[BM, groups x R] from the unquantized x with one more dot per step, then adding its partial expand.
         # µs per call, 4 / 8 adapters (slot groups side by side: 64 / 128 columns), against mode 2 with PDL:
         # qkv at 16 tokens 18.3 / 21.6 vs 14.4 / 16.5, at 64 tokens 17.4 / 32.5 vs 17.0 / 19.1; o_proj at 64
         # tokens 15.9 / 23.3 vs 17.5 / 21.7; with x quantized in the GEMM instead, 27.3 for qkv at 64 tokens.
-        # End to end at batch 64 it lost: 4,613 / 4,569 tok/s against 4,924 / 4,790 (calls 1-2,
-        # fp8-lora-inline-s16-call2-*). Removed.)
-        # (Session 23 moved the expand out of the GEMM into the kernels reading its output: qk_norm_rope for qkv, the
+        # End to end at batch 64 it lost: 4,613 / 4,569 tok/s against 4,924 / 4,790. Removed.)
+        # (Moving the expand out of the GEMM into the kernels reading its output was tried: qk_norm_rope for qkv, the
         # post-attention RMSNorm for o_proj; the GEMM plain, with PDL beside the shrink. µs per layer at batch 64, 4
         # adapters: qkv GEMM 14.7 -> 11.1, o_proj 13.8 -> 12.0, but qk_norm_rope 3.8 -> 9.7 and the norm 2.4 -> 5.5
         # (per-row programs each waiting for slot, h and B); end to end -1.1% / -0.6% (4 / 8 adapters), qkv alone
-        # -0.8%, o_proj alone -0.2% / +0.4% (decode-s23-call2-consumer-ab-*). Reverted. A shrink with the slot
-        # groups side by side, 24 programs for qkv instead of 96, left these GEMMs unchanged: +0.2% / -0.8%,
-        # decode-s23-call3-stacked-ab-*. Reverted.)
+        # -0.8%, o_proj alone -0.2% / +0.4%. Reverted. A shrink with the slot groups side by side, 24 programs for
+        # qkv instead of 96, left these GEMMs unchanged: +0.2% / -0.8%. Reverted.)
         # output row r (a pair, or a dense row) reads input row r // A_ROW_DIV (A_ROW_DIV = top_k: the token
         # rows of the routed experts' gate_up, no [P, H] gather copy)
         # SPLIT_K > 1 (dense decode: few output tiles, long K): split sk takes the K steps sk, sk + SPLIT_K, ...,
@@ -381,7 +378,7 @@ if HAS_TRITON:
             if LORA_SPLIT == 0:
                 if LORA_WAIT:  # launched with PDL: the K steps ran beside the shrink; h is complete after this
                     tl.extra.cuda.gdc_wait()
-                # dense: all S slots in the loop (session 14's measured form); grouped (prefill): the batch's slot
+                # dense: all S slots in the loop (the measured form); grouped (prefill): the batch's slot
                 # groups unrolled when given, their B loads in flight together
                 acc = lora_expand_tile(acc, rows, mask_m, offs_n, mask_n, lh_ptr, lb_ptr + e * slb_e, loff_ptr, lrank_ptr,
                                        lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
@@ -427,22 +424,16 @@ class Fp8GemmConfig:
     """Launch parameters of _fp8_gemm_kernel (the K step is the scale group). block_m: rows per program of the
     dense GEMM (0: _block_m's choice; the grouped GEMM takes the alignment's). split_k: K splits of the dense
     GEMM (0: fp8_split_k's choice; 1: none; the grouped GEMM never splits). Only split_k changes the fp32
-    summation order (partials added in split order); the rest gives the same sums. maxnreg: a cap on registers
-    per thread (0: the compiler's choice) — so that a side-stream kernel's CTAs fit on an SM beside this one's
-    (the grouped decode variant takes 92: five CTAs leave 4,096 of 65,536 registers; session 13)."""
+    summation order (partials added in split order); the rest gives the same sums."""
 
     block_n: int
     num_warps: int = 4
     num_stages: int = 3
     block_m: int = 0
     split_k: int = 0
-    maxnreg: int = 0
 
 
 _CONFIG_OVERRIDE: dict[str, Fp8GemmConfig | None] = {"dense": None, "expert": None}
-# MOELORA_FP8_EXPERT_MAXNREG=n: the grouped-expert GEMM's register cap (unset: none; an experiment: 80 lost in
-# session 14, the two streams' overlap did not grow)
-_EXPERT_MAXNREG = int(os.environ.get("MOELORA_FP8_EXPERT_MAXNREG", "0") or 0)
 
 
 def set_fp8_gemm_config(kind: str, config: Fp8GemmConfig | None) -> None:
@@ -460,13 +451,13 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 # MOELORA_FP8_PREFILL_CONFIG / set_fp8_prefill_config: the FP8 GEMMs' launch parameters at prefill sizes, where the
-# defaults came from sweeps at decode sizes (session 8).
-#   "experts" (the default since session 34): the grouped expert GEMMs from PREFILL_MIN_PAIRS pairs take 128 x 128
+# defaults came from sweeps at decode sizes.
+#   "experts" (the default): the grouped expert GEMMs from PREFILL_MIN_PAIRS pairs take 128 x 128
 #       tiles at 8 warps and 4 stages; the dense GEMM keeps its tiles;
-#   "wide" (session 33): the same for the grouped GEMMs, and 128 x 128 tiles at 8 warps and 3 stages for the dense
+#   "wide": the same for the grouped GEMMs, and 128 x 128 tiles at 8 warps and 3 stages for the dense
 #       GEMM from PREFILL_MIN_ROWS rows (in 128-row blocks);
-#   "narrow": the decode-swept tiles everywhere (64-wide, 4 warps for the grouped GEMMs), as before session 34.
-# Session 34 (scripts/sweep_fp8_prefill.py on the H200, Qwen3-30B-A3B, 16,384 tokens, ms): gate_up 1.675 -> 1.423
+#   "narrow": the decode-swept tiles everywhere (64-wide, 4 warps for the grouped GEMMs), as before "experts".
+# Measured (scripts/sweep_fp8_prefill.py on the H200, Qwen3-30B-A3B, 16,384 tokens, ms): gate_up 1.675 -> 1.423
 # (bf16 1.547), down 1.373 -> 1.118 (3 stages 1.086; bf16 0.844); the dense GEMM is slower wide (qkv 0.526 ->
 # 0.538, o_proj 0.442 -> 0.506-0.544), hence "experts". Compiled for sm_90 (scripts/compile_check_fp8_gemm.py):
 # grouped 128 x 128 at 8 warps, 4 stages: 241 registers, no spills. Decode never reaches these sizes (the CUDA
@@ -492,7 +483,7 @@ def fp8_prefill_config() -> str:
 
 
 def fp8_gemm_config(grid_m: int, N: int, grouped: bool, rows: int = 0) -> Fp8GemmConfig:
-    """Default launch parameters (scripts/sweep_fp8_gemm.py on the H200, Qwen3-30B-A3B shapes, session 8):
+    """Default launch parameters (scripts/sweep_fp8_gemm.py on the H200, Qwen3-30B-A3B shapes):
     grouped experts: 64-wide column tiles, 4 stages (gate_up / down at 256 tokens 124 -> 115 / 72 -> 66 us,
     64 tokens unchanged at 99 / 54 us); dense: 64-wide column tiles (128 from 256 programs: prefill), 4 stages
     at decode sizes (qkv at 64 tokens 11.7 -> 8.5 us with 64-row blocks). set_fp8_gemm_config overrides it.
@@ -507,142 +498,26 @@ def fp8_gemm_config(grid_m: int, N: int, grouped: bool, rows: int = 0) -> Fp8Gem
     if not grouped and _PREFILL[0] == "wide" and N >= 128 and rows >= PREFILL_MIN_ROWS:
         return Fp8GemmConfig(128, 8, 3, 128, 1)
     if grouped:
-        tile = _EXPERT_DECODE_TILE[0]
-        bn, nw, st = (int(v) for v in tile.split("x")) if tile != "0" else (64, 4, 4)
-        return Fp8GemmConfig(bn if N >= bn else max(16, triton.next_power_of_2(N)), nw, st, maxnreg=_EXPERT_MAXNREG)
+        bn, nw, st = EXPERT_DECODE_CONFIG
+        return Fp8GemmConfig(bn if N >= bn else max(16, triton.next_power_of_2(N)), nw, st)
     block_n = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
     if block_n == 128 and grid_m * triton.cdiv(N, 128) < 256:  # decode: narrower tiles, more programs
-        return Fp8GemmConfig(64, 4, _DECODE_STAGES[0] or DENSE_DECODE_STAGES)
+        return Fp8GemmConfig(64, 4, DENSE_DECODE_STAGES)
     return Fp8GemmConfig(block_n)
 
 
-# MOELORA_FP8_EXPERT_DECODE_TILE / set_fp8_expert_decode_tile: the grouped expert GEMM's launch below the prefill
-# sizes as "BLOCK_NxWARPSxSTAGES" ("0": 64 x 4 x 4, session 8's sweep). Why look again (session 39): at 64 tokens
-# gate_up streams its 393 MB of touched weights in 99 µs, 88% of the 4.50 TB/s a plain read reaches on the H200
-# (down 83%); session 8 swept only 64- and 128-wide tiles at 3-5 stages. The same sums at any tile (the K step is
-# the scale group; every tile bit-equal on the H200 at 3 / 64 / 256 tokens). Measured in session 39
-# (scripts/sweep_fp8_gemm.py, sweep-fp8-expert-tiles-s39-callB-*): none beats the default; at 64 tokens gate_up /
-# down 99.3 / 53.3 µs, the next best 32 x 2 x 4 99.4 / 53.3; at 256 tokens 114.2 / 66.3, every other tile slower
-# but 64 x 4 x 3 on down (65.7). So "0" stays.
-EXPERT_DECODE_TILES = ("0", "16x2x4", "32x2x4", "32x4x4", "32x4x6", "64x4x3", "64x4x6", "64x8x4", "128x4x4",
-                       "128x8x4", "128x8x3")
-_EXPERT_DECODE_TILE = _env_choice("MOELORA_FP8_EXPERT_DECODE_TILE", "0", EXPERT_DECODE_TILES)
-
-
-def set_fp8_expert_decode_tile(tile: str) -> None:
-    """The grouped FP8 expert GEMM's decode launch, "BLOCK_NxWARPSxSTAGES" or "0" (64 x 4 x 4; the comment above).
-    The same sums at any tile; CUDA graphs keep what they captured."""
-    if tile not in EXPERT_DECODE_TILES:
-        raise ValueError(f"set_fp8_expert_decode_tile: one of {EXPERT_DECODE_TILES}, got {tile!r}")
-    _EXPERT_DECODE_TILE[0] = tile
-
-
-def fp8_expert_decode_tile() -> str:
-    return _EXPERT_DECODE_TILE[0]
-
-
-DENSE_DECODE_STAGES = 4  # the dense decode GEMM's pipeline stages (session 8's sweep)
-# one stage of the dense decode GEMM: a [block_m, 128] and a [128, 64] fp8 tile, 16 KB at 64-row blocks
-DENSE_DECODE_STAGE_CHOICES = ("0", "2", "3", "4", "5", "6", "8", "10", "12")
-_DECODE_STAGES = [int(_env_choice("MOELORA_FP8_DENSE_DECODE_STAGES", "0", DENSE_DECODE_STAGE_CHOICES)[0])]
-
-
-def set_fp8_dense_decode_stages(stages: int) -> None:
-    """Pipeline stages of the dense FP8 GEMM at decode sizes (0: DENSE_DECODE_STAGES). An experiment (session 31):
-    more stages keep more weight bytes in flight per program, and the aim at 12 stages (192 KB of shared memory at
-    64-row blocks) was that the side stream's dense LoRA chain would run on the SMs the GEMM leaves free instead of
-    sharing its SMs. The same sums at any value. Measured in session 31 (one A/B process
-    each, fp8 128/128 batch 64): 8 stages -0.4% with 0 / 4 / 8 adapters, 12 stages -0.8% / -1.2% / -1.4%, and with
-    the GEMM issued first -0.8% / -0.7%; the chain still costs its GEMM ~2.5-3 µs. So the default stays 4."""
-    if str(stages) not in DENSE_DECODE_STAGE_CHOICES:
-        raise ValueError(f"set_fp8_dense_decode_stages: stages must be one of {DENSE_DECODE_STAGE_CHOICES}, got "
-                         f"{stages}")
-    _DECODE_STAGES[0] = stages
-
-
-def fp8_dense_decode_stages() -> int:
-    return _DECODE_STAGES[0]
-
-
-# MOELORA_DENSE_DEFER_GEMM / set_dense_defer_gemm: the dense FP8 GEMM's launch when it runs beside a deferred LoRA
-# chain (LoRALinear.forward_deferred: the LoRA steps at decode sizes only; the no-adapter step keeps the default).
-# Why (session 37): beside the chain the qkv / o_proj GEMMs take ~2.5 µs more than alone (sessions 25-32), and at 64
-# tokens o_proj's default launch is 32 column tiles x 4 K splits = 128 programs on 132 SMs, qkv's 80: the chain's
-# CTAs (56 / 44 registers a thread, 24 / 10 KB of shared memory; the GEMM's 128 and 64 KB, sm_90 compile) always
-# find room beside a GEMM CTA, so fewer GEMM programs leave whole SMs to the chain. "0" the default launch; "NxS"
-# block_n N (64 or 128) and S K splits (1, 2, 4, 8) for every deferred GEMM ("NxSsT": and T stages, below); "A/B":
-# A for layers of several slices (qkv_proj), B for one slice (o_proj), either "0". Only S changes the fp32
-# summation order (rows without an adapter may then differ from the no-adapter step's in the last bit, as between
-# two split-K choices).
-# Measured in session 37 (calls B, C; fp8 128/128 batch 64, an A each, 4 adapters, one A/B process, two rounds;
-# scripts/bench_defer_chain.py --gemm-too, µs a call, the GEMM alone / beside the chain): the default qkv 8.7 / 11.0,
-# o_proj 9.2 / 11.2; o_proj at 2 splits 11.2 / 11.9 (-0.31% end to end), with qkv at 128-wide tiles 10.9 / 12.0 too
-# (-0.73%); qkv at 14 stages 9.9 / 11.9 (-0.29%), 13 stages 9.7 / 11.7 (-0.26%). Fewer GEMM programs shrink what the
-# chain adds, but slow the GEMM more; with its SMs closed to the chain (14 stages) the chain still ends ~2 µs after
-# the GEMM. Off.
-# "NxSsT": also T pipeline stages (default: the dense decode GEMM's). At 14 stages a qkv-sized program takes 224 KB
-# of shared memory (sm_90 compile), so no chain CTA (the shrink's 24 KB, the delta kernel's 10 KB) fits on its SM:
-# the chain runs only on the SMs the GEMM leaves free (qkv's 80 programs leave 52); at 13 (208 KB) the delta fits.
-DEFER_GEMM_PARTS = ("0", "64x1", "64x2", "64x4", "64x8", "128x1", "128x2", "128x4", "64x1s12", "64x1s13", "64x1s14",
-                    "64x2s14")
-# the values bench decode --ab takes (as dense_defer_gemm reads them back)
-DEFER_GEMM_AB_VALUES = ("0", "0/64x2", "0/64x1", "128x1/0", "128x2/0", "128x1/64x2", "64x2/64x2", "64x1s14/0",
-                        "64x1s13/0", "64x1s12/0", "0/64x2s14", "64x1s14/64x2s14")
-
-
-def _parse_defer_gemm(value: str, where: str) -> tuple[str, str]:
-    parts = value.split("/")
-    if len(parts) == 1:
-        parts = parts * 2
-    if len(parts) != 2 or any(p not in DEFER_GEMM_PARTS for p in parts):
-        raise ValueError(f"{where}: '0', 'NxS' or 'A/B' with each part one of {DEFER_GEMM_PARTS}, got {value!r}")
-    return parts[0], parts[1]
-
-
-_DEFER_GEMM = [_parse_defer_gemm(os.environ.get("MOELORA_DENSE_DEFER_GEMM", "") or "0", "MOELORA_DENSE_DEFER_GEMM")]
-
-
-def set_dense_defer_gemm(value: str = "0") -> None:
-    """The dense FP8 GEMM's launch beside a deferred LoRA chain (MOELORA_DENSE_DEFER_GEMM; the comment above):
-    "0", "NxS" or "A/B" (A: layers of several slices, B: one slice). CUDA graphs keep what they captured."""
-    _DEFER_GEMM[0] = _parse_defer_gemm(value, "set_dense_defer_gemm")
-
-
-def dense_defer_gemm() -> str:
-    """set_dense_defer_gemm's value, "0" or "A/B"."""
-    a, b = _DEFER_GEMM[0]
-    return "0" if a == b == "0" else f"{a}/{b}"
-
-
-def defer_gemm_config(n_slices: int) -> Fp8GemmConfig | None:
-    """The launch set_dense_defer_gemm gives a deferred layer of n_slices output slices; None: the default."""
-    part = _DEFER_GEMM[0][0 if n_slices > 1 else 1]
-    if part == "0":
-        return None
-    tile, _, stages = part.partition("s")
-    block_n, split_k = (int(v) for v in tile.split("x"))
-    return Fp8GemmConfig(block_n, 4, int(stages or 0) or _DECODE_STAGES[0] or DENSE_DECODE_STAGES, split_k=split_k)
-
-
-@contextmanager
-def dense_gemm_config(config: Fp8GemmConfig | None):
-    """Within the block the dense FP8 GEMM takes `config` (None: no change), as set_fp8_gemm_config("dense") would."""
-    if config is None:
-        yield
-        return
-    before = _CONFIG_OVERRIDE["dense"]
-    _CONFIG_OVERRIDE["dense"] = config
-    try:
-        yield
-    finally:
-        _CONFIG_OVERRIDE["dense"] = before
+# The grouped expert GEMM's launch below the prefill sizes, (BLOCK_N, warps, stages), from a sweep on the H200 at
+# Qwen3-30B-A3B shapes; a second sweep over 16- to 128-wide tiles at 2-8 warps and 3-6 stages found none faster at
+# 64 or 256 tokens (docs/experiments.md).
+EXPERT_DECODE_CONFIG = (64, 4, 4)
+DENSE_DECODE_STAGES = 4  # the dense decode GEMM's pipeline stages (the same first sweep; 8 and 12 lost end to end)
 
 
 def fp8_split_k(tiles: int, k_steps: int, block_m: int = 16) -> int:
     """K splits of a dense GEMM with `tiles` output tiles of block_m rows and `k_steps` steps of one scale group:
     a power of two <= 8 with >= 4 K steps per split: for 16-row blocks the smallest reaching 264 programs (2 per
     SM of an H200), for wider blocks (4x the MMA work per K step) the largest staying within 132. The H200 sweep
-    (session 8, qkv 2048 -> 5120 and o_proj 4096 -> 2048, fp8): 1-16 tokens best at 4-8 splits (o_proj at 1 token 7.0 -> 6.2 us with 8), 64 tokens qkv best unsplit
+    (qkv 2048 -> 5120 and o_proj 4096 -> 2048, fp8): 1-16 tokens best at 4-8 splits (o_proj at 1 token 7.0 -> 6.2 us with 8), 64 tokens qkv best unsplit
     (8.6 us; 2 splits 9.8), o_proj best at 4 (9.2 us; 8 splits 11.3), 256 tokens within 0.6 us of the best."""
     splits = 1
     while splits < 8 and k_steps >= splits * 8:
@@ -784,14 +659,13 @@ def _launch(a, a_scale, w, w_scale, out, bias, block, ids, bexp, block_m: int, g
         FP8_MAX_C=FP8_MAX, A_FP8=a_fp8, GROUPED=ids is not None, HAS_BIAS=bias is not None,
         GROUP_K=bk, SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_ROW_DIV=a_row_div,
         SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         **(lora.kernel_args(prefetch=lora_split == 3) if lora is not None else {}),
         **({"LORA_SPLIT": lora_split} if lora is not None else {}), **({"PARTS": parts} if parts > 1 else {}),
         **({"LORA_WAIT": True, "launch_pdl": True} if pdl else {}),
     )
 
 
-# measured on the H200 (session 6, Qwen3-30B-A3B fp8): 1 (always) against 0 (in the kernel) gave decode
+# measured on the H200 (Qwen3-30B-A3B fp8): 1 (always) against 0 (in the kernel) gave decode
 # 3,735 -> 4,192 tok/s at batch 64 and 7,048 -> 8,469 at 256; at 1,024 prefill went 15,179 -> 32,129 tok/s
 _PREQUANT_MIN_ROWS = [_env_int_default("MOELORA_FP8_PREQUANT_MIN_ROWS", 1)]
 
@@ -846,7 +720,7 @@ _LORA_SPLIT = _lora_split_env()
 # above max_rows the LoRA program is still used while the launch (the GEMM's programs and one LoRA program per
 # tile) stays within this many programs, 2 per SM of an H200: o_proj at 256 rows (128 tiles; µs per call, 4 / 8
 # adapters: 25.7 / 26.4 against 27.4 / 33.6 after the K steps), not qkv (320 tiles: 34.9 / 39.8 against 26.1 /
-# 29.5; session 16, call 2)
+# 29.5)
 LORA_SPLIT_MAX_PROGRAMS = 264
 LORA_GROUPS_UNROLLED = 8  # slot groups of set_fp8_lora_split mode 2 unrolled in the kernel (the rest in a loop)
 LORA_PREFETCH_MAX_GROUPS = 8  # set_fp8_lora_split mode 3 serves batches of at most this many slot groups (max_loras)
@@ -866,20 +740,20 @@ def set_fp8_lora_split(mode: int, max_rows: int | None = None) -> None:
     and one LoRA program per output tile are at most LORA_SPLIT_MAX_PROGRAMS (MOELORA_FP8_LORA_SPLIT,
     MOELORA_FP8_LORA_SPLIT_MAX_ROWS; otherwise always 0): 0 in the epilogue after the K steps; 2 in one
     more program per output tile, beside the K steps, summed as the last split-K partial, over the batch's slot
-    groups, the first LORA_GROUPS_UNROLLED unrolled with their loads in flight together. (Session 15's mode 1, the
-    LoRA program walking all slots, was a little slower than 2 and was removed in session 16. Session 21: mode 0
+    groups, the first LORA_GROUPS_UNROLLED unrolled with their loads in flight together. (A mode 1, the
+    LoRA program walking all slots, was a little slower than 2 and was removed. Mode 0
     with h written by the norm and the attention, so nothing left to wait for, still lost to mode 2 with them,
     4,910 / 4,742 against 5,006 / 4,883 tok/s at fp8 128/128 batch 64, 4 / 8 adapters.)
-    3 (session 22): after the K steps like 0, at every size, but with the expand's chain of metadata loads (slice,
+    3: after the K steps like 0, at every size, but with the expand's chain of metadata loads (slice,
     slots, ranks, scalings: lora_prefetch_tile) issued before the K steps and one dot over the slot groups after
     them (lora_prefetched_expand), so only the loads of B and h (side by side) and that dot follow the K steps,
     and no split-K partial is added; used where Fp8LoRAEpilogue.prefetch_ok holds (slot groups given, at most
     LORA_PREFETCH_MAX_GROUPS, tiles inside one slice), else mode 2.
-    4 (default since session 22): mode 2's LoRA program, but first in the grid (program 0 of each tile), storing
+    4 (the default): mode 2's LoRA program, but first in the grid (program 0 of each tile), storing
     its tile and raising the tile's flag; the K-step program (the last K split) waits for the flag, lowers it and
     adds the tile, so the K steps' partial is neither stored nor counted nor read back (bit-equal to mode 2: the
     same sums in the same order). Only where mode4_ok holds (every program resident at once), else mode 2.
-    Session 22, fp8 128/128 batch 64, one A/B process: 5,119 / 4,996 tok/s against mode 2's 5,099 / 4,932 with
+    Measured at fp8 128/128 batch 64, one A/B process: 5,119 / 4,996 tok/s against mode 2's 5,099 / 4,932 with
     4 / 8 adapters (+0.4% / +1.3%); per call with h ready, qkv / o_proj at 64 tokens, 4 adapters: 12.3 / 12.9 µs
     against 13.3 / 12.8 (the GEMM alone 8.6 / 9.4). Mode 3 lost: 5,071 / 4,946 against 5,098 / 4,951, its
     expand after the K steps 14.0 / 14.1 µs a call. Results are the same up to fp32 summation order."""

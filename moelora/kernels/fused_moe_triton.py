@@ -193,7 +193,7 @@ if HAS_TRITON:
 
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks of pairs
 # the base expert alignment alone (moe_align) may switch to the three launches earlier: at 2,048 pairs its one
-# program took 17 µs a layer on the H200 (session 9's profile, batch 256); not yet measured the other way
+# program took 17 µs a layer on the H200 (a profile at batch 256); not yet measured the other way
 EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS = int(os.environ.get("MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS", "2048"))
 
 
@@ -296,8 +296,6 @@ def expert_gemm_ref(
 
 if HAS_TRITON:
 
-    from moelora.kernels.fp8_triton import lora_expand_tile, lora_prefetch_tile, lora_prefetched_expand
-
     @triton.jit
     def _expert_gemm_kernel(
         inp_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, pw_ptr,
@@ -305,18 +303,7 @@ if HAS_TRITON:
         s_im, s_id, s_we, s_wn, s_wd, s_om, s_on,
         ROW_DIV: tl.constexpr, FUSE_ACT: tl.constexpr, HAS_PW: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        lh_ptr=None, lb_ptr=None, loff_ptr=None, lrank_ptr=None, lscale_ptr=None, lslot_ptr=None, lact_ptr=None,
-        S=0, L=0, slh_s=0, slh_i=0, slh_m=0, slh_r=0, slb_s=0, slb_o=0, slb_r=0, slb_e=0,
-        LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
-        LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, LORA_GROUPS: tl.constexpr = 0,
-        LORA_EVEN_R: tl.constexpr = False,
     ):
-        # LORA_N > 0 (never with HAS_PW): the routed-expert LoRA expand of each pair added to the fp32 tile before
-        # its one rounding, as the FP8 grouped GEMM's epilogue does (fp8_triton._fp8_gemm_kernel, same helpers): B
-        # of the block's expert (lb + e * slb_e), each pair's slot and h. LORA_SPLIT 0: after the K steps
-        # (LORA_GROUPS 0: a loop over all S slots; > 0: the batch's slot groups unrolled), with FUSE_ACT to the
-        # gate tile and the up tile each before the activation; 3 (not with FUSE_ACT): each row's slot, rank and
-        # scaling loaded before the K steps, the groups' B in one dot.
         pid_n = tl.program_id(0)  # n tiles of one block are neighbours: they share the block's input rows
         b = tl.program_id(1)
         e = tl.load(bexp_ptr + b)
@@ -335,10 +322,6 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if FUSE_ACT:
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if LORA_SPLIT == 3:  # the expand's chain of metadata loads, before the K steps
-            l_i0, l_slot, l_rank, l_scale, l_slot_g, l_rank_g = lora_prefetch_tile(
-                pairs, mask_m, pid_n * BLOCK_N, loff_ptr, lrank_ptr, lscale_ptr, lslot_ptr, lact_ptr, S, L, LORA_N,
-                LORA_BR, LORA_GROUPS)
         for k0 in range(0, D, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -356,23 +339,6 @@ if HAS_TRITON:
                 acc_up += tl.dot(a, wu, input_precision=PRECISION)
             a_ptrs += BLOCK_K * s_id
             w_ptrs += BLOCK_K * s_wd
-        if LORA_N > 0:
-            lb_e = lb_ptr + e.to(tl.int64) * slb_e
-            if LORA_SPLIT == 3:
-                acc = lora_prefetched_expand(acc, pairs, offs_n, mask_n, l_i0, l_slot, l_rank, l_scale, l_slot_g,
-                                             l_rank_g, lh_ptr, lb_e, slh_s, slh_i, slh_m, slh_r, slb_s, slb_o, slb_r,
-                                             BLOCK_M, BLOCK_N, LORA_SK, LORA_BR, LORA_GROUPS, LORA_PRECISION,
-                                             LORA_EVEN_R, False)
-            else:
-                acc = lora_expand_tile(acc, pairs, mask_m, offs_n, mask_n, lh_ptr, lb_e, loff_ptr, lrank_ptr,
-                                       lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m, slh_r, slb_s,
-                                       slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION, LORA_GROUPS,
-                                       LORA_EVEN_R)
-                if FUSE_ACT:  # the up half: columns HALF + offs_n of the projection's 2 * HALF
-                    acc_up = lora_expand_tile(acc_up, pairs, mask_m, offs_n + HALF, mask_n, lh_ptr, lb_e, loff_ptr,
-                                              lrank_ptr, lscale_ptr, lslot_ptr, lact_ptr, S, L, slh_s, slh_i, slh_m,
-                                              slh_r, slb_s, slb_o, slb_r, LORA_N, LORA_SK, LORA_BR, LORA_PRECISION,
-                                              LORA_GROUPS, LORA_EVEN_R)
         if FUSE_ACT:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if HAS_PW:
@@ -392,7 +358,6 @@ def expert_gemm(
     pair_weights: torch.Tensor | None = None,
     fuse_act: bool = False,
     config: GemmConfig | None = None,
-    lora=None,
 ) -> torch.Tensor:
     """Grouped GEMM over expert-aligned pairs (semantics: expert_gemm_ref, written into `out`):
         for each block b of config.block_m entries of sorted_pair_ids with e = block_expert[b] >= 0:
@@ -401,12 +366,6 @@ def expert_gemm(
     inp: [T, D] (gather_rows: the token rows, no x[pair_tok] copy) or [P, D] (per pair)
     w: [E, O, D] (any strides) · align: moe_align(topk_ids, E, config.block_m) · num_pairs: P = T*K · top_k: K
     out: [P, O] (or [P, O/2] with fuse_act) · pair_weights: [P] or None · returns out
-    lora: a fp8_triton.Fp8LoRAEpilogue (not with pair_weights): the routed experts' LoRA expand added in the
-    epilogue in fp32 (expert_gemm_lora_ref), as fp8_expert_gemm(lora=) does, before the activation with fuse_act
-    and before the one rounding:
-        y[p, o_i] += scaling[i, s] * (h[i, p, :r] rounded to B's dtype) @ B[s, e, o_i, :r].T,  s = token_slots[p]
-    (y = w[e] @ row, all O columns) with h: [n, P, R] fp32 (moe_lora_grouped_shrink) · b_cat: [S, E|1, O, R] ·
-    token_slots: [P] (slot -1: none). Its prefetch form (mode 3) is taken only without fuse_act.
     """
     require_triton()
     cfg = config or pick_config(num_pairs, fuse_act)
@@ -416,17 +375,6 @@ def expert_gemm(
     N = O // 2 if fuse_act else O
     assert w.shape[2] == D and out.shape == (num_pairs, N), (inp.shape, w.shape, out.shape)
     assert sorted_ids.shape[0] == block_expert.shape[0] * cfg.block_m, "align was made with another block_m"
-    lora_kw = {}
-    if lora is not None:
-        if pair_weights is not None:
-            raise ValueError("expert_gemm: lora= adds the expand to the projection itself; found pair_weights given")
-        if lora.h.shape[-2] != num_pairs or lora.b_cat.shape[2] != O:
-            raise ValueError(f"expert_gemm: lora h must be [n, {num_pairs}, R] and b_cat [S, E|1, {O}, R]; found h "
-                             f"{list(lora.h.shape)}, b_cat {list(lora.b_cat.shape)}")
-        prefetch = lora.prefetch and not fuse_act and lora.prefetch_ok(cfg.block_n)
-        lora_kw = {**lora.kernel_args(prefetch=prefetch), "LORA_SPLIT": 3 if prefetch else 0}
-        if lora.prefetch and not prefetch:  # mode 3 where its form cannot serve: the loop over all slots (mode 1's;
-            lora_kw["LORA_GROUPS"] = 0  # the unrolled groups spill at the prefill tiles)
     grid = (triton.cdiv(N, cfg.block_n), block_expert.shape[0])
     _expert_gemm_kernel[grid](
         inp, w, out, sorted_ids, block_expert, pair_weights if pair_weights is not None else out,
@@ -434,26 +382,9 @@ def expert_gemm(
         inp.stride(0), inp.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         ROW_DIV=top_k if gather_rows else 1, FUSE_ACT=fuse_act, HAS_PW=pair_weights is not None,
         EVEN_K=D % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION=dot_precision(inp.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_kw,
+        PRECISION=dot_precision(inp.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
-
-
-def expert_gemm_lora_ref(inp: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, gather_rows: bool,
-                         lora, fuse_act: bool = False) -> torch.Tensor:
-    """expert_gemm(..., lora=lora) in torch: the fp32 base output plus each pair's expand (then silu(gate) * up
-    with fuse_act), rounded once to inp's dtype. inp: [T, D] (gather_rows) or [P, D] · w: [E, O, D] · returns
-    [P, O] ([P, O/2] with fuse_act)."""
-    from moelora.kernels.fp8_triton import expert_lora_expand_ref
-
-    T, K = topk_ids.shape
-    rows = inp.float()[torch.arange(T * K, device=inp.device) // K] if gather_rows else inp.float()
-    y = expert_lora_expand_ref(torch.einsum("pd,pod->po", rows, w.float()[topk_ids.reshape(-1).long()]), topk_ids,
-                               lora)
-    if fuse_act:
-        half = y.shape[1] // 2
-        y = F.silu(y[:, :half]) * y[:, half:]
-    return y.to(inp.dtype)
 
 
 # ----------------------------------------------------------------------------------- activation, combine
@@ -667,10 +598,9 @@ def routing_kernel_ok(router_logits: torch.Tensor) -> bool:
 
 
 def lora_epilogue_ok(w) -> bool:
-    """Whether TritonExperts' GEMM for expert stack w adds a routed LoRA expand in its epilogue (lora=): plain
-    weight tensors (expert_gemm; the fast path takes them in bf16 / fp16) and quantized stacks whose
-    `lora_epilogue` is true (FP8: fp8_expert_gemm)."""
-    return isinstance(w, torch.Tensor) or bool(getattr(w, "lora_epilogue", False))
+    """Whether TritonExperts' GEMM for expert stack w adds a routed LoRA expand in its epilogue (lora=): quantized
+    stacks whose `lora_epilogue` is true (FP8: fp8_expert_gemm); plain weight tensors do not."""
+    return bool(getattr(w, "lora_epilogue", False))
 
 
 class TritonExperts:
@@ -695,8 +625,8 @@ class TritonExperts:
         Fp8LoRAEpilogue for a stack whose lora_epilogue is true (its expand added in the GEMM's epilogue)."""
         gather = inp.shape[0] != self.P
         if lora is not None and not lora_epilogue_ok(w):
-            raise ValueError(f"TritonExperts: lora= needs an expert stack with a LoRA epilogue (plain 16-bit weights "
-                             f"or FP8); found {type(w).__name__}")
+            raise ValueError(f"TritonExperts: lora= needs an expert stack with a LoRA epilogue (FP8); found "
+                             f"{type(w).__name__}")
         if not isinstance(w, torch.Tensor):  # quantized: its GEMM on this alignment, then the activation kernel
             self.act_quant_group = getattr(w, "act_quant_group", None)  # the activation quantizes for the down GEMM
             y = (w.expert_gemm(inp, self.topk_ids, self.align, gather, self.cfg.block_m) if lora is None else
@@ -705,7 +635,7 @@ class TritonExperts:
         n = w.shape[1] // 2 if fuse_act else w.shape[1]
         out = torch.empty(self.P, n, dtype=inp.dtype, device=inp.device)
         cfg = halved_n(self.cfg) if fuse_act else self.cfg
-        return expert_gemm(inp, w, self.align, self.P, self.K, out, gather, fuse_act=fuse_act, config=cfg, lora=lora)
+        return expert_gemm(inp, w, self.align, self.P, self.K, out, gather, fuse_act=fuse_act, config=cfg)
 
     def act(self, gu: torch.Tensor, activation: str, delta: torch.Tensor | None = None) -> torch.Tensor:
         """act(g[:, :I]) * g[:, I:], g = gu (+ delta, rounded once to gu's dtype) · gu: [P, 2I] · delta: [P, 2I]
@@ -735,8 +665,8 @@ _COMBINE_TO_NORM = [_env_choice("MOELORA_MOE_COMBINE_TO_NORM", "1", ("0", "1"))[
 
 def set_moe_combine_to_norm(enabled: bool) -> None:
     """MoEBlock hands its routed experts' combine to the RMSNorm that reads its output next (the next layer's input
-    norm, or the final norm), which computes it as it loads its input: one launch less a MoE layer (on by default
-    since session 31: +0.4-0.8% at batch 64; MOELORA_MOE_COMBINE_TO_NORM=0 turns it off). Only on the Triton fast
+    norm, or the final norm), which computes it as it loads its input: one launch less a MoE layer (on by default:
+    +0.4-0.8% at batch 64; MOELORA_MOE_COMBINE_TO_NORM=0 turns it off). Only on the Triton fast
     path, for blocks without a shared expert or forward hooks (tensor / expert parallelism add an all-reduce
     there); the same bits either way."""
     _COMBINE_TO_NORM[0] = bool(enabled)

@@ -8,7 +8,7 @@ an add launch or a zero-fill. The expand here writes every row (0 for rows witho
 needs no zero-fill either. One program per (row block, column tile): the tile's slice, the rows' slots, ranks
 and scalings, then the batch's slot groups' B stacked [G x R, BLOCK_N] and the rows' h placed in their group's
 columns, one dot (fp8_triton.lora_prefetch_tile / lora_prefetched_expand, the same helpers as the FP8 GEMM's
-mode-3 epilogue). With PDL (wait=True) everything up to B is loaded before the shrink has finished.
+mode-3 epilogue).
 """
 
 from __future__ import annotations
@@ -32,22 +32,15 @@ if HAS_TRITON:
     import triton.language as tl
 
     from moelora.kernels.fp8_triton import lora_prefetch_tile, lora_prefetched_expand
-    from moelora.kernels.lora_triton import l2_prefetch_slots
 
     @triton.jit
     def _lora_delta_kernel(h_ptr, b_ptr, d_ptr, off_ptr, ranks_ptr, scale_ptr, slots_ptr, act_ptr, T, O, S, L,
                            sh_s, sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, sdm, sdo,
                            N_SLICES: tl.constexpr, SK: tl.constexpr, BR: tl.constexpr, G: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                           EVEN_R: tl.constexpr, WAIT: tl.constexpr, pfa_ptr=None, pfa_stride=0, pfa_bytes=0,
-                           pfb_ptr=None, pfb_stride=0, pfb_bytes=0, PREFETCH: tl.constexpr = False):
+                           EVEN_R: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        if PREFETCH:  # the next deferred layer's A and B for the batch's slots, into L2 (set_lora_l2_prefetch "next")
-            q = pid_m * tl.num_programs(1) + pid_n
-            nq = tl.num_programs(0) * tl.num_programs(1)
-            l2_prefetch_slots(pfa_ptr, act_ptr, L, pfa_stride, pfa_bytes, q, nq, G, 128)
-            l2_prefetch_slots(pfb_ptr, act_ptr, L, pfb_stride, pfb_bytes, q, nq, G, 128)
         rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask_m = rows < T
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,7 +50,7 @@ if HAS_TRITON:
         acc = lora_prefetched_expand(
             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), rows, offs_n, mask_n, i0, row_slot, rank_rows,
             scale_rows, slot_g, rank_g, h_ptr, b_ptr, sh_s, sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, BLOCK_M, BLOCK_N,
-            SK, BR, G, PRECISION, EVEN_R, WAIT)
+            SK, BR, G, PRECISION, EVEN_R, False)
         tl.store(d_ptr + rows[:, None] * sdm + offs_n[None, :] * sdo, acc.to(d_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])
 
@@ -66,65 +59,6 @@ def delta_ok(slice_bounds: tuple[int, ...], num_groups: int) -> bool:
     """Whether lora_delta serves a layer: every slice boundary on a DELTA_BLOCK_N column tile boundary (a tile in one
     slice) and at most DELTA_MAX_GROUPS slot groups (max_loras)."""
     return 0 < num_groups <= DELTA_MAX_GROUPS and all(o % DELTA_BLOCK_N == 0 for o in slice_bounds[1:-1])
-
-
-def _env_tile() -> list[int]:
-    raw = os.environ.get("MOELORA_LORA_DELTA_TILE", "") or "0x0"
-    raw = "0x0" if raw == "0" else raw
-    try:
-        bm, bn = (int(v) for v in raw.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"MOELORA_LORA_DELTA_TILE must be MxN (e.g. 64x128; 0 for a default), got {raw!r}") from None
-    _check_tile(bm, bn)
-    return [bm, bn]
-
-
-def _check_tile(block_m: int, block_n: int) -> None:
-    if block_m not in (0, 16, 32, 64) or block_n not in (0, 64, 128, 256):
-        raise ValueError(f"lora_delta tile: block_m 0, 16, 32 or 64 and block_n 0, 64, 128 or 256; got "
-                         f"{block_m}x{block_n}")
-
-
-_TILE = _env_tile()
-
-
-def set_lora_delta_tile(block_m: int = 0, block_n: int = 0) -> None:
-    """lora_delta's tile (MOELORA_LORA_DELTA_TILE=MxN; 0: the default of each, rows by the batch (_block_m) and
-    DELTA_BLOCK_N columns). A wider column tile is taken only where every slice boundary is a multiple of it (else
-    DELTA_BLOCK_N): fewer programs beside the base GEMM, which they slow by sharing its SMs (session 25). The same
-    sums; CUDA graphs keep what they captured. Session 26 (fp8 128/128 batch 64, one A/B process): 64x128 and 32x128
-    lost 0.1-0.2% with 4 / 8 adapters (the qkv delta kernel 4.3 -> 4.6-4.9 µs, the GEMMs unchanged): left off."""
-    _check_tile(block_m, block_n)
-    _TILE[0], _TILE[1] = int(block_m), int(block_n)
-
-
-def lora_delta_tile() -> tuple[int, int]:
-    """set_lora_delta_tile's (block_m, block_n); 0 = the default."""
-    return _TILE[0], _TILE[1]
-
-
-def _env_min_o() -> list[int]:
-    raw = os.environ.get("MOELORA_LORA_DELTA_TILE_MIN_O", "") or "0"
-    if not raw.isdigit():
-        raise ValueError(f"MOELORA_LORA_DELTA_TILE_MIN_O must be a non-negative integer, got {raw!r}")
-    return [int(raw)]
-
-
-_TILE_MIN_O = _env_min_o()
-
-
-def set_lora_delta_tile_min_o(min_o: int = 0) -> None:
-    """set_lora_delta_tile's tile only for layers of at least min_o output columns (MOELORA_LORA_DELTA_TILE_MIN_O;
-    0: every layer), the default tile below. Why (session 28, scripts/bench_defer_chain.py, 4 adapters): 64 x 128
-    took qkv's chain beside its GEMM 11.2 -> 10.8 µs but o_proj's 11.9 -> 12.7; 4096 keeps it to qkv (5,120
-    columns at Qwen3-30B-A3B). The same sums; CUDA graphs keep what they captured."""
-    if min_o < 0:
-        raise ValueError(f"set_lora_delta_tile_min_o: min_o >= 0, got {min_o}")
-    _TILE_MIN_O[0] = int(min_o)
-
-
-def lora_delta_tile_min_o() -> int:
-    return _TILE_MIN_O[0]
 
 
 def _env_warps() -> list[int]:
@@ -139,7 +73,7 @@ _WARPS = _env_warps()
 
 def set_lora_delta_warps(num_warps: int = 0) -> None:
     """lora_delta's num_warps forced (MOELORA_LORA_DELTA_WARPS; 0: the caller's, DEFER_DELTA_WARPS = 8 for the
-    deferred chain since session 28, else Triton's 4). The same sums; CUDA graphs keep what they captured."""
+    deferred chain, else Triton's 4). The same sums; CUDA graphs keep what they captured."""
     if num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"set_lora_delta_warps: num_warps 0 (the default), 1, 2, 4 or 8, got {num_warps}")
     _WARPS[0] = int(num_warps)
@@ -150,21 +84,13 @@ def lora_delta_warps() -> int:
     return _WARPS[0]
 
 
-def _block_m(T: int, forced: bool = True) -> int:
-    if _TILE[0] and forced:
-        return _TILE[0]
+def _block_m(T: int) -> int:
     return 16 if T <= 16 else (32 if T <= 128 else 64)
-
-
-def _block_n(slice_bounds: tuple[int, ...], forced: bool = True) -> int:
-    wide = _TILE[1] if forced else 0
-    return wide if wide and all(o % wide == 0 for o in slice_bounds[1:-1]) else DELTA_BLOCK_N
 
 
 def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, slice_bounds: tuple[int, ...],
                ranks: torch.Tensor, scaling: torch.Tensor, token_slots: torch.Tensor, active_slots: torch.Tensor,
-               delta: torch.Tensor, wait: bool = False, num_warps: int = 0,
-               prefetch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               delta: torch.Tensor, num_warps: int = 0) -> None:
     """Semantics (lora_delta_ref; slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1]):
         delta[t, o_i] = scaling[i, s] * (round_B(sum_k h[k, i, t, :r]) @ b_cat[s, o_i, :r].T)   s = token_slots[t] >= 0,
                                                                                            r = ranks[i, s] > 0
@@ -172,11 +98,7 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
     h: [split_k, n, T, R] fp32 (the shrink's partials) · b_cat: [S, O, R] · slice_offsets: [n+1] int32 (slice_bounds:
     the same on the host) · ranks, scaling: [n, S] · token_slots: [T] int32 · active_slots: [L] int32 (the slot of
     each slot group, -1 unused; every slot of token_slots among them) · delta: [T, O] (x's dtype), any contents
-    wait: launched with PDL right after the shrink (which let it start): B is loaded, then it waits for h.
     num_warps: per program (0: Triton's 4); set_lora_delta_warps's, when set, wins. The same sums either way.
-    prefetch: (a [1, S, R, H], b_cat [S, O', R]) of the layer whose chain runs next, on a GPU: the programs prefetch
-    the active slots' a[0, slot] and b_cat[slot] into L2 between them (set_lora_l2_prefetch "next"); no value
-    changes. Ignored without CUDA (the interpreter runs no PTX).
     """
     require_triton()
     sk, n, T, R = h.shape
@@ -190,29 +112,15 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
         raise ValueError(f"lora_delta: needs slice bounds on multiples of {DELTA_BLOCK_N} and 1..{DELTA_MAX_GROUPS} slot "
                          f"groups, found bounds {list(slice_bounds)} and {L} groups (use lora_expand)")
     br = max(16, triton.next_power_of_2(R))
-    forced = O >= _TILE_MIN_O[0]  # set_lora_delta_tile_min_o: the forced tile only from that width
-    bm, bn = _block_m(T, forced), _block_n(slice_bounds, forced)
+    bm, bn = _block_m(T), DELTA_BLOCK_N
     if T:
         _lora_delta_kernel[(triton.cdiv(T, bm), triton.cdiv(O, bn))](
             h, b_cat, delta, slice_offsets, ranks, scaling, token_slots, active_slots, T, O, S, L,
             h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
             delta.stride(0), delta.stride(1),
             N_SLICES=n, SK=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_N=bn,
-            PRECISION=dot_precision(b_cat.dtype), EVEN_R=lora_even_r() and R == br, WAIT=wait,
-            **(_prefetch_args(prefetch) if prefetch is not None and h.is_cuda else {}),
-            **({"launch_pdl": True} if wait else {}), **({"num_warps": _WARPS[0] or num_warps} if _WARPS[0] or num_warps else {}))
-
-
-def _prefetch_args(prefetch: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    from moelora.kernels.lora_triton import l2_prefetch_args
-
-    a, b = prefetch
-    if a.dim() != 4 or a.shape[0] != 1 or b.dim() != 3 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"lora_delta: prefetch takes (a [1, S, R, H], b_cat [S, O, R]) of one layer, found a "
-                         f"{tuple(a.shape)} and b_cat {tuple(b.shape)}")
-    args = l2_prefetch_args(a[0], "pfa")
-    args.update(l2_prefetch_args(b, "pfb"))
-    return args
+            PRECISION=dot_precision(b_cat.dtype), EVEN_R=lora_even_r() and R == br,
+            **({"num_warps": _WARPS[0] or num_warps} if _WARPS[0] or num_warps else {}))
 
 
 def lora_delta_ref(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, ranks: torch.Tensor,

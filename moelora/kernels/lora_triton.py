@@ -34,105 +34,13 @@ if HAS_TRITON:
         return bt
 
     @triton.jit
-    def l2_prefetch_slots(ptr, act_ptr, L, slot_stride, nbytes, q, Q, G: tl.constexpr, LINES: tl.constexpr):
-        """Prefetch into L2 (PTX prefetch.global.L2, one 128-byte line a lane) program q's share (of Q programs) of the
-        nbytes-long range at ptr + slot * slot_stride bytes, for each active slot among act_ptr[:L] (G >= L, -1:
-        unused). No value is read or written: what the kernel computes does not change. GPU only (inline PTX)."""
-        base = ptr.to(tl.pointer_type(tl.int8))
-        chunk = tl.cdiv(tl.cdiv(nbytes, Q), 128) * 128
-        lo = q * chunk
-        hi = tl.minimum(lo + chunk, nbytes)
-        lines = tl.arange(0, LINES) * 128
-        for g in tl.static_range(G):
-            slot = tl.load(act_ptr + g, mask=g < L, other=-1)
-            if slot >= 0:
-                for o0 in range(lo, hi, LINES * 128):
-                    o = o0 + lines
-                    p = base + slot.to(tl.int64) * slot_stride + tl.where(o < hi, o, lo)
-                    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p],
-                                              dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def store_row_shrink(v, a_ptr, sa_r, offs, mask, rank, h_ptr, LORA_R: tl.constexpr, LORA_CHUNK: tl.constexpr):
-        """For a kernel that produces a dense LoRA layer's input row (norm, decode attention): its part of the
-        layer's shrink, h_ptr[r] = sum_d v[d] * a_ptr[r * sa_r + offs[d]] for r < LORA_R, 0 for r >= rank.
-        v: [BLOCK] fp32, 0 outside mask; a_ptr: the slot's A rows at this row's columns; LORA_CHUNK ranks a step."""
-        for r0 in tl.static_range(0, LORA_R, LORA_CHUNK):
-            offs_r = r0 + tl.arange(0, LORA_CHUNK)
-            at = tl.load(a_ptr + offs_r[:, None] * sa_r + offs[None, :], mask=(offs_r < rank)[:, None] & mask[None, :],
-                         other=0.0)
-            tl.store(h_ptr + offs_r, tl.sum(at.to(tl.float32) * v[None, :], axis=1))  # [LORA_CHUNK]
-
-    @triton.jit
-    def _shrink_after_producer(
-        x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr, H, R, S,
-        sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, GDC: tl.constexpr,
-    ):
-        """_shrink_kernel's program launched with PDL right after the kernel writing x (which may let it start
-        early: gdc_launch_dependents): its first A tile (weights, and the slot metadata, written before that
-        kernel began) is loaded, then every program waits for x's producer (gdc_wait) — dead ones too, so that a
-        dependent of this kernel never starts before x is complete — and only then lets its own dependent start.
-        GDC False (tests under the interpreter, which has no griddepcontrol): the same arithmetic without them."""
-        pid_mr = tl.program_id(0)
-        pid_isk = tl.program_id(1)
-        group = tl.program_id(2)
-        slot = tl.load(active_ptr + group)
-        slot_c = tl.maximum(slot, 0)
-        count = tl.where(slot >= 0, tl.load(count_ptr + group), 0)
-        n_rb = tl.cdiv(R, BLOCK_R)
-        pid_m = pid_mr // n_rb
-        pid_r = pid_mr % n_rb
-        i = pid_isk // SPLIT_K
-        sk = pid_isk % SPLIT_K
-        rank = tl.where(slot >= 0, tl.load(ranks_ptr + i * S + slot_c), 0)
-        live = (pid_m * BLOCK_M < count) & (pid_r * BLOCK_R < rank)
-        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < tl.where(live, rank, 0)  # all false for a dead program: it loads nothing
-        offs_k = tl.arange(0, BLOCK_K)
-        a_base = a_ptr + i * sa_i + slot_c.to(tl.int64) * sa_s
-        kk = sk * BLOCK_K + offs_k
-        mask_k = kk < H
-        at = tl.load(a_base + offs_r[None, :] * sa_r + kk[:, None] * sa_k, mask=mask_r[None, :] & mask_k[:, None],
-                     other=0.0)
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-            if LAUNCH_DEPENDENTS:
-                tl.extra.cuda.gdc_launch_dependents()
-        if live:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < count
-            rows = tl.load(sorted_ptr + tl.load(start_ptr + group) + offs_m, mask=mask_m, other=0).to(tl.int64)
-            xt = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk, mask=mask_m[:, None] & mask_k[None, :],
-                         other=0.0)
-            acc = tl.dot(xt, at, input_precision=PRECISION)
-            for k0 in range((sk + SPLIT_K) * BLOCK_K, H, BLOCK_K * SPLIT_K):
-                kk = k0 + offs_k
-                mask_k = kk < H
-                xt = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :] * sxk,
-                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                at = tl.load(a_base + offs_r[None, :] * sa_r + kk[:, None] * sa_k,
-                             mask=mask_r[None, :] & mask_k[:, None], other=0.0)
-                acc += tl.dot(xt, at, input_precision=PRECISION)
-            ptrs = out_ptr + sk * so_s + i * so_i + rows[:, None] * so_m + offs_r[None, :] * so_r
-            tl.store(ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
-
-    @triton.jit
     def _shrink_kernel(
         x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
         H, R, S,
         sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False, WAIT_PRIMARY: tl.constexpr = False,
-        GDC: tl.constexpr = True, pf_ptr=None, pf_stride=0, pf_bytes=0, PREFETCH: tl.constexpr = False,
+        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
     ):
-        if WAIT_PRIMARY:  # launched with PDL after x's producer: A's first tile read before x is complete
-            _shrink_after_producer(
-                x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr, H, R, S,
-                sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
-                BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, PRECISION, LAUNCH_DEPENDENTS, GDC)
-            return
         if LAUNCH_DEPENDENTS:  # the next kernel (launched with PDL) may start now; it waits before reading out
             tl.extra.cuda.gdc_launch_dependents()
         pid_mr = tl.program_id(0)
@@ -150,10 +58,6 @@ if HAS_TRITON:
         i = pid_isk // SPLIT_K
         sk = pid_isk % SPLIT_K
         rank = tl.load(ranks_ptr + i * S + slot)
-        if PREFETCH:  # the first row block's programs: share pid_isk of this slot's B for the delta kernel (L2)
-            if pid_mr == 0:
-                l2_prefetch_slots(pf_ptr, active_ptr + group, 1, pf_stride, pf_bytes, pid_isk,
-                                  tl.num_programs(1), 1, 128)
         if pid_r * BLOCK_R >= rank:
             return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -275,7 +179,7 @@ def lora_shrink_warps() -> int:
 # set_lora_expand_prefill_tile / MOELORA_LORA_EXPAND_PREFILL_TILE ("MxNxW", default EXPAND_PREFILL_TILE; 0x0x0:
 # the decode tile, 64 x 64 at 4 warps): lora_expand's tile and warps above SHRINK_SPLIT_MAX_TOKENS tokens. Why: on
 # a bf16 base the dense LoRA at prefill is the shrink, then this expand adding into cuBLAS's output (the FP8 base
-# adds it in its GEMM's epilogue); session 36 profiled it at 73.6 ms of a 16 x 2,048-token prefill with 4 adapters
+# adds it in its GEMM's epilogue); a profile put it at 73.6 ms of a 16 x 2,048-token prefill with 4 adapters
 # (384 calls, ~190 us each for qkv's 8,192 x 5,120 output: ~0.9 TB/s of y read and written, most of its programs
 # exiting at once).
 def _parse_expand_tile(value: str, where: str) -> tuple[int, int, int]:
@@ -289,8 +193,8 @@ def _parse_expand_tile(value: str, where: str) -> tuple[int, int, int]:
     return bm, bn, w
 
 
-# Session 36 call C (bf16, 16 x 2,048 tokens, 4 adapters, one process; kept share of the no-adapter prefill): the
-# decode tile 71.1%, 128x128x8 71.8%, 64x128x4 71.9%, 128x64x4 73.2% (+2.8% tok/s): the default since session 36.
+# Measured on the H200 (bf16, 16 x 2,048 tokens, 4 adapters, one process; kept share of the no-adapter prefill): the
+# decode tile 71.1%, 128x128x8 71.8%, 64x128x4 71.9%, 128x64x4 73.2% (+2.8% tok/s): the default.
 EXPAND_PREFILL_TILE = "128x64x4"
 _EXPAND_PREFILL = [_parse_expand_tile(os.environ.get("MOELORA_LORA_EXPAND_PREFILL_TILE", EXPAND_PREFILL_TILE)
                                       or EXPAND_PREFILL_TILE, "MOELORA_LORA_EXPAND_PREFILL_TILE")]
@@ -353,8 +257,7 @@ def _as_parts(t: torch.Tensor) -> torch.Tensor:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: SlotGroups, out: torch.Tensor,
-                launch_dependents: bool = False, wait_primary: bool = False, block_k: int = 0,
-                prefetch_b: torch.Tensor | None = None) -> None:
+                launch_dependents: bool = False, block_k: int = 0) -> None:
     """Semantics (out [n, T, R] is out[0] of a [1, n, T, R] one):
         for i in range(n): for t in range(T):
             s = token_slots[t]
@@ -364,15 +267,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
     out: [split_k, n, T, R] or [n, T, R] fp32, any contents (lora_shrink_buffer makes one)
     launch_dependents: every program first lets the next kernel start (programmatic dependent launch, sm_90+:
     that kernel is launched with launch_pdl and waits for this grid before it reads out; a no-op otherwise)
-    wait_primary: launched with PDL itself (sm_90+) right after the kernel that writes x, which may let it start
-    early (producer_launch_dependents): A's first tiles are read while that kernel runs, x only after it is complete;
-    with launch_dependents, the next kernel is let start only then (it may read what x's producer wrote)
     block_k: the K tile at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens; 0: 64; set_lora_shrink_config's, when
     set, wins). It sets which K steps each split sums (split sk takes the tiles sk, sk + split_k, ...), so the fp32
     partials, not what they sum to, depend on it.
-    prefetch_b: [S, O, R] (each slot's rows contiguous), on a GPU: the first row block's programs prefetch each
-    active slot's prefetch_b[slot] into L2 (for the delta kernel that reads it next; set_lora_l2_prefetch); no
-    value changes. Ignored without CUDA (the interpreter runs no PTX), and with wait_primary.
     """
     require_triton()
     n, S, R, H = a.shape
@@ -390,20 +287,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
         BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H, T, block_k), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
         **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}),
-        **({"WAIT_PRIMARY": True, "launch_pdl": True} if wait_primary else {}),
         **({"num_warps": _SHRINK_WARPS[0]} if _SHRINK_WARPS[0] and T <= SHRINK_SPLIT_MAX_TOKENS else {}),
-        **(l2_prefetch_args(prefetch_b, "pf") if prefetch_b is not None and x.is_cuda and not wait_primary else {}),
     )
-
-
-def l2_prefetch_args(t: torch.Tensor, prefix: str) -> dict:
-    """A [S, ...] tensor's per-slot ranges as l2_prefetch_slots takes them: {prefix_ptr, prefix_stride (bytes),
-    prefix_bytes, PREFETCH: True} (each slot's part contiguous)."""
-    if not t[0].is_contiguous():
-        raise ValueError(f"L2 prefetch: each slot's part of a {tuple(t.shape)} tensor must be contiguous, found "
-                         f"strides {t.stride()}")
-    return {f"{prefix}_ptr": t, f"{prefix}_stride": t.stride(0) * t.element_size(),
-            f"{prefix}_bytes": t[0].numel() * t.element_size(), "PREFETCH": True}
 
 
 def lora_expand(

@@ -255,17 +255,7 @@ def fused_moe_pairs(
         # pairs on another rank's expert (e = -1), which the LoRA kernels leave untouched; the fast path's
         # activation and combine never read those rows
         delta = (torch.empty if fast is not None else torch.zeros)(P, w.shape[1], dtype=delta_dtype, device=x.device)
-        from moelora.kernels._triton import moe_gemm_first
-
-        y = None
-        if overlap and moe_gemm_first(per_pair):  # set_moe_lora_order: the GEMM issued (and captured) first
-            main = torch.cuda.current_stream(x.device)
-            ready = torch.cuda.Event()
-            ready.record(main)
-            y = gemm(y_in, w)
-            side_stream.wait_event(ready)  # the LoRA kernel waits only for what the GEMM waits for
-        else:
-            main = fork(side_stream) if overlap else None
+        main = fork(side_stream) if overlap else None
         with torch.cuda.stream(side_stream) if overlap else contextlib.nullcontext():
             if fused is not None:  # store mode writes every entry of delta: no zero-fill, no h
                 _launch_fused(fused, inp, parts, per_pair, topk_ids, lora.token_slots, E, delta)
@@ -274,8 +264,7 @@ def fused_moe_pairs(
                 h.zero_()
                 shrink(inp, a, ranks, topk_ids, lora.token_slots, E, h, per_pair, **kw)
                 expand(h, b, offs, ranks, scaling, topk_ids, lora.token_slots, E, delta, **kw)
-        if y is None:
-            y = gemm(y_in, w)
+        y = gemm(y_in, w)
         if overlap:
             join(main, side_stream)
         if fast is None:
@@ -305,11 +294,10 @@ def fused_moe_pairs(
 def _experts_lora_epilogue(x: torch.Tensor, w_gate_up, w_down, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                            lora: ExpertLoRAArgs, E: int, mode: int = 1) -> torch.Tensor:
     """fused_moe_pairs at prefill with set_prefill_lora_epilogue, on the fast path's expert stacks with a LoRA
-    epilogue (FP8; plain bf16 / fp16 weights with set_prefill_lora_epilogue_plain): per projection the grouped
-    shrink writes each pair's h (moe_lora_grouped_shrink, on one prefill_align grouping a layer), and the expert
-    GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=) / expert_gemm(lora=): mode 1 over all slots, 2
-    over lora.active_slots' groups, 3 those with the metadata loaded before the K steps; 2 and 3 without
-    active_slots: 1); no delta buffer, the activation and the combine plain.
+    epilogue (FP8): per projection the grouped shrink writes each pair's h (moe_lora_grouped_shrink, on one
+    prefill_align grouping a layer), and the expert GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=):
+    mode 1 over all slots, 2 over lora.active_slots' groups, 3 those with the metadata loaded before the K steps; 2
+    and 3 without active_slots: 1); no delta buffer, the activation and the combine plain.
     x: [T, H] · returns [T, H]."""
     from moelora.kernels.fp8_triton import Fp8LoRAEpilogue
     from moelora.kernels.fused_moe_triton import TritonExperts
@@ -334,8 +322,8 @@ def _experts_lora_epilogue(x: torch.Tensor, w_gate_up, w_down, topk_weights: tor
 
     gu_lora = epilogue(x, (lora.gate_up_a, lora.gate_up_b, lora.gate_up_offsets, lora.gate_up_ranks,
                            lora.gate_up_scaling, inter, lora.gate_up_a_src), False)
-    act = fast(x, w_gate_up, fuse_act=True, lora=gu_lora)  # [P, I], its LoRA inside gate_up (plain stacks: the
-    # activation in the GEMM too; FP8: silu_and_mul after it, quantizing for the down GEMM)
+    act = fast(x, w_gate_up, fuse_act=True, lora=gu_lora)  # [P, I], its LoRA inside gate_up (silu_and_mul after
+    # it, quantizing for the down GEMM)
     d_lora = epilogue(act, (lora.down_a, lora.down_b, lora.down_offsets, lora.down_ranks, lora.down_scaling, H,
                             None), True)
     return fast.combine(fast(act, w_down, lora=d_lora), topk_weights)
@@ -382,16 +370,6 @@ def _launch_fused(fused, inp: torch.Tensor, parts, per_pair: bool, topk_ids: tor
     parts = (a, b, offsets, ranks, scaling, width, a_src or None), offsets made beforehand (_with_offsets)."""
     a, b, offs, ranks, scaling, width, a_src = parts
     kw = {} if a_src is None else {"a_src": a_src}
-    from moelora.kernels._triton import lora_shared_h, moe_lora_gu_split
-    from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
-
-    n = a.shape[0]
-    if (not per_pair and n > 1 and moe_lora_gu_split() and fused in (moe_lora_fused, moe_lora_fused_ref)
-            and not (a_src is not None and lora_shared_h())):
-        for i in range(n):  # set_moe_lora_gu_split: one launch a slice, in stream order
-            fused(inp, a, b, offs, ranks, scaling, topk_ids, token_slots, E, delta, per_pair, store=True,
-                  slices=(i, i + 1), **kw)
-        return
     fused(inp, a, b, offs, ranks, scaling, topk_ids, token_slots, E, delta, per_pair, store=True, **kw)
 
 

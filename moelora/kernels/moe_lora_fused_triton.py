@@ -33,39 +33,33 @@ from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
 from moelora.kernels.moe_lora_triton import _a_strides, _b_strides
 
 FUSED_TARGET_PROGRAMS = 264  # SPLIT_N aims at this many programs: 2 per SM of an H200 (132 SMs)
-# Launch experiments (unset: the defaults): MOELORA_FUSED_LORA_WARPS=n forces the warps per program,
-# MOELORA_FUSED_LORA_MAXNREG=n caps the registers per thread. Why: on the side stream this kernel only runs
-# beside the FP8 expert GEMM if its CTAs fit in the registers the GEMM's leave on an SM (4,096 of 65,536 at
-# batch 64; a 4-warp CTA of this kernel takes 7,168 — session 13, scripts/kernel_resources.py).
-_FORCED_WARPS = int(os.environ.get("MOELORA_FUSED_LORA_WARPS", "0") or 0)
-_MAXNREG = int(os.environ.get("MOELORA_FUSED_LORA_MAXNREG", "0") or 0)
 # MOELORA_FUSED_LORA_STAGES=n (set_fused_lora_stages): the shrink's loop over the input dim pipelined n deep, its A
 # and x tiles copied ahead into shared memory (cp.async, 8 KiB a stage at 4 warps); 1: each tile loaded when used
 _D_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_STAGES", "0") or 0)]
 # MOELORA_FUSED_LORA_EXPAND_STAGES=n: the same for the expand's loop over output tiles (B tiles copied ahead)
 _E_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_EXPAND_STAGES", "0") or 0)]
-# 0 (unset): fused_stages' choice from the launch. Session 17 swept the store-mode kernel at 64 tokens, 4 adapters,
-# rank 16 (scripts/bench_lora_fused.py --sweep-tiles, call 2; µs per call, gate_up / down): both loops 3 deep
+# 0 (unset): fused_stages' choice from the launch. A sweep of the store-mode kernel at 64 tokens, 4 adapters,
+# rank 16 (scripts/bench_lora_fused.py --sweep-tiles; µs per call, gate_up / down): both loops 3 deep
 # 20.1 / 12.7, the shrink's only 20.9 / 16.1, the expand's only 25.3 / 16.6, neither 28.9 / 19.0 (with B read in
-# whole rank rows; under the per-element rank mask, neither: 23.4 / 16.4, call 1). 8 warps, 2 splits and 2x wider
+# whole rank rows; under the per-element rank mask, neither: 23.4 / 16.4). 8 warps, 2 splits and 2x wider
 # tiles all lost.
 PIPELINED_STAGES = 3  # both loops' depth where the launch has 4-warp programs (>= 512 (pair, slice) programs)
 # set_fused_lora_pipeline / MOELORA_FUSED_LORA_PIPELINE (on by default; =0 turns it off): fused_stages' choice
-# pipelines 4-warp launches. Session 18 end to end (batch 64, 128/128, fp8, 0 / 4 / 8 adapters, same call, with
+# pipelines 4-warp launches. End to end (batch 64, 128/128, fp8, 0 / 4 / 8 adapters, same call, with
 # MOELORA_LORA_EVEN_R=0): 6,114 / 5,151 / 4,978 tok/s against 6,116 / 4,940 / - off; with the dense whole-rank-row
 # reads too: 6,120 / 5,180 / 5,029. The GPU tests passed with both on.
 _AUTO_PIPELINE = [os.environ.get("MOELORA_FUSED_LORA_PIPELINE", "1") != "0"]
 # set_fused_lora_slice_first / MOELORA_FUSED_LORA_SLICE_FIRST (on by default; =0 turns it off): the grid's fastest
 # dimension is the slice, so the gate and up programs of one pair are launched side by side (with a shared A, the
 # second reads it from L2 while it is still there) instead of all gate programs, then all up programs. Results do not
-# change. Shared-A adapters, fp8 128/128 batch 64, 4 / 8 adapters, one A/B process each: +0.40% / - (session 26 call
-# 4, one round), +0.43% / +0.60% (session 27 call 3, two rounds).
+# change. Shared-A adapters, fp8 128/128 batch 64, 4 / 8 adapters, one A/B process each: +0.40% / - (one round),
+# +0.43% / +0.60% (two rounds).
 _SLICE_FIRST = [os.environ.get("MOELORA_FUSED_LORA_SLICE_FIRST", "1") != "0"]
 
 
 def set_fused_lora_slice_first(enabled: bool) -> None:
     """moe_lora_fused's programs ordered slice first ((slice, pair, split) grid: the gate and up programs of a pair
-    side by side; the default since session 27, +0.4-0.6%) or pair first (MOELORA_FUSED_LORA_SLICE_FIRST=0)."""
+    side by side; the default, +0.4-0.6%) or pair first (MOELORA_FUSED_LORA_SLICE_FIRST=0)."""
     _SLICE_FIRST[0] = bool(enabled)
 
 
@@ -91,35 +85,16 @@ def set_fused_lora_stages(stages: int, expand_stages: int | None = None) -> None
 
 def fused_stages(num_warps: int) -> tuple[int, int]:
     """(shrink, expand) loop depths: with set_fused_lora_pipeline(True) (the default), PIPELINED_STAGES for 4-warp
-    launches (from 64 tokens at top-8: 14% / 23% less time per call there, session 17) and 1 below (few programs
+    launches (from 64 tokens at top-8: 14% / 23% less time per call there) and 1 below (few programs
     with more warps: not measured pipelined); 1 otherwise; a depth forced by set_fused_lora_stages / the
     environment wins."""
     auto = PIPELINED_STAGES if num_warps == 4 and _AUTO_PIPELINE[0] else 1
     return _D_STAGES[0] or auto, _E_STAGES[0] or auto
 
 
-# (Session 18 let the programs take the pairs expert by expert — the base alignment's sorted order, written by the
-# same launch — so that the pairs of one (slot, expert) read their factors side by side. Per call at 64 tokens, 4 / 8
-# adapters (µs, gate_up / down): 19.8 / 12.3 against 20.0 / 12.6, and 22.5 / 13.8 against 22.9 / 13.8; batch 64 end
-# to end 5,092 / 4,923 tok/s against 5,072 / 4,924 (call 4, commit d4136dd): L2 already serves the repeated reads
-# of token order. Removed.)
-# (Session 14 also tried a persistent form, ~132 or 264 programs each looping over the pairs, so that the kernel
-# keeps one or two CTAs per SM beside the expert GEMM's: it ran beside other kernels for 2,997 / 1,651 of its
-# µs a step instead of 453, but took 7,251 / 4,054 µs instead of 2,006 (fewer loads in flight), and batch 64
-# with 4 adapters fell from 4,722 to 3,782 / 4,339 tok/s, same run (commit 62e298d). Removed. Both co-residency
-# switches above also lost: 4,489 with 2 warps at <= 64 registers, 4,579 with the GEMM at <= 80, against 4,651.)
-# (Session 16 moved the expand into the FP8 expert GEMMs' epilogue instead: this kernel's shrink alone on the main
-# stream, then each GEMM tile adding h @ B of its expert for the slots present, no delta buffers and no side
-# stream. Batch 64, 0 / 4 / 8 adapters: 6,017 / 4,459 / 4,294 tok/s against 6,005 / 4,865 / 4,740 with this kernel
-# (calls 4 and 3, same code otherwise); batch 256: 16,871 / 11,478 / 10,391 against 16,618 / 13,146 / 11,858. The
-# GEMM's per-slot epilogue lengthens every one of its thousands of programs. Removed.)
-# (Session 17 ran this kernel's programs inside the FP8 expert GEMM's own launch instead, interleaved evenly with the
-# GEMM's tiles (one 1-D grid; the LoRA programs in store mode into the delta the SiLU / combine read), so that the
-# two share every SM by construction. µs per MoE layer call at Qwen3-30B-A3B shapes, 64 tokens, 4 / 8 adapters
-# (scripts/bench_fp8_moe_colaunch.py, call 1, commit b6b9e16): base 164.9 / 164.7, this kernel on the side stream
-# 199.7 / 200.6, on the main stream 208.0 / 210.5, inside the GEMM's launch 208.3 / 210.3 — no better than serial:
-# the two are bandwidth-bound together. Batch 64 end to end, 0 / 4 / 8 adapters: 6,025 / 4,796 / 4,674 tok/s
-# against 6,023 / 4,879 / 4,749 (same call). Removed.)
+# (Earlier forms of this kernel that lost and were removed — the pairs taken expert by expert, a persistent grid
+# beside the expert GEMM, the expand in the FP8 expert GEMM's epilogue at decode, its programs inside the GEMM's own
+# launch — are described in docs/performance-history.md.)
 
 if HAS_TRITON:
     import triton
@@ -133,17 +108,15 @@ if HAS_TRITON:
         X_PER_PAIR: tl.constexpr, HAS_W: tl.constexpr, STORE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
         D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
-        asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, SHARED_H: tl.constexpr = False, N_SLICES: tl.constexpr = 1,
-        SLICE_FIRST: tl.constexpr = False, SLICE_BASE: tl.constexpr = 0,
+        asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, SLICE_FIRST: tl.constexpr = False,
         xd_ptr=None, sxdm=0, sxdn=0, ACT_IN: tl.constexpr = False, HAS_XD: tl.constexpr = False,
     ):
-        # SLICE_BASE: the grid's slice dim covers slices SLICE_BASE, SLICE_BASE + 1, ... (moe_lora_fused's slices)
         if SLICE_FIRST:  # grid (n, P, SPLIT_N): the slices of one pair side by side
             p = tl.program_id(1)
-            i = tl.program_id(0) + SLICE_BASE
+            i = tl.program_id(0)
         else:  # grid (P, n, SPLIT_N)
             p = tl.program_id(0)
-            i = tl.program_id(1) + SLICE_BASE
+            i = tl.program_id(1)
         pid_n = tl.program_id(2)
         o0 = tl.load(off_ptr + i)
         width = tl.load(off_ptr + i + 1) - o0
@@ -158,11 +131,7 @@ if HAS_TRITON:
         run = e >= 0
         if not STORE:
             run = run & (rank > 0)
-        if SHARED_H:  # a slice that reads another's A: that slice's program computes h once and expands both (the
-            # width test is left to the tile loops: the other slice may be wider)
-            run = run & (tl.load(asrc_ptr + i * S + slot_c) == i)
-        else:
-            run = run & (pid_n * BLOCK_N < width)
+        run = run & (pid_n * BLOCK_N < width)
         if run:
             row = p if X_PER_PAIR else t
             offs_r = tl.arange(0, BLOCK_R)
@@ -194,15 +163,6 @@ if HAS_TRITON:
             hv = acc_h * (tl.load(scale_ptr + i * S + slot_c) * w_p)  # [BLOCK_R], scaling (and router weight) once
             _fused_expand(hv, b_base, y_row, o0, width, rank, mask_r, offs_r, pid_n, sb_o, sb_r, syo,
                           STORE, BLOCK_N, SPLIT_N, E_STAGES, EVEN_R)
-            if SHARED_H:  # the slices reading this one's A (same rank; h the same, their own scaling and B)
-                for j in tl.static_range(N_SLICES):
-                    if j != i:
-                        if tl.load(asrc_ptr + j * S + slot_c) == i:
-                            o0_j = tl.load(off_ptr + j)
-                            width_j = tl.load(off_ptr + j + 1) - o0_j
-                            hv_j = acc_h * (tl.load(scale_ptr + j * S + slot_c) * w_p)
-                            _fused_expand(hv_j, b_base, y_row, o0_j, width_j, rank, mask_r, offs_r, pid_n, sb_o, sb_r,
-                                          syo, STORE, BLOCK_N, SPLIT_N, E_STAGES, EVEN_R)
 
     @triton.jit
     def _act_tile(gu_row, d_row, dd, mask_d, D, s_gn, s_dn, HAS_XD: tl.constexpr):
@@ -231,10 +191,10 @@ if HAS_TRITON:
             if EVEN_R:  # rows of BLOCK_R values (the buffer's rank R): masked by row only, so the load is
                 # vectorized and can be pipelined (cp.async takes >= 4 bytes), the entries past this slot's
                 # rank zeroed after it. Only with E_STAGES > 1: unpipelined, this form was slower (28.9 / 19.0
-                # against 23.4 / 16.4 µs, gate_up / down at 64 tokens, session 17)
+                # against 23.4 / 16.4 µs, gate_up / down at 64 tokens)
                 # (rank 0 — attention-only adapters, rows without an adapter — loads nothing: store mode writes
                 # the zeros. Before, every pair's B was read and zeroed: batch 64 with 4 / 8 attention-only
-                # adapters 12.10 / 12.30 ms a step, then 11.87 / 12.10, session 18 calls 3-4)
+                # adapters 12.10 / 12.30 ms a step, then 11.87 / 12.10)
                 live_n = offs_n < tl.where(rank > 0, width, 0)
                 bt = tl.where(mask_r[None, :], tl.load(b_ptrs, mask=live_n[:, None], other=0.0), 0.0)
             else:
@@ -256,8 +216,8 @@ def fused_num_warps(programs: int) -> int:
 
 def fused_blocks(R: int, D: int, max_width: int, num_warps: int = 4) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, BLOCK_N): rank tile = the whole padded rank; input / output tiles of 1024 * num_warps
-    elements (32 fp32 values per thread) with rows of >= 64 bytes (session 17: 2x wider tiles lost in every
-    configuration swept)."""
+    elements (32 fp32 values per thread) with rows of >= 64 bytes (2x wider tiles lost in every configuration
+    swept)."""
     block_r = max(16, triton.next_power_of_2(R))
     tile = max(32, min(256 * num_warps, 1024 * num_warps // block_r))
     block_d = min(tile, max(16, triton.next_power_of_2(D)))
@@ -290,7 +250,6 @@ def moe_lora_fused(
     split_n: int | None = None,
     num_warps: int | None = None,
     a_src: torch.Tensor | None = None,
-    slices: tuple[int, int] | None = None,
     act_in: bool = False,
     act_delta: torch.Tensor | None = None,
 ) -> None:
@@ -312,12 +271,7 @@ def moe_lora_fused(
     num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
     (set_fused_lora_slice_first(True): the programs' grid is (n, P, split) instead of (P, n, split), the same work)
     a_src: [n, S] int32 or None: slice i of slot s reads A from slice a_src[i, s] (LoRAWeights.a_src: set only
-    where the two copies are equal, so the results are the same; fewer distinct bytes read); with
-    set_lora_shared_h(True) too, the program of slice a_src[i, s] computes h once and expands slice i as well (slice
-    i's own programs do nothing): the same values, half the shrinks of an adapter whose gate and up share A
-    slices: (lo, hi): only slices lo .. hi - 1 run (their columns of y, the others untouched, also in store mode);
-    None: all. Two launches over (0, 1) and (1, 2) write what one launch over both writes, bit for bit (not with
-    set_lora_shared_h: there one slice's program expands the other's)
+    where the two copies are equal, so the results are the same; fewer distinct bytes read)
     act_in: x is gate_up's output [T*K, 2D] (x_per_pair) and each row read is its activation, silu(x[p, :D]) *
     x[p, D:] in fp32 rounded once to x's dtype, with act_delta [T*K, 2D] (fp32 or x's dtype; None: none) added to x
     and rounded to x's dtype first: the numbers fused_moe_triton.silu_and_mul(x, delta=act_delta) writes, so the
@@ -335,26 +289,15 @@ def moe_lora_fused(
     w = pair_weights if pair_weights is not None else scaling
     n, S, D = a.shape[0], a.shape[1], a.shape[4]
     check_a_src(a_src, n, S, "moe_lora_fused")
-    from moelora.kernels._triton import lora_shared_h
-
-    shared_h = a_src is not None and lora_shared_h()
-    lo, hi = (0, n) if slices is None else slices
-    if not 0 <= lo < hi <= n or (shared_h and (lo, hi) != (0, n)):
-        raise ValueError(f"moe_lora_fused: slices {slices} of {n} (0 <= lo < hi <= n; all of them with "
-                         f"set_lora_shared_h)")
-    n_run = hi - lo
-    slice_first = _SLICE_FIRST[0] and n_run > 1
-    _moe_lora_fused_kernel[(n_run, P, split) if slice_first else (P, n_run, split)](
+    slice_first = _SLICE_FIRST[0] and n > 1
+    _moe_lora_fused_kernel[(n, P, split) if slice_first else (P, n, split)](
         x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
         x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=d_stages, E_STAGES=e_stages,
         EVEN_R=e_stages > 1 and a.shape[3] == block_r, num_warps=warps,
-        **({"maxnreg": _MAXNREG} if _MAXNREG else {}),
         **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
-        **({"SHARED_H": True, "N_SLICES": n} if shared_h else {}),
         **({"SLICE_FIRST": True} if slice_first else {}),
-        **({"SLICE_BASE": lo} if lo else {}),
         **act_kw,
     )
 
@@ -391,7 +334,7 @@ def fused_launch(a: torch.Tensor, b_cat: torch.Tensor, P: int, split_n: int | No
     launch size alone (CUDA-graph safe). a: [n, S, E|1, R, D] · b_cat: [S, E|1, O, R]."""
     n, _, _, R, D = a.shape
     max_width = triton.cdiv(b_cat.shape[2], n)  # a guess (equal slices) for SPLIT_N only: programs loop over tiles
-    warps = num_warps if num_warps is not None else (_FORCED_WARPS or fused_num_warps(P * n))
+    warps = num_warps if num_warps is not None else fused_num_warps(P * n)
     blocks = fused_blocks(R, D, max_width, warps)
     return warps, blocks, fused_split_n(P * n, max_width, blocks[2], split_n)
 
@@ -413,32 +356,18 @@ def moe_lora_fused_ref(
     split_n: int | None = None,
     num_warps: int | None = None,
     a_src: torch.Tensor | None = None,
-    slices: tuple[int, int] | None = None,
     act_in: bool = False,
     act_delta: torch.Tensor | None = None,
 ) -> None:
     """Reference of moe_lora_fused (same semantics and shapes): moe_lora_shrink_ref into a zeroed fp32 h,
     then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored;
-    a_src ignored too (it only names an equal copy of A). slices (lo, hi): the other slices' ranks taken as 0 and,
-    in store mode, only the columns of slices lo .. hi - 1 copied. act_in: x becomes silu_and_mul_ref of x (+
+    a_src ignored too (it only names an equal copy of A). act_in: x becomes silu_and_mul_ref of x (+
     act_delta, rounded once to x's dtype) first."""
     check_act_in(x, act_in, act_delta, x_per_pair, topk_ids.numel(), a.shape[4], "moe_lora_fused_ref")
     if act_in:
         from moelora.kernels.fused_moe_triton import silu_and_mul_ref
 
         x = silu_and_mul_ref(x if act_delta is None else (x.float() + act_delta.float()).to(x.dtype))
-    if slices is not None:
-        lo, hi = slices
-        ranks = ranks.clone()
-        ranks[:lo] = 0
-        ranks[hi:] = 0
-        if store:
-            bounds = slice_offsets.tolist()
-            delta = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-            _fused_ref(x, a, b_cat, slice_offsets, ranks, topk_ids, token_slots, num_experts, delta, x_per_pair,
-                       scaling, pair_weights, True)
-            y[:, bounds[lo]:bounds[hi]] = delta[:, bounds[lo]:bounds[hi]]
-            return
     _fused_ref(x, a, b_cat, slice_offsets, ranks, topk_ids, token_slots, num_experts, y, x_per_pair, scaling,
                pair_weights, store)
 

@@ -15,11 +15,11 @@ so A and B are read once per group. hv is fp32; on 16-bit factors the expand spl
 16-bit part (two tensor-core dots; ~16 significant bits kept, against 8 for a plain cast), fp32 factors use an
 IEEE dot.
 
-Measured on the H200 (session 9; scripts/sweep_moe_lora_grouped.py, store mode, rank 16, 4 adapters): 42.7 against
+Measured on the H200 (scripts/sweep_moe_lora_grouped.py, store mode, rank 16, 4 adapters): 42.7 against
 71.9 µs per call for gate_up and 32.2 against 51.3 for down at 256 tokens (the alignment 23 µs a layer more), but
 32.0 against 23.7 and 26.6 against 16.5 at 64 tokens, where the per-pair kernel's repeated reads mostly hit L2.
-Hence GROUPED_MIN_PAIRS. Session 7's grouped kernel,
-removed, was 3-4x slower: fp32 FMA dots in the expand and a zero-fill for store mode. Session 10 tried two passes
+Hence GROUPED_MIN_PAIRS. An earlier grouped kernel,
+removed, was 3-4x slower: fp32 FMA dots in the expand and a zero-fill for store mode. Two passes were tried too
 (the shrink split over the input dim in chunks of 256/512 with deterministic partial sums, then one output tile per
 program) so that no program streams a whole A. Over 24 configs it was slower than this kernel for gate_up in all 4 cases
 (64/256 tokens x 4/8 adapters), faster only for down at 64 tokens (25.3 against 29.7 µs, 4 adapters; still above
@@ -241,7 +241,7 @@ class GroupedConfig:
     block_d: int = 128
     block_n: int = 256
     num_warps: int = 4
-    num_stages: int = 4  # the least total over 64/256 tokens x 4/8 adapters x gate_up/down (session 9, call 1)
+    num_stages: int = 4  # the least total over 64/256 tokens x 4/8 adapters x gate_up/down (H200 sweep)
 
 
 def parse_grouped_config(raw: str, name: str = "MOELORA_GROUPED_CONFIG") -> GroupedConfig:
@@ -442,7 +442,7 @@ def grouped_for(fused: Callable, topk_ids: torch.Tensor, token_slots: torch.Tens
     GROUPED_MIN_PAIRS <= P with grouped_ok, and max_loras * E <= GROUPED_MAX_GROUPS. Otherwise None (keep the
     per-pair kernel).
     (Grouping by the base expert GEMM's own alignment instead, one program per (expert block, slot in it), saves
-    the alignment launch but was slower than this in all 12 cases swept on the H200: session 9, README.)"""
+    the alignment launch but was slower than this in all 12 cases swept on the H200.)"""
     from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
 
     P = topk_ids.numel()
@@ -469,21 +469,21 @@ def _on_one_alignment(align_fn: Callable, block_m: int, fuse_slices: bool = Fals
     return grouped
 
 
-# set_grouped_prefill / MOELORA_GROUPED_PREFILL (session 34; on by default, 0 turns it off): the grouped kernel at
+# set_grouped_prefill / MOELORA_GROUPED_PREFILL (on by default, 0 turns it off): the grouped kernel at
 # prefill sizes too (more than GEMV_MAX_PAIRS pairs), where fused_moe_pairs otherwise runs moe_lora_shrink /
 # moe_lora_expand (tiled, 32 pairs a block) into a zero-filled delta that the expand reads and writes back: at a
 # prefill chunk of 8,192 tokens ~1.9 GB of delta traffic a layer beside the two kernels. Here one launch a projection
 # writes the delta once (store mode), with A and B read once a block of PREFILL_BLOCK_M pairs of one (slot, expert)
 # group, on prefill_align's grouping (moe_lora_align_fast: a counting pass and a scatter, no sort).
-# Measured (session 34 call 2, H200, fp8, Qwen3-30B-A3B, 16 x 2,048 tokens, 4 adapters, one process:
+# Measured (H200, fp8, Qwen3-30B-A3B, 16 x 2,048 tokens, 4 adapters, one process:
 # scripts/profile_prefill.py): 36,195 -> 38,516 tok/s (+6.4%; 68.4% -> 72.8% of the no-adapter prefill); the
 # routed LoRA's kernels and fills 257 -> 154 ms a prefill (tiled expand 173 + shrink 27 + zero-fills ~57).
 PREFILL_BLOCK_M = 64
 _PREFILL = [os.environ.get("MOELORA_GROUPED_PREFILL", "1") != "0"]
 if os.environ.get("MOELORA_GROUPED_PREFILL", "1") not in ("", "0", "1"):
     raise ValueError(f"MOELORA_GROUPED_PREFILL must be 0 or 1, got {os.environ['MOELORA_GROUPED_PREFILL']!r}")
-# 128-deep input steps, 128-wide output tiles, 4 warps, 3 stages (MOELORA_GROUPED_PREFILL_CONFIG overrides). Session 34
-# took 8 warps (the sm_90 compile: 208-210 registers, no spills; 4 warps spill ~40-250 bytes); session 35's sweep at
+# 128-deep input steps, 128-wide output tiles, 4 warps, 3 stages (MOELORA_GROUPED_PREFILL_CONFIG overrides). It first
+# took 8 warps (the sm_90 compile: 208-210 registers, no spills; 4 warps spill ~40-250 bytes); a sweep at
 # a chunk of 8,192 tokens (scripts/sweep_grouped_prefill.py, H200, 4 adapters, rank 16) measured 4 warps faster
 # anyway: gate_up 491 -> 306 us, down 365 -> 235 (64-wide tiles: 301 / 241).
 PREFILL_CONFIG = GroupedConfig(block_d=128, block_n=128, num_warps=4, num_stages=3)
@@ -492,8 +492,8 @@ _PREFILL_CONFIG = [parse_grouped_config(_env_pc, "MOELORA_GROUPED_PREFILL_CONFIG
 
 
 def set_grouped_prefill(enabled: bool) -> None:
-    """The grouped routed-expert LoRA kernel at prefill sizes (MOELORA_GROUPED_PREFILL; above): on by default since
-    session 34 (+6.4% prefill tokens/s with 4 adapters on the H200). The same sums up to fp32 order (h in fp32, the
+    """The grouped routed-expert LoRA kernel at prefill sizes (MOELORA_GROUPED_PREFILL; above): on by default
+    (+6.4% prefill tokens/s with 4 adapters on the H200). The same sums up to fp32 order (h in fp32, the
     delta rounded once)."""
     _PREFILL[0] = bool(enabled)
 
@@ -502,7 +502,7 @@ def grouped_prefill() -> bool:
     return _PREFILL[0]
 
 
-# set_grouped_prefill_fuse_slices / MOELORA_GROUPED_PREFILL_FUSE_SLICES (session 35; off until measured): at prefill,
+# set_grouped_prefill_fuse_slices / MOELORA_GROUPED_PREFILL_FUSE_SLICES (off until measured end to end): at prefill,
 # gate_up's two slices in one program a block (their A's stacked into one 32-wide shrink), so the gathered x rows
 # are read once, not twice (at a chunk of 8,192 tokens: 65,536 pairs x 4 KiB = 268 MB a slice)
 # its launch: 64-wide output tiles, 4 warps (the sweep: 296 us for gate_up at 8,192 tokens, 481 at 8 warps; at 128-wide
@@ -524,43 +524,33 @@ def grouped_prefill_fuse_slices() -> bool:
     return _PREFILL_FUSE[0]
 
 
-# set_prefill_lora_epilogue / MOELORA_PREFILL_LORA_EPILOGUE (session 35; on by default, mode 3 since session 36): at
-# prefill on FP8 expert stacks (plain bf16 / fp16 ones with set_prefill_lora_epilogue_plain), no delta buffers:
-# moe_lora_grouped_shrink writes each pair's h [n, P, R] (x read once for both gate_up slices), and the expert GEMM
-# adds the expand in its epilogue (fp8_expert_gemm(lora=), fused_moe_triton.expert_gemm(lora=)), rounded once with
-# the base output; the activation and the combine read no delta. At a chunk of 8,192 tokens this drops the delta's
+# set_prefill_lora_epilogue / MOELORA_PREFILL_LORA_EPILOGUE (on by default, mode 3): at prefill on FP8 expert
+# stacks, no delta buffers: moe_lora_grouped_shrink writes each pair's h [n, P, R] (x read once for both gate_up
+# slices), and the expert GEMM adds the expand in its epilogue (fp8_expert_gemm(lora=)), rounded once with the base
+# output; the activation and the combine read no delta. At a chunk of 8,192 tokens this drops the delta's
 # writes and reads (gate_up [P, 1536] + down [P, 2048] bf16: ~0.9 GB a layer). Values: 0 off; 1 the expand
 # after the K steps, a loop over all max_loras slots (each skipped unless a row of the tile has it); 2 the same over
 # the batch's slot groups, unrolled (their B loads in flight together; the sm_90 compile spills 144-208 bytes at
 # 128 x 128 tiles, 8 warps); 3 the per-row slot, rank and scaling loaded before the K steps and the groups' B
 # stacked into one dot (fp8 mode 3's form; 242-246 registers, no spills).
-# Measured (session 35 call A, H200, fp8, 16 x 2,048 tokens, 4 adapters, one process, the form with all slots in a
-# loop): 35,204 -> 43,965 tok/s (+24.9%; 68.2% -> 83.2% of the no-adapter prefill). Session 36 (FP8, the grouped
-# kernel's delta path at its 4-warp launch beside): off 78.4%, mode 1 82.5%, 2 78.9%, 3 83.9% kept (call A); 1 84.6%,
-# 3 85.9% (call B): mode 3 is the default since session 36.
-# Plain bf16 / fp16 stacks (fused_moe_triton.expert_gemm(lora=), gate_up's activation in the same GEMM) only with
-# set_prefill_lora_epilogue_plain / MOELORA_PREFILL_LORA_EPILOGUE_PLAIN=1: there it lost (session 36 call C, bf16,
-# one process, 4 adapters: 70.8% / 71.0% kept in modes 1 / 3 against 72.0% by the delta path); its expert GEMMs
-# took +138 ms a prefill with the epilogue (242 -> 380 ms: 242 registers a thread instead of 116, one CTA an SM
-# instead of two), more than the grouped kernel's expand, the activation and the delta's reads it saves (~126 ms).
+# Measured (H200, fp8, 16 x 2,048 tokens, 4 adapters, one process, the form with all slots in a loop): 35,204 ->
+# 43,965 tok/s (+24.9%; 68.2% -> 83.2% of the no-adapter prefill). Then against the grouped kernel's delta path at its
+# 4-warp launch: off 78.4%, mode 1 82.5%, 2 78.9%, 3 83.9% kept (one process); 1 84.6%, 3 85.9% (the next): mode 3
+# is the default. (On plain bf16 stacks the same epilogue in the bf16 expert GEMM lost and was removed:
+# docs/experiments.md.)
 PREFILL_EPILOGUE_MODES = ("0", "1", "2", "3")
 _env_epi = os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE", "3") or "3"
 if _env_epi not in PREFILL_EPILOGUE_MODES:
     raise ValueError(f"MOELORA_PREFILL_LORA_EPILOGUE must be one of {', '.join(PREFILL_EPILOGUE_MODES)}, got "
                      f"{_env_epi!r}")
 _PREFILL_EPILOGUE = [int(_env_epi)]
-_env_plain = os.environ.get("MOELORA_PREFILL_LORA_EPILOGUE_PLAIN", "0") or "0"
-if _env_plain not in ("0", "1"):
-    raise ValueError(f"MOELORA_PREFILL_LORA_EPILOGUE_PLAIN must be 0 or 1, got {_env_plain!r}")
-_PREFILL_EPILOGUE_PLAIN = [_env_plain == "1"]
 
 
 def set_prefill_lora_epilogue(mode: int | bool) -> None:
-    """The routed-expert LoRA at prefill on FP8 experts (plain bf16 / fp16 ones too with
-    set_prefill_lora_epilogue_plain) as a shrink plus the expert GEMM's epilogue (MOELORA_PREFILL_LORA_EPILOGUE;
-    above): 0 / False off, 1 / True the expand after the K steps over all slots (+24.9% FP8 prefill with 4 adapters
-    on the H200, session 35), 2 over the batch's slot groups, 3 (the default since session 36, ~1% above 1) its
-    metadata prefetched. Needs set_grouped_prefill on. The delta is added in fp32 before the GEMM output's one
+    """The routed-expert LoRA at prefill on FP8 experts as a shrink plus the expert GEMM's epilogue
+    (MOELORA_PREFILL_LORA_EPILOGUE; above): 0 / False off, 1 / True the expand after the K steps over all slots
+    (+24.9% FP8 prefill with 4 adapters on the H200), 2 over the batch's slot groups, 3 (the default, ~1% above 1)
+    its metadata prefetched. Needs set_grouped_prefill on. The delta is added in fp32 before the GEMM output's one
     rounding (not rounded on its own first)."""
     mode = int(mode)
     if str(mode) not in PREFILL_EPILOGUE_MODES:
@@ -572,22 +562,12 @@ def prefill_lora_epilogue() -> int:
     return _PREFILL_EPILOGUE[0]
 
 
-def set_prefill_lora_epilogue_plain(enabled: bool) -> None:
-    """set_prefill_lora_epilogue's path on plain bf16 / fp16 expert stacks too (MOELORA_PREFILL_LORA_EPILOGUE_PLAIN;
-    off by default: it lost 1.7% in session 36, above)."""
-    _PREFILL_EPILOGUE_PLAIN[0] = bool(enabled)
-
-
-def prefill_lora_epilogue_plain() -> bool:
-    return _PREFILL_EPILOGUE_PLAIN[0]
-
-
 def prefill_lora_epilogue_for(w) -> bool:
     """Whether set_prefill_lora_epilogue's path serves expert stack w: its GEMM adds a LoRA expand in its epilogue
-    (fused_moe_triton.lora_epilogue_ok) and, for a plain weight tensor, set_prefill_lora_epilogue_plain is on."""
+    (fused_moe_triton.lora_epilogue_ok: FP8 stacks)."""
     from moelora.kernels.fused_moe_triton import lora_epilogue_ok
 
-    return lora_epilogue_ok(w) and (not isinstance(w, torch.Tensor) or _PREFILL_EPILOGUE_PLAIN[0])
+    return lora_epilogue_ok(w)
 
 
 def set_grouped_prefill_config(cfg: GroupedConfig | None) -> None:

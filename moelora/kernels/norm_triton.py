@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, producer_launch_dependents, require_triton
+from moelora.kernels._triton import HAS_TRITON, require_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from moelora.kernels.fp8_triton import store_group_quant
-    from moelora.kernels.lora_triton import store_row_shrink
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, q_ptr, qs_ptr, D, sx, sr, sy, sro, sq, sqs, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0,
-                         LAUNCH_DEPENDENTS: tl.constexpr = False,
-                         la_ptr=None, lrank_ptr=None, lslot_ptr=None, lh_ptr=None, S=0, sla_i=0, sla_s=0, sla_r=0,
-                         slh_i=0, slh_m=0, LORA_R: tl.constexpr = 0, LORA_CHUNK: tl.constexpr = 4,
                          d_ptr=None, sd=0, HAS_DELTA: tl.constexpr = False,
                          co_ptr=None, cw_ptr=None, cd_ptr=None, s_co=0, s_cwt=0, s_cd=0,
                          COMBINE_K: tl.constexpr = 0, COMBINE_DELTA: tl.constexpr = False):
@@ -32,16 +28,7 @@ if HAS_TRITON:
         # the k of weight != 0, rounded once to o's dtype: the numbers moe_combine would have stored in x
         # HAS_DELTA (set_dense_lora_defer): the LoRA delta d [rows, D] of the layer that produced x (o_proj) added to
         # x first, rounded once: x = x + d, then the residual add
-        # LORA_R > 0 (set_lora_norm_shrink): program (row, i) also writes the next LoRA layer's shrink of slice i,
-        # h[i, row, :LORA_R] = y_row @ A[i, slot, :, :].T (0 past the slot's rank, and for rows of slot -1), from
-        # the rounded y the layer reads; only the programs of slice 0 store y, the residual and the quantization
-        if LAUNCH_DEPENDENTS:  # a LoRA shrink launched with PDL after this may start now (it waits for y)
-            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
-        if LORA_R > 0:
-            stores = tl.program_id(1) == 0
-        else:
-            stores = True
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         if COMBINE_K > 0:
@@ -60,26 +47,16 @@ if HAS_TRITON:
             x = (x.to(tl.float32) + tl.load(d_ptr + row * sd + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(r_ptr + row * sr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-            if stores:
-                tl.store(ro_ptr + row * sro + offs, x, mask=mask)
+            tl.store(ro_ptr + row * sro + offs, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
         n = (xf * rstd).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = (n * w).to(x.dtype)
-        if stores:
-            tl.store(y_ptr + row * sy + offs, y, mask=mask)
-            if QUANT_GROUP > 0:  # the next FP8 GEMM's input, from the rounded output (no quantization launch)
-                store_group_quant(tl.where(mask, y.to(tl.float32), 0.0), q_ptr + row * sq, qs_ptr + row * sqs, 0, D,
-                                  448.0, QUANT_GROUP, BLOCK)
-        if LORA_R > 0:
-            i = tl.program_id(1)
-            slot = tl.load(lslot_ptr + row)
-            slot_c = tl.maximum(slot, 0)
-            rank = tl.where(slot >= 0, tl.load(lrank_ptr + i * S + slot_c), 0)
-            store_row_shrink(tl.where(mask, y.to(tl.float32), 0.0),
-                             la_ptr + i.to(tl.int64) * sla_i + slot_c.to(tl.int64) * sla_s, sla_r, offs, mask, rank,
-                             lh_ptr + i * slh_i + row * slh_m, LORA_R, LORA_CHUNK)
+        tl.store(y_ptr + row * sy + offs, y, mask=mask)
+        if QUANT_GROUP > 0:  # the next FP8 GEMM's input, from the rounded output (no quantization launch)
+            store_group_quant(tl.where(mask, y.to(tl.float32), 0.0), q_ptr + row * sq, qs_ptr + row * sqs, 0, D,
+                              448.0, QUANT_GROUP, BLOCK)
 
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
@@ -148,7 +125,6 @@ if HAS_TRITON:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quant_group: int | None = None,
-             lora_shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              delta: torch.Tensor | None = None,
              combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -160,10 +136,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     quant_group: also quantize y [rows, D] per row and group as quantize_act_group(y, quant_group) would, in the
     same launch, attached to y (fp8_triton.attach_act_quant: the next FP8 GEMM reads it); skipped when D is not
     a multiple of the group.
-    lora_shrink = (a [n, S, R, D], ranks [n, S] int32, token_slots [rows] int32): also the next dense LoRA layer's
-    shrink of y, as lora_shrink computes it (h[0, i, t, :ranks[i, s]] = y[t] @ a[i, s, :ranks[i, s]].T for s =
-    token_slots[t] >= 0; every other entry of h 0), in the same launch (one program per row and slice), attached
-    to y (attach_lora_h: that layer reads it instead of launching its shrink). h: [1, n, rows, R] fp32.
     delta: [..., D] like x (last dim contiguous), the deferred LoRA delta of the layer that produced x
     (set_dense_lora_defer).
     combine = (o [rows * K, D], topk_weights [rows, K], o_delta [rows * K, D] or None): x is the placeholder of a
@@ -187,25 +159,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     block = triton.next_power_of_2(D)
     quant = act_quant_ok(D, quant_group, block) and rows > 0
     q, qs = act_quant_buffers(y, quant_group) if quant else (y, y)
-    lora, h, n = {}, None, 1
-    if lora_shrink is not None:
-        a, ranks, slots = lora_shrink
-        n, S, R, _ = a.shape
-        if a.shape[3] != D or a.stride(3) != 1 or slots.shape != (rows,):
-            raise ValueError(f"rms_norm: lora_shrink expects a [n, S, R, {D}] (last dim contiguous) and token_slots "
-                             f"[{rows}], found a {tuple(a.shape)} and token_slots {tuple(slots.shape)}")
-        h = torch.empty(1, n, rows, R, dtype=torch.float32, device=x.device)
-        chunk = min(4, triton.next_power_of_2(R))
-        lora = dict(la_ptr=a, lrank_ptr=ranks, lslot_ptr=slots, lh_ptr=h, S=S, sla_i=a.stride(0), sla_s=a.stride(1),
-                    sla_r=a.stride(2), slh_i=h.stride(1), slh_m=h.stride(2), LORA_R=R, LORA_CHUNK=chunk)
-        if R % chunk:
-            raise ValueError(f"rms_norm: lora_shrink rank {R} is not a multiple of {chunk}")
+    extra = {}
     if delta is not None:
         d2 = delta.reshape(-1, delta.shape[-1])
         if tuple(d2.shape) != (rows, D) or d2.stride(-1) != 1:
             raise ValueError(f"rms_norm: delta must be [{rows}, {D}] like x with a contiguous last dim, found "
                              f"{tuple(delta.shape)} strides {delta.stride()}")
-        lora.update(d_ptr=d2, sd=d2.stride(0), HAS_DELTA=True)
+        extra.update(d_ptr=d2, sd=d2.stride(0), HAS_DELTA=True)
     if combine is not None:
         o, cw, cd = combine
         K = cw.shape[1] if cw.dim() == 2 else 0
@@ -214,30 +174,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             raise ValueError(f"rms_norm: combine expects o [{rows} * K, {D}] of {x.dtype}, topk_weights [{rows}, K] "
                              f"and delta like o (last dims contiguous); found o {tuple(o.shape)} {o.dtype}, "
                              f"topk_weights {tuple(cw.shape)}, delta {None if cd is None else tuple(cd.shape)}")
-        lora.update(co_ptr=o, cw_ptr=cw, cd_ptr=o if cd is None else cd, s_co=o.stride(0), s_cwt=cw.stride(0),
-                    s_cd=0 if cd is None else cd.stride(0), COMBINE_K=K, COMBINE_DELTA=cd is not None)
+        extra.update(co_ptr=o, cw_ptr=cw, cd_ptr=o if cd is None else cd, s_co=o.stride(0), s_cwt=cw.stride(0),
+                     s_cd=0 if cd is None else cd.stride(0), COMBINE_K=K, COMBINE_DELTA=cd is not None)
     if rows:
-        _rms_norm_kernel[(rows, n)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
-                                    ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
-                                    BLOCK=block, QUANT_GROUP=quant_group if quant else 0,
-                                    **producer_launch_dependents(x.device), **lora)
+        _rms_norm_kernel[(rows,)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
+                                  ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
+                                  BLOCK=block, QUANT_GROUP=quant_group if quant else 0, **extra)
     out = y.view(x.shape)
     if quant and x.dim() == 2:
         attach_act_quant(out, q, qs, quant_group)
-    if h is not None and x.dim() == 2:
-        attach_lora_h(out, h, lora_shrink[0])
     return out, (ro.view(x.shape) if residual is not None else None)
-
-
-def attach_lora_h(y: torch.Tensor, h: torch.Tensor, a: torch.Tensor) -> None:
-    """Marks y with the shrink of the LoRA A buffer `a` its producer computed (h [1, n, T, R] fp32)."""
-    y.lora_h = (h, a)
-
-
-def attached_lora_h(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
-    """h of attach_lora_h when x carries the shrink of this very A buffer, else None (compute it)."""
-    mark = getattr(x, "lora_h", None)
-    return mark[0] if mark is not None and mark[1] is a else None
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,

@@ -154,8 +154,8 @@ if HAS_TRITON:
 # dense only: block_m rows a program (0: the batch up to 64 rows, each weight tile decoded once), split_k (0: as
 # nvfp4_split_k picks). MOELORA_NVFP4_GEMM_CONFIG (JSON {"grouped": {...}, "dense": {...}}) overrides entries.
 CONFIG = {
-    # the sweep's best on the H200 (session 11 call 5, Qwen3-30B-A3B shapes, CUDA-graph timing): experts 128-wide
-    # with the PTX decode (gate_up / down at 64 tokens 108 / 54 us; the session's first kernel 3,664 / 1,052 us);
+    # the sweep's best on the H200 (Qwen3-30B-A3B shapes, CUDA-graph timing): experts 128-wide
+    # with the PTX decode (gate_up / down at 64 tokens 108 / 54 us; the first kernel 3,664 / 1,052 us);
     # dense 16-row blocks, 64-wide, split-K as nvfp4_split_k picks (qkv / o_proj at 64 tokens 17 / 13 us)
     "grouped": dict(block_n=128, block_k=128, num_warps=4, num_stages=3, decode=2),
     "dense": dict(block_n=64, block_k=128, num_warps=4, num_stages=3, decode=2, block_m=16, split_k=0),

@@ -6,7 +6,7 @@ Here the gate GEMM is split over (token block, K split, expert block) programs, 
 the program arriving last for a token block (an arrival counter per token block, as split_k_reduce) adds the
 partials in split order (deterministic), rounds the logits to x's dtype (as F.linear returns them), and does
 route_topk's softmax and top-k for its rows. On by default on CUDA (set_fused_router / MOELORA_FUSED_ROUTER=0 to
-turn off), up to FUSED_ROUTER_MAX_T tokens (prefill keeps F.linear + route_topk). Session 30 (H200, fp8 128/128
+turn off), up to FUSED_ROUTER_MAX_T tokens (prefill keeps F.linear + route_topk). Measured (H200, fp8 128/128
 batch 64, scripts/bench_router.py and one A/B process): 7.0 µs a layer against 8.2 for the three kernels, +0.5%
 decode tokens/s with 0 / 4 adapters, +0.4% with 8.
 """
@@ -132,7 +132,7 @@ def router_config() -> str:
 def _config(T: int, E: int, H: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_T, KS, BLOCK_E, BLOCK_H, num_warps): 16-token blocks, 8 K splits; up to 128 tokens expert blocks of
     64 and one K tile of 256 a split (64 programs at batch 64, E 128, H 2048), above it expert blocks of 128 and K
-    tiles of 128 (fewer programs to add up). Session 30's sweep (scripts/bench_router.py, H200, E 128, H 2048): at
+    tiles of 128 (fewer programs to add up). A sweep (scripts/bench_router.py, H200, E 128, H 2048): at
     16 / 64 / 128 / 256 tokens 6.9 / 7.0 / 7.2 µs and 7.7 at 256, against 7.9-8.3 for F.linear + route_topk."""
     bt, ks, be, bh, nw = _CONFIG
     bt = bt or 16

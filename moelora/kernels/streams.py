@@ -23,7 +23,7 @@ def side_stream_priority() -> int:
     Why it matters: PyTorch instantiates CUDA graphs with cudaGraphInstantiateFlagUseNodePriority, so a kernel
     captured on a high-priority stream keeps that priority on replay, and the block scheduler hands it SMs ahead of
     the pending blocks of the main stream's kernel (the base expert GEMM, many waves) instead of after them.
-    Measured on the H200 (session 10, Qwen3-30B-A3B fp8, 128/128, same run): high against normal gave 4,336 / 4,162
+    Measured on the H200 (Qwen3-30B-A3B fp8, 128/128, same run): high against normal gave 4,336 / 4,162
     against 4,266 / 4,073 tok/s at batch 64 with 4 / 8 adapters, 11,614 / 10,363 against 11,223 / 10,231 at 256."""
     raw = _PRIORITY[0] or os.environ.get("MOELORA_SIDE_STREAM_PRIORITY", "high").strip().lower()
     if raw not in _PRIORITIES:

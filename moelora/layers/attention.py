@@ -76,9 +76,7 @@ class Attention(nn.Module):
         qkv_delta = None
         if self._fused_rope_kv(x, attn) and self.qk_norm != "full" and self.clip_qkv is None:
             # set_dense_lora_defer: the LoRA delta beside the base GEMM, added by qk_norm_rope below (else None)
-            # o_proj's factors prefetched into L2 by qkv's chain where o_proj defers too (set_lora_l2_prefetch)
-            nxt = self.o_proj.lora if self.o_proj_delta_to_norm and not self.o_proj._forward_hooks else None
-            qkv, qkv_delta = self.qkv_proj.forward_deferred(x, lora, prefetch_next=nxt)
+            qkv, qkv_delta = self.qkv_proj.forward_deferred(x, lora)
         else:
             qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -112,16 +110,10 @@ class Attention(nn.Module):
             decode = decode_kernel_chosen(T, attn.block_tables.shape[0], ATTENTION_KERNEL)
             o = (torch.empty if decode else torch.zeros)(q.shape, dtype=q.dtype, device=q.device)  # contiguous
             o_fp8 = self._o_proj_fp8_buffers(q) if decode else None  # an FP8 o_proj's input, quantized in the kernel
-            o_in = o.view(T, self.q_size)  # o_proj's input: the marks below go on this very object
-            # set_lora_attn_shrink: the decode kernels may write o_proj's LoRA shrink too (h, else None)
-            shrink = self.o_proj.attn_shrink_args(o_in, lora) if decode and lora is not None else None
-            h = paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
-                                attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL,
-                                out_fp8=o_fp8, lora_shrink=shrink)
-            if h is not None:
-                from moelora.kernels.norm_triton import attach_lora_h
-
-                attach_lora_h(o_in, h, shrink[0])
+            o_in = o.view(T, self.q_size)  # o_proj's input: the mark below goes on this very object
+            paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
+                            attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL,
+                            out_fp8=o_fp8)
             if o_fp8 is not None:
                 from moelora.kernels.fp8_triton import attach_act_quant
 

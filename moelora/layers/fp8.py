@@ -33,8 +33,8 @@ class Fp8State:
     act_dtype: torch.dtype = torch.bfloat16  # the activations' (and LoRA factors') dtype
     reference: str | None = None  # None | "w8a8" | "dequant" (see the module doc)
 
-    def linear(self, module: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_linear_forward(module, x, out)
+    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear_forward(module, x)
 
     def experts(self, module: nn.Module, x, topk_weights, topk_ids, args) -> torch.Tensor:
         return fp8_experts_forward(module, x, topk_weights, topk_ids, args)
@@ -101,9 +101,8 @@ def dequantized(module: nn.Module, name: str) -> torch.Tensor:
 # ---- forward paths -----------------------------------------------------------------------------------------
 
 
-def fp8_linear_forward(module: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The base output of an FP8 LoRALinear: x [T, in] -> [T, sum(out)] in x.dtype (bias added); out: written
-    (and returned) instead of a new tensor."""
+def fp8_linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The base output of an FP8 LoRALinear: x [T, in] -> [T, sum(out)] in x.dtype (bias added)."""
     st: Fp8State = module.quant
     if st.reference == "dequant":
         y = F.linear(x, dequantized(module, "weight"), module.bias)
@@ -112,8 +111,8 @@ def fp8_linear_forward(module: nn.Module, x: torch.Tensor, out: torch.Tensor | N
     else:
         from moelora.kernels.fp8_triton import fp8_linear
 
-        return fp8_linear(x, module.weight, module.weight_scale_inv, st.block, module.bias, out=out)
-    return y if out is None else out.copy_(y)
+        return fp8_linear(x, module.weight, module.weight_scale_inv, st.block, module.bias)
+    return y
 
 
 class Fp8ExpertWeight:

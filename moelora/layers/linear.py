@@ -9,15 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
-from moelora.kernels._triton import (HAS_TRITON, dense_defer_fused, dense_defer_one_launch, dense_lora_overlap,
-                                     fused_dense_lora, interpreting, lora_l2_prefetch, lora_shrink_pdl)
+from moelora.kernels._triton import HAS_TRITON, interpreting
 from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
-from moelora.kernels.lora_fused_triton import FUSED_DENSE_MAX_TOKENS, lora_fused_decode
 from moelora.layers.lora import LoRAWeights, lora_active, lora_runs
 
 
 # The single-adapter path (plain matmuls on the slot: ~12 small launches for qkv) on a GPU only from this many
-# tokens. Session 14 (scripts/bench_fp8_lora_epilogue.py, H200, rank 16, µs per call, grouped kernels against
+# tokens. Measured (scripts/bench_fp8_lora_epilogue.py, H200, rank 16, µs per call, grouped kernels against
 # it): bf16 qkv 16.9 / 51.9 at 64 tokens, 87.2 / 98.2 at 1,024, 308.6 / 282.7 at 4,096; o_proj 20.1 / 25.8,
 # 57.8 / 45.8, 159.1 / 134.8. On an FP8 base the GEMM's LoRA epilogue is used at every size (qkv 17.8 / 54.6 at
 # 64 tokens, 224.0 / 341.8 at 4,096; o_proj 227.6 / 234.2 at 4,096). MOELORA_SINGLE_SLOT_MIN_TOKENS overrides it.
@@ -43,21 +41,17 @@ def single_slot_path(lora: LoRABatch, num_tokens: int, on_gpu: bool) -> bool:
     return not on_gpu or num_tokens >= _SINGLE_SLOT["min_tokens"]
 
 
-# The deferred dense LoRA's shrink (LoRALinear.forward_deferred) split K at most 4 ways, not 8, from session 25 to 27:
-# half the programs beside the base GEMM, which they slow down by sharing its SMs. Session 25 (fp8 128/128 batch 64, one A/B
-# process each, MOELORA_LORA_SHRINK_SPLITS=4 against 8): +0.2% / +0.3% (call 2) and +0.4% / +0.4% (call 3, two
-# rounds) with 4 / 8 adapters; the o_proj GEMM 14.1 -> 11.8 µs beside a shrink of 6.0 -> 8.8. 2 splits lost 1.4%.
-# ... and walks K in tiles of 128, not 64: each of the 4 splits half as many serial steps (o_proj's 1,024 inputs a
-# split in 8 steps, qkv's 512 in 4) for the same programs. Session 27 call 3 (one A/B process, two rounds, shared-A
-# adapters, fp8 128/128 batch 64, MOELORA_LORA_SHRINK_BLOCK_K): 128 +1.42% / +1.11% with 4 / 8 adapters, 256 -0.85% /
-# -0.88%. set_lora_shrink_config's K tile, when set, wins.
+# The deferred dense LoRA's shrink (LoRALinear.forward_deferred) walks K in tiles of 128, not 64: half as many
+# serial steps a split for the same programs. Measured (fp8 128/128 batch 64, shared-A adapters, one A/B process,
+# two rounds, MOELORA_LORA_SHRINK_BLOCK_K): 128 +1.42% / +1.11% with 4 / 8 adapters, 256 -0.85% / -0.88%.
+# set_lora_shrink_config's K tile, when set, wins.
 DEFER_SHRINK_BLOCK_K = 128
-# ... and splits H into min(8, H // DEFER_SHRINK_K_PER_SPLIT) parts, not at most 4: qkv's 2,048 inputs still 4 ways,
-# o_proj's 4,096 now 8 (4 K steps each, 32 programs with 4 adapters instead of 16 walking 8 steps); and its delta
-# kernel runs 8 warps a program, not 4 (DEFER_DELTA_WARPS). Session 28 (one A/B process each, two rounds, shared-A
-# adapters, fp8 128/128 batch 64, 4 / 8 adapters): the split by width +0.14% / +0.20%, the 8 warps +0.47% / +0.48%,
-# both +0.69% / +0.73% and, in the next process, +0.75% / +0.74% (89.5% / 88.3% kept). scripts/bench_defer_chain.py
-# (µs per call beside the GEMM, 4 adapters): o_proj 11.9 -> 11.8 with either, qkv 11.2 -> 11.0 with the 8 warps.
+# ... and splits H into min(8, H // DEFER_SHRINK_K_PER_SPLIT) parts: qkv's 2,048 inputs 4 ways, o_proj's 4,096 8 ways
+# (4 K steps each). Before, it split at most 4 ways (half the programs of 8 beside the base GEMM, which they slow by
+# sharing its SMs: +0.2-0.4% against 8 splits; 2 splits lost 1.4%). Its delta kernel runs 8 warps a program, not 4
+# (DEFER_DELTA_WARPS). Measured (one A/B process each, two rounds, shared-A adapters, fp8 128/128 batch 64, 4 / 8
+# adapters): the split by width +0.14% / +0.20% over at most 4, the 8 warps +0.47% / +0.48%, both +0.69% / +0.73%
+# and, in the next process, +0.75% / +0.74% (89.5% / 88.3% kept).
 # set_dense_defer_k_per_split / set_lora_delta_warps, when set, win; MOELORA_LORA_SHRINK_SPLITS=4 is the old split.
 DEFER_SHRINK_K_PER_SPLIT = 512
 DEFER_DELTA_WARPS = 8
@@ -81,28 +75,19 @@ def dense_lora_h(w: LoRAWeights, x: torch.Tensor, max_splits: int = 0) -> torch.
     return lora_shrink_buffer(w.num_slices, x.shape[0], w.max_lora_rank, x.shape[1], x.device, max_splits)
 
 
-def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor,
-                     h: torch.Tensor | None = None) -> None:
+def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.Tensor) -> None:
     """y[t] += per slice i: scaling[i, s] * B_i[s] A_i[s] x[t], s = slot of token t (rows of slot -1 untouched).
 
-    set_fused_dense_lora(True) and T <= FUSED_DENSE_MAX_TOKENS on a GPU (or under TRITON_INTERPRET): one fused launch.
     One adapter in the batch (on a GPU from SINGLE_SLOT_MIN_TOKENS tokens): plain matmuls on that slot (cuBLAS
     on a GPU). Otherwise the grouped shrink/expand kernels (Triton on a GPU, the torch references on the CPU).
-    x: [T, H] · y: [T, sum(out_i)] (x's dtype, or fp32 for a delta buffer) · h: the shrink's fp32 buffer
-    dense_lora_h(w, x) (given by a caller that allocates before a stream fork; else made here; no zero-fill)
+    x: [T, H] · y: [T, sum(out_i)] (x's dtype, or fp32 for a delta buffer)
     """
-    if fused_dense_lora() and HAS_TRITON and x.shape[0] <= FUSED_DENSE_MAX_TOKENS and (x.is_cuda or interpreting()):
-        # set_fused_dense_lora(True): shrink + expand of all slices in one launch (kernels/lora_fused_triton.py)
-        lora_fused_decode(x, w.a, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups, y,
-                          max_width=max(w.out_features))
-        return
     if single_slot_path(lora, x.shape[0], x.is_cuda):
         g = lora.groups
         rows = None if lora.all_lora else g.sorted_token_ids[: g.counts[0]].long()
         lora_single_slot(x, w.a, w.b_cat, w.slice_offsets_host, w.ranks, w.scaling, lora.single_slot, rows, y)
         return
-    if h is None:
-        h = dense_lora_h(w, x)
+    h = dense_lora_h(w, x)
     if x.is_cuda:
         from moelora.kernels.lora_triton import lora_expand, lora_shrink
     else:
@@ -148,42 +133,21 @@ class LoRALinear(nn.Module):
         )
         self.lora: LoRAWeights | None = None
         self.quant = None  # a quantized base weight: layers/fp8.py Fp8State or layers/nvfp4.py Nvfp4State
-        self.overlap = False  # GPU (--lora-overlap, and set_dense_lora_overlap): LoRA on the side stream
-        self.chain_counters: torch.Tensor | None = None  # set_dense_defer_one_launch's int32 [2] (enable_lora)
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAWeights:
         self.lora = LoRAWeights(
             self.in_features, self.out_features, max_loras, max_lora_rank,
             dtype=self.quant.act_dtype if self.quant else self.weight.dtype, device=self.weight.device,
         )
-        self.chain_counters = torch.zeros(2, dtype=torch.int32, device=self.weight.device)
         return self.lora
 
-    def base(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, in] -> x W^T (+ bias) [T, sum(O)], from the bf16 or the quantized weight; out: written (and
-        returned) instead of a new tensor — an FP8 base's GEMM writes it itself, other bases copy into it."""
-        if out is not None and self._fp8_base():
-            return self.quant.linear(self, x, out)
-        y = F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.linear(self, x)
-        return y if out is None else out.copy_(y)
-
-    def deferred_base(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """base(x, out) as forward_deferred runs it beside its LoRA chain: an FP8 base's GEMM at the launch
-        set_dense_defer_gemm gives this layer (default: base's own)."""
-        if not self._fp8_base():
-            return self.base(x, out)
-        from moelora.kernels.fp8_triton import defer_gemm_config, dense_gemm_config
-
-        with dense_gemm_config(defer_gemm_config(len(self.out_features))):
-            return self.base(x, out)
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> x W^T (+ bias) [T, sum(O)], from the bf16 or the quantized weight."""
+        return F.linear(x, self.weight, self.bias) if self.quant is None else self.quant.linear(self, x)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if not lora_active(self.lora, lora):
             return self.base(x)
-        if x.is_cuda and dense_lora_overlap():
-            # the side stream only moves work: a module without it computes the same delta, then adds it (on an
-            # FP8 base that is one rounding more than the GEMM's LoRA epilogue, on either path)
-            return self._forward_overlapped(x, lora) if self.overlap else self.lora_delta_then_add(x, lora)
         if self._fp8_epilogue_ok(x, lora):
             return self._forward_fp8_epilogue(x, lora)
         y = self.base(x)
@@ -208,97 +172,38 @@ class LoRALinear(nn.Module):
             return False
         return delta_ok(tuple(self.lora.slice_offsets_host), lora.groups.active_slots.shape[0])
 
-    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None,
-                         prefetch_next: LoRAWeights | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, delta): where defer_ok, y = base(x) [T, sum(O)] and delta [T, sum(O)] in x's dtype, the LoRA delta
         (lora_delta: every row written, 0 for rows without an adapter) for the caller's next kernel to add, rounded
         once: y + delta is forward(x, lora) up to that one rounding. On a GPU the shrink and the delta kernel run on
         the side stream beside the base GEMM and the main stream waits for them before this returns (later work
-        may read delta). Elsewhere (forward(x, lora), None).
-        prefetch_next: the LoRA weights of the layer whose deferred chain runs next (one slice: o_proj's after
-        qkv_proj's): with set_lora_l2_prefetch "next" / "both" the delta kernel prefetches its A and B into L2;
-        with "own" / "both" the shrink prefetches this layer's B. No value changes."""
+        may read delta). Elsewhere (forward(x, lora), None)."""
         if not self.defer_ok(x, lora):
             return self.forward(x, lora), None
         from moelora.kernels.lora_delta_triton import lora_delta
         from moelora.kernels.lora_triton import lora_shrink
-        from moelora.kernels.norm_triton import attached_lora_h
 
         lora_active(self.lora, lora)  # counted as forward counts it
         w = self.lora
-        # the shrink written by the kernel that produced x (set_lora_attn_shrink / set_lora_norm_shrink: [parts, n,
-        # T, R] partial sums, which lora_delta adds as it adds split-K partials); then the chain is the delta alone
-        h = attached_lora_h(x, w.a)
-        produced = h is not None
-        # set_dense_defer_fused: the chain as one launch, shrink and expand in one program (no h buffer)
-        fused = not produced and dense_defer_fused() and x.shape[0] <= FUSED_DENSE_MAX_TOKENS
-        if not (produced or fused):
-            h = dense_lora_h(w, x, defer_shrink_max_splits(x.shape[1]))
-        delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
         g = lora.groups
+        h = dense_lora_h(w, x, defer_shrink_max_splits(x.shape[1]))
+        delta = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
 
-        one = not (produced or fused) and dense_defer_one_launch()
-        pf = lora_l2_prefetch()  # set_lora_l2_prefetch: factors into L2 before the kernel that reads them
-        pf_own = pf in ("own", "both")
-        nxt = prefetch_next if pf in ("next", "both") else None
-        pf_next = (nxt.a, nxt.b_cat) if nxt is not None and nxt.a.shape[0] == 1 else None
-        if one and (self.chain_counters is None or self.chain_counters.device != x.device):
-            self.chain_counters = torch.zeros(2, dtype=torch.int32, device=x.device)
-
-        def chain(pdl: bool, wait_primary: bool = False) -> None:
-            if one:  # set_dense_defer_one_launch: the shrink and the delta in one launch (lora_chain_triton)
-                from moelora.kernels.lora_chain_triton import lora_chain, lora_chain_shrink
-
-                lora_chain(x, w.a, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
-                           g.token_slots, g.active_slots, h, delta, self.chain_counters,
-                           block_k=DEFER_SHRINK_BLOCK_K, groups=g if lora_chain_shrink() == "grouped" else None)
-                return
-            if fused:
-                lora_fused_decode(x, w.a, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, g, delta, store=True,
-                                  max_width=max(self.out_features))
-                return
-            if not produced:
-                lora_shrink(x, w.a, w.rank_tensor, g, h, launch_dependents=pdl, wait_primary=wait_primary,
-                            block_k=DEFER_SHRINK_BLOCK_K, prefetch_b=w.b_cat if pf_own else None)
+        def chain() -> None:
+            lora_shrink(x, w.a, w.rank_tensor, g, h, block_k=DEFER_SHRINK_BLOCK_K)
             lora_delta(h, w.b_cat, w.slice_offsets, tuple(w.slice_offsets_host), w.rank_tensor, w.scaling,
-                       g.token_slots, g.active_slots, delta, wait=pdl and not produced, num_warps=DEFER_DELTA_WARPS,
-                       prefetch=pf_next)
+                       g.token_slots, g.active_slots, delta, num_warps=DEFER_DELTA_WARPS)
 
         if not x.is_cuda:  # the interpreter (tests): one stream
-            chain(False)
-            return self.deferred_base(x), delta
-        from moelora.kernels._triton import dense_defer_order, dense_defer_pdl, dense_defer_priority
+            chain()
+            return self.base(x), delta
         from moelora.kernels.streams import fork, join, side_stream
 
-        # "normal": a stream of its own at the main stream's priority (0), else the shared high-priority side stream
-        side = side_stream(x.device, 0 if dense_defer_priority() == "normal" else None)
-        pdl = dense_defer_pdl() and torch.cuda.get_device_capability(x.device) >= (9, 0)
-        if dense_defer_order() == "serial":  # a diagnostic: the chain, then the GEMM, on the main stream
-            chain(pdl)
-            return self.deferred_base(x), delta
-        if dense_defer_order() == "main":  # the chain on the main stream right after x's producer, the GEMM beside it
-            # into y made here (nothing the side stream writes is allocated on it); set_lora_shrink_pdl: the shrink
-            # PDL-launched after that producer, its A tiles read while the producer runs
-            y = torch.empty(x.shape[0], sum(self.out_features), dtype=x.dtype, device=x.device)
-            main = fork(side)
-            with torch.cuda.stream(side):
-                self.deferred_base(x, out=y)
-            chain(pdl, wait_primary=lora_shrink_pdl(x.device) and not produced)
-            join(main, side)
-            return y, delta
-        if dense_defer_order() == "gemm":  # the GEMM issued (and captured) first; the chain still waits only for x
-            main = torch.cuda.current_stream(x.device)
-            ready = torch.cuda.Event()
-            ready.record(main)
-            y = self.deferred_base(x)
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                chain(pdl)
-        else:
-            main = fork(side)
-            with torch.cuda.stream(side):
-                chain(pdl)
-            y = self.deferred_base(x)
+        side = side_stream(x.device)
+        main = fork(side)
+        with torch.cuda.stream(side):
+            chain()
+        y = self.base(x)
         join(main, side)
         return y, delta
 
@@ -316,84 +221,21 @@ class LoRALinear(nn.Module):
 
         st = self.quant
         # at every size, one adapter or several (faster than the single-adapter path: SINGLE_SLOT_MIN_TOKENS)
-        return fp8_lora_epilogue() and isinstance(st, Fp8State) and st.reference is None and not fused_dense_lora()
-
-    def norm_shrink_args(self, x: torch.Tensor, lora: LoRABatch):
-        """(a, ranks, token_slots) for the RMSNorm producing x to write this layer's LoRA shrink (set_lora_norm_shrink),
-        else None: producer_shrink_args."""
-        from moelora.kernels._triton import lora_norm_shrink
-
-        return self.producer_shrink_args(x, lora) if lora_norm_shrink() else None
-
-    def attn_shrink_args(self, x: torch.Tensor, lora: LoRABatch):
-        """(a, ranks, token_slots) for the decode attention producing x to write this layer's LoRA shrink
-        (set_lora_attn_shrink), else None: producer_shrink_args."""
-        from moelora.kernels._triton import lora_attn_shrink
-
-        return self.producer_shrink_args(x, lora) if lora_attn_shrink() else None
-
-    def producer_shrink_args(self, x: torch.Tensor, lora: LoRABatch):
-        """(a, ranks, token_slots) for the kernel producing x [T, in] to write this layer's LoRA shrink itself
-        (attach_lora_h), when the layer takes it: decode sizes, its LoRA running for this batch, deferred
-        (forward_deferred: its chain is then the delta kernel alone) or through the FP8 GEMM's epilogue, not on the
-        side stream, a rank the producer's chunks divide; else None."""
-        from moelora.kernels.lora_triton import SHRINK_SPLIT_MAX_TOKENS
-
-        w = self.lora
-        if not (x.dim() == 2 and x.shape[0] <= SHRINK_SPLIT_MAX_TOKENS and lora_runs(w, lora)):
-            return None
-        if not self.defer_ok(x, lora) and ((x.is_cuda and dense_lora_overlap()) or not self._fp8_epilogue_ok(x, lora)):
-            return None
-        R = w.max_lora_rank
-        return (w.a, w.rank_tensor, lora.token_slots) if R % min(4, 1 << (R - 1).bit_length()) == 0 else None
+        return fp8_lora_epilogue() and isinstance(st, Fp8State) and st.reference is None
 
     def _forward_fp8_epilogue(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """y = the FP8 GEMM with the LoRA expand added in its epilogue (one launch instead of two; the sum rounded
         once): the shrink into split-K partials first (it reads the unquantized x), then fp8_linear(lora=...)."""
         from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_linear, fp8_lora_pdl, fp8_prequantize
         from moelora.kernels.lora_triton import lora_shrink
-        from moelora.kernels.norm_triton import attached_lora_h
 
         w = self.lora
         block = self.quant.block
         xq, xs = fp8_prequantize(x, block[1])  # before the shrink: with PDL nothing may run between it and the GEMM
-        h = attached_lora_h(x, w.a)  # written by the kernel that produced x (norm / attention shrink): nothing to wait on
-        pdl = False
-        if h is None:
-            h = dense_lora_h(w, x)
-            pdl = fp8_lora_pdl(x.device)
-            lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl,
-                        wait_primary=lora_shrink_pdl(x.device))
+        h = dense_lora_h(w, x)
+        pdl = fp8_lora_pdl(x.device)
+        lora_shrink(x, w.a, w.rank_tensor, lora.groups, h, launch_dependents=pdl)
         epi = Fp8LoRAEpilogue(h, w.b_cat, w.slice_offsets, w.rank_tensor, w.scaling, lora.groups.token_slots,
                               lora.groups.active_slots, pdl, tuple(w.slice_offsets_host))
         return fp8_linear(xq, self.weight, self.weight_scale_inv, block, self.bias, x_scale=xs, lora=epi,
                           out_dtype=x.dtype)
-
-    def _forward_overlapped(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-        """The LoRA chain on the side stream beside the base GEMM (kernels/streams.py): its buffers are made on
-        the main stream before the fork, the delta [T, sum(O)] fp32 filled on the side stream, then added once
-        after the join — y + delta rounds once, as the in-place expand does (lora_delta_then_add)."""
-        from moelora.kernels.streams import fork, join, side_stream
-
-        side = side_stream(x.device)
-        delta, h = self._delta_buffers(x)
-        main = fork(side)
-        with torch.cuda.stream(side):
-            delta.zero_()
-            apply_dense_lora(x, self.lora, lora, delta, h)
-        y = self.base(x)
-        join(main, side)
-        return y.add_(delta)
-
-    def _delta_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.lora
-        delta = torch.empty(x.shape[0], sum(self.out_features), dtype=torch.float32, device=x.device)
-        return delta, dense_lora_h(w, x)
-
-    def lora_delta_then_add(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-        """The overlapped path's arithmetic on one stream (tests compare it with forward on any device):
-        y = base(x) + delta, delta computed into zeroed fp32 buffers."""
-        delta, h = self._delta_buffers(x)
-        delta.zero_()
-        apply_dense_lora(x, self.lora, lora, delta, h)
-        return self.base(x).add_(delta)

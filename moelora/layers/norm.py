@@ -21,20 +21,16 @@ class RMSNorm(nn.Module):
         # token and group of this size and attaches it (the GEMMs skip their quantization launch)
         self.act_quant_group: int | None = None
 
-    def forward(self, x: torch.Tensor, lora=None, lora_next=None) -> torch.Tensor:
-        """lora, lora_next (a LoRALinear reading this norm's output): with set_lora_norm_shrink, the norm also
-        writes that layer's LoRA shrink when the layer takes it (LoRALinear.norm_shrink_args)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
             from moelora.kernels.norm_triton import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, quant_group=self.act_quant_group,
-                            lora_shrink=_shrink_args(lora_next, x, lora))[0]
+            return rms_norm(x, self.weight, self.eps, quant_group=self.act_quant_group)[0]
         return rms_norm_ref(x, self.weight, self.eps)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, lora=None,
-                 lora_next=None, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual add fused into the norm on a GPU (lora, lora_next: as
-        forward). delta: the deferred LoRA delta of the layer that produced x (set_dense_lora_defer), added to x
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm on a GPU. delta: the deferred LoRA delta of the layer that produced x (set_dense_lora_defer), added to x
         first (x + delta rounded to x's dtype, then the residual). x may be the placeholder of a deferred routed-
         expert combine (set_moe_combine_to_norm): the norm computes x as it loads it."""
         from moelora.kernels.fused_moe_triton import take_moe_combine
@@ -43,8 +39,8 @@ class RMSNorm(nn.Module):
         if use_triton(x):
             from moelora.kernels.norm_triton import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group,
-                            lora_shrink=_shrink_args(lora_next, x, lora), delta=delta, combine=combine)
+            return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group, delta=delta,
+                            combine=combine)
         if combine is not None:  # never deferred off the Triton path; kept correct anyway
             from moelora.kernels.fused_moe_triton import moe_combine_ref
 
@@ -54,7 +50,3 @@ class RMSNorm(nn.Module):
             x = x + delta
         r = x + residual
         return rms_norm_ref(r, self.weight, self.eps), r
-
-
-def _shrink_args(lora_next, x: torch.Tensor, lora):
-    return None if lora_next is None or lora is None else lora_next.norm_shrink_args(x, lora)

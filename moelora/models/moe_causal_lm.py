@@ -14,7 +14,6 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
-from moelora.kernels.l2_prefetch import LayerPrefetch
 from moelora.layers.attention import Attention, AttentionMetadata
 from moelora.layers.linear import LoRALinear, take_lora_delta
 from moelora.layers.lora import LoRATarget
@@ -42,23 +41,14 @@ class DecoderLayer(nn.Module):
         """x: this layer's input delta [T, H] (the embeddings for layer 0, with residual None) · residual: the
         running hidden state before x is added. Returns (mlp output, residual): the hidden state after this
         layer is their sum, added (fused into a norm) by the next layer or the final norm."""
-        qkv = getattr(self.self_attn, "qkv_proj", None)  # its LoRA shrink may come from the norm (norm_shrink_args)
-        pf = LayerPrefetch.start(x)  # set_weight_l2_prefetch: base weights into L2 beside small kernels (None: off)
-        if pf is not None:
-            pf.dense_weights(qkv, getattr(self.self_attn, "o_proj", None))
         if residual is None:
             residual = x
-            h = self.input_layernorm(x, lora, qkv)
+            h = self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.add_norm(x, residual, lora, qkv)
+            h, residual = self.input_layernorm.add_norm(x, residual)
         a = self.self_attn(h, positions, attn, kv_cache, lora)
-        if pf is not None:
-            pf.expert_weights(self.mlp)
         h, residual = self.post_attention_layernorm.add_norm(a, residual, delta=take_lora_delta(a))
-        out = self.mlp(h, lora)
-        if pf is not None:
-            pf.join()
-        return out, residual
+        return self.mlp(h, lora), residual
 
 
 class Backbone(nn.Module):
