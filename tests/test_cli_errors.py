@@ -72,7 +72,8 @@ def test_an_unexpected_error_keeps_its_traceback(monkeypatch):
 
 # ---- every invalid value is one line naming the flag and its accepted range (exit status 2), before any work ------
 
-def _parse_error(capsys, argv: list[str]) -> str:
+def one_error_line(capsys, argv: list[str]) -> str:
+    """The one line `moelora ARGV` prints for a bad command line (exit status 2, no traceback, no usage block)."""
     from moelora.cli import build_parser
 
     with pytest.raises(SystemExit) as exc:
@@ -115,13 +116,13 @@ def _parse_error(capsys, argv: list[str]) -> str:
     (["check-adapter", "--model", "m", "--max-lora-rank", "0", "a=b"], "--max-lora-rank", ">= 1"),
 ])
 def test_an_invalid_value_is_one_line_naming_the_flag_and_range(capsys, argv, flag, accepted):
-    line = _parse_error(capsys, argv)
+    line = one_error_line(capsys, argv)
     assert line.startswith(f"moelora {argv[0]}: error: argument {flag}"), line
     assert accepted in line, line
 
 
 def test_max_cpu_loras_below_max_loras_is_refused_as_vllm_does(capsys):
-    line = _parse_error(capsys, ["serve", "--max-loras", "4", "--max-cpu-loras", "2"])
+    line = one_error_line(capsys, ["serve", "--max-loras", "4", "--max-cpu-loras", "2"])
     assert line.startswith("moelora serve: error: --max-cpu-loras (2) must be >= --max-loras (4)")
 
 
@@ -154,10 +155,10 @@ def test_one_adapter_name_given_two_paths_is_one_line(monkeypatch, capsys, tmp_p
                "--lora", f"a={tmp_path / 'y'}"])
     assert rc == 2
     assert _error_line(capsys).startswith("moelora generate: error: adapter 'a' given twice")
-    line = _parse_error(capsys, ["serve", "--lora", f"a={tmp_path / 'x'}", "--lora-modules", f"a={tmp_path / 'y'}"])
+    line = one_error_line(capsys, ["serve", "--lora", f"a={tmp_path / 'x'}", "--lora-modules", f"a={tmp_path / 'y'}"])
     assert line.startswith("moelora serve: error: adapter 'a' given twice")
 
 
 def test_an_unrecognized_flag_is_one_line(capsys):
-    line = _parse_error(capsys, ["serve", "--no-such-flag"])
+    line = one_error_line(capsys, ["serve", "--no-such-flag"])
     assert line.startswith("moelora: error: unrecognized arguments: --no-such-flag")

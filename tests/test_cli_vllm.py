@@ -18,21 +18,11 @@ import pytest
 from moelora.cli import build_parser, main
 from moelora.demo import adapter_paths, model_path
 from moelora.server import launch
+from test_cli_errors import one_error_line
 
 
 def parse(*argv: str):
     return build_parser().parse_args(["serve", *argv])
-
-
-def one_error_line(capsys, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and "usage:" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.fixture(autouse=True)
