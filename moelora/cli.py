@@ -154,26 +154,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "kernels":
-        from moelora.bench.kernels import run
+        from moelora_bench.kernels import run
 
         print(f"results: {run(quick=args.quick, out_dir=args.out)}")
         return 0
     if args.what == "decode":
-        from moelora.bench.decode import run as run_decode
+        from moelora_bench.decode import run as run_decode
 
         return run_decode(args)
     if args.what == "report":
-        from moelora.bench.report import run_report
+        from moelora_bench.report import run_report
 
         run_report(args)
         return 0
     if args.what == "plot":
-        from moelora.bench.plot import plot_files
+        from moelora_bench.plot import plot_files
 
         for png in plot_files(args.files, args.out):
             print(png)
         return 0
-    from moelora.bench.serve import main as serve_main
+    from moelora_bench.serve import main as serve_main
 
     return serve_main(args)
 
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokens/s and step time at Qwen3-30B-A3B or DeepSeek-V2-Lite (--preset) dimensions (dummy weights) beside the byte floor, "
         "with 0-8 adapters, plus start-up and adapter-load times.",
     )
-    from moelora.bench.decode import add_arguments as _bench_decode_args
+    from moelora_bench.decode import add_arguments as _bench_decode_args
 
     _bench_decode_args(dec)
     rep = bsub.add_parser(
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         "then the PNGs if matplotlib is installed. Split a long run with --models/--dtypes/--ranks/--parts and "
         "plot the files together.",
     )
-    from moelora.bench.report import add_arguments as _bench_report_args
+    from moelora_bench.report import add_arguments as _bench_report_args
 
     _bench_report_args(rep)
     plot = bsub.add_parser(
@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="N concurrent clients against a running `moelora serve` (mixed adapters, streaming, optional "
         "early disconnects): requests/s, tokens/s, TTFT and TPOT p50/p99, errors, and the server's KV/slot gauges.",
     )
-    from moelora.bench.serve import add_arguments as _bench_serve_args
+    from moelora_bench.serve import add_arguments as _bench_serve_args
 
     for sp in (kern, dec):
         sp.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")

@@ -22,7 +22,7 @@ from datetime import date
 
 import torch
 
-from moelora.bench.decode import QWEN3_30B_A3B
+from moelora_bench.decode import QWEN3_30B_A3B
 from moelora.config import ModelConfig
 from moelora.engine.cuda_graphs import decode_host_inputs
 from moelora.engine.graph_inputs import DecodeHostInputs
@@ -30,7 +30,7 @@ from moelora.engine.kv_cache import KVCache
 from moelora.engine.request import Request, Status
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
-from moelora.kernels.groups import SlotGroups
+from moelora.kernels.lora.groups import SlotGroups
 
 BLOCK = 16
 

@@ -20,7 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moelora.kernels import attention_triton as at  # noqa: E402
+from moelora.kernels.attention import paged_triton as at  # noqa: E402
 
 PTRS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "ws_o_ptr": "*fp32",
         "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "bt_ptr": "*i32", "token_seq_ptr": "*i32", "seq_lens_ptr": "*i32",

@@ -23,7 +23,7 @@ python3 - "$WORK" <<'EOF'
 import json, os, shutil, sys
 import torch
 from safetensors.torch import save_file
-from moelora.bench import decode
+from moelora_bench import decode
 from moelora.demo import model_path
 
 QWEN3_30B_A3B = getattr(decode, os.environ.get("PRESET", "QWEN3_30B_A3B"))

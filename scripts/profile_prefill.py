@@ -23,9 +23,9 @@ import json
 
 import torch
 
-from moelora.bench import decode, report, switches
-from moelora.bench.common import git_commit
-from moelora.bench.profile import format_profile, format_profile_tax, profile_steps, profile_tax
+from moelora_bench import decode, report, switches
+from moelora_bench.common import git_commit
+from moelora_bench.profile import format_profile, format_profile_tax, profile_steps, profile_tax
 
 
 def main() -> None:

@@ -25,12 +25,12 @@ import json
 import torch
 import torch.nn.functional as F
 
-from moelora.bench.common import time_ms
-from moelora.kernels.fp8 import quantize_weight_block
-from moelora.kernels.fp8_triton import (
+from moelora_bench.common import time_ms
+from moelora.kernels.quant.fp8 import quantize_weight_block
+from moelora.kernels.quant.fp8_triton import (
     Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group, set_fp8_gemm_config,
 )
-from moelora.kernels.fused_moe_triton import expert_gemm, moe_align, pick_config
+from moelora.kernels.moe.experts_triton import expert_gemm, moe_align, pick_config
 
 H, I, E, K, Q, KV = 2048, 768, 128, 8, 4096, 512
 BLOCK = (128, 128)

@@ -1,6 +1,6 @@
 """The grouped routed-expert LoRA kernel at a prefill chunk (GPU): launch configs, block sizes and gate_up's
 slices in one program (fuse_slices), µs per call from CUDA-graph replay beside the byte floor, at Qwen3-30B-A3B
-shapes (kernels/moe_lora_grouped_triton.py; what set_grouped_prefill runs).
+shapes (kernels/moe_lora/grouped_triton.py; what set_grouped_prefill runs).
 
 Cases: gate_up (x [T, 2048] -> delta [P, 2 x 768], two slices) and down (x [P, 768] -> delta [P, 2048], weighted by
 the router); T tokens (8,192: the engine's prefill chunk), top-8 of 128 experts, adapters round-robin over the
@@ -22,10 +22,10 @@ from types import SimpleNamespace
 
 import torch
 
-from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
-from moelora.kernels import moe_lora_grouped_triton as mg
-from moelora.kernels.moe_lora_grouped_triton import GroupedConfig, moe_lora_grouped
-from moelora.kernels.moe_lora_triton import moe_lora_align_fast
+from moelora_bench.common import graph_time_us, hbm_bandwidth_gbs
+from moelora.kernels.moe_lora import grouped_triton as mg
+from moelora.kernels.moe_lora.grouped_triton import GroupedConfig, moe_lora_grouped
+from moelora.kernels.moe_lora.chain_triton import moe_lora_align_fast
 
 H, I, E, K = 2048, 768, 128, 8
 

@@ -1,5 +1,5 @@
 """Routed-expert LoRA at Qwen3-30B-A3B decode shapes (GPU): the per-pair fused kernel against the grouped kernel
-((slot, expert) groups, kernels/moe_lora_grouped_triton.py) over launch configs, µs per call from CUDA-graph
+((slot, expert) groups, kernels/moe_lora/grouped_triton.py) over launch configs, µs per call from CUDA-graph
 replay beside the byte floor. Both in store mode (the side-stream path the engine runs); the grouped kernel's
 alignment (one a layer, shared by gate_up and down) timed on its own.
 
@@ -20,9 +20,9 @@ import json
 
 import torch
 
-from moelora.bench.common import graph_time_us, hbm_bandwidth_gbs
-from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
-from moelora.kernels.moe_lora_grouped_triton import GroupedConfig, grouped_align, moe_lora_grouped
+from moelora_bench.common import graph_time_us, hbm_bandwidth_gbs
+from moelora.kernels.moe_lora.fused_triton import moe_lora_fused
+from moelora.kernels.moe_lora.grouped_triton import GroupedConfig, grouped_align, moe_lora_grouped
 
 H, I, E, K = 2048, 768, 128, 8
 CONFIGS = [GroupedConfig(bd, bn, w, st) for bd, bn, w, st in itertools.product(

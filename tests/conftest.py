@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def fast_on_cpu():
     """The Triton fused-MoE base path on the CPU too (under the interpreter), for the test only."""
-    from moelora.kernels.fused_moe_triton import set_fast_path
+    from moelora.kernels.moe.experts_triton import set_fast_path
 
     set_fast_path(True, on_cpu=True)
     yield

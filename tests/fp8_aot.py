@@ -9,11 +9,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moelora.kernels.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
-from moelora.kernels.fused_moe_triton import _silu_and_mul_kernel
-from moelora.kernels.lora_triton import _shrink_kernel
-from moelora.kernels.norm_triton import _rms_norm_kernel
-from moelora.kernels.nvfp4_triton import _nvfp4_gemm_kernel
+from moelora.kernels.quant.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
+from moelora.kernels.moe.experts_triton import _silu_and_mul_kernel
+from moelora.kernels.lora.shrink_expand_triton import _shrink_kernel
+from moelora.kernels.norm.rmsnorm_triton import _rms_norm_kernel
+from moelora.kernels.quant.nvfp4_triton import _nvfp4_gemm_kernel
 
 
 def compile_sm90(kernel, ptrs: dict, consts: dict, div16=(), **opts):
@@ -106,8 +106,8 @@ a = compile_sm90(_silu_and_mul_kernel, {"gu_ptr": "*bf16", "d_ptr": "*fp32", "ou
 assert all("cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] for k in (n, a))
 print("ok producers quantize")
 # MOELORA_DENSE_LORA_DEFER: the delta kernel (stacked B), the norm and qk_norm_rope adding it
-from moelora.kernels.lora_delta_triton import _lora_delta_kernel  # noqa: E402
-from moelora.kernels.norm_triton import _qk_norm_rope_kernel  # noqa: E402
+from moelora.kernels.lora.delta_triton import _lora_delta_kernel  # noqa: E402
+from moelora.kernels.norm.rmsnorm_triton import _qk_norm_rope_kernel  # noqa: E402
 
 d = compile_sm90(_lora_delta_kernel, {"h_ptr": "*fp32", "b_ptr": "*bf16", "d_ptr": "*bf16", "off_ptr": "*i32",
                                       "ranks_ptr": "*i32", "scale_ptr": "*fp32", "slots_ptr": "*i32", "act_ptr": "*i32"},
@@ -138,7 +138,7 @@ for grouped, block_m, split_k, decode, row_div in [(True, 16, 1, 0, 1), (False, 
     print("ok nvfp4", grouped, block_m, decode)
 # the grouped routed-expert LoRA kernel (not FP8, compiled here beside them), store and add mode; unit strides as
 # Triton specializes them, so the input loads are pipelined (cp.async)
-from moelora.kernels.moe_lora_grouped_triton import _moe_lora_grouped_kernel  # noqa: E402
+from moelora.kernels.moe_lora.grouped_triton import _moe_lora_grouped_kernel  # noqa: E402
 
 names = _moe_lora_grouped_kernel.arg_names
 ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "ids_ptr", "slots_ptr", "sorted_ptr", "bvex_ptr")}
@@ -168,7 +168,7 @@ for ns, shrink_only in [(2, False), (1, True), (2, True)]:
 print("ok grouped lora")
 # the per-pair fused routed-expert LoRA kernel (the decode default), its shrink loop pipelined (D_STAGES 3: the A and
 # x tiles copied ahead through shared memory)
-from moelora.kernels.moe_lora_fused_triton import _moe_lora_fused_kernel  # noqa: E402
+from moelora.kernels.moe_lora.fused_triton import _moe_lora_fused_kernel  # noqa: E402
 
 names = _moe_lora_fused_kernel.arg_names
 ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "slots_ptr")}

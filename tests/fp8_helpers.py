@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import save_tiny_model, tmp
-from moelora.kernels.fp8 import dequantize_weight_block, quantize_weight_block
+from moelora.kernels.quant.fp8 import dequantize_weight_block, quantize_weight_block
 
 BLOCK = (16, 32)  # block_n != block_k (a transposed scale grid fails); block_n divides every fused slice of TINY;
 # block_k >= 32: the smallest K tile of an fp8 tl.dot on the GPU
@@ -52,7 +52,7 @@ def write_fp8_checkpoint(root, family: str = "qwen3_moe", block=BLOCK, skip: tup
 def write_nvfp4_checkpoint(root, family: str = "qwen3_moe", skip: tuple[str, ...] = (), seed: int = 0):
     """Like write_fp8_checkpoint, in ModelOpt's NVFP4 layout: `X.weight` uint8 [N, K/2], `X.weight_scale` e4m3
     [N, K/16], `X.weight_scale_2` and `X.input_scale` fp32 scalars. Returns (base, nvfp4 folder, dequantized folder)."""
-    from moelora.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+    from moelora.kernels.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
     src = tmp(root, "bf16")
     base = save_tiny_model(family, src, seed=seed, **TINY)

@@ -44,7 +44,7 @@ def expert_lora_args(T: int, E: int, dtype: torch.dtype, gen: torch.Generator, S
     """Routed-expert LoRA of S slots over E experts (moe.ExpertLoRAArgs): gate_up with two slices of ranks
     (8, 4, 0) / (2, 8, 4) per slot, down with ranks (8, 4, 0); factors ~0.2 * N(0, 1), A zero past each rank;
     scalings in [0.5, 1.5); token slots of T tokens with base rows (-1)."""
-    from moelora.kernels.moe import ExpertLoRAArgs
+    from moelora.kernels.moe.experts import ExpertLoRAArgs
 
     def fac(n, D, O):
         ranks = torch.tensor([[8, 4, 0], [2, 8, 4]][:n], dtype=torch.int32)
@@ -65,8 +65,8 @@ def qwen3_fp8_experts_with_lora(T: int, S: int = 4, R: int = 16):
     """GPU tests: one Qwen3-30B-A3B MoE layer on an FP8 base (E 128, top-8, H 2048, I 768, 128x128 blocks) with S
     adapter slots of rank R, drawn from a CUDA generator seeded with T: (w_gate_up, w_down, x [T, H] bf16,
     topk_weights, topk_ids, ExpertLoRAArgs with tokens of slot -1 too)."""
-    from moelora.kernels.fp8 import quantize_weight_block
-    from moelora.kernels.moe import ExpertLoRAArgs, route_topk_ref
+    from moelora.kernels.quant.fp8 import quantize_weight_block
+    from moelora.kernels.moe.experts import ExpertLoRAArgs, route_topk_ref
     from moelora.layers.fp8 import Fp8ExpertWeight, Fp8State
 
     g = torch.Generator(device="cuda").manual_seed(T)

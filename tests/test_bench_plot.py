@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from moelora.bench.plot import NotAReportError, plot_files, read_report
+from moelora_bench.plot import NotAReportError, plot_files, read_report
 from moelora.cli import main
 
 

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from moelora.bench import decode
-from moelora.bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
+from moelora_bench import decode
+from moelora_bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
 from moelora.config import ModelConfig
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
@@ -223,7 +223,7 @@ def test_bench_decode_profile_steps(tmp_path, capsys):
 def test_profile_tax_is_the_per_kernel_difference():
     """profile_tax: with-adapter minus no-adapter time per kernel, largest change first; a kernel only one side
     has counts as 0 on the other; the kept rows plus "other" add up to the difference of the totals."""
-    from moelora.bench.profile import format_profile_tax, profile_tax
+    from moelora_bench.profile import format_profile_tax, profile_tax
 
     base = {"total_us": 100.0, "kernels": [{"name": "gemm", "us": 80.0}, {"name": "align", "us": 15.0},
                                            {"name": "other", "us": 5.0}]}
@@ -271,7 +271,7 @@ def test_bench_decode_async_scheduling(tmp_path):
 def test_kernel_timeline_measures_idle_overlap_and_hidden_lora_time():
     """kernel_timeline on a hand-made trace: a GEMM and an activation on the main stream, two LoRA kernels on a
     side stream (one fully beside the GEMM, one half beside it), a CPU event ignored; two steps' worth."""
-    from moelora.bench.profile import format_timeline, kernel_timeline
+    from moelora_bench.profile import format_timeline, kernel_timeline
 
     def k(name, ts, dur, stream):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
@@ -294,8 +294,8 @@ def test_kernel_trace_layer_table_orders_one_layers_kernels(tmp_path, capsys):
     the marker kernel into layers and gives per position the median duration, gap before (negative: started before
     the previous one ended) and start in the layer, skipping step boundaries and layers of another kernel sequence,
     and the side stream's kernels by their start in the layer."""
-    from moelora.bench.profile import write_kernel_trace
-    from moelora.bench.trace import format_layer_table, layer_table, load_trace, main
+    from moelora_bench.profile import write_kernel_trace
+    from moelora_bench.trace import format_layer_table, layer_table, load_trace, main
 
     def k(name, ts, dur, stream=7):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
@@ -331,8 +331,8 @@ def test_kernel_trace_layer_table_orders_one_layers_kernels(tmp_path, capsys):
 def test_layer_table_follows_the_markers_stream(tmp_path):
     """A graph replay may run the marker (and the layer's main-stream kernels) on another stream from one layer to
     the next, and another stream may be busier: each layer's main stream is the one that ran its marker."""
-    from moelora.bench.profile import write_kernel_trace
-    from moelora.bench.trace import layer_table, load_trace
+    from moelora_bench.profile import write_kernel_trace
+    from moelora_bench.trace import layer_table, load_trace
 
     def k(name, ts, dur, stream):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
@@ -355,7 +355,7 @@ def test_write_result_keeps_one_file_across_midnight(tmp_path, monkeypatch):
     output folder starts its own file."""
     import datetime
 
-    from moelora.bench import common
+    from moelora_bench import common
 
     days = iter([datetime.datetime(2026, 12, 1, 23, 59, 59, tzinfo=datetime.timezone.utc),
                  datetime.datetime(2026, 12, 2, 0, 0, 1, tzinfo=datetime.timezone.utc),
@@ -388,7 +388,7 @@ def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
     run), the graphs recaptured and the adapter cases run again; round 2 repeats the default with its no-adapter
     case; rows carry variant / switches / round, a table of medians ends the run, and every switch is back as it
     was. Bad specs are refused before the model is built."""
-    from moelora.bench import switches
+    from moelora_bench import switches
     from moelora.kernels import _triton
 
     seen = []

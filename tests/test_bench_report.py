@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from moelora.bench import figures
-from moelora.bench.published import KEPT, VLLM_TOKENS_PER_S, kept_value
+from moelora_bench import figures
+from moelora_bench.published import KEPT, VLLM_TOKENS_PER_S, kept_value
 from moelora.cli import build_parser, main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,7 +112,7 @@ def test_prefill_warm_up_runs_the_timed_shapes(monkeypatch):
     """The untimed warm-up of a prefill case runs as many prompts of the same length as the timed run, so the
     chunked steps (and the Triton kernels compiled for them) are the same; a 1-prompt warm-up left Triton
     compilation inside the first timed case on the H200."""
-    from moelora.bench import report
+    from moelora_bench import report
 
     calls = []
 
@@ -132,7 +132,7 @@ def test_prefill_warm_up_runs_the_timed_shapes(monkeypatch):
 def test_peft_baseline_takes_transformers_fastest_experts_implementation(monkeypatch):
     """The transformers side is timed in its fastest experts implementation: each candidate is timed, the
     fastest stays set, one that fails is reported as unavailable (not chosen)."""
-    from moelora.bench import baseline_hf
+    from moelora_bench import baseline_hf
 
     class Model:
         impl = "grouped_mm"
@@ -155,8 +155,8 @@ def test_peft_baseline_takes_transformers_fastest_experts_implementation(monkeyp
 def test_parts_of_a_split_run_merge_in_order(tmp_path):
     """Parts of a split report (any file order) give tables sorted by model, dtype (bf16 before fp8) and rank,
     every part's engines, and the summed run time."""
-    from moelora.bench.plot import load
-    from moelora.bench.summary import markdown
+    from moelora_bench.plot import load
+    from moelora_bench.summary import markdown
 
     def part(name: str, model: str, dtype: str, rank: int, elapsed: float) -> str:
         rows = [{"model": model, "dtype": dtype, "engine_rank": rank, "batch": 1, "adapters": n, "rank": rank * (n > 0),
@@ -185,8 +185,8 @@ def test_write_result_never_overwrites_an_earlier_run(tmp_path, monkeypatch):
     """A run rewriting its report after every case keeps one file; a later run of the same day (a new process:
     another first write) takes <name>-2.json, -3 ..., leaving the earlier ones as they were. The same for every
     kind; `new_file=True` (bench serve) takes a new name at every write."""
-    from moelora.bench import common
-    from moelora.bench.report import Report
+    from moelora_bench import common
+    from moelora_bench.report import Report
 
     out = str(tmp_path)
     monkeypatch.setattr(common, "_FILE_PATHS", {}, raising=False)

@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from moelora.bench import serve
+from moelora_bench import serve
 
 METRICS_TEXT = """\
 # HELP moelora_kv_blocks_used KV-cache blocks in use
@@ -443,7 +443,7 @@ def test_main_writes_json(fake_server, tmp_path, capsys):
 
 def test_module_standalone(fake_server, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "moelora.bench.serve", "--url", fake_server.url,
+    proc = subprocess.run([sys.executable, "-m", "moelora_bench.serve", "--url", fake_server.url,
                            "--num-requests", "4", "--concurrency", "2", "--out", str(tmp_path)],
                           cwd=root, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, expert_lora_args
-from moelora.kernels import fused_moe_triton as fmt
-from moelora.kernels.moe import fused_moe_pairs, route_topk_ref
-from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
-from moelora.kernels.norm_triton import rms_norm
+from moelora.kernels.moe import experts_triton as fmt
+from moelora.kernels.moe.experts import fused_moe_pairs, route_topk_ref
+from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
+from moelora.kernels.norm.rmsnorm_triton import rms_norm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

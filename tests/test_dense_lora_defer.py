@@ -1,4 +1,4 @@
-"""set_dense_lora_defer: the dense LoRA delta as a tensor of its own (kernels/lora_delta_triton.py), added by the
+"""set_dense_lora_defer: the dense LoRA delta as a tensor of its own (kernels/lora/delta_triton.py), added by the
 kernel that reads the base GEMM's output next (qk_norm_rope for qkv_proj, the post-attention RMSNorm for o_proj).
 CPU: the kernels under the interpreter (fp32 / fp16) against their references and against the plain forward; GPU:
 compiled in bf16, and a decode step of an FP8 model at Qwen3-30B-A3B's attention dims with the switch on against
@@ -14,8 +14,8 @@ from kernel_cases import DEVICE, DTYPES, ON_GPU, token_slots, tolerance  # sets 
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.kernels import _triton
-from moelora.kernels.groups import SlotGroups
-from moelora.kernels.lora_delta_triton import DELTA_MAX_GROUPS, delta_ok, lora_delta, lora_delta_ref
+from moelora.kernels.lora.groups import SlotGroups
+from moelora.kernels.lora.delta_triton import DELTA_MAX_GROUPS, delta_ok, lora_delta, lora_delta_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 S, R = 4, 16
@@ -102,7 +102,7 @@ def _qkv_case(device, dtype, seed):
     caches = [torch.randn(NB, BS, Hkv, D, generator=g).to(device, dtype) for _ in range(2)]
 
     def run(t, caches, d=None):
-        from moelora.kernels.norm_triton import qk_norm_rope
+        from moelora.kernels.norm.rmsnorm_triton import qk_norm_rope
 
         q, k, v = t.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
@@ -136,7 +136,7 @@ def test_qk_norm_rope_adds_the_qkv_delta(device, dtype):
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_adds_the_o_proj_delta(device, dtype, residual):
     """delta: bit for bit rms_norm of (x + delta) rounded to the dtype, the new residual that sum plus the old."""
-    from moelora.kernels.norm_triton import rms_norm
+    from moelora.kernels.norm.rmsnorm_triton import rms_norm
 
     g = torch.Generator().manual_seed(5 + residual)
     x, d, r = ((torch.randn(7, 96, generator=g) * s).to(device, dtype) for s in (3, 0.5, 1))
@@ -213,8 +213,8 @@ def test_deferred_chain_launch_experiments_change_no_result():
     shrink's most splits by H (min(8, H // k), k = DEFER_SHRINK_K_PER_SPLIT when 0); bad values raise."""
     from test_fp8_gpu import launch_records
 
-    from moelora.kernels import lora_delta_triton as ldt
-    from moelora.kernels import lora_triton
+    from moelora.kernels.lora import delta_triton as ldt
+    from moelora.kernels.lora import shrink_expand_triton as lora_triton
     from moelora.layers.linear import DEFER_SHRINK_K_PER_SPLIT, defer_shrink_max_splits
 
     dtype = DTYPES[0]
@@ -254,7 +254,8 @@ def test_deferred_chain_launch_experiments_change_no_result():
 def test_forward_deferred_is_one_shrink_and_one_delta(dtype, monkeypatch):
     """forward_deferred's chain: one shrink at the deferred K tile, then one delta kernel writing every entry (the
     buffer starts as NaN), rows without an adapter exactly 0, the delta of the plain forward up to one rounding."""
-    from moelora.kernels import lora_delta_triton, lora_triton
+    from moelora.kernels.lora import delta_triton as lora_delta_triton
+    from moelora.kernels.lora import shrink_expand_triton as lora_triton
     from moelora.layers import linear
 
     slots = [0, -1, 3, 1, 2, 0, -1, 1, 3]
@@ -308,10 +309,10 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
     from helpers import attention_lora_decode_case
     from test_fp8_gpu import launch_records
 
-    from moelora.bench.common import captured_graph
-    from moelora.kernels import fp8_triton
-    from moelora.kernels import lora_delta_triton as ldt
-    from moelora.kernels import lora_triton
+    from moelora_bench.common import captured_graph
+    from moelora.kernels.quant import fp8_triton
+    from moelora.kernels.lora import delta_triton as ldt
+    from moelora.kernels.lora import shrink_expand_triton as lora_triton
     from moelora.layers.linear import DEFER_DELTA_WARPS, DEFER_SHRINK_BLOCK_K, defer_shrink_max_splits
 
     model, step, ad = attention_lora_decode_case(str(tmp_path), quant, batch)
@@ -365,7 +366,7 @@ def test_deferred_dense_lora_matches_peft_on_a_dequantized_fp8_checkpoint(tmp_pa
     from test_fp8_gpu import launch_records
     from transformers import AutoModelForCausalLM
 
-    from moelora.kernels import lora_delta_triton as ldt
+    from moelora.kernels.lora import delta_triton as ldt
 
     _, fp8, deq, _ = write_fp8_checkpoint(tmp_path, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
     base = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()

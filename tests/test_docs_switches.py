@@ -1,5 +1,5 @@
 """docs/switches.md against the code: one row for every MOELORA_* environment variable the package reads, no row for
-one it no longer reads, and the A/B-able switches of moelora/bench/switches.py marked with the values they take."""
+one it no longer reads, and the A/B-able switches of moelora_bench/switches.py marked with the values they take."""
 
 from __future__ import annotations
 
@@ -91,18 +91,18 @@ def _code_spans(cell: str) -> set[str]:
 
 
 def test_every_ab_switch_is_marked_with_its_values():
-    from moelora.bench.switches import SWITCHES
+    from moelora_bench.switches import SWITCHES
 
     documented = rows_by_name()
     problems = []
     for name, (_set, _get, values) in sorted(SWITCHES.items()):
         if name not in documented:
-            problems.append(f"{name} is A/B-able (moelora/bench/switches.py) but has no row: add a row for {name} to "
+            problems.append(f"{name} is A/B-able (moelora_bench/switches.py) but has no row: add a row for {name} to "
                             f"docs/switches.md, marked (A/B) in its status column")
             continue
         n, row = documented[name]
         if "(A/B)" not in row["status"]:
-            problems.append(f"docs/switches.md:{n}: {name} is in moelora/bench/switches.py's SWITCHES: add (A/B) to "
+            problems.append(f"docs/switches.md:{n}: {name} is in moelora_bench/switches.py's SWITCHES: add (A/B) to "
                             f"its status column")
         absent = [v for v in values if v not in _code_spans(row["values"])]
         if absent:
@@ -110,7 +110,7 @@ def test_every_ab_switch_is_marked_with_its_values():
                             f"its values column: add {', '.join(f'`{v}`' for v in absent)} there (as code)")
     for name, (n, row) in sorted(documented.items()):
         if "(A/B)" in row["status"] and name not in SWITCHES:
-            problems.append(f"docs/switches.md:{n}: {name} is marked (A/B) but is not in moelora/bench/switches.py's "
+            problems.append(f"docs/switches.md:{n}: {name} is marked (A/B) but is not in moelora_bench/switches.py's "
                             f"SWITCHES: remove the mark, or add the switch there")
     assert not problems, "\n".join(problems)
 

@@ -16,11 +16,11 @@ import torch
 from kernel_cases import DEVICE, DTYPES, expert_lora_args, token_slots, tolerance
 from moelora.distributed import sharding
 from moelora.kernels import _triton
-from moelora.kernels import fused_moe_triton as fmt
-from moelora.kernels import moe_lora_triton as mlt
-from moelora.kernels.moe import ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
-from moelora.kernels.moe_lora import moe_lora_align, moe_lora_expand_ref, moe_lora_shrink_ref
-from moelora.kernels.moe_lora_fused_triton import moe_lora_fused
+from moelora.kernels.moe import experts_triton as fmt
+from moelora.kernels.moe_lora import chain_triton as mlt
+from moelora.kernels.moe.experts import ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
+from moelora.kernels.moe_lora.chain import moe_lora_align, moe_lora_expand_ref, moe_lora_shrink_ref
+from moelora.kernels.moe_lora.fused_triton import moe_lora_fused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

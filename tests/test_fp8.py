@@ -14,7 +14,7 @@ import kernel_cases  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without
 from fp8_helpers import BLOCK, write_fp8_checkpoint
 from helpers import Runner, rows_of, save_peft_adapter, tmp
 from moelora.config import ModelConfig
-from moelora.kernels.fp8 import (
+from moelora.kernels.quant.fp8 import (
     FP8_DTYPE, FP8_RMS_BOUND, dequantize_act_group, dequantize_weight_block, fp8_block_matmul_ref,
     fp8_error_bound, fp8_grouped_matmul_ref, quantize_act_group_ref, quantize_weight_block,
 )
@@ -82,7 +82,7 @@ def test_grouped_reference_is_the_linear_reference_per_row():
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("T", [1, 3, 17])
 def test_triton_gemms_interpreted_prequantized(T):
-    from moelora.kernels.fp8_triton import fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_linear, fp8_linear_ref
+    from moelora.kernels.quant.fp8_triton import fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_linear, fp8_linear_ref
 
     g = torch.Generator().manual_seed(T)
     blk = (16, 16)
@@ -105,7 +105,7 @@ def test_fp8_linear_writes_the_callers_output():
     """fp8_linear(out=): the GEMM writes the caller's tensor (made on another stream than the GEMM's, as the
     deferred dense LoRA's "main" order does) with the same values as a new one; an output of another shape, dtype or
     layout raises, naming what it expected and found."""
-    from moelora.kernels.fp8_triton import fp8_linear
+    from moelora.kernels.quant.fp8_triton import fp8_linear
 
     g = torch.Generator().manual_seed(5)
     blk = (16, 16)
@@ -126,7 +126,7 @@ def test_fp8_linear_writes_the_callers_output():
 def test_fp8_gemm_launch_configs_do_not_change_results(cfg):
     """set_fp8_gemm_config (the sweep's knob: column tile, warps, stages, dense row block) gives the reference's
     numbers for narrow, wide and partial tiles, and is undone by None."""
-    from moelora.kernels.fp8_triton import (
+    from moelora.kernels.quant.fp8_triton import (
         Fp8GemmConfig, fp8_gemm_config, fp8_linear, fp8_linear_ref, set_fp8_gemm_config,
     )
 
@@ -152,7 +152,7 @@ def test_fp8_decode_launch_defaults():
     """The FP8 GEMMs' launches below prefill sizes: the dense decode GEMM 64-wide tiles at DENSE_DECODE_STAGES (4)
     stages, prefill-sized dense launches their own 3, the grouped expert GEMM EXPERT_DECODE_CONFIG (64 x 4 warps x 4
     stages, N narrowed to the weight's width) and PREFILL_EXPERT_CONFIG from PREFILL_MIN_PAIRS pairs."""
-    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.quant import fp8_triton as ft
 
     assert ft.DENSE_DECODE_STAGES == 4 and ft.EXPERT_DECODE_CONFIG == (64, 4, 4)
     assert ft.fp8_gemm_config(1, 5120, grouped=False) == ft.Fp8GemmConfig(64, 4, ft.DENSE_DECODE_STAGES)
@@ -167,8 +167,8 @@ def test_fp8_decode_launch_defaults():
 @pytest.mark.parametrize("gather_rows", [True, False])
 def test_fp8_expert_gemm_on_the_fast_path_alignment_interpreted(gather_rows):
     """fp8_expert_gemm reads row p // K (gather_rows) or p on moe_align's blocks: equal to the reference."""
-    from moelora.kernels.fp8_triton import fp8_expert_gemm, fp8_expert_gemm_ref
-    from moelora.kernels.fused_moe_triton import moe_align
+    from moelora.kernels.quant.fp8_triton import fp8_expert_gemm, fp8_expert_gemm_ref
+    from moelora.kernels.moe.experts_triton import moe_align
 
     g = torch.Generator().manual_seed(5)
     blk, T, K, E = (16, 16), 7, 3, 5
@@ -191,8 +191,8 @@ def test_fp8_experts_on_the_triton_fast_path_equal_their_grouped_path():
     """set_fast_path(quantized=True): FP8 expert stacks run on fused_moe_triton's alignment, activation and combine
     (their GEMM reads the token rows in place); the same numbers as FP8's own grouped path. Both quantize the
     activations in the kernel the same way, so the interpreter's float8 cast affects both alike."""
-    from moelora.kernels import fused_moe_triton as fmt
-    from moelora.kernels.moe import fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe import experts_triton as fmt
+    from moelora.kernels.moe.experts import fused_moe_pairs, route_topk_ref
     from moelora.layers.fp8 import Fp8ExpertWeight
 
     g = torch.Generator().manual_seed(9)
@@ -297,7 +297,7 @@ def _experts_reference(x, ex, topk_w, topk_ids, slots, lora_on_quantized: bool) 
 
 def test_routed_experts_lora_reads_unquantized_activations():
     from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels.moe import route_topk_ref
+    from moelora.kernels.moe.experts import route_topk_ref
     from moelora.layers.moe import RoutedExperts
 
     g = torch.Generator().manual_seed(4)
@@ -499,8 +499,8 @@ def test_fp8_prequantized_inputs_give_the_in_kernel_numbers(gather_rows, monkeyp
     """set_fp8_prequant_min_rows(n): inputs of >= n rows are quantized once (quantize_act_group) before the dense,
     grouped and expert GEMMs instead of inside them; the same formula, so the same outputs (on the CPU the
     interpreter's float8 cast is used by both ways alike)."""
-    from moelora.kernels import fp8_triton as ft
-    from moelora.kernels.fused_moe_triton import moe_align
+    from moelora.kernels.quant import fp8_triton as ft
+    from moelora.kernels.moe.experts_triton import moe_align
 
     dev = "cuda" if ON_GPU else "cpu"
     g = torch.Generator().manual_seed(8)
@@ -542,7 +542,7 @@ def test_fp8_dense_split_k_sums_every_partial_once(split_k):
     """Dense split-K: each split stores a partial, the last to arrive adds them all and resets its counter. The
     result equals the reference on several launches in a row (counters left at zero), with a bias, a partial
     last row block and a K that leaves one split a step short; split_k 0 = the automatic choice."""
-    from moelora.kernels.fp8_triton import (
+    from moelora.kernels.quant.fp8_triton import (
         _COUNTERS, Fp8GemmConfig, fp8_linear, fp8_linear_ref, fp8_split_k, set_fp8_gemm_config,
     )
 
@@ -570,9 +570,9 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
     """rms_norm and silu_and_mul with quant_group write, in the same launch, exactly what quantize_act_group
     gives for their (rounded) outputs and attach it; an FP8 GEMM then reads it instead of quantizing (same result);
     widths that are not a multiple of the group, or another group, are left to the GEMM."""
-    from moelora.kernels.fp8_triton import _prequantized, fp8_linear, quantize_act_group
-    from moelora.kernels.fused_moe_triton import silu_and_mul
-    from moelora.kernels.norm_triton import rms_norm
+    from moelora.kernels.quant.fp8_triton import _prequantized, fp8_linear, quantize_act_group
+    from moelora.kernels.moe.experts_triton import silu_and_mul
+    from moelora.kernels.norm.rmsnorm_triton import rms_norm
 
     g = torch.Generator().manual_seed(8)
     T, D, grp = 5, 48, 16
@@ -599,7 +599,7 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
 def _record_gemm_launches(monkeypatch) -> list[dict]:
     """Replaces _fp8_gemm_kernel by a recorder: each launch's keyword arguments (and grid) appended to the list
     returned, nothing run (the launch decisions of fp8_linear, host side)."""
-    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.quant import fp8_triton as ft
 
     launches: list[dict] = []
 
@@ -619,8 +619,8 @@ def test_fp8_lora_gemm_takes_pdl_only_when_nothing_runs_between_it_and_the_shrin
     this call (a zero-fill launch); not without lora.pdl; and fp8_lora_pdl says no on the CPU or when switched off."""
     import dataclasses
 
-    from moelora.kernels import fp8_triton as ft
-    from moelora.kernels.groups import SlotGroups
+    from moelora.kernels.quant import fp8_triton as ft
+    from moelora.kernels.lora.groups import SlotGroups
 
     launches = _record_gemm_launches(monkeypatch)
     g = torch.Generator().manual_seed(7)
@@ -671,19 +671,19 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
     the launch checked to take that form). B past each rank
     holds NaN too; R 16 with even_r (MOELORA_LORA_EVEN_R=1): the buffers' rank equals the rank tile, so h and B are
     read in whole rank rows and the entries past the rank zeroed after the load; otherwise masked in the load."""
-    from moelora.kernels.fp8_triton import (
+    from moelora.kernels.quant.fp8_triton import (
         Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref, fp8_linear_ref, set_fp8_gemm_config,
     )
 
-    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.quant import fp8_triton as ft
 
     monkeypatch.setattr(ft, "_LORA_SPLIT", [lora_split, 64])
     monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
     from moelora.kernels import _triton as kt
 
     monkeypatch.setattr(kt, "_LORA_EVEN_R", [even_r])
-    from moelora.kernels.groups import SlotGroups
-    from moelora.kernels.lora_triton import lora_shrink
+    from moelora.kernels.lora.groups import SlotGroups
+    from moelora.kernels.lora.shrink_expand_triton import lora_shrink
 
     g = torch.Generator().manual_seed(60 + split_k)
     blk, T, D, outs, S = (16, 16), 11, 48, ([40, 24, 8] if lora_split != 3 else [32, 64, 32]), 3
@@ -746,8 +746,8 @@ def test_fp8_lora_prefetch_form_only_where_it_applies(monkeypatch):
     1 refused."""
     import dataclasses
 
-    from moelora.kernels import fp8_triton as ft
-    from moelora.kernels.groups import SlotGroups
+    from moelora.kernels.quant import fp8_triton as ft
+    from moelora.kernels.lora.groups import SlotGroups
 
     launches = _record_gemm_launches(monkeypatch)
     monkeypatch.setattr(ft, "_LORA_SPLIT", [3, 64])
@@ -798,8 +798,8 @@ def test_fp8_lora_program_above_max_rows_only_while_the_launch_stays_small(monke
     GEMM's programs plus one LoRA program per output tile are at most LORA_SPLIT_MAX_PROGRAMS (o_proj at 256 rows:
     128 tiles), not beyond (qkv at 256 rows: 320 tiles; a prefill chunk). Host side, the kernel replaced by a
     recorder; Qwen3-30B-A3B's widths with 128 x 128 blocks, 4 adapters."""
-    from moelora.kernels import fp8_triton as ft
-    from moelora.kernels.groups import SlotGroups
+    from moelora.kernels.quant import fp8_triton as ft
+    from moelora.kernels.lora.groups import SlotGroups
 
     launches = _record_gemm_launches(monkeypatch)
     monkeypatch.setattr(ft, "_LORA_SPLIT", [2, 64])
@@ -835,8 +835,8 @@ def test_fp8_prefill_config_wide_gives_the_same_sums(site, monkeypatch):
     GEMMs take 128 x 128 tiles at 8 warps by default ("experts") and with "wide", the decode tiles with "narrow";
     the dense GEMM takes 128 x 128 tiles from 257 rows only with "wide". The output equals the narrow tiles' (the
     same K steps in the same order) and the reference; below those sizes nothing changes."""
-    from moelora.kernels import fp8_triton as ft
-    from moelora.kernels.fused_moe_triton import moe_align, pick_config
+    from moelora.kernels.quant import fp8_triton as ft
+    from moelora.kernels.moe.experts_triton import moe_align, pick_config
 
     dev = "cuda" if ON_GPU else "cpu"
     g = torch.Generator().manual_seed(33)

@@ -2,7 +2,7 @@
 references and against bf16 with the dequantized weights, LoRA on the unquantized activations, an FP8
 checkpoint + adapter against PEFT on the dequantized model, CUDA graphs, and the demo model in FP8.
 
-Bounds (kernels/fp8.py): the kernels vs the reference of the same quantization differ by the bf16 output
+Bounds (kernels/quant/fp8.py): the kernels vs the reference of the same quantization differ by the bf16 output
 rounding and the accumulation order: relative Frobenius error < 2^-7. FP8 vs exact (weights and activations
 rounded): <= sqrt(2) * 2^-4 (FP8_RMS_BOUND) for one GEMM. A MoE layer vs bf16 on the dequantized weights
 (only the two GEMMs' activations rounded, 2^-4 RMS each): < 2^-3.
@@ -16,7 +16,7 @@ import torch
 
 from fp8_helpers import write_fp8_checkpoint
 from helpers import Runner, peft_logprobs, rows_of, save_peft_adapter, tmp
-from moelora.kernels.fp8 import (
+from moelora.kernels.quant.fp8 import (
     FP8_RMS_BOUND, dequantize_act_group, dequantize_weight_block, fp8_error_bound, quantize_act_group_ref,
     quantize_weight_block,
 )
@@ -40,7 +40,7 @@ def _needs_fp8():
 
 @pytest.mark.parametrize("T", TOKENS)
 def test_act_quant_kernel(T):
-    from moelora.kernels.fp8_triton import quantize_act_group
+    from moelora.kernels.quant.fp8_triton import quantize_act_group
 
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16) * torch.logspace(-2, 2, T, device=DEV)[:, None].bfloat16()
     q, s = quantize_act_group(x)
@@ -54,7 +54,7 @@ def test_act_quant_kernel(T):
 @pytest.mark.parametrize("T", TOKENS)
 @pytest.mark.parametrize("shape", [(4096, 2048), (4096, 4096), (512, 2048)])  # q_proj, a 4096-wide layer, k_proj
 def test_fp8_linear(T, shape):
-    from moelora.kernels.fp8_triton import fp8_linear, fp8_linear_ref
+    from moelora.kernels.quant.fp8_triton import fp8_linear, fp8_linear_ref
 
     g = torch.Generator(device=DEV).manual_seed(T)
     N, Kd = shape
@@ -76,7 +76,7 @@ def test_fp8_linear(T, shape):
 @pytest.mark.parametrize("T", TOKENS + [512])  # 512: 4,096 pairs, a prefill chunk (PREFILL_EXPERT_CONFIG's tiles)
 @pytest.mark.parametrize("which", ["gate_up", "down"])
 def test_fp8_grouped_gemm_qwen3_experts(T, which):
-    from moelora.kernels.fp8_triton import fp8_grouped_gemm, fp8_grouped_gemm_ref
+    from moelora.kernels.quant.fp8_triton import fp8_grouped_gemm, fp8_grouped_gemm_ref
 
     g = torch.Generator(device=DEV).manual_seed(T)
     N, D = (2 * I, H) if which == "gate_up" else (H, I)
@@ -116,8 +116,8 @@ def _experts(lora: bool, reference=None, seed: int = 0):
 @pytest.mark.parametrize("lora", [False, True])
 def test_fp8_moe_layer_qwen3_shapes(T, lora):
     from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels.moe import fused_moe_pairs, route_topk_ref
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe.experts import fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
     from moelora.layers.fp8 import Fp8State
 
     ex = _experts(lora)
@@ -144,8 +144,8 @@ def test_fp8_moe_down_lora_from_gate_up_keeps_the_bits_eager_and_replayed(T, mon
     and from a CUDA-graph replay captured with it on after new inputs, routing and slots are written."""
     from moelora.adapters.metadata import LoRABatch
     from moelora.kernels import _triton
-    from moelora.kernels import moe_lora_fused_triton as mlf
-    from moelora.kernels.moe import route_topk_ref
+    from moelora.kernels.moe_lora import fused_triton as mlf
+    from moelora.kernels.moe.experts import route_topk_ref
 
     ex = _experts(True)
     ex.overlap = True
@@ -189,7 +189,7 @@ def dequantized_stack(ex, name):
 
 
 def _lora_args(ex, lora):
-    from moelora.kernels.moe import ExpertLoRAArgs
+    from moelora.kernels.moe.experts import ExpertLoRAArgs
 
     gu, d = ex.gate_up_lora, ex.down_lora
     return ExpertLoRAArgs(token_slots=lora.token_slots, gate_up_a=gu.a, gate_up_b=gu.b_cat, gate_up_scaling=gu.scaling,
@@ -246,7 +246,7 @@ def test_dense_split_k_in_cuda_graphs():
     before the one holding that memset read garbage counters and left output tiles unwritten; seen as an illegal
     memory access in bench decode, session 8). A capture that finds none runs unsplit; once made eagerly, captured
     graphs share them; replays in any order equal the reference on fresh inputs."""
-    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.quant import fp8_triton as ft
 
     g = torch.Generator(device=DEV).manual_seed(4)
     w = torch.randn(2048, 4096, device=DEV, generator=g) * 4096**-0.5  # o_proj: 8 splits at 8 tokens
@@ -293,10 +293,10 @@ def test_fp8_lora_expand_in_the_gemm_epilogue_equals_the_expand_kernel(T, lora_s
     expand kernel (set_fp8_lora_epilogue(False)): the same numbers up to one bf16 rounding of the sum (the kernel
     path rounds the base output first), base rows identical, in eager mode and in a CUDA graph."""
     from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.quant import fp8_triton as ft
     import triton
 
-    from moelora.kernels.fp8_triton import set_fp8_lora_epilogue
+    from moelora.kernels.quant.fp8_triton import set_fp8_lora_epilogue
 
     monkeypatch.setattr(ft, "_LORA_SPLIT", [lora_split, 1 << 30])
 
@@ -340,7 +340,7 @@ def test_fp8_lora_program_first_is_bit_equal_to_the_lora_partial(T, D, monkeypat
     eagerly with PDL after the shrink and over 20 CUDA-graph replays whose input changes (a K program not waiting
     for the flag, or a flag left raised for the next launch, would differ); every counter and flag back at 0."""
     from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.quant import fp8_triton as ft
 
     g = torch.Generator(device=DEV).manual_seed(T * D)
     lin = _fp8_qkv_with_adapters(D, g)
@@ -398,7 +398,7 @@ def test_fp8_lora_gemm_launched_with_pdl_equals_the_plain_launch(T, D, mode, mon
     size, its B loads before the wait): bit-equal to the plain launch, eagerly and over repeated CUDA-graph replays
     (an expand reading h before the shrink wrote it would differ)."""
     from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.quant import fp8_triton as ft
 
     monkeypatch.setattr(ft, "_LORA_SPLIT", [mode, 64])
     assert ft.fp8_lora_pdl(torch.device(DEV)), "PDL expected on this GPU"
@@ -453,8 +453,8 @@ def test_norms_and_activation_quantize_for_the_fp8_gemms_without_changing_result
     """An FP8 model's decoder norms (tag_act_quant_norms) and the experts' SiLU-and-mul quantize their outputs for
     the FP8 GEMMs in their own launch: the log-probs, with and without an adapter, are bit-equal to the model whose
     GEMMs quantize their inputs themselves."""
-    from moelora.kernels.fp8_triton import quantize_act_group
-    from moelora.kernels.fused_moe_triton import silu_and_mul
+    from moelora.kernels.quant.fp8_triton import quantize_act_group
+    from moelora.kernels.moe.experts_triton import silu_and_mul
 
     base, fp8, _, _ = write_fp8_checkpoint(tmp_path)
     run = Runner(fp8, max_loras=2, max_lora_rank=8, dtype="bfloat16", device=DEV)
@@ -468,7 +468,7 @@ def test_norms_and_activation_quantize_for_the_fp8_gemms_without_changing_result
     tagged = run.logprobs(rows)
     for m in norms:
         m.act_quant_group = None
-    import moelora.kernels.fused_moe_triton as fmt
+    import moelora.kernels.moe.experts_triton as fmt
 
     orig = fmt.silu_and_mul
     fmt.silu_and_mul = lambda gu, out=None, delta=None, quant_group=None: orig(gu, out, delta)
@@ -491,7 +491,7 @@ def test_producer_quantization_keeps_greedy_decode_with_graphs(tmp_path):
     every GEMM quantizes its own input (MOELORA_FP8_PRODUCER_QUANT=0's path)."""
     from helpers import save_tiny_model
     from moelora import LLM, SamplingParams
-    from moelora.kernels import fp8_triton as ft
+    from moelora.kernels.quant import fp8_triton as ft
 
     src = tmp(tmp_path, "m")
     save_tiny_model("qwen3_moe", src, seed=2, hidden_size=256, head_dim=128, num_attention_heads=4,
@@ -587,8 +587,8 @@ def test_nvfp4_checkpoint_with_lora_vs_peft_on_dequantized(tmp_path):
 def test_nvfp4_gemms_qwen3_shapes(T):
     """Weight-only NVFP4: the weights decoded in the kernel are exact in bf16, so kernel vs reference differs by the
     bf16 output rounding and the accumulation order only (< 2^-7); vs the unquantized weights: 4-bit rounding."""
-    from moelora.kernels.nvfp4 import quantize_nvfp4
-    from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
+    from moelora.kernels.quant.nvfp4 import quantize_nvfp4
+    from moelora.kernels.quant.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
 
     g = torch.Generator(device=DEV).manual_seed(T)
     w = torch.randn(4096, 2048, device=DEV, generator=g) * 2048**-0.5
@@ -613,8 +613,8 @@ def test_nvfp4_decode_modes_and_split_k_qwen3_shapes(T, decode, monkeypatch):
     kernel with K split 1 / 4 / 8 ways: the reference's numbers within bf16 output rounding and the K sum's order,
     at the Qwen3-30B-A3B projections (o_proj's 4,096-wide input, the experts' gate_up and down); a split launch
     twice gives the same bits (the partials are added in split order)."""
-    from moelora.kernels import nvfp4_triton as nt
-    from moelora.kernels.nvfp4 import quantize_nvfp4
+    from moelora.kernels.quant import nvfp4_triton as nt
+    from moelora.kernels.quant.nvfp4 import quantize_nvfp4
 
     g = torch.Generator(device=DEV).manual_seed(T + decode)
     w = torch.randn(H, 4096, device=DEV, generator=g) * 4096**-0.5
@@ -640,7 +640,7 @@ def test_nvfp4_decode_modes_and_split_k_qwen3_shapes(T, decode, monkeypatch):
 @pytest.mark.parametrize("T", [1, 64])
 def test_nvfp4_moe_layer_with_lora_equals_dequantized_bf16(T):
     from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels.moe import route_topk_ref
+    from moelora.kernels.moe.experts import route_topk_ref
     from moelora.layers.nvfp4 import Nvfp4State, to_nvfp4
 
     ex = _experts(True)  # FP8 weights and 8 LoRA slots; rebuild the stacks in NVFP4 from their dequantized values
@@ -670,10 +670,10 @@ def test_fp8_experts_fast_path_equal_their_grouped_path_qwen3_shapes(T, monkeypa
     down projection's input (1.57% apart at 300 tokens in session 38's call C, where this test passed with the
     epilogue off). test_prefill_lora_epilogue.py bounds the epilogue against the torch W8A8 reference."""
     from kernel_cases import qwen3_fp8_experts_with_lora
-    from moelora.kernels import fused_moe_triton as fmt
-    from moelora.kernels import moe_lora_grouped_triton as mg
-    from moelora.kernels.moe import fused_moe_pairs
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe import experts_triton as fmt
+    from moelora.kernels.moe_lora import grouped_triton as mg
+    from moelora.kernels.moe.experts import fused_moe_pairs
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
     monkeypatch.setattr(mg, "_PREFILL_EPILOGUE", [0])
     w_gu, w_d, x, weights, ids, lora = qwen3_fp8_experts_with_lora(T)

@@ -10,7 +10,7 @@ import torch
 
 from moelora import SamplingParams
 from moelora.adapters.metadata import LoRABatch
-from moelora.bench.decode import TINY, random_adapter
+from moelora_bench.decode import TINY, random_adapter
 from moelora.engine.batch import SeqChunk, build_flat_batch
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.layers.lora import lora_work_count

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, tolerance
-from moelora.kernels.attention import paged_attention_ref
-from moelora.kernels.attention_triton import choose_splits, decode_kernel_chosen, paged_attention, split_workspace_numel
+from moelora.kernels.attention.paged import paged_attention_ref
+from moelora.kernels.attention.paged_triton import choose_splits, decode_kernel_chosen, paged_attention, split_workspace_numel
 
 HQ, HKV, D = (32, 4, 128) if ON_GPU else (4, 2, 16)
 
@@ -255,8 +255,8 @@ def test_gpu_split_inside_cuda_graph():
 def test_decode_kernel_quantizes_its_output_per_head_for_an_fp8_o_proj(num_splits):
     """out_fp8: the decode kernel (direct or split) also writes quantize_act_group(out.reshape(T, Hq * D), D), padding
     rows included (zeros, the smallest scale), in the same launches; other kernels refuse it."""
-    from moelora.kernels.fp8 import FP8_DTYPE
-    from moelora.kernels.fp8_triton import quantize_act_group
+    from moelora.kernels.quant.fp8 import FP8_DTYPE
+    from moelora.kernels.quant.fp8_triton import quantize_act_group
 
     gen = torch.Generator().manual_seed(21 + num_splits)
     batch = make_batch([(10, 1), (5, 1), (33, 1)], 4, 2, 16, 4, DTYPES[-1], gen, pad_rows=2)

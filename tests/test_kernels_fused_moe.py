@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, expert_lora_args
-from moelora.kernels import fused_moe_triton as fmt
-from moelora.kernels.moe import fused_moe_pairs, fused_moe_ref, route_topk_ref
+from moelora.kernels.moe import experts_triton as fmt
+from moelora.kernels.moe.experts import fused_moe_pairs, fused_moe_ref, route_topk_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -182,8 +182,8 @@ def test_fused_moe_triton_matches_reference(T, K, mode, dtype):
 def test_fused_moe_pairs_uses_triton_base(T, K, with_lora, fast_on_cpu, monkeypatch):
     """fused_moe_pairs with the Triton base GEMMs (and the reference LoRA shrink/expand) computes
     fused_moe_ref; the old _ExpertGemm path is not touched."""
-    from moelora.kernels import moe
-    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels.moe import experts as moe
+    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
 
     def no_old_path(*a, **k):
         raise AssertionError("the _ExpertGemm path ran")
@@ -267,7 +267,7 @@ def test_gpu_skewed_routing_other_shapes(T, mode, dtype):
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("T", [1, 64, 256])
 def test_gpu_fused_moe_pairs_with_lora(T, overlap, qwen_weights):
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
     from moelora.kernels.streams import side_stream
 
     gen = torch.Generator().manual_seed(T + 1)
@@ -319,8 +319,9 @@ def test_serial_lora_deltas_take_the_overlapped_paths_rounding(kind, monkeypatch
     """Without a side stream, deltas in the activations' dtype (the default) are still computed into their own
     buffer (store mode) and added by the consumer, as the overlapped path does — so overlap on and off give the
     same bits; fp32 deltas are added in place by the expand (the same values, one rounding)."""
-    from moelora.kernels import _triton, moe_lora_fused_triton
-    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels import _triton
+    from moelora.kernels.moe_lora import fused_triton as moe_lora_fused_triton
+    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
 
     monkeypatch.setattr(_triton, "_LORA_DELTA", [kind])
     calls = []

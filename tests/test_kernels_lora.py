@@ -5,9 +5,9 @@ import torch
 import triton
 
 from kernel_cases import DEVICE, DTYPES, NUM_TOKENS, ON_GPU, POPULARITY, token_slots, tolerance
-from moelora.kernels.groups import SlotGroups
-from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
-from moelora.kernels.lora_triton import lora_expand, lora_shrink, lora_shrink_buffer
+from moelora.kernels.lora.groups import SlotGroups
+from moelora.kernels.lora.shrink_expand import lora_expand_ref, lora_shrink_ref, lora_single_slot
+from moelora.kernels.lora.shrink_expand_triton import lora_expand, lora_shrink, lora_shrink_buffer
 
 S, R = 4, 16
 # CPU (interpreter): small widths with slices of different sizes; GPU: a 4096-wide layer's qkv shape
@@ -211,7 +211,7 @@ def test_shrink_config_sets_the_split_count_and_k_tile_without_changing_results(
     """set_lora_shrink_config (the decode launch experiment): the split count of the shrink's buffer follows it (at
     most one K tile per split), the K tile follows it, and the expand of its partials equals the reference; 0x0 is
     the default again; bad values raise."""
-    from moelora.kernels.lora_triton import _block_k, lora_shrink_config, lora_shrink_splits, set_lora_shrink_config
+    from moelora.kernels.lora.shrink_expand_triton import _block_k, lora_shrink_config, lora_shrink_splits, set_lora_shrink_config
 
     gen, dtype, (a, b, ranks, scaling, off), groups, x = _mixed_case(5)
     T, n = x.shape[0], len(OUTS)
@@ -268,7 +268,7 @@ def _mixed_case(seed: int, T: int = 24):
 def test_expand_prefill_tile_gives_the_same_sums(tile):
     """set_lora_expand_prefill_tile: above 256 tokens lora_expand runs at the forced tile and warps (as launched)
     with the reference's result; rows without an adapter untouched; 0x0x0 restores the default launch."""
-    from moelora.kernels import lora_triton as lt
+    from moelora.kernels.lora import shrink_expand_triton as lt
 
     gen = torch.Generator().manual_seed(5)
     dtype = DTYPES[0]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE
-from moelora.kernels.fused_moe_triton import moe_lora_align_one_program
-from moelora.kernels.moe_lora import moe_lora_align
+from moelora.kernels.moe.experts_triton import moe_lora_align_one_program
+from moelora.kernels.moe_lora.chain import moe_lora_align
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

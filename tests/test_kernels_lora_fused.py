@@ -9,7 +9,7 @@ import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, token_slots, tolerance
 from moelora.kernels._triton import fused_lora, set_fused_lora
-from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
+from moelora.kernels.moe_lora.fused_triton import moe_lora_fused, moe_lora_fused_ref
 
 S = 4
 TOKENS = [1, 3, 7, 33]
@@ -101,7 +101,7 @@ def test_moe_fused_act_in_reads_the_activation_silu_and_mul_writes(dtype, delta,
     gives what it gives on silu_and_mul's output from the same inputs, bit for bit (the same operations on the same
     numbers; set_moe_lora_early_down relies on it), and its reference what the reference gives on
     silu_and_mul_ref's; the two agree within the dtype's tolerance. Wrong shapes are refused by name."""
-    from moelora.kernels.fused_moe_triton import silu_and_mul, silu_and_mul_ref
+    from moelora.kernels.moe.experts_triton import silu_and_mul, silu_and_mul_ref
 
     gen = torch.Generator().manual_seed(29)
     c = _moe_case("down", "with_base_rows", 7, dtype, gen)
@@ -202,7 +202,7 @@ def test_moe_fused_reads_a_from_the_slice_a_src_names(store):
 def test_moe_fused_slice_first_grid_changes_nothing(store):
     """set_fused_lora_slice_first: the (slice, pair, split) grid computes bit for bit what the (pair, slice, split) one
     does (each program's work is the same), with and without a shared A read through a_src; differs from y0."""
-    from moelora.kernels import moe_lora_fused_triton as mlf
+    from moelora.kernels.moe_lora import fused_triton as mlf
 
     gen = torch.Generator().manual_seed(41)
     c = _moe_case("gate_up", "with_base_rows", 7, DTYPES[0], gen)
@@ -303,7 +303,7 @@ def test_moe_fused_never_uses_factors_past_each_rank(site, R, pipelined, monkeyp
     and store mode. Pipelined (both loops 3 deep, as 4-warp launches run) with R 16: the buffer's rank equals the
     rank tile, so B is read in whole rank rows and the entries past the rank zeroed after the load; otherwise, and
     with R 24 (a rank tile of 32), masked in the load."""
-    from moelora.kernels import moe_lora_fused_triton as mf
+    from moelora.kernels.moe_lora import fused_triton as mf
 
     if pipelined:
         monkeypatch.setattr(mf, "_D_STAGES", [3])
@@ -346,7 +346,7 @@ def test_moe_fused_split_n_does_not_change_results():
 def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
     """MOELORA_FUSED_LORA_STAGES / _EXPAND_STAGES (the shrink / expand loops pipelined through shared memory; on the
     GPU the Qwen3 input dim takes 8 tiles): they change how the kernel runs, not what it computes."""
-    from moelora.kernels import moe_lora_fused_triton as mf
+    from moelora.kernels.moe_lora import fused_triton as mf
 
     gen = torch.Generator().manual_seed(32)
     # rank 64 for the expand's stages: at 1 warp its tiles are then 16 wide, several per slice and per input row
@@ -387,7 +387,7 @@ def fused_switch():
 
 
 def _moe_layer(T, dtype, gen, popularity="with_base_rows"):
-    from moelora.kernels.moe import ExpertLoRAArgs, route_topk_ref
+    from moelora.kernels.moe.experts import ExpertLoRAArgs, route_topk_ref
 
     x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
     w_gu = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(DEVICE, dtype)
@@ -402,9 +402,9 @@ def _moe_layer(T, dtype, gen, popularity="with_base_rows"):
 
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_fused_moe_pairs_switch_on_equals_off(kernels, fused_switch):
-    from moelora.kernels.moe import fused_moe_pairs
-    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe.experts import fused_moe_pairs
+    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
     gen = torch.Generator().manual_seed(61)
     dtype = DTYPES[0]
@@ -425,9 +425,9 @@ def test_fused_moe_pairs_switch_on_equals_off(kernels, fused_switch):
 
 def test_fused_switch_takes_the_fused_kernel(fused_switch, monkeypatch):
     """Switch on: fused_moe_pairs calls the fused op, never shrink/expand; off: never the fused op."""
-    from moelora.kernels import moe_lora_fused_triton as mf
-    from moelora.kernels.moe import fused_moe_pairs
-    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels.moe_lora import fused_triton as mf
+    from moelora.kernels.moe.experts import fused_moe_pairs
+    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
 
     calls = {"fused": 0, "shrink": 0}
     real = mf.moe_lora_fused_ref
@@ -477,7 +477,7 @@ def test_pipeline_switch_env_defaults():
     import sys
 
     code = ("from moelora.kernels._triton import lora_even_r; "
-            "from moelora.kernels.moe_lora_fused_triton import fused_stages; "
+            "from moelora.kernels.moe_lora.fused_triton import fused_stages; "
             "print(lora_even_r(), fused_stages(4), fused_stages(8))")
     env = {k: v for k, v in os.environ.items() if k not in (
         "MOELORA_FUSED_LORA_PIPELINE", "MOELORA_LORA_EVEN_R", "MOELORA_FUSED_LORA_STAGES",
@@ -549,10 +549,10 @@ def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, mon
     True: overlapping, the deltas in the activations' dtype (set_lora_delta_dtype's default); fp32_delta:
     overlapping with fp32 deltas (set_lora_delta_dtype("fp32"))."""
     from moelora.kernels import _triton
-    from moelora.kernels.moe import fused_moe_pairs
+    from moelora.kernels.moe.experts import fused_moe_pairs
 
     monkeypatch.setattr(_triton, "_LORA_DELTA", ["fp32" if overlap == "fp32_delta" else "activation"])
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
     from moelora.kernels.streams import side_stream
 
     gen = torch.Generator().manual_seed(83)
@@ -602,8 +602,8 @@ def test_gpu_moe_lora_early_changes_nothing(order, fused_switch, monkeypatch):
     whose priority is above the side stream's; and with set_moe_lora_early_down too (down's LoRA reading gate_up's
     output and delta, act_in), deltas in bf16 and fp32."""
     from moelora.kernels import _triton
-    from moelora.kernels.moe import fused_moe_pairs
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe.experts import fused_moe_pairs
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
     from moelora.kernels.streams import side_stream
 
     gen = torch.Generator().manual_seed(84)
@@ -620,7 +620,7 @@ def test_gpu_moe_lora_early_changes_nothing(order, fused_switch, monkeypatch):
 
     monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["0"])  # the reference: no early launch
     ref = run()
-    from moelora.kernels import moe_lora_fused_triton as mlf
+    from moelora.kernels.moe_lora import fused_triton as mlf
     from test_fp8_gpu import launch_records
 
     monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["2" if order in ("early_align", "early_down") else "1"])
@@ -653,7 +653,7 @@ def test_gpu_shared_a_switch_reads_one_copy_and_changes_nothing(tmp_path):
     from test_fp8_gpu import launch_records
 
     from moelora.kernels import _triton
-    from moelora.kernels import moe_lora_fused_triton as mlf
+    from moelora.kernels.moe_lora import fused_triton as mlf
 
     base = save_tiny_model("qwen3_moe", tmp(tmp_path, "m"))
     ad = tmp(tmp_path, "ad")

@@ -6,8 +6,8 @@ import torch
 
 from helpers import deepseek_tiny
 from moelora.config import ModelConfig
-from moelora.kernels.mla import KVBLoRAArgs, mla_decode_ref, mla_prefill_ref, write_latent_ref
-from moelora.kernels.routing import grouped_topk_ref
+from moelora.kernels.attention.mla import KVBLoRAArgs, mla_decode_ref, mla_prefill_ref, write_latent_ref
+from moelora.kernels.moe.routing import grouped_topk_ref
 
 H, DN, DV, C, R, S, RMAX, BS = 4, 8, 6, 16, 4, 4, 16, 4
 RANKS = [4, 0, 8, 16]  # slot 1: rank 0 (adds nothing)

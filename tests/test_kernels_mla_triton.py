@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, NUM_TOKENS, ON_GPU, POPULARITY, token_slots, tolerance
-from moelora.kernels.groups import SlotGroups
-from moelora.kernels.mla import KVBLoRAArgs, mla_decode_paged_ref, mla_prefill_ref, write_latent_direct, write_latent_ref
-from moelora.kernels.mla_triton import mla_decode, mla_decode_attention
+from moelora.kernels.lora.groups import SlotGroups
+from moelora.kernels.attention.mla import KVBLoRAArgs, mla_decode_paged_ref, mla_prefill_ref, write_latent_direct, write_latent_ref
+from moelora.kernels.attention.mla_triton import mla_decode, mla_decode_attention
 
 LITE = (16, 128, 128, 512, 64)  # DeepSeek-V2-Lite: heads, qk_nope, v_head, kv_lora_rank, qk_rope
 DIMS = LITE if ON_GPU else (4, 8, 6, 16, 4)
@@ -123,7 +123,7 @@ def test_model_device_path_matches_reference(tmp_path, monkeypatch):
     from moelora.engine.batch import SeqChunk, build_flat_batch
     from moelora.engine.kv_cache import KVCache
 
-    import moelora.kernels.mla_triton as mt
+    import moelora.kernels.attention.mla_triton as mt
 
     calls = []
     real = mt.mla_decode

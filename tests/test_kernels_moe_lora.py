@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, NUM_TOKENS, ON_GPU, POPULARITY, token_slots, tolerance
-from moelora.kernels.moe_lora import moe_lora_align, moe_lora_expand_ref, moe_lora_shrink_ref
-from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_shrink
+from moelora.kernels.moe_lora.chain import moe_lora_align, moe_lora_expand_ref, moe_lora_shrink_ref
+from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_shrink
 
 S, R = 4, 16
 E, K, H, I = (128, 8, 2048, 768) if ON_GPU else (8, 2, 48, 24)
@@ -133,8 +133,8 @@ def test_align_groups_pairs_by_virtual_expert():
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_pair_pipeline_equals_fused_moe_reference(kernels):
     """The GPU path's pipeline (per-pair base + LoRA kernels + weighted top-k sum) computes fused_moe_ref."""
-    from moelora.kernels.moe import ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
-    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels.moe.experts import ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
+    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
 
     gen = torch.Generator().manual_seed(21)
     T, dtype = 11, DTYPES[0]
@@ -160,7 +160,7 @@ def test_pair_pipeline_equals_fused_moe_reference(kernels):
 
 def test_fast_align_matches_reference_groups():
     """The sort-free alignment (atomic placement) gives the reference's groups, padding and block map."""
-    from moelora.kernels.moe_lora_triton import moe_lora_align_fast
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_align_fast
 
     gen = torch.Generator().manual_seed(9)
     for T in (1, 7, 133):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, tolerance
-from moelora.kernels import moe_lora_grouped_triton as mg
+from moelora.kernels.moe_lora import grouped_triton as mg
 from moelora.kernels._triton import grouped_lora, set_fused_lora, set_grouped_lora, fused_lora
-from moelora.kernels.moe_lora_fused_triton import moe_lora_fused, moe_lora_fused_ref
+from moelora.kernels.moe_lora.fused_triton import moe_lora_fused, moe_lora_fused_ref
 from test_kernels_lora_fused import E, K, _moe_call, _moe_case, _moe_layer, _untouched_checks, check_reads_a_through_a_src
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,7 +153,7 @@ def test_grouped_launch_parameters_do_not_change_results():
 
 
 def test_grouped_refuses_batches_past_the_alignment(monkeypatch):
-    from moelora.kernels import fused_moe_triton
+    from moelora.kernels.moe import experts_triton as fused_moe_triton
 
     c = _moe_case("down", "uniform", 9, DTYPES[0], torch.Generator().manual_seed(3))
     monkeypatch.setattr(fused_moe_triton, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 9 * K - 1)
@@ -175,8 +175,8 @@ def switches():
 def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypatch):
     """The switch takes the grouped kernel (one alignment for gate_up and down) and gives the per-pair result;
     below GROUPED_MIN_PAIRS, or above GROUPED_MAX_GROUPS (slot, expert) groups, the per-pair kernel."""
-    from moelora.kernels.moe import fused_moe_pairs
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe.experts import fused_moe_pairs
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
     calls = {"align": 0, "grouped": 0}
     real_align, real_grouped = mg.grouped_align, mg.moe_lora_grouped
@@ -241,8 +241,8 @@ def test_fused_moe_pairs_grouped_prefill(switches, monkeypatch):
     """set_grouped_prefill: above GEMV_MAX_PAIRS pairs (a prefill chunk; lowered here to the test's batch) the
     routed-expert LoRA is the grouped kernel in prefill blocks (one alignment for gate_up and down, no tiled
     shrink / expand), with the tiled path's result; off, the tiled path."""
-    from moelora.kernels import moe_lora_triton as mt
-    from moelora.kernels.moe import fused_moe_pairs
+    from moelora.kernels.moe_lora import chain_triton as mt
+    from moelora.kernels.moe.experts import fused_moe_pairs
 
     calls = {"align": 0, "grouped": 0, "shrink": 0}
     real_align, real_grouped, real_shrink = mg.prefill_align, mg.moe_lora_grouped, mt.moe_lora_shrink
@@ -302,7 +302,7 @@ def test_grouped_switch_env_default():
                                          text=True, check=True).stdout.strip()
     assert run() == "True"
     assert run(MOELORA_GROUPED_LORA="0") == "False"
-    code = "from moelora.kernels.moe_lora_grouped_triton import grouped_prefill; print(grouped_prefill())"
+    code = "from moelora.kernels.moe_lora.grouped_triton import grouped_prefill; print(grouped_prefill())"
     env.pop("MOELORA_GROUPED_PREFILL", None)
     assert run() == "True"
     assert run(MOELORA_GROUPED_PREFILL="0") == "False"
@@ -351,7 +351,7 @@ def test_expert_alignment_threshold_leaves_the_lora_alignment(monkeypatch):
     import subprocess
     import sys
 
-    from moelora.kernels import fused_moe_triton as fmt
+    from moelora.kernels.moe import experts_triton as fmt
 
     c = _moe_case("gate_up", "uniform", 9, DTYPES[0], torch.Generator().manual_seed(71))
     P = c["ids"].numel()

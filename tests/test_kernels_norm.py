@@ -5,8 +5,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, DTYPES  # sets TRITON_INTERPRET=1 without a GPU
 
-from moelora.kernels.norm import rms_norm_ref
-from moelora.kernels.rotary import apply_rotary_ref, rotary_cos_sin
+from moelora.kernels.norm.rmsnorm import rms_norm_ref
+from moelora.kernels.attention.rotary import apply_rotary_ref, rotary_cos_sin
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CASES = [(DEVICE, dt) for dt in DTYPES]
@@ -19,7 +19,7 @@ def _tol(dtype):
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("rows,D", [(1, 32), (7, 48), (33, 256)])
 def test_rms_norm_and_add_norm(device, dtype, rows, D):
-    from moelora.kernels.norm_triton import rms_norm
+    from moelora.kernels.norm.rmsnorm_triton import rms_norm
 
     g = torch.Generator().manual_seed(rows * D)
     x = (torch.randn(rows, D, generator=g) * 3).to(device, dtype)
@@ -36,7 +36,7 @@ def test_rms_norm_and_add_norm(device, dtype, rows, D):
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("norm", [True, False])
 def test_qk_norm_rope_in_place_on_qkv_views(device, dtype, norm):
-    from moelora.kernels.norm_triton import qk_norm_rope
+    from moelora.kernels.norm.rmsnorm_triton import qk_norm_rope
 
     T, Hq, Hkv, D = 5, 4, 2, 16
     g = torch.Generator().manual_seed(int(norm))
@@ -65,8 +65,8 @@ def test_qk_norm_rope_in_place_on_qkv_views(device, dtype, norm):
 def test_qk_norm_rope_writes_the_kv_cache_as_write_kv_does(device, dtype, norm):
     """kv_write: the same launch stores the rotated k and the v rows at slot_mapping, bit for bit what
     write_kv_ref stores after a separate qk_norm_rope; other cache rows and slot -1 rows stay untouched."""
-    from moelora.kernels.attention import write_kv_ref
-    from moelora.kernels.norm_triton import qk_norm_rope
+    from moelora.kernels.attention.paged import write_kv_ref
+    from moelora.kernels.norm.rmsnorm_triton import qk_norm_rope
 
     T, Hq, Hkv, D, NB, BS = 5, 4, 2, 16, 3, 4
     g = torch.Generator().manual_seed(7 + int(norm))

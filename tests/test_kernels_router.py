@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU
-from moelora.kernels import router_triton as rt
-from moelora.kernels.moe import route_topk_ref
+from moelora.kernels.moe import router_triton as rt
+from moelora.kernels.moe.experts import route_topk_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,7 +130,7 @@ def test_gpu_router_decode_shape_and_graph_replay(fused_on):
     of cuBLAS's, its routing route_topk's on them, and a CUDA graph replaying the eager bits."""
     import torch.nn.functional as F
 
-    from moelora.kernels.fused_moe_triton import route_topk
+    from moelora.kernels.moe.experts_triton import route_topk
 
     for T in (1, 16, 64, 256):
         x, gate = _inputs(T, 128, 2048, torch.bfloat16, T)

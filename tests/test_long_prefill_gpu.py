@@ -51,7 +51,8 @@ def test_long_mixed_prefill_matches_peft(ckpt, base, epilogue, monkeypatch):
     ran (with the epilogue on: _experts_lora_epilogue, once per MoE layer; else the grouped prefill kernel)."""
     if base == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
-    from moelora.kernels import moe, moe_lora_grouped_triton as mg
+    from moelora.kernels.moe import experts as moe
+    from moelora.kernels.moe_lora import grouped_triton as mg
 
     monkeypatch.setattr(mg, "_PREFILL_EPILOGUE", [int(epilogue)])  # set_prefill_lora_epilogue's state, restored after
     fp8, deq, ref, paths = ckpt

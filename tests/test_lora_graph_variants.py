@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moelora.adapters.metadata import LoRABatch
-from moelora.bench.decode import TINY, random_adapter, target_subset
+from moelora_bench.decode import TINY, random_adapter, target_subset
 from moelora.engine.cuda_graphs import lora_graph_mode
 from moelora.layers.lora import LORA_SLOT_WRITES, LoRAWeights, lora_active, slot_target_groups
 

@@ -11,7 +11,7 @@ import kernel_cases  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without
 from fp8_helpers import write_nvfp4_checkpoint
 from helpers import Runner, peft_logprobs, rows_of, save_peft_adapter, tmp
 from moelora.config import ModelConfig
-from moelora.kernels.nvfp4 import dequantize_nvfp4, pack_e2m1, quantize_nvfp4, unpack_e2m1
+from moelora.kernels.quant.nvfp4 import dequantize_nvfp4, pack_e2m1, quantize_nvfp4, unpack_e2m1
 from moelora.layers.nvfp4 import dequantized
 from moelora.models.loader import build_model
 from moelora.models.weights import WeightLoadError
@@ -23,7 +23,7 @@ def test_packing_low_nibble_first():
     packed = pack_e2m1(torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8))
     assert packed.tolist() == [[0x21, 0x8F]]
     assert unpack_e2m1(packed).tolist() == [[0.5, 1.0, -6.0, -0.0]]
-    from moelora.kernels.nvfp4 import round_to_e2m1
+    from moelora.kernels.quant.nvfp4 import round_to_e2m1
 
     v = torch.tensor([0.25, 0.26, 2.5, 2.51, 5.0, 7.0, -0.1, -1.2])  # ties go to the smaller magnitude; clamp at 6
     assert round_to_e2m1(v).tolist() == [0, 1, 4, 5, 6, 7, 8, 10]
@@ -118,7 +118,7 @@ def test_online_nvfp4_quantization(ckpt):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("T", [1, 5])
 def test_triton_weight_only_gemms_interpreted(T):
-    from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
+    from moelora.kernels.quant.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
 
     g = torch.Generator().manual_seed(T)
     x, w = torch.randn(T, 96, generator=g), torch.randn(72, 96, generator=g)  # N = 72: a partial 64-wide tile
@@ -141,8 +141,8 @@ def test_triton_decode_of_every_code_and_scale(dtype, K):
     """The kernels decode e2m1 through e4m3 bit patterns (code s|ee|m -> s|0ee0|m00, the 2^6 in the scale): every
     one of the 16 codes (signed zeros and the subnormal 0.5 too), group scales across e4m3's range (subnormal
     ones included), per-row global scales; K of whole K steps or a partial last one."""
-    from moelora.kernels.nvfp4 import pack_e2m1
-    from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
+    from moelora.kernels.quant.nvfp4 import pack_e2m1
+    from moelora.kernels.quant.nvfp4_triton import nvfp4_grouped_gemm, nvfp4_grouped_gemm_ref, nvfp4_linear, nvfp4_linear_ref
 
     g = torch.Generator().manual_seed(5)
     N = 40
@@ -180,8 +180,8 @@ def test_triton_dense_split_k_and_decode_modes(split_k, decode, monkeypatch):
     """The dense kernel with K split (partials in a workspace, added in split order by the last arriving split):
     the reference's numbers, the same bits on a second call, and the arrival counters left at zero; both
     decode modes (scales applied in fp32 or in the activations' dtype) give the same weights."""
-    from moelora.kernels import nvfp4_triton as nt
-    from moelora.kernels.fp8_triton import _COUNTERS
+    from moelora.kernels.quant import nvfp4_triton as nt
+    from moelora.kernels.quant.fp8_triton import _COUNTERS
 
     monkeypatch.setitem(nt.CONFIG, "dense", dict(nt.CONFIG["dense"], split_k=split_k, decode=decode))
     g = torch.Generator().manual_seed(split_k)
@@ -202,8 +202,8 @@ def test_triton_dense_split_k_and_decode_modes(split_k, decode, monkeypatch):
 def test_triton_expert_gemm_on_the_fast_path_alignment(gather_rows):
     """nvfp4_expert_gemm on fused_moe_triton's alignment: token rows read in place (row p // top_k) or per pair,
     the reference's numbers (fp32); pairs on expert -1 (expert parallelism) leave the other rows as they were."""
-    from moelora.kernels.fused_moe_triton import moe_align
-    from moelora.kernels.nvfp4_triton import nvfp4_expert_gemm, nvfp4_expert_gemm_ref
+    from moelora.kernels.moe.experts_triton import moe_align
+    from moelora.kernels.quant.nvfp4_triton import nvfp4_expert_gemm, nvfp4_expert_gemm_ref
 
     g = torch.Generator().manual_seed(7)
     T, K, E, N, D = 5, 2, 4, 40, 64
@@ -230,9 +230,9 @@ def test_nvfp4_experts_take_the_triton_fast_path_with_lora():
     SiLU-and-mul and combine kernels) with routed-expert LoRA: fused_moe_ref's numbers on the dequantized
     weights (fp32), and the fast path is the one taken (expert_gemm called, grouped_mm not)."""
     from kernel_cases import expert_lora_args
-    from moelora.kernels import fused_moe_triton as fmt
-    from moelora.kernels.moe import fused_moe_pairs, fused_moe_ref, route_topk_ref
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe import experts_triton as fmt
+    from moelora.kernels.moe.experts import fused_moe_pairs, fused_moe_ref, route_topk_ref
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
     from moelora.layers.nvfp4 import Nvfp4ExpertWeight
 
     g = torch.Generator().manual_seed(9)

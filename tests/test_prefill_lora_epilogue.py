@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, ON_GPU
-from moelora.kernels.fp8 import quantize_act_group_ref, quantize_weight_block
-from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_expert_gemm, fp8_expert_gemm_lora_ref
+from moelora.kernels.quant.fp8 import quantize_act_group_ref, quantize_weight_block
+from moelora.kernels.quant.fp8_triton import Fp8LoRAEpilogue, fp8_expert_gemm, fp8_expert_gemm_lora_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(autouse=True)
 def _restore_switches(monkeypatch):
     """set_prefill_lora_epilogue as it was before each test, whatever the test sets."""
-    from moelora.kernels import moe_lora_grouped_triton as mg
+    from moelora.kernels.moe_lora import grouped_triton as mg
 
     monkeypatch.setattr(mg, "_PREFILL_EPILOGUE", list(mg._PREFILL_EPILOGUE))
 
@@ -45,7 +45,7 @@ def _nan_h_lora(form: str, n: int, outs: list[int], S: int, E: int, D: int, R: i
     """The routed LoRA epilogue of one form over pairs of `pair_slots`: B (in dtype) and each pair's h [n, P, R]
     hold NaN past each rank, h also in pairs without an adapter (a read of either shows); slot groups of `slots`
     unless form is "all_slots"; slice bounds given (mode 3 needs them)."""
-    from moelora.kernels.groups import SlotGroups
+    from moelora.kernels.lora.groups import SlotGroups
 
     _, b, ranks, scaling, off = _factors(n, S, E, D, outs, R, gen, nan_past_rank=True)
     h = torch.randn(n, pair_slots.numel(), R, generator=gen)
@@ -84,8 +84,8 @@ def test_fp8_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows
     slices of rank 0 add nothing; rows of slot -1 equal the plain GEMM. Forms: a loop over all slots (no groups
     given), the batch's slot groups unrolled (2 of 3 here, the third in the loop), and the metadata prefetched
     before the K steps with the groups' B in one dot (LORA_SPLIT 3; slices on tile boundaries)."""
-    from moelora.kernels import fp8_triton as ft
-    from moelora.kernels.fused_moe_triton import moe_align
+    from moelora.kernels.quant import fp8_triton as ft
+    from moelora.kernels.moe.experts_triton import moe_align
 
     monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
     g = torch.Generator().manual_seed(31 + gather_rows)
@@ -114,7 +114,7 @@ def test_fp8_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows
     assert torch.equal(y[none], base[none])
     assert (y[~none].float() - base[~none].float()).abs().max() > 0.1  # the delta is there
     with pytest.raises(ValueError, match="LoRA epilogue"):
-        from moelora.kernels.fused_moe_triton import TritonExperts
+        from moelora.kernels.moe.experts_triton import TritonExperts
 
         class NoEpilogue:  # a quantized stack without one (as NVFP4's)
             fast_path = True
@@ -131,11 +131,11 @@ def test_fused_moe_pairs_prefill_lora_epilogue(mode, stack, monkeypatch):
     moe_lora_grouped delta launch), with the delta path's result (fp32 here: the two differ by roundings only);
     without the switch, the delta path. Plain weights (fp32 here, bf16 / fp16 on a GPU) take the delta path in
     every mode."""
-    from moelora.kernels import fused_moe_triton as fmt
-    from moelora.kernels import moe_lora_grouped_triton as mg
-    from moelora.kernels import moe_lora_triton as mt
+    from moelora.kernels.moe import experts_triton as fmt
+    from moelora.kernels.moe_lora import grouped_triton as mg
+    from moelora.kernels.moe_lora import chain_triton as mt
     from moelora.kernels._triton import fused_lora, set_fused_lora
-    from moelora.kernels.moe import ExpertLoRAArgs, fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe.experts import ExpertLoRAArgs, fused_moe_pairs, route_topk_ref
     from moelora.layers.fp8 import Fp8ExpertWeight, Fp8State
 
     g = torch.Generator().manual_seed(17)
@@ -150,7 +150,7 @@ def test_fused_moe_pairs_prefill_lora_epilogue(mode, stack, monkeypatch):
     a_gu, b_gu, r_gu, s_gu, off_gu = _factors(2, S, E, H, [inter, inter], R, g)
     a_d, b_d, r_d, s_d, off_d = _factors(1, S, E, inter, [H], R, g)
     slots = torch.tensor([0, 1, -1, 2, 3, 0, 1, -1, 2, 3], dtype=torch.int32)
-    from moelora.kernels.groups import SlotGroups
+    from moelora.kernels.lora.groups import SlotGroups
 
     args = ExpertLoRAArgs(slots, a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d, off_gu, off_d,
                           active_slots=SlotGroups.build(slots, S).active_slots)
@@ -191,7 +191,7 @@ def test_prefill_lora_epilogue_switch_env_default():
     import subprocess
     import sys
 
-    code = "from moelora.kernels.moe_lora_grouped_triton import prefill_lora_epilogue as f; print(f())"
+    code = "from moelora.kernels.moe_lora.grouped_triton import prefill_lora_epilogue as f; print(f())"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOELORA_PREFILL_LORA_EPILOGUE")}
     run = lambda **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra},  # noqa: E731
                                          capture_output=True, text=True)
@@ -212,10 +212,10 @@ def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, mode, monkeypatch):
     the dequantized weights (the LoRA on unquantized activations: FP8's error dominates both); rows of tokens
     without an adapter within the kernels' bound of the no-LoRA output."""
     from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels import moe_lora_grouped_triton as mg
-    from moelora.kernels.moe import route_topk_ref
-    from moelora.kernels.moe import fused_moe_pairs
-    from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe_lora import grouped_triton as mg
+    from moelora.kernels.moe.experts import route_topk_ref
+    from moelora.kernels.moe.experts import fused_moe_pairs
+    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
     from moelora.layers.fp8 import Fp8State
     from test_fp8_gpu import E, H, K, _experts, _lora_args, _rel, dequantized_stack
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-PROBE = ("import moelora.kernels.fp8_triton as f, moelora.kernels.lora_delta_triton as d, "
+PROBE = ("import moelora.kernels.quant.fp8_triton as f, moelora.kernels.lora.delta_triton as d, "
          "moelora.kernels._triton as t; "
          "print(f._PREQUANT_MIN_ROWS[0], f._LORA_SPLIT[0], f._LORA_SPLIT[1], t.moe_lora_early_mode(), "
          "f.fp8_prefill_config(), d.lora_delta_warps())")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora.kernels.groups import SlotGroups
+from moelora.kernels.lora.groups import SlotGroups
 
 
 @dataclass
@@ -14,7 +14,7 @@ class LoRABatch:
     """Which slot each token of a flat batch uses.
 
     groups: the device-side index the kernels read (token -> slot, tokens grouped by slot, per-group
-    slot/count/start); see moelora.kernels.groups.SlotGroups
+    slot/count/start); see moelora.kernels.lora.groups.SlotGroups
     slot_ids: host list of the distinct slots >= 0 present, ascending
     single_slot: the one slot every LoRA token maps to, or None (several slots, or none)
     all_lora: every token of the batch uses an adapter (no base rows)

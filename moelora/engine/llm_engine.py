@@ -25,6 +25,7 @@ from moelora.engine.sampler import (Sampler, apply_logit_bias, apply_penalties, 
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
 from moelora.kernels._triton import DeviceError
+from moelora.kernels.config import KernelConfig
 from moelora.models.loader import build_model
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class EngineArgs:
     # automatic prefix caching keyed by adapter (engine/prefix_cache.py): a prompt prefix computed once under an
     # adapter (or the base model) is reused by later requests of the same adapter content
     enable_prefix_caching: bool = True
+    # every tuning and kernel choice (kernels/config.py); None: the defaults. `--kernel-config JSON` on the command line
+    kernel_config: KernelConfig | None = None
 
 
 def resolve_async_scheduling(requested: bool | None, device: torch.device) -> bool:
@@ -104,6 +107,7 @@ class LLMEngine:
                 self.config, args.model, dtype=dtype, device=self.device, max_loras=args.max_loras,
                 max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
                 show_progress=args.show_progress, quantization=args.quantization,
+                kernel_config=args.kernel_config,
             )
             self.model.set_overlap(args.lora_overlap and self.device.type == "cuda")
         else:

@@ -90,7 +90,8 @@ def build_sharded_model(cfg, args, dtype: str, device: torch.device, ps: Paralle
     def build(where: torch.device):
         return build_model(cfg, args.model, dtype=dtype, device=where, max_loras=args.max_loras,
                            max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
-                           show_progress=show_progress, quantization=args.quantization)
+                           show_progress=show_progress, quantization=args.quantization,
+                           kernel_config=args.kernel_config)
 
     try:
         model = build(stage)

@@ -65,7 +65,7 @@ _FUSED_LORA = [os.environ.get("MOELORA_FUSED_LORA", "1") != "0"]
 
 def set_fused_lora(enabled: bool) -> None:
     """Routed-expert LoRA deltas of decode-sized batches (P <= GEMV_MAX_PAIRS pairs) through the fused kernel
-    (kernels/moe_lora_fused_triton.py: shrink and expand in one launch per projection, no h buffer, no
+    (kernels/moe_lora/fused_triton.py: shrink and expand in one launch per projection, no h buffer, no
     zero-fill). On by default: on the H200 it took gate_up 1.2-1.6x and down 1.1-1.3x less time than the
     three-launch chain (1-128 tokens, 4 and 8 adapters, rank 16), 25.2 ms against 26.3 ms per decode step at
     batch 64 with 4 adapters (bench/results/decode-fused-lora-*.json). Off with MOELORA_FUSED_LORA=0."""
@@ -81,7 +81,7 @@ _GROUPED_LORA = [os.environ.get("MOELORA_GROUPED_LORA", "1") != "0"]
 
 def set_grouped_lora(enabled: bool) -> None:
     """With set_fused_lora on: routed-expert LoRA deltas of GROUPED_MIN_PAIRS..2,048 pairs (default from 2,048:
-    batch 256 at top-8; MOELORA_GROUPED_MIN_PAIRS) through the grouped kernel (kernels/moe_lora_grouped_triton.py:
+    batch 256 at top-8; MOELORA_GROUPED_MIN_PAIRS) through the grouped kernel (kernels/moe_lora/grouped_triton.py:
     pairs grouped by (slot, expert), each group's A and B read once, one alignment a layer) instead of the per-pair
     fused kernel, when max_loras x E <= GROUPED_MAX_GROUPS. On by default: on the H200 (Qwen3-30B-A3B
     fp8, rank 16, one run) batch 256 decoded 11,438 tok/s with 4 adapters and 10,341 with 8 against 10,565 /
@@ -107,7 +107,7 @@ _DENSE_LORA_DEFER = _defer_env()
 def set_dense_lora_defer(mode: bool | str) -> None:
     """Dense LoRA deferred to the next kernel (MOELORA_DENSE_LORA_DEFER): at decode sizes on a GPU, a
     decoder layer's qkv_proj and o_proj run their plain base GEMM on the main stream while their LoRA shrink and a
-    delta kernel (kernels/lora_delta_triton.py, every row written) run on the side stream; the kernel reading the
+    delta kernel (kernels/lora/delta_triton.py, every row written) run on the side stream; the kernel reading the
     GEMM's output next adds the delta as it loads it (qk_norm_rope: q, k and the v written to the cache; the
     post-attention RMSNorm: o_proj's output before the residual add). No add or zero-fill launch. The delta is
     rounded to the activation dtype before it is added, as PEFT rounds it (the FP8 GEMM's LoRA epilogue adds it

@@ -10,7 +10,7 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
-from moelora.kernels.attention import paged_attention_ref, write_kv_direct, write_kv_ref
+from moelora.kernels.attention.paged import paged_attention_ref, write_kv_direct, write_kv_ref
 from moelora.layers.linear import LoRALinear, attach_lora_delta
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
@@ -90,7 +90,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         kv_written = False
         if q.is_cuda and self.rotary.fused_ok:  # one kernel: per-head q/k norms (Qwen3), rotary in place, KV writes
-            from moelora.kernels.norm_triton import qk_norm_rope
+            from moelora.kernels.norm.rmsnorm_triton import qk_norm_rope
 
             head = self.qk_norm == "head"
             kv_written = attn.token_seq is not None  # the device path: every slot_mapping entry >= 0
@@ -104,7 +104,7 @@ class Attention(nn.Module):
         if q.is_cuda and attn.token_seq is not None:
             if not kv_written:
                 write_kv_direct(k, v, k_cache, v_cache, attn.slot_mapping)
-            from moelora.kernels.attention_triton import decode_kernel_chosen, paged_attention
+            from moelora.kernels.attention.paged_triton import decode_kernel_chosen, paged_attention
 
             # [T, Hq, D]; padding rows 0 (the decode kernel writes them; the others leave them as filled here)
             decode = decode_kernel_chosen(T, attn.block_tables.shape[0], ATTENTION_KERNEL)
@@ -115,7 +115,7 @@ class Attention(nn.Module):
                             attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL,
                             out_fp8=o_fp8)
             if o_fp8 is not None:
-                from moelora.kernels.fp8_triton import attach_act_quant
+                from moelora.kernels.quant.fp8_triton import attach_act_quant
 
                 attach_act_quant(o_in, *o_fp8, q.shape[2])
             if self.o_proj_delta_to_norm and not self.o_proj._forward_hooks:  # (a hook: e.g. tp's all-reduce)
@@ -139,8 +139,8 @@ class Attention(nn.Module):
     def _o_proj_fp8_buffers(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q [T, Hq * D] e4m3, scales [T, Hq]) for the decode kernel to quantize the attention output into, when
         o_proj is FP8 (Triton) with one scale group per head (group == head dim) and producer quantization is on."""
-        from moelora.kernels.fp8 import FP8_DTYPE
-        from moelora.kernels.fp8_triton import act_quant_ok
+        from moelora.kernels.quant.fp8 import FP8_DTYPE
+        from moelora.kernels.quant.fp8_triton import act_quant_ok
         from moelora.layers.fp8 import fp8_act_group
 
         T, Hq, D = q.shape

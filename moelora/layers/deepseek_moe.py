@@ -15,7 +15,7 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
-from moelora.kernels.routing import grouped_topk_ref
+from moelora.kernels.moe.routing import grouped_topk_ref
 from moelora.layers.moe import DenseMLP, RoutedExperts
 
 

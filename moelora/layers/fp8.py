@@ -2,7 +2,7 @@
 
 An FP8 module keeps `weight` (or `gate_up_proj` / `down_proj`) as float8_e4m3fn and a sibling fp32
 parameter `weight_scale_inv` (`gate_up_proj_scale_inv` / `down_proj_scale_inv`) with one scale per block
-(kernels/fp8.py), and `module.quant` = Fp8State (the module's forward calls its linear / experts). The LoRA
+(kernels/quant/fp8.py), and `module.quant` = Fp8State (the module's forward calls its linear / experts). The LoRA
 deltas always read the unquantized activations: the base GEMM quantizes its input inside the kernel (or in the
 reference), and the LoRA kernels get `x`.
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelora.kernels.fp8 import (
+from moelora.kernels.quant.fp8 import (
     DEFAULT_BLOCK, FP8_DTYPE, dequantize_weight_block, fp8_block_matmul_ref, quantize_weight_block,
 )
 
@@ -44,7 +44,7 @@ def check_backend(reference: str | None, device: torch.device | str) -> None:
     if reference not in REFERENCES:
         raise ValueError(f"fp8 reference {reference!r}: use one of {REFERENCES}")
     if reference is None:
-        from moelora.kernels.fp8_triton import check_fp8_device
+        from moelora.kernels.quant.fp8_triton import check_fp8_device
 
         check_fp8_device(device)
 
@@ -109,7 +109,7 @@ def fp8_linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     elif st.reference == "w8a8":
         y = fp8_block_matmul_ref(x, module.weight, module.weight_scale_inv, st.block, module.bias)
     else:
-        from moelora.kernels.fp8_triton import fp8_linear
+        from moelora.kernels.quant.fp8_triton import fp8_linear
 
         return fp8_linear(x, module.weight, module.weight_scale_inv, st.block, module.bias)
     return y
@@ -143,7 +143,7 @@ class Fp8ExpertWeight:
                     block_m: int, lora=None) -> torch.Tensor:
         """fused_moe_triton.TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype.
         lora: an fp8_triton.Fp8LoRAEpilogue over the pairs (fp8_expert_gemm's), added before the one rounding."""
-        from moelora.kernels.fp8_triton import fp8_expert_gemm
+        from moelora.kernels.quant.fp8_triton import fp8_expert_gemm
 
         return fp8_expert_gemm(inp, self.weight, self.scale_inv, self.state.block, topk_ids, align, gather_rows,
                                block_m, lora=lora)
@@ -154,10 +154,10 @@ class Fp8ExpertWeight:
         if st.reference == "dequant":
             return _dequant_grouped(inp, dequantize_weight_block(self.weight, self.scale_inv, st.block, inp.dtype), pair_exp)
         if st.reference == "w8a8":
-            from moelora.kernels.fp8 import fp8_grouped_matmul_ref
+            from moelora.kernels.quant.fp8 import fp8_grouped_matmul_ref
 
             return fp8_grouped_matmul_ref(inp, self.weight, self.scale_inv, pair_exp, st.block)
-        from moelora.kernels.fp8_triton import fp8_grouped_align, fp8_grouped_gemm
+        from moelora.kernels.quant.fp8_triton import fp8_grouped_align, fp8_grouped_gemm
 
         if inp.shape[0] == 0:
             return inp.new_empty(0, self.weight.shape[1])
@@ -178,19 +178,19 @@ def fp8_experts_forward(module: nn.Module, x: torch.Tensor, topk_weights: torch.
                         args) -> torch.Tensor:
     """RoutedExperts.forward on FP8 weights: fused_moe_pairs with FP8 expert GEMMs; LoRA kernels on the
     unquantized x and activations (Triton on a GPU, the references on the CPU)."""
-    from moelora.kernels.moe import fused_moe_pairs
+    from moelora.kernels.moe.experts import fused_moe_pairs
 
     st: Fp8State = module.quant
     w_gu = Fp8ExpertWeight(module.gate_up_proj, module.gate_up_proj_scale_inv, st)
     w_d = Fp8ExpertWeight(module.down_proj, module.down_proj_scale_inv, st)
     if x.is_cuda:
-        from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+        from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
         from moelora.kernels.streams import side_stream
 
         side = side_stream(x.device) if getattr(module, "overlap", False) and args is not None else None
         return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args,
                                moe_lora_shrink, moe_lora_expand, moe_lora_plan, side)
-    from moelora.kernels.moe_lora import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
 
     return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args, moe_lora_shrink_ref, moe_lora_expand_ref)
 
@@ -230,7 +230,7 @@ def fp8_act_group(module: nn.Module | None) -> int | None:
 
 
 def tag_act_quant_norms(model: nn.Module) -> int:
-    """Let each decoder layer's RMSNorm quantize its output for the FP8 GEMMs that read it (kernels/norm_triton.py,
+    """Let each decoder layer's RMSNorm quantize its output for the FP8 GEMMs that read it (kernels/norm/rmsnorm_triton.py,
     one launch fewer per GEMM): input_layernorm when the attention's fused qkv_proj is FP8 (Triton backend),
     post_attention_layernorm when the routed experts (or a dense MLP's gate_up_proj) are. Returns the number of
     norms tagged. Results do not change: the GEMMs would quantize the same tensor the same way."""

@@ -10,7 +10,7 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.kernels._triton import HAS_TRITON, interpreting
-from moelora.kernels.lora import lora_expand_ref, lora_shrink_ref, lora_single_slot
+from moelora.kernels.lora.shrink_expand import lora_expand_ref, lora_shrink_ref, lora_single_slot
 from moelora.layers.lora import LoRAWeights, lora_active, lora_runs
 
 
@@ -70,7 +70,7 @@ def dense_lora_h(w: LoRAWeights, x: torch.Tensor, max_splits: int = 0) -> torch.
     """The shrink's buffer for x [T, H]: [split_k, n_slices, T, max_lora_rank] fp32, uninitialised (the shrink
     writes every entry the expand reads; split_k > 1 on a GPU at decode sizes: partial sums, added by the expand;
     at most max_splits when > 0)."""
-    from moelora.kernels.lora_triton import lora_shrink_buffer
+    from moelora.kernels.lora.shrink_expand_triton import lora_shrink_buffer
 
     return lora_shrink_buffer(w.num_slices, x.shape[0], w.max_lora_rank, x.shape[1], x.device, max_splits)
 
@@ -89,7 +89,7 @@ def apply_dense_lora(x: torch.Tensor, w: LoRAWeights, lora: LoRABatch, y: torch.
         return
     h = dense_lora_h(w, x)
     if x.is_cuda:
-        from moelora.kernels.lora_triton import lora_expand, lora_shrink
+        from moelora.kernels.lora.shrink_expand_triton import lora_expand, lora_shrink
     else:
         lora_shrink, lora_expand = lora_shrink_ref, lora_expand_ref
     lora_shrink(x, w.a, w.rank_tensor, lora.groups, h)
@@ -160,8 +160,8 @@ class LoRALinear(nn.Module):
         batch, and lora_delta serving this layer (delta_ok: slice bounds on its column tiles, at most
         DELTA_MAX_GROUPS slot groups)."""
         from moelora.kernels._triton import dense_lora_defer
-        from moelora.kernels.lora_delta_triton import delta_ok
-        from moelora.kernels.lora_triton import SHRINK_SPLIT_MAX_TOKENS
+        from moelora.kernels.lora.delta_triton import delta_ok
+        from moelora.kernels.lora.shrink_expand_triton import SHRINK_SPLIT_MAX_TOKENS
 
         mode = dense_lora_defer()
         if mode == "0" or (mode == "fp8" and not self._fp8_base()):
@@ -180,8 +180,8 @@ class LoRALinear(nn.Module):
         may read delta). Elsewhere (forward(x, lora), None)."""
         if not self.defer_ok(x, lora):
             return self.forward(x, lora), None
-        from moelora.kernels.lora_delta_triton import lora_delta
-        from moelora.kernels.lora_triton import lora_shrink
+        from moelora.kernels.lora.delta_triton import lora_delta
+        from moelora.kernels.lora.shrink_expand_triton import lora_shrink
 
         lora_active(self.lora, lora)  # counted as forward counts it
         w = self.lora
@@ -216,7 +216,7 @@ class LoRALinear(nn.Module):
         """The FP8 (Triton) base with the grouped LoRA kernels: the expand can run in the GEMM's epilogue."""
         if self.quant is None or not x.is_cuda:
             return False
-        from moelora.kernels.fp8_triton import fp8_lora_epilogue
+        from moelora.kernels.quant.fp8_triton import fp8_lora_epilogue
         from moelora.layers.fp8 import Fp8State
 
         st = self.quant
@@ -226,8 +226,8 @@ class LoRALinear(nn.Module):
     def _forward_fp8_epilogue(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
         """y = the FP8 GEMM with the LoRA expand added in its epilogue (one launch instead of two; the sum rounded
         once): the shrink into split-K partials first (it reads the unquantized x), then fp8_linear(lora=...)."""
-        from moelora.kernels.fp8_triton import Fp8LoRAEpilogue, fp8_linear, fp8_lora_pdl, fp8_prequantize
-        from moelora.kernels.lora_triton import lora_shrink
+        from moelora.kernels.quant.fp8_triton import Fp8LoRAEpilogue, fp8_linear, fp8_lora_pdl, fp8_prequantize
+        from moelora.kernels.lora.shrink_expand_triton import lora_shrink
 
         w = self.lora
         block = self.quant.block

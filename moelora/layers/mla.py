@@ -4,7 +4,7 @@ Projections (transformers' names): q_proj, or q_a_proj -> q_a_layernorm -> q_b_p
 with q_a_proj into `fused_qkv_a_proj` when both exist: one GEMM over the hidden state); kv_a_layernorm;
 kv_b_proj; o_proj. The cache holds per token the normalized latent and the rotated shared key. Sequences with
 one new token (decode) take the absorbed form, the others (prefill chunks) the expanded form; kv_b_proj's LoRA
-enters both in factored form per slot (moelora.kernels.mla).
+enters both in factored form per slot (moelora.kernels.attention.mla).
 
 On a GPU with device metadata (attn.token_seq set) the latent write is unmasked (graph padding rows write into
 the cache's dummy block) and decode rows take the Triton absorbed decode (kernels.mla_triton), which reads
@@ -21,9 +21,9 @@ from torch import nn
 
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
-from moelora.kernels.groups import SlotGroups
-from moelora.kernels.mla import KVBLoRAArgs, mla_decode_ref, mla_prefill_ref, write_latent_direct, write_latent_ref
-from moelora.kernels.rotary import apply_rotary_interleaved_ref, apply_rotary_ref, rotary_cos_sin
+from moelora.kernels.lora.groups import SlotGroups
+from moelora.kernels.attention.mla import KVBLoRAArgs, mla_decode_ref, mla_prefill_ref, write_latent_direct, write_latent_ref
+from moelora.kernels.attention.rotary import apply_rotary_interleaved_ref, apply_rotary_ref, rotary_cos_sin
 from moelora.layers.attention import AttentionMetadata
 from moelora.layers.linear import LoRALinear
 from moelora.layers.lora import lora_active
@@ -133,7 +133,7 @@ class MLAttention(nn.Module):
     def _decode_device(self, q_nope, q_pe, cache, attn: AttentionMetadata, lora: KVBLoRAArgs | None,
                        rows: torch.Tensor | None) -> torch.Tensor:
         """Triton absorbed decode of all rows (rows None) or of the decode rows of a mixed eager batch."""
-        from moelora.kernels.mla_triton import mla_decode
+        from moelora.kernels.attention.mla_triton import mla_decode
 
         token_seq = attn.token_seq
         if rows is not None:

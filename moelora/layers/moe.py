@@ -9,9 +9,9 @@ from torch import nn
 from moelora.adapters.metadata import LoRABatch
 from moelora.config import ModelConfig
 from moelora.kernels._triton import lora_shared_a
-from moelora.kernels.fused_moe_triton import defer_moe_combine, moe_combine_to_norm, route_topk, routing_kernel_ok
-from moelora.kernels.moe import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
-from moelora.kernels.router_triton import router_topk, router_topk_ok
+from moelora.kernels.moe.experts_triton import defer_moe_combine, moe_combine_to_norm, route_topk, routing_kernel_ok
+from moelora.kernels.moe.experts import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
+from moelora.kernels.moe.router_triton import router_topk, router_topk_ok
 from moelora.kernels.streams import fork, join, side_stream
 from moelora.layers.linear import LoRALinear
 from moelora.layers.lora import LoRAWeights, lora_active
@@ -65,7 +65,7 @@ class RoutedExperts(nn.Module):
         if self.quant is not None:
             return self.quant.experts(self, x, topk_weights, topk_ids, args)
         if x.is_cuda:
-            from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+            from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
 
             side = side_stream(x.device) if self.overlap and args is not None else None
             return fused_moe_pairs(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args,

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from moelora.kernels.norm import rms_norm_ref
+from moelora.kernels.norm.rmsnorm import rms_norm_ref
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
-            from moelora.kernels.norm_triton import rms_norm
+            from moelora.kernels.norm.rmsnorm_triton import rms_norm
 
             return rms_norm(x, self.weight, self.eps, quant_group=self.act_quant_group)[0]
         return rms_norm_ref(x, self.weight, self.eps)
@@ -33,16 +33,16 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): the residual add fused into the norm on a GPU. delta: the deferred LoRA delta of the layer that produced x (set_dense_lora_defer), added to x
         first (x + delta rounded to x's dtype, then the residual). x may be the placeholder of a deferred routed-
         expert combine (set_moe_combine_to_norm): the norm computes x as it loads it."""
-        from moelora.kernels.fused_moe_triton import take_moe_combine
+        from moelora.kernels.moe.experts_triton import take_moe_combine
 
         combine = take_moe_combine(x)
         if use_triton(x):
-            from moelora.kernels.norm_triton import rms_norm
+            from moelora.kernels.norm.rmsnorm_triton import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual, quant_group=self.act_quant_group, delta=delta,
                             combine=combine)
         if combine is not None:  # never deferred off the Triton path; kept correct anyway
-            from moelora.kernels.fused_moe_triton import moe_combine_ref
+            from moelora.kernels.moe.experts_triton import moe_combine_ref
 
             o, w, d = combine
             x = moe_combine_ref(o if d is None else (o.float() + d.float()).to(o.dtype), w)

@@ -1,8 +1,8 @@
-"""NVFP4 base weights (ModelOpt layout, kernels/nvfp4.py) for LoRALinear and RoutedExperts, weight-only.
+"""NVFP4 base weights (ModelOpt layout, kernels/quant/nvfp4.py) for LoRALinear and RoutedExperts, weight-only.
 
 An NVFP4 module keeps `weight` (or `gate_up_proj` / `down_proj`) as packed uint8 [..., N, K/2], `<name>_scale`
 float8_e4m3fn [..., N, K/16], `<name>_scale_2` fp32 [..., N] (the global scale per row), and `module.quant` =
-Nvfp4State. On a GPU the Triton kernels (kernels/nvfp4_triton.py) decode the packed weights tile by tile inside
+Nvfp4State. On a GPU the Triton kernels (kernels/quant/nvfp4_triton.py) decode the packed weights tile by tile inside
 the dense and the grouped expert GEMMs (Hopper has no FP4 tensor cores); `reference=True` (tests) dequantizes whole
 weights and runs the bf16 path instead, on any device. The LoRA deltas read the activations as they are
 (nothing is quantized on the input side).
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.kernels._triton import DeviceError
-from moelora.kernels.nvfp4 import GROUP, dequantize_nvfp4, quantize_nvfp4
+from moelora.kernels.quant.nvfp4 import GROUP, dequantize_nvfp4, quantize_nvfp4
 
 SUFFIXES = ("_scale", "_scale_2")
 
@@ -29,20 +29,20 @@ class Nvfp4State:
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not self.reference:
-            from moelora.kernels.nvfp4_triton import nvfp4_linear
+            from moelora.kernels.quant.nvfp4_triton import nvfp4_linear
 
             return nvfp4_linear(x, module.weight, module.weight_scale, module.weight_scale_2, module.bias)
         return F.linear(x, dequantized(module, "weight", x.dtype), module.bias)
 
     def experts(self, module: nn.Module, x, topk_weights, topk_ids, args) -> torch.Tensor:
-        from moelora.kernels.moe import fused_moe_pairs, fused_moe_ref
+        from moelora.kernels.moe.experts import fused_moe_pairs, fused_moe_ref
 
         if self.reference:
             w_gu, w_d = dequantized(module, "gate_up_proj", x.dtype), dequantized(module, "down_proj", x.dtype)
         else:
             w_gu, w_d = Nvfp4ExpertWeight(module, "gate_up_proj"), Nvfp4ExpertWeight(module, "down_proj")
         if x.is_cuda:
-            from moelora.kernels.moe_lora_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+            from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
             from moelora.kernels.streams import side_stream
 
             side = side_stream(x.device) if getattr(module, "overlap", False) and args is not None else None
@@ -71,13 +71,13 @@ class Nvfp4ExpertWeight:
     def expert_gemm(self, inp: torch.Tensor, topk_ids: torch.Tensor, align, gather_rows: bool,
                     block_m: int) -> torch.Tensor:
         """TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype."""
-        from moelora.kernels.nvfp4_triton import nvfp4_expert_gemm
+        from moelora.kernels.quant.nvfp4_triton import nvfp4_expert_gemm
 
         return nvfp4_expert_gemm(inp, self.packed, self.scale, self.scale_2, topk_ids, align, gather_rows, block_m)
 
     def grouped_mm(self, inp: torch.Tensor, pair_exp: torch.Tensor, num_experts: int, scratch: dict) -> torch.Tensor:
-        from moelora.kernels.fp8_triton import fp8_grouped_align
-        from moelora.kernels.nvfp4_triton import nvfp4_grouped_gemm
+        from moelora.kernels.quant.fp8_triton import fp8_grouped_align
+        from moelora.kernels.quant.nvfp4_triton import nvfp4_grouped_gemm
 
         if inp.shape[0] == 0:
             return inp.new_empty(0, self.packed.shape[1])

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moelora.kernels.rotary import apply_rotary_ref, rotary_cos_sin
+from moelora.kernels.attention.rotary import apply_rotary_ref, rotary_cos_sin
 
 
 class RotaryEmbedding(nn.Module):

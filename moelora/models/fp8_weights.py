@@ -14,7 +14,7 @@ from __future__ import annotations
 from safetensors import safe_open
 from torch import nn
 
-from moelora.kernels.fp8 import FP8_DTYPE, dequantize_weight_block
+from moelora.kernels.quant.fp8 import FP8_DTYPE, dequantize_weight_block
 from moelora.layers.fp8 import Fp8State, fp8_modules, scale_name, to_fp8
 from moelora.models.weights import WeightLoadError, checkpoint_files, resolve_name
 

@@ -7,7 +7,9 @@ import logging
 import torch
 
 from moelora.config import ModelConfig
-from moelora.kernels.fp8 import DEFAULT_BLOCK
+from moelora.kernels.config import KernelConfig
+from moelora.kernels.quant.fp8 import DEFAULT_BLOCK
+from moelora.layers.configure import configure_kernels
 from moelora.layers.fp8 import check_backend, quantize_model_fp8, tag_act_quant_norms
 from moelora.layers.nvfp4 import check_nvfp4_backend, quantize_model_nvfp4
 from moelora.models.fp8_weights import Fp8CheckpointLoader
@@ -45,6 +47,7 @@ def build_model(
     show_progress: bool = False,
     quantization: str | None = None,
     quant_reference: str | None = None,
+    kernel_config: KernelConfig | None = None,
 ):
     """load_format: 'auto' (safetensors from `path`), 'dummy' (random weights) or 'none' (uninitialized,
     e.g. on the meta device to read shapes only).
@@ -53,6 +56,7 @@ def build_model(
     are quantized at load time; the checkpoint's own scheme must match).
     quant_reference: tests only: FP8 'w8a8' | 'dequant' (layers/fp8.py; None = the Triton kernels); NVFP4: any
     value allows the CPU.
+    kernel_config: the frozen kernel choices (kernels/config.py; None: the defaults), handed to every layer.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: use one of {QUANTIZATIONS}")
@@ -96,4 +100,5 @@ def build_model(
         tag_act_quant_norms(model)  # norms quantize their outputs for the FP8 GEMMs reading them
     if max_loras:
         model.enable_lora(max_loras, max_lora_rank)
+    configure_kernels(model, kernel_config)
     return model.eval()

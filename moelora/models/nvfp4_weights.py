@@ -8,7 +8,7 @@ from __future__ import annotations
 from safetensors import safe_open
 from torch import nn
 
-from moelora.kernels.nvfp4 import dequantize_nvfp4
+from moelora.kernels.quant.nvfp4 import dequantize_nvfp4
 from moelora.layers.fp8 import fp8_modules
 from moelora.layers.nvfp4 import Nvfp4State, to_nvfp4
 from moelora.models.fp8_weights import tensor_files

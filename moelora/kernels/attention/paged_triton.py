@@ -1,0 +1,471 @@
+"""Triton attention over the paged KV cache, for a flat batch of query tokens (prefill, chunked prefill
+and decode mixed), reading only device tensors (CUDA-graph safe). Reference: attention.paged_attention_ref.
+
+Three kernels, each correct for any mix of rows (paged_attention picks one from shapes):
+
+* split-KV decode ("flash-decoding"): grid (query row t, KV head, split), NUM_SPLITS from shapes only
+  (choose_splits: T, Hkv and the SM count), so the launch is the same whatever the lengths and works
+  inside a CUDA graph. A row's visible keys [lo, p] (lo = 0 or the window's start) are cut into at most
+  NUM_SPLITS chunks of whole TILE_N-key tiles (>= SPLIT_MIN_TILES each); a program attends the
+  G = Hq // Hkv query heads of its KV head (padded to >= 16 rows) to its chunk, a tile at a time (block
+  ids gathered per key from the block table), with tl.dot (tensor cores) and an online softmax in fp32;
+  programs without a chunk exit at once. With NUM_SPLITS > 1 each program writes its partial (max, sum,
+  normalised acc) to an fp32 workspace and a second kernel combines the chunks in index order
+  (deterministic); with NUM_SPLITS == 1 the first kernel writes the output directly.
+* tiled prefill: grid (query block, KV head) over ceil(T / BLOCK_M) + B query blocks (each sequence owns
+  ceil(n_b / BLOCK_M) of them, found by a cumulative sum over query_start_loc; the rest exit); BLOCK_M rows x G heads
+  = 128 tile rows share each K/V tile (tl.dot), causal and window masks per row.
+* legacy (kernel="legacy"): one program per (query row, KV head), a serial loop over the blocks with
+  broadcast products (no tensor cores). Kept for comparison (scripts/bench_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moelora.kernels._triton import HAS_TRITON, require_triton
+
+TILE_N = 64  # keys per inner step of the split kernel
+SPLIT_PROGRAMS_PER_SM = 4  # split-KV grid target: this many (row, KV head, split) programs per SM
+MAX_SPLITS = 64  # splits per (row, KV head) at most
+SPLIT_MIN_TILES = 2  # each split covers at least this many tiles (128 keys)
+PREFILL_TILE_ROWS = 128  # (query row, head) pairs per program of the prefill kernel
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from moelora.kernels.quant.fp8_triton import e4m3_groups
+
+    @triton.jit
+    def _paged_attn_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
+        scale, window, G,
+        sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
+        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.load(token_seq_ptr + t)
+        if b < 0:  # padding row
+            return
+        L = tl.load(seq_lens_ptr + b)
+        s0 = tl.load(qsl_ptr + b)
+        n = tl.load(qsl_ptr + b + 1) - s0
+        pos = L - n + (t - s0)  # position of this query token
+        offs_g = tl.arange(0, BLOCK_G)
+        mask_g = offs_g < G
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        offs_s = tl.arange(0, BLOCK_SIZE)
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(pos - window + 1, 0) // BLOCK_SIZE
+        for blk in range(lo, pos // BLOCK_SIZE + 1):
+            block_id = tl.load(bt_ptr + b.to(tl.int64) * sbt_b + blk).to(tl.int64)
+            key_pos = blk * BLOCK_SIZE + offs_s
+            valid = key_pos <= pos
+            if HAS_WINDOW:
+                valid = valid & (key_pos > pos - window)
+            k = tl.load(k_ptr + block_id * sk_b + offs_s[:, None] * sk_s + kvh * sk_h + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BS, D]
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BS]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + block_id * sv_b + offs_s[:, None] * sv_s + kvh * sv_h + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BS, D]
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+    @triton.jit
+    def _split_range(token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES,
+                     TILE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        """(b, pos, lo_key, tile_lo, tiles per split, active splits) of query row t; b < 0: padding."""
+        b = tl.load(token_seq_ptr + t)
+        bs = tl.maximum(b, 0)
+        L = tl.load(seq_lens_ptr + bs)
+        s0 = tl.load(qsl_ptr + bs)
+        n = tl.load(qsl_ptr + bs + 1) - s0
+        pos = L - n + (t - s0)  # position of this query token: it sees keys lo_key..pos
+        lo_key = pos * 0
+        if HAS_WINDOW:
+            lo_key = tl.maximum(pos - window + 1, 0)
+        tile_lo = lo_key // TILE
+        ntiles = pos // TILE + 1 - tile_lo
+        tps = tl.maximum((ntiles + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
+        return b, pos, lo_key, tile_lo, tps, (ntiles + tps - 1) // tps
+
+    @triton.jit
+    def _store_head_quant(v, oq_ptr, os_ptr, t, heads, mask_h, Hq, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """v [NH, BLOCK_D] fp32: the (rounded) outputs of heads `heads` of row t, 0 past D -> e4m3 per head (one
+        group of D) into oq [T, Hq * D] and its scale into os [T, Hq], as quantize_act_group does."""
+        q, scale = e4m3_groups(v, 448.0)  # scale: [NH]
+        offs_d = tl.arange(0, BLOCK_D)
+        row = t.to(tl.int64) * Hq
+        tl.store(oq_ptr + (row + heads)[:, None] * D + offs_d[None, :], q.to(oq_ptr.dtype.element_ty),
+                 mask=mask_h[:, None] & (offs_d < D)[None, :])
+        tl.store(os_ptr + row + heads, scale, mask=mask_h)
+
+    @triton.jit
+    def _store_one_head_quant(v, oq_ptr, os_ptr, idx, mask_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """_store_head_quant for one head: v [BLOCK_D] fp32 of head row idx = t * Hq + h."""
+        q, scale = e4m3_groups(tl.reshape(v, (1, BLOCK_D)), 448.0)  # one group: [1, BLOCK_D], [1]
+        tl.store(oq_ptr + idx * D + tl.arange(0, BLOCK_D), tl.reshape(q, (BLOCK_D,)).to(oq_ptr.dtype.element_ty),
+                 mask=mask_d)
+        tl.store(os_ptr + idx + tl.arange(0, 1), scale)
+
+    @triton.jit
+    def _paged_attn_split_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
+        scale, window, G, NUM_SPLITS, MIN_TILES,
+        sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
+        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+        TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
+    ):
+        # QUANT (DIRECT only): also out quantized per (row, head) for an FP8 o_proj: oq [T, Hq * D] e4m3 and
+        # os [T, Hq] fp32 (one scale group = one head: D == the GEMM's group), the numbers of quantize_act_group
+        # program (t, kvh, sp): query row t, its G heads of KV head kvh, the sp-th chunk of tps tiles of
+        # the row's key range [lo_key, pos] (tiles of TILE positions counted from lo_key's tile)
+        t = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        b, pos, lo_key, tile_lo, tps, n_active = _split_range(
+            token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES, TILE, HAS_WINDOW)
+        if DIRECT:
+            if (b < 0) & (sp == 0):  # padding row, written 0 (no zero-filled output buffer needed)
+                offs_gp = tl.arange(0, BLOCK_G)
+                offs_dp = tl.arange(0, BLOCK_D)
+                zeros = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+                tl.store(out_ptr + t.to(tl.int64) * so_t + (kvh * G + offs_gp)[:, None] * so_h + offs_dp[None, :],
+                         zeros.to(out_ptr.dtype.element_ty), mask=(offs_gp < G)[:, None] & (offs_dp < D)[None, :])
+                if QUANT:
+                    _store_head_quant(zeros, oq_ptr, os_ptr, t, kvh * G + offs_gp, offs_gp < G, tl.num_programs(1) * G, D,
+                                      BLOCK_D)
+        if (b < 0) | (sp >= n_active):  # padding row, or nothing left for this split
+            return
+        k_lo = (tile_lo + sp * tps) * TILE  # its first tile holds a visible key (lo_key or k_lo itself)
+        k_hi = tl.minimum(k_lo + tps * TILE, pos + 1)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        mask_g = offs_g < G
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        qk_scale = scale * 1.4426950408889634  # log2(e): softmax with exp2; m_i in log2 units
+        m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        offs_n = tl.arange(0, TILE)
+        bt_row = bt_ptr + b.to(tl.int64) * sbt_b
+        for k0 in range(k_lo, k_hi, TILE):
+            key = k0 + offs_n  # [TILE] cache positions
+            valid = (key < k_hi) & (key >= lo_key)
+            blk = tl.load(bt_row + key // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # [TILE] block ids
+            slot = key % BLOCK_SIZE
+            kv_mask = valid[:, None] & mask_d[None, :]
+            k = tl.load(k_ptr + blk[:, None] * sk_b + slot[:, None] * sk_s + kvh * sk_h + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)  # [TILE, BLOCK_D]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, TILE] fp32, log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds a visible key
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + blk[:, None] * sv_b + slot[:, None] * sv_s + kvh * sv_h + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)  # [TILE, BLOCK_D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        mask_o = mask_g[:, None] & mask_d[None, :]
+        if DIRECT:
+            ob = o.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :], ob, mask=mask_o)
+            if QUANT:
+                _store_head_quant(tl.where(mask_o, ob.to(tl.float32), 0.0), oq_ptr, os_ptr, t, heads, mask_g,
+                                  tl.num_programs(1) * G, D, BLOCK_D)
+        else:
+            # workspace: ws_o [T, Hq, NUM_SPLITS, D], ws_m / ws_l [T, Hq, NUM_SPLITS], all contiguous fp32
+            row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + sp  # [BLOCK_G]
+            tl.store(ws_o_ptr + row[:, None] * D + offs_d[None, :], o, mask=mask_o)
+            tl.store(ws_m_ptr + row, m_i, mask=mask_g)
+            tl.store(ws_l_ptr + row, l_i, mask=mask_g)
+
+    @triton.jit
+    def _paged_attn_reduce_kernel(
+        out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
+        window, NUM_SPLITS, MIN_TILES, so_t, so_h,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TILE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
+    ):
+        # program (t, h): out[t, h] = sum_s w_s * o_s over the row's active splits, in index order,
+        # w_s = l_s * 2^(m_s - M) / sum_s' l_s' * 2^(m_s' - M), M = max_s m_s (maxima in log2 units)
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        b, pos, lo_key, tile_lo, tps, n_active = _split_range(
+            token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES, TILE, HAS_WINDOW)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        if b < 0:  # padding row, written 0 (no zero-filled output buffer needed)
+            zeros = tl.zeros((BLOCK_D,), tl.float32)
+            tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, zeros.to(out_ptr.dtype.element_ty),
+                     mask=mask_d)
+            if QUANT:
+                _store_one_head_quant(zeros, oq_ptr, os_ptr, t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
+            return
+        row0 = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
+        offs_p = tl.arange(0, BLOCK_P)
+        active = offs_p < n_active
+        m = tl.load(ws_m_ptr + row0 + offs_p, mask=active, other=float("-inf"))
+        l = tl.load(ws_l_ptr + row0 + offs_p, mask=active, other=0.0)
+        M = tl.max(m, axis=0)
+        W = tl.sum(tl.where(active, l * tl.exp2(m - M), 0.0), axis=0)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        for sp in range(0, n_active):
+            w = tl.load(ws_l_ptr + row0 + sp) * tl.exp2(tl.load(ws_m_ptr + row0 + sp) - M) / W  # 1.0 if alone
+            acc += w * tl.load(ws_o_ptr + (row0 + sp) * D + offs_d, mask=mask_d, other=0.0)
+        ob = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, ob, mask=mask_d)
+        if QUANT:
+            _store_one_head_quant(tl.where(mask_d, ob.to(tl.float32), 0.0), oq_ptr, os_ptr,
+                                  t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
+
+    @triton.jit
+    def _paged_attn_prefill_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
+        scale, window, G, B,
+        sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
+        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, D: tl.constexpr,
+        BLOCK_D: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        # program (i, kvh): the i-th query block over all sequences (sequence b owns ceil(n_b / BLOCK_M)
+        # consecutive blocks), BLOCK_M of its rows x the G heads of KV head kvh flattened into
+        # BLOCK_M * BLOCK_G tile rows, against its causal key range TILE keys at a time (tl.dot)
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        # this block's sequence: the first b whose cumulative block count passes pid
+        offs_b = tl.arange(0, BLOCK_B)
+        mask_b = offs_b < B
+        start_b = tl.load(qsl_ptr + offs_b, mask=mask_b, other=0)
+        nblk = (tl.load(qsl_ptr + offs_b + 1, mask=mask_b, other=0) - start_b + BLOCK_M - 1) // BLOCK_M  # [BLOCK_B]
+        cum_end = tl.cumsum(nblk, axis=0)  # inclusive
+        seq = tl.sum(((cum_end <= pid) & mask_b).to(tl.int32), axis=0)
+        if seq >= B:  # past the last block
+            return
+        j = pid - tl.sum(tl.where(offs_b < seq, nblk, 0), axis=0)  # block index within the sequence
+        L = tl.load(seq_lens_ptr + seq)
+        s0 = tl.load(qsl_ptr + seq)
+        n = tl.load(qsl_ptr + seq + 1) - s0
+        offs = tl.arange(0, BLOCK_M * BLOCK_G)
+        i_row = j * BLOCK_M + offs // BLOCK_G  # row index within the sequence's new tokens
+        g = offs % BLOCK_G
+        t = s0 + i_row  # flat row
+        in_seq = i_row < n
+        row_ok = in_seq & (g < G)
+        row_ok = row_ok & (tl.load(token_seq_ptr + t, mask=in_seq, other=-1) == seq)
+        pos = L - n + i_row  # [M] query positions
+        head = kvh * G + g
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        q = tl.load(q_ptr + t.to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :],
+                    mask=row_ok[:, None] & mask_d[None, :], other=0.0)  # [M, BLOCK_D]
+        pos_max = L - n + tl.minimum(j * BLOCK_M + BLOCK_M, n) - 1
+        k_hi = pos_max + 1
+        k_lo = pos_max * 0
+        if HAS_WINDOW:
+            k_lo = (tl.maximum(L - n + j * BLOCK_M - window + 1, 0) // TILE) * TILE
+        qk_scale = scale * 1.4426950408889634  # log2(e): softmax with exp2
+        m_i = tl.full((BLOCK_M * BLOCK_G,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M * BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_M * BLOCK_G, BLOCK_D), tl.float32)
+        offs_n = tl.arange(0, TILE)
+        bt_row = bt_ptr + seq.to(tl.int64) * sbt_b
+        for k0 in range(k_lo, k_hi, TILE):
+            key = k0 + offs_n
+            kvalid = key < k_hi
+            blk = tl.load(bt_row + key // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
+            slot = key % BLOCK_SIZE
+            kv_mask = kvalid[:, None] & mask_d[None, :]
+            k = tl.load(k_ptr + blk[:, None] * sk_b + slot[:, None] * sk_s + kvh * sk_h + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)  # [TILE, BLOCK_D]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE], log2 units
+            allowed = key[None, :] <= pos[:, None]
+            if HAS_WINDOW:
+                allowed = allowed & (key[None, :] > pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (window)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + blk[:, None] * sv_b + slot[:, None] * sv_s + kvh * sv_h + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t.to(tl.int64)[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_workspace_numel(T: int, Hq: int, D: int, num_splits: int) -> int:
+    """fp32 elements of the split-KV workspace: partial outputs [T, Hq, S, D], maxima and sums [T, Hq, S]."""
+    return T * Hq * num_splits * (D + 2) if num_splits > 1 else 0
+
+
+def choose_splits(T: int, Hkv: int, num_sms: int = 132) -> int:
+    """Splits per (row, KV head) of the split-KV kernel, from shapes only (CUDA-graph safe).
+
+    Rule: enough programs to fill the GPU, SPLIT_PROGRAMS_PER_SM programs per SM:
+        NUM_SPLITS = clamp(ceil(SPLIT_PROGRAMS_PER_SM * num_sms / (T * Hkv)), 1, MAX_SPLITS)
+    e.g. on 132 SMs with Hkv = 4: T = 1 -> 64, 16 -> 9, 64 -> 3, 128 -> 2, >= 132 -> 1 (no workspace).
+    A row's key range is cut into min(NUM_SPLITS, ceil(tiles / SPLIT_MIN_TILES)) chunks of whole
+    TILE_N-key tiles; so short rows use fewer splits (the other programs exit at once) and the
+    workspace is only T * Hq * NUM_SPLITS * (D + 2) fp32 (~ a few MiB), whatever the table width.
+    """
+    return max(1, min(MAX_SPLITS, -(-SPLIT_PROGRAMS_PER_SM * num_sms // (T * Hkv))))
+
+
+def decode_kernel_chosen(num_tokens: int, num_seqs: int, kernel: str = "auto") -> bool:
+    """Whether paged_attention runs the split-KV "decode" kernel for T query rows over B sequences (it writes 0
+    to padding rows, so its output buffer needs no zero-fill): "auto" picks it when T <= B."""
+    return kernel == "decode" or (kernel == "auto" and num_tokens <= num_seqs)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_seq: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    kernel: str = "auto",
+    num_splits: int | None = None,
+    min_tiles: int | None = None,
+    workspace: torch.Tensor | None = None,
+    out_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Semantics, per query row t of sequence b = token_seq[t] (-1: padding: written 0 by the "decode" kernel,
+    left untouched by "prefill" and "legacy"; decode_kernel_chosen says which one runs), with
+    L = seq_lens[b], s:e = query_start_loc[b]:query_start_loc[b+1], p = L - (e - s) + (t - s):
+        out[t, h] = softmax_j(q[t, h] . k[j, h // G] * scale) @ v[.., h // G] over cache positions j <= p
+        (and j > p - sliding_window), k/v of sequence b read through block_tables[b]; G = Hq // Hkv
+    q: [T, Hq, D] · k_cache, v_cache: [NB, BS, Hkv, D] · block_tables: [B, max_blocks] int32
+    token_seq: [T] int32 · seq_lens: [B] int32 · query_start_loc: [B+1] int32 · out: [T, Hq, D]
+
+    out_fp8: (q [T, Hq * D] float8_e4m3fn, scale [T, Hq] fp32) or None: the "decode" kernel also writes
+    quantize_act_group(out.reshape(T, Hq * D), D) there (padding rows included: zeros), for an FP8 o_proj whose
+    scale group is one head (D a power of two); other kernels raise.
+
+    kernel (every kernel computes the semantics above for any mix of rows; the choice is speed only):
+      "auto": "decode" when T <= B (at most ~one row per sequence: decode batches, CUDA graphs), else
+              "prefill" — shapes only, so a captured graph always launches the same kernels.
+      "decode": split-KV, grid (T, Hkv, NUM_SPLITS), NUM_SPLITS = num_splits or choose_splits(T, Hkv, SMs);
+              each row's visible keys are cut into chunks of whole 64-key tiles (at least min_tiles,
+              default SPLIT_MIN_TILES, per chunk); partial results go to an fp32 workspace
+              ([T, Hq, NUM_SPLITS, D] + [2, T, Hq, NUM_SPLITS]: `workspace`, a flat fp32 tensor of
+              >= split_workspace_numel(T, Hq, D, NUM_SPLITS) elements, or allocated here — inside a
+              graph capture from the graph's pool), combined by a second kernel in a fixed order
+              (deterministic; the chunking depends on the row's length and NUM_SPLITS, so the bits
+              may change with T, not from run to run). NUM_SPLITS == 1: direct output, no workspace.
+      "prefill": tiled; BLOCK_M rows of one sequence x G heads (128 tile rows) per (query block, KV head).
+      "legacy": the first kernel (one program per (row, KV head), serial over blocks, no tensor cores).
+    """
+    require_triton()
+    T, Hq, D = q.shape
+    _, BS, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    B = block_tables.shape[0]
+    if T == 0:
+        return
+    if kernel == "auto":
+        kernel = "decode" if decode_kernel_chosen(T, B, kernel) else "prefill"
+    if out_fp8 is not None and (kernel != "decode" or D & (D - 1)):
+        raise ValueError(f"out_fp8: the decode kernel with a power-of-two head dim only (kernel {kernel!r}, D={D})")
+    oq, os_ = out_fp8 if out_fp8 is not None else (None, None)
+    quant = dict(oq_ptr=oq, os_ptr=os_, QUANT=True) if out_fp8 is not None else {}
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+               block_tables.stride(0))
+    has_window = sliding_window is not None
+    if kernel == "legacy":
+        _paged_attn_kernel[(T, Hkv)](
+            q, k_cache, v_cache, out, block_tables, token_seq, seq_lens, query_start_loc,
+            scale, sliding_window or 0, G, *strides,
+            BLOCK_SIZE=BS, BLOCK_G=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
+            HAS_WINDOW=has_window,
+        )
+        return
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if kernel == "prefill":
+        BLOCK_G = triton.next_power_of_2(G)
+        BLOCK_M = max(1, PREFILL_TILE_ROWS // BLOCK_G)
+        _paged_attn_prefill_kernel[(triton.cdiv(T, BLOCK_M) + B, Hkv)](
+            q, k_cache, v_cache, out, block_tables, token_seq, seq_lens, query_start_loc,
+            scale, sliding_window or 0, G, B, *strides,
+            BLOCK_SIZE=BS, BLOCK_G=BLOCK_G, BLOCK_M=BLOCK_M, BLOCK_B=max(16, triton.next_power_of_2(B)), D=D,
+            BLOCK_D=BLOCK_D, TILE=TILE_N,
+            HAS_WINDOW=has_window, DOT_PRECISION=precision, num_warps=8, num_stages=2,
+        )
+        return
+    if kernel != "decode":
+        raise ValueError(f"kernel must be auto, decode, prefill or legacy, got {kernel!r}")
+    if num_splits is None:
+        num_splits = choose_splits(T, Hkv, _num_sms(q.device.index or 0) if q.is_cuda else 132)
+    direct = num_splits == 1
+    if direct:
+        ws_o = ws_m = ws_l = out  # unused
+    else:
+        n_ml = T * Hq * num_splits
+        need = split_workspace_numel(T, Hq, D, num_splits)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous():
+            raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {need} elements")
+        ws_o, ws_m, ws_l = workspace[: n_ml * D], workspace[n_ml * D : n_ml * (D + 1)], workspace[n_ml * (D + 1) : need]
+    min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
+    if min_tiles < 1 or num_splits < 1:
+        raise ValueError(f"num_splits and min_tiles must be >= 1, got {num_splits}, {min_tiles}")
+    _paged_attn_split_kernel[(T, Hkv, num_splits)](
+        q, k_cache, v_cache, out, ws_o, ws_m, ws_l, block_tables, token_seq, seq_lens, query_start_loc,
+        scale, sliding_window or 0, G, num_splits, min_tiles, *strides,
+        BLOCK_SIZE=BS, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
+        TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=direct, DOT_PRECISION=precision,
+        num_warps=4, num_stages=2, **(quant if direct else {}),
+    )
+    if direct:
+        return
+    _paged_attn_reduce_kernel[(T, Hq)](
+        out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
+        sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
+        D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_splits), TILE=TILE_N,
+        HAS_WINDOW=has_window, num_warps=1, **quant,
+    )
+
