@@ -4,8 +4,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
-from moelora.server.launch import LaunchError, dtype_name, float_in, int_at_least, lora_spec
+import moelora
+from moelora.adapters.errors import AdapterError
+from moelora.adapters.registry import load_adapter
+from moelora.config import ConfigError, ModelConfig
+from moelora.demo import adapter_paths, model_path
+from moelora.demo.run import run_demo
+from moelora.distributed import check_launch
+from moelora.engine.llm_engine import EngineArgs
+from moelora.engine.memory import GPUMemoryError
+from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.workers import run_worker
+from moelora.kernels._triton import DeviceError
+from moelora.models.loader import build_model
+from moelora.models.weights import WeightLoadError
+from moelora.server.launch import (KERNEL_CONFIG_HELP, LaunchError, add_arguments as add_serve_arguments, check_args,
+                                   dtype_name, float_in, int_at_least, kernel_config, lora_spec, serve)
 
 
 class UsageError(Exception):
@@ -32,22 +48,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("moelora")
     except PackageNotFoundError:  # run from a source tree that was not installed
-        from moelora import __version__
-
-        return __version__
+        return moelora.__version__
 
 
 def _cmd_check_adapter(args: argparse.Namespace) -> int:
-    from moelora.adapters.errors import AdapterError
-    from moelora.adapters.registry import load_adapter
-    from moelora.config import ModelConfig
-    from moelora.models.loader import build_model
-
     cfg = ModelConfig.from_pretrained(args.model)
     # the adapter is validated against the model's shapes; weights are not needed for that
     model = build_model(cfg, None, dtype="float32", device="meta", load_format="none",
@@ -71,8 +78,6 @@ def _cmd_check_adapter(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from moelora.config import ModelConfig
-
     cfg = ModelConfig.from_pretrained(args.model)
     for k, v in cfg.__dict__.items():
         if k != "hf_config":
@@ -92,14 +97,11 @@ def _lora_specs(specs) -> dict[str, str]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from moelora.demo.run import run_demo
-
-    return run_demo(device=args.device, per_adapter=args.per_adapter, seed=args.seed, cpu_threads=args.cpu_threads)
+    return run_demo(device=args.device, per_adapter=args.per_adapter, seed=args.seed, cpu_threads=args.cpu_threads,
+                    kernel_config=args.kernel_config)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from moelora import LLM, SamplingParams
-
     adapters = _lora_specs(args.lora)
     try:  # before the model loads: a bad value fails at once
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -107,8 +109,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.model is None:  # the bundled demo model and its adapters
-        from moelora.demo import adapter_paths, model_path
-
         args.model = model_path()
         adapters = {**adapter_paths(), **adapters}
     if args.adapter is not None and args.adapter not in adapters:
@@ -116,14 +116,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     kw = dict(max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank, dtype=args.dtype,
               device=args.device, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
-              cpu_threads=args.cpu_threads)
+              cpu_threads=args.cpu_threads, kernel_config=args.kernel_config)
     launch = _torchrun_launch(args)
     if launch is not None and launch.rank != 0:  # torchrun: ranks 1..N-1 follow rank 0's steps
-        from moelora.engine.llm_engine import EngineArgs
-        from moelora.engine.workers import run_worker
-
         return run_worker(EngineArgs(model=args.model, **kw))
-    llm = LLM(args.model, adapters=adapters, show_progress=True, **kw)
+    llm = moelora.LLM(args.model, adapters=adapters, show_progress=True, **kw)
     try:
         prompts = args.prompt
         if args.chat:
@@ -138,8 +135,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _torchrun_launch(args: argparse.Namespace):
     """The torchrun launch this process belongs to (None without torchrun); exits with the reason when
     WORLD_SIZE is not --tp x --ep."""
-    from moelora.distributed import check_launch
-
     try:
         return check_launch(args.tensor_parallel_size, args.expert_parallel_size)
     except ValueError as e:
@@ -147,12 +142,11 @@ def _torchrun_launch(args: argparse.Namespace):
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from moelora.server.launch import serve
-
     return serve(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    # the benchmarks are loaded only by `moelora bench` (a broken benchmark never stops `moelora serve`)
     if args.what == "kernels":
         from moelora_bench.kernels import run
 
@@ -234,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
                       help="CPU: torch's threads (default: MOELORA_CPU_THREADS or OMP_NUM_THREADS, else a count that "
                       "does not oversubscribe the machine)")
+    demo.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON", help=KERNEL_CONFIG_HELP)
     demo.set_defaults(func=_cmd_demo)
 
     gen = sub.add_parser(
@@ -273,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
                      help="CPU: torch's threads (default: MOELORA_CPU_THREADS or OMP_NUM_THREADS, else a count that "
                      "does not oversubscribe the machine)")
+    gen.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON", help=KERNEL_CONFIG_HELP)
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser(
@@ -286,9 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         + "\nRank 0 serves HTTP on --host/--port; the other ranks only run the model.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from moelora.server.launch import add_arguments as _serve_args, check_args
-
-    _serve_args(srv)
+    add_serve_arguments(srv)
     srv.post_check = check_args
     srv.set_defaults(func=_cmd_serve)
 
@@ -309,9 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokens/s and step time at Qwen3-30B-A3B or DeepSeek-V2-Lite (--preset) dimensions (dummy weights) beside the byte floor, "
         "with 0-8 adapters, plus start-up and adapter-load times.",
     )
-    from moelora_bench.decode import add_arguments as _bench_decode_args
+    from moelora_bench import decode, report, serve  # their options only (see _cmd_bench)
 
-    _bench_decode_args(dec)
+    decode.add_arguments(dec)
+    dec.post_check = decode.check_args
     rep = bsub.add_parser(
         "report", help="the full comparison: ceilings, decode/prefill sweeps, transformers + PEFT, then plots (GPU)",
         description="Measures the GPU's HBM bandwidth and matmul ceilings; runs decode sweeps (batch 1-256 x 0-32 "
@@ -322,9 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         "then the PNGs if matplotlib is installed. Split a long run with --models/--dtypes/--ranks/--parts and "
         "plot the files together.",
     )
-    from moelora_bench.report import add_arguments as _bench_report_args
-
-    _bench_report_args(rep)
+    report.add_arguments(rep)
     plot = bsub.add_parser(
         "plot", help="PNG plots from one or more `bench report` JSON files (needs matplotlib; no GPU)",
         description="Draws tokens/s vs batch (0/1/4/8 adapters), step time over the byte floor, the share of the "
@@ -338,11 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="N concurrent clients against a running `moelora serve` (mixed adapters, streaming, optional "
         "early disconnects): requests/s, tokens/s, TTFT and TPOT p50/p99, errors, and the server's KV/slot gauges.",
     )
-    from moelora_bench.serve import add_arguments as _bench_serve_args
-
     for sp in (kern, dec):
         sp.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
-    _bench_serve_args(srv_b)
+    serve.add_arguments(srv_b)
     bench.set_defaults(func=_cmd_bench)
 
     chk = sub.add_parser(
@@ -359,15 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _expected_errors() -> tuple[type[Exception], ...]:
-    """Errors whose message says all a user needs (what is wrong and what to do): printed without a traceback."""
-    from moelora.adapters.errors import AdapterError
-    from moelora.config import ConfigError
-    from moelora.engine.memory import GPUMemoryError
-    from moelora.kernels._triton import DeviceError
-    from moelora.models.weights import WeightLoadError
-
-    return AdapterError, ConfigError, DeviceError, GPUMemoryError, LaunchError, WeightLoadError
+# errors whose message says all a user needs (what is wrong and what to do): printed without a traceback
+EXPECTED_ERRORS = (AdapterError, ConfigError, DeviceError, GPUMemoryError, LaunchError, WeightLoadError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"moelora {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except _expected_errors() as e:
+    except EXPECTED_ERRORS as e:
         cause = f" (from {type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
         print(f"moelora {args.command}: error: {e}{cause}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ transformers' modeling code reads the config, which is what the outputs must equ
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,8 +257,6 @@ def _deepseek_from_hf(cls: type[ModelConfig], hf: Any, arch: str) -> ModelConfig
     greedy or group-limited (it never renormalizes the top-k weights, whatever norm_topk_prob says); V3 scores by
     sigmoid and always routes noaux_tc-style with e_score_correction_bias (its config's scoring_func/topk_method
     are not read). The first first_k_dense_replace layers are dense."""
-    import math
-
     v3 = arch == "DeepseekV3ForCausalLM"
     n_layers, n_heads = hf.num_hidden_layers, hf.num_attention_heads
     n_kv = getattr(hf, "num_key_value_heads", None) or n_heads

@@ -6,14 +6,13 @@ import datetime
 import json
 import os
 import subprocess
+import time
 
 import torch
 
 
 def git_commit() -> str:
     """HEAD of the checkout, or $MOELORA_COMMIT where there is no .git (e.g. a copied tree)."""
-    import os
-
     if os.environ.get("MOELORA_COMMIT"):
         return os.environ["MOELORA_COMMIT"]
     try:
@@ -32,8 +31,6 @@ def time_ms(fn, warmup: int = 5, rep: int = 50) -> float:
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    import time
-
     for _ in range(2):
         fn()
     ts = []
@@ -125,7 +122,7 @@ def _claim_new_path(stem: str) -> str:
 
 def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffix: str = "",
                  new_file: bool = False) -> str:
-    """Write `payload` with date, device, commit, versions and the MOELORA_* switches set in the environment to
+    """Write `payload` with date, device, commit, versions and the MOELORA_* variables set in the environment to
     <out_dir>/<kind>-<date>-<device><suffix>.json and return the path.
 
     A result never overwrites an earlier run's: this process's first write of (kind, out_dir, suffix), or any write
@@ -145,8 +142,8 @@ def write_result(kind: str, payload: dict, out_dir: str = "bench/results", suffi
 
 def write_json(path: str, kind: str, payload: dict, now: datetime.datetime | None = None) -> str:
     """Write `payload` to `path` after what every result file carries: kind, date (`now`, default the present),
-    device, commit (git's, or $MOELORA_COMMIT), torch and Triton versions, and the MOELORA_* switches set in the
-    environment."""
+    device, commit (git's, or $MOELORA_COMMIT), torch and Triton versions, and the MOELORA_* variables set in the
+    environment (operational: docs/configuration.md; the kernels' choices are the rows' kernel_config)."""
     payload = {"kind": kind, "date": (now or _utcnow()).isoformat(timespec="seconds"), "device": device_name(),
                "commit": git_commit(), "torch": torch.__version__,
                "env_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOELORA_")}, **payload}

@@ -17,18 +17,18 @@ import tempfile
 import time
 
 import torch
+from safetensors.torch import save_file
 
 from moelora.adapters.normalize import ModuleLoRA
 from moelora.adapters.registry import LoRAAdapter
-from moelora_bench.common import hbm_bandwidth_gbs, hbm_read_bandwidth_gbs, write_result
-from moelora_bench.profile import format_profile, format_profile_tax, profile_tax, profile_steps as profile_steps_of
-from moelora_bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
-from moelora_bench.switches import apply as apply_switches
-from moelora_bench.switches import current as switches_now
-from moelora_bench.switches import format_ab, parse_ab
-from moelora.kernels._triton import fused_lora, set_fused_lora
+from moelora.kernels.config import KernelConfig
+from moelora.server.launch import KERNEL_CONFIG_HELP, kernel_config
+from moelora_bench.ab import format_ab, parse_ab
+from moelora_bench.common import hbm_bandwidth_gbs, hbm_read_bandwidth_gbs, write_result
+from moelora_bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
+from moelora_bench.profile import format_profile, format_profile_tax, profile_tax, profile_steps as profile_steps_of
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
@@ -67,29 +67,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-overlap", default="on", choices=["on", "off", "both"],
                    help="side-stream LoRA overlap (default on); both: the sweep with it on, then the adapter cases "
                         "again with it off (graphs recaptured)")
-    p.add_argument("--fused-lora", default="default", choices=["default", "on", "off", "both"],
-                   help="the fused decode LoRA kernels (one launch per projection; kernels/*_fused_triton.py): "
-                        "default keeps the engine's setting (MOELORA_FUSED_LORA); both: the sweep with the engine's "
-                        "setting, then the adapter cases again with it flipped (graphs recaptured)")
+    p.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON",
+                   help=KERNEL_CONFIG_HELP + " The base of every --ab variant.")
     p.add_argument("--ab", default="",
-                   help="in-process A/B of MOELORA_* switches, 'name:ENV=V[,ENV=V];name2:...' (e.g. "
-                        "'late:MOELORA_MOE_LORA_EARLY=0;both:MOELORA_MOE_LORA_EARLY=0,MOELORA_MOE_LORA_EARLY_DOWN=0'): "
-                        "after the sweep with the present settings (variant 'default'), each variant's switches are "
-                        "set, the graphs recaptured and the adapter cases run again; rows carry 'variant' and "
-                        "'switches', and a table of medians and kept shares ends the run (bench/switches.py lists "
-                        "the switches)")
+                   help="in-process A/B of kernel configs, 'name:key=value[,key=value];name2:...' with dotted "
+                        "KernelConfig fields (e.g. 'early0:moe_lora.early=0;nopdl:fp8.lora_pdl=0'; "
+                        "docs/configuration.md lists them): after the sweep with the base config (variant "
+                        "'default'), each variant's config is applied to the engine, the graphs recaptured and the "
+                        "adapter cases run again; rows carry 'variant' and 'kernel_config' (its fields that differ "
+                        "from the defaults), and a table of medians and kept shares ends the run")
     p.add_argument("--ab-rounds", type=int, default=1,
                    help="with --ab: the rotation default, variant 1, ... run this many times (the no-adapter case "
                         "again in each default pass), so drift spreads over every variant (default 1)")
     p.add_argument("--ab-base", action="store_true",
-                   help="with --ab: each variant also runs the no-adapter case (for switches that change the base "
-                        "step too, such as MOELORA_FUSED_ROUTER); the table then adds each variant's kept share "
+                   help="with --ab: each variant also runs the no-adapter case (for fields that change the base "
+                        "step too, such as moe.fused_router); the table then adds each variant's kept share "
                         "against its own no-adapter median ('own')")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per case, this many decode steps under torch.profiler before the timed ones (not timed): "
                         "the time per kernel and step in the JSON row ('profile') and the largest printed; with "
                         "--ab, each variant's profile also against the default's of the same case "
-                        "('profile_vs_default': which kernels its switches made slower or faster)")
+                        "('profile_vs_default': which kernels its config made slower or faster)")
     p.add_argument("--profile-trace", default=None, metavar="DIR",
                    help="with --profile-steps on a GPU: also write each profiled case's kernels (name, stream, start, "
                         "duration) to DIR/trace-<case>.json.gz, for `python -m moelora_bench.trace` (one layer's "
@@ -335,9 +333,25 @@ def _repeated_case(engine: LLMEngine, batch: int, n_adapters: int, workload: str
     return {**median, "repeats_tokens_per_s": tps, "repeat_spread": (max(tps) - min(tps)) / median["tokens_per_s"]}
 
 
-def run(args: argparse.Namespace) -> int:
-    if getattr(args, "repeat", 1) < 1:  # before the model is built
+def check_args(args: argparse.Namespace) -> list[tuple[str, KernelConfig]]:
+    """The checks across options, before anything is built (a ValueError whose message is one line; `moelora bench
+    decode` prints it as a usage error): --repeat, --ab-rounds, --lora-targets and --ab, whose variants (each the
+    base --kernel-config with its fields set) are returned."""
+    if getattr(args, "repeat", 1) < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    if getattr(args, "ab_rounds", 1) < 1:
+        raise ValueError(f"--ab-rounds must be at least 1, got {args.ab_rounds}")
+    for which in _target_sets(args):
+        check_target_set(which)
+    variants = parse_ab(getattr(args, "ab", "") or "", getattr(args, "kernel_config", None) or KernelConfig())
+    if variants and getattr(args, "tp", 1) * getattr(args, "ep", 1) > 1:
+        raise ValueError("--ab compares kernel configs in one process: run it with --tp 1 --ep 1 (the workers of a "
+                         "parallel engine keep the config they were built with)")
+    return variants
+
+
+def run(args: argparse.Namespace) -> int:
+    variants = check_args(args)  # before the model is built
     presets = {"qwen3-30b-a3b": (QWEN3_30B_A3B, TINY, "Qwen3-30B-A3B"),
                "deepseek-v2-lite": (DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, "DeepSeek-V2-Lite")}
     full, tiny, model_name = presets[getattr(args, "preset", "qwen3-30b-a3b")]
@@ -349,11 +363,6 @@ def run(args: argparse.Namespace) -> int:
         json.dump(cfg, f)
     batches = [int(b) for b in args.batches.split(",")]
     counts = [int(c) for c in args.adapter_counts.split(",")]
-    for which in _target_sets(args):  # before the model is built
-        check_target_set(which)
-    parse_ab(getattr(args, "ab", "") or "")
-    if getattr(args, "ab_rounds", 1) < 1:
-        raise ValueError(f"--ab-rounds must be at least 1, got {args.ab_rounds}")
     t0 = time.perf_counter()
     quant = args.dtype if args.dtype in ("fp8", "nvfp4") else None
     tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
@@ -366,15 +375,16 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=2048, enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap != "off",
         max_graph_batch_size=max(batches), tensor_parallel_size=tp, expert_parallel_size=ep,
         kv_cache_memory_bytes=kv_bytes, async_scheduling=getattr(args, "async_scheduling", None),
+        kernel_config=getattr(args, "kernel_config", None),
     ))
     try:
-        return _sweep(engine, args, batches, counts, model_name, t0, parallel)
+        return _sweep(engine, args, batches, counts, model_name, t0, parallel, variants)
     finally:
         engine.shutdown()
 
 
 def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], counts: list[int], model_name: str,
-           t0: float, parallel: bool) -> int:
+           t0: float, parallel: bool, variants: list[tuple[str, KernelConfig]]) -> int:
     engine.add_request("startup", [1, 2, 3], SamplingParams(max_tokens=1), None)
     while engine.has_unfinished_requests():
         engine.step()
@@ -407,39 +417,32 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
             "adapter_bytes": adapter_bytes, "graphs": engine.runner.graphs is not None,
             "memory_plan_gib": plan.as_gib() if plan else None,
             "tensor_parallel_size": engine.args.tensor_parallel_size,
-            "expert_parallel_size": engine.args.expert_parallel_size, "expert_lora_layout": args.expert_lora_layout}
+            "expert_parallel_size": engine.args.expert_parallel_size, "expert_lora_layout": args.expert_lora_layout,
+            "kernel_config": engine.kernel_config.diff()}
     if parallel:
         head["floor_note"] = ("the floor of a sharded run: the bytes of the rank that reads the most (its shard of "
                               "attention, dense LoRA and lm_head, its KV heads, its own touched experts and their "
                               "LoRA pairs) at one GPU's bandwidth; MLA models have none yet")
     overlaps = [True, False] if args.lora_overlap == "both" else [args.lora_overlap == "on"]
-    fused_mode = getattr(args, "fused_lora", "default")
-    if fused_mode in ("on", "off") and (fused_mode == "on") != fused_lora():
-        _recapture(engine, overlaps[0], fused_mode == "on")
-    fused0 = fused_lora()
-    fuseds = [fused0, not fused0] if fused_mode == "both" else [fused0]
-    passes = [(o, f) for f in fuseds for o in overlaps]
-    cases = [(o, f, w, b, n, t) for o, f in passes for w in args.workloads.split(",") for b in batches
-             for n in counts for t in (target_sets if n else target_sets[:1]) if (o, f) == passes[0] or n > 0]
-    variants = parse_ab(getattr(args, "ab", "") or "")
-    defaults = switches_now({k for _, env in variants for k in env})
-    plan = [("default", {}, 0, cases)]
+    cases = [(o, w, b, n, t) for o in overlaps for w in args.workloads.split(",") for b in batches
+             for n in counts for t in (target_sets if n else target_sets[:1]) if o == overlaps[0] or n > 0]
+    base = engine.kernel_config
+    plan = [("default", base, 0, cases)]
     for rnd in range(getattr(args, "ab_rounds", 1) if variants else 0):
         if rnd:  # the default again, its no-adapter case included: drift shows there
-            plan.append(("default", {}, rnd, [c for c in cases if c[:2] == passes[0]]))
+            plan.append(("default", base, rnd, [c for c in cases if c[0] == overlaps[0]]))
         with_base = getattr(args, "ab_base", False)
-        plan += [(name, env, rnd, [c for c in cases if c[:2] == passes[0] and (c[4] > 0 or with_base)])
-                 for name, env in variants]
-    for variant, env, rnd, variant_cases in plan:
-        if variants and (variant != "default" or rnd > 0):  # the first default pass runs as things are
-            apply_switches({**defaults, **env})
-            _recapture(engine, variant_cases[0][0], variant_cases[0][1])
-            print(f"--- variant {variant} (round {rnd + 1}): {env or 'the present settings'}", flush=True)
+        plan += [(name, cfg, rnd, [c for c in cases if c[0] == overlaps[0] and (c[3] > 0 or with_base)])
+                 for name, cfg in variants]
+    for variant, cfg, rnd, variant_cases in plan:
+        if variants and (variant != "default" or rnd > 0):  # the first default pass runs as built
+            engine.model.set_overlap(variant_cases[0][0] and engine.device.type == "cuda")
+            engine.reconfigure(cfg)  # the layers' choices and the side stream; the graphs recaptured
+            print(f"--- variant {variant} (round {rnd + 1}): {cfg.diff(base) or 'the base config'}", flush=True)
         for case in variant_cases:
             _run_row(engine, args, case, rows, head, bw, parallel, model_name,
-                     dict(variant=variant, switches=env, ab_round=rnd) if variants else {})
+                     dict(variant=variant, kernel_config=cfg.diff(), ab_round=rnd) if variants else {})
     if variants:
-        apply_switches(defaults)
         print(format_ab(rows), flush=True)
     path = write_result("decode", {**head, "rows": rows}, args.out)
     print(f"results: {path}")
@@ -448,16 +451,16 @@ def _sweep(engine: LLMEngine, args: argparse.Namespace, batches: list[int], coun
 
 def _run_row(engine: LLMEngine, args: argparse.Namespace, case: tuple, rows: list[dict], head: dict,
              bw: float | None, parallel: bool, model_name: str, tags: dict) -> None:
-    """One case of the sweep: run it (recapturing first if its overlap / fused setting differs), append its row
-    (with `tags`), write the JSON, print the line (and its profile)."""
-    overlap, fused, workload, batch, n, which = case
-    if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state() or fused != fused_lora():
-        _recapture(engine, overlap, fused)
+    """One case of the sweep: run it (recapturing first if its overlap differs), append its row (with `tags`), write
+    the JSON, print the line (and its profile)."""
+    overlap, workload, batch, n, which = case
+    if (overlap and engine.device.type == "cuda") != engine.model.lora_overlap_state():
+        _recapture(engine, overlap)
     trace_dir = getattr(args, "profile_trace", None)
     trace = None
     if trace_dir and getattr(args, "profile_steps", 0) and engine.device.type == "cuda":
         trace = os.path.join(trace_dir, f"trace-{workload}-b{batch}-a{n}-{which if n else 'none'}"
-                             f"{'' if overlap else '-serial'}{'-fused' if fused and n else ''}"
+                             f"{'' if overlap else '-serial'}"
                              f"{'-' + tags['variant'] + str(tags['ab_round']) if tags else ''}.json.gz")
     r = _repeated_case(engine, batch, n, workload, args.decode_steps, seed=batch * 31 + n,
                        profile_steps=getattr(args, "profile_steps", 0), repeat=getattr(args, "repeat", 1),
@@ -468,7 +471,7 @@ def _run_row(engine: LLMEngine, args: argparse.Namespace, case: tuple, rows: lis
     r.update(model=(f"tiny {model_name}" if args.tiny else model_name)
              + ("" if not args.layers else f" ({args.layers} layers)")
              + (f" tp{engine.args.tensor_parallel_size} ep{engine.args.expert_parallel_size}" if parallel else ""),
-             dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap, fused_lora=fused,
+             dtype=args.dtype, rank=args.lora_rank if n else 0, lora_overlap=overlap,
              async_scheduling=engine.async_scheduling)
     if parallel and engine.config.mla is not None:
         r["floor_bytes"] = None
@@ -480,7 +483,7 @@ def _run_row(engine: LLMEngine, args: argparse.Namespace, case: tuple, rows: lis
     fl = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms"
     if r["floor_read_ms"] is not None:
         fl += f" ({r['floor_read_ms']:.2f} read)"
-    label = (("" if overlap else " (overlap off)") + (" (fused LoRA)" if fused and n else "")
+    label = (("" if overlap else " (overlap off)")
              + (f" ({which} only)" if n and which != "all" else "")
              + (f" [{tags['variant']}]" if tags else ""))
     reps = r.get("repeats_tokens_per_s")
@@ -498,7 +501,7 @@ def _run_row(engine: LLMEngine, args: argparse.Namespace, case: tuple, rows: lis
             r["profile_tax"] = profile_tax(base["profile"], r["profile"])
             print(format_profile_tax(r["profile_tax"]), flush=True)
         ref = _ab_reference(rows, r)
-        if ref is not None:  # an --ab variant: which kernels its switches made slower or faster
+        if ref is not None:  # an --ab variant: which kernels its config made slower or faster
             r["profile_vs_default"] = profile_tax(ref["profile"], r["profile"])
             print(format_profile_tax(r["profile_vs_default"], title=f"{tags['variant']} against the default"),
                   flush=True)
@@ -508,10 +511,10 @@ def _run_row(engine: LLMEngine, args: argparse.Namespace, case: tuple, rows: lis
 
 def _ab_reference(rows: list[dict], r: dict) -> dict | None:
     """For a profiled row of an --ab variant: the profiled row of the default's first run of the same case
-    (workload, batch, adapters, targets, overlap, fused), or None."""
+    (workload, batch, adapters, targets, overlap), or None."""
     if r.get("variant") in (None, "default"):
         return None
-    case = ("workload", "batch", "adapters", "lora_targets", "lora_overlap", "fused_lora")
+    case = ("workload", "batch", "adapters", "lora_targets", "lora_overlap")
     return next((q for q in rows if q.get("variant") == "default" and "profile" in q
                  and all(q.get(k) == r.get(k) for k in case)), None)
 
@@ -520,25 +523,16 @@ def _target_sets(args: argparse.Namespace) -> list[str]:
     return [t.strip() for t in getattr(args, "lora_targets", "all").split(",") if t.strip()] or ["all"]
 
 
-def _recapture(engine: LLMEngine, overlap: bool, fused: bool | None = None) -> None:
-    """Switch the side-stream overlap (and the fused LoRA kernels) and capture the decode graphs again (they
-    record the streams and kernels used)."""
+def _recapture(engine: LLMEngine, overlap: bool) -> None:
+    """Switch the side-stream overlap and capture the decode graphs again (they record the streams used)."""
     engine.model.set_overlap(overlap and engine.device.type == "cuda")
-    if fused is not None:
-        set_fused_lora(fused)
-    g = engine.runner.graphs
-    if g is not None:
-        g.graphs.clear()
-        g._routing.clear()
-        torch.cuda.empty_cache()
-        g.capture()
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.recapture()
 
 
 def _write_peft_adapter(engine: LLMEngine, ad: LoRAAdapter, rank: int) -> str:
     """Write an adapter in PEFT's layout (2-D keys for dense targets, target_parameters for the fused experts)
     to a new temporary folder; returns the folder."""
-    from safetensors.torch import save_file
-
     tensors = {}
     for name, mod in ad.modules.items():
         if mod.a.dim() == 2:

@@ -4,9 +4,10 @@ over adapters, and the base layer's own GEMM.
 Cases: a dense 4096-wide layer, and Qwen3-30B-A3B's routed experts (H 2048, I 768, E 128, top-8) for
 gate_up and down; 1/16/64/256 tokens; 1/4/8/32 adapters (tokens spread round-robin over the adapters);
 rank 16 and 64; bf16. time_ms is the CUDA-graph replay time (GPU work only, as decode runs it),
-eager_ms the same launches from Python. The MoE cases take the layer's dispatch: the fused kernel (one launch,
-h in registers) up to GEMV_MAX_PAIRS pairs unless MOELORA_FUSED_LORA=0, else plan + shrink + expand ("path"). Bytes = every input read once and every output written once: x, the A and B
-factors of the slots (dense) or of the (slot, expert) pairs (MoE) that some token uses, h, and y.
+eager_ms the same launches from Python. The MoE cases take the layer's backend for their number of pairs
+(MoELoRAKernels.pick: the per-pair fused kernel, or the grouped one from moe_lora.grouped_min_pairs; "path").
+Bytes = every input read once and every output written once: x, the A and B factors of the slots (dense) or of the
+(slot, expert) pairs (MoE) that some token uses, the dense h, and y.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import torch
 from moelora_bench.common import captured_graph, hbm_bandwidth_gbs, time_ms, write_result
 from moelora.kernels.lora.groups import SlotGroups
 from moelora.kernels.lora.shrink_expand_triton import lora_expand, lora_shrink, lora_shrink_buffer
-from moelora.kernels._triton import fused_lora
-from moelora.kernels.moe_lora.fused_triton import moe_lora_fused
-from moelora.kernels.moe_lora.chain_triton import GEMV_MAX_PAIRS, moe_lora_expand, moe_lora_plan, moe_lora_shrink
+from moelora.kernels.moe_lora.args import ProjLoRA, Routing
+from moelora.kernels.moe_lora.backend import MoELoRAKernels
 
 TOKENS = (1, 16, 64, 256)
 ADAPTERS = (1, 4, 8, 32)
@@ -74,25 +74,17 @@ def _moe_case(site: str, T: int, n_ad: int, R: int, H: int = 2048, inter: int = 
     scaling = torch.ones(n, S, device=dev)
     off = torch.tensor([0, inter, 2 * inter] if n == 2 else [0, H], dtype=torch.int32, device=dev)
     y = torch.randn(T * K, O, device=dev, dtype=dt)
-    h = torch.zeros(T * K, n, R, device=dev)
-    wts = torch.rand(T * K, device=dev)
+    lora = ProjLoRA(a, b, off, ranks, scaling, O // n)
+    routing = Routing(ids, slots, E, S)
+    path = type(MoELoRAKernels(triton=True).pick(routing)).__name__  # the layer's backend for this many pairs
 
-    fused = fused_lora() and T * K <= GEMV_MAX_PAIRS  # the layer's dispatch (fused_moe_pairs)
-
-    def kernels():  # as the MoE layer runs them: one fused launch, or an alignment plan, shrink and expand
-        if fused:
-            moe_lora_fused(x, a, b, off, ranks, scaling, ids, slots, E, y, per_pair, wts if site == "down" else None)
-            return
-        h.zero_()
-        align = moe_lora_plan(ids, slots, E, S)
-        moe_lora_shrink(x, a, ranks, ids, slots, E, h, per_pair, align=align)
-        moe_lora_expand(h, b, off, ranks, scaling, ids, slots, E, y, wts if site == "down" else None, align=align)
+    def kernels():  # as the MoE layer runs them: the backend of this call (a grouped one aligns the pairs first)
+        MoELoRAKernels(triton=True).pick(routing).delta(x, lora, routing, y, x_per_pair=per_pair, store=False)
 
     pair_v = (slots.long().repeat_interleave(K) * E + ids.reshape(-1)).unique()
     used = int(pair_v.numel())  # (slot, expert) pairs some token uses
     rows_in = T if not per_pair else T * K
-    h_bytes = 0 if fused else 2 * T * K * n * R * 4  # the fused kernel keeps h in registers
-    nbytes = used * (n * R * D + O * R) * EL + rows_in * D * EL + 2 * T * K * O * EL + h_bytes
+    nbytes = used * (n * R * D + O * R) * EL + rows_in * D * EL + 2 * T * K * O * EL  # h stays in registers
     pair_slot = slots.long().repeat_interleave(K)
     pair_exp = ids.reshape(-1)
     per_slot = [(s, (pair_slot == s).nonzero().squeeze(1)) for s in range(n_ad)]
@@ -121,7 +113,7 @@ def _moe_case(site: str, T: int, n_ad: int, R: int, H: int = 2048, inter: int = 
 
     return _record(f"moe_{site}", T, n_ad, R, nbytes, kernels, torch_loop, base,
                    {"H": H, "I": inter, "E": E, "top_k": K, "slot_expert_pairs": used,
-                    "path": "fused" if fused else "shrink_expand"})
+                    "path": path})
 
 
 def _graph_time_ms(fn) -> float:

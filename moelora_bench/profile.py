@@ -6,6 +6,7 @@ kernels' time other kernels ran beside — whether the side stream's work hides 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -62,8 +63,6 @@ def write_kernel_trace(events: list[dict], path: str) -> None:
     """The kernels of a chrome trace (torch.profiler's export_chrome_trace), compact, gzip'd JSON at path:
     {"names": [kernel name ...], "kernels": [[name index, stream, start µs from the first kernel, duration µs]
     ...] in start order}."""
-    import gzip
-
     ks = sorted((float(e["ts"]), float(e["dur"]), e.get("args", {}).get("stream"), e.get("name", ""))
                 for e in events if e.get("cat") == "kernel" and e.get("ph") == "X")
     names: dict[str, int] = {}

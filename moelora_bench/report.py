@@ -23,11 +23,18 @@ import time
 
 import torch
 
-from moelora_bench import decode
-from moelora_bench.common import hbm_bandwidth_gbs, time_ms, write_result
-from moelora_bench.figures import add_kept, floor_ms, matmul_flops, mean, prefill_flop_floor_s, step_over_floor
+from moelora.config import ModelConfig
+from moelora.engine.kv_cache import KVCache
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
+from moelora.models.loader import build_model
+from moelora.server.launch import KERNEL_CONFIG_HELP, kernel_config
+from moelora_bench import decode, presets
+from moelora_bench.baseline_hf import run_peft_baseline
+from moelora_bench.common import hbm_bandwidth_gbs, time_ms, write_result
+from moelora_bench.figures import add_kept, floor_ms, matmul_flops, mean, prefill_flop_floor_s, step_over_floor
+from moelora_bench.plot import plot_files
+from moelora_bench.summary import markdown
 
 LABELS = {"deepseekv2lite": "DeepSeek-V2-Lite"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -91,6 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tag", default=None,
                    help="suffix of the JSON's name (report-<date>-<device>-TAG.json), for the parts of a split run")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNGs at the end")
+    p.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON",
+                   help=KERNEL_CONFIG_HELP + " Every engine of the report takes it.")
 
 
 def _grid(args: argparse.Namespace) -> dict:
@@ -116,10 +125,6 @@ def _norm(name: str) -> str:
 def _preset(name: str, tiny: bool) -> dict | None:
     """An HF config dict from moelora_bench/presets.py: the constant named like the model (DEEPSEEK_V2_LITE,
     with _TINY for --tiny), or an entry of a PRESETS / TINY_PRESETS table; None if there is none."""
-    try:
-        from moelora_bench import presets
-    except ImportError:
-        return None
     const = "".join(c if c.isalnum() else "_" for c in name).upper() + ("_TINY" if tiny else "")
     if isinstance(getattr(presets, const, None), dict):
         return dict(getattr(presets, const))
@@ -187,9 +192,6 @@ def matmul_tflops(device: torch.device, dtype: str) -> float | None:
 # ---- engines ------------------------------------------------------------------------------------------------
 def _meta_sizes(folder: str, dtype: str, rank: int) -> dict:
     """Weight bytes, one LoRA slot's bytes and active parameters per token, from a model on the meta device."""
-    from moelora.config import ModelConfig
-    from moelora.models.loader import build_model
-
     cfg = ModelConfig.from_pretrained(folder)
     m = build_model(cfg, None, dtype="bfloat16", device="meta", load_format="none", max_loras=1, max_lora_rank=rank)
     weights = active = 0
@@ -206,9 +208,6 @@ def _meta_sizes(folder: str, dtype: str, rank: int) -> dict:
 
 
 def _kv_bytes(folder: str, dtype: str, tokens: int, block_size: int = 16) -> int:
-    from moelora.config import ModelConfig
-    from moelora.engine.kv_cache import KVCache
-
     cfg = ModelConfig.from_pretrained(folder)
     kv_dtype = torch.bfloat16 if dtype in QUANTIZED or dtype == "bfloat16" else getattr(torch, dtype)
     return KVCache.bytes_per_block(cfg, block_size, kv_dtype) * (-(-tokens // block_size))
@@ -230,7 +229,7 @@ def _build_engine(folder: str, dtype: str, rank: int, slots: int, g: dict, devic
         model=folder, max_loras=max(slots, 1), max_lora_rank=rank, **engine_dtype(dtype),
         device=str(device), load_format="dummy", max_num_seqs=max_seqs, max_num_batched_tokens=8192,
         max_model_len=max(g["prefill_len"], _ctx_len(g)) + 64, kv_cache_memory_bytes=kv_bytes,
-        max_graph_batch_size=max(g["batches"]),
+        max_graph_batch_size=max(g["batches"]), kernel_config=g.get("kernel_config"),
     ))
 
 
@@ -328,6 +327,8 @@ def run_report(args: argparse.Namespace) -> str:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     models, notes = model_configs(g["models"], args.tiny)
     settings = {k: (sorted(v) if isinstance(v, set) else v) for k, v in g.items()}
+    g["kernel_config"] = getattr(args, "kernel_config", None)  # None: the defaults
+    settings["kernel_config"] = g["kernel_config"].diff() if g["kernel_config"] else {}
     vllm = g["workload"] == "vllm"
     settings.update(quick=args.quick, hf_mode=args.hf_mode, decode_prompt_len=128 if vllm else 1024,
                     decode_new_tokens=128 if vllm else g["decode_steps"] + 1)
@@ -353,8 +354,6 @@ def run_report(args: argparse.Namespace) -> str:
     finally:
         bar.close()
         path = rep.save()
-    from moelora_bench.summary import markdown
-
     with open(path) as f:
         print(markdown(json.load(f)))
     print(f"results: {path}")
@@ -364,8 +363,6 @@ def run_report(args: argparse.Namespace) -> str:
         except ImportError:
             print("matplotlib is not installed: run `moelora bench plot FILE` where it is (pip install moelora[bench])")
         else:
-            from moelora_bench.plot import plot_files
-
             for png in plot_files([path], args.out):
                 print(f"plot: {png}")
     return path
@@ -471,8 +468,6 @@ def _prefill_row(engine: LLMEngine, g: dict, n: int, rank: int, sizes: dict, tfl
 
 
 def _peft_cases(rep: Report, bar, g: dict, models: list[tuple[str, dict]], device: torch.device) -> None:
-    from moelora_bench.baseline_hf import run_peft_baseline
-
     n_cases = len(g["hf_batches"]) * len(g["hf_adapter_counts"])
     qwen = [(label, cfg) for label, cfg in models if cfg.get("model_type") == "qwen3_moe"]
     if not qwen:

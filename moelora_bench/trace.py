@@ -5,6 +5,7 @@ kernels ran beside it. The median over the layers of every profiled step, so one
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import statistics
@@ -75,8 +76,6 @@ def format_layer_table(t: dict, title: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m moelora_bench.trace",
                                 description="One decoder layer's kernels, in order, from bench decode --profile-trace "
                                             "files: median duration, gap before and start in the layer, per kernel")

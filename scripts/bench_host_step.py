@@ -3,10 +3,9 @@
 The engine's decode step is synchronous (sampling reads the tokens back), so the scheduler, the graph's
 input tensors and the per-request bookkeeping run while the GPU idles. This times, on the CPU, the parts that
 do not need the GPU: Scheduler.schedule() over B running requests of a given context, the runner's per-request
-inputs (ModelRunner._graph_step's lists), decode_host_inputs (the graph's padded host tensors) and
-SlotGroups.build of the LoRA slots; the GPU's sampling and copies are not in it. Median µs of --reps steps.
-incremental_host_inputs: DecodeHostInputs.build, the default (kept arrays, block tables updated in place), in
-steady decode; the total counts it, not decode_host_inputs (MOELORA_INCREMENTAL_HOST_INPUTS=0).
+inputs (ModelRunner._graph_step's lists), incremental_host_inputs (DecodeHostInputs.build: the graph's padded host
+tensors, kept arrays, block tables updated in place, in steady decode) and SlotGroups.build of the LoRA slots; the
+GPU's sampling and copies are not in it. Median µs of --reps steps.
 
 Usage: python scripts/bench_host_step.py [--batches 64,256] [--contexts 128,1024] [--reps 50] [--out FILE]
 """
@@ -24,7 +23,6 @@ import torch
 
 from moelora_bench.decode import QWEN3_30B_A3B
 from moelora.config import ModelConfig
-from moelora.engine.cuda_graphs import decode_host_inputs
 from moelora.engine.graph_inputs import DecodeHostInputs
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.request import Request, Status
@@ -71,12 +69,11 @@ def case(batch: int, ctx: int, reps: int) -> dict:
     parts = {
         "schedule": lambda: sched.schedule(),
         "runner_inputs": inputs,
-        "decode_host_inputs": lambda: decode_host_inputs(toks, pos, tables, bs, BLOCK, width, 0),
         "incremental_host_inputs": lambda: host.build(toks, pos, tables, bs),
         "slot_groups": lambda: SlotGroups.build(lora_slots, 8, "cpu"),
     }
     us = {k: round(_median_us(f, reps), 1) for k, f in parts.items()}
-    total = sum(v for k, v in us.items() if k != "decode_host_inputs")  # the engine runs one of the two builders
+    total = sum(us.values())
     return {"batch": batch, "context": ctx, "us": us, "total_us": round(total, 1)}
 
 

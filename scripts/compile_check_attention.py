@@ -69,9 +69,6 @@ def main() -> None:
                      "BLOCK_B": 256, "D": D,
                      "BLOCK_D": BLOCK_D, "TILE": at.TILE_N, "HAS_WINDOW": window, "DOT_PRECISION": "tf32"},
                     args.arch, num_warps=8, num_stages=2)
-        compile_one(at._paged_attn_kernel,
-                    {"BLOCK_SIZE": BS, "BLOCK_G": triton.next_power_of_2(G), "D": D, "BLOCK_D": BLOCK_D,
-                     "HAS_WINDOW": window}, args.arch)
 
 
 if __name__ == "__main__":

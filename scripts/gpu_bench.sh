@@ -12,13 +12,17 @@
 # Usage: MOELORA_COMMIT=<sha> bash scripts/gpu_bench.sh KIND [moelora bench KIND arguments...]
 #   bash scripts/gpu_bench.sh decode --dtype fp8 --batches 64,256 --adapter-counts 0,4,8     # the README's grid
 #   bash scripts/gpu_bench.sh decode --dtype fp8 --workloads vllm --batches 64 --adapter-counts 0,4 --ab-rounds 2 \
-#       --ab "off:MOELORA_MOE_LORA_EARLY_DOWN=0"                                            # an A/B in one process
+#       --ab "late:moe_lora.early_down=0"       # an A/B of kernel configs in one process (docs/configuration.md)
 #   bash scripts/gpu_bench.sh decode --preset deepseek-v2-lite --workloads ctx1024 --batches 1,16,64
 #   bash scripts/gpu_bench.sh decode --tp 2 --workloads vllm --batches 64,256 --adapter-counts 0,4   # 2 GPUs
 #   bash scripts/gpu_bench.sh report --quick          # or --parts prefill, --models, --dtypes, ... (none: --quick)
 #   bash scripts/gpu_bench.sh kernels
-# env: TIMEOUT (seconds; SIGINT at the limit: report keeps every case it finished), MOELORA_DUMP_STACKS_S (stacks
-# of every process that often, for a stuck multi-GPU run).
+#   TREES="old=.old new=." bash scripts/gpu_bench.sh decode --dtype fp8 --batches 64,256 --adapter-counts 0,4,8
+#       the same benchmark for two trees one after the other in this call (an older tree copied into an ignored
+#       folder and carried): each runs from its folder (PYTHONPATH, nothing installed) into $OUT/NAME/, with the
+#       demo's greedy rows; then the demo rows are compared and tokens/s of each case printed side by side
+# env: TIMEOUT (seconds a benchmark; SIGINT at the limit: report keeps every case it finished), TREES,
+# MOELORA_DUMP_STACKS_S (stacks of every process that often, for a stuck multi-GPU run).
 KIND=${1:-}
 case "$KIND" in
     decode|report|kernels) shift ;;
@@ -30,6 +34,18 @@ ARGS=("$@")
 if [ "$KIND" = report ]; then
     [ ${#ARGS[@]} -eq 0 ] && ARGS=(--quick)
     ARGS=(--no-plot "${ARGS[@]}")
+fi
+if [ -n "${TREES:-}" ]; then
+    for tree in $TREES; do
+        name=${tree%%=*}; dir=$(cd "${tree#*=}" && pwd); mkdir -p "$OUT/$name"
+        (cd "$dir" && PYTHONPATH=$dir timeout -s INT "${TIMEOUT:-270}" python3 -m moelora bench "$KIND" \
+            --out "$OUT/$name" "${ARGS[@]}" > "$OUT/$name/bench-$KIND.log" 2>&1
+         PYTHONPATH=$dir timeout 120 python3 -m moelora demo --seed 0 > "$OUT/$name/demo.txt" 2>&1)
+        echo "== $name: $(cd "$dir" && PYTHONPATH=$dir python3 -c 'import moelora; print(moelora.__file__)'):" \
+            "$(tail -1 "$OUT/$name/demo.txt"); $(grep -c tok/s "$OUT/$name/bench-$KIND.log") lines with tok/s"
+    done
+    python3 "$(dirname "$0")/results_jsonl.py" --compare "$OUT" $TREES
+    exit 0
 fi
 LOG="$OUT/bench-$KIND.log"
 timeout -s INT "${TIMEOUT:-570}" python3 -m moelora bench "$KIND" --out "$OUT" "${ARGS[@]}" > "$LOG" 2>&1

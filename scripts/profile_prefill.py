@@ -8,11 +8,10 @@ report-prefill: bf16 56,417 -> 34,346 / 30,092 with 1 / 4 adapters; fp8 49,889 -
 rank-16 LoRA adds ~0.1% of the FLOPs. Its rows: bench/results/prefill.jsonl.
 
     python scripts/profile_prefill.py [--dtype fp8] [--adapters 0,1,4] [--json out.json] [--lines 25]
-        [--variants "grouped:MOELORA_GROUPED_PREFILL=1;narrow:MOELORA_FP8_PREFILL_CONFIG=narrow"]
-        [--no-profile]
-The defaults run first, then each variant: bench/switches.py's switches set in this process between runs (one engine for all; prefill runs
-eagerly, so every switch read at launch takes effect); each variant times every adapter count (a warm-up pass,
-then a timed one) and, unless --no-profile, profiles a third.
+        [--variants "noepi:moe_lora.prefill_epilogue=0"] [--no-profile]
+The defaults run first, then each variant: the kernel config with those dotted fields set (bench decode --ab's
+syntax, docs/configuration.md), applied to the one engine between runs (LLMEngine.reconfigure); each variant times
+every adapter count (a warm-up pass, then a timed one) and, unless --no-profile, profiles a third.
 """
 
 from __future__ import annotations
@@ -23,7 +22,9 @@ import json
 
 import torch
 
-from moelora_bench import decode, report, switches
+from moelora.kernels.config import KernelConfig
+from moelora_bench import decode, report
+from moelora_bench.ab import parse_ab
 from moelora_bench.common import git_commit
 from moelora_bench.profile import format_profile, format_profile_tax, profile_steps, profile_tax
 
@@ -37,11 +38,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lines", type=int, default=25)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="", help="--ab style 'name:ENV=V[,ENV=V];...', run after the defaults")
+    ap.add_argument("--variants", default="", help="--ab style 'name:key=value[,key=value];...', after the defaults")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="the tiny Qwen3-MoE on the CPU (a smoke test of the script)")
     args = ap.parse_args()
-    variants = [("default", {})] + (switches.parse_ab(args.variants) if args.variants else [])
+    variants = [("default", KernelConfig())] + parse_ab(args.variants, KernelConfig())
     device = torch.device("cpu" if args.tiny else "cuda")
     counts = [int(n) for n in args.adapters.split(",")]
     folder = report._write_config(dict(decode.TINY if args.tiny else decode.QWEN3_30B_A3B))
@@ -52,31 +53,27 @@ def main() -> None:
     engine = report._build_engine(folder, args.dtype, args.rank, max(max(counts), 1), g, device, kv_bytes)
     report._register_adapters(engine, max(max(counts), 1), args.rank)
     rows = []
-    for vname, env in variants:
-        before = switches.current(list(env))
-        switches.apply(env)
+    for vname, cfg in variants:
+        engine.reconfigure(cfg)
         base = None
-        try:
-            for n in counts:
-                report.prefill_case(engine, args.prompts, args.prompt_len, n, seed=5)  # compile, autotune, loads
-                timed = report.prefill_case(engine, args.prompts, args.prompt_len, n, seed=6)
-                row = {"variant": vname, "env": env, "adapters": n, "tokens_per_s": timed["tokens_per_s"],
-                       "seconds": timed["seconds"]}
-                print(f"{vname}: {args.dtype} prefill, {n} adapters: {timed['tokens_per_s']:.0f} tok/s "
-                      f"({timed['seconds'] * 1e3:.0f} ms)", flush=True)
-                if not args.no_profile:
-                    prof = profile_steps(
-                        lambda: report.prefill_case(engine, args.prompts, args.prompt_len, n, seed=7), 1, device)
-                    row["profile"] = prof
-                    print(format_profile(prof, args.lines))
-                    if n == 0:
-                        base = prof
-                    elif base is not None:
-                        row["tax"] = profile_tax(base, prof)
-                        print(format_profile_tax(row["tax"], args.lines, f"LoRA tax by kernel, {n} adapters"))
-                rows.append(row)
-        finally:
-            switches.apply(before)
+        for n in counts:
+            report.prefill_case(engine, args.prompts, args.prompt_len, n, seed=5)  # compile, autotune, loads
+            timed = report.prefill_case(engine, args.prompts, args.prompt_len, n, seed=6)
+            row = {"variant": vname, "kernel_config": cfg.diff(), "adapters": n,
+                   "tokens_per_s": timed["tokens_per_s"], "seconds": timed["seconds"]}
+            print(f"{vname}: {args.dtype} prefill, {n} adapters: {timed['tokens_per_s']:.0f} tok/s "
+                  f"({timed['seconds'] * 1e3:.0f} ms)", flush=True)
+            if not args.no_profile:
+                prof = profile_steps(
+                    lambda: report.prefill_case(engine, args.prompts, args.prompt_len, n, seed=7), 1, device)
+                row["profile"] = prof
+                print(format_profile(prof, args.lines))
+                if n == 0:
+                    base = prof
+                elif base is not None:
+                    row["tax"] = profile_tax(base, prof)
+                    print(format_profile_tax(row["tax"], args.lines, f"LoRA tax by kernel, {n} adapters"))
+            rows.append(row)
     print("variant      adapters    tok/s   kept")
     for r in rows:
         b = next((q for q in rows if q["variant"] == r["variant"] and q["adapters"] == 0), None)

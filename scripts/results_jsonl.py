@@ -7,6 +7,7 @@ versions, ...) and the measurements beside them. Per-kernel profiles are left ou
 its largest entries.
 
     python scripts/results_jsonl.py RESULT.json... --set NAME [--bench SCRIPT] [--out bench/results] [--dry-run]
+    python scripts/results_jsonl.py --compare OUT NAME=PATH...   (two trees' runs side by side: gpu_bench.sh TREES)
 
 Where rows go: `bench decode` -> decode.jsonl, `bench report` -> report.jsonl, `bench kernels` -> kernels.jsonl,
 `scripts/profile_prefill.py` -> prefill.jsonl, `bench serve` -> serve.jsonl (its summary as it is, one row);
@@ -25,7 +26,7 @@ import sys
 # keys that say what was measured; every other key of a row is a measurement
 CONFIG_KEYS = {
     "model", "dtype", "workload", "batch", "adapters", "rank", "engine_rank", "lora_targets", "expert_lora_layout",
-    "variant", "switches", "env", "ab_round", "decode_steps", "graphs", "async_scheduling", "lora_overlap",
+    "variant", "switches", "kernel_config", "env", "ab_round", "decode_steps", "graphs", "async_scheduling", "lora_overlap",
     "fused_lora", "tensor_parallel_size", "expert_parallel_size", "prompts", "prompt_len", "case", "tokens", "site",
     "H", "O", "I", "E", "top_k", "path", "slot_expert_pairs", "pairs", "groups", "block_m", "block_n", "block_k",
     "block_d", "num_warps", "num_stages", "split_k", "decode", "config", "note", "transport", "context", "vocab",
@@ -202,7 +203,32 @@ def rows_of(path: str, set_name: str, bench: str | None = None) -> tuple[str, li
     return target, out
 
 
+def compare(out: str, trees: list[str]) -> None:
+    """`--compare OUT NAME=PATH...` (scripts/gpu_bench.sh with TREES): whether the trees' demo rows (greedy tokens)
+    are the same, and each decode case's tokens/s per tree with the last tree's ratio to the first's."""
+    import glob
+
+    names = [t.split("=")[0] for t in trees]
+    demo = {n: [re.sub(r"[0-9.]+ (s|tokens/s)", "", line) for line in open(f"{out}/{n}/demo.txt")] for n in names}
+    print("demo rows (greedy tokens):", "the same" if all(demo[n] == demo[names[0]] for n in names) else "DIFFER")
+    rows: dict[tuple, dict[str, float]] = {}
+    for n in names:
+        for f in sorted(glob.glob(f"{out}/{n}/decode-*.json")):
+            d = json.load(open(f))
+            for r in d["rows"]:
+                key = (d.get("dtype"), r.get("workload"), r["batch"], r["adapters"])
+                rows.setdefault(key, {})[n] = r["tokens_per_s"]
+    print(f"{'dtype':9s} {'workload':8s} {'batch':>5s} {'ad':>3s} " + " ".join(f"{n:>9s}" for n in names) + "  ratio")
+    for (dtype, workload, batch, ad), v in rows.items():
+        vals = [v.get(n) for n in names]
+        ratio = f"{vals[-1] / vals[0]:.3f}" if all(vals) else "-"
+        print(f"{str(dtype):9s} {str(workload):8s} {batch:5d} {ad:3d} " + " ".join(f"{x or 0:9.1f}" for x in vals)
+              + f"  {ratio}")
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--compare":
+        return compare(sys.argv[2], sys.argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--set", required=True, help="a short name for these rows, e.g. grid-fp8 or ab-early-down")

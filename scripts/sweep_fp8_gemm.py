@@ -20,10 +20,11 @@ import torch
 
 from moelora_bench.common import graph_time_us, hbm_bandwidth_gbs, write_json
 from moelora.kernels.quant.fp8 import quantize_weight_block
-from moelora.kernels.quant.fp8_triton import (
-    Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group, set_fp8_gemm_config,
-)
-from moelora.kernels.moe.experts_triton import moe_align, pick_config
+from moelora.kernels.quant.fp8_act_triton import quantize_act_group
+from moelora.kernels.quant.fp8_experts_triton import fp8_expert_gemm
+from moelora.kernels.quant.fp8_triton import Fp8GemmConfig, fp8_gemm_config, fp8_linear
+from moelora.kernels.moe.align_triton import moe_align
+from moelora.kernels.moe.gemm_triton import pick_config
 
 H, I, E, K, Q, KV = 2048, 768, 128, 8, 4096, 512
 BLOCK = (128, 128)
@@ -44,9 +45,9 @@ def expert_case(site: str, T: int, layers: int):
     touched = int(topk.unique().numel())
     nbytes = touched * (N * D + 4 * N * D // 128**2)
 
-    def fn(li):
+    def fn(li, cfg=None):
         w, s = ws[li]
-        return fp8_expert_gemm(xq, w, s, BLOCK, topk, align, site == "gate_up", bm, x_scale=xs)
+        return fp8_expert_gemm(xq, w, s, BLOCK, topk, align, site == "gate_up", bm, x_scale=xs, config=cfg)
 
     return fn, nbytes, f"touched={touched} block_m={bm}", align[1].shape[0]
 
@@ -58,9 +59,9 @@ def dense_case(site: str, T: int, layers: int):
     xq, xs = quantize_act_group(torch.randn(T, D, device=dev).bfloat16())
     nbytes = N * D + 4 * N * D // 128**2
 
-    def fn(li):
+    def fn(li, cfg=None):
         w, s = ws[li]
-        return fp8_linear(xq, w, s, BLOCK, x_scale=xs)
+        return fp8_linear(xq, w, s, BLOCK, x_scale=xs, config=cfg)
 
     return fn, nbytes, "", None
 
@@ -88,7 +89,6 @@ def main() -> None:
             layers = 2 if kind == "expert" else 8
             fn, nbytes, info, grid_m = (expert_case if kind == "expert" else dense_case)(case, T, layers)
             floor = nbytes / (bw * 1e9) * 1e6
-            set_fp8_gemm_config(kind, None)
             ref = fn(0).float()
             default = fp8_gemm_config(grid_m or 0, ref.shape[1], kind == "expert") if kind == "expert" else "auto"
             t_def = graph_time_us(fn, layers)
@@ -96,15 +96,12 @@ def main() -> None:
                   f"  {info} {default or ''}", flush=True)
             best = (t_def, "default")
             for cfg in configs(kind):
-                set_fp8_gemm_config(kind, cfg)
                 try:
-                    err = ((fn(0).float() - ref).norm() / ref.norm()).item()
-                    t = graph_time_us(fn, layers)
+                    err = ((fn(0, cfg).float() - ref).norm() / ref.norm()).item()
+                    t = graph_time_us(lambda li, cfg=cfg: fn(li, cfg), layers)
                 except Exception as exc:  # out of shared memory etc.: skip this config, say so
                     print(f"           {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
                     continue
-                finally:
-                    set_fp8_gemm_config(kind, None)
                 rows.append({"case": case, "tokens": T, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
                              "num_stages": cfg.num_stages, "block_m": cfg.block_m, "split_k": cfg.split_k, "us": t, "floor_us": floor,
                              "default_us": t_def, "rel_err": err})

@@ -27,10 +27,11 @@ import torch.nn.functional as F
 
 from moelora_bench.common import time_ms
 from moelora.kernels.quant.fp8 import quantize_weight_block
-from moelora.kernels.quant.fp8_triton import (
-    Fp8GemmConfig, fp8_expert_gemm, fp8_gemm_config, fp8_linear, quantize_act_group, set_fp8_gemm_config,
-)
-from moelora.kernels.moe.experts_triton import expert_gemm, moe_align, pick_config
+from moelora.kernels.quant.fp8_act_triton import quantize_act_group
+from moelora.kernels.quant.fp8_experts_triton import fp8_expert_gemm
+from moelora.kernels.quant.fp8_triton import Fp8GemmConfig, fp8_gemm_config, fp8_linear
+from moelora.kernels.moe.align_triton import moe_align
+from moelora.kernels.moe.gemm_triton import expert_gemm, pick_config
 
 H, I, E, K, Q, KV = 2048, 768, 128, 8, 4096, 512
 BLOCK = (128, 128)
@@ -52,8 +53,8 @@ def expert_case(site: str, T: int, block_m: int):
     bf16_cfg = pick_config(T * K)
     bf16_align = moe_align(topk, E, bf16_cfg.block_m)
 
-    def fp8() -> torch.Tensor:
-        return fp8_expert_gemm(xq, wq, ws, BLOCK, topk, align, gather, block_m, x_scale=xs)
+    def fp8(cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
+        return fp8_expert_gemm(xq, wq, ws, BLOCK, topk, align, gather, block_m, x_scale=xs, config=cfg)
 
     def bf16() -> torch.Tensor:
         return expert_gemm(x, w, bf16_align, T * K, K, out, gather, config=bf16_cfg)
@@ -68,7 +69,8 @@ def dense_case(site: str, T: int):
     wq, ws = quantize_weight_block(w, BLOCK)
     x = torch.randn(T, D, device=dev).bfloat16()
     xq, xs = quantize_act_group(x)
-    return (lambda: fp8_linear(xq, wq, ws, BLOCK, x_scale=xs)), (lambda: F.linear(x, w)), 2.0 * T * N * D
+    return (lambda cfg=None: fp8_linear(xq, wq, ws, BLOCK, x_scale=xs, config=cfg)), (lambda: F.linear(x, w)), \
+        2.0 * T * N * D
 
 
 def configs(kind: str, quick: bool = False) -> list[Fp8GemmConfig]:
@@ -85,7 +87,6 @@ def configs(kind: str, quick: bool = False) -> list[Fp8GemmConfig]:
 
 
 def sweep(name: str, kind: str, T: int, fp8, bf16, flops: float, rows: list, note: str, quick: bool) -> None:
-    set_fp8_gemm_config(kind, None)
     ref = fp8().float()
     t_def = time_ms(fp8, warmup=3, rep=20)
     t_bf = time_ms(bf16, warmup=3, rep=20)
@@ -96,15 +97,12 @@ def sweep(name: str, kind: str, T: int, fp8, bf16, flops: float, rows: list, not
                  "default_ms": t_def, "bf16_ms": t_bf, "bf16_tflops": tf(t_bf)})
     best = (t_def, "default")
     for cfg in configs(kind, quick):
-        set_fp8_gemm_config(kind, cfg)
         try:
-            err = ((fp8().float() - ref).norm() / ref.norm()).item()
-            t = time_ms(fp8, warmup=3, rep=20)
+            err = ((fp8(cfg).float() - ref).norm() / ref.norm()).item()
+            t = time_ms(lambda cfg=cfg: fp8(cfg), warmup=3, rep=20)
         except Exception as exc:  # out of shared memory etc.: skip this config, say so
             print(f"           {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
             continue
-        finally:
-            set_fp8_gemm_config(kind, None)
         rows.append({"case": name, "tokens": T, "note": note, "config": str(cfg), "block_n": cfg.block_n, "num_warps": cfg.num_warps,
                      "num_stages": cfg.num_stages, "block_m": cfg.block_m, "ms": t, "tflops": tf(t),
                      "default_ms": t_def, "bf16_ms": t_bf, "rel_err": err})

@@ -1,11 +1,11 @@
-"""The grouped routed-expert LoRA kernel at a prefill chunk (GPU): launch configs, block sizes and gate_up's
-slices in one program (fuse_slices), µs per call from CUDA-graph replay beside the byte floor, at Qwen3-30B-A3B
-shapes (kernels/moe_lora/grouped_triton.py; what set_grouped_prefill runs).
+"""The grouped routed-expert LoRA kernel at a prefill chunk (GPU): launch configs and block sizes, µs per call from
+CUDA-graph replay beside the byte floor, at Qwen3-30B-A3B shapes (kernels/moe_lora/grouped_triton.py; what the
+routed experts run above 2,048 pairs off the FP8 epilogue).
 
 Cases: gate_up (x [T, 2048] -> delta [P, 2 x 768], two slices) and down (x [P, 768] -> delta [P, 2048], weighted by
 the router); T tokens (8,192: the engine's prefill chunk), top-8 of 128 experts, adapters round-robin over the
 tokens, rank 16; store mode into a bf16 delta (the engine's default delta dtype). floor = bytes / copy bandwidth,
-bytes = x read once a slice (once with fuse_slices) + the delta written + the factors of the groups used. Every
+bytes = x read once a slice + the delta written + the factors of the groups used. Every
 variant's delta is checked against the default launch's (relative error). The alignment (moe_lora_align_fast at
 the variant's block size) is timed on its own.
 
@@ -24,8 +24,9 @@ import torch
 
 from moelora_bench.common import graph_time_us, hbm_bandwidth_gbs
 from moelora.kernels.moe_lora import grouped_triton as mg
-from moelora.kernels.moe_lora.grouped_triton import GroupedConfig, moe_lora_grouped
+from moelora.kernels.moe_lora.args import ProjLoRA, Routing
 from moelora.kernels.moe_lora.chain_triton import moe_lora_align_fast
+from moelora.kernels.moe_lora.grouped_triton import GroupedConfig, moe_lora_grouped
 
 H, I, E, K = 2048, 768, 128, 8
 
@@ -52,21 +53,18 @@ def moe_inputs(site: str, T: int, n_ad: int, R: int, layers: int, ids: torch.Ten
     return c
 
 
-def variants(site: str) -> list[tuple[int, bool, GroupedConfig]]:
-    """(block_m, fuse_slices, config): the default first, then the grid."""
-    out = [(mg.PREFILL_BLOCK_M, False, mg.grouped_prefill_config())]
-    if site == "gate_up":
-        out.append((mg.PREFILL_BLOCK_M, True, mg.PREFILL_FUSED_CONFIG))
-    for bm, fuse, bn, w, st in itertools.product((64, 128), (False, True) if site == "gate_up" else (False,),
-                                                 (64, 128), (4, 8), (3,)):
-        v = (bm, fuse, GroupedConfig(128, bn, w, st))
+def variants(site: str) -> list[tuple[int, GroupedConfig]]:
+    """(block_m, config): the default first, then the grid."""
+    out = [(mg.PREFILL_BLOCK_M, mg.PREFILL_CONFIG)]
+    for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (3,)):
+        v = (bm, GroupedConfig(128, bn, w, st))
         if v not in out:
             out.append(v)
     return out
 
 
-def _key(bm: int, fuse: bool, cfg: GroupedConfig) -> str:
-    return f"m{bm}{'-fused' if fuse else ''}-d{cfg.block_d}-n{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}"
+def _key(bm: int, cfg: GroupedConfig) -> str:
+    return f"m{bm}-d{cfg.block_d}-n{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}"
 
 
 def case(site: str, T: int, n_ad: int, R: int, layers: int, dev: str = "cuda"):
@@ -81,13 +79,14 @@ def case(site: str, T: int, n_ad: int, R: int, layers: int, dev: str = "cuda"):
     used = int((slots.long().repeat_interleave(K) * E + ids.reshape(-1)).unique().numel())
     aligns = {bm: moe_lora_align_fast(ids, slots, E, S, bm) for bm in (64, 128)}
 
-    def run(li, bm, fuse, cfg):
-        moe_lora_grouped(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, w, store=True,
-                         align=aligns[bm], config=cfg, block_m=bm, fuse_slices=fuse)
+    routing = Routing(ids, slots, E, S)
 
-    def nbytes(fuse: bool) -> int:
-        reads = 1 if fuse or n == 1 else n
-        return used * (n * R * D + O * R) * 2 + reads * P * D * 2 + P * O * 2
+    def run(li, bm, cfg):
+        moe_lora_grouped(x, ProjLoRA(a[li], b[li], off, ranks, scaling, O // n), routing, delta, x_per_pair=per_pair,
+                         pair_weights=w, store=True, align=aligns[bm], config=cfg, block_m=bm)
+
+    def nbytes() -> int:
+        return used * (n * R * D + O * R) * 2 + n * P * D * 2 + P * O * 2
 
     return run, (lambda li, bm: moe_lora_align_fast(ids, slots, E, S, bm)), delta, nbytes, used, P
 
@@ -117,17 +116,17 @@ def main() -> None:
         ref = delta.float().clone()
         t_align = {bm: timer(lambda li, bm=bm: align(li, bm), args.layers, args.iters) for bm in (64, 128)}
         sweep = {}
-        for bm, fuse, cfg in vs:
-            key = _key(bm, fuse, cfg)
+        for bm, cfg in vs:
+            key = _key(bm, cfg)
             try:
                 delta.fill_(float("nan"))
-                run(0, bm, fuse, cfg)
+                run(0, bm, cfg)
                 err = ((delta.float() - ref).norm() / ref.norm()).item()
-                t = timer(lambda li, v=(bm, fuse, cfg): run(li, *v), args.layers, args.iters)
+                t = timer(lambda li, v=(bm, cfg): run(li, *v), args.layers, args.iters)
             except Exception as exc:  # a config that does not compile or launch (shared memory): reported, skipped
                 print(f"  {site} {key}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 continue
-            floor = nbytes(fuse) / (bw * 1e9) * 1e6
+            floor = nbytes() / (bw * 1e9) * 1e6
             sweep[key] = {"us": round(t, 1), "rel_err": err, "floor_us": round(floor, 1)}
             print(f"  {site:>7} {key:<28} {t:8.1f} µs  floor {floor:6.1f}  x{t / floor:4.2f}  err {err:.1e}", flush=True)
         ok = {k: v for k, v in sweep.items() if v["rel_err"] < 1e-2}

@@ -21,6 +21,7 @@ import json
 import torch
 
 from moelora_bench.common import graph_time_us, hbm_bandwidth_gbs
+from moelora.kernels.moe_lora.args import ProjLoRA, Routing
 from moelora.kernels.moe_lora.fused_triton import moe_lora_fused
 from moelora.kernels.moe_lora.grouped_triton import GroupedConfig, grouped_align, moe_lora_grouped
 
@@ -56,12 +57,16 @@ def case(site: str, T: int, n_ad: int, R: int, layers: int):
     used = int((slots.long().repeat_interleave(K) * E + ids.reshape(-1)).unique().numel())
     nbytes = used * (n * R * D + O * R) * 2 + x.numel() * 2 + P * O * 4
 
+    routing = Routing(ids, slots, E, S)
+
+    def lora(li):
+        return ProjLoRA(a[li], b[li], off, ranks, scaling, O // n)
+
     def per_pair_fn(li):
-        moe_lora_fused(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, store=True)
+        moe_lora_fused(x, lora(li), routing, delta, x_per_pair=per_pair, store=True)
 
     def grouped_fn(li, cfg=None):
-        moe_lora_grouped(x, a[li], b[li], off, ranks, scaling, ids, slots, E, delta, per_pair, store=True,
-                         align=align, config=cfg)
+        moe_lora_grouped(x, lora(li), routing, delta, x_per_pair=per_pair, store=True, align=align, config=cfg)
 
     def align_fn(li):
         grouped_align(ids, slots, E, S)
@@ -77,7 +82,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--json", default=None)
     ap.add_argument("--best-out", default=None, help="write the config with the least total time over all cases "
-                    "as MOELORA_GROUPED_CONFIG's value (block_d,block_n,num_warps,num_stages)")
+                    "(block_d,block_n,num_warps,num_stages: grouped_triton.GROUPED_CONFIG's fields)")
     args = ap.parse_args()
     bw = hbm_bandwidth_gbs()
     print(f"HBM {bw:.0f} GB/s; bf16; store mode; {args.layers} layers in rotation; µs per call", flush=True)

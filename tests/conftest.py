@@ -35,12 +35,3 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
-
-@pytest.fixture
-def fast_on_cpu():
-    """The Triton fused-MoE base path on the CPU too (under the interpreter), for the test only."""
-    from moelora.kernels.moe.experts_triton import set_fast_path
-
-    set_fast_path(True, on_cpu=True)
-    yield
-    set_fast_path(True, on_cpu=False)

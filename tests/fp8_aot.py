@@ -9,8 +9,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moelora.kernels.quant.fp8_triton import _act_quant_kernel, _fp8_gemm_kernel
-from moelora.kernels.moe.experts_triton import _silu_and_mul_kernel
+from moelora.kernels.quant.fp8_act_triton import _act_quant_kernel
+from moelora.kernels.quant.fp8_triton import _fp8_gemm_kernel
+from moelora.kernels.moe.act_triton import _silu_and_mul_kernel
 from moelora.kernels.lora.shrink_expand_triton import _shrink_kernel
 from moelora.kernels.norm.rmsnorm_triton import _rms_norm_kernel
 from moelora.kernels.quant.nvfp4_triton import _nvfp4_gemm_kernel
@@ -28,23 +29,22 @@ def compile_sm90(kernel, ptrs: dict, consts: dict, div16=(), **opts):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-for a_fp8, grouped, block_m, split_k in [(False, True, 16, 1), (False, False, 64, 1), (True, False, 16, 1),
-                                        (True, False, 64, 4)]:
-    ptrs = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
+for grouped, block_m, split_k in [(True, 16, 1), (False, 64, 1), (False, 16, 1), (False, 64, 4)]:
+    ptrs = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
             "c_ptr": "*bf16", "bias_ptr": "*bf16", "ids_ptr": "*i32", "bexp_ptr": "*i32", "ws_ptr": "*fp32",
             "cnt_ptr": "*i32"}
-    consts = dict(FP8_MAX_C=448.0, A_FP8=a_fp8, GROUPED=grouped, HAS_BIAS=not grouped, GROUP_K=128, SCALE_N=128,
+    consts = dict(GROUPED=grouped, HAS_BIAS=not grouped, GROUP_K=128, SCALE_N=128,
                   BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, A_ROW_DIV=1, SPLIT_K=split_k, LORA_N=0, LORA_SK=1,
                   LORA_BR=16, LORA_PRECISION="ieee", LORA_SPLIT=0, PARTS=split_k)
     ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=3).asm["ptx"]
-    assert "e4m3" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (a_fp8, grouped, block_m)
+    assert "e4m3" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (grouped, block_m)
     if split_k > 1:  # the arrival count is a device-scope atomic, after a CTA barrier
         assert "atom" in ptx and "bar.sync" in ptx, "split-K: no atomic count or barrier in the PTX"
-    print("ok gemm", a_fp8, grouped, block_m, split_k, "wgmma" if "wgmma" in ptx else "mma.sync")
+    print("ok gemm", grouped, block_m, split_k, "wgmma" if "wgmma" in ptx else "mma.sync")
 # the dense GEMM with the multi-LoRA expand in its epilogue (3 slices, the shrink's partials, split-K)
 ptrs.update({"lh_ptr": "*fp32", "lb_ptr": "*bf16", "loff_ptr": "*i32", "lrank_ptr": "*i32", "lscale_ptr": "*fp32",
              "lslot_ptr": "*i32"})
-consts.update(A_FP8=True, GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, SPLIT_K=4, LORA_N=3, LORA_SK=8,
+consts.update(GROUPED=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, SPLIT_K=4, LORA_N=3, LORA_SK=8,
               LORA_BR=16, LORA_PRECISION="tf32", PARTS=4)
 ptx = compile_sm90(_fp8_gemm_kernel, ptrs, consts, num_warps=4, num_stages=4).asm["ptx"]
 assert "e4m3" in ptx and ptx.count("mma") >= 2
@@ -105,7 +105,7 @@ a = compile_sm90(_silu_and_mul_kernel, {"gu_ptr": "*bf16", "d_ptr": "*fp32", "ou
                  num_warps=4)
 assert all("cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] for k in (n, a))
 print("ok producers quantize")
-# MOELORA_DENSE_LORA_DEFER: the delta kernel (stacked B), the norm and qk_norm_rope adding it
+# the deferred dense LoRA (DenseLoRAConfig.defer): the delta kernel (stacked B), the norm and qk_norm_rope adding it
 from moelora.kernels.lora.delta_triton import _lora_delta_kernel  # noqa: E402
 from moelora.kernels.norm.rmsnorm_triton import _qk_norm_rope_kernel  # noqa: E402
 
@@ -150,7 +150,7 @@ for block_d, store in [(128, True), (256, False)]:
                                                       "sb_o", "syp"]
     ptx = compile_sm90(_moe_lora_grouped_kernel, ptrs, consts, div16=div, num_warps=4, num_stages=3).asm["ptx"]
     assert "mma" in ptx and "cp.async" in ptx, (block_d, store)
-# MOELORA_LORA_EVEN_R: B read in whole rank rows (no 2-byte loads; its tiles then copied through cp.async too)
+# EVEN_R: B read in whole rank rows (no 2-byte loads; its tiles then copied through cp.async too)
 consts.update(EVEN_R=True)
 ptx = compile_sm90(_moe_lora_grouped_kernel, ptrs, consts, div16=div, num_warps=4, num_stages=3).asm["ptx"]
 assert "mma" in ptx and "ld.global.b16" not in ptx
@@ -158,9 +158,9 @@ consts.update(HAS_A_SRC=True)  # MOELORA_LORA_SHARED_A: A read from the slice a_
 ptx = compile_sm90(_moe_lora_grouped_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4,
                    num_stages=3).asm["ptx"]
 assert "mma" in ptx and "cp.async" in ptx
-# at prefill (64-pair blocks, 8 warps): gate_up's two slices in one program (NS 2), and the shrink alone for the FP8
-# expert GEMM's LoRA epilogue (SHRINK_ONLY), one slice and both
-for ns, shrink_only in [(2, False), (1, True), (2, True)]:
+# at prefill (64-pair blocks, 8 warps): the shrink alone for the FP8 expert GEMM's LoRA epilogue (SHRINK_ONLY), one
+# slice a program and gate_up's two in one (NS 2)
+for ns, shrink_only in [(1, True), (2, True)]:
     c = dict(consts, BLOCK_M=64, BLOCK_N=64, X_PER_PAIR=False, HAS_W=False, STORE=True, HAS_A_SRC=False,
              EVEN_R=False, NS=ns, SHRINK_ONLY=shrink_only)
     ptx = compile_sm90(_moe_lora_grouped_kernel, ptrs, c, div16=div, num_warps=8, num_stages=3).asm["ptx"]

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import SlotPool
 from moelora.config import ModelConfig

@@ -125,33 +125,24 @@ def test_a_token_budget_below_the_batch_keeps_the_synchronous_order(setup):
     assert [o.token_ids for o in got] == [o.token_ids for o in sync]
 
 
-def test_the_default_is_on_for_a_gpu_off_on_the_cpu(monkeypatch, setup):
+def test_the_default_is_on_for_a_gpu_off_on_the_cpu(setup):
     import torch
 
     from moelora.engine.llm_engine import resolve_async_scheduling
 
-    monkeypatch.delenv("MOELORA_ASYNC_SCHEDULING", raising=False)
     assert resolve_async_scheduling(None, torch.device("cuda", 0)) is True
     assert resolve_async_scheduling(None, torch.device("cpu")) is False
     assert resolve_async_scheduling(False, torch.device("cuda", 0)) is False
     assert resolve_async_scheduling(True, torch.device("cpu")) is True
-    monkeypatch.setenv("MOELORA_ASYNC_SCHEDULING", "1")
-    assert resolve_async_scheduling(None, torch.device("cpu")) is True
-    assert _llm(setup, None).engine.async_scheduling is True
-    monkeypatch.setenv("MOELORA_ASYNC_SCHEDULING", "0")
-    assert resolve_async_scheduling(None, torch.device("cuda", 0)) is False
-    monkeypatch.setenv("MOELORA_ASYNC_SCHEDULING", "yes")
-    with pytest.raises(ValueError, match="MOELORA_ASYNC_SCHEDULING"):
-        resolve_async_scheduling(None, torch.device("cpu"))
+    engine = _llm(setup, None).engine
+    assert engine.async_scheduling is (engine.device.type == "cuda")
+    assert _llm(setup, True).engine.async_scheduling is True
 
 
-def test_the_engine_takes_the_one_pass_sampler_from_one_row_when_asynchronous(monkeypatch, setup):
+def test_the_engine_takes_the_one_pass_sampler_from_one_row_when_asynchronous(setup):
     """Under asynchronous scheduling the sampler's launches hide behind the GPU: the one-pass kernel from one row
-    (faster at batch 64 and 128 on the H200 then); synchronous engines keep 256; the variable sets both."""
+    (faster at batch 64 and 128 on the H200 then); synchronous engines keep 256."""
     from moelora.engine.sampler import FUSED_SAMPLER_MIN_ROWS
 
-    monkeypatch.delenv("MOELORA_FUSED_SAMPLER_MIN_ROWS", raising=False)
     assert _llm(setup, True).engine.sampler.min_rows == 1
     assert _llm(setup, False).engine.sampler.min_rows == FUSED_SAMPLER_MIN_ROWS == 256
-    monkeypatch.setenv("MOELORA_FUSED_SAMPLER_MIN_ROWS", "32")
-    assert _llm(setup, True).engine.sampler.min_rows == 32

@@ -2,8 +2,10 @@
 on the CPU, and the byte floor counts the MLA weights and the latent cache, by hand."""
 
 import argparse
+import functools
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -371,87 +373,89 @@ def test_write_result_keeps_one_file_across_midnight(tmp_path, monkeypatch):
 
 
 def test_bench_decode_ab_base_runs_the_variants_no_adapter_case(tmp_path, capsys):
-    """--ab-base: each variant also runs the no-adapter case (a switch of the base step, such as the fused router),
+    """--ab-base: each variant also runs the no-adapter case (a field of the base step, such as the fused router),
     and the table adds the kept share against the variant's own no-adapter median."""
-    _, rows = _tiny_decode(tmp_path, "--ab", "router:MOELORA_FUSED_ROUTER=0", "--ab-base")
-    assert [(r["variant"], r["adapters"]) for r in rows] == [("default", 0), ("default", 1), ("router", 0),
-                                                             ("router", 1)]
+    _, rows = _tiny_decode(tmp_path, "--ab", "prio:side_stream_priority=normal", "--ab-base")
+    assert [(r["variant"], r["adapters"]) for r in rows] == [("default", 0), ("default", 1), ("prio", 0),
+                                                             ("prio", 1)]
     out = capsys.readouterr().out
     table = out[out.index("A/B (medians"):].splitlines()
     assert "own: against the variant's own no-adapter median" in table[0] and table[1].rstrip().endswith("own")
-    mine = [ln for ln in table if ln.startswith("router")]
+    mine = [ln for ln in table if ln.startswith("prio")]
     assert len(mine) == 2 and mine[1].rstrip().endswith("%") and mine[0].rstrip().endswith("-")
 
 
-def test_bench_decode_ab_switches_in_one_process(tmp_path, capsys, monkeypatch):
-    """--ab / --ab-rounds: after the default sweep, each variant's switches are set (seen by the cases while they
-    run), the graphs recaptured and the adapter cases run again; round 2 repeats the default with its no-adapter
-    case; rows carry variant / switches / round, a table of medians ends the run, and every switch is back as it
-    was. Bad specs are refused before the model is built."""
-    from moelora_bench import switches
-    from moelora.kernels import _triton
-
+def test_bench_decode_ab_configs_in_one_process(tmp_path, capsys, monkeypatch):
+    """--ab / --ab-rounds: after the default sweep (the base config: --kernel-config), each variant's config is
+    applied to the engine and its model (seen by the cases while they run), the graphs recaptured and the adapter
+    cases run again; round 2 repeats the default with its no-adapter case; rows carry variant / kernel_config (the
+    fields that differ from the defaults) / round, and a table of medians ends the run."""
     seen = []
     real = decode._repeated_case
 
     def spy(engine, batch, n, *args, **kwargs):
-        seen.append((n, switches.current(["MOELORA_LORA_EVEN_R", "MOELORA_MOE_LORA_EARLY_DOWN"])))
+        assert engine.model.kernel_config is engine.kernel_config  # configure_kernels ran with it
+        seen.append((n, engine.kernel_config.diff()))
         return real(engine, batch, n, *args, **kwargs)
 
     monkeypatch.setattr(decode, "_repeated_case", spy)
-    _triton.set_lora_even_r(True)
-    _triton.set_moe_lora_early_down(True)
-    _, rows = _tiny_decode(tmp_path, "--ab", "even:MOELORA_LORA_EVEN_R=0; both:MOELORA_LORA_EVEN_R=0,"
-                           "MOELORA_MOE_LORA_EARLY_DOWN=0", "--ab-rounds", "2")
+    _, rows = _tiny_decode(tmp_path, "--kernel-config", '{"side_stream_priority": "normal"}', "--ab",
+                           "det:deterministic=1; both:deterministic=true,side_stream_priority=high", "--ab-rounds", "2")
     assert [(r["variant"], r["ab_round"], r["adapters"]) for r in rows] == [
-        ("default", 0, 0), ("default", 0, 1), ("even", 0, 1), ("both", 0, 1),
-        ("default", 1, 0), ("default", 1, 1), ("even", 1, 1), ("both", 1, 1)]
-    on, even, both = ({"MOELORA_LORA_EVEN_R": a, "MOELORA_MOE_LORA_EARLY_DOWN": b} for a, b in
-                      (("1", "1"), ("0", "1"), ("0", "0")))
-    assert [s for _, s in seen] == [on, on, even, both, on, on, even, both]
-    assert rows[3]["switches"] == {"MOELORA_LORA_EVEN_R": "0", "MOELORA_MOE_LORA_EARLY_DOWN": "0"}
-    assert _triton.lora_even_r() and _triton.moe_lora_early_down()  # restored
+        ("default", 0, 0), ("default", 0, 1), ("det", 0, 1), ("both", 0, 1),
+        ("default", 1, 0), ("default", 1, 1), ("det", 1, 1), ("both", 1, 1)]
+    base, det, both = {"side_stream_priority": "normal"}, {"side_stream_priority": "normal", "deterministic": True}, \
+        {"deterministic": True}
+    assert [d for _, d in seen] == [base, base, det, both, base, base, det, both]
+    assert [r["kernel_config"] for r in rows] == [d for _, d in seen]
     out = capsys.readouterr().out
-    assert "--- variant both (round 2)" in out and "A/B (medians over rounds" in out
+    assert "--- variant both (round 2): {'deterministic': True, 'side_stream_priority': 'high'}" in out
+    assert "A/B (medians over rounds" in out
     table = out[out.index("A/B (medians"):].splitlines()
-    assert any(ln.startswith("even") and " 2 " in ln and "%" in ln for ln in table), table
-    assert switches.parse_ab("s:MOELORA_FP8_LORA_SPLIT=0") == [("s", {"MOELORA_FP8_LORA_SPLIT": "0"})]
-    before = switches.current(["MOELORA_FP8_LORA_SPLIT"])
-    switches.apply({"MOELORA_FP8_LORA_SPLIT": "0"})  # a switch with its own values, read back as set
-    assert switches.current(["MOELORA_FP8_LORA_SPLIT"]) == {"MOELORA_FP8_LORA_SPLIT": "0"}
-    switches.apply(before)
-    # the switches of their own values
-    want = {"MOELORA_DENSE_LORA_DEFER": "1",
-            "MOELORA_LORA_SHRINK_SPLITS": "2", "MOELORA_LORA_SHARED_A": "0", "MOELORA_FUSED_LORA_SLICE_FIRST": "0",
-            "MOELORA_GROUPED_PREFILL": "1",
-            "MOELORA_FP8_PREFILL_CONFIG": "narrow", "MOELORA_GROUPED_PREFILL_FUSE_SLICES": "1",
-            "MOELORA_PREFILL_LORA_EPILOGUE": "1", "MOELORA_GROUPED_PREFILL_CONFIG": "128x128x8x3",
-            "MOELORA_LORA_SHRINK_BLOCK_K": "256",
-            "MOELORA_LORA_SHRINK_WARPS": "2", "MOELORA_LORA_DELTA_WARPS": "8", "MOELORA_DENSE_DEFER_K_PER_SPLIT": "512",
-            "MOELORA_SIDE_STREAM_PRIORITY": "normal",
-            "MOELORA_MOE_LORA_EARLY": "1", "MOELORA_MOE_LORA_EARLY_DOWN": "0", "MOELORA_FUSED_ROUTER": "0",
-            "MOELORA_ROUTER_CONFIG": "16x16x64x128x4", "MOELORA_MOE_COMBINE_TO_NORM": "0",
-            "MOELORA_LORA_EXPAND_PREFILL_TILE": "128x128x8"}
-    names = list(want)
-    before = switches.current(names)
-    assert before != want
-    switches.apply(want)
-    assert switches.current(names) == want
-    switches.apply(before)
-    assert switches.current(names) == before
-    for bad, msg in [("x:MOELORA_NOPE=1", "not ENV=V"), ("x:MOELORA_DENSE_LORA_DEFER=2", "takes 0, 1 or fp8"),
-                     ("x:MOELORA_LORA_EVEN_R=2", "takes 0 or 1"), ("x:MOELORA_FP8_LORA_SPLIT=1", "takes 0, 2, 3 or 4"),
-                     ("default:MOELORA_LORA_EVEN_R=0", "unique name"), ("x MOELORA_LORA_EVEN_R=0", "name:")]:
-        with pytest.raises(ValueError, match=msg):
+    assert any(ln.startswith("det ") and " 2 " in ln and "%" in ln for ln in table), table
+
+
+def test_parse_ab_takes_dotted_fields_and_refuses_bad_specs_before_the_model_is_built(tmp_path):
+    from moelora.kernels.config import KernelConfig, field_names
+    from moelora_bench.ab import parse_ab
+
+    base = KernelConfig(side_stream_priority="normal")
+    assert parse_ab("", base) == []
+    (name, cfg), = parse_ab(" s : deterministic = 1 , side_stream_priority=high ;", base)
+    assert name == "s" and cfg == KernelConfig(deterministic=True)
+    for field in field_names():  # every on/off field, sections' dotted ones included
+        default = functools.reduce(getattr, field.split("."), KernelConfig())
+        if isinstance(default, bool):
+            (_, cfg), = parse_ab(f"flip:{field}={0 if default else 1}", KernelConfig())
+            assert cfg.diff() == {field: not default}, field
+    for bad, msg in [("x:nope=1", "--ab variant 'x': kernel config: no field 'nope'"),
+                     ("x:deterministic=2", "--ab variant 'x': kernel config deterministic: expected 0/1"),
+                     ("x:side_stream_priority=urgent", "'high' or 'normal', got 'urgent'"),
+                     ("x:deterministic", "'deterministic' is not key=value"),
+                     ("default:deterministic=1", "unique name"), ("x deterministic=1", "name:"),
+                     ("x:deterministic=1;x:deterministic=0", "unique name")]:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            parse_ab(bad, base)
+        with pytest.raises(ValueError, match=re.escape(msg)):
             _tiny_decode(tmp_path / "bad", "--ab", bad)
+        assert not (tmp_path / "bad").exists()  # refused before anything ran
+
+
+def test_a_bad_kernel_config_is_one_line_before_the_model_is_built(capsys):
+    from test_cli_errors import one_error_line
+
+    line = one_error_line(capsys, ["bench", "decode", "--kernel-config", '{"moe": {"nope": 1}}'])
+    assert line.startswith("moelora bench decode: error: argument --kernel-config: kernel config: unknown field "
+                           "'moe.nope'"), line
+    line = one_error_line(capsys, ["bench", "decode", "--kernel-config", "{deterministic: 1}"])
+    assert "argument --kernel-config: --kernel-config is not valid JSON" in line, line
 
 
 def test_bench_decode_ab_profiles_each_variant_against_the_default(tmp_path, capsys):
     """--ab with --profile-steps: each variant's profiled row also carries its per-kernel difference from the
     default's profiled row of the same case (the second round's too, against the default's first run), printed under
     the variant's name; the default's rows carry none."""
-    _, rows = _tiny_decode(tmp_path, "--profile-steps", "1", "--ab", "even:MOELORA_LORA_EVEN_R=0",
-                           "--ab-rounds", "2")
+    _, rows = _tiny_decode(tmp_path, "--profile-steps", "1", "--ab", "even:deterministic=1", "--ab-rounds", "2")
     default0 = next(r for r in rows if r["variant"] == "default" and r["adapters"] == 1 and r["ab_round"] == 0)
     assert all("profile_vs_default" not in r for r in rows if r["variant"] == "default")
     variant = [r for r in rows if r["variant"] == "even"]

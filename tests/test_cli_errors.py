@@ -162,3 +162,41 @@ def test_one_adapter_name_given_two_paths_is_one_line(monkeypatch, capsys, tmp_p
 def test_an_unrecognized_flag_is_one_line(capsys):
     line = one_error_line(capsys, ["serve", "--no-such-flag"])
     assert line.startswith("moelora: error: unrecognized arguments: --no-such-flag")
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"], ["demo"], ["bench", "decode"],
+                                     ["bench", "report"]])
+@pytest.mark.parametrize("value, message", [
+    ('{"nope": true}', "kernel config: unknown field 'nope'"),
+    ('{"deterministic": "yes"}', "kernel config deterministic: expected bool, got 'yes'"),
+    ('{"side_stream_priority": "urgent"}', "side_stream_priority: 'high' or 'normal', got 'urgent'"),
+    ("not json", "--kernel-config is not valid JSON"),
+])
+def test_a_bad_kernel_config_is_one_line_naming_the_field(capsys, command, value, message):
+    line = one_error_line(capsys, [*command, "--kernel-config", value])
+    assert line.startswith(f"moelora {' '.join(command[:2] if command[0] == 'bench' else command[:1])}: error: "
+                           "argument --kernel-config: "), line
+    assert message in line, line
+
+
+def test_help_explains_kernel_config_and_names_the_page(capsys):
+    from moelora.cli import build_parser
+
+    for command in (["serve"], ["generate"], ["demo"], ["bench", "decode"], ["bench", "report"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "--kernel-config JSON" in out and "docs/configuration.md" in out, command
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ab", "x:nope=1"], "--ab variant 'x': kernel config: no field 'nope'"),
+    (["--ab", "x:deterministic=2"], "--ab variant 'x': kernel config deterministic: expected 0/1 or true/false"),
+    (["--ab", "default:deterministic=1"], "write name:key=value[,key=value] with a unique name"),
+    (["--ab", "x:deterministic=1", "--tp", "2"], "--ab compares kernel configs in one process"),
+    (["--ab-rounds", "0"], "--ab-rounds must be at least 1"),
+    (["--repeat", "0"], "--repeat must be at least 1"),
+])
+def test_bench_decode_refuses_a_bad_ab_in_one_line_before_anything_is_built(capsys, argv, message):
+    line = one_error_line(capsys, ["bench", "decode", *argv])
+    assert line.startswith("moelora bench decode: error: ") and message in line, line

@@ -17,6 +17,7 @@ import pytest
 
 from moelora.cli import build_parser, main
 from moelora.demo import adapter_paths, model_path
+from moelora.kernels.config import KernelConfig
 from moelora.server import launch
 from test_cli_errors import one_error_line
 
@@ -106,20 +107,19 @@ def test_one_served_model_name(capsys):
 def test_max_logprobs_and_generation_config_reach_server_settings(monkeypatch, tmp_path):
     """build_from_args hands --max-logprobs / --generation-config to ServerSettings and --cpu-threads to EngineArgs
     (the engine and the app replaced by stand-ins: no model loads)."""
-    import moelora.server.app as app_mod
-    import moelora.server.async_engine as async_mod
-
     seen = {}
     monkeypatch.setattr(launch, "LLMEngine", lambda eargs, adapters: seen.setdefault("eargs", eargs))
-    monkeypatch.setattr(async_mod, "AsyncEngine", lambda engine: engine)
-    monkeypatch.setattr(app_mod, "build_app", lambda engine, settings: seen.setdefault("settings", settings))
+    monkeypatch.setattr(launch, "AsyncEngine", lambda engine: engine)
+    monkeypatch.setattr(launch, "build_app", lambda engine, settings: seen.setdefault("settings", settings))
     (tmp_path / "generation_config.json").write_text("{}")
-    launch.build_from_args(parse("--max-logprobs", "5", "--generation-config", str(tmp_path), "--cpu-threads", "2"))
+    launch.build_from_args(parse("--max-logprobs", "5", "--generation-config", str(tmp_path), "--cpu-threads", "2",
+                                 "--kernel-config", '{"deterministic": true}'))
     assert (seen["settings"].max_logprobs, seen["settings"].generation_config) == (5, str(tmp_path))
-    assert seen["eargs"].cpu_threads == 2
+    assert seen["eargs"].cpu_threads == 2 and seen["eargs"].kernel_config == KernelConfig(deterministic=True)
     seen.clear()
     launch.build_from_args(parse())
     assert (seen["settings"].max_logprobs, seen["settings"].generation_config) == (20, "auto")  # vLLM's defaults
+    assert seen["eargs"].kernel_config is None  # the engine takes the defaults
     assert parse("--generation-config", "vllm").generation_config == "vllm"
 
 
@@ -134,6 +134,7 @@ def test_a_generation_config_folder_must_hold_one(tmp_path, capsys):
 
 def test_cpu_threads_reaches_the_engine_from_generate_and_demo(monkeypatch):
     import moelora
+    from moelora.demo import run as demo_run
 
     class Loaded(Exception):
         pass
@@ -145,15 +146,19 @@ def test_cpu_threads_reaches_the_engine_from_generate_and_demo(monkeypatch):
         raise Loaded
 
     monkeypatch.setattr(moelora, "LLM", fake_llm)
+    monkeypatch.setattr(demo_run, "LLM", fake_llm)
     with pytest.raises(Loaded):
         main(["generate", "--device", "cpu", "--prompt", "hi", "--cpu-threads", "3"])
-    assert seen["cpu_threads"] == 3
+    assert seen["cpu_threads"] == 3 and seen["kernel_config"] is None
     seen.clear()
     with pytest.raises(Loaded):
-        main(["demo", "--device", "cpu", "--cpu-threads", "2"])
-    assert seen["cpu_threads"] == 2
+        main(["demo", "--device", "cpu", "--cpu-threads", "2", "--kernel-config", '{"deterministic": true}'])
+    assert seen["cpu_threads"] == 2 and seen["kernel_config"] == KernelConfig(deterministic=True)
     seen.clear()
-    from moelora.demo import run as demo_run
+    with pytest.raises(Loaded):
+        main(["generate", "--device", "cpu", "--prompt", "hi", "--kernel-config", '{"side_stream_priority": "normal"}'])
+    assert seen["kernel_config"] == KernelConfig(side_stream_priority="normal")
+    seen.clear()
 
     with pytest.raises(Loaded):
         demo_run.main(["--device", "cpu", "--cpu-threads", "1"])

@@ -1,17 +1,17 @@
-"""The routed experts' combine handed to the next RMSNorm (fused_moe_triton.defer_moe_combine,
-set_moe_combine_to_norm): the norm computes the combine as it loads its input, bit for bit what moe_combine and
-the norm compute in two launches.
+"""The routed experts' combine handed to the next RMSNorm (act_triton.defer_moe_combine, moe.combine_to_norm):
+the norm computes the combine as it loads its input, bit for bit what moe_combine and the norm compute in two
+launches.
 
 CPU: under TRITON_INTERPRET=1 in fp32/fp16. GPU (marked gpu): a tiny Qwen3-MoE with an adapter, prompt
-log-probabilities bit-equal with the switch on and off, and no combine launch with it on."""
+log-probabilities bit-equal with moe.combine_to_norm on and off, and no combine launch with it on."""
 
 import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, expert_lora_args
-from moelora.kernels.moe import experts_triton as fmt
-from moelora.kernels.moe.experts import fused_moe_pairs, route_topk_ref
-from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
+from moelora.kernels.config import KernelConfig
+from moelora.kernels.moe import act_triton as fmt
+from moelora.kernels.moe.experts import ExpertKernels, fused_moe_pairs, route_topk_ref
 from moelora.kernels.norm.rmsnorm_triton import rms_norm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,7 +52,7 @@ def test_norm_combine_names_the_shapes():
 
 
 @pytest.mark.parametrize("with_lora", [False, True])
-def test_deferred_combine_placeholder_carries_the_inputs(fast_on_cpu, with_lora):
+def test_deferred_combine_placeholder_carries_the_inputs(with_lora):
     """Inside defer_moe_combine the fast path's combine returns a placeholder with (o, weights, delta) on it; the
     norm given them equals the norm of the plain layer output. Outside, nothing is deferred."""
     from moelora.layers.norm import RMSNorm
@@ -67,7 +67,8 @@ def test_deferred_combine_placeholder_carries_the_inputs(fast_on_cpu, with_lora)
     args = expert_lora_args(T, E, dtype, g) if with_lora else None
 
     def run():
-        return fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, moe_lora_shrink_ref, moe_lora_expand_ref)
+        # the Triton base path (on the CPU under the interpreter) with the reference LoRA
+        return fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, ExpertKernels(triton=True))
 
     plain = run()
     assert not hasattr(plain, "moe_combine")
@@ -91,15 +92,19 @@ def test_deferred_combine_placeholder_carries_the_inputs(fast_on_cpu, with_lora)
     torch.testing.assert_close(r2, r2_ref, atol=2e-3, rtol=2e-3)
 
 
-def test_switch_defaults_off_and_sets():
-    before = fmt.moe_combine_to_norm()
-    try:
-        fmt.set_moe_combine_to_norm(True)
-        assert fmt.moe_combine_to_norm()
-        fmt.set_moe_combine_to_norm(False)
-        assert not fmt.moe_combine_to_norm()
-    finally:
-        fmt.set_moe_combine_to_norm(before)
+def test_moe_block_defers_as_configured():
+    """MoEBlock.configure: the combine deferred on the Triton path (the GPU; forced on the CPU for tests) unless
+    moe.combine_to_norm is off; never on the reference path (the CPU's default)."""
+    from helpers import hf_tiny
+    from moelora.config import ModelConfig
+    from moelora.layers.moe import MoEBlock
+
+    block = MoEBlock(ModelConfig.from_hf(hf_tiny("qwen3_moe")[0]), torch.float32, DEVICE)
+    assert block.combine_to_norm == ON_GPU
+    block.configure(KernelConfig(), triton=True)
+    assert block.combine_to_norm
+    block.configure(KernelConfig.from_dict({"moe": {"combine_to_norm": False}}), triton=True)
+    assert not block.combine_to_norm
 
 
 @pytest.mark.gpu
@@ -110,6 +115,8 @@ def test_gpu_combine_to_norm_changes_nothing(tmp_path):
     from helpers import Runner, rows_of, save_peft_adapter, save_tiny_model, tmp
     from test_fp8_gpu import launch_records
 
+    from moelora.layers.configure import configure_kernels
+
     base = save_tiny_model("qwen3_moe", tmp(tmp_path, "m"))
     ad = tmp(tmp_path, "ad")
     save_peft_adapter(base, ad, 1, r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"],
@@ -117,14 +124,10 @@ def test_gpu_combine_to_norm_changes_nothing(tmp_path):
     run = Runner(tmp(tmp_path, "m"), max_loras=2, max_lora_rank=16, dtype="bfloat16", device="cuda")
     run.load("ad", ad)
     rows = [(r, "ad") for r in rows_of(5, [3, 1, 1])] + [(rows_of(6, [2])[0], None)]
-    before = fmt.moe_combine_to_norm()
     outs = {}
-    try:
-        for on in (False, True):
-            fmt.set_moe_combine_to_norm(on)
-            with launch_records(fmt._combine_kernel) as recs:
-                outs[on] = run.logprobs(rows)
-            assert (len(recs) == 0) == on
-    finally:
-        fmt.set_moe_combine_to_norm(before)
+    for on in (False, True):
+        configure_kernels(run.model, KernelConfig.from_dict({"moe": {"combine_to_norm": on}}))
+        with launch_records(fmt._combine_kernel) as recs:
+            outs[on] = run.logprobs(rows)
+        assert (len(recs) == 0) == on
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))

@@ -7,6 +7,7 @@ import torch
 
 from moelora import LLM, SamplingParams
 from moelora.demo import ADAPTERS, TRANSFORMS, adapter_paths, make_prompt, model_path, random_input
+from moelora.kernels.config import KernelConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -41,15 +42,7 @@ def same_kernels_as_graphs():
     """Eager runs the kernels a graph runs (no cuBLAS single-adapter path) with no split-K atomics, so the two
     can be compared token for token over hundreds of tokens, past the demo's answers (where the trained model's
     next-token choices are near-ties that bf16 rounding differences would flip)."""
-    from moelora.kernels._triton import deterministic, set_deterministic
-    from moelora.layers.linear import set_single_slot_fast_path
-
-    before = deterministic()
-    set_deterministic(True)
-    set_single_slot_fast_path(False)
-    yield
-    set_deterministic(before)
-    set_single_slot_fast_path(True)
+    return KernelConfig.from_dict({"deterministic": True, "dense_lora": {"single_slot": False}})
 
 
 def test_long_generation_replay_equals_eager(same_kernels_as_graphs):
@@ -57,8 +50,8 @@ def test_long_generation_replay_equals_eager(same_kernels_as_graphs):
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     prompts = [make_prompt("hello world"), make_prompt("graphs replay")]
     names = ["rot13", None]  # two sequences: the graph bucket (2) is the eager batch size
-    eager = _llm(True).generate(prompts, params, adapter=names)
-    graph = _llm(False).generate(prompts, params, adapter=names)
+    eager = _llm(True, kernel_config=same_kernels_as_graphs).generate(prompts, params, adapter=names)
+    graph = _llm(False, kernel_config=same_kernels_as_graphs).generate(prompts, params, adapter=names)
     assert [o.token_ids for o in graph] == [o.token_ids for o in eager]
     assert all(len(o.token_ids) == 200 for o in graph)
     assert torch.cuda.is_available()
@@ -75,8 +68,9 @@ def test_async_scheduling_replays_equal_the_synchronous_engine(same_kernels_as_g
     prompts, names = [make_prompt(t) for _, t in rows], [n for n, _ in rows]
     params = [SamplingParams(max_tokens=rng.randint(4, 48), temperature=0.0 if i % 4 else 0.8,
                              seed=None if i % 4 else 1000 + i, ignore_eos=i % 3 == 0) for i in range(len(rows))]
-    sync = _llm(False, async_scheduling=False).generate(prompts, params, adapter=names)
-    llm = _llm(False, async_scheduling=True)
+    sync = _llm(False, async_scheduling=False, kernel_config=same_kernels_as_graphs).generate(prompts, params,
+                                                                                               adapter=names)
+    llm = _llm(False, async_scheduling=True, kernel_config=same_kernels_as_graphs)
     out = llm.generate(prompts, params, adapter=names)
     engine = llm.engine
     assert engine.ahead_steps > 20, f"only {engine.ahead_steps} steps were scheduled ahead"

@@ -1,10 +1,11 @@
-"""The host tensors of a CUDA-graph decode step (engine/cuda_graphs.decode_host_inputs), built with numpy, against
-a row-by-row reference: ragged block tables, padding rows, and the errors for a short or too-wide table."""
+"""The host tensors of a CUDA-graph decode step (engine/graph_inputs.DecodeHostInputs: kept buffers, block tables
+updated in place) against a row-by-row reference: ragged block tables, padding rows, many steps, and the errors for
+a short or too-wide table."""
 
 import pytest
 import torch
 
-from moelora.engine.cuda_graphs import decode_host_inputs
+from moelora.engine.graph_inputs import DecodeHostInputs
 
 
 def _reference(token_ids, positions, block_tables, bs, block_size, width, dummy_slot):
@@ -24,7 +25,7 @@ def _reference(token_ids, positions, block_tables, bs, block_size, width, dummy_
 
 
 @pytest.mark.parametrize("n,bs,block_size", [(1, 1, 16), (3, 4, 16), (37, 48, 16), (250, 256, 16), (5, 8, 1)])
-def test_decode_host_inputs_equal_the_row_by_row_reference(n, bs, block_size):
+def test_host_inputs_equal_the_row_by_row_reference(n, bs, block_size):
     g = torch.Generator().manual_seed(n * 7 + bs)
     width = 12
     positions = torch.randint(0, width * block_size, (n,), generator=g).tolist()
@@ -32,21 +33,12 @@ def test_decode_host_inputs_equal_the_row_by_row_reference(n, bs, block_size):
     block_tables = [torch.randperm(4096, generator=g)[: min(width, p // block_size + 1 + int(k))].tolist()
                     for p, k in zip(positions, torch.randint(0, 3, (n,), generator=g))]
     token_ids = torch.randint(0, 151936, (n,), generator=g).tolist()
-    got = decode_host_inputs(token_ids, positions, block_tables, bs, block_size, width, dummy_slot=7 * block_size)
+    host = DecodeHostInputs(bs, width, block_size, dummy_slot=7 * block_size)
+    got = host.build(token_ids, positions, block_tables, bs)
     want = _reference(token_ids, positions, block_tables, bs, block_size, width, 7 * block_size)
     assert got.keys() == want.keys()
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
-
-
-def test_decode_host_inputs_refuse_a_table_short_of_its_position():
-    with pytest.raises(ValueError, match="sequence 1: position 40 needs block 2 of a 2-block table"):
-        decode_host_inputs([1, 2], [3, 40], [[5], [6, 9]], 2, 16, 4, 0)
-
-
-def test_decode_host_inputs_refuse_a_table_wider_than_the_graphs():
-    with pytest.raises(ValueError, match="sequence 0: block table of 5 blocks; the graphs hold at most 4"):
-        decode_host_inputs([1], [3], [[5, 6, 7, 8, 9]], 1, 16, 4, 0)
 
 
 def test_request_ids_slice_and_token_at_equal_all_ids():
@@ -67,13 +59,11 @@ def _step_views_equal(got, want):
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
-def test_incremental_host_inputs_equal_a_rebuild_over_many_steps():
-    """DecodeHostInputs (kept buffers, block tables updated in place) gives decode_host_inputs' arrays at every
+def test_incremental_host_inputs_equal_the_reference_over_many_steps():
+    """DecodeHostInputs (kept buffers, block tables updated in place) gives the reference's arrays at every
     step of a random run: sequences decode (a new block every block_size positions, extended in place), finish
     and are replaced, are preempted (a new list, shorter), swap rows, the batch shrinks and grows across buckets;
     and a list rewritten in place behind its back (same object, same length) is caught by the last-block guard."""
-    from moelora.engine.graph_inputs import DecodeHostInputs
-
     g = torch.Generator().manual_seed(5)
     block_size, width, max_batch = 4, 16, 16
     host = DecodeHostInputs(max_batch, width, block_size, dummy_slot=99 * block_size)
@@ -111,13 +101,11 @@ def test_incremental_host_inputs_equal_a_rebuild_over_many_steps():
         bs = next(b for b in (1, 2, 4, 8, 16) if b >= max(n, 1))
         ids = torch.randint(0, 1000, (n,), generator=g).tolist()
         pos, tables = [s[0] for s in seqs], [s[1] for s in seqs]
-        want = decode_host_inputs(ids, pos, tables, bs, block_size, width, 99 * block_size)
+        want = _reference(ids, pos, tables, bs, block_size, width, 99 * block_size)
         _step_views_equal(host.build(ids, pos, tables, bs), want)
 
 
-def test_incremental_host_inputs_raise_as_the_rebuild_does():
-    from moelora.engine.graph_inputs import DecodeHostInputs
-
+def test_host_inputs_refuse_a_table_short_of_its_position_or_wider_than_the_graphs():
     host = DecodeHostInputs(4, 4, 16, dummy_slot=0)
     with pytest.raises(ValueError, match="sequence 1: position 40 needs block 2 of a 2-block table"):
         host.build([1, 2], [3, 40], [[5], [6, 9]], 2)

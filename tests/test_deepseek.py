@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import Runner, greedy_ref, rows_of, save_tiny_model, tmp
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.engine.batch import SeqChunk, build_flat_batch
 from moelora.engine.kv_cache import KVCache
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import save_tiny_model
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.engine.batch import SeqChunk, build_flat_batch
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.layers.deepseek_moe import DeepseekMoE

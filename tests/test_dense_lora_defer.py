@@ -1,8 +1,8 @@
-"""set_dense_lora_defer: the dense LoRA delta as a tensor of its own (kernels/lora/delta_triton.py), added by the
+"""DenseLoRAConfig.defer: the dense LoRA delta as a tensor of its own (kernels/lora/delta_triton.py), added by the
 kernel that reads the base GEMM's output next (qk_norm_rope for qkv_proj, the post-attention RMSNorm for o_proj).
 CPU: the kernels under the interpreter (fp32 / fp16) against their references and against the plain forward; GPU:
-compiled in bf16, and a decode step of an FP8 model at Qwen3-30B-A3B's attention dims with the switch on against
-off, eagerly and in a CUDA graph."""
+compiled in bf16, and a decode step of an FP8 model at Qwen3-30B-A3B's attention dims deferred against not, eagerly
+and in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, DTYPES, ON_GPU, token_slots, tolerance  # sets TRITON_INTERPRET=1 without a GPU
 
-from moelora.adapters.metadata import LoRABatch
-from moelora.kernels import _triton
+from moelora.layers.lora_batch import LoRABatch
+from moelora.kernels.config import KernelConfig
 from moelora.kernels.lora.groups import SlotGroups
 from moelora.kernels.lora.delta_triton import DELTA_MAX_GROUPS, delta_ok, lora_delta, lora_delta_ref
 
@@ -150,14 +150,25 @@ def test_rms_norm_adds_the_o_proj_delta(device, dtype, residual):
         rms_norm(x, w, 1e-6, res, delta=d[:, :48])
 
 
+def _config(defer: str = "on", **fp8) -> KernelConfig:
+    return KernelConfig.from_dict({"dense_lora": {"defer": defer}, "fp8": fp8})
+
+
 @contextlib.contextmanager
-def _defer(on: bool | str):
-    before = _triton.dense_lora_defer()
-    _triton.set_dense_lora_defer(on)
+def _defer(model, defer: str, **fp8):
+    """model (a LoRALinear or a whole model) configured with dense_lora.defer = defer inside the block, the
+    defaults again after it."""
+    _configure(model, _config(defer, **fp8))
     try:
         yield
     finally:
-        _triton.set_dense_lora_defer(before)
+        _configure(model, KernelConfig())
+
+
+def _configure(model, cfg: KernelConfig) -> None:
+    from moelora.layers.configure import configure_kernels
+
+    configure_kernels(model, cfg)
 
 
 def _deferred_case(dtype, seed: int, outs=OUTS, bias: bool = False, slots=(0, -1, 3, 1, 2, 0, -1, 1, 3)):
@@ -189,9 +200,9 @@ def test_forward_deferred_is_forward_split_in_two(dtype):
     lin, _, lora, x = _deferred_case(dtype, 1, bias=True, slots=slots)
     with torch.no_grad():
         want = lin(x, lora)
-        with _defer(False):
+        with _defer(lin, "off"):
             y_off, d_off = lin.forward_deferred(x, lora)
-        with _defer(True):
+        with _defer(lin, "on"):
             y, delta = lin.forward_deferred(x, lora)
     assert d_off is None and torch.equal(y_off, want)
     assert delta is not None and delta.dtype == dtype
@@ -202,61 +213,41 @@ def test_forward_deferred_is_forward_split_in_two(dtype):
     assert (want - y).abs().max() > 0.05  # the adapters are there
     wide = LoRALinear(H, [40, 24], bias=False, dtype=dtype, device=DEVICE)
     wide.enable_lora(max_loras=S, max_lora_rank=R)
-    with torch.no_grad(), _defer(True):
+    with torch.no_grad(), _defer(wide, "on"):
         assert wide.forward_deferred(x, lora)[1] is None
+    many = LoRABatch.build(slots, DELTA_MAX_GROUPS + 1, DEVICE)  # more slot groups than the delta kernel serves
+    with torch.no_grad(), _defer(lin, "on"):
+        assert lin.forward_deferred(x, many)[1] is None
 
 
-def test_deferred_chain_launch_experiments_change_no_result():
-    """The launch switches of the deferred chain: set_lora_shrink_warps / set_lora_delta_warps reach the
-    two kernels' launches (num_warps; the delta's forced warps win over the chain's default) and give the same
-    delta bit for bit; set_dense_defer_k_per_split sets the
-    shrink's most splits by H (min(8, H // k), k = DEFER_SHRINK_K_PER_SPLIT when 0); bad values raise."""
-    from test_fp8_gpu import launch_records
+def test_the_deferred_backend_is_picked_by_the_config():
+    """DenseLoRAConfig.defer: "fp8" defers on FP8 bases only (a reference one here), "on" on every base, "off" never;
+    and never for slices off the delta kernel's 64-column tiles."""
+    from moelora.layers.dense_lora import pick_dense_lora
+    from moelora.layers.fp8 import Fp8State
 
-    from moelora.kernels.lora import delta_triton as ldt
-    from moelora.kernels.lora import shrink_expand_triton as lora_triton
-    from moelora.layers.linear import DEFER_SHRINK_K_PER_SPLIT, defer_shrink_max_splits
+    fp8 = Fp8State((16, 16), torch.float32, "w8a8")
 
-    dtype = DTYPES[0]
-    lin, _, lora, x = _deferred_case(dtype, 3, bias=False, slots=[0, -1, 3, 1, 2, 0, 1])
-    with torch.no_grad(), _defer(True):
-        y0, d0 = lin.forward_deferred(x, lora)
-        try:
-            lora_triton.set_lora_shrink_warps(2)
-            ldt.set_lora_delta_warps(2)  # in place of the chain's DEFER_DELTA_WARPS (8)
-            assert (lora_triton.lora_shrink_warps(), ldt.lora_delta_warps()) == (2, 2)
-            with launch_records(lora_triton._shrink_kernel) as shrinks, launch_records(ldt._lora_delta_kernel) as deltas:
-                y, d = lin.forward_deferred(x, lora)
-        finally:
-            lora_triton.set_lora_shrink_warps(0)
-            ldt.set_lora_delta_warps(0)
-    assert [r.get("num_warps") for r in shrinks] == [2] and [r.get("num_warps") for r in deltas] == [2]
-    assert torch.equal(y, y0) and torch.equal(d, d0) and d.abs().max() > 0.01
-    for bad in (3, 16, -1):
-        with pytest.raises(ValueError, match="num_warps"):
-            lora_triton.set_lora_shrink_warps(bad)
-        with pytest.raises(ValueError, match="num_warps"):
-            ldt.set_lora_delta_warps(bad)
+    def defers(defer: str, quant, bounds=(0, 128, 192, 256)) -> bool:
+        return pick_dense_lora(_config(defer), quant, torch.device(DEVICE), list(bounds))[1] is not None
+
+    assert defers("fp8", fp8) and not defers("fp8", None) and defers("on", None) and not defers("off", fp8)
+    assert not defers("on", None, (0, 40, 64))
+
+
+def test_deferred_shrink_splits_by_input_width():
+    """The deferred shrink's most splits: min(8, H // DEFER_SHRINK_K_PER_SPLIT), at least 1."""
+    from moelora.layers.dense_lora import DEFER_SHRINK_K_PER_SPLIT, defer_shrink_max_splits
+
     assert DEFER_SHRINK_K_PER_SPLIT == 512
     assert [defer_shrink_max_splits(h) for h in (256, 2048, 4096, 8192)] == [1, 4, 8, 8]
-    try:
-        _triton.set_dense_defer_k_per_split(1024)
-        assert [defer_shrink_max_splits(h) for h in (256, 2048, 4096, 8192)] == [1, 2, 4, 8]
-    finally:
-        _triton.set_dense_defer_k_per_split(0)
-    assert _triton.dense_defer_k_per_split() == 0
-    for bad in (100, 32, -64):
-        with pytest.raises(ValueError, match="power of two"):
-            _triton.set_dense_defer_k_per_split(bad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_deferred_is_one_shrink_and_one_delta(dtype, monkeypatch):
     """forward_deferred's chain: one shrink at the deferred K tile, then one delta kernel writing every entry (the
     buffer starts as NaN), rows without an adapter exactly 0, the delta of the plain forward up to one rounding."""
-    from moelora.kernels.lora import delta_triton as lora_delta_triton
-    from moelora.kernels.lora import shrink_expand_triton as lora_triton
-    from moelora.layers import linear
+    from moelora.layers import dense_lora
 
     slots = [0, -1, 3, 1, 2, 0, -1, 1, 3]
     lin, _, lora, x = _deferred_case(dtype, 5, slots=slots)
@@ -270,15 +261,15 @@ def test_forward_deferred_is_one_shrink_and_one_delta(dtype, monkeypatch):
         return lambda *a, **k: kwargs.append(k) or calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
 
     nan_empty = torch.empty
-    monkeypatch.setattr(lora_triton, "lora_shrink", spy("shrink", lora_triton.lora_shrink))
-    monkeypatch.setattr(lora_delta_triton, "lora_delta", spy("delta", lora_delta_triton.lora_delta))
+    monkeypatch.setattr(dense_lora, "lora_shrink", spy("shrink", dense_lora.lora_shrink))
+    monkeypatch.setattr(dense_lora, "lora_delta", spy("delta", dense_lora.lora_delta))
     # every buffer forward_deferred allocates starts as NaN (torch.empty patched for the test): the delta must be written
-    monkeypatch.setattr(linear.torch, "empty", lambda *a, **k: nan_empty(*a, **k).fill_(float("nan")))
-    with torch.no_grad(), _defer(True):
+    monkeypatch.setattr(dense_lora.torch, "empty", lambda *a, **k: nan_empty(*a, **k).fill_(float("nan")))
+    with torch.no_grad(), _defer(lin, "on"):
         y, own = lin.forward_deferred(x, lora)
     assert calls == {"shrink": 1, "delta": 1}
-    assert kwargs[0]["block_k"] == linear.DEFER_SHRINK_BLOCK_K == 128  # the deferred shrink's K tile
-    assert kwargs[1]["num_warps"] == linear.DEFER_DELTA_WARPS
+    assert kwargs[0]["block_k"] == dense_lora.DEFER_SHRINK_BLOCK_K == 128  # the deferred shrink's K tile
+    assert kwargs[1]["num_warps"] == dense_lora.DEFER_DELTA_WARPS == 8
     assert not own.isnan().any()
     base = (torch.tensor(slots) < 0).to(DEVICE)
     assert (own[base] == 0).all()
@@ -310,21 +301,17 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
     from test_fp8_gpu import launch_records
 
     from moelora_bench.common import captured_graph
-    from moelora.kernels.quant import fp8_triton
     from moelora.kernels.lora import delta_triton as ldt
     from moelora.kernels.lora import shrink_expand_triton as lora_triton
-    from moelora.layers.linear import DEFER_DELTA_WARPS, DEFER_SHRINK_BLOCK_K, defer_shrink_max_splits
+    from moelora.layers.dense_lora import DEFER_DELTA_WARPS, DEFER_SHRINK_BLOCK_K, defer_shrink_max_splits
 
     model, step, ad = attention_lora_decode_case(str(tmp_path), quant, batch)
 
-    with _defer(False):
+    with _defer(model, "off"):
         ref = step().clone()
-        fp8_triton.set_fp8_lora_epilogue(False)
-        try:
-            other = step().clone()  # the GEMM, then lora_expand (bf16: the default path itself)
-        finally:
-            fp8_triton.set_fp8_lora_epilogue(True)
-    with _defer(True):
+    with _defer(model, "off", lora_epilogue=False):
+        other = step().clone()  # the GEMM, then lora_expand (bf16: the default path itself)
+    with _defer(model, "on"):
         with launch_records(ldt._lora_delta_kernel) as deltas, launch_records(lora_triton._shrink_kernel) as shrinks:
             eager = step().clone()
         graph, out = captured_graph(step)
@@ -373,8 +360,8 @@ def test_deferred_dense_lora_matches_peft_on_a_dequantized_fp8_checkpoint(tmp_pa
     ad = tmp(tmp_path, "ad")
     save_peft_adapter(base, ad, 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    with _defer("fp8"):
-        run = Runner(fp8, max_loras=2, max_lora_rank=8, dtype="bfloat16", device="cuda")
+    run = Runner(fp8, max_loras=2, max_lora_rank=8, dtype="bfloat16", device="cuda")
+    with _defer(run.model, "fp8"):
         run.load("ad", ad)
         rows = rows_of(7, [8, 5, 13])
         with launch_records(ldt._lora_delta_kernel) as deltas:

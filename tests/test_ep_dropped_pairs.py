@@ -1,5 +1,5 @@
 """Pairs on expert id -1 on the Triton base path: such a (token, k) pair is left out of every kernel (alignment,
-expert GEMMs, LoRA shrink/expand and the fused LoRA kernel) and of the combine (the kernels' documented semantics;
+expert GEMMs, the per-pair and grouped LoRA kernels) and of the combine (the kernels' documented semantics;
 expert parallelism itself gives another rank's pairs local expert 0 and weight 0: sharding._local_experts_hook).
 Under TRITON_INTERPRET=1 on the CPU (fp32), compiled on a GPU: the kernels match their references with such pairs,
 the combine never reads their rows, and two expert shards computed either way sum to the whole layer with mixed
@@ -15,12 +15,16 @@ import torch
 
 from kernel_cases import DEVICE, DTYPES, expert_lora_args, token_slots, tolerance
 from moelora.distributed import sharding
-from moelora.kernels import _triton
-from moelora.kernels.moe import experts_triton as fmt
-from moelora.kernels.moe_lora import chain_triton as mlt
-from moelora.kernels.moe.experts import ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
-from moelora.kernels.moe_lora.chain import moe_lora_align, moe_lora_expand_ref, moe_lora_shrink_ref
-from moelora.kernels.moe_lora.fused_triton import moe_lora_fused
+from moelora.kernels.moe import act_triton
+from moelora.kernels.moe import align_triton as fmt
+from moelora.kernels.moe.experts import ExpertKernels, ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
+from moelora.kernels.moe_lora import backend
+from moelora.kernels.moe_lora import grouped_triton as mg
+from moelora.kernels.moe_lora.args import ProjLoRA, Routing
+from moelora.kernels.moe_lora.backend import MoELoRAKernels
+from moelora.kernels.moe_lora.chain import moe_lora_align
+from moelora.kernels.moe_lora.chain_triton import moe_lora_align_fast
+from moelora.kernels.moe_lora.fused_triton import moe_lora_fused, moe_lora_fused_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,34 +62,33 @@ def test_combine_never_reads_a_weight_zero_row():
     zeroed[(w == 0).reshape(-1)] = 0
     o[(w == 0).reshape(-1)] = float("nan")  # a row no GEMM wrote
     want = (zeroed.view(T, K, Hd).float() * w[:, :, None]).sum(1).to(DT)
-    for got in (fmt.moe_combine(o, w), fmt.moe_combine_ref(o, w)):
+    for got in (act_triton.moe_combine(o, w), act_triton.moe_combine_ref(o, w)):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["gemv", "tiled", "fused"])
+@pytest.mark.parametrize("variant", ["fused", "grouped", "grouped_prefill"])
 def test_lora_kernels_skip_pairs_on_expert_minus_one(variant):
     gen = torch.Generator().manual_seed(11)
     T, E, K, S, R, D, O = 13, 8, 4, 3, 8, 40, 24
     _, ids = route_topk_ref(torch.randn(T, E, generator=gen).to(DEVICE), K, True)
     ids, drop = _dropped(ids, gen)
     lora = expert_lora_args(T, E, DT, gen, S, R, D, O // 2)  # its gate_up part: two slices of O // 2
-    a, b, ranks, scaling, slots = lora.gate_up_a, lora.gate_up_b, lora.gate_up_ranks, lora.gate_up_scaling, lora.token_slots
     off = torch.tensor([0, O // 2, O], dtype=torch.int32, device=DEVICE)
+    gate_up = ProjLoRA(lora.gate_up_a, lora.gate_up_b, off, lora.gate_up_ranks, lora.gate_up_scaling, O // 2)
+    routing = Routing(ids, lora.token_slots, E, S)
     x = torch.randn(T, D, generator=gen).to(DEVICE, DT)
     y0 = torch.randn(T * K, O, generator=gen).to(DEVICE, DT)
-    h_ref = torch.zeros(T * K, 2, R, device=DEVICE)
-    moe_lora_shrink_ref(x, a, ranks, ids, slots, E, h_ref, False)
     y_ref = y0.clone()
-    moe_lora_expand_ref(h_ref, b, off, ranks, scaling, ids, slots, E, y_ref)
+    moe_lora_fused_ref(x, gate_up, routing, y_ref, x_per_pair=False)
     y = y0.clone()
     if variant == "fused":
-        moe_lora_fused(x, a, b, off, ranks, scaling, ids, slots, E, y, False)
+        moe_lora_fused(x, gate_up, routing, y, x_per_pair=False)
+    elif variant == "grouped":
+        mg.moe_lora_grouped(x, gate_up, routing, y, x_per_pair=False)
     else:
-        h = torch.zeros(T * K, 2, R, device=DEVICE)
-        mlt.moe_lora_shrink(x, a, ranks, ids, slots, E, h, False, variant=variant)
-        torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)  # fp32 on both sides
-        mlt.moe_lora_expand(h_ref, b, off, ranks, scaling, ids, slots, E, y, variant=variant)
+        mg.moe_lora_grouped(x, gate_up, routing, y, x_per_pair=False, block_m=mg.PREFILL_BLOCK_M,
+                            align=mg.prefill_align(ids, lora.token_slots, E, S))
     atol, rtol = tolerance(DT)  # bf16 on a GPU: the reference rounds the delta, then the sum (the kernels once)
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     gone = drop.reshape(-1)
@@ -100,7 +103,7 @@ def test_lora_alignments_leave_out_pairs_on_expert_minus_one():
     ids, drop = _dropped(ids, gen)
     slots = token_slots("with_base_rows", T, S, gen).to(DEVICE)
     keep = (~drop & (slots >= 0)[:, None]).reshape(-1).nonzero().squeeze(1).tolist()
-    for align in (moe_lora_align, mlt.moe_lora_align_fast):
+    for align in (moe_lora_align, moe_lora_align_fast):
         sorted_ids, _ = align(ids, slots, E, S, 16)
         assert sorted(p for p in sorted_ids.tolist() if p < T * K) == keep, align.__name__
 
@@ -113,15 +116,15 @@ def _shard(args: ExpertLoRAArgs, es: slice) -> ExpertLoRAArgs:
 
 
 @pytest.mark.parametrize("dropped", [False, True])
-@pytest.mark.parametrize("fused_lora", [True, False])
-@pytest.mark.parametrize("T,K,tiled", [(9, 4, False), (21, 4, True)])
-def test_two_expert_shards_sum_to_the_whole_layer(T, K, tiled, fused_lora, dropped, fast_on_cpu, monkeypatch):
+@pytest.mark.parametrize("lora_kernels", ["triton", "reference"])
+@pytest.mark.parametrize("T,K,prefill", [(9, 4, False), (21, 4, True)])
+def test_two_expert_shards_sum_to_the_whole_layer(T, K, prefill, lora_kernels, dropped, monkeypatch):
     """Each half of the experts, through the EP hook (pairs of the other half on local expert 0 with weight 0) or
-    with those pairs on expert -1 (dropped), and fused_moe_pairs with the Triton kernels, sums with the other half
-    to fused_moe_ref of the whole layer (mixed adapters)."""
-    if tiled:  # the prefill LoRA variant (alignment by virtual expert) at a small P
-        monkeypatch.setattr(mlt, "GEMV_MAX_PAIRS", 0)
-    monkeypatch.setattr(_triton, "_FUSED_LORA", [fused_lora])
+    with those pairs on expert -1 (dropped), and fused_moe_pairs with the Triton base path (and the Triton or the
+    reference LoRA), sums with the other half to fused_moe_ref of the whole layer (mixed adapters)."""
+    if prefill:  # the prefill LoRA kernel (grouped, alignment by virtual expert) at a small P
+        monkeypatch.setattr(backend, "DECODE_MAX_PAIRS", 0)
+    kernels = ExpertKernels(True, MoELoRAKernels(lora_kernels == "triton"))
     gen = torch.Generator().manual_seed(T)
     E, S, R, H, inter = 16, 3, 8, 48, 24
     x = torch.randn(T, H, generator=gen).to(DEVICE, DT)
@@ -140,24 +143,18 @@ def test_two_expert_shards_sum_to_the_whole_layer(T, K, tiled, fused_lora, dropp
         if dropped:
             ids_loc = ids_loc.masked_fill(other, -1)
         total += fused_moe_pairs(x, rank.gate_up_proj, rank.down_proj, w_loc, ids_loc, "silu", _shard(args, es),
-                                 mlt.moe_lora_shrink, mlt.moe_lora_expand, mlt.moe_lora_plan).float()
+                                 kernels).float()
     rel = ((total - ref.float()).norm() / ref.float().norm()).item()
     assert rel < tolerance(DT)[0], f"relative error {rel:.2e}"
 
 
-def test_hook_keeps_the_weight_zero_masking(monkeypatch):
-    """Non-local pairs go to local expert 0 with weight 0, never -1, on the reference path and on the Triton one."""
+def test_hook_keeps_the_weight_zero_masking():
+    """Non-local pairs go to local expert 0 with weight 0, never -1 (whatever kernels the experts run)."""
     gen = torch.Generator().manual_seed(3)
     w, ids = route_topk_ref(torch.randn(5, 8, generator=gen), 2, True)
     rank = SimpleNamespace(quant=None, gate_up_proj=torch.zeros(4, 6, 3), down_proj=torch.zeros(4, 3, 3))
     x = torch.zeros(5, 3)
-    fmt.set_fast_path(True, on_cpu=False)  # the CPU default: the reference path
     _, w_loc, ids_loc, _ = sharding._local_experts_hook(4, 4)(rank, (x, w, ids, None))
     mine = (ids >= 4)
     assert bool((ids_loc >= 0).all()) and torch.equal(ids_loc[~mine], torch.zeros_like(ids_loc[~mine]))
     assert torch.equal(w_loc[~mine], torch.zeros_like(w_loc[~mine])) and torch.equal(ids_loc[mine], ids[mine] - 4)
-    fmt.set_fast_path(True, on_cpu=True)
-    try:
-        assert bool((sharding._local_experts_hook(4, 4)(rank, (x, w, ids, None))[2] >= 0).all())
-    finally:
-        fmt.set_fast_path(True, on_cpu=False)

@@ -75,14 +75,15 @@ def test_grouped_reference_is_the_linear_reference_per_row():
 
 # ---- Triton under the interpreter ----------------------------------------------------------------------------
 # The interpreter's fp32 -> float8 cast is wrong when rounding carries into the next binade (124.7 -> 64, not 128:
-# ~0.4% of elements), so the in-kernel quantization is tested on the GPU only; here the GEMMs read inputs
+# ~0.4% of elements), so the quantization kernel is tested on the GPU only; here the GEMMs read inputs
 # quantized by the reference, which checks their indexing, scales and masks exactly.
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("T", [1, 3, 17])
 def test_triton_gemms_interpreted_prequantized(T):
-    from moelora.kernels.quant.fp8_triton import fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_linear, fp8_linear_ref
+    from moelora.kernels.quant.fp8_experts_triton import fp8_grouped_gemm, fp8_grouped_gemm_ref
+    from moelora.kernels.quant.fp8_triton import fp8_linear, fp8_linear_ref
 
     g = torch.Generator().manual_seed(T)
     blk = (16, 16)
@@ -124,28 +125,34 @@ def test_fp8_linear_writes_the_callers_output():
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("cfg", [(16, 4, 2, 32), (32, 8, 4, 16), (128, 4, 3, 64)])
 def test_fp8_gemm_launch_configs_do_not_change_results(cfg):
-    """set_fp8_gemm_config (the sweep's knob: column tile, warps, stages, dense row block) gives the reference's
-    numbers for narrow, wide and partial tiles, and is undone by None."""
-    from moelora.kernels.quant.fp8_triton import (
-        Fp8GemmConfig, fp8_gemm_config, fp8_linear, fp8_linear_ref, set_fp8_gemm_config,
-    )
+    """fp8_linear(config=) (the sweep's knob: column tile, warps, stages, dense row block) gives the reference's
+    numbers for narrow, wide and partial tiles, as launched."""
+    from moelora.kernels.quant import fp8_triton as ft
 
     g = torch.Generator().manual_seed(sum(cfg))
     blk, T = (16, 16), 37
     x, w = torch.randn(T, 40, generator=g), torch.randn(136, 40, generator=g)
     xq, xs = quantize_act_group_ref(x, blk[1])
     q, s = quantize_weight_block(w, blk)
-    ref = fp8_linear_ref(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
-    set_fp8_gemm_config("dense", Fp8GemmConfig(*cfg))
+    ref = ft.fp8_linear_ref(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
+    launched = []
+    real = ft._fp8_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"], kwargs["BLOCK_M"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    ft._fp8_gemm_kernel = Spy()
     try:
-        assert fp8_gemm_config(3, 136, grouped=False) == Fp8GemmConfig(*cfg)
-        y = fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
+        y = ft.fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32, config=ft.Fp8GemmConfig(*cfg))
     finally:
-        set_fp8_gemm_config("dense", None)
+        ft._fp8_gemm_kernel = real
+    assert launched == [cfg]
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
-    assert fp8_gemm_config(3, 136, grouped=False).block_n == 64  # the default again
-    with pytest.raises(ValueError, match="'dense' or 'expert'"):
-        set_fp8_gemm_config("router", None)
+    assert ft.fp8_gemm_config(3, 136, grouped=False).block_n == 64  # the default
 
 
 def test_fp8_decode_launch_defaults():
@@ -167,8 +174,8 @@ def test_fp8_decode_launch_defaults():
 @pytest.mark.parametrize("gather_rows", [True, False])
 def test_fp8_expert_gemm_on_the_fast_path_alignment_interpreted(gather_rows):
     """fp8_expert_gemm reads row p // K (gather_rows) or p on moe_align's blocks: equal to the reference."""
-    from moelora.kernels.quant.fp8_triton import fp8_expert_gemm, fp8_expert_gemm_ref
-    from moelora.kernels.moe.experts_triton import moe_align
+    from moelora.kernels.moe.align_triton import moe_align
+    from moelora.kernels.quant.fp8_experts_triton import fp8_expert_gemm, fp8_expert_gemm_ref
 
     g = torch.Generator().manual_seed(5)
     blk, T, K, E = (16, 16), 7, 3, 5
@@ -188,11 +195,12 @@ def test_fp8_expert_gemm_on_the_fast_path_alignment_interpreted(gather_rows):
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 def test_fp8_experts_on_the_triton_fast_path_equal_their_grouped_path():
-    """set_fast_path(quantized=True): FP8 expert stacks run on fused_moe_triton's alignment, activation and combine
-    (their GEMM reads the token rows in place); the same numbers as FP8's own grouped path. Both quantize the
-    activations in the kernel the same way, so the interpreter's float8 cast affects both alike."""
+    """FP8 expert stacks on the Triton path run on fused_moe_triton's alignment, activation and combine (their GEMM
+    reads the token rows in place): the same numbers as the references' grouped path over the same stacks. Both
+    quantize the activations the same way, so the interpreter's float8 cast affects both alike."""
     from moelora.kernels.moe import experts_triton as fmt
-    from moelora.kernels.moe.experts import fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe.experts import ExpertKernels, fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe_lora.backend import MoELoRAKernels
     from moelora.layers.fp8 import Fp8ExpertWeight
 
     g = torch.Generator().manual_seed(9)
@@ -202,22 +210,20 @@ def test_fp8_experts_on_the_triton_fast_path_equal_their_grouped_path():
     w_d = Fp8ExpertWeight(*quantize_weight_block(torch.randn(E, H, inter, generator=g) * 0.2, blk), st)
     x = torch.randn(T, H, generator=g)
     weights, ids = route_topk_ref(torch.randn(T, E, generator=g), K, True)
-    calls, default = [], fmt._FAST["quantized"]
+    calls = []
     real = Fp8ExpertWeight.expert_gemm
     Fp8ExpertWeight.expert_gemm = lambda self, *a: (calls.append(a[3]), real(self, *a))[1]
     try:
-        fmt.set_fast_path(True, on_cpu=True, quantized=False)
-        assert not fmt.fast_path_ok(x, w_gu, w_d)
-        slow = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, None, None)
-        fmt.set_fast_path(True, on_cpu=True, quantized=True)
+        slow = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, ExpertKernels())
+        assert not calls
         assert fmt.fast_path_ok(x, w_gu, w_d)
-        fast = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, None, None)
+        fast = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, ExpertKernels(True, MoELoRAKernels(True)))
     finally:
         Fp8ExpertWeight.expert_gemm = real
-        fmt.set_fast_path(True, on_cpu=False, quantized=default)
     assert calls == [True, False]  # gate_up read the token rows in place, down the pair rows
     assert torch.allclose(fast, slow, rtol=1e-4, atol=1e-4)
-    assert not fmt.fast_path_ok(x, Fp8ExpertWeight(w_gu.weight, w_gu.scale_inv, Fp8State(blk, torch.float32, "w8a8")))
+    w8a8 = Fp8ExpertWeight(w_gu.weight, w_gu.scale_inv, Fp8State(blk, torch.float32, "w8a8"))
+    assert not fmt.fast_path_ok(x, w8a8, w_d)
 
 
 # ---- layers: FP8 storage, and LoRA on the unquantized activations ----------------------------------------------
@@ -244,7 +250,7 @@ def _lora_delta(x, weights, slots) -> torch.Tensor:
 
 
 def test_lora_linear_reads_unquantized_activations():
-    from moelora.adapters.metadata import LoRABatch
+    from moelora.layers.lora_batch import LoRABatch
     from moelora.layers.linear import LoRALinear
 
     g = torch.Generator().manual_seed(3)
@@ -296,7 +302,7 @@ def _experts_reference(x, ex, topk_w, topk_ids, slots, lora_on_quantized: bool) 
 
 
 def test_routed_experts_lora_reads_unquantized_activations():
-    from moelora.adapters.metadata import LoRABatch
+    from moelora.layers.lora_batch import LoRABatch
     from moelora.kernels.moe.experts import route_topk_ref
     from moelora.layers.moe import RoutedExperts
 
@@ -462,7 +468,7 @@ def test_cli_quantization_fp8_on_cpu_is_a_clear_error(capsys):
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernels compile for real (test_fp8_gpu.py)")
 def test_triton_kernels_compile_for_sm90_ahead_of_time():
     """No GPU here, but Triton (with its bundled ptxas) compiles for sm_90: the fp8 tl.dot lowers (mma / wgmma),
-    the in-kernel quantization rounds to nearest even, saturating, the NVFP4 weight-only GEMM compiles, and the
+    the activation quantization rounds to nearest even, saturating, the NVFP4 weight-only GEMM compiles, and the
     grouped expert GEMM with the routed LoRA epilogue and the grouped LoRA kernel's prefill forms compile.
     A subprocess: TRITON_INTERPRET=1 is set here."""
     import subprocess
@@ -494,57 +500,14 @@ def test_deepseek_v3_fp8_checkpoint_mla_kv_b_dequantized(tmp_path):
         assert (w8a8 - want).abs().mean() < 0.01
 
 
-@pytest.mark.parametrize("gather_rows", [True, False])
-def test_fp8_prequantized_inputs_give_the_in_kernel_numbers(gather_rows, monkeypatch):
-    """set_fp8_prequant_min_rows(n): inputs of >= n rows are quantized once (quantize_act_group) before the dense,
-    grouped and expert GEMMs instead of inside them; the same formula, so the same outputs (on the CPU the
-    interpreter's float8 cast is used by both ways alike)."""
-    from moelora.kernels.quant import fp8_triton as ft
-    from moelora.kernels.moe.experts_triton import moe_align
-
-    dev = "cuda" if ON_GPU else "cpu"
-    g = torch.Generator().manual_seed(8)
-    blk, T, K, E = ((128, 128), 37, 4, 6) if ON_GPU else ((16, 16), 13, 3, 5)
-    D, N = (256, 384) if ON_GPU else (40, 24)
-    dt = torch.bfloat16 if ON_GPU else torch.float32
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
-    x = torch.randn(T if gather_rows else T * K, D, generator=g).to(dev, dt)
-    q, s = quantize_weight_block(torch.randn(N, D, generator=g), blk)
-    qe, se = quantize_weight_block(torch.randn(E, N, D, generator=g), blk)
-    q, s, qe, se = q.to(dev), s.to(dev), qe.to(dev), se.to(dev)
-    align = moe_align(ids, E, 16)
-    pe = ids.reshape(-1)[: x.shape[0]]
-
-    def run():
-        return (ft.fp8_linear(x, q, s, blk), ft.fp8_grouped_gemm(x, qe, se, pe, blk),
-                ft.fp8_expert_gemm(x, qe, se, blk, ids, align, gather_rows, 16))
-
-    calls = []
-    real = ft.quantize_act_group
-    monkeypatch.setattr(ft, "quantize_act_group", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [0])
-    in_kernel = run()
-    assert not calls
-    monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [x.shape[0] + 1])  # below the threshold: still in the kernel
-    run()
-    assert not calls
-    monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [x.shape[0]])
-    pre = run()
-    assert len(calls) == 3
-    for a, b in zip(pre, in_kernel):
-        assert a.dtype == b.dtype == dt
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
 @pytest.mark.parametrize("split_k", [2, 3, 0])
 def test_fp8_dense_split_k_sums_every_partial_once(split_k):
     """Dense split-K: each split stores a partial, the last to arrive adds them all and resets its counter. The
     result equals the reference on several launches in a row (counters left at zero), with a bias, a partial
     last row block and a K that leaves one split a step short; split_k 0 = the automatic choice."""
-    from moelora.kernels.quant.fp8_triton import (
-        _COUNTERS, Fp8GemmConfig, fp8_linear, fp8_linear_ref, fp8_split_k, set_fp8_gemm_config,
-    )
+    from moelora.kernels.quant.fp8_triton import Fp8GemmConfig, fp8_linear, fp8_linear_ref, fp8_split_k
+    from moelora.kernels.quant.split_k_triton import _COUNTERS
 
     g = torch.Generator().manual_seed(40 + split_k)
     blk, T = (16, 16), 19
@@ -553,13 +516,10 @@ def test_fp8_dense_split_k_sums_every_partial_once(split_k):
     xq, xs = quantize_act_group_ref(x, blk[1])
     q, s = quantize_weight_block(w, blk)
     ref = fp8_linear_ref(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
-    set_fp8_gemm_config("dense", Fp8GemmConfig(32, 4, 2, 16, split_k))
-    try:
-        for _ in range(3):
-            y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
-            assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
-    finally:
-        set_fp8_gemm_config("dense", None)
+    for _ in range(3):
+        y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32,
+                       config=Fp8GemmConfig(32, 4, 2, 16, split_k))
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values()), "a counter was left non-zero"
     assert fp8_split_k(80, 16) == 4 and fp8_split_k(80, 16, 64) == 1 and fp8_split_k(32, 32, 64) == 4
     assert fp8_split_k(264, 32) == 1 and fp8_split_k(8, 32) == 8 and fp8_split_k(8, 5) == 1
@@ -570,8 +530,9 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
     """rms_norm and silu_and_mul with quant_group write, in the same launch, exactly what quantize_act_group
     gives for their (rounded) outputs and attach it; an FP8 GEMM then reads it instead of quantizing (same result);
     widths that are not a multiple of the group, or another group, are left to the GEMM."""
-    from moelora.kernels.quant.fp8_triton import _prequantized, fp8_linear, quantize_act_group
-    from moelora.kernels.moe.experts_triton import silu_and_mul
+    from moelora.kernels.quant.fp8_act_triton import fp8_prequantize, quantize_act_group
+    from moelora.kernels.quant.fp8_triton import fp8_linear
+    from moelora.kernels.moe.act_triton import silu_and_mul
     from moelora.kernels.norm.rmsnorm_triton import rms_norm
 
     g = torch.Generator().manual_seed(8)
@@ -587,7 +548,7 @@ def test_norm_and_activation_quantize_their_outputs_as_quantize_act_group():
         q_ref, s_ref = quantize_act_group(out, grp)
         assert group == grp and torch.equal(s, s_ref)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-        assert _prequantized(out, None, grp)[0] is q and _prequantized(out, None, 2 * grp)[0] is not q
+        assert fp8_prequantize(out, grp)[0] is q and fp8_prequantize(out, 2 * grp)[0] is not q
     y_plain, _ = rms_norm(x, w, 1e-6, res)
     assert torch.equal(y, y_plain) and not hasattr(y_plain, "fp8_act")
     wq, ws = quantize_weight_block(torch.randn(24, D, generator=g), (16, grp))
@@ -611,53 +572,72 @@ def _record_gemm_launches(monkeypatch) -> list[dict]:
     return launches
 
 
+def force_lora_split(monkeypatch, mode: int) -> None:
+    """The dense FP8 GEMM's LoRA form forced at every size (dense_lora_split replaced): 0 (after the K steps), 2 (the
+    LoRA program as the last split-K partial) or 4 (the LoRA program first, where mode4_ok holds, else 2)."""
+    from moelora.kernels.quant import fp8_triton as ft
+
+    monkeypatch.setattr(ft, "dense_lora_split",
+                        lambda rows, tiles, split_k: 2 if mode == 4 and not ft.mode4_ok(tiles, split_k) else mode)
+
+
+def _small_lora(T: int, D: int, O: int, S: int, R: int, slots: list[int], **kw):
+    """(x [T, D], its e4m3 copy and scales, q / s of an [O, D] weight, an Fp8LoRAEpilogue of zeros over 3 slices of
+    16 columns) for the host-side launch tests."""
+    from moelora.kernels.lora.groups import SlotGroups
+    from moelora.kernels.quant.fp8_triton import Fp8LoRAEpilogue
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, D, generator=g)
+    xq, xs = quantize_act_group_ref(x, 16)
+    q, s = quantize_weight_block(torch.randn(O, D, generator=g), (16, 16))
+    groups = SlotGroups.build(torch.tensor(slots, dtype=torch.int32), S)
+    lora = Fp8LoRAEpilogue(torch.zeros(3, T, R), torch.zeros(S, O, R), torch.tensor([0, 16, 32, 48], dtype=torch.int32),
+                           torch.full((3, S), R, dtype=torch.int32), torch.ones(3, S), groups.token_slots,
+                           groups.active_slots, **kw)
+    return x, xq, xs, q, s, lora
+
+
 def test_fp8_lora_gemm_takes_pdl_only_when_nothing_runs_between_it_and_the_shrink(monkeypatch):
     """Programmatic dependent launch lets the GEMM start while the shrink still runs; only its LoRA code waits for
     it, so every other input must have been written before the shrink started. The launch decision (host side,
-    the kernel replaced by a recorder): PDL (and LORA_WAIT) with an already-quantized x, or an x the GEMM quantizes
-    itself; not when fp8_linear launches the activation quantization; not when the split-K counters are made by
-    this call (a zero-fill launch); not without lora.pdl; and fp8_lora_pdl says no on the CPU or when switched off."""
+    the kernel replaced by a recorder): PDL (and LORA_WAIT) with an already-quantized x, or one its producer
+    quantized; not when fp8_linear launches the activation quantization; not when the split-K counters are made by
+    this call (a zero-fill launch); not without lora.pdl; and pdl_supported says no on the CPU."""
     import dataclasses
 
+    from moelora.kernels.quant import fp8_act_triton, split_k_triton
     from moelora.kernels.quant import fp8_triton as ft
-    from moelora.kernels.lora.groups import SlotGroups
+    from moelora.kernels.quant.fp8_act_triton import attach_act_quant
 
     launches = _record_gemm_launches(monkeypatch)
-    g = torch.Generator().manual_seed(7)
-    blk, T, D, O, S, R = (16, 16), 4, 32, 48, 2, 8
-    x = torch.randn(T, D, generator=g)
-    xq, xs = quantize_act_group_ref(x, blk[1])
-    q, s = quantize_weight_block(torch.randn(O, D, generator=g), blk)
-    groups = SlotGroups.build(torch.tensor([0, 1, -1, 0], dtype=torch.int32), S)
-    lora = ft.Fp8LoRAEpilogue(torch.zeros(3, T, R), torch.zeros(S, O, R), torch.tensor([0, 16, 32, 48], dtype=torch.int32),
-                              torch.full((3, S), R, dtype=torch.int32), torch.ones(3, S), groups.token_slots,
-                              groups.active_slots, pdl=True)
+    monkeypatch.setattr(fp8_act_triton, "quantize_act_group", quantize_act_group_ref)  # host side: no kernel runs
+    blk = (16, 16)
+    x, xq, xs, q, s, lora = _small_lora(4, 32, 48, 2, 8, [0, 1, -1, 0], pdl=True)
 
-    def pdl_of(x_in, x_scale=None, lora=lora, min_rows=0):
-        monkeypatch.setattr(ft, "_PREQUANT_MIN_ROWS", [min_rows])
+    def pdl_of(x_in, x_scale=None, lora=lora):
         launches.clear()
         ft.fp8_linear(x_in, q, s, blk, x_scale=x_scale, out_dtype=torch.float32, lora=lora)
         (kw,) = launches
         assert kw.get("LORA_WAIT", False) == kw.get("launch_pdl", False)
         return kw.get("launch_pdl", False), kw.get("LORA_SPLIT", 0)
 
-    for mode in (0, 2):  # after the K steps (no split-K here), and the LoRA program (a split-K partial: counters)
-        monkeypatch.setattr(ft, "_LORA_SPLIT", [mode, 64])
+    for mode in (0, 4):  # after the K steps (no split-K here), and the LoRA program first (its flag: counters)
+        force_lora_split(monkeypatch, mode)
         pdl_of(xq, xs)  # makes the counters if the form needs them
         assert pdl_of(xq, xs) == (True, mode)  # quantized before the shrink: nothing in between
-        assert pdl_of(x)[0]  # quantized by the GEMM itself (no prequantization): no launch either
-        assert not pdl_of(x, min_rows=1)[0]  # fp8_linear launches quantize_act_group first: no PDL
+        assert pdl_of(attach_act_quant(x.clone(), xq, xs, blk[1]))[0]  # quantized by its producer: no launch either
+        assert not pdl_of(x)[0]  # fp8_linear launches quantize_act_group first: no PDL
         assert not pdl_of(xq, xs, lora=dataclasses.replace(lora, pdl=False))[0]
-    monkeypatch.setattr(ft, "_COUNTERS", {})
+    monkeypatch.setattr(split_k_triton, "_COUNTERS", {})
+    force_lora_split(monkeypatch, 2)  # the LoRA program as a split-K partial: counters too
     assert pdl_of(xq, xs) == (False, 2)  # the counters' zero-fill ran in this call: no PDL
     assert pdl_of(xq, xs) == (True, 2)
-    assert not ft.fp8_lora_pdl(torch.device("cpu"))
-    monkeypatch.setattr(ft, "_LORA_PDL", [False])
-    assert not ft.fp8_lora_pdl(torch.device("cuda"))
+    assert not ft.pdl_supported("cpu")
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; test_fp8_gpu.py covers the GPU")
-@pytest.mark.parametrize("lora_split, with_groups", [(0, True), (2, False), (2, True), (3, True), (4, True), (4, False)])
+@pytest.mark.parametrize("lora_split, with_groups", [(0, True), (2, False), (2, True), (4, True), (4, False)])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("R, even_r", [(8, False), (16, False), (16, True)])
 def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lora_split, with_groups, monkeypatch):
@@ -665,28 +645,20 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
     boundaries fall inside a column tile, slots of rank 0 for a slice, base rows (slot -1) untouched by LoRA,
     the shrink's split-K partials, and split-K of the GEMM itself (the last split adds the delta once); h past
     a slot's rank holds NaN here, so a mask by the wrong rank shows. lora_split: the expand after the K steps
-    (0), or in one more program per tile summed as the last split-K partial (2), over the batch's slot groups
-    (here the first 2 of 3 unrolled, the third in the loop) or, given no groups, over all slots; or (3) after the K
-    steps with everything but h loaded before them and the 3 groups in one dot (slices on tile boundaries here,
-    the launch checked to take that form). B past each rank
-    holds NaN too; R 16 with even_r (MOELORA_LORA_EVEN_R=1): the buffers' rank equals the rank tile, so h and B are
-    read in whole rank rows and the entries past the rank zeroed after the load; otherwise masked in the load."""
-    from moelora.kernels.quant.fp8_triton import (
-        Fp8GemmConfig, Fp8LoRAEpilogue, fp8_linear, fp8_linear_lora_ref, fp8_linear_ref, set_fp8_gemm_config,
-    )
-
-    from moelora.kernels.quant import fp8_triton as ft
-
-    monkeypatch.setattr(ft, "_LORA_SPLIT", [lora_split, 64])
-    monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
-    from moelora.kernels import _triton as kt
-
-    monkeypatch.setattr(kt, "_LORA_EVEN_R", [even_r])
+    (0), or in one more program per tile summed as the last split-K partial (2), or that program first, its tile
+    awaited by a flag (4); over the batch's slot groups (here the first 2 of 3 unrolled, the third in the loop) or,
+    given no groups, over all slots (the launch checked to take the form). B past each rank holds NaN too; R 16
+    with even_r: the buffers' rank equals the rank tile, so h and B are read in whole rank rows and the entries past
+    the rank zeroed after the load; otherwise (R 8, or B's buffer rank 32) masked in the load."""
     from moelora.kernels.lora.groups import SlotGroups
     from moelora.kernels.lora.shrink_expand_triton import lora_shrink
+    from moelora.kernels.quant import fp8_triton as ft
+    from moelora.kernels.quant import split_k_triton
 
+    force_lora_split(monkeypatch, lora_split)
+    monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
     g = torch.Generator().manual_seed(60 + split_k)
-    blk, T, D, outs, S = (16, 16), 11, 48, ([40, 24, 8] if lora_split != 3 else [32, 64, 32]), 3
+    blk, T, D, outs, S = (16, 16), 11, 48, [40, 24, 8], 3
     O = sum(outs)
     bounds = [0, outs[0], outs[0] + outs[1], O]
     x = torch.randn(T, D, generator=g)
@@ -700,6 +672,8 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
         for sl in range(S):
             a[i, sl, ranks[i, sl]:] = 0
             b[sl, o0:o0 + outs[i], ranks[i, sl]:] = float("nan")
+    if R == 16 and not even_r:  # B's buffer rank 32: off the rank tile, so masked loads
+        b = torch.cat([b, torch.full_like(b, float("nan"))], dim=2)
     scaling = torch.rand(3, S, generator=g) + 0.5
     off = torch.tensor(bounds, dtype=torch.int32)
     slots = torch.tensor([0, -1, 2, 1, 1, 0, -1, 2, 2, 0, 1], dtype=torch.int32)
@@ -710,10 +684,10 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
         for t in range(T):
             if slots[t] >= 0:
                 h[:, i, t, ranks[i, slots[t]]:] = float("nan")
-    lora = Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots, groups.active_slots if with_groups else None,
-                           slice_bounds=tuple(bounds))
-    assert lora.prefetch_ok(32) == (lora_split == 3)
-    set_fp8_gemm_config("dense", Fp8GemmConfig(32, 4, 2, 16, split_k))
+    lora = ft.Fp8LoRAEpilogue(h, b, off, ranks, scaling, groups.token_slots,
+                              groups.active_slots if with_groups else None, slice_bounds=tuple(bounds))
+    assert not lora.prefetch_ok(32)  # 40 is not on a 32-column tile boundary
+    assert lora.kernel_args()["LORA_EVEN_R"] == even_r
     modes: list[int] = []
     real = ft._fp8_gemm_kernel
 
@@ -725,85 +699,59 @@ def test_fp8_linear_adds_the_lora_expand_in_its_epilogue(R, even_r, split_k, lor
             return launch
 
     monkeypatch.setattr(ft, "_fp8_gemm_kernel", Spy())
-    try:
-        y = fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32, lora=lora)
-    finally:
-        set_fp8_gemm_config("dense", None)
+    y = ft.fp8_linear(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32, lora=lora,
+                      config=ft.Fp8GemmConfig(32, 4, 2, 16, split_k))
     assert modes == [lora_split]
-    ref = fp8_linear_lora_ref(xq, q, s, blk, bias, lora, groups, x_scale=xs, out_dtype=torch.float32)
-    base = fp8_linear_ref(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
+    ref = ft.fp8_linear_lora_ref(xq, q, s, blk, bias, lora, groups, x_scale=xs, out_dtype=torch.float32)
+    base = ft.fp8_linear_ref(xq, q, s, blk, bias=bias, x_scale=xs, out_dtype=torch.float32)
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
     assert not y.isnan().any() and torch.allclose(y[slots < 0], base[slots < 0], rtol=1e-5, atol=1e-5)
     assert (y - base).abs().max() > 0.1  # the delta is there
-    assert all(int(c.abs().sum()) == 0 for c in ft._COUNTERS.values()), "a split-K counter was left non-zero"
+    assert all(int(c.abs().sum()) == 0 for c in split_k_triton._COUNTERS.values()), "a counter was left non-zero"
 
 
-def test_fp8_lora_prefetch_form_only_where_it_applies(monkeypatch):
-    """set_fp8_lora_split mode 3 (the expand's loads before the K steps) serves a launch only when its tiles each lie
-    in one slice, slot groups are given and there are at most LORA_PREFETCH_MAX_GROUPS of them; mode 4 (the LoRA
-    program first, awaited by a flag) only while all the launch's programs fit in LORA_SPLIT_MAX_PROGRAMS;
-    otherwise the launch takes mode 2 (the LoRA program). Also the env / setter values: 4 the default, 3 accepted,
-    1 refused."""
+def test_fp8_lora_form_by_launch_size(monkeypatch):
+    """The dense GEMM's LoRA program comes first in the grid (mode 4) only while all the launch's programs fit in
+    LORA_SPLIT_MAX_PROGRAMS (mode4_ok), else it is the last split-K partial (mode 2). The prefetched form (mode 3,
+    the grouped expert GEMM's) only where its tiles each lie in one slice, slot groups are given and there are at
+    most PREFETCH_MAX_GROUPS of them (a stacked dot over the groups, padded to a power of two)."""
     import dataclasses
 
     from moelora.kernels.quant import fp8_triton as ft
-    from moelora.kernels.lora.groups import SlotGroups
 
     launches = _record_gemm_launches(monkeypatch)
-    monkeypatch.setattr(ft, "_LORA_SPLIT", [3, 64])
-    g = torch.Generator().manual_seed(8)
-    blk, T, D, O, S, R = (16, 16), 4, 32, 48, 2, 8
-    xq, xs = quantize_act_group_ref(torch.randn(T, D, generator=g), blk[1])
-    q, s = quantize_weight_block(torch.randn(O, D, generator=g), blk)
-    groups = SlotGroups.build(torch.tensor([0, 1, -1, 0], dtype=torch.int32), S)
-    lora = ft.Fp8LoRAEpilogue(torch.zeros(3, T, R), torch.zeros(S, O, R), torch.tensor([0, 16, 32, 48], dtype=torch.int32),
-                              torch.full((3, S), R, dtype=torch.int32), torch.ones(3, S), groups.token_slots,
-                              groups.active_slots, slice_bounds=(0, 16, 32, 48))
+    _, xq, xs, q, s, lora = _small_lora(4, 32, 48, 2, 8, [0, 1, -1, 0], slice_bounds=(0, 16, 32, 48))
 
-    def mode_of(lora, block_n=16):
-        ft.set_fp8_gemm_config("dense", ft.Fp8GemmConfig(block_n, 4, 2, 16, 1))
-        try:
-            launches.clear()
-            ft.fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32, lora=lora)
-        finally:
-            ft.set_fp8_gemm_config("dense", None)
+    def mode_of(lora):
+        launches.clear()
+        ft.fp8_linear(xq, q, s, (16, 16), x_scale=xs, out_dtype=torch.float32, lora=lora,
+                      config=ft.Fp8GemmConfig(16, 4, 2, 16, 1))
         (kw,) = launches
         return kw["LORA_SPLIT"], kw.get("LORA_GROUPS")
 
-    assert mode_of(lora) == (3, 2)  # 2 slot groups: a 2-group stacked dot
-    assert mode_of(lora, block_n=32)[0] == 2  # a 32-wide tile would span slices 0 and 1
-    assert mode_of(dataclasses.replace(lora, slice_bounds=None))[0] == 2
-    assert mode_of(dataclasses.replace(lora, active_slots=None))[0] == 2
-    many = torch.arange(ft.LORA_PREFETCH_MAX_GROUPS + 1, dtype=torch.int32)
-    assert mode_of(dataclasses.replace(lora, active_slots=many))[0] == 2
-    assert mode_of(dataclasses.replace(lora, active_slots=many[:-3]))[1] == 8  # 6 groups: padded to 8
-    monkeypatch.setattr(ft, "_LORA_SPLIT", [4, 64])  # mode 4: only while every program can be resident at once
-    assert mode_of(lora)[0] == 4  # 3 tiles, 6 programs
+    assert mode_of(lora) == (4, 2)  # 3 tiles, 6 programs; the 2 slot groups unrolled
     assert ft.mode4_ok(132, 1) and not ft.mode4_ok(133, 1) and not ft.mode4_ok(3000, 0)
     monkeypatch.setattr(ft, "LORA_SPLIT_MAX_PROGRAMS", 5)
     assert mode_of(lora)[0] == 2
-    monkeypatch.delenv("MOELORA_FP8_LORA_SPLIT", raising=False)
-    assert ft._lora_split_env()[0] == 4  # the default
-    monkeypatch.setenv("MOELORA_FP8_LORA_SPLIT", "3")
-    assert ft._lora_split_env()[0] == 3
-    monkeypatch.setenv("MOELORA_FP8_LORA_SPLIT", "1")
-    with pytest.raises(ValueError, match="0 .*, 2 .*, 3 .* or 4"):
-        ft._lora_split_env()
-    with pytest.raises(ValueError, match="0, 2, 3 or 4"):
-        ft.set_fp8_lora_split(1)
+    assert lora.prefetch_ok(16) and not lora.prefetch_ok(32)  # a 32-wide tile would span slices 0 and 1
+    assert not dataclasses.replace(lora, slice_bounds=None).prefetch_ok(16)
+    assert not dataclasses.replace(lora, active_slots=None).prefetch_ok(16)
+    many = torch.arange(ft.PREFETCH_MAX_GROUPS + 1, dtype=torch.int32)
+    assert not dataclasses.replace(lora, active_slots=many).prefetch_ok(16)
+    assert dataclasses.replace(lora, active_slots=many[:-3]).kernel_args(prefetch=True)["LORA_GROUPS"] == 8
 
 
 def test_fp8_lora_program_above_max_rows_only_while_the_launch_stays_small(monkeypatch):
-    """Above MOELORA_FP8_LORA_SPLIT_MAX_ROWS the LoRA program (set_fp8_lora_split mode 2) is still used while the
-    GEMM's programs plus one LoRA program per output tile are at most LORA_SPLIT_MAX_PROGRAMS (o_proj at 256 rows:
-    128 tiles), not beyond (qkv at 256 rows: 320 tiles; a prefill chunk). Host side, the kernel replaced by a
-    recorder; Qwen3-30B-A3B's widths with 128 x 128 blocks, 4 adapters."""
-    from moelora.kernels.quant import fp8_triton as ft
+    """Above LORA_SPLIT_MAX_ROWS the LoRA program (mode 4 here) is still used while the GEMM's programs plus one
+    LoRA program per output tile are at most LORA_SPLIT_MAX_PROGRAMS (o_proj at 256 rows: 128 tiles), not beyond
+    (qkv at 256 rows: 320 tiles; a prefill chunk): there the expand after the K steps (mode 0). Host side, the
+    kernel replaced by a recorder; Qwen3-30B-A3B's widths with 128 x 128 blocks, 4 adapters."""
     from moelora.kernels.lora.groups import SlotGroups
+    from moelora.kernels.quant import fp8_triton as ft
+    from moelora.kernels.quant import split_k_triton
 
     launches = _record_gemm_launches(monkeypatch)
-    monkeypatch.setattr(ft, "_LORA_SPLIT", [2, 64])
-    monkeypatch.setattr(ft, "_COUNTERS", {})
+    monkeypatch.setattr(split_k_triton, "_COUNTERS", {})
 
     def split_of(T: int, D: int, O: int) -> tuple[int, int]:
         q = torch.zeros(O, D, dtype=FP8_DTYPE)
@@ -819,24 +767,24 @@ def test_fp8_lora_program_above_max_rows_only_while_the_launch_stays_small(monke
         gm, gn, parts = kw["grid"]
         return kw.get("LORA_SPLIT", 0), gm * gn * parts
 
-    assert split_of(64, 2048, 5120)[0] == 2  # qkv at 64 rows: within max_rows
+    assert split_of(64, 2048, 5120)[0] == 4  # qkv at 64 rows: within max_rows
     mode, programs = split_of(256, 4096, 2048)  # o_proj at 256 rows: 128 tiles + 128 LoRA programs
-    assert mode == 2 and programs <= ft.LORA_SPLIT_MAX_PROGRAMS
+    assert mode == 4 and programs <= ft.LORA_SPLIT_MAX_PROGRAMS
     assert split_of(256, 2048, 5120)[0] == 0  # qkv at 256 rows: 320 tiles, the expand after the K steps
     assert split_of(2048, 4096, 2048)[0] == 0  # a prefill chunk
     monkeypatch.setattr(ft, "LORA_SPLIT_MAX_PROGRAMS", 0)
     assert split_of(256, 4096, 2048)[0] == 0
 
 
-
 @pytest.mark.parametrize("site", ["dense", "expert"])
-def test_fp8_prefill_config_wide_gives_the_same_sums(site, monkeypatch):
-    """set_fp8_prefill_config (MOELORA_FP8_PREFILL_CONFIG): from 2,049 pairs (> 256 tokens at top-8) the grouped
-    GEMMs take 128 x 128 tiles at 8 warps by default ("experts") and with "wide", the decode tiles with "narrow";
-    the dense GEMM takes 128 x 128 tiles from 257 rows only with "wide". The output equals the narrow tiles' (the
-    same K steps in the same order) and the reference; below those sizes nothing changes."""
+def test_fp8_prefill_tiles_give_the_same_sums(site, monkeypatch):
+    """From PREFILL_MIN_PAIRS pairs (> 256 tokens at top-8) the grouped GEMMs take PREFILL_EXPERT_CONFIG (128 x 128
+    tiles at 8 warps); the dense GEMM keeps its decode-swept tiles at any size. The output equals the decode tiles'
+    (forced by config=: the same K steps in the same order) and the reference; decode sizes never take them."""
+    from moelora.kernels.moe.align_triton import moe_align
+    from moelora.kernels.moe.gemm_triton import pick_config
     from moelora.kernels.quant import fp8_triton as ft
-    from moelora.kernels.moe.experts_triton import moe_align, pick_config
+    from moelora.kernels.quant.fp8_experts_triton import fp8_expert_gemm, fp8_expert_gemm_ref
 
     dev = "cuda" if ON_GPU else "cpu"
     g = torch.Generator().manual_seed(33)
@@ -845,9 +793,10 @@ def test_fp8_prefill_config_wide_gives_the_same_sums(site, monkeypatch):
     xq, xs = (v.to(dev) for v in quantize_act_group_ref(torch.randn(T, D, generator=g), blk[1]))
     if site == "dense":
         q, s = (t.to(dev) for t in quantize_weight_block(torch.randn(N, D, generator=g), blk))
+        decode = ft.Fp8GemmConfig(64, 4, ft.DENSE_DECODE_STAGES)
 
-        def run():
-            return ft.fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
+        def run(config=None):
+            return ft.fp8_linear(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32, config=config)
 
         ref = ft.fp8_linear_ref(xq, q, s, blk, x_scale=xs, out_dtype=torch.float32)
     else:
@@ -856,41 +805,26 @@ def test_fp8_prefill_config_wide_gives_the_same_sums(site, monkeypatch):
         bm = pick_config(T * K).block_m
         assert bm >= 64
         align = moe_align(ids, E, bm)
+        decode = ft.Fp8GemmConfig(*ft.EXPERT_DECODE_CONFIG)
 
-        def run():
-            return ft.fp8_expert_gemm(xq, qe, se, blk, ids, align, True, bm, x_scale=xs)
+        def run(config=None):
+            return fp8_expert_gemm(xq, qe, se, blk, ids, align, True, bm, x_scale=xs, config=config)
 
-        ref = ft.fp8_expert_gemm_ref(xq, qe, se, blk, ids, align, True, bm, x_scale=xs)
+        ref = fp8_expert_gemm_ref(xq, qe, se, blk, ids, align, True, bm, x_scale=xs)
     chosen = []
     real = ft.fp8_gemm_config
     monkeypatch.setattr(ft, "fp8_gemm_config", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
-    before = ft.fp8_prefill_config()
-    try:
-        ft.set_fp8_prefill_config("narrow")
-        default = run()
-        ft.set_fp8_prefill_config("wide")
-        wide = run()
-        ft.set_fp8_prefill_config("experts")
-        experts = run()
-    finally:
-        ft.set_fp8_prefill_config(before)
-    assert before == "experts"  # the default
-    assert chosen[0].num_warps == 4
+    default = run()
+    narrow = run(decode)
+    assert len(chosen) == 1
     if site == "dense":
-        assert (chosen[1].block_n, chosen[1].num_warps, chosen[1].num_stages) == (128, 8, 3)
-        assert chosen[2] == chosen[0]  # "experts" leaves the dense GEMM as it was
+        assert chosen[0] == decode  # 300 rows: still the decode tiles
     else:
-        assert (chosen[1].block_n, chosen[1].num_warps, chosen[1].num_stages) == ft.PREFILL_EXPERT_CONFIG
-        assert chosen[2] == chosen[1]
-    torch.testing.assert_close(wide, default, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(experts, default, rtol=1e-6, atol=1e-6)
+        assert (chosen[0].block_n, chosen[0].num_warps, chosen[0].num_stages) == ft.PREFILL_EXPERT_CONFIG
+    torch.testing.assert_close(default, narrow, rtol=1e-6, atol=1e-6)
     # the expert GEMM of an FP8 input returns bf16: the reference within bf16 output rounding (as the tests above)
-    assert ((wide.float() - ref.float()).norm() / ref.float().norm()) < (2**-7 if wide.dtype == torch.bfloat16 else 1e-5)
-    ft.set_fp8_prefill_config("wide")
-    try:  # decode sizes (the CUDA graphs stop at 256 rows, 2,048 pairs at top-8) never change
-        assert ft._dense_block_m(256) == 64
-        assert real(40, N, True, 2048).num_warps == 4 and real(4, N, False, 256).num_warps == 4
-    finally:
-        ft.set_fp8_prefill_config(before)
-    with pytest.raises(ValueError, match="set_fp8_prefill_config"):
-        ft.set_fp8_prefill_config("widest")
+    tol = 2**-7 if default.dtype == torch.bfloat16 else 1e-5
+    assert ((default.float() - ref.float()).norm() / ref.float().norm()) < tol
+    # decode sizes (the CUDA graphs stop at 256 rows, 2,048 pairs at top-8) never take the prefill tiles
+    assert ft._dense_block_m(256) == 64
+    assert real(40, N, True, 2048).num_warps == 4 and real(4, N, False, 256).num_warps == 4

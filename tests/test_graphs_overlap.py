@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from moelora import SamplingParams
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora_bench.decode import TINY, random_adapter
 from moelora.engine.batch import SeqChunk, build_flat_batch
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
+from moelora.kernels.config import KernelConfig
 from moelora.layers.lora import lora_work_count
 
 pytestmark = pytest.mark.gpu
@@ -34,20 +35,17 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def deterministic_kernels():
+def deterministic_kernels() -> KernelConfig:
     """No split-K atomics in the LoRA kernels: two runs of the same batch are identical bit for bit."""
-    from moelora.kernels._triton import deterministic, set_deterministic
-
-    before = deterministic()
-    set_deterministic(True)
-    yield
-    set_deterministic(before)
+    return KernelConfig(deterministic=True)
 
 
-def _engine(model_dir: str, eager: bool, overlap: bool = True, max_loras: int = 8, ranks=RANKS) -> LLMEngine:
+def _engine(model_dir: str, eager: bool, overlap: bool = True, max_loras: int = 8, ranks=RANKS,
+            kernel_config: KernelConfig | None = None) -> LLMEngine:
     eng = LLMEngine(EngineArgs(model=model_dir, max_loras=max_loras, max_lora_rank=128, dtype="bfloat16", device="cuda",
                                load_format="dummy", seed=1, max_num_seqs=64, max_model_len=1200,
-                               enforce_eager=eager, lora_overlap=overlap, kv_cache_memory_bytes=256 << 20))
+                               enforce_eager=eager, lora_overlap=overlap, kv_cache_memory_bytes=256 << 20,
+                               kernel_config=kernel_config))
     if max_loras:
         targets = eng.model.lora_targets()
         for i, r in enumerate(ranks):
@@ -86,17 +84,6 @@ def _assert_overlap_equals_serial_eager(eng: LLMEngine, rng: random.Random, size
             eng.model.set_overlap(overlap)
             outs.append(eng.model.compute_logits(_eager_hidden(eng, *batch)))
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-
-
-def _legacy_attention_logits(eng: LLMEngine, token_ids, positions, tables, slots) -> torch.Tensor:
-    import moelora.layers.attention as attention
-
-    before = attention.ATTENTION_KERNEL
-    attention.ATTENTION_KERNEL = "legacy"
-    try:
-        return eng.model.compute_logits(_eager_hidden(eng, token_ids, positions, tables, slots))
-    finally:
-        attention.ATTENTION_KERNEL = before
 
 
 def _moe_routing(eng: LLMEngine, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -167,12 +154,9 @@ def test_graph_replay_equals_eager_200_random_steps(model_dir):
         if diff >= 0.15:  # diagnose before failing: is either side unstable run to run (a race), or one wrong?
             again_g = eng.model.compute_logits(g.run(token_ids, positions, tables, slots)).clone()
             again_e = eng.model.compute_logits(_eager_hidden(eng, token_ids, positions, tables, slots))
-            legacy = _legacy_attention_logits(eng, token_ids, positions, tables, slots)
             row_diff = (graph_logits - eager_logits).abs().amax(-1)
             detail = (f"graph rerun moved {(again_g - graph_logits).abs().max().item():.4f}, eager rerun moved "
-                      f"{(again_e - eager_logits).abs().max().item():.4f}; eager with the legacy attention kernel is "
-                      f"{(legacy - eager_logits).abs().max().item():.4f} from eager, "
-                      f"{(legacy - graph_logits).abs().max().item():.4f} from the graph; positions {positions[:4]}; "
+                      f"{(again_e - eager_logits).abs().max().item():.4f}; positions {positions[:4]}; "
                       f"worst rows {row_diff.topk(min(3, n)).indices.tolist()}")
             raise AssertionError(f"step {step}: batch {n}, slots {slots[:8]}: logits differ by {diff}; {detail}")
         top2 = eager_logits[same].topk(2, dim=-1).values
@@ -189,7 +173,8 @@ def test_graph_replay_equals_eager_200_random_steps(model_dir):
 @pytest.mark.parametrize("rank", [8, 16, 64, 128])
 def test_overlap_equals_serial(model_dir, rank, deterministic_kernels):
     """The same engine, overlap on vs off, eager and graph: identical logits (the side stream only moves work)."""
-    eng = _engine(model_dir, eager=False, overlap=True, max_loras=4, ranks=[rank] * 4)
+    eng = _engine(model_dir, eager=False, overlap=True, max_loras=4, ranks=[rank] * 4,
+                  kernel_config=deterministic_kernels)
     rng = random.Random(rank)
     for k, v in eng.kv.caches:
         k.normal_()
@@ -210,7 +195,7 @@ def test_1000_token_generations_8_adapters_graphs_equal_eager(model_dir, determi
     params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
     outs = {}
     for eager in (True, False):
-        eng = _engine(model_dir, eager=eager)
+        eng = _engine(model_dir, eager=eager, kernel_config=deterministic_kernels)
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, params, f"ad{i}")
         while eng.has_unfinished_requests():
@@ -290,7 +275,8 @@ def test_shared_expert_on_the_side_stream_equals_serial_in_graphs(qwen2_moe_dir,
     there, handed to the main stream by record_stream, added after the join): eager with the overlap equals eager
     without it bit for bit, and graph replays (captured with the overlap) of several mixed batches, each replayed
     twice, equal eager serial execution. Written in session 33; passed on the H200 in session 34 (ranks 16, 64)."""
-    eng = _engine(qwen2_moe_dir, eager=False, overlap=True, max_loras=4, ranks=[rank] * 4)
+    eng = _engine(qwen2_moe_dir, eager=False, overlap=True, max_loras=4, ranks=[rank] * 4,
+                  kernel_config=deterministic_kernels)
     assert any(t.startswith("model.layers.0.mlp.shared_expert") for t in eng.model.lora_targets())
     rng = random.Random(rank)
     for k, v in eng.kv.caches:

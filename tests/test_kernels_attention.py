@@ -1,5 +1,5 @@
-"""Paged attention Triton kernels (split-KV and legacy) vs the reference: prefill, chunked prefill against a
-cached prefix, decode over several KV splits, GQA, head dims, sliding windows, shuffled blocks, padding
+"""Paged attention Triton kernels (split-KV decode and tiled prefill) vs the reference: prefill, chunked prefill
+against a cached prefix, decode over several KV splits, GQA, head dims, sliding windows, shuffled blocks, padding
 rows; on the GPU also Qwen3-30B-A3B dims in bf16 and replay inside a CUDA graph."""
 
 import os
@@ -58,7 +58,7 @@ def run_and_check(seqs, Hq, Hkv, D, block_size, dtype, window, seed, kernel="aut
         assert torch.all(out[T:] == 7.0), "padding rows must stay untouched"
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill", "legacy"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -103,7 +103,7 @@ def test_mixed_prefill_decode(dtype, kernel):
     run_and_check(seqs, 8, 2, 32, 4, dtype, None, 7, kernel=kernel, num_splits=5, min_tiles=1)
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill", "legacy"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_sequences_without_new_rows(kernel):
     """Sequences with no rows this step (query_start_loc repeats) between others (prefill kernel: their zero
     query blocks in the cumulative count)."""
@@ -119,7 +119,7 @@ def test_prefill_rows_marked_padding_inside_a_sequence():
     batch = make_batch([(10, 1), (5, 1), (7, 1)], 4, 2, 16, 4, torch.float32, gen, pad_rows=0)
     q, k_cache, v_cache, bt, (ts, lens_t, qsl_t), lens, qsl, T = batch
     ts[1] = -1
-    for kernel, splits in (("decode", 1), ("decode", 3), ("prefill", None), ("legacy", None)):
+    for kernel, splits in (("decode", 1), ("decode", 3), ("prefill", None)):
         out = torch.full_like(q, 7.0)
         paged_attention(q, k_cache, v_cache, bt, ts, lens_t, qsl_t, 0.25, None, out, kernel=kernel,
                         num_splits=splits, min_tiles=1)
@@ -148,6 +148,11 @@ def test_split_preallocated_workspace():
 def test_choose_splits_rule():
     assert [choose_splits(T, 4, 132) for T in (1, 16, 64, 128, 132, 256)] == [64, 9, 3, 2, 1, 1]
     assert choose_splits(1, 1, 8) == 32
+
+
+def test_an_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="kernel must be auto, decode or prefill, got 'legacy'"):
+        decode_kernel_chosen(1, 1, "legacy")
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernels for real")
@@ -256,7 +261,7 @@ def test_decode_kernel_quantizes_its_output_per_head_for_an_fp8_o_proj(num_split
     """out_fp8: the decode kernel (direct or split) also writes quantize_act_group(out.reshape(T, Hq * D), D), padding
     rows included (zeros, the smallest scale), in the same launches; other kernels refuse it."""
     from moelora.kernels.quant.fp8 import FP8_DTYPE
-    from moelora.kernels.quant.fp8_triton import quantize_act_group
+    from moelora.kernels.quant.fp8_act_triton import quantize_act_group
 
     gen = torch.Generator().manual_seed(21 + num_splits)
     batch = make_batch([(10, 1), (5, 1), (33, 1)], 4, 2, 16, 4, DTYPES[-1], gen, pad_rows=2)

@@ -133,40 +133,38 @@ def test_split_k_partials_need_no_zeroed_buffer(split_k):
     y_nan = y0.clone()
     lora_expand(parts, b_nan, off, ranks, scaling, groups, y_nan)
     assert torch.equal(y_nan, y)
-    from moelora.kernels import _triton as kt
-
-    keep = kt.lora_even_r()
-    try:  # MOELORA_LORA_EVEN_R=1: whole rank rows loaded, the entries past each rank zeroed after: the same result
-        kt.set_lora_even_r(not keep)
-        y_other = y0.clone()
-        lora_expand(parts, b_nan, off, ranks, scaling, groups, y_other)
-    finally:
-        kt.set_lora_even_r(keep)
+    # the buffers' rank off the rank tile (B 16 wide past its rank NaN, h 16): the loads masked by the rank instead
+    b_wide = torch.cat([b_nan, torch.full_like(b_nan, float("nan"))], dim=2)
+    y_other = y0.clone()
+    lora_expand(parts, b_wide, off, ranks, scaling, groups, y_other)
     assert torch.equal(y_other, y)
 
 
-def test_single_slot_path_policy(monkeypatch):
+def test_single_slot_path_policy():
     """The single-adapter path (plain matmuls): one slot, outside a graph; on a GPU only from
     SINGLE_SLOT_MIN_TOKENS tokens (the grouped kernels are faster below: session 14), at any size on the CPU;
-    set_single_slot_fast_path moves the threshold or turns it off (the state, MOELORA_SINGLE_SLOT_MIN_TOKENS's
-    included, is restored afterwards)."""
-    from moelora.adapters.metadata import LoRABatch
-    from moelora.layers import linear
-    from moelora.layers.linear import SINGLE_SLOT_MIN_TOKENS, set_single_slot_fast_path, single_slot_path
-
-    monkeypatch.setitem(linear._SINGLE_SLOT, "enabled", True)
-    monkeypatch.setitem(linear._SINGLE_SLOT, "min_tokens", SINGLE_SLOT_MIN_TOKENS)
+    DenseLoRAConfig.single_slot=False turns it off (the backends picked without it)."""
+    from moelora.layers.lora_batch import LoRABatch
+    from moelora.kernels.config import KernelConfig
+    from moelora.layers.dense_lora import SINGLE_SLOT_MIN_TOKENS, ShrinkExpandLoRA, pick_dense_lora, single_slot_path
 
     one = LoRABatch.build([2, -1, 2], 4)
     two = LoRABatch.build([2, 1, 2], 4)
     assert one.single_slot == 2 and two.single_slot is None
-    assert single_slot_path(one, 3, on_gpu=False) and not single_slot_path(two, 3, on_gpu=False)
-    assert not single_slot_path(one, SINGLE_SLOT_MIN_TOKENS - 1, on_gpu=True)
-    assert single_slot_path(one, SINGLE_SLOT_MIN_TOKENS, on_gpu=True)
-    set_single_slot_fast_path(True, min_tokens=3)
-    assert single_slot_path(one, 3, on_gpu=True)
-    set_single_slot_fast_path(False)
-    assert not single_slot_path(one, 3, on_gpu=False)
+    assert single_slot_path(one, 3, 0) and not single_slot_path(two, 3, 0)
+    assert not single_slot_path(one, SINGLE_SLOT_MIN_TOKENS - 1, SINGLE_SLOT_MIN_TOKENS)
+    assert single_slot_path(one, SINGLE_SLOT_MIN_TOKENS, SINGLE_SLOT_MIN_TOKENS)
+    assert not single_slot_path(one, 3, None)
+    graph = LoRABatch.static(3, 4, "cpu")
+    graph.single_slot = 2
+    assert not single_slot_path(graph, 3, 0)  # a graph serves every later mix of adapters
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    off = KernelConfig.from_dict({"dense_lora": {"single_slot": False}})
+    assert pick_dense_lora(KernelConfig(), None, cpu, [0, 8])[0] == ShrinkExpandLoRA(False, 0)
+    assert pick_dense_lora(off, None, cpu, [0, 8])[0] == ShrinkExpandLoRA(False, None)
+    if ON_GPU:
+        assert pick_dense_lora(KernelConfig(), None, gpu, [0, 8])[0] == ShrinkExpandLoRA(True, SINGLE_SLOT_MIN_TOKENS)
+        assert pick_dense_lora(off, None, gpu, [0, 8])[0] == ShrinkExpandLoRA(True, None)
 
 
 @pytest.mark.gpu
@@ -176,8 +174,9 @@ def test_single_adapter_layer_takes_the_measured_path(fp8, monkeypatch):
     """A LoRALinear with one adapter in the batch: below SINGLE_SLOT_MIN_TOKENS the grouped kernels (or, on an
     FP8 base, the GEMM's epilogue) run, from it the single-slot matmuls on a bf16 base and still the epilogue on
     an FP8 one; each result equals the other path's within bf16 rounding."""
-    from moelora.adapters.metadata import LoRABatch
-    from moelora.layers import linear
+    from moelora.layers.lora_batch import LoRABatch
+    from moelora.kernels.config import KernelConfig
+    from moelora.layers import dense_lora, linear
     from moelora.layers.fp8 import Fp8State, to_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -190,28 +189,25 @@ def test_single_adapter_layer_takes_the_measured_path(fp8, monkeypatch):
         lin.lora.set_slot(i, 1, torch.randn(16, 2048, device="cuda", generator=gen) * 0.05,
                           torch.randn(out, 16, device="cuda", generator=gen) * 0.25, 2.0)
     calls = []
-    real = linear.lora_single_slot
-    monkeypatch.setattr(linear, "lora_single_slot", lambda *a: (calls.append(1), real(*a)))
-    for T in (64, linear.SINGLE_SLOT_MIN_TOKENS):
+    real = dense_lora.lora_single_slot
+    monkeypatch.setattr(dense_lora, "lora_single_slot", lambda *a: (calls.append(1), real(*a)))
+    for T in (64, dense_lora.SINGLE_SLOT_MIN_TOKENS):
         x = torch.randn(T, 2048, device="cuda", generator=gen).bfloat16()
         batch = LoRABatch.build([1 if t % 3 else -1 for t in range(T)], 4, "cuda")
         calls.clear()
+        lin.configure(KernelConfig())
         y = lin(x, batch)
-        assert len(calls) == (0 if fp8 or T < linear.SINGLE_SLOT_MIN_TOKENS else 1), (T, calls)
-        linear.set_single_slot_fast_path(False)
-        try:
-            other = lin(x, batch)
-        finally:
-            linear.set_single_slot_fast_path(True)
+        assert len(calls) == (0 if fp8 or T < dense_lora.SINGLE_SLOT_MIN_TOKENS else 1), (T, calls)
+        lin.configure(KernelConfig.from_dict({"dense_lora": {"single_slot": False}}))
+        other = lin(x, batch)
         assert (y.float() - other.float()).abs().max() <= 2.0**-6 * other.float().abs().max()
         assert (y.float() - lin(x).float()).abs().max() > 0.05  # the delta is there
 
 
-def test_shrink_config_sets_the_split_count_and_k_tile_without_changing_results():
-    """set_lora_shrink_config (the decode launch experiment): the split count of the shrink's buffer follows it (at
-    most one K tile per split), the K tile follows it, and the expand of its partials equals the reference; 0x0 is
-    the default again; bad values raise."""
-    from moelora.kernels.lora.shrink_expand_triton import _block_k, lora_shrink_config, lora_shrink_splits, set_lora_shrink_config
+def test_shrink_decode_k_tile_changes_no_result():
+    """lora_shrink's block_k (the deferred shrink's DEFER_SHRINK_BLOCK_K): taken at decode sizes only, at most H's
+    next power of two; the expand of its partials equals the reference."""
+    from moelora.kernels.lora.shrink_expand_triton import _block_k
 
     gen, dtype, (a, b, ranks, scaling, off), groups, x = _mixed_case(5)
     T, n = x.shape[0], len(OUTS)
@@ -220,39 +216,14 @@ def test_shrink_config_sets_the_split_count_and_k_tile_without_changing_results(
     h_ref = torch.zeros(n, T, R, device=DEVICE)
     lora_shrink_ref(x, a, ranks, groups, h_ref)
     lora_expand_ref(h_ref, b, off, ranks, scaling, groups, y_ref)
-    default = (lora_shrink_splits(T, H), _block_k(H, T))
-    try:
-        for splits, block_k in ((3, 16), (64, 16), (2, 32)):
-            set_lora_shrink_config(splits, block_k)
-            assert lora_shrink_config() == (splits, block_k)
-            assert _block_k(H, T) == min(block_k, triton.next_power_of_2(H))
-            want = min(splits, -(-H // _block_k(H, T)))
-            assert lora_shrink_splits(T, H) == want
-            parts = torch.full((want, n, T, R), float("nan"), device=DEVICE)
-            lora_shrink(x, a, ranks, groups, parts)
-            y = y0.clone()
-            lora_expand(parts, b, off, ranks, scaling, groups, y)
-            atol, rtol = tolerance(dtype)
-            torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
-        set_lora_shrink_config(0, 0)
-        assert (lora_shrink_splits(T, H), _block_k(H, T)) == default
-        # a caller's decode K tile (the deferred shrink's DEFER_SHRINK_BLOCK_K): taken at decode sizes only, at most
-        # H's next power of two, and the forced one wins over it; the same sums
-        assert _block_k(H, T, 16) == 16 and _block_k(H, T, 4096) == triton.next_power_of_2(H)
-        assert _block_k(H, None, 16) == _block_k(H) == 64 and _block_k(H, 10_000, 16) == 64
-        set_lora_shrink_config(0, 32)
-        assert _block_k(H, T, 16) == 32
-        set_lora_shrink_config(0, 0)
-        parts = torch.full((2, n, T, R), float("nan"), device=DEVICE)
-        lora_shrink(x, a, ranks, groups, parts, block_k=16)
-        y = y0.clone()
-        lora_expand(parts, b, off, ranks, scaling, groups, y)
-        torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
-        for bad in ((-1, 0), (0, 24), (0, 8)):
-            with pytest.raises(ValueError, match="set_lora_shrink_config"):
-                set_lora_shrink_config(*bad)
-    finally:
-        set_lora_shrink_config(0, 0)
+    assert _block_k(H, T, 16) == 16 and _block_k(H, T, 4096) == triton.next_power_of_2(H)
+    assert _block_k(H, None, 16) == _block_k(H) == 64 and _block_k(H, 10_000, 16) == 64
+    parts = torch.full((2, n, T, R), float("nan"), device=DEVICE)
+    lora_shrink(x, a, ranks, groups, parts, block_k=16)
+    y = y0.clone()
+    lora_expand(parts, b, off, ranks, scaling, groups, y)
+    atol, rtol = tolerance(dtype)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
 
 
 def _mixed_case(seed: int, T: int = 24):
@@ -264,10 +235,9 @@ def _mixed_case(seed: int, T: int = 24):
     return gen, dtype, weights, groups, torch.randn(T, H, generator=gen).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("tile", ["128x128x8", "128x64x4", "64x128x4"])
-def test_expand_prefill_tile_gives_the_same_sums(tile):
-    """set_lora_expand_prefill_tile: above 256 tokens lora_expand runs at the forced tile and warps (as launched)
-    with the reference's result; rows without an adapter untouched; 0x0x0 restores the default launch."""
+def test_expand_prefill_tile_gives_the_same_sums():
+    """Above 256 tokens lora_expand runs at EXPAND_PREFILL_TILE (as launched) with the reference's result; rows
+    without an adapter untouched."""
     from moelora.kernels.lora import shrink_expand_triton as lt
 
     gen = torch.Generator().manual_seed(5)
@@ -290,20 +260,14 @@ def test_expand_prefill_tile_gives_the_same_sums(tile):
                 return real[grid](*args, **kwargs)
             return launch
 
-    lt._expand_kernel, before = Spy(), lt.lora_expand_prefill_tile()
+    lt._expand_kernel = Spy()
     try:
-        lt.set_lora_expand_prefill_tile(tile)
         lora_expand(h, b, off, ranks, scaling, groups, y)
-        lt.set_lora_expand_prefill_tile("0x0x0")
-        lora_expand(h, b, off, ranks, scaling, groups, y0.clone())
     finally:
         lt._expand_kernel = real
-        lt.set_lora_expand_prefill_tile(before)
-    bm, bn, w = (int(v) for v in tile.split("x"))
-    assert launched == [(bm, min(bn, triton.next_power_of_2(sum(OUTS))), w), (64, 64, 4)]
+    bm, bn, w = lt.EXPAND_PREFILL_TILE
+    assert launched == [(bm, min(bn, triton.next_power_of_2(sum(OUTS))), w)] == [(128, 64, 4)]
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
     base = (slots < 0).to(DEVICE)
     assert torch.equal(y[base], y0[base])
-    with pytest.raises(ValueError, match="MxNxW"):
-        lt.set_lora_expand_prefill_tile("128x128")

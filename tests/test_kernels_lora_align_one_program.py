@@ -1,7 +1,7 @@
-"""The (slot, expert) alignment made in one program (fused_moe_triton.moe_lora_align_one_program, the
+"""The (slot, expert) alignment made in one program (align_triton.moe_lora_align_one_program, the
 one-program sort of moe_align with virtual experts slot * E + e): equal to moe_lora_align bit for bit, with
 expert-parallel pairs left out (expert -1), and its limits. The grouped routed-expert LoRA kernel
-(moe_lora_grouped_triton.py, on from 2,048 pairs) reads it, one per layer.
+(kernels/moe_lora/grouped_triton.py, at decode from moe_lora.grouped_min_pairs) reads it, one per layer.
 
 CPU: the Triton kernel under TRITON_INTERPRET=1; GPU: compiled."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE
-from moelora.kernels.moe.experts_triton import moe_lora_align_one_program
+from moelora.kernels.moe.align_triton import moe_lora_align_one_program
 from moelora.kernels.moe_lora.chain import moe_lora_align
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,5 +1,5 @@
-"""The fused decode routed-expert LoRA kernel (moe_lora_fused_triton.py) vs its reference, and the set_fused_lora
-switch in fused_moe_pairs.
+"""The per-pair fused routed-expert LoRA kernel (kernels/moe_lora/fused_triton.py) vs its reference, and
+fused_moe_pairs with the LoRA backends an ExpertKernels names (moe_lora/backend.py).
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes in fp32/fp16. GPU (marked gpu): Qwen3-30B-A3B
 shapes in bf16, CUDA-graph replay, the side-stream (store mode) path."""
@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, token_slots, tolerance
-from moelora.kernels._triton import fused_lora, set_fused_lora
+from moelora.kernels.moe.experts import ExpertKernels
+from moelora.kernels.moe_lora.args import ProjLoRA, Routing
+from moelora.kernels.moe_lora.backend import MoELoRAKernels
+from moelora.kernels.moe_lora.config import MoELoRAConfig
 from moelora.kernels.moe_lora.fused_triton import moe_lora_fused, moe_lora_fused_ref
 
 S = 4
@@ -59,8 +62,18 @@ def _moe_case(site, popularity, T, dtype, gen, R=16, shared=False):
                 per_pair=per_pair, w=w, y0=y0)
 
 
-def _moe_call(fn, c, y, **kw):
-    fn(c["x"], c["a"], c["b"], c["off"], c["ranks"], c["scaling"], c["ids"], c["slots"], E, y, c["per_pair"], c["w"], **kw)
+def _lora(c, a_src=None) -> ProjLoRA:
+    """The case's factors as a ProjLoRA (slices of equal width)."""
+    return ProjLoRA(c["a"], c["b"], c["off"], c["ranks"], c["scaling"], c["b"].shape[2] // c["a"].shape[0], a_src)
+
+
+def _routing(c) -> Routing:
+    return Routing(c["ids"], c["slots"], E, c["a"].shape[1])
+
+
+def _moe_call(fn, c, y, a_src=None, **kw):
+    """fn (moe_lora_fused, its reference, moe_lora_grouped) on case c into y; the case's router weights on down."""
+    fn(c["x"], _lora(c, a_src), _routing(c), y, x_per_pair=c["per_pair"], pair_weights=c["w"], **kw)
 
 
 def _untouched_checks(y, y0, slots, ranks, off, rows_per_token):
@@ -99,9 +112,9 @@ def test_moe_fused_matches_reference(site, popularity, num_tokens, dtype):
 def test_moe_fused_act_in_reads_the_activation_silu_and_mul_writes(dtype, delta, store):
     """moe_lora_fused(act_in=True) on gate_up's output [P, 2I] (and its delta, in the activations' dtype or fp32)
     gives what it gives on silu_and_mul's output from the same inputs, bit for bit (the same operations on the same
-    numbers; set_moe_lora_early_down relies on it), and its reference what the reference gives on
+    numbers; moe_lora.early_down relies on it), and its reference what the reference gives on
     silu_and_mul_ref's; the two agree within the dtype's tolerance. Wrong shapes are refused by name."""
-    from moelora.kernels.moe.experts_triton import silu_and_mul, silu_and_mul_ref
+    from moelora.kernels.moe.act_triton import silu_and_mul, silu_and_mul_ref
 
     gen = torch.Generator().manual_seed(29)
     c = _moe_case("down", "with_base_rows", 7, dtype, gen)
@@ -114,8 +127,7 @@ def test_moe_fused_act_in_reads_the_activation_silu_and_mul_writes(dtype, delta,
 
     def run(fn, x, **kw):
         y = c["y0"].clone()
-        fn(x, c["a"], c["b"], c["off"], c["ranks"], c["scaling"], c["ids"], c["slots"], E, y, True, c["w"],
-           store=store, **kw)
+        fn(x, _lora(c), _routing(c), y, x_per_pair=True, pair_weights=c["w"], store=store, **kw)
         return y
 
     got = run(moe_lora_fused, gu, act_in=True, act_delta=xd)
@@ -148,7 +160,7 @@ def test_moe_fused_store_mode_writes_every_entry(site, popularity):
     torch.testing.assert_close(got, ref, atol=1e-4 if DTYPES[0] == torch.float32 else 2e-2, rtol=1e-3)
     base = (c["slots"] < 0).repeat_interleave(K)
     assert torch.equal(got[base], torch.zeros_like(got[base]))
-    # store into a buffer of the activations' dtype (set_lora_delta_dtype("activation")): the fp32 delta rounded once
+    # store into a buffer of the activations' dtype (the experts' delta buffers): the fp32 delta rounded once
     if DTYPES[0] != torch.float32:
         low = torch.full((P, O), float("nan"), device=DEVICE, dtype=DTYPES[0])
     else:
@@ -196,31 +208,6 @@ def test_moe_fused_gate_and_up_use_their_own_a():
 @pytest.mark.parametrize("store", [False, True])
 def test_moe_fused_reads_a_from_the_slice_a_src_names(store):
     check_reads_a_through_a_src(moe_lora_fused, store)
-
-
-@pytest.mark.parametrize("store", [False, True])
-def test_moe_fused_slice_first_grid_changes_nothing(store):
-    """set_fused_lora_slice_first: the (slice, pair, split) grid computes bit for bit what the (pair, slice, split) one
-    does (each program's work is the same), with and without a shared A read through a_src; differs from y0."""
-    from moelora.kernels.moe_lora import fused_triton as mlf
-
-    gen = torch.Generator().manual_seed(41)
-    c = _moe_case("gate_up", "with_base_rows", 7, DTYPES[0], gen)
-    a_src = torch.tensor([[0] * S, [0, 1, 0, 1]], dtype=torch.int32, device=DEVICE)
-    c_shared = dict(c, a=torch.cat([c["a"][:1], c["a"][:1]]), ranks=torch.cat([c["ranks"][:1], c["ranks"][:1]]))
-    before = mlf.fused_lora_slice_first()
-    outs = {}
-    try:
-        for first in (False, True):
-            mlf.set_fused_lora_slice_first(first)
-            for name, case, kw in (("own", c, {}), ("shared", c_shared, {"a_src": a_src})):
-                outs[first, name] = c["y0"].clone()
-                _moe_call(moe_lora_fused, case, outs[first, name], store=store, **kw)
-    finally:
-        mlf.set_fused_lora_slice_first(before)
-    for name in ("own", "shared"):
-        assert torch.equal(outs[True, name], outs[False, name]), name
-        assert not torch.equal(outs[True, name], c["y0"]), name
 
 
 def check_reads_a_through_a_src(fn, store: bool) -> None:
@@ -298,16 +285,12 @@ def test_moe_fused_larger_ranks(R):
 @pytest.mark.parametrize("R", [16, 24])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_moe_fused_never_uses_factors_past_each_rank(site, R, pipelined, monkeypatch):
+def test_moe_fused_never_uses_factors_past_each_rank(site, R, pipelined):
     """A and B past each (slice, slot)'s rank hold NaN: the result equals the zero-padded one, bit for bit, in add
     and store mode. Pipelined (both loops 3 deep, as 4-warp launches run) with R 16: the buffer's rank equals the
     rank tile, so B is read in whole rank rows and the entries past the rank zeroed after the load; otherwise, and
     with R 24 (a rank tile of 32), masked in the load."""
-    from moelora.kernels.moe_lora import fused_triton as mf
-
-    if pipelined:
-        monkeypatch.setattr(mf, "_D_STAGES", [3])
-        monkeypatch.setattr(mf, "_E_STAGES", [3])
+    kw = {"stages": (3, 3)} if pipelined else {}
     gen = torch.Generator().manual_seed(70 + R)
     c = _moe_case(site, "with_base_rows", 5, DTYPES[0], gen, R=R)
     a_nan, b_nan = c["a"].clone(), c["b"].clone()
@@ -319,8 +302,8 @@ def test_moe_fused_never_uses_factors_past_each_rank(site, R, pipelined, monkeyp
             b_nan[s, :, off[i]:off[i + 1], r:] = float("nan")
     for store in (False, True):
         y, y_nan = c["y0"].clone(), c["y0"].clone()
-        _moe_call(moe_lora_fused, c, y, store=store)
-        _moe_call(moe_lora_fused, {**c, "a": a_nan, "b": b_nan}, y_nan, store=store)
+        _moe_call(moe_lora_fused, c, y, store=store, **kw)
+        _moe_call(moe_lora_fused, {**c, "a": a_nan, "b": b_nan}, y_nan, store=store, **kw)
         assert not y_nan.isnan().any() and torch.equal(y_nan, y), (site, R, store)
 
 
@@ -342,48 +325,29 @@ def test_moe_fused_split_n_does_not_change_results():
         assert torch.equal(y, outs[0])
 
 
-@pytest.mark.parametrize("experiment", ["stages", "expand_stages"])
-def test_moe_fused_launch_experiments_keep_the_results(experiment, monkeypatch):
-    """MOELORA_FUSED_LORA_STAGES / _EXPAND_STAGES (the shrink / expand loops pipelined through shared memory; on the
-    GPU the Qwen3 input dim takes 8 tiles): they change how the kernel runs, not what it computes."""
+@pytest.mark.parametrize("stages,warps", [((3, 1), None), ((1, 3), 1)])
+def test_moe_fused_pipelined_loops_keep_the_results(stages, warps):
+    """The shrink / expand loops pipelined through shared memory (on the GPU the Qwen3 input dim takes 8 tiles): they
+    change how the kernel runs, not what it computes. The launch pipelines both for 4-warp programs only."""
     from moelora.kernels.moe_lora import fused_triton as mf
 
+    assert mf.fused_stages(4) == (mf.PIPELINED_STAGES,) * 2 and mf.fused_stages(16) == (1, 1)
     gen = torch.Generator().manual_seed(32)
     # rank 64 for the expand's stages: at 1 warp its tiles are then 16 wide, several per slice and per input row
-    c = _moe_case("gate_up", "uniform", 3, torch.float32, gen, R=64 if experiment == "expand_stages" else 16)
+    c = _moe_case("gate_up", "uniform", 3, torch.float32, gen, R=64 if warps == 1 else 16)
     y0 = c["y0"].clone()
     _moe_call(moe_lora_fused, c, y0)
-    kw = {}
-    if experiment == "stages":
-        monkeypatch.setattr(mf, "_D_STAGES", [3])
-        with pytest.raises(ValueError, match="stages"):
-            mf.set_fused_lora_stages(-1)
-        monkeypatch.setattr(mf, "_AUTO_PIPELINE", [False])
-        assert mf.fused_stages(4) == (3, 1)  # forced shrink depth, the launch's expand depth
-        monkeypatch.setattr(mf, "_D_STAGES", [0])
-        assert mf.fused_stages(4) == (1, 1)
-        mf.set_fused_lora_pipeline(True)
-        assert mf.fused_stages(4) == (mf.PIPELINED_STAGES,) * 2 and mf.fused_stages(16) == (1, 1)
-        monkeypatch.setattr(mf, "_D_STAGES", [3])
-    elif experiment == "expand_stages":
-        monkeypatch.setattr(mf, "_E_STAGES", [3])
-        kw = {"num_warps": 1}
-        with pytest.raises(ValueError, match="expand_stages"):
-            mf.set_fused_lora_stages(1, -1)
     y = c["y0"].clone()
-    _moe_call(moe_lora_fused, c, y, **kw)
+    _moe_call(moe_lora_fused, c, y, stages=stages, num_warps=warps)
     torch.testing.assert_close(y, y0, atol=1e-5, rtol=1e-5)
     assert not torch.equal(y, c["y0"])
 
 
-# ---------------------------------------------------------------- the switch
+# ---------------------------------------------------------------- the backends in fused_moe_pairs
 
 
-@pytest.fixture
-def fused_switch():
-    before = fused_lora()
-    yield set_fused_lora
-    set_fused_lora(before)
+TRITON = ExpertKernels(True, MoELoRAKernels(True))  # the Triton kernels, base and LoRA (the GPU's choice)
+REFERENCE = ExpertKernels()  # the references (the CPU's choice)
 
 
 def _moe_layer(T, dtype, gen, popularity="with_base_rows"):
@@ -400,103 +364,54 @@ def _moe_layer(T, dtype, gen, popularity="with_base_rows"):
     return x, w_gu, w_d, weights, ids, ExpertLoRAArgs(slots, a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d, off_gu, off_d)
 
 
+def _rel(got, ref) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
-def test_fused_moe_pairs_switch_on_equals_off(kernels, fused_switch):
-    from moelora.kernels.moe.experts import fused_moe_pairs
-    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
-    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+def test_fused_moe_pairs_lora_backends_compute_fused_moe_ref(kernels):
+    """The per-pair LoRA backend (Triton, base path and LoRA) and the reference backend compute fused_moe_ref."""
+    from moelora.kernels.moe.experts import fused_moe_pairs, fused_moe_ref
 
     gen = torch.Generator().manual_seed(61)
     dtype = DTYPES[0]
     x, w_gu, w_d, weights, ids, args = _moe_layer(11, dtype, gen)
-    ops = (moe_lora_shrink_ref, moe_lora_expand_ref, None) if kernels == "reference" else (
-        moe_lora_shrink, moe_lora_expand, moe_lora_plan)
-    fused_switch(False)
-    off = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    fused_switch(True)
-    on = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    fused_switch(False)
-    no_lora = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, *ops)
+    ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
+    got = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, TRITON if kernels == "triton" else REFERENCE)
     bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    rel = ((on.float() - off.float()).norm() / off.float().norm()).item()
-    assert rel < bound, f"relative error {rel:.2e} >= {bound}"
-    assert ((no_lora.float() - off.float()).norm() / off.float().norm()).item() > 10 * bound
+    assert _rel(got, ref) < bound, f"relative error {_rel(got, ref):.2e} >= {bound}"
+    assert _rel(fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", None), ref) > 10 * bound
 
 
-def test_fused_switch_takes_the_fused_kernel(fused_switch, monkeypatch):
-    """Switch on: fused_moe_pairs calls the fused op, never shrink/expand; off: never the fused op."""
-    from moelora.kernels.moe_lora import fused_triton as mf
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_each_family_launches_its_own_kernel(kernels, monkeypatch):
+    """The family chosen once decides the kernel: the Triton family's decode batches run moe_lora_fused (gate_up, then
+    down), the reference family moe_lora_fused_ref; neither runs the other's."""
     from moelora.kernels.moe.experts import fused_moe_pairs
-    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels.moe_lora import backend
 
-    calls = {"fused": 0, "shrink": 0}
-    real = mf.moe_lora_fused_ref
-
-    def counting_fused(*a, **kw):
-        calls["fused"] += 1
-        real(*a, **kw)
-
-    def counting_shrink(*a, **kw):
-        calls["shrink"] += 1
-        moe_lora_shrink_ref(*a, **kw)
-
-    monkeypatch.setattr(mf, "moe_lora_fused_ref", counting_fused)
-    monkeypatch.setattr(mf, "fused_for", lambda shrink: counting_fused)
+    calls = []
+    for name in ("moe_lora_fused", "moe_lora_fused_ref"):
+        real = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, _n=name, _f=real, **kw: (calls.append(_n), _f(*a, **kw))[1])
     gen = torch.Generator().manual_seed(67)
     x, w_gu, w_d, weights, ids, args = _moe_layer(3, DTYPES[0], gen)
-    fused_switch(True)
-    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, counting_shrink, moe_lora_expand_ref)
-    assert calls == {"fused": 2, "shrink": 0}
-    fused_switch(False)
-    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, counting_shrink, moe_lora_expand_ref)
-    assert calls == {"fused": 2, "shrink": 2}
+    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, TRITON if kernels == "triton" else REFERENCE)
+    assert calls == ["moe_lora_fused" if kernels == "triton" else "moe_lora_fused_ref"] * 2
 
 
-def test_switch_env_defaults():
-    """Routed-expert fused LoRA on unless MOELORA_FUSED_LORA=0."""
-    import os
-    import subprocess
-    import sys
+def test_expert_kernels_from_the_config():
+    """ExpertKernels.from_config: the family given, cfg's thresholds and orders; `moe_lora.*` overrides reach it."""
+    from moelora.kernels.config import KernelConfig
 
-    code = "from moelora.kernels._triton import fused_lora; print(fused_lora())"
-    env = {k: v for k, v in os.environ.items() if k != "MOELORA_FUSED_LORA"}
-
-    def run(**extra):
-        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    assert run() == "True"
-    assert run(MOELORA_FUSED_LORA="0") == "False"
-
-
-def test_pipeline_switch_env_defaults():
-    """The pipelined routed LoRA form and the dense whole-rank-row reads are on unless MOELORA_FUSED_LORA_PIPELINE=0
-    / MOELORA_LORA_EVEN_R=0 (both measured end to end); forced depths from the environment win."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("from moelora.kernels._triton import lora_even_r; "
-            "from moelora.kernels.moe_lora.fused_triton import fused_stages; "
-            "print(lora_even_r(), fused_stages(4), fused_stages(8))")
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "MOELORA_FUSED_LORA_PIPELINE", "MOELORA_LORA_EVEN_R", "MOELORA_FUSED_LORA_STAGES",
-        "MOELORA_FUSED_LORA_EXPAND_STAGES")}
-
-    def run(**extra):
-        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    assert run() == "True (3, 3) (1, 1)"
-    assert run(MOELORA_FUSED_LORA_PIPELINE="0", MOELORA_LORA_EVEN_R="0") == "False (1, 1) (1, 1)"
-    early_down = "from moelora.kernels._triton import moe_lora_early_down; print(moe_lora_early_down())"
-    for value, want in ((None, "True"), ("0", "False"), ("1", "True")):  # on unless =0
-        extra = {} if value is None else {"MOELORA_MOE_LORA_EARLY_DOWN": value}
-        base = {k: v for k, v in env.items() if k != "MOELORA_MOE_LORA_EARLY_DOWN"}
-        got = subprocess.run([sys.executable, "-c", early_down], env={**base, **extra}, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        assert got == want, (value, got)
-    assert run(MOELORA_LORA_EVEN_R="0", MOELORA_FUSED_LORA_EXPAND_STAGES="2") == "False (3, 2) (1, 2)"
+    assert ExpertKernels.from_config(MoELoRAConfig(), True) == ExpertKernels(True, MoELoRAKernels(True, 2048))
+    cfg = KernelConfig().with_overrides({"moe_lora.early": "0", "moe_lora.early_down": "off",
+                                         "moe_lora.grouped_min_pairs": "512", "moe_lora.prefill_epilogue": "0"})
+    k = ExpertKernels.from_config(cfg.moe_lora, False)
+    assert (k.triton, k.lora, k.early, k.early_down, k.prefill_epilogue) == (
+        False, MoELoRAKernels(False, 512), False, False, False)
+    with pytest.raises(ValueError, match="grouped_min_pairs"):
+        MoELoRAConfig(grouped_min_pairs=0)
 
 
 # ---------------------------------------------------------------- GPU: real shapes, bf16, graphs, side stream
@@ -542,117 +457,74 @@ def _replayed_on_new_inputs(run, x, weights, ids, args, gen) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True, "fp32_delta"])
-def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap, fused_switch, monkeypatch):
-    """Switch on: fused_moe_pairs (Triton base + fused LoRA; store mode on the side stream when overlapping)
-    equals the unfused path, and a CUDA-graph replay equals eager after new routing and slots are written.
-    True: overlapping, the deltas in the activations' dtype (set_lora_delta_dtype's default); fp32_delta:
-    overlapping with fp32 deltas (set_lora_delta_dtype("fp32"))."""
-    from moelora.kernels import _triton
-    from moelora.kernels.moe.experts import fused_moe_pairs
-
-    monkeypatch.setattr(_triton, "_LORA_DELTA", ["fp32" if overlap == "fp32_delta" else "activation"])
-    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_fused_moe_pairs_graph_replay_and_overlap(overlap):
+    """fused_moe_pairs (Triton base + per-pair LoRA; store mode on the side stream when overlapping, the deltas in
+    the activations' dtype) equals fused_moe_ref, and a CUDA-graph replay equals eager after new routing and slots
+    are written."""
+    from moelora.kernels.moe.experts import fused_moe_pairs, fused_moe_ref
     from moelora.kernels.streams import side_stream
 
     gen = torch.Generator().manual_seed(83)
     x, w_gu, w_d, weights, ids, args = _moe_layer(64, torch.bfloat16, gen)
     side = side_stream(x.device) if overlap else None
-    ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
-    fused_switch(False)
-    ref = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
-    fused_switch(True)
-    eager = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
-    rel = ((eager.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert rel < 1e-2
-    out = _replayed_on_new_inputs(lambda: fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side),
+    ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
+    eager = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, TRITON, side)
+    assert _rel(eager, ref) < 1e-2
+    out = _replayed_on_new_inputs(lambda: fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, TRITON, side),
                                   x, weights, ids, args, gen)
-    expect = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
+    expect = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, TRITON, side)
     torch.testing.assert_close(out, expect)  # bf16 tolerances: stale routing or slots would differ by far more
-    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() > 1e-1  # new inputs, new result
-
-
-def test_moe_lora_early_switch():
-    """set_moe_lora_early: mode "2" by default, set and read back; bad values raise; set_moe_lora_early_down: on by
-    default."""
-    from moelora.kernels import _triton
-
-    assert _triton.moe_lora_early() and _triton.moe_lora_early_mode() == "2"  # the default
-    if "MOELORA_MOE_LORA_EARLY_DOWN" not in __import__("os").environ:
-        assert _triton.moe_lora_early_down()  # on: +0.75%
-    try:
-        _triton.set_moe_lora_early(True)
-        assert _triton.moe_lora_early() and _triton.moe_lora_early_mode() == "1"
-        _triton.set_moe_lora_early("2")  # the alignment on its own stream, above the side stream's priority
-        assert _triton.moe_lora_early() and _triton.moe_lora_early_mode() == "2"
-        _triton.set_moe_lora_early("0")
-        assert not _triton.moe_lora_early()
-        with pytest.raises(ValueError, match="set_moe_lora_early"):
-            _triton.set_moe_lora_early("3")
-    finally:
-        _triton.set_moe_lora_early("2")
+    assert _rel(out, ref) > 1e-1  # new inputs, new result
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", ["early", "early_fp32", "early_align", "early_down", "early_down_fp32"])
-def test_gpu_moe_lora_early_changes_nothing(order, fused_switch, monkeypatch):
-    """set_moe_lora_early on a GPU, overlapping on the side stream (gate_up's LoRA issued beside the alignment),
-    with deltas in bf16 and in fp32: the output of the plain order bit for bit, eagerly and from a CUDA-graph replay
-    after new routing and slots are written; the early launch with the alignment on its own stream (mode "2"),
-    whose priority is above the side stream's; and with set_moe_lora_early_down too (down's LoRA reading gate_up's
-    output and delta, act_in), deltas in bf16 and fp32."""
-    from moelora.kernels import _triton
+@pytest.mark.parametrize("order", ["early", "early_down"])
+def test_gpu_moe_lora_early_changes_nothing(order):
+    """moe_lora.early on a GPU, overlapping on the side stream (gate_up's LoRA issued beside the alignment, which runs
+    on a stream above the side stream's priority): the output of the plain order bit for bit, eagerly and from a
+    CUDA-graph replay after new routing and slots are written; and with moe_lora.early_down too (down's LoRA reading
+    gate_up's output and delta, act_in)."""
     from moelora.kernels.moe.experts import fused_moe_pairs
-    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
-    from moelora.kernels.streams import side_stream
+    from moelora.kernels.moe_lora import fused_triton as mlf
+    from moelora.kernels.streams import align_stream, side_stream
+    from test_fp8_gpu import launch_records
 
     gen = torch.Generator().manual_seed(84)
     x, w_gu, w_d, weights, ids, args = _moe_layer(64, torch.bfloat16, gen)
     side = side_stream(x.device)
-    ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
-    fused_switch(True)
-    if order.endswith("fp32"):
-        monkeypatch.setattr(_triton, "_LORA_DELTA", ["fp32"])
-    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY_DOWN", [False])
+    assert align_stream(x.device).priority < side.priority  # a lower number: a higher priority
+    plain = ExpertKernels(True, MoELoRAKernels(True), early=False, early_down=False)
+    kernels = ExpertKernels(True, MoELoRAKernels(True), early=True, early_down=order == "early_down")
 
-    def run():
-        return fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops, side)
+    def run(k=kernels):
+        return fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, k, side)
 
-    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["0"])  # the reference: no early launch
-    ref = run()
-    from moelora.kernels.moe_lora import fused_triton as mlf
-    from test_fp8_gpu import launch_records
-
-    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY", ["2" if order in ("early_align", "early_down") else "1"])
-    monkeypatch.setattr(_triton, "_MOE_LORA_EARLY_DOWN", [order.startswith("early_down")])
-    if order == "early_align":
-        from moelora.kernels.streams import align_stream
-
-        assert align_stream(x.device).priority < side.priority  # a lower number: a higher priority
+    ref = run(plain)
     with launch_records(mlf._moe_lora_fused_kernel) as launches:
         run()
     # gate_up and down, both in store mode
     assert len(launches) == 2 and all(r["STORE"] for r in launches)
-    # the down projection's launch reads gate_up's output and delta only with set_moe_lora_early_down
-    assert [r.get("ACT_IN", False) for r in launches][-1] == order.startswith("early_down")
+    # the down projection's launch reads gate_up's output and delta only with early_down
+    assert [r.get("ACT_IN", False) for r in launches][-1] == (order == "early_down")
     eager = run()
     replayed = _replayed_on_new_inputs(run, x, weights, ids, args, gen).clone()
     assert torch.equal(eager, ref)
-    assert torch.equal(replayed, run())  # the default order, eagerly, on the new inputs
+    assert torch.equal(replayed, run(plain))  # the plain order, eagerly, on the new inputs
     assert not torch.equal(replayed, ref)
 
 
 @pytest.mark.gpu
-def test_gpu_shared_a_switch_reads_one_copy_and_changes_nothing(tmp_path):
-    """set_lora_shared_a on a GPU: a PEFT target_parameters adapter (gate and up share A) on a tiny Qwen3-MoE; the
-    fused kernel launches with a_src and the prompt log-probabilities are bit-equal to the switch off (the copy it
-    names holds the same values), and differ from no adapter."""
+def test_gpu_shared_a_read_through_a_src(tmp_path):
+    """A PEFT target_parameters adapter (gate and up share A) on a tiny Qwen3-MoE: the fused kernel's gate_up launches
+    read A through a_src with the slices of a pair side by side (down never shares A), and the prompt
+    log-probabilities differ from no adapter (that the copy a_src names holds the same values, so the same results:
+    test_moe_fused_reads_a_from_the_slice_a_src_names)."""
     if not ON_GPU:
         pytest.skip("needs a CUDA GPU")
     from helpers import Runner, rows_of, save_peft_adapter, save_tiny_model, tmp
     from test_fp8_gpu import launch_records
 
-    from moelora.kernels import _triton
     from moelora.kernels.moe_lora import fused_triton as mlf
 
     base = save_tiny_model("qwen3_moe", tmp(tmp_path, "m"))
@@ -662,23 +534,10 @@ def test_gpu_shared_a_switch_reads_one_copy_and_changes_nothing(tmp_path):
     run = Runner(tmp(tmp_path, "m"), max_loras=2, max_lora_rank=16, dtype="bfloat16", device="cuda")
     run.load("ad", ad)
     rows = [(r, "ad") for r in rows_of(5, [3, 1, 1])] + [(rows_of(6, [2])[0], None)]
-    outs = {}
-    before = _triton.lora_shared_a(), mlf.fused_lora_slice_first()
-    modes = ((False, False), (True, False), (True, True))
-    try:
-        for on, first in modes:  # slice first: gate, up side by side
-            _triton.set_lora_shared_a(on)
-            mlf.set_fused_lora_slice_first(first)
-            with launch_records(mlf._moe_lora_fused_kernel) as recs:
-                outs[on, first] = run.logprobs(rows)
-            gate_up = [r for r in recs if not r.get("X_PER_PAIR")]  # down (x per pair) never shares A
-            assert gate_up and all(bool(r.get("HAS_A_SRC")) == on for r in gate_up)
-            assert all(bool(r.get("SLICE_FIRST")) == first for r in gate_up)
-            assert all(not r.get("HAS_A_SRC") for r in recs if r.get("X_PER_PAIR"))
-    finally:
-        _triton.set_lora_shared_a(before[0])
-        mlf.set_fused_lora_slice_first(before[1])
-    for mode in modes[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(outs[mode], outs[modes[0]])), mode
+    with launch_records(mlf._moe_lora_fused_kernel) as recs:
+        out = run.logprobs(rows)
+    gate_up = [r for r in recs if not r.get("X_PER_PAIR")]
+    assert gate_up and all(r.get("HAS_A_SRC") and r.get("SLICE_FIRST") for r in gate_up)
+    assert all(not r.get("SLICE_FIRST") for r in recs if r.get("X_PER_PAIR"))
     plain = run.logprobs([(ids, None) for ids, _ in rows[:1]])[0]
-    assert (outs[modes[1]][0] - plain).abs().max() > 1e-2
+    assert (out[0] - plain).abs().max() > 1e-2

@@ -119,15 +119,15 @@ def test_model_device_path_matches_reference(tmp_path, monkeypatch):
     the device path (unmasked latent writes, Triton absorbed decode under the interpreter) equal the reference
     path; a mixed step (decode rows + a prefill chunk) regroups the decode rows' slots."""
     from helpers import Runner, save_tiny_model
-    from moelora.adapters.metadata import LoRABatch
+    from moelora.layers.lora_batch import LoRABatch
     from moelora.engine.batch import SeqChunk, build_flat_batch
     from moelora.engine.kv_cache import KVCache
 
-    import moelora.kernels.attention.mla_triton as mt
+    import moelora.layers.mla as mla_layer
 
     calls = []
-    real = mt.mla_decode
-    monkeypatch.setattr(mt, "mla_decode", lambda *a, **kw: calls.append(a[5].shape[0]) or real(*a, **kw))
+    real = mla_layer.mla_decode
+    monkeypatch.setattr(mla_layer, "mla_decode", lambda *a, **kw: calls.append(a[5].shape[0]) or real(*a, **kw))
     torch.set_num_threads(1)
     save_tiny_model("deepseek_v2_q", str(tmp_path / "m"))
     run = Runner(str(tmp_path / "m"), max_loras=4, max_lora_rank=16)
@@ -174,7 +174,7 @@ def test_decode_graph_buffers_through_device_path(tmp_path):
     token_seq -1 and slot -1; static LoRA groups, every LoRA layer on) fed eagerly through the MLA device path
     (Triton interpreter) give the eager batch's hidden states: what a captured graph replays."""
     from helpers import save_peft_adapter, save_tiny_model
-    from moelora.adapters.metadata import LoRABatch
+    from moelora.layers.lora_batch import LoRABatch
     from moelora.engine.batch import SeqChunk, build_flat_batch
     from moelora.engine.cuda_graphs import DecodeGraphs
     from moelora.engine.llm_engine import EngineArgs, LLMEngine
@@ -200,8 +200,8 @@ def test_decode_graph_buffers_through_device_path(tmp_path):
         def replay(self):
             out.copy_(model(g.input_ids[:4], g.positions[:4], g._attn(4), kv.caches, g.lora_batches[4]))
 
-    mode = g.mode(slots)  # the graph the batch takes: with the variants, an attention-only adapter's
-    assert mode == ("dense" if g.variants else True)
+    mode = g.mode(slots)  # the graph the batch takes: an attention-only adapter's
+    assert mode == "dense"
     g.graphs[(4, mode)] = (Eager(), out)
     got = g.run(tokens, lens, tables, slots)
     fb = build_flat_batch([SeqChunk([x], n, t, s) for x, n, t, s in zip(tokens, lens, tables, slots)], 4)

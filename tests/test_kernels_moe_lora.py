@@ -1,11 +1,15 @@
-"""Routed-expert multi-LoRA Triton kernels (decode GEMV and prefill tiled variants) vs the references."""
+"""Routed-expert multi-LoRA: the alignment of pairs by virtual expert (the reference and the GPU's sort-free one),
+and the pair pipeline (fused_moe_pairs) with either LoRA family against fused_moe_ref. (The per-pair and grouped
+kernels: test_kernels_lora_fused.py, test_kernels_moe_lora_grouped.py.)"""
 
 import pytest
 import torch
 
-from kernel_cases import DEVICE, DTYPES, NUM_TOKENS, ON_GPU, POPULARITY, token_slots, tolerance
-from moelora.kernels.moe_lora.chain import moe_lora_align, moe_lora_expand_ref, moe_lora_shrink_ref
-from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_shrink
+from kernel_cases import DEVICE, DTYPES, ON_GPU, token_slots, tolerance
+from moelora.kernels.moe_lora import grouped_triton as mg
+from moelora.kernels.moe_lora.args import ProjLoRA, Routing
+from moelora.kernels.moe_lora.chain import moe_lora_align
+from moelora.kernels.moe_lora.fused_triton import moe_lora_fused, moe_lora_fused_ref
 
 S, R = 4, 16
 E, K, H, I = (128, 8, 2048, 768) if ON_GPU else (8, 2, 48, 24)
@@ -37,78 +41,36 @@ def _factors(n, D, O_slices, dtype, gen, shared_a=False, shared_b=False):
             torch.tensor(off, dtype=torch.int32, device=DEVICE))
 
 
-def _run(site, popularity, T, dtype, variant, routing="random", shared=False, seed=0):
-    gen = torch.Generator().manual_seed(seed + T)
-    slots = token_slots(popularity, T, S, gen).to(DEVICE)
-    ids = _routing(T, gen, routing)
-    if site == "gate_up":  # input per token, two slices (gate, up) with their own A
-        n, D, outs, x = 2, H, [I, I], torch.randn(T, H, generator=gen)
-        per_pair, w = False, None
-    else:  # down: input per pair, one slice, router weight applied
-        n, D, outs, x = 1, I, [H], torch.randn(T * K, I, generator=gen)
-        per_pair, w = True, torch.rand(T * K, generator=gen).to(DEVICE)
-    a, b, ranks, scaling, off = _factors(n, D, outs, dtype, gen, shared_a=shared and site == "gate_up",
-                                         shared_b=shared and site == "down")
-    x = x.to(DEVICE, dtype)
-    h_ref = torch.zeros(T * K, n, R, device=DEVICE)
-    h = torch.zeros(T * K, n, R, device=DEVICE)
-    moe_lora_shrink_ref(x, a, ranks, ids, slots, E, h_ref, per_pair)
-    moe_lora_shrink(x, a, ranks, ids, slots, E, h, per_pair, variant=variant)
-    atol, rtol = tolerance(dtype)
-    torch.testing.assert_close(h, h_ref, atol=atol, rtol=rtol)
-    y0 = torch.randn(T * K, sum(outs), generator=gen).to(DEVICE, dtype)
-    y_ref, y = y0.clone(), y0.clone()
-    moe_lora_expand_ref(h_ref, b, off, ranks, scaling, ids, slots, E, y_ref, w)
-    moe_lora_expand(h_ref, b, off, ranks, scaling, ids, slots, E, y, w, variant=variant)
-    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
-    base_pairs = (slots < 0).repeat_interleave(K)
-    assert torch.equal(y[base_pairs], y0[base_pairs]), "pairs of tokens without an adapter must stay untouched"
-    return y, y0
-
-
-@pytest.mark.parametrize("variant", ["gemv", "tiled"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
-@pytest.mark.parametrize("popularity", POPULARITY)
-@pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_moe_lora_matches_reference(site, popularity, num_tokens, dtype, variant):
-    if variant == "gemv" and not ON_GPU:
-        # the decode variant is for small batches; under the (slow) interpreter, cap its size
-        num_tokens = min(num_tokens, 64)
-    _run(site, popularity, num_tokens, dtype, variant)
-
-
 @pytest.mark.parametrize("routing", ["one_expert", "few_experts"])
-@pytest.mark.parametrize("variant", ["gemv", "tiled", "auto"])
-def test_moe_lora_routing_edge_cases(routing, variant):
+@pytest.mark.parametrize("kernel", ["fused", "grouped", "grouped_prefill"])
+def test_moe_lora_routing_edge_cases(routing, kernel):
+    """Hot experts (every token on the same K experts) and empty ones: each kernel equals the reference, and pairs of
+    tokens without an adapter stay untouched."""
+    gen = torch.Generator().manual_seed(33)
+    T, dtype = 33, DTYPES[0]
+    slots = token_slots("uniform", T, S, gen).to(DEVICE)
+    slots[::5] = -1
+    ids = _routing(T, gen, routing)
     for site in ("gate_up", "down"):
-        _run(site, "uniform", 33, DTYPES[0], variant, routing=routing)
-
-
-@pytest.mark.parametrize("variant", ["gemv", "tiled"])
-def test_shared_outer_matches_expanded_factors(variant):
-    """gate_up A and down B with an expert dim of 1: the same result as those factors copied to every expert."""
-    gen = torch.Generator().manual_seed(11)
-    T = 9
-    dtype = DTYPES[0]
-    slots = token_slots("with_base_rows", T, S, gen).to(DEVICE)
-    ids = _routing(T, gen)
-    x = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
-    a, _, ranks, _, _ = _factors(2, H, [I, I], dtype, gen, shared_a=True)
-    h_shared = torch.zeros(T * K, 2, R, device=DEVICE)
-    h_full = torch.zeros(T * K, 2, R, device=DEVICE)
-    moe_lora_shrink(x, a, ranks, ids, slots, E, h_shared, False, variant=variant)
-    moe_lora_shrink(x, a.expand(-1, -1, E, -1, -1).contiguous(), ranks, ids, slots, E, h_full, False, variant=variant)
-    atol, rtol = tolerance(dtype)
-    torch.testing.assert_close(h_shared, h_full, atol=atol, rtol=rtol)
-    _, b, ranks_d, scaling, off = _factors(1, I, [H], dtype, gen, shared_b=True)
-    hd = torch.randn(T * K, 1, R, generator=gen).to(DEVICE)
-    y1 = torch.zeros(T * K, H, device=DEVICE, dtype=dtype)
-    y2 = y1.clone()
-    moe_lora_expand(hd, b, off, ranks_d, scaling, ids, slots, E, y1, variant=variant)
-    moe_lora_expand(hd, b.expand(-1, E, -1, -1).contiguous(), off, ranks_d, scaling, ids, slots, E, y2, variant=variant)
-    torch.testing.assert_close(y1, y2, atol=atol, rtol=rtol)
-    assert y1.abs().max() > 0
+        n, D, outs, per_pair = (2, H, [I, I], False) if site == "gate_up" else (1, I, [H], True)
+        x = torch.randn(T * K if per_pair else T, D, generator=gen).to(DEVICE, dtype)
+        a, b, ranks, scaling, off = _factors(n, D, outs, dtype, gen)
+        lora, r = ProjLoRA(a, b, off, ranks, scaling, outs[0]), Routing(ids, slots, E, S)
+        y0 = torch.randn(T * K, sum(outs), generator=gen).to(DEVICE, dtype)
+        y_ref, y = y0.clone(), y0.clone()
+        moe_lora_fused_ref(x, lora, r, y_ref, x_per_pair=per_pair)
+        if kernel == "fused":
+            moe_lora_fused(x, lora, r, y, x_per_pair=per_pair)
+        elif kernel == "grouped":
+            mg.moe_lora_grouped(x, lora, r, y, x_per_pair=per_pair)
+        else:
+            mg.moe_lora_grouped(x, lora, r, y, x_per_pair=per_pair, align=mg.prefill_align(ids, slots, E, S),
+                                block_m=mg.PREFILL_BLOCK_M)
+        atol, rtol = tolerance(dtype)
+        torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+        base_pairs = (slots < 0).repeat_interleave(K)
+        assert torch.equal(y[base_pairs], y0[base_pairs]), "pairs of tokens without an adapter must stay untouched"
+        assert not torch.equal(y, y0)
 
 
 def test_align_groups_pairs_by_virtual_expert():
@@ -133,8 +95,8 @@ def test_align_groups_pairs_by_virtual_expert():
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_pair_pipeline_equals_fused_moe_reference(kernels):
     """The GPU path's pipeline (per-pair base + LoRA kernels + weighted top-k sum) computes fused_moe_ref."""
-    from moelora.kernels.moe.experts import ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
-    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
+    from moelora.kernels.moe.experts import ExpertKernels, ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
+    from moelora.kernels.moe_lora.backend import MoELoRAKernels
 
     gen = torch.Generator().manual_seed(21)
     T, dtype = 11, DTYPES[0]
@@ -147,8 +109,8 @@ def test_pair_pipeline_equals_fused_moe_reference(kernels):
     slots = token_slots("with_base_rows", T, S, gen).to(DEVICE)
     args = ExpertLoRAArgs(slots, a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d)
     ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
-    ops = (moe_lora_shrink_ref, moe_lora_expand_ref) if kernels == "reference" else (moe_lora_shrink, moe_lora_expand)
-    got = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
+    got = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args,
+                          ExpertKernels(lora=MoELoRAKernels(kernels == "triton")))  # torch's base GEMMs
     # the two orders round their 16-bit intermediates differently (per-expert vs per-pair GEMMs), so compare
     # by relative error norm, with bounds per dtype (fp32 ~1e-7 per op; bf16 8 mantissa bits)
     bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]

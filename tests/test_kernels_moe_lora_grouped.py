@@ -1,6 +1,6 @@
-"""The grouped routed-expert LoRA kernel (moe_lora_grouped_triton.py: pairs grouped by (slot, expert), A and B
-read once a group) against moe_lora_fused_ref (the same semantics as the per-pair fused kernel), and the
-set_grouped_lora switch in fused_moe_pairs.
+"""The grouped routed-expert LoRA kernel (kernels/moe_lora/grouped_triton.py: pairs grouped by (slot, expert), A and
+B read once a group) against moe_lora_fused_ref (the same semantics as the per-pair fused kernel), and fused_moe_pairs
+taking it by size (backend.MoELoRAKernels.pick: from grouped_min_pairs at decode, in prefill blocks above).
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes in fp32/fp16. GPU (marked gpu): Qwen3-30B-A3B
 shapes in bf16 against the per-pair kernel, and CUDA-graph replay."""
@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, DTYPES, ON_GPU, POPULARITY, tolerance
+from moelora.kernels.moe import align_triton
+from moelora.kernels.moe.experts import ExpertKernels, fused_moe_pairs, fused_moe_ref
+from moelora.kernels.moe_lora import backend
 from moelora.kernels.moe_lora import grouped_triton as mg
-from moelora.kernels._triton import grouped_lora, set_fused_lora, set_grouped_lora, fused_lora
+from moelora.kernels.moe_lora.backend import MoELoRAKernels
 from moelora.kernels.moe_lora.fused_triton import moe_lora_fused, moe_lora_fused_ref
-from test_kernels_lora_fused import E, K, _moe_call, _moe_case, _moe_layer, _untouched_checks, check_reads_a_through_a_src
+from test_kernels_lora_fused import (E, K, _lora, _moe_call, _moe_case, _moe_layer, _routing, _untouched_checks,
+                                     check_reads_a_through_a_src)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,12 +69,10 @@ def test_grouped_store_mode_writes_every_entry(site, popularity):
 
 @pytest.mark.parametrize("R", [16, 24])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
-def test_grouped_never_uses_factors_past_each_rank(site, R, monkeypatch):
+def test_grouped_never_uses_factors_past_each_rank(site, R):
     """A and B past each (slice, slot)'s rank hold NaN: the result equals the zero-padded one, bit for bit, in add
-    and store mode, with MOELORA_LORA_EVEN_R on (R 16: B read in whole rank rows, the entries past the rank zeroed
-    after the load; R 24, a rank tile of 32: masked in the load) and off."""
-    from moelora.kernels import _triton as kt
-
+    and store mode (R 16: B read in whole rank rows, the entries past the rank zeroed after the load; R 24, a rank
+    tile of 32: masked in the load)."""
     gen = torch.Generator().manual_seed(80 + R)
     c = _moe_case(site, "with_base_rows", 5, DTYPES[0], gen, R=R)
     a_nan, b_nan = c["a"].clone(), c["b"].clone()
@@ -82,13 +84,12 @@ def test_grouped_never_uses_factors_past_each_rank(site, R, monkeypatch):
             b_nan[s, :, off[i]:off[i + 1], r:] = float("nan")
     for store in (False, True):
         outs = []
-        for even_r, a, b in [(False, c["a"], c["b"]), (False, a_nan, b_nan), (True, a_nan, b_nan)]:
-            monkeypatch.setattr(kt, "_LORA_EVEN_R", [even_r])
+        for a, b in [(c["a"], c["b"]), (a_nan, b_nan)]:
             y = c["y0"].clone() if not store else torch.full(c["y0"].shape, float("nan"), device=DEVICE)
             _grouped({**c, "a": a, "b": b}, y, store=store)
-            assert not y.isnan().any(), (site, R, store, even_r)
+            assert not y.isnan().any(), (site, R, store)
             outs.append(y)
-        assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0]), (site, R, store)
+        assert torch.equal(outs[1], outs[0]), (site, R, store)
 
 
 def test_grouped_leaves_expert_minus_one_pairs_untouched():
@@ -153,68 +154,56 @@ def test_grouped_launch_parameters_do_not_change_results():
 
 
 def test_grouped_refuses_batches_past_the_alignment(monkeypatch):
-    from moelora.kernels.moe import experts_triton as fused_moe_triton
-
     c = _moe_case("down", "uniform", 9, DTYPES[0], torch.Generator().manual_seed(3))
-    monkeypatch.setattr(fused_moe_triton, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 9 * K - 1)
+    monkeypatch.setattr(align_triton, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 9 * K - 1)
     assert not mg.grouped_ok(9 * K, E, c["a"].shape[1])
     with pytest.raises(ValueError, match="past the one-program alignment"):
         _grouped(c, c["y0"].clone())
 
 
-@pytest.fixture
-def switches():
-    before = (fused_lora(), grouped_lora(), mg.GROUPED_MIN_PAIRS)
-    yield
-    set_fused_lora(before[0])
-    set_grouped_lora(before[1])
-    mg.GROUPED_MIN_PAIRS = before[2]
+def _triton(grouped_min_pairs: int = 2048) -> ExpertKernels:
+    return ExpertKernels(True, MoELoRAKernels(True, grouped_min_pairs))
+
+
+def _counting(monkeypatch, names) -> dict:
+    """backend's functions `names` replaced by ones that count their calls, then run them."""
+    calls = {n: 0 for n in names}
+    for n in names:
+        real = getattr(backend, n)
+        monkeypatch.setattr(backend, n, lambda *a, _n=n, _f=real, **kw: (calls.__setitem__(_n, calls[_n] + 1),
+                                                                           _f(*a, **kw))[1])
+    return calls
 
 
 @pytest.mark.parametrize("popularity", ["with_base_rows", "skewed"])
-def test_fused_moe_pairs_grouped_equals_per_pair(popularity, switches, monkeypatch):
-    """The switch takes the grouped kernel (one alignment for gate_up and down) and gives the per-pair result;
-    below GROUPED_MIN_PAIRS, or above GROUPED_MAX_GROUPS (slot, expert) groups, the per-pair kernel."""
-    from moelora.kernels.moe.experts import fused_moe_pairs
-    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
-
-    calls = {"align": 0, "grouped": 0}
-    real_align, real_grouped = mg.grouped_align, mg.moe_lora_grouped
-    monkeypatch.setattr(mg, "grouped_align", lambda *a: (calls.__setitem__("align", calls["align"] + 1), real_align(*a))[1])
-    monkeypatch.setattr(mg, "moe_lora_grouped",
-                        lambda *a, **kw: (calls.__setitem__("grouped", calls["grouped"] + 1), real_grouped(*a, **kw)))
+def test_fused_moe_pairs_grouped_equals_per_pair(popularity, monkeypatch):
+    """From grouped_min_pairs the grouped kernel (one alignment for gate_up and down) gives the per-pair result;
+    below it, or above GROUPED_MAX_GROUPS (slot, expert) groups, the per-pair kernel."""
+    calls = _counting(monkeypatch, ["grouped_align", "moe_lora_grouped"])
     gen = torch.Generator().manual_seed(59)
     dtype = DTYPES[0]
     x, w_gu, w_d, weights, ids, args = _moe_layer(11, dtype, gen, popularity)
-    ops = (moe_lora_shrink, moe_lora_expand, moe_lora_plan)
-    set_fused_lora(True)
-    set_grouped_lora(False)
-    per_pair = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    set_grouped_lora(True)
-    mg.GROUPED_MIN_PAIRS = ids.numel() + 1  # the batch is below the threshold: per-pair
-    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    assert calls == {"align": 0, "grouped": 0}
-    mg.GROUPED_MIN_PAIRS = ids.numel()
-    monkeypatch.setattr(mg, "GROUPED_MAX_GROUPS", E * args.gate_up_a.shape[1] - 1)  # more groups than measured
-    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    assert calls == {"align": 0, "grouped": 0}
-    monkeypatch.setattr(mg, "GROUPED_MAX_GROUPS", E * args.gate_up_a.shape[1])
-    grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-    assert calls == {"align": 1, "grouped": 2}
+    per_pair = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, _triton())
+    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, _triton(ids.numel() + 1))  # below the threshold
+    assert calls == {"grouped_align": 0, "moe_lora_grouped": 0}
+    monkeypatch.setattr(backend, "GROUPED_MAX_GROUPS", E * args.gate_up_a.shape[1] - 1)  # more groups than measured
+    fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, _triton(ids.numel()))
+    assert calls == {"grouped_align": 0, "moe_lora_grouped": 0}
+    monkeypatch.setattr(backend, "GROUPED_MAX_GROUPS", E * args.gate_up_a.shape[1])
+    grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, _triton(ids.numel()))
+    assert calls == {"grouped_align": 1, "moe_lora_grouped": 2}
     bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     rel = ((grouped.float() - per_pair.float()).norm() / per_pair.float().norm()).item()
     assert rel < bound, f"relative error {rel:.2e} >= {bound}"
 
 
-@pytest.mark.parametrize("fuse_slices", [False, True])
 @pytest.mark.parametrize("store", [False, True])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
 @pytest.mark.parametrize("num_tokens,popularity", [(40, "with_base_rows"), (300, "identical")])
-def test_grouped_in_prefill_blocks_matches_reference(site, popularity, num_tokens, store, fuse_slices):
-    """set_grouped_prefill's launch: moe_lora_grouped in blocks of PREFILL_BLOCK_M pairs on prefill_align's grouping
-    (300 tokens of one adapter: groups of more pairs than a block) against moe_lora_fused_ref, add and store mode
-    (store into NaN: every entry written, rows without an adapter 0); fuse_slices: gate_up's two slices in one
-    program (set_grouped_prefill_fuse_slices), the same result."""
+def test_grouped_in_prefill_blocks_matches_reference(site, popularity, num_tokens, store):
+    """The prefill launch: moe_lora_grouped in blocks of PREFILL_BLOCK_M pairs on prefill_align's grouping (300
+    tokens of one adapter: groups of more pairs than a block) against moe_lora_fused_ref, add and store mode (store
+    into NaN: every entry written, rows without an adapter 0)."""
     gen = torch.Generator().manual_seed(num_tokens + 3)
     dtype = DTYPES[0]
     c = _moe_case(site, popularity, num_tokens, dtype, gen)
@@ -225,7 +214,7 @@ def test_grouped_in_prefill_blocks_matches_reference(site, popularity, num_token
     y0 = torch.full_like(c["y0"], float("nan")) if store else c["y0"]
     y_ref, y = y0.clone(), y0.clone()
     _moe_call(moe_lora_fused_ref, c, y_ref, store=store)
-    _grouped(c, y, store=store, align=align, block_m=mg.PREFILL_BLOCK_M, fuse_slices=fuse_slices)
+    _grouped(c, y, store=store, align=align, block_m=mg.PREFILL_BLOCK_M)
     assert not y.isnan().any()
     atol, rtol = tolerance(dtype)
     torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
@@ -237,75 +226,23 @@ def test_grouped_in_prefill_blocks_matches_reference(site, popularity, num_token
     assert not torch.equal(y_ref, y0)
 
 
-def test_fused_moe_pairs_grouped_prefill(switches, monkeypatch):
-    """set_grouped_prefill: above GEMV_MAX_PAIRS pairs (a prefill chunk; lowered here to the test's batch) the
-    routed-expert LoRA is the grouped kernel in prefill blocks (one alignment for gate_up and down, no tiled
-    shrink / expand), with the tiled path's result; off, the tiled path."""
-    from moelora.kernels.moe_lora import chain_triton as mt
-    from moelora.kernels.moe.experts import fused_moe_pairs
-
-    calls = {"align": 0, "grouped": 0, "shrink": 0}
-    real_align, real_grouped, real_shrink = mg.prefill_align, mg.moe_lora_grouped, mt.moe_lora_shrink
-    monkeypatch.setattr(mg, "prefill_align", lambda *a: (calls.__setitem__("align", calls["align"] + 1), real_align(*a))[1])
-    fuse = []
-
-    def grouped_call(*a, **kw):
-        calls["grouped"] += 1
-        fuse.append(kw.get("fuse_slices", False))
-        return real_grouped(*a, **kw)
-
-    monkeypatch.setattr(mg, "moe_lora_grouped", grouped_call)
-
-    def shrink(*a, **kw):
-        calls["shrink"] += 1
-        return real_shrink(*a, **kw)
-
+def test_fused_moe_pairs_grouped_prefill(monkeypatch):
+    """Above DECODE_MAX_PAIRS pairs (a prefill chunk; lowered here to the test's batch) the routed-expert LoRA is the
+    grouped kernel in prefill blocks, one alignment for gate_up and down, with the per-pair kernel's result (plain
+    weights: no FP8 epilogue; test_prefill_lora_epilogue.py has that one)."""
     gen = torch.Generator().manual_seed(61)
     dtype = DTYPES[0]
     x, w_gu, w_d, weights, ids, args = _moe_layer(40, dtype, gen, "with_base_rows")
-    monkeypatch.setattr(mt, "GEMV_MAX_PAIRS", ids.numel() - 1)  # this batch counts as a prefill chunk
-    ops = (shrink, mt.moe_lora_expand, mt.moe_lora_plan)
-    monkeypatch.setattr(mt, "moe_lora_shrink", shrink)  # fused_for recognises the Triton shrink by identity
-    set_fused_lora(True)
-    before = mg.grouped_prefill()
-    assert before  # on by default (session 34)
-    monkeypatch.setattr(mg, "_PREFILL_EPILOGUE", [0])  # the delta path (on a GPU the fast path would take the
-    try:  # expert GEMM's LoRA epilogue instead: test_prefill_lora_epilogue.py)
-        mg.set_grouped_prefill(False)
-        tiled = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-        assert calls == {"align": 0, "grouped": 0, "shrink": 2}
-        mg.set_grouped_prefill(True)
-        grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-        assert calls == {"align": 1, "grouped": 2, "shrink": 2}
-        assert fuse == [False, False]
-        mg.set_grouped_prefill_fuse_slices(True)  # gate_up's two slices in one program: the same sums
-        fused = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-        assert calls == {"align": 2, "grouped": 4, "shrink": 2}
-        assert fuse == [False, False, True, True]
-    finally:
-        mg.set_grouped_prefill(before)
-        mg.set_grouped_prefill_fuse_slices(False)
+    per_pair = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, _triton())
+    calls = _counting(monkeypatch, ["prefill_align", "grouped_align", "moe_lora_grouped", "moe_lora_fused"])
+    monkeypatch.setattr(backend, "DECODE_MAX_PAIRS", ids.numel() - 1)  # this batch counts as a prefill chunk
+    grouped = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, _triton())
+    assert calls == {"prefill_align": 1, "grouped_align": 0, "moe_lora_grouped": 2, "moe_lora_fused": 0}
     bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    for got in (grouped, fused):
-        rel = ((got.float() - tiled.float()).norm() / tiled.float().norm()).item()
-        assert rel < bound, f"relative error {rel:.2e} >= {bound}"
-
-
-def test_grouped_switch_env_default():
-    import os
-    import subprocess
-    import sys
-
-    code = "from moelora.kernels._triton import grouped_lora; print(grouped_lora())"
-    env = {k: v for k, v in os.environ.items() if k != "MOELORA_GROUPED_LORA"}
-    run = lambda **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,  # noqa: E731
-                                         text=True, check=True).stdout.strip()
-    assert run() == "True"
-    assert run(MOELORA_GROUPED_LORA="0") == "False"
-    code = "from moelora.kernels.moe_lora.grouped_triton import grouped_prefill; print(grouped_prefill())"
-    env.pop("MOELORA_GROUPED_PREFILL", None)
-    assert run() == "True"
-    assert run(MOELORA_GROUPED_PREFILL="0") == "False"
+    rel = ((grouped.float() - per_pair.float()).norm() / per_pair.float().norm()).item()
+    assert rel < bound, f"relative error {rel:.2e} >= {bound}"
+    ref = fused_moe_ref(x, w_gu, w_d, weights, ids, "silu", args)
+    assert ((grouped.float() - ref.float()).norm() / ref.float().norm()).item() < bound
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -344,35 +281,6 @@ def test_gpu_grouped_equals_per_pair_at_qwen3_shapes(site, num_tokens):
     assert torch.equal(replay, eager)
 
 
-def test_expert_alignment_threshold_leaves_the_lora_alignment(monkeypatch):
-    """MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS lowers only the base expert alignment's one-program limit: moe_align
-    takes its three-launch variant (same result), the grouped LoRA kernel keeps its one-program alignment."""
-    import os
-    import subprocess
-    import sys
-
-    from moelora.kernels.moe import experts_triton as fmt
-
-    c = _moe_case("gate_up", "uniform", 9, DTYPES[0], torch.Generator().manual_seed(71))
-    P = c["ids"].numel()
-    calls = []
-    real = fmt._align_one_program
-    monkeypatch.setattr(fmt, "_align_one_program", lambda *a, **kw: (calls.append(a[1] is not None), real(*a, **kw))[1])
-    monkeypatch.setattr(fmt, "EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS", P - 1)
-    got = fmt.moe_align(c["ids"], E, 16)
-    ref = fmt.moe_align_ref(c["ids"], E, 16)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    assert calls == []  # the chunked variant
-    assert mg.grouped_ok(P, E, c["a"].shape[1])
-    mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])
-    assert calls == [True]  # the LoRA alignment: one program, with slots
-    code = "from moelora.kernels import fused_moe_triton as f; print(f.EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS)"
-    env = {k: v for k, v in os.environ.items() if k != "MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS"}
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "MOELORA_EXPERT_ALIGN_ONE_PROGRAM_MAX_PAIRS": "512"},
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "512"
-
-
 @pytest.mark.parametrize("fuse_slices", [False, True])
 @pytest.mark.parametrize("site", ["gate_up", "down"])
 @pytest.mark.parametrize("num_tokens,popularity", [(40, "with_base_rows"), (300, "identical")])
@@ -388,7 +296,7 @@ def test_grouped_shrink_writes_each_pairs_h(site, popularity, num_tokens, fuse_s
     P = ids.numel()
     align = mg.prefill_align(ids, slots, E, S)
     h = torch.full((n, P, R), float("nan"), device=DEVICE)
-    mg.moe_lora_grouped_shrink(c["x"], a, c["ranks"], ids, slots, E, h, c["per_pair"], align, mg.PREFILL_BLOCK_M,
+    mg.moe_lora_grouped_shrink(c["x"], _lora(c), _routing(c), h, x_per_pair=c["per_pair"], align=align,
                                fuse_slices=fuse_slices)
     rows = torch.arange(P, device=DEVICE) if c["per_pair"] else torch.arange(P, device=DEVICE) // K
     pslot = slots.long()[torch.arange(P, device=DEVICE) // K]
@@ -404,5 +312,5 @@ def test_grouped_shrink_writes_each_pairs_h(site, popularity, num_tokens, fuse_s
             rs = int(c["ranks"][i, s])
             assert torch.equal(h[i][pslot == s][:, rs:], torch.zeros_like(h[i][pslot == s][:, rs:]))
     with pytest.raises(ValueError, match=r"h must be a \["):
-        mg.moe_lora_grouped_shrink(c["x"], a, c["ranks"], ids, slots, E, h[:, :, :R - 1], c["per_pair"], align,
-                                   mg.PREFILL_BLOCK_M)
+        mg.moe_lora_grouped_shrink(c["x"], _lora(c), _routing(c), h[:, :, :R - 1], x_per_pair=c["per_pair"],
+                                   align=align)

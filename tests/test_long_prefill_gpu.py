@@ -1,6 +1,7 @@
 """A long mixed prefill on the GPU against PEFT: more than 2,048 (token, expert) pairs in one flat batch, so the
 routed-expert LoRA takes its prefill path (the grouped kernel, or the expand in the expert GEMM's epilogue:
-set_prefill_lora_epilogue, on FP8 expert stacks; bf16 stacks take the grouped kernel) end to end, beside rows of another adapter and rows without one.
+moe_lora.prefill_epilogue, on FP8 expert stacks; bf16 stacks take the grouped kernel) end to end, beside rows of
+another adapter and rows without one.
 
 Bound: mean |d log p| < 0.02 against transformers + PEFT in fp32 on the (dequantized) weights, as
 test_fp8_gpu.test_fp8_checkpoint_with_lora_vs_peft_on_dequantized states for W8A8; the adapters move the log-probs by
@@ -15,7 +16,7 @@ from helpers import Runner, peft_logprobs, rows_of, save_peft_adapter, tmp
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-LENGTHS = [700, 300, 420]  # 1,420 tokens at top-2: 2,840 pairs (> GEMV_MAX_PAIRS: the prefill path)
+LENGTHS = [700, 300, 420]  # 1,420 tokens at top-2: 2,840 pairs (> DECODE_MAX_PAIRS: the prefill path)
 NAMES = ["a", None, "b"]
 
 
@@ -45,28 +46,30 @@ def _spy(monkeypatch, module, name: str) -> list:
 
 
 @pytest.mark.parametrize("base", ["fp8", "bf16"])
-@pytest.mark.parametrize("epilogue", ["0", "1", "3"])
+@pytest.mark.parametrize("epilogue", [False, True])
 def test_long_mixed_prefill_matches_peft(ckpt, base, epilogue, monkeypatch):
-    """Each row's log-probs against PEFT with its own adapter (or none); the prefill LoRA path the switch selects
-    ran (with the epilogue on: _experts_lora_epilogue, once per MoE layer; else the grouped prefill kernel)."""
+    """Each row's log-probs against PEFT with its own adapter (or none); the prefill LoRA path the config selects
+    ran (with the epilogue on: _experts_lora_epilogue, once per MoE layer; else the grouped prefill kernel, twice)."""
     if base == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
+    from moelora.kernels.config import KernelConfig
     from moelora.kernels.moe import experts as moe
-    from moelora.kernels.moe_lora import grouped_triton as mg
+    from moelora.kernels.moe_lora import backend
+    from moelora.layers.configure import configure_kernels
 
-    monkeypatch.setattr(mg, "_PREFILL_EPILOGUE", [int(epilogue)])  # set_prefill_lora_epilogue's state, restored after
     fp8, deq, ref, paths = ckpt
     run = Runner(fp8 if base == "fp8" else deq, max_loras=2, max_lora_rank=8, dtype="bfloat16", device=DEV)
+    configure_kernels(run.model, KernelConfig.from_dict({"moe_lora": {"prefill_epilogue": epilogue}}))
     for n, p in paths.items():
         run.load(n, p)
     epi = _spy(monkeypatch, moe, "_experts_lora_epilogue")
-    grouped = _spy(monkeypatch, mg, "grouped_prefill_for")  # moe imports it at each call
+    grouped = _spy(monkeypatch, backend, "moe_lora_grouped")  # gate_up's and down's deltas
     rows = list(zip(rows_of(11, LENGTHS), NAMES))
     got = run.logprobs(rows, kv_blocks=sum(LENGTHS) // 4 + 8)
     moe_layers = sum(1 for layer in run.model.model.layers if hasattr(layer.mlp, "experts"))
-    expect_epi = epilogue != "0" and base == "fp8"  # FP8 stacks only: plain bf16 ones take the grouped kernel
+    expect_epi = epilogue and base == "fp8"  # FP8 stacks only: plain bf16 ones take the grouped kernel
     assert moe_layers > 0
-    assert (len(epi), len(grouped)) == ((moe_layers, 0) if expect_epi else (0, moe_layers)), (len(epi), len(grouped))
+    assert (len(epi), len(grouped)) == ((moe_layers, 0) if expect_epi else (0, 2 * moe_layers)), (len(epi), len(grouped))
     for (ids, name), lp in zip(rows, got):
         want = peft_logprobs(ref, None if name is None else paths[name], ids)
         err = (lp - want).abs().mean().item()

@@ -1,10 +1,10 @@
-"""LoRA graph variants (MOELORA_LORA_GRAPH_VARIANTS=1): which graph serves a batch, each slot's target groups,
+"""LoRA graph variants: which graph serves a batch, each slot's target groups,
 and which layers a variant leaves out (CPU); on a GPU, a variant's replay against the full LoRA graph's."""
 
 import pytest
 import torch
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora_bench.decode import TINY, random_adapter, target_subset
 from moelora.engine.cuda_graphs import lora_graph_mode
 from moelora.layers.lora import LORA_SLOT_WRITES, LoRAWeights, lora_active, slot_target_groups
@@ -12,16 +12,13 @@ from moelora.layers.lora import LORA_SLOT_WRITES, LoRAWeights, lora_active, slot
 
 def test_lora_graph_mode():
     groups = [(True, False), (False, True), (True, True), (False, False)]  # attention-only, experts-only, all, none
-    assert lora_graph_mode([-1, -1], groups, True) is False
-    assert lora_graph_mode([0, 0, -1], groups, True) == "dense"
-    assert lora_graph_mode([1, -1], groups, True) == "experts"
-    assert lora_graph_mode([0, 1], groups, True) is True  # the two kinds together need both
-    assert lora_graph_mode([2], groups, True) is True
-    assert lora_graph_mode([3, -1], groups, True) is False  # an adapter that adapts nothing here: the base graph
-    assert lora_graph_mode([3, 0], groups, True) == "dense"
-    for slots in ([0], [1], [3], [0, 1]):  # variants off: any adapter row takes the LoRA graph
-        assert lora_graph_mode(slots, [], False) is True
-    assert lora_graph_mode([-1], [], False) is False
+    assert lora_graph_mode([-1, -1], groups) is False
+    assert lora_graph_mode([0, 0, -1], groups) == "dense"
+    assert lora_graph_mode([1, -1], groups) == "experts"
+    assert lora_graph_mode([0, 1], groups) is True  # the two kinds together need both
+    assert lora_graph_mode([2], groups) is True
+    assert lora_graph_mode([3, -1], groups) is False  # an adapter that adapts nothing here: the base graph
+    assert lora_graph_mode([3, 0], groups) == "dense"
 
 
 def test_lora_active_in_graph_variants():
@@ -67,20 +64,18 @@ def test_slot_target_groups_follow_the_slots(tmp_path):
 
 @pytest.mark.gpu
 @torch.no_grad()
-def test_gpu_graph_variants_equal_the_full_lora_graph(tmp_path, monkeypatch):
-    """With the variants captured: a batch of attention-only adapters replays the "dense" graph, one of
+def test_gpu_graph_variants_equal_the_full_lora_graph(tmp_path):
+    """A batch of attention-only adapters replays the "dense" graph, one of
     experts-only adapters the "experts" graph, a mix the full one; each variant's logits equal the full LoRA
     graph's on the same inputs (the kernels left out add exact zeros; bf16 rounding of the fused SiLU path aside),
     and the variants record fewer LoRA computations."""
     import json
     import random
 
-    from moelora.engine import cuda_graphs
     from moelora.engine.llm_engine import EngineArgs, LLMEngine
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setattr(cuda_graphs, "LORA_GRAPH_VARIANTS", True)
     cfg = {**TINY, "hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
            "num_hidden_layers": 3, "max_position_embeddings": 2048}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -109,11 +104,7 @@ def test_gpu_graph_variants_equal_the_full_lora_graph(tmp_path, monkeypatch):
                         ([2] * n, True)):
         assert g.mode(slots) == want
         got = eng.model.compute_logits(g.run(ids, positions, tables, slots)).clone()
-        g.variants = False
-        try:
-            full = eng.model.compute_logits(g.run(ids, positions, tables, slots)).clone()
-        finally:
-            g.variants = True
+        full = eng.model.compute_logits(g.run(ids, positions, tables, slots, mode=True)).clone()
         diff = (got - full).abs().max().item()
         assert diff < 0.15, (slots, want, diff)
         base = eng.model.compute_logits(g.run(ids, positions, tables, [-1] * n)).clone()

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 
 
 def test_groups_and_flags():

@@ -180,18 +180,20 @@ def test_triton_dense_split_k_and_decode_modes(split_k, decode, monkeypatch):
     """The dense kernel with K split (partials in a workspace, added in split order by the last arriving split):
     the reference's numbers, the same bits on a second call, and the arrival counters left at zero; both
     decode modes (scales applied in fp32 or in the activations' dtype) give the same weights."""
-    from moelora.kernels.quant import nvfp4_triton as nt
-    from moelora.kernels.quant.fp8_triton import _COUNTERS
+    import dataclasses
 
-    monkeypatch.setitem(nt.CONFIG, "dense", dict(nt.CONFIG["dense"], split_k=split_k, decode=decode))
+    from moelora.kernels.quant import nvfp4_triton as nt
+    from moelora.kernels.quant.split_k_triton import _COUNTERS
+
+    cfg = dataclasses.replace(nt.DENSE_CONFIG, split_k=split_k, decode=decode)
     g = torch.Generator().manual_seed(split_k)
     N, K = 72, 1024  # 8 K steps of 128
     p, s, s2 = quantize_nvfp4(torch.randn(N, K, generator=g))
     s2 = s2.expand(N).contiguous()
     x, b = torch.randn(5, K, generator=g), torch.randn(N, generator=g)
-    y, ref = nt.nvfp4_linear(x, p, s, s2, b), nt.nvfp4_linear_ref(x, p, s, s2, b)
+    y, ref = nt.nvfp4_linear(x, p, s, s2, b, config=cfg), nt.nvfp4_linear_ref(x, p, s, s2, b)
     assert ((y - ref).norm() / ref.norm()).item() < 1e-6  # fp32: the K sum's order differs only
-    assert torch.equal(nt.nvfp4_linear(x, p, s, s2, b), y)
+    assert torch.equal(nt.nvfp4_linear(x, p, s, s2, b, config=cfg), y)
     assert int(_COUNTERS[torch.device("cpu")].abs().sum()) == 0
     assert nt.nvfp4_split_k(80, 16) == 4 and nt.nvfp4_split_k(32, 32) == 8 and nt.nvfp4_split_k(300, 16) == 1
     assert nt.nvfp4_split_k(80, 4) == 2  # >= 2 K steps a split
@@ -202,7 +204,7 @@ def test_triton_dense_split_k_and_decode_modes(split_k, decode, monkeypatch):
 def test_triton_expert_gemm_on_the_fast_path_alignment(gather_rows):
     """nvfp4_expert_gemm on fused_moe_triton's alignment: token rows read in place (row p // top_k) or per pair,
     the reference's numbers (fp32); pairs on expert -1 (expert parallelism) leave the other rows as they were."""
-    from moelora.kernels.moe.experts_triton import moe_align
+    from moelora.kernels.moe.align_triton import moe_align
     from moelora.kernels.quant.nvfp4_triton import nvfp4_expert_gemm, nvfp4_expert_gemm_ref
 
     g = torch.Generator().manual_seed(7)
@@ -231,8 +233,8 @@ def test_nvfp4_experts_take_the_triton_fast_path_with_lora():
     weights (fp32), and the fast path is the one taken (expert_gemm called, grouped_mm not)."""
     from kernel_cases import expert_lora_args
     from moelora.kernels.moe import experts_triton as fmt
-    from moelora.kernels.moe.experts import fused_moe_pairs, fused_moe_ref, route_topk_ref
-    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.kernels.moe.experts import ExpertKernels, fused_moe_pairs, fused_moe_ref, route_topk_ref
+    from moelora.kernels.moe_lora.backend import MoELoRAKernels
     from moelora.layers.nvfp4 import Nvfp4ExpertWeight
 
     g = torch.Generator().manual_seed(9)
@@ -251,14 +253,11 @@ def test_nvfp4_experts_take_the_triton_fast_path_with_lora():
     real_fast, real_slow = Nvfp4ExpertWeight.expert_gemm, Nvfp4ExpertWeight.grouped_mm
     Nvfp4ExpertWeight.expert_gemm = lambda self, *a: (calls.append("fast"), real_fast(self, *a))[1]
     Nvfp4ExpertWeight.grouped_mm = lambda self, *a: (calls.append("slow"), real_slow(self, *a))[1]
-    default = fmt._FAST["quantized"]
     try:
-        fmt.set_fast_path(True, on_cpu=True, quantized=True)
-        got = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, moe_lora_shrink, moe_lora_expand,
-                              moe_lora_plan)
+        assert fmt.fast_path_ok(x, w_gu, w_d)
+        got = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, ExpertKernels(True, MoELoRAKernels(True)))
     finally:
         Nvfp4ExpertWeight.expert_gemm, Nvfp4ExpertWeight.grouped_mm = real_fast, real_slow
-        fmt.set_fast_path(True, on_cpu=False, quantized=default)
     assert calls == ["fast", "fast"]
     deq = [dequantize_nvfp4(getattr(mod, n), getattr(mod, n + "_scale"), getattr(mod, n + "_scale_2"))
            for n in ("gate_up_proj", "down_proj")]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers import rows_of, save_peft_adapter, save_tiny_model, tmp
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import SlotPool
 from moelora.config import ModelConfig

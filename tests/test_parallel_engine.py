@@ -177,7 +177,6 @@ def test_dummy_model_too_big_for_one_gpu_is_drawn_in_host_memory(monkeypatch):
 
     from moelora.distributed import ParallelState
     from moelora.engine import workers
-    from moelora.models import loader
 
     tried, moved = [], []
 
@@ -195,10 +194,10 @@ def test_dummy_model_too_big_for_one_gpu_is_drawn_in_host_memory(monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return Fake()
 
-    monkeypatch.setattr(loader, "build_model", fake_build)
+    monkeypatch.setattr(workers, "build_model", fake_build)
     monkeypatch.setattr(workers, "shard_model", lambda model, ps: model)
     args = SimpleNamespace(model=None, quantization=None, load_format="dummy", max_loras=2, max_lora_rank=8,
-                           seed=0, lora_overlap=False)
+                           seed=0, lora_overlap=False, kernel_config=None)
     workers.build_sharded_model(None, args, "bfloat16", torch.device("cuda", 0), ParallelState(tp_size=2))
     assert tried == ["cuda", "cpu"] and moved == ["cuda:0"]
     tried.clear()

@@ -105,7 +105,7 @@ def test_lora_enabled_but_unused_equals_base(fam):
 
 def test_decode_steps_match_peft(fam):
     """Prefill, then decode one token at a time through the paged cache, adapters mixed."""
-    from moelora.adapters.metadata import LoRABatch
+    from moelora.layers.lora_batch import LoRABatch
     from moelora.engine.batch import SeqChunk, build_flat_batch
     from moelora.engine.kv_cache import KVCache
 

@@ -1,6 +1,6 @@
-"""The routed-expert LoRA at prefill in the FP8 expert GEMM's epilogue (set_prefill_lora_epilogue): the grouped
-shrink's h per pair, fp8_expert_gemm(lora=) adding the expand before its one rounding, and fused_moe_pairs taking
-that path on FP8 expert stacks.
+"""The routed-expert LoRA at prefill in the FP8 expert GEMM's epilogue (moe_lora.prefill_epilogue, EpilogueLoRA):
+the grouped shrink's h per pair, fp8_expert_gemm(lora=) adding the expand before its one rounding, and
+fused_moe_pairs taking that path on FP8 expert stacks.
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes in fp32. GPU (marked gpu): Qwen3-30B-A3B shapes
 at a prefill chunk, against an fp32 reference beside the delta path's error."""
@@ -10,17 +10,11 @@ import torch
 
 from kernel_cases import DEVICE, ON_GPU
 from moelora.kernels.quant.fp8 import quantize_act_group_ref, quantize_weight_block
-from moelora.kernels.quant.fp8_triton import Fp8LoRAEpilogue, fp8_expert_gemm, fp8_expert_gemm_lora_ref
+from moelora.kernels.quant.fp8_experts_triton import fp8_expert_gemm, fp8_expert_gemm_lora_ref
+from moelora.kernels.quant.fp8_triton import Fp8LoRAEpilogue
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(autouse=True)
-def _restore_switches(monkeypatch):
-    """set_prefill_lora_epilogue as it was before each test, whatever the test sets."""
-    from moelora.kernels.moe_lora import grouped_triton as mg
-
-    monkeypatch.setattr(mg, "_PREFILL_EPILOGUE", list(mg._PREFILL_EPILOGUE))
 
 RANKS = [[16, 4, 0, 8], [8, 16, 4, 2]]  # per (slice, slot): slice 0 of slot 2 has rank 0
 
@@ -85,7 +79,7 @@ def test_fp8_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows
     given), the batch's slot groups unrolled (2 of 3 here, the third in the loop), and the metadata prefetched
     before the K steps with the groups' B in one dot (LORA_SPLIT 3; slices on tile boundaries)."""
     from moelora.kernels.quant import fp8_triton as ft
-    from moelora.kernels.moe.experts_triton import moe_align
+    from moelora.kernels.moe.align_triton import moe_align
 
     monkeypatch.setattr(ft, "LORA_GROUPS_UNROLLED", 2)
     g = torch.Generator().manual_seed(31 + gather_rows)
@@ -100,12 +94,9 @@ def test_fp8_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows
     lora = _nan_h_lora(form, n, outs, S, E, D, R, slots, pair_slots, g)
     align = moe_align(ids, E, 16)
     modes = _record_launches(monkeypatch, ft, "_fp8_gemm_kernel")
-    ft.set_fp8_gemm_config("expert", ft.Fp8GemmConfig(32, 4, 2))
-    try:
-        y = fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 16, x_scale=xs, lora=lora)
-        base = fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 16, x_scale=xs)
-    finally:
-        ft.set_fp8_gemm_config("expert", None)
+    cfg = ft.Fp8GemmConfig(32, 4, 2)
+    y = fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 16, x_scale=xs, lora=lora, config=cfg)
+    base = fp8_expert_gemm(xq, qe, se, blk, ids, align, gather_rows, 16, x_scale=xs, config=cfg)
     assert modes[0] == {"all_slots": (0, 0), "groups": (0, 2), "prefetch": (3, 4)}[form]
     ref = fp8_expert_gemm_lora_ref(xq, qe, se, blk, ids, gather_rows, lora, x_scale=xs)
     assert not y.isnan().any()
@@ -124,18 +115,17 @@ def test_fp8_expert_gemm_adds_the_routed_lora_expand_in_its_epilogue(gather_rows
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter variant; the GPU test below covers the GPU")
 @pytest.mark.parametrize("stack", ["fp8", "plain"])
-@pytest.mark.parametrize("mode", [1, 2, 3])
-def test_fused_moe_pairs_prefill_lora_epilogue(mode, stack, monkeypatch):
-    """set_prefill_lora_epilogue: above GEMV_MAX_PAIRS pairs (lowered here to the test's batch), on FP8 expert
-    stacks on the fast path, the routed LoRA is one grouped shrink a projection plus the GEMM's epilogue (no
-    moe_lora_grouped delta launch), with the delta path's result (fp32 here: the two differ by roundings only);
-    without the switch, the delta path. Plain weights (fp32 here, bf16 / fp16 on a GPU) take the delta path in
-    every mode."""
+def test_fused_moe_pairs_prefill_lora_epilogue(stack, monkeypatch):
+    """moe_lora.prefill_epilogue: above DECODE_MAX_PAIRS pairs (lowered here to the test's batch), on FP8 expert
+    stacks on the Triton path, the routed LoRA is one grouped shrink a projection plus the GEMM's epilogue (no
+    moe_lora_grouped delta launch; the batch's slot groups, metadata prefetched), with the delta path's result (fp32
+    here: the two differ by roundings only); with the field off, the delta path. Plain weights (fp32 here, bf16 /
+    fp16 on a GPU) take the delta path either way."""
+    from moelora.kernels.lora.groups import SlotGroups
     from moelora.kernels.moe import experts_triton as fmt
-    from moelora.kernels.moe_lora import grouped_triton as mg
-    from moelora.kernels.moe_lora import chain_triton as mt
-    from moelora.kernels._triton import fused_lora, set_fused_lora
-    from moelora.kernels.moe.experts import ExpertLoRAArgs, fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe.experts import ExpertKernels, ExpertLoRAArgs, fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe_lora import backend
+    from moelora.kernels.moe_lora.backend import MoELoRAKernels
     from moelora.layers.fp8 import Fp8ExpertWeight, Fp8State
 
     g = torch.Generator().manual_seed(17)
@@ -150,72 +140,44 @@ def test_fused_moe_pairs_prefill_lora_epilogue(mode, stack, monkeypatch):
     a_gu, b_gu, r_gu, s_gu, off_gu = _factors(2, S, E, H, [inter, inter], R, g)
     a_d, b_d, r_d, s_d, off_d = _factors(1, S, E, inter, [H], R, g)
     slots = torch.tensor([0, 1, -1, 2, 3, 0, 1, -1, 2, 3], dtype=torch.int32)
-    from moelora.kernels.lora.groups import SlotGroups
-
     args = ExpertLoRAArgs(slots, a_gu, b_gu, s_gu, r_gu, a_d, b_d, s_d, r_d, off_gu, off_d,
                           active_slots=SlotGroups.build(slots, S).active_slots)
-    ops = (mt.moe_lora_shrink, mt.moe_lora_expand, mt.moe_lora_plan)
-    monkeypatch.setattr(mt, "GEMV_MAX_PAIRS", T * K - 1)  # this batch counts as a prefill chunk
+    monkeypatch.setattr(backend, "DECODE_MAX_PAIRS", T * K - 1)  # this batch counts as a prefill chunk
     calls = {"shrink": 0, "grouped": 0}
-    real_shrink, real_grouped = mg.moe_lora_grouped_shrink, mg.moe_lora_grouped
-    monkeypatch.setattr(mg, "moe_lora_grouped_shrink",
+    real_shrink, real_grouped = backend.moe_lora_grouped_shrink, backend.moe_lora_grouped
+    monkeypatch.setattr(backend, "moe_lora_grouped_shrink",
                         lambda *a, **kw: (calls.__setitem__("shrink", calls["shrink"] + 1), real_shrink(*a, **kw))[1])
-    monkeypatch.setattr(mg, "moe_lora_grouped",
+    monkeypatch.setattr(backend, "moe_lora_grouped",
                         lambda *a, **kw: (calls.__setitem__("grouped", calls["grouped"] + 1), real_grouped(*a, **kw))[1])
-    fused_before, quant_before = fused_lora(), fmt._FAST["quantized"]
-    try:
-        set_fused_lora(True)
-        fmt.set_fast_path(True, on_cpu=True, quantized=True)
-        assert fmt.fast_path_ok(x, w_gu, w_d)
-        assert mg.prefill_lora_epilogue() == 3  # the default
-        assert mg.prefill_lora_epilogue_for(w_gu) == (stack == "fp8")
-        mg.set_prefill_lora_epilogue(0)
-        delta_path = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-        assert calls == {"shrink": 0, "grouped": 2}
-        mg.set_prefill_lora_epilogue(mode)
-        epi = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, *ops)
-        assert calls == ({"shrink": 2, "grouped": 2} if stack == "fp8" else {"shrink": 0, "grouped": 4})
-        no_lora = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, *ops)
-    finally:
-        mg.set_prefill_lora_epilogue(3)
-        set_fused_lora(fused_before)
-        fmt.set_fast_path(True, on_cpu=False, quantized=quant_before)
+    assert fmt.fast_path_ok(x, w_gu, w_d)
+    assert fmt.lora_epilogue_ok(w_gu) == (stack == "fp8")
+    on = ExpertKernels(True, MoELoRAKernels(True))
+    assert on.prefill_epilogue  # the default
+    off = ExpertKernels(True, MoELoRAKernels(True), prefill_epilogue=False)
+    delta_path = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, off)
+    assert calls == {"shrink": 0, "grouped": 2}
+    epi = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", args, on)
+    assert calls == ({"shrink": 2, "grouped": 2} if stack == "fp8" else {"shrink": 0, "grouped": 4})
+    no_lora = fused_moe_pairs(x, w_gu, w_d, weights, ids, "silu", None, on)
     rel = ((epi - delta_path).norm() / delta_path.norm()).item()
     assert rel < 1e-4, f"relative error {rel:.2e}"
     assert ((no_lora - delta_path).norm() / delta_path.norm()).item() > 1e-2
     assert torch.equal(epi[slots < 0], no_lora[slots < 0])  # tokens without an adapter: the base output
 
 
-def test_prefill_lora_epilogue_switch_env_default():
-    import os
-    import subprocess
-    import sys
-
-    code = "from moelora.kernels.moe_lora.grouped_triton import prefill_lora_epilogue as f; print(f())"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOELORA_PREFILL_LORA_EPILOGUE")}
-    run = lambda **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra},  # noqa: E731
-                                         capture_output=True, text=True)
-    assert run().stdout.strip() == "3"  # on by default, mode 3
-    assert run(MOELORA_PREFILL_LORA_EPILOGUE="0").stdout.strip() == "0"
-    assert run(MOELORA_PREFILL_LORA_EPILOGUE="1").stdout.strip() == "1"
-    bad = run(MOELORA_PREFILL_LORA_EPILOGUE="4")
-    assert bad.returncode != 0 and "must be one of 0, 1, 2, 3" in bad.stderr
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("T,mode", [(640, 1), (2048, 1), (640, 2), (2048, 3)])
-def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, mode, monkeypatch):
+@pytest.mark.parametrize("T", [640, 2048])
+def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, monkeypatch):
     """Qwen3-30B-A3B routed experts in FP8 with 8 rank-16 adapters (and tokens without one) at a prefill chunk:
-    the epilogue path (one grouped shrink a projection, no delta launch; modes 1, 2 and 3) within the
+    the epilogue path (one grouped shrink a projection, no delta launch) within the
     FP8 kernels' bound of the torch W8A8 reference and of the delta path, and as close as the delta path to bf16 on
     the dequantized weights (the LoRA on unquantized activations: FP8's error dominates both); rows of tokens
     without an adapter within the kernels' bound of the no-LoRA output."""
-    from moelora.adapters.metadata import LoRABatch
-    from moelora.kernels.moe_lora import grouped_triton as mg
-    from moelora.kernels.moe.experts import route_topk_ref
-    from moelora.kernels.moe.experts import fused_moe_pairs
-    from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+    from moelora.layers.lora_batch import LoRABatch
+    from moelora.kernels.config import KernelConfig
+    from moelora.kernels.moe.experts import ExpertKernels, fused_moe_pairs, route_topk_ref
+    from moelora.kernels.moe_lora import backend
     from moelora.layers.fp8 import Fp8State
     from test_fp8_gpu import E, H, K, _experts, _lora_args, _rel, dequantized_stack
 
@@ -228,25 +190,20 @@ def test_gpu_prefill_lora_epilogue_qwen3_shapes(T, mode, monkeypatch):
     slots = torch.randint(-1, 8, (T,), generator=torch.Generator().manual_seed(T)).tolist()
     batch = LoRABatch.build(slots, 8, DEVICE)
     calls = []
-    real = mg.moe_lora_grouped_shrink
-    monkeypatch.setattr(mg, "moe_lora_grouped_shrink", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    mg.set_prefill_lora_epilogue(0)
+    real = backend.moe_lora_grouped_shrink
+    monkeypatch.setattr(backend, "moe_lora_grouped_shrink", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    delta_cfg = KernelConfig.from_dict({"moe_lora": {"prefill_epilogue": False}})
+    ex.configure(delta_cfg)
     delta_path = ex(x, tw.bfloat16(), ti, batch)
     no_lora = ex(x, tw.bfloat16(), ti, None)
     assert calls == []
-    mg.set_prefill_lora_epilogue(mode)
-    try:
-        epi = ex(x, tw.bfloat16(), ti, batch)
-    finally:
-        mg.set_prefill_lora_epilogue(3)
+    ex.configure(KernelConfig())
+    epi = ex(x, tw.bfloat16(), ti, batch)
     args = _lora_args(ex, batch)
     assert len(calls) == 2, len(calls)
-    mg.set_prefill_lora_epilogue(0)  # bf16 on the dequantized weights by the delta path
-    try:
-        bf16 = fused_moe_pairs(x, dequantized_stack(ex, "gate_up_proj"), dequantized_stack(ex, "down_proj"),
-                               tw.bfloat16(), ti, "silu", args, moe_lora_shrink, moe_lora_expand, moe_lora_plan)
-    finally:
-        mg.set_prefill_lora_epilogue(3)
+    # bf16 on the dequantized weights by the delta path
+    bf16 = fused_moe_pairs(x, dequantized_stack(ex, "gate_up_proj"), dequantized_stack(ex, "down_proj"),
+                           tw.bfloat16(), ti, "silu", args, ExpertKernels.from_config(delta_cfg.moe_lora, True))
     ex.quant = Fp8State((128, 128), torch.bfloat16, "w8a8")
     ref = ex(x, tw.bfloat16(), ti, batch)
     base = torch.tensor([s < 0 for s in slots], device=DEVICE)

@@ -144,10 +144,10 @@ def test_auto_mode_keeps_cpu_logits_on_the_torch_path():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_auto_mode_takes_the_kernel_for_large_cuda_batches_only(monkeypatch):
+def test_auto_mode_takes_the_kernel_for_large_cuda_batches_only():
     """Sampler() (auto): the torch path for CUDA batches below FUSED_SAMPLER_MIN_ROWS (slower there end to end on
     the H200 with synchronous scheduling), the kernel from that size; with min_rows=1 (the engine's choice under
-    asynchronous scheduling) from one row; MOELORA_FUSED_SAMPLER=0 turns it off."""
+    asynchronous scheduling) from one row; Sampler(fused=False) never."""
     from moelora.engine.sampler import FUSED_SAMPLER_MIN_ROWS
 
     p = SamplingParams(temperature=1.0)
@@ -158,8 +158,7 @@ def test_auto_mode_takes_the_kernel_for_large_cuda_batches_only(monkeypatch):
     one = Sampler(min_rows=1)
     one.sample(torch.randn(3, 1000, device="cuda"), [p] * 3, [None] * 3)
     assert one.last_path == "fused"
-    monkeypatch.setenv("MOELORA_FUSED_SAMPLER", "0")
-    off = Sampler()
+    off = Sampler(fused=False)
     rows = FUSED_SAMPLER_MIN_ROWS
     off.sample(torch.randn(rows, 1000, device="cuda"), [p] * rows, [None] * rows)
     assert off.last_path == "torch"

@@ -1,43 +1,77 @@
-"""Switches read from the environment at import: an empty value means the default, a value that is not one of the
-choices is an error naming the variable (not a silent default, not a bare int() error). Subprocesses: the values
-are read when the module is first imported."""
+"""The kernel config's strict parsing (KernelConfig.from_json / from_dict / with_overrides: an unknown field or a
+value of the wrong type is an error naming it, as `--kernel-config` and `bench decode --ab` report it), and the
+environment: the package reads at most 15 MOELORA_* names, all operational."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-PROBE = ("import moelora.kernels.quant.fp8_triton as f, moelora.kernels.lora.delta_triton as d, "
-         "moelora.kernels._triton as t; "
-         "print(f._PREQUANT_MIN_ROWS[0], f._LORA_SPLIT[0], f._LORA_SPLIT[1], t.moe_lora_early_mode(), "
-         "f.fp8_prefill_config(), d.lora_delta_warps())")
+from moelora.kernels.config import KernelConfig, field_names
+from test_docs_configuration import source_names
+
+MAX_ENV_NAMES = 15
 
 
-def _import_with(env: dict[str, str]) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("MOELORA_")}
-    return subprocess.run([sys.executable, "-c", PROBE], env={**full, **env}, capture_output=True, text=True,
-                          timeout=120)
+def test_the_defaults_round_trip():
+    cfg = KernelConfig()
+    assert KernelConfig.from_json(None) == KernelConfig.from_json("") == KernelConfig.from_json("{}") == cfg
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg and cfg.diff() == {}
+    assert "deterministic" in field_names() and "side_stream_priority" in field_names()
+    assert all(n.count(".") <= 1 for n in field_names())
 
 
-def test_the_defaults_and_empty_values_are_the_same():
-    names = ("MOELORA_FP8_PREQUANT_MIN_ROWS", "MOELORA_FP8_LORA_SPLIT", "MOELORA_FP8_LORA_SPLIT_MAX_ROWS",
-             "MOELORA_MOE_LORA_EARLY", "MOELORA_FP8_PREFILL_CONFIG", "MOELORA_LORA_DELTA_WARPS")
-    unset, empty = _import_with({}), _import_with({n: "" for n in names})
-    assert unset.returncode == 0 and empty.returncode == 0, unset.stderr + empty.stderr
-    assert unset.stdout == empty.stdout
-    assert unset.stdout.split() == ["1", "4", "64", "2", "experts", "0"], unset.stdout
+def test_from_json_sets_fields_by_section():
+    cfg = KernelConfig.from_json('{"deterministic": true, "side_stream_priority": "normal"}')
+    assert cfg.deterministic is True and cfg.side_stream_priority == "normal"
+    assert cfg.diff() == {"deterministic": True, "side_stream_priority": "normal"}
+    section = next(n for n in field_names() if "." in n)
+    head, tail = section.split(".")
+    default = getattr(getattr(KernelConfig(), head), tail)
+    value = (not default) if isinstance(default, bool) else default
+    assert KernelConfig.from_dict({head: {tail: value}}).diff() == ({section: value} if value != default else {})
 
 
-@pytest.mark.parametrize("name, value, want", [
-    ("MOELORA_FP8_PREQUANT_MIN_ROWS", "many", "MOELORA_FP8_PREQUANT_MIN_ROWS must be an integer, got 'many'"),
-    ("MOELORA_FP8_LORA_SPLIT_MAX_ROWS", "6x4", "MOELORA_FP8_LORA_SPLIT_MAX_ROWS must be an integer"),
-    ("MOELORA_MOE_LORA_EARLY", "3", "MOELORA_MOE_LORA_EARLY must be one of"),
-    ("MOELORA_FP8_PREFILL_CONFIG", "huge", "MOELORA_FP8_PREFILL_CONFIG must be one of"),
-    ("MOELORA_LORA_DELTA_WARPS", "3", "MOELORA_LORA_DELTA_WARPS must be 0 (the default), 1, 2, 4 or 8"),
+@pytest.mark.parametrize("text, message", [
+    ('{"nope": 1}', "kernel config: unknown field 'nope'"),
+    ('{"moe": {"nope": 1}}', "kernel config: unknown field 'moe.nope'"),
+    ('{"deterministic": 1}', "kernel config deterministic: expected bool, got 1"),
+    ('{"side_stream_priority": true}', "kernel config side_stream_priority: expected str, got True"),
+    ('{"side_stream_priority": "urgent"}', "side_stream_priority: 'high' or 'normal', got 'urgent'"),
+    ('{"moe": 1}', "kernel config moe: expected an object, got 1"),
+    ("[1]", "--kernel-config must be a JSON object"),
+    ("{deterministic: true}", "--kernel-config is not valid JSON"),
 ])
-def test_a_bad_value_is_an_error_naming_the_variable(name, value, want):
-    r = _import_with({name: value})
-    assert r.returncode != 0 and want in r.stderr, r.stderr[-2000:]
+def test_from_json_is_strict(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        KernelConfig.from_json(text)
+
+
+def test_with_overrides_parses_each_value_as_its_fields_type():
+    base = KernelConfig(side_stream_priority="normal")
+    cfg = base.with_overrides({"deterministic": "1", "side_stream_priority": "high"})
+    assert cfg == KernelConfig(deterministic=True) and base.side_stream_priority == "normal"  # frozen: a copy
+    assert base.with_overrides({"deterministic": "off"}).deterministic is False
+    for key, raw, message in [("nope", "1", "no field 'nope'"), ("moe.nope", "1", "no field 'moe.nope'"),
+                              ("nosection.x", "1", "no section 'nosection'"), ("moe", "1", "no field 'moe'"),
+                              ("deterministic", "yes", "expected 0/1 or true/false, got 'yes'"),
+                              ("side_stream_priority", "urgent", "'high' or 'normal', got 'urgent'")]:
+        with pytest.raises(ValueError, match=message):
+            base.with_overrides({key: raw})
+    ints = [n for n in field_names() if isinstance(_value(KernelConfig(), n), int)
+            and not isinstance(_value(KernelConfig(), n), bool)]
+    for name in ints:
+        with pytest.raises(ValueError, match=f"kernel config {name}: expected an integer, got 'many'"):
+            base.with_overrides({name: "many"})
+
+
+def _value(cfg: KernelConfig, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_the_package_reads_at_most_15_environment_variables():
+    names = source_names()
+    assert len(names) <= MAX_ENV_NAMES, (
+        f"{len(names)} MOELORA_* names in the sources (at most {MAX_ENV_NAMES}; a kernel choice belongs in "
+        f"KernelConfig): {sorted(names)}")

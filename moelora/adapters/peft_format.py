@@ -13,6 +13,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from moelora.adapters.errors import AdapterError
@@ -190,9 +191,7 @@ def read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
 def parse_tensors(name: str, files: AdapterFiles) -> dict[str, torch.Tensor]:
     try:
         if files.weights_file.endswith(".safetensors"):
-            from safetensors.torch import load
-
-            return load(files.weights)
+            return safetensors.torch.load(files.weights)
         return _load_bin(files.weights)
     except Exception as e:  # safetensors and torch raise many types for a corrupt file
         raise AdapterError(name, f"cannot read the weights in {files.weights_file!r}: {e}") from e

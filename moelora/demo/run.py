@@ -16,7 +16,12 @@ import random
 import sys
 import time
 
+import torch
+
 from moelora.demo import ADAPTERS, MAX_LEN, TRANSFORMS, adapter_paths, make_prompt, model_path, random_input
+from moelora.engine.llm import LLM
+from moelora.engine.sampling_params import SamplingParams
+from moelora.kernels.config import KernelConfig
 
 MAX_TOKENS = MAX_LEN + 8  # longest completion (24 characters + the newline EOS) with room to spare
 _OUT_WIDTH = MAX_LEN + 2
@@ -30,16 +35,12 @@ def _show(text: str, width: int) -> str:
 
 
 def run_demo(device: str | None = None, per_adapter: int = 4, seed: int | None = None,
-             cpu_threads: int | None = None) -> int:
+             cpu_threads: int | None = None, kernel_config: KernelConfig | None = None) -> int:
     """Run one mixed batch over the bundled model and adapters and print a table.
     device: "cuda", "cpu", ... (None: a GPU when present, else the CPU) · per_adapter: rows per adapter
     (and for the base) · seed: the inputs' random seed (None: fresh inputs each run) · cpu_threads: torch's
-    threads on the CPU (None: the engine's choice).
+    threads on the CPU (None: the engine's choice) · kernel_config: the kernels' choices (None: the defaults).
     Returns 0 when every row is right, 1 otherwise."""
-    import torch
-
-    from moelora import LLM, SamplingParams
-
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = adapter_paths()
@@ -54,7 +55,7 @@ def run_demo(device: str | None = None, per_adapter: int = 4, seed: int | None =
 
     t0 = time.perf_counter()
     llm = LLM(model=model_path(), adapters=paths, max_loras=8, max_lora_rank=64, dtype="float32", device=device,
-              cpu_threads=cpu_threads)
+              cpu_threads=cpu_threads, kernel_config=kernel_config)
     t_load = time.perf_counter() - t0
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     t0 = time.perf_counter()

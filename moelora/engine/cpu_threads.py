@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from moelora.distributed import torchrun_env
+
 ENV = "MOELORA_CPU_THREADS"
 MAX_DEFAULT_THREADS = 8  # the default's cap (see configure_cpu_threads)
 
@@ -25,22 +27,10 @@ def configure_cpu_threads(requested: int | None, device: torch.device, processes
          ranks sharing the host), at least 1 and at most MAX_DEFAULT_THREADS (8): `default_cpu_threads`.
 
     Why cores minus one, not torch's default (every core): a decode step is hundreds of small ops, each a
-    fork/join of the OpenMP team, and every thread of the team must get a core before the op ends. One core short
-    (the server's event-loop thread beside the engine thread, the tokenizer, a benchmark client, another job on
-    the machine) and each op waits for a scheduler time slice, so throughput collapses instead of dropping a bit.
-    Measured on a 2-core Xeon VM shared with other jobs (float32, tokens/s, several runs of each, interleaved):
-      - `moelora demo --device cpu` (the 7.1M-parameter demo model, 3 adapters): while the machine was busy (load
-        average 3-4) torch's default (2 threads) 9-47, OMP_NUM_THREADS=2 11-37, OMP_NUM_THREADS=1 263-440; in
-        quiet moments (load 1.5) default 458-470, 2 threads 541 and 17, 1 thread 500-570;
-      - `moelora serve --device cpu` + `moelora bench serve` (16 clients, 64 requests; load 2.5-4): default
-        160-368, 2 threads 172-248, 1 thread 238-454 (median 412);
-      - engine decode at batch 16 over dummy Qwen3-MoE models, 1 thread vs 2: 9M parameters 874-1258 vs
-        14-1305, 231M 117 vs 1.6, 1.3B 28-33 vs 3.7-34 (2 threads win by 4% at best, lose by up to 8x).
-    Alone, a matmul does gain from a second core ([16, H] x [H, 4H]: 1.6x at H = 256, 1.9x at H = 4096 on a quiet
-    machine), so threads do pay where cores are to spare: the default grows with the cores, keeping one for the
-    rest of the process and of the machine. The cap of 8 is not measured (2 cores here): decode on the CPU is
-    bound by memory bandwidth, which a few cores per socket already saturate, while every thread added lengthens
-    each fork/join; ask for more with --cpu-threads / MOELORA_CPU_THREADS.
+    fork/join of the OpenMP team whose every thread must get a core; one core short (the server's event loop, the
+    tokenizer, another job) and each op waits for a time slice, so throughput collapses (measured:
+    docs/performance-history.md, "CPU engines"). The cap of 8 is not measured: CPU decode is bound by memory
+    bandwidth, while every thread added lengthens each fork/join.
 
     torch.set_num_threads is process-wide: it changes the thread count of everything in this process (another
     engine, the caller's own torch code), and stays after the engine is gone.
@@ -65,8 +55,6 @@ def host_processes(args) -> int:
     """The engine's processes on this host, which share its cores (configure_cpu_threads' `processes`), for
     EngineArgs `args`: tensor x expert parallel size (the workers spawned on this host); under torchrun its
     LOCAL_WORLD_SIZE (the ranks it started on this node)."""
-    from moelora.distributed import torchrun_env
-
     world = args.tensor_parallel_size * args.expert_parallel_size
     local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     if world > 1 and torchrun_env() is not None and local.isdigit() and int(local) > 0:

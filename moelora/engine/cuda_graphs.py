@@ -1,7 +1,7 @@
-"""CUDA graphs of the decode step: one graph per batch-size bucket, in two sets (with LoRA kernels, and
-without for base-only batches), captured at start-up into one shared memory pool, and two more sets (on by default;
-MOELORA_LORA_GRAPH_VARIANTS=0 turns them off): LoRA on the dense weights only ("dense": batches whose adapters
-adapt no routed expert, e.g. PEFT's default attention targets) and on the routed experts only ("experts").
+"""CUDA graphs of the decode step: one graph per batch-size bucket, in four sets captured at start-up into one
+shared memory pool: with LoRA kernels, without (base-only batches), LoRA on the dense weights only ("dense":
+batches whose adapters adapt no routed expert, e.g. PEFT's default attention targets) and on the routed experts only
+("experts").
 
 Replay refreshes static buffers in place: token ids, positions, KV slots, block tables, per-row
 sequence lengths, and the LoRA slot groups. Rows past the real batch are padding: LoRA slot -1, KV
@@ -11,77 +11,34 @@ writes into the cache's dummy block, attention skipped (token_seq -1).
 from __future__ import annotations
 
 import dataclasses
-import os
-from itertools import chain
 
-import numpy as np
 import torch
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.engine.graph_inputs import DecodeHostInputs
 from moelora.engine.kv_cache import KVCache
 from moelora.layers.attention import AttentionMetadata
 from moelora.layers.lora import LORA_SLOT_WRITES, LoRAWeights, lora_work_count, slot_target_groups
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-# Batch 64 fp8 with attention-only adapters paid 1.24 ms a step over no adapter (11.87 against 10.63 ms) for
-# 0.04 ms of LoRA bytes: the routed-expert LoRA kernels ran for slots of rank 0. With the variants (128/128, 4 / 8
-# adapters, ms a step, no adapter 10.46): attention-only 11.13 / 11.35 against 11.87 /
-# 12.10, experts-only 11.78 / 11.97 against 12.42 / 12.65. On by default; =0 turns them off.
-LORA_GRAPH_VARIANTS = os.environ.get("MOELORA_LORA_GRAPH_VARIANTS", "1") != "0"
+# The "dense" / "experts" variants: attention-only adapters at batch 64 fp8 cost 11.13 / 11.35 ms a step with 4 / 8
+# adapters against 11.87 / 12.10 in the full LoRA graph (no adapter 10.46), experts-only 11.78 / 11.97 against 12.42
+# / 12.65 (session 19).
+GRAPH_MODES: tuple[bool | str, ...] = (True, False, "dense", "experts")
 
 
-def lora_graph_mode(slots: list[int], groups: list[tuple[bool, bool]], variants: bool) -> bool | str:
-    """Which graph serves a batch: False (no token on an adapter, or, with variants, none of its slots adapts
-    anything), True (LoRA kernels everywhere), or with variants "dense" / "experts" (the batch's slots adapt only
-    dense weights / only routed experts). groups: slot_target_groups of the model."""
+def lora_graph_mode(slots: list[int], groups: list[tuple[bool, bool]]) -> bool | str:
+    """Which graph serves a batch: False (no token on an adapter, or none of its slots adapts anything), True (LoRA
+    kernels everywhere), "dense" / "experts" (the batch's slots adapt only dense weights / only routed experts).
+    groups: slot_target_groups of the model."""
     used = {s for s in slots if s >= 0}
     if not used:
         return False
-    if not variants:
-        return True
     dense = any(groups[s][0] for s in used)
     experts = any(groups[s][1] for s in used)
     if dense and experts:
         return True
     return "dense" if dense else ("experts" if experts else False)
-
-
-def decode_host_inputs(token_ids: list[int], positions: list[int], block_tables: list[list[int]], bs: int,
-                       block_size: int, width: int, dummy_slot: int) -> dict[str, torch.Tensor]:
-    """The host tensors of one graph decode step of n = len(token_ids) sequences, padded to the bucket's bs rows:
-    input_ids [bs] int64 (0 past n), positions [bs] int64 (0), slot_mapping [bs] int64 (the KV slot of each
-    position, block_tables[i][p // block_size] * block_size + p % block_size; dummy_slot past n), token_seq [bs]
-    int32 (i, -1 past n), seq_lens [bs] int32 (p + 1, 1 past n), block_tables [bs, width] int32 (zero-padded).
-    Built with numpy in a few vectorized calls: the loop of per-row torch copies it replaces took 2.0-3.2 ms at
-    batch 256 on the CPU (scripts/bench_host_step.py), host time the GPU waits for; this takes 0.13-0.5 ms."""
-    n = len(token_ids)
-    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)  # [n]
-    if n and lens.max() > width:
-        i = int(lens.argmax())
-        raise ValueError(f"sequence {i}: block table of {int(lens[i])} blocks; the graphs hold at most {width}")
-    flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int32, count=int(lens.sum()))
-    tables = np.zeros((bs, width), dtype=np.int32)
-    tables[np.repeat(np.arange(n), lens), np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
-    pos = np.zeros(bs, dtype=np.int64)
-    pos[:n] = positions
-    blk = pos[:n] // block_size
-    short = np.nonzero(blk >= lens)[0]
-    if short.size:
-        i = int(short[0])
-        raise ValueError(f"sequence {i}: position {int(pos[i])} needs block {int(blk[i])} of a "
-                         f"{int(lens[i])}-block table")
-    ids = np.zeros(bs, dtype=np.int64)
-    ids[:n] = token_ids
-    slot_mapping = np.full(bs, dummy_slot, dtype=np.int64)
-    slot_mapping[:n] = tables[np.arange(n), blk].astype(np.int64) * block_size + pos[:n] % block_size
-    token_seq = np.full(bs, -1, dtype=np.int32)
-    token_seq[:n] = np.arange(n)
-    seq_lens = np.ones(bs, dtype=np.int32)
-    seq_lens[:n] = pos[:n] + 1
-    arrays = dict(input_ids=ids, positions=pos, slot_mapping=slot_mapping, token_seq=token_seq, seq_lens=seq_lens,
-                  block_tables=tables)
-    return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
 class DecodeGraphs:
@@ -101,9 +58,8 @@ class DecodeGraphs:
         self.lora_batches = {bs: LoRABatch.static(bs, self.max_loras, dev) for bs in self.buckets}
         # the step's host arrays, kept between steps (block tables updated in place; pinned: asynchronous copies)
         self.host = DecodeHostInputs(B, max_blocks_per_seq, kv.block_size, self.dummy_slot, pin=dev.type == "cuda")
-        self.incremental = os.environ.get("MOELORA_INCREMENTAL_HOST_INPUTS", "1") != "0"
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the last step's host-to-device copies
-        # keys (bucket, mode): mode True (LoRA), False (base only), "dense" / "experts" (variants, lora_graph_mode)
+        # keys (bucket, mode): mode True (LoRA), False (base only), "dense" / "experts" (lora_graph_mode)
         self.graphs: dict[tuple[int, bool | str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # capture(): the pool every graph shares
         self.max_batch_size = B
@@ -112,7 +68,6 @@ class DecodeGraphs:
         # per graph: (MoE block, its top-k ids, its router logits or None), outputs of the capture kept alive
         self._routing: dict[tuple[int, bool | str],
                             list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]]] = {}
-        self.variants = LORA_GRAPH_VARIANTS
         self._lora_weights = [m for m in model.modules() if isinstance(m, LoRAWeights)]
         self._groups_at, self._groups = -1, []  # slot_target_groups as of LORA_SLOT_WRITES == _groups_at
 
@@ -126,8 +81,7 @@ class DecodeGraphs:
     @torch.no_grad()
     def capture(self) -> None:
         pool = None
-        modes: list[bool | str] = [True, False] + (["dense", "experts"] if self.variants else [])
-        for mode in modes:
+        for mode in GRAPH_MODES:
             for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
                 lora = self._lora_batch(bs, mode)
                 args = (self.input_ids[:bs], self.positions[:bs], self._attn(bs), self.kv.caches, lora)
@@ -150,6 +104,14 @@ class DecodeGraphs:
                                              if getattr(m, "last_topk_ids", None) is not None]
         torch.cuda.synchronize()
 
+    def recapture(self) -> None:
+        """Drop the graphs and capture them again (after the model's kernel config or overlap changed: a graph keeps
+        the kernels and streams it recorded)."""
+        self.graphs.clear()
+        self._routing.clear()
+        torch.cuda.empty_cache()
+        self.capture()
+
     def _lora_batch(self, bs: int, mode: bool | str) -> LoRABatch | None:
         """The LoRA metadata a graph of this mode is captured with (the variants share the bucket's buffers)."""
         if mode is False:
@@ -161,10 +123,10 @@ class DecodeGraphs:
 
     def mode(self, slots: list[int]) -> bool | str:
         """lora_graph_mode of a batch, the slots' target groups recomputed after any slot write."""
-        if self.variants and self._groups_at != LORA_SLOT_WRITES[0]:
+        if self._groups_at != LORA_SLOT_WRITES[0]:
             self._groups_at = LORA_SLOT_WRITES[0]
             self._groups = slot_target_groups(self._lora_weights, self.max_loras)
-        return lora_graph_mode(slots, self._groups, self.variants)
+        return lora_graph_mode(slots, self._groups)
 
     def release(self) -> None:
         """Drop every captured graph and the pool they share. Under tensor/expert parallelism this must precede
@@ -181,26 +143,22 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], slots: list[int],
-            input_tokens: torch.Tensor | None = None) -> torch.Tensor:
+            input_tokens: torch.Tensor | None = None, mode: bool | str | None = None) -> torch.Tensor:
         """One decode token per sequence -> hidden states [n, H] (a view of the graph's output).
-        input_tokens: [n] int64 on the device, the input ids instead of token_ids (asynchronous scheduling)."""
+        input_tokens: [n] int64 on the device, the input ids instead of token_ids (asynchronous scheduling).
+        mode: the graph set to replay (None: self.mode(slots); a test compares a variant with the full LoRA graph)."""
         n = len(token_ids)
         bs = self.bucket(n)
         pad = bs - n
-        if self.incremental:
-            if self._copied is not None:  # the kept host buffers are rewritten only once their last copy is done
-                self._copied.synchronize()
-            host = self.host.build(token_ids, positions, block_tables, bs)
-        else:  # MOELORA_INCREMENTAL_HOST_INPUTS=0: every array rebuilt from the lists (pageable memory)
-            host = decode_host_inputs(token_ids, positions, block_tables, bs, self.kv.block_size,
-                                      self.block_tables.shape[1], self.dummy_slot)
-        for name, t in host.items():
+        if self._copied is not None:  # the kept host buffers are rewritten only once their last copy is done
+            self._copied.synchronize()
+        for name, t in self.host.build(token_ids, positions, block_tables, bs).items():
             getattr(self, name)[:bs].copy_(t, non_blocking=True)
-        if self.incremental and self._copied is not None:
+        if self._copied is not None:
             self._copied.record()
         if input_tokens is not None:  # after the host copy: these ids win
             self.input_ids[:n].copy_(input_tokens)
-        mode = self.mode(slots)
+        mode = self.mode(slots) if mode is None else mode
         if mode is not False:
             self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)
         graph, out = self.graphs[(bs, mode)]

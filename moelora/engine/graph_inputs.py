@@ -1,10 +1,10 @@
 """The host side of a CUDA-graph decode step, kept between steps: the padded input arrays of a bucket, with the
 block tables updated in place (only the blocks a sequence gained since the last step are written).
 
-decode_host_inputs (cuda_graphs.py) rebuilds every array from the requests' Python lists each step: at batch
-256 and context 1,024 its block tables alone are ~16,000 Python ints a step (0.70 ms of host time on a 2-core
-CPU, scripts/bench_host_step.py), while the GPU waits. In steady decode a sequence gains one block every
-block_size steps, so this keeps the [B, width] table and, per row, the list it was filled from and how much.
+Rebuilding every array from the requests' Python lists each step costs, at batch 256 and context 1,024, ~16,000
+Python ints of block tables a step (0.70 ms of host time on a 2-core CPU, scripts/bench_host_step.py), while the
+GPU waits. In steady decode a sequence gains one block every block_size steps, so this keeps the [B, width] table
+and, per row, the list it was filled from and how much.
 
 The invariant it relies on (the scheduler's): a sequence's block table only grows in place (list.extend) until
 it is freed, which replaces it with a new list. A row whose list object changed, or whose list got shorter, or
@@ -19,7 +19,7 @@ import torch
 
 class DecodeHostInputs:
     """Host arrays of the graph buffers: input_ids, positions, slot_mapping [B] int64; token_seq, seq_lens [B]
-    int32; block_tables [B, width] int32 — the same values as decode_host_inputs(...) for any sequence of steps.
+    int32; block_tables [B, width] int32 — at every step the arrays of the step's lists alone (see build).
     pin: page-locked host memory (a GPU engine), so the copies to the graph's buffers are asynchronous; the
     engine reads each step's tokens back before building the next step, which orders the copies before the
     next overwrite."""
@@ -62,8 +62,11 @@ class DecodeHostInputs:
 
     def build(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
               bs: int) -> dict[str, torch.Tensor]:
-        """The first bs rows of each array for this step (views of the kept buffers): n = len(token_ids) sequences,
-        padding past n as decode_host_inputs pads."""
+        """The first bs rows of each array for this step (views of the kept buffers), for n = len(token_ids)
+        sequences padded to bs rows: input_ids (0 past n), positions (0), slot_mapping (the KV slot of each position,
+        block_tables[i][p // block_size] * block_size + p % block_size; dummy_slot past n), token_seq (i, -1 past
+        n), seq_lens (p + 1, 1 past n), block_tables (zero-padded). A table shorter than its position needs or
+        wider than the buffers is a ValueError naming the sequence."""
         n = len(token_ids)
         self._table_rows(block_tables)
         tables = self.np["block_tables"]

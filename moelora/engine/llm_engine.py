@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +17,7 @@ from moelora.distributed import ParallelState, check_launch, kv_cache_config
 from moelora.engine.async_step import PLACEHOLDER, PendingStep, can_defer, launch_sampling, schedule_ahead
 from moelora.engine.cpu_threads import configure_cpu_threads, host_processes
 from moelora.engine.kv_cache import KVCache
+from moelora.engine.memory import kv_blocks
 from moelora.engine.model_runner import ModelRunner, StepOutput, graph_settings
 from moelora.engine.prefix_cache import BASE_IDENTITY, adapter_identity
 from moelora.engine.request import Request
@@ -24,12 +25,12 @@ from moelora.engine.sampler import (Sampler, apply_logit_bias, apply_penalties, 
                                     prompt_logprobs)
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
+from moelora.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from moelora.engine.workers import WorkerGroup, build_sharded_model
 from moelora.kernels._triton import DeviceError
 from moelora.kernels.config import KernelConfig
-from moelora.models.loader import build_model
-
-if TYPE_CHECKING:
-    from moelora.engine.memory import MemoryPlan
+from moelora.kernels.streams import make_side_stream
+from moelora.layers.configure import configure_kernels
 
 
 @dataclass
@@ -59,7 +60,7 @@ class EngineArgs:
     expert_parallel_size: int = 1  # ranks splitting the routed experts (world = tensor x expert parallel size)
     # schedule and launch the next decode step before reading this step's tokens (engine/async_step.py); single
     # rank only. None: on for a CUDA device (measured faster on the H200 in every case), off on the
-    # CPU (nothing to overlap); MOELORA_ASYNC_SCHEDULING=0|1 sets that default
+    # CPU (nothing to overlap)
     async_scheduling: bool | None = None
     # CPU: torch's intra-op threads. None: engine/cpu_threads.py's choice (MOELORA_CPU_THREADS or OMP_NUM_THREADS
     # when set, else a count that does not oversubscribe the machine)
@@ -72,19 +73,15 @@ class EngineArgs:
 
 
 def resolve_async_scheduling(requested: bool | None, device: torch.device) -> bool:
-    """EngineArgs.async_scheduling: True/False as given; None: MOELORA_ASYNC_SCHEDULING=0|1 if set, else on for a
-    CUDA device only."""
-    if requested is not None:
-        return bool(requested)
-    env = os.environ.get("MOELORA_ASYNC_SCHEDULING", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"MOELORA_ASYNC_SCHEDULING={env!r}: expected 0 or 1")
-    return env == "1" if env else device.type == "cuda"
+    """EngineArgs.async_scheduling: True/False as given; None: on for a CUDA device only."""
+    return bool(requested) if requested is not None else device.type == "cuda"
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, adapters: dict[str, str] | None = None) -> None:
-        self.args = args
+        # the kernel config, read once, here: the model (and a parallel engine's workers) get this very object
+        self.kernel_config = args.kernel_config or KernelConfig()
+        self.args = args = dataclasses.replace(args, kernel_config=self.kernel_config)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise DeviceError("device='cuda' requested but torch sees no GPU: use device='cpu' (--device cpu), or "
@@ -98,22 +95,12 @@ class LLMEngine:
         ps = ParallelState()
         check_launch(args.tensor_parallel_size, args.expert_parallel_size)  # under torchrun: WORLD_SIZE = tp x ep
         if args.tensor_parallel_size * args.expert_parallel_size > 1:
-            from moelora.engine.workers import WorkerGroup
-
             self.workers = WorkerGroup(args)
             ps = self.workers.state
-        if self.workers is None:
-            self.model = build_model(
-                self.config, args.model, dtype=dtype, device=self.device, max_loras=args.max_loras,
-                max_lora_rank=args.max_lora_rank, load_format=args.load_format, seed=args.seed,
-                show_progress=args.show_progress, quantization=args.quantization,
-                kernel_config=args.kernel_config,
-            )
-            self.model.set_overlap(args.lora_overlap and self.device.type == "cuda")
-        else:
-            from moelora.engine.workers import build_sharded_model
-
-            self.model = build_sharded_model(self.config, args, dtype, self.device, ps, args.show_progress)
+        # unsplit (ps not parallel): built in place on the device
+        self.model = build_sharded_model(self.config, args, dtype, self.device, ps, args.show_progress)
+        if self.device.type == "cuda":  # the side stream at the config's priority, before any graph records it
+            make_side_stream(self.device, self.kernel_config.side_stream_priority)
         self.kv_config = kv_cache_config(self.config, ps)  # this rank's KV heads
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else self.config.eos_token_ids)
@@ -182,6 +169,20 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.check()
 
+    def reconfigure(self, cfg: KernelConfig) -> None:
+        """Another kernel config for the built model (a benchmark comparing configs in one process): every layer
+        picks its choices again (configure_kernels), the side stream is made at the config's priority and the
+        decode graphs are captured again (they keep the kernels and streams they recorded). One rank only."""
+        if self.workers is not None:
+            raise NotImplementedError("reconfigure: a tensor/expert-parallel engine's workers keep the config they "
+                                      "were built with; compare configs with tp = ep = 1")
+        configure_kernels(self.model, cfg)
+        if self.device.type == "cuda":
+            make_side_stream(self.device, cfg.side_stream_priority)
+        self.kernel_config = cfg
+        if self.runner.graphs is not None:
+            self.runner.graphs.recapture()
+
     def shutdown(self) -> None:
         """Free the CUDA graphs and, for a parallel engine, stop the worker processes and leave the
         torch.distributed process group this process joined (a second parallel engine can then start here).
@@ -235,8 +236,6 @@ class LLMEngine:
             req.cache_identity = BASE_IDENTITY if adapter is None else adapter_identity(self.registry.digest(adapter))
         req.generator = make_generator(params.seed, self.device)
         if self.tokenizer is not None:
-            from moelora.engine.tokenizer import IncrementalDetokenizer, StopChecker
-
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             req.stopper = StopChecker(params.stop, params.include_stop_str_in_output)
         elif params.stop:
@@ -406,34 +405,7 @@ class LLMEngine:
         self.scheduler.finish(req)
 
 
-def kv_blocks(model, kv_config: ModelConfig, a: EngineArgs, max_model_len: int,
-              device: torch.device) -> tuple[int, MemoryPlan | None]:
-    """KV blocks of this rank: on a GPU without kv_cache_memory_bytes, what the memory plan leaves after one
-    profiling forward (its MemoryPlan returned too); else kv_cache_memory_bytes (256 MiB on the CPU by default).
-    Never more than max_num_seqs full sequences. kv_config: this rank's KV shapes (kv_cache_config)."""
-    per_block = KVCache.bytes_per_block(kv_config, a.block_size, model.dtype)
-    cap = a.max_num_seqs * -(-max_model_len // a.block_size)  # no more than max_num_seqs full sequences
-    if a.kv_cache_memory_bytes is None and device.type == "cuda":
-        from moelora.engine.memory import GRAPH_MARGIN, plan_kv_blocks, profile_activations
-
-        tokens = max(a.max_num_batched_tokens, 1)
-        act = profile_activations(model, kv_config, tokens, a.max_loras, a.block_size, max_model_len,
-                                  a.max_num_seqs, device)
-        graphs = not a.enforce_eager and getattr(model, "supports_cuda_graphs", False)
-        graph_reserve = (act * min(1.0, a.max_graph_batch_size / tokens) + GRAPH_MARGIN) if graphs else 0
-        free, total = torch.cuda.mem_get_info(device)
-        plan = plan_kv_blocks(total, total - free, act, int(graph_reserve), a.gpu_memory_utilization, per_block, cap)
-        return plan.num_blocks, plan
-    budget = a.kv_cache_memory_bytes if a.kv_cache_memory_bytes is not None else 256 << 20
-    n = min(budget // per_block, cap)
-    if n < 1:
-        raise RuntimeError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; raise it")
-    return int(n), None
-
-
 def _maybe_tokenizer(path: str):
     if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
         return None
-    from moelora.engine.tokenizer import Tokenizer
-
     return Tokenizer(path)

@@ -13,6 +13,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moelora.layers.lora_batch import LoRABatch
+from moelora.engine.batch import SeqChunk, build_flat_batch
+from moelora.engine.kv_cache import KVCache
+from moelora.models.registry import kv_cache_shapes
+
 GIB = 1 << 30
 GRAPH_MARGIN = 256 << 20  # graph outputs, cuBLAS workspaces, allocator rounding
 
@@ -63,10 +68,6 @@ def profile_activations(model, cfg, num_tokens: int, max_loras: int, block_size:
     """Peak bytes allocated by one forward of num_tokens prompt tokens (sequences of at most max_model_len,
     tokens spread over every LoRA slot, LoRA kernels forced on) plus fp32 logits of max_num_seqs rows. The KV cache
     it writes is a temporary one of just enough blocks."""
-    from moelora.adapters.metadata import LoRABatch
-    from moelora.engine.batch import SeqChunk, build_flat_batch
-    from moelora.models.registry import kv_cache_shapes
-
     seq_len = max(1, min(num_tokens, max_model_len - 1))
     lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
     blocks_per = [-(-n // block_size) for n in lens]
@@ -90,3 +91,25 @@ def profile_activations(model, cfg, num_tokens: int, max_loras: int, block_size:
     del hidden, caches, fb, lora
     torch.cuda.empty_cache()
     return int(peak)
+
+
+def kv_blocks(model, kv_config, a, max_model_len: int, device: torch.device) -> tuple[int, MemoryPlan | None]:
+    """KV blocks of this rank: on a GPU without kv_cache_memory_bytes, what the memory plan leaves after one
+    profiling forward (its MemoryPlan returned too); else kv_cache_memory_bytes (256 MiB on the CPU by default).
+    Never more than max_num_seqs full sequences. kv_config: this rank's KV shapes (kv_cache_config); a: EngineArgs."""
+    per_block = KVCache.bytes_per_block(kv_config, a.block_size, model.dtype)
+    cap = a.max_num_seqs * -(-max_model_len // a.block_size)  # no more than max_num_seqs full sequences
+    if a.kv_cache_memory_bytes is None and device.type == "cuda":
+        tokens = max(a.max_num_batched_tokens, 1)
+        act = profile_activations(model, kv_config, tokens, a.max_loras, a.block_size, max_model_len,
+                                  a.max_num_seqs, device)
+        graphs = not a.enforce_eager and getattr(model, "supports_cuda_graphs", False)
+        graph_reserve = (act * min(1.0, a.max_graph_batch_size / tokens) + GRAPH_MARGIN) if graphs else 0
+        free, total = torch.cuda.mem_get_info(device)
+        plan = plan_kv_blocks(total, total - free, act, int(graph_reserve), a.gpu_memory_utilization, per_block, cap)
+        return plan.num_blocks, plan
+    budget = a.kv_cache_memory_bytes if a.kv_cache_memory_bytes is not None else 256 << 20
+    n = min(budget // per_block, cap)
+    if n < 1:
+        raise RuntimeError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; raise it")
+    return int(n), None

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.engine.batch import SeqChunk, build_flat_batch
+from moelora.engine.cuda_graphs import DecodeGraphs
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.scheduler import ScheduledChunk
 
@@ -47,8 +48,6 @@ class ModelRunner:
         self.max_loras = max(max_loras, 1)
         self.graphs = None
         if cuda_graphs:
-            from moelora.engine.cuda_graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs(model, kv, max_loras, max_graph_batch_size, max_blocks_per_seq)
             try:
                 self.graphs.capture()

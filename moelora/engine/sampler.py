@@ -13,12 +13,13 @@ draws per step, so its tokens do not depend on which other requests share the ba
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from moelora.engine.sampling_params import SamplingParams
+from moelora.kernels._triton import HAS_TRITON
+from moelora.kernels.sample_triton import gumbel_argmax
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -153,16 +154,12 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 # From how many rows Sampler(fused=None) takes the kernel. Synchronous scheduling (the host waits for each step):
 # 256 — faster end to end there at batch 256, slower at 64 (its two Triton launches cost the host more than the
 # GPU passes saved). Asynchronous scheduling (the host's launches hide behind the GPU): 1 — faster at
-# batch 64 (6,003 against 5,920 tok/s) and 128 (10,654 against 10,406). MOELORA_FUSED_SAMPLER_MIN_ROWS
-# sets both.
+# batch 64 (6,003 against 5,920 tok/s) and 128 (10,654 against 10,406).
 FUSED_SAMPLER_MIN_ROWS = 256
 FUSED_SAMPLER_MIN_ROWS_ASYNC = 1
 
 
 def fused_sampler_min_rows(async_scheduling: bool) -> int:
-    env = os.environ.get("MOELORA_FUSED_SAMPLER_MIN_ROWS", "")
-    if env:
-        return int(env)
     return FUSED_SAMPLER_MIN_ROWS_ASYNC if async_scheduling else FUSED_SAMPLER_MIN_ROWS
 
 
@@ -173,26 +170,18 @@ class Sampler:
     same pass) for batches whose rows ask for nothing but a temperature (no top-k / top-p / min-p, no per-request
     seed) and that sample at least one row (an all-greedy batch is one argmax: the torch path is faster there);
     None (default) = on for CUDA logits of at least `min_rows` rows when Triton is present (None: 256, the
-    engine passes fused_sampler_min_rows(async_scheduling): 1 under asynchronous scheduling)
-    (MOELORA_FUSED_SAMPLER=0 turns it off). On the H200 (Qwen3-30B-A3B fp8, `bench decode`, no adapter, one run
-    each way): batch 256 decoded 15,077 against 14,730 tok/s (128/128) and 11,597 against 11,065
-    (ctx1024); batch 64 5,370 against 5,452 and 4,621 against 4,669 — there its two Triton launches cost the
-    host more than the four passes it saves on the GPU (alone, timed with its host work: 0.185 against 0.305 ms
-    at batch 64, 0.394 against 0.829 ms at 256). True: the kernel whatever the size.
+    engine passes fused_sampler_min_rows(async_scheduling): 1 under asynchronous scheduling); True: the kernel
+    whatever the size; False: never. Measured: docs/performance-history.md (the one-pass sampling row).
     It draws the same distribution as the torch path (the exponential race below), from other random numbers.
     last_path: "fused" or "torch", the path the last call took."""
 
     def __init__(self, fused: bool | None = None, min_rows: int | None = None) -> None:
-        if fused is None and os.environ.get("MOELORA_FUSED_SAMPLER", "1") == "0":
-            fused = False
         self.fused = fused
         self.min_rows = fused_sampler_min_rows(False) if min_rows is None else min_rows
         self.last_path = ""
 
     def _fast_path_ok(self, logits: torch.Tensor, params: list[SamplingParams],
                       generators: list[torch.Generator | None]) -> bool:
-        from moelora.kernels._triton import HAS_TRITON
-
         if self.fused is False or not HAS_TRITON:
             return False
         if self.fused is None and (not logits.is_cuda or logits.shape[0] < self.min_rows):
@@ -230,8 +219,6 @@ class Sampler:
             )
         device = logits.device
         if self._fast_path_ok(logits, params, generators):
-            from moelora.kernels.sample_triton import gumbel_argmax
-
             self.last_path = "fused"
             inv_temp = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32, device)
             seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)  # no host synchronisation

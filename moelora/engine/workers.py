@@ -28,6 +28,7 @@ import atexit
 import gc
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -38,9 +39,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moelora.adapters.registry import AdapterRegistry
+from moelora.adapters.slots import clear_slot, write_slot
+from moelora.config import ModelConfig
 from moelora.distributed import (ParallelState, check_launch, free_port, init_parallel, kv_cache_config,
                                  shard_model)
+from moelora.engine.cpu_threads import configure_cpu_threads, host_processes
+from moelora.engine.kv_cache import KVCache
+from moelora.engine.memory import kv_blocks
+from moelora.engine.model_runner import ModelRunner, graph_settings
 from moelora.kernels._triton import DeviceError
+from moelora.kernels.config import KernelConfig
+from moelora.kernels.streams import make_side_stream
+from moelora.models.loader import build_model
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +88,6 @@ def build_sharded_model(cfg, args, dtype: str, device: torch.device, ps: Paralle
     host memory first and only this rank's shard moves to the device (a model that outgrows one GPU still
     loads); dummy weights are drawn on the GPU (the unsharded model must fit there once); on the CPU, or
     unsplit, it is built in place."""
-    from moelora.models.loader import build_model
-
     if ps.is_parallel and args.quantization is not None:
         raise NotImplementedError(f"quantization={args.quantization!r} with tensor/expert parallelism is not "
                                   "supported yet (quantized shards)")
@@ -172,8 +181,6 @@ class _Beacon:
     BEAT_S = 0.5
 
     def __init__(self) -> None:
-        import socket
-
         run, restart = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"moelora/{run}/{restart}/"
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -237,13 +244,6 @@ def _beacon() -> _Beacon | None:
 
 
 def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _Beacon | None = None) -> None:
-    from moelora.adapters.registry import AdapterRegistry
-    from moelora.adapters.slots import clear_slot, write_slot
-    from moelora.config import ModelConfig
-    from moelora.engine.cpu_threads import configure_cpu_threads, host_processes
-    from moelora.engine.kv_cache import KVCache
-    from moelora.engine.model_runner import ModelRunner, graph_settings
-
     runner = None
     try:
         device = worker_device(args, local_rank)
@@ -251,11 +251,11 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
         configure_cpu_threads(getattr(args, "cpu_threads", None), device, processes=host_processes(args))
         cfg = ModelConfig.from_pretrained(args.model)
         model = build_sharded_model(cfg, args, engine_dtype(args, device), device, ps)
+        if device.type == "cuda":  # before the graphs are captured, as rank 0's LLMEngine makes its own
+            make_side_stream(device, (args.kernel_config or KernelConfig()).side_stream_priority)
         max_model_len = args.max_model_len or cfg.max_position_embeddings
         _, kind, payload = _recv(ps)
         if kind == "plan":  # GPU memory plan: profile with rank 0 (collectives pair up), agree on the fewest blocks
-            from moelora.engine.llm_engine import kv_blocks
-
             mine, _ = kv_blocks(model, kv_cache_config(cfg, ps), args, max_model_len, device)
             dist.all_reduce(torch.tensor([mine]), op=dist.ReduceOp.MIN, group=ps.control_group)
             _, kind, payload = _recv(ps)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, interpreting, require_triton
 
 TARGET_PROGRAMS = 1056  # rows x chunks aims at this many programs: 8 per SM of an H200 (132 SMs)
 
@@ -118,8 +118,6 @@ def gumbel_argmax(
     one-element int64 tensor on the logits' device (drawn there: no host synchronisation, no host-to-device copy).
     logits: [B, V] bf16/fp16/fp32 · inv_temp: [B] fp32 · returns [B] int64 · chunks: per row (None: from B)."""
     require_triton()
-    from moelora.kernels._triton import interpreting
-
     B, V = logits.shape
     if B == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)

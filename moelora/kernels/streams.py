@@ -4,76 +4,70 @@ Pattern (eager and under CUDA-graph capture alike): every buffer the side stream
 the main stream before `fork`; the side stream waits for the main stream's work so far (`fork`); the
 main stream waits for the side stream (`join`) before it reads those buffers. Under capture the side
 stream is pulled into the graph by the fork and leaves it at the join.
+
+The engine makes the side stream when it is built (`make_side_stream`, from KernelConfig.side_stream_priority);
+the layers take it with `side_stream(device)`. Its priority matters because PyTorch instantiates CUDA graphs with
+cudaGraphInstantiateFlagUseNodePriority: a kernel captured on a high-priority stream keeps that priority on replay,
+and the block scheduler hands it SMs ahead of the pending blocks of the main stream's kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-_SIDE: dict[int | tuple[int, int], "torch.cuda.Stream"] = {}
-_PRIORITIES = {"normal": 0, "high": -1}  # torch: a lower number is a higher priority
-
-
-def side_stream_priority() -> int:
-    """The side stream's priority from MOELORA_SIDE_STREAM_PRIORITY: "high" (-1, the default) or "normal" (0, the
-    main stream's).
-    Why it matters: PyTorch instantiates CUDA graphs with cudaGraphInstantiateFlagUseNodePriority, so a kernel
-    captured on a high-priority stream keeps that priority on replay, and the block scheduler hands it SMs ahead of
-    the pending blocks of the main stream's kernel (the base expert GEMM, many waves) instead of after them.
-    Measured on the H200 (Qwen3-30B-A3B fp8, 128/128, same run): high against normal gave 4,336 / 4,162
-    against 4,266 / 4,073 tok/s at batch 64 with 4 / 8 adapters, 11,614 / 10,363 against 11,223 / 10,231 at 256."""
-    raw = _PRIORITY[0] or os.environ.get("MOELORA_SIDE_STREAM_PRIORITY", "high").strip().lower()
-    if raw not in _PRIORITIES:
-        raise ValueError(f"MOELORA_SIDE_STREAM_PRIORITY={raw!r}: expected one of {sorted(_PRIORITIES)}")
-    return _PRIORITIES[raw]
-
-
-_PRIORITY = [""]  # set_side_stream_priority's choice ("": the environment's)
-
-
-def set_side_stream_priority(priority: str) -> None:
-    """The side stream's priority, "high" or "normal", in place of MOELORA_SIDE_STREAM_PRIORITY (for an in-process
-    A/B: each priority has a stream of its own); "" goes back to the environment's. Set it before CUDA graphs are
-    captured; results do not change."""
-    if priority and priority not in _PRIORITIES:
-        raise ValueError(f"set_side_stream_priority: expected one of {sorted(_PRIORITIES)} or '', got {priority!r}")
-    _PRIORITY[0] = priority
-
-
-def side_stream_priority_override() -> str:
-    """set_side_stream_priority's choice: "high", "normal", or "" (none: the environment's)."""
-    return _PRIORITY[0]
-
-
-def side_stream(device: torch.device, priority: int | None = None) -> "torch.cuda.Stream":
-    """One side stream per GPU and priority, created on first use (outside capture: the graph warm-up runs first);
-    priority None: side_stream_priority() (the stream the routed-expert LoRA and shared experts use)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    prio = side_stream_priority() if priority is None else priority
-    key = (idx, prio)
-    if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(device=idx, priority=prio)
-    return _SIDE[key]
-
-
+PRIORITIES = {"normal": 0, "high": -1}  # torch: a lower number is a higher priority; "high" measured faster
 ALIGN_STREAM_PRIORITY = -2  # above the side stream's "high" (-1); the H200 takes 0 down to -5
 
+_STREAMS: dict[tuple[int, int], "torch.cuda.Stream"] = {}  # (GPU, priority) -> its stream, made once
+_SIDE_PRIORITY: dict[int, int] = {}  # GPU -> the priority of the side stream the engine made there
 
-def align_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The stream of the experts' alignment under set_moe_lora_early mode "2": a priority above the side stream's,
-    so that the block scheduler places the alignment's one program before the pending CTAs of the routed-expert
-    LoRA kernel issued beside it (otherwise it waits for SMs behind them). One per GPU, created on first use."""
-    return side_stream(device, min(ALIGN_STREAM_PRIORITY, side_stream_priority() - 1))
+
+def _index(device: torch.device | str) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _stream(idx: int, priority: int) -> "torch.cuda.Stream":
+    """The stream of this priority on GPU idx, created on first use (outside capture: the graph warm-up runs
+    first) and kept, so that a benchmark comparing two configs gets the first stream back."""
+    key = (idx, priority)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device=idx, priority=priority)
+    return _STREAMS[key]
+
+
+def make_side_stream(device: torch.device | str, priority: str = "high") -> "torch.cuda.Stream":
+    """Make the side stream of `device` at `priority` ("high" or "normal": KernelConfig.side_stream_priority) the
+    one `side_stream` gives from now on; returns it. The engine calls it when it is built, before the CUDA graphs
+    are captured (they keep the stream they recorded)."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"side stream priority: expected one of {sorted(PRIORITIES)}, got {priority!r}")
+    idx = _index(device)
+    _SIDE_PRIORITY[idx] = PRIORITIES[priority]
+    return _stream(idx, PRIORITIES[priority])
+
+
+def side_stream(device: torch.device | str) -> "torch.cuda.Stream":
+    """The side stream of `device` the engine made (make_side_stream); a model run without an engine gets the
+    default ("high") one."""
+    idx = _index(device)
+    return _stream(idx, _SIDE_PRIORITY.get(idx, PRIORITIES["high"]))
+
+
+def align_stream(device: torch.device | str) -> "torch.cuda.Stream":
+    """The stream of the experts' alignment under the early gate_up LoRA launch: a priority above the side
+    stream's, so that the block scheduler places the alignment's one program before the pending CTAs of the
+    routed-expert LoRA kernel issued beside it."""
+    return _stream(_index(device), min(ALIGN_STREAM_PRIORITY, side_stream(device).priority - 1))
 
 
 def align_stream_above(side: "torch.cuda.Stream") -> "torch.cuda.Stream | None":
-    """align_stream(side's device) where its priority is above side's (a lower number), else None: a GPU whose
-    priority range stops at the side stream's clamps the request to it, and then the alignment would wait for SMs
-    behind the LoRA kernel as in set_moe_lora_early mode "1" (which lost 1.5%)."""
-    stream = align_stream(side.device)
+    """align_stream(side's device) where its priority is above side's, else None: a GPU whose priority range stops
+    at side's clamps the request to it, and the alignment would then wait for SMs behind the LoRA kernel (that
+    order lost 1.5%)."""
+    stream = _stream(_index(side.device), min(ALIGN_STREAM_PRIORITY, side.priority - 1))
     return stream if stream.priority < side.priority else None
 
 

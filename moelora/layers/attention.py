@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.config import ModelConfig
 from moelora.kernels.attention.paged import paged_attention_ref, write_kv_direct, write_kv_ref
+from moelora.kernels.attention.paged_triton import decode_kernel_chosen, paged_attention
+from moelora.kernels.norm.rmsnorm_triton import qk_norm_rope
+from moelora.kernels.quant.fp8 import FP8_DTYPE
+from moelora.kernels.quant.fp8_act_triton import act_quant_ok, attach_act_quant
+from moelora.layers.fp8 import fp8_act_group
 from moelora.layers.linear import LoRALinear, attach_lora_delta
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
@@ -36,11 +40,6 @@ class AttentionMetadata:
     query_start_loc_t: torch.Tensor | None = None
 
 
-# "auto" (split-KV decode, tiled prefill) or "legacy" (the first kernel: one program per row and KV head, serial
-# over blocks) — a fallback while the graph-vs-eager difference seen once with split-KV decode is open (issue 6)
-ATTENTION_KERNEL = os.environ.get("MOELORA_ATTENTION_KERNEL", "auto")
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -54,7 +53,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.qkv_proj = LoRALinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias, dtype, device)
         self.o_proj = LoRALinear(self.q_size, [cfg.hidden_size], cfg.o_bias, dtype, device)
-        # set by DecoderLayer, whose post-attention norm adds a deferred o_proj LoRA delta (set_dense_lora_defer)
+        # set by DecoderLayer, whose post-attention norm adds a deferred o_proj LoRA delta (dense_lora.defer)
         self.o_proj_delta_to_norm = False
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -75,7 +74,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv_delta = None
         if self._fused_rope_kv(x, attn) and self.qk_norm != "full" and self.clip_qkv is None:
-            # set_dense_lora_defer: the LoRA delta beside the base GEMM, added by qk_norm_rope below (else None)
+            # dense_lora.defer: the LoRA delta beside the base GEMM, added by qk_norm_rope below (else None)
             qkv, qkv_delta = self.qkv_proj.forward_deferred(x, lora)
         else:
             qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
@@ -90,8 +89,6 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         kv_written = False
         if q.is_cuda and self.rotary.fused_ok:  # one kernel: per-head q/k norms (Qwen3), rotary in place, KV writes
-            from moelora.kernels.norm.rmsnorm_triton import qk_norm_rope
-
             head = self.qk_norm == "head"
             kv_written = attn.token_seq is not None  # the device path: every slot_mapping entry >= 0
             qk_norm_rope(q, k, self.q_norm.weight if head else None, self.k_norm.weight if head else None,
@@ -104,22 +101,17 @@ class Attention(nn.Module):
         if q.is_cuda and attn.token_seq is not None:
             if not kv_written:
                 write_kv_direct(k, v, k_cache, v_cache, attn.slot_mapping)
-            from moelora.kernels.attention.paged_triton import decode_kernel_chosen, paged_attention
-
-            # [T, Hq, D]; padding rows 0 (the decode kernel writes them; the others leave them as filled here)
-            decode = decode_kernel_chosen(T, attn.block_tables.shape[0], ATTENTION_KERNEL)
+            # [T, Hq, D]; padding rows 0 (the decode kernel writes them; the prefill one leaves them as filled here)
+            decode = decode_kernel_chosen(T, attn.block_tables.shape[0])
             o = (torch.empty if decode else torch.zeros)(q.shape, dtype=q.dtype, device=q.device)  # contiguous
             o_fp8 = self._o_proj_fp8_buffers(q) if decode else None  # an FP8 o_proj's input, quantized in the kernel
             o_in = o.view(T, self.q_size)  # o_proj's input: the mark below goes on this very object
             paged_attention(q, k_cache, v_cache, attn.block_tables, attn.token_seq, attn.seq_lens_t,
-                            attn.query_start_loc_t, self.scale, self.sliding_window, o, kernel=ATTENTION_KERNEL,
-                            out_fp8=o_fp8)
+                            attn.query_start_loc_t, self.scale, self.sliding_window, o, out_fp8=o_fp8)
             if o_fp8 is not None:
-                from moelora.kernels.quant.fp8_triton import attach_act_quant
-
                 attach_act_quant(o_in, *o_fp8, q.shape[2])
             if self.o_proj_delta_to_norm and not self.o_proj._forward_hooks:  # (a hook: e.g. tp's all-reduce)
-                y, delta = self.o_proj.forward_deferred(o_in, lora)  # set_dense_lora_defer, else (o_proj(...), None)
+                y, delta = self.o_proj.forward_deferred(o_in, lora)  # dense_lora.defer, else (o_proj(...), None)
                 if delta is not None:
                     attach_lora_delta(y, delta)  # the decoder layer's post-attention norm adds it
                 return y
@@ -139,10 +131,6 @@ class Attention(nn.Module):
     def _o_proj_fp8_buffers(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q [T, Hq * D] e4m3, scales [T, Hq]) for the decode kernel to quantize the attention output into, when
         o_proj is FP8 (Triton) with one scale group per head (group == head dim) and producer quantization is on."""
-        from moelora.kernels.quant.fp8 import FP8_DTYPE
-        from moelora.kernels.quant.fp8_triton import act_quant_ok
-        from moelora.layers.fp8 import fp8_act_group
-
         T, Hq, D = q.shape
         group = fp8_act_group(self.o_proj)
         if group != D or D & (D - 1) or not act_quant_ok(Hq * D, group, D):

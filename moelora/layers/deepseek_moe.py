@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.config import ModelConfig
 from moelora.kernels.moe.routing import grouped_topk_ref
 from moelora.layers.moe import DenseMLP, RoutedExperts

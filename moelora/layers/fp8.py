@@ -3,8 +3,8 @@
 An FP8 module keeps `weight` (or `gate_up_proj` / `down_proj`) as float8_e4m3fn and a sibling fp32
 parameter `weight_scale_inv` (`gate_up_proj_scale_inv` / `down_proj_scale_inv`) with one scale per block
 (kernels/quant/fp8.py), and `module.quant` = Fp8State (the module's forward calls its linear / experts). The LoRA
-deltas always read the unquantized activations: the base GEMM quantizes its input inside the kernel (or in the
-reference), and the LoRA kernels get `x`.
+deltas always read the unquantized activations: the base GEMM reads an e4m3 copy of its input (fp8_act_triton, or
+the reference's), and the LoRA kernels get `x`.
 
 Backends: None = the Triton kernels (CUDA, compute capability >= 8.9; anything else raises at conversion);
 "w8a8" = the torch reference of the kernels' semantics (activations quantized per token group; any device);
@@ -21,8 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.kernels.quant.fp8 import (
-    DEFAULT_BLOCK, FP8_DTYPE, dequantize_weight_block, fp8_block_matmul_ref, quantize_weight_block,
+    DEFAULT_BLOCK, FP8_DTYPE, dequantize_weight_block, fp8_block_matmul_ref, fp8_grouped_matmul_ref,
+    quantize_weight_block,
 )
+from moelora.kernels.quant.fp8_experts_triton import fp8_expert_gemm, fp8_grouped_align, fp8_grouped_gemm
+from moelora.kernels.quant.fp8_triton import check_fp8_device, fp8_linear
+from moelora.layers.linear import LoRALinear
 
 REFERENCES = (None, "w8a8", "dequant")
 
@@ -32,20 +36,23 @@ class Fp8State:
     block: tuple[int, int] = DEFAULT_BLOCK  # (block_n, block_k) of weight_scale_inv
     act_dtype: torch.dtype = torch.bfloat16  # the activations' (and LoRA factors') dtype
     reference: str | None = None  # None | "w8a8" | "dequant" (see the module doc)
+    kind = "fp8"  # (not a field) what LoRALinear's backends ask of a quantized base
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear_forward(module, x)
 
     def experts(self, module: nn.Module, x, topk_weights, topk_ids, args) -> torch.Tensor:
-        return fp8_experts_forward(module, x, topk_weights, topk_ids, args)
+        """RoutedExperts.forward on FP8 weights: the module's kernels on FP8 expert stacks (the LoRA kernels read the
+        unquantized x and activations)."""
+        w_gu = Fp8ExpertWeight(module.gate_up_proj, module.gate_up_proj_scale_inv, self)
+        w_d = Fp8ExpertWeight(module.down_proj, module.down_proj_scale_inv, self)
+        return module.run(x, w_gu, w_d, topk_weights, topk_ids, args)
 
 
 def check_backend(reference: str | None, device: torch.device | str) -> None:
     if reference not in REFERENCES:
         raise ValueError(f"fp8 reference {reference!r}: use one of {REFERENCES}")
     if reference is None:
-        from moelora.kernels.quant.fp8_triton import check_fp8_device
-
         check_fp8_device(device)
 
 
@@ -109,15 +116,13 @@ def fp8_linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     elif st.reference == "w8a8":
         y = fp8_block_matmul_ref(x, module.weight, module.weight_scale_inv, st.block, module.bias)
     else:
-        from moelora.kernels.quant.fp8_triton import fp8_linear
-
         return fp8_linear(x, module.weight, module.weight_scale_inv, st.block, module.bias)
     return y
 
 
 class Fp8ExpertWeight:
     """An FP8 expert stack [E, O, D] for fused_moe_pairs: its _ExpertGemm calls grouped_mm(inp, pair_exp, E,
-    scratch), which quantizes inp inside the GEMM; the LoRA kernels of fused_moe_pairs keep the bf16 inp."""
+    scratch), which quantizes an e4m3 copy of inp for the GEMM; the LoRA kernels of fused_moe_pairs keep inp."""
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, state: Fp8State) -> None:
         self.weight, self.scale_inv, self.state = weight, scale_inv, state
@@ -129,7 +134,7 @@ class Fp8ExpertWeight:
     @property
     def act_quant_group(self) -> int | None:
         """The group of the per-token activation quantization its Triton GEMMs read (None for the references):
-        a producer kernel may quantize their input itself (fp8_triton.attach_act_quant)."""
+        a producer kernel may quantize their input itself (fp8_act_triton.attach_act_quant)."""
         return self.state.block[1] if self.state.reference is None else None
 
     @property
@@ -143,8 +148,6 @@ class Fp8ExpertWeight:
                     block_m: int, lora=None) -> torch.Tensor:
         """fused_moe_triton.TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype.
         lora: an fp8_triton.Fp8LoRAEpilogue over the pairs (fp8_expert_gemm's), added before the one rounding."""
-        from moelora.kernels.quant.fp8_triton import fp8_expert_gemm
-
         return fp8_expert_gemm(inp, self.weight, self.scale_inv, self.state.block, topk_ids, align, gather_rows,
                                block_m, lora=lora)
 
@@ -154,11 +157,7 @@ class Fp8ExpertWeight:
         if st.reference == "dequant":
             return _dequant_grouped(inp, dequantize_weight_block(self.weight, self.scale_inv, st.block, inp.dtype), pair_exp)
         if st.reference == "w8a8":
-            from moelora.kernels.quant.fp8 import fp8_grouped_matmul_ref
-
             return fp8_grouped_matmul_ref(inp, self.weight, self.scale_inv, pair_exp, st.block)
-        from moelora.kernels.quant.fp8_triton import fp8_grouped_align, fp8_grouped_gemm
-
         if inp.shape[0] == 0:
             return inp.new_empty(0, self.weight.shape[1])
         if "align" not in scratch:  # rows grouped by expert: computed once for gate_up and down
@@ -174,35 +173,12 @@ def _dequant_grouped(inp: torch.Tensor, w: torch.Tensor, pair_exp: torch.Tensor)
     return y
 
 
-def fp8_experts_forward(module: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        args) -> torch.Tensor:
-    """RoutedExperts.forward on FP8 weights: fused_moe_pairs with FP8 expert GEMMs; LoRA kernels on the
-    unquantized x and activations (Triton on a GPU, the references on the CPU)."""
-    from moelora.kernels.moe.experts import fused_moe_pairs
-
-    st: Fp8State = module.quant
-    w_gu = Fp8ExpertWeight(module.gate_up_proj, module.gate_up_proj_scale_inv, st)
-    w_d = Fp8ExpertWeight(module.down_proj, module.down_proj_scale_inv, st)
-    if x.is_cuda:
-        from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
-        from moelora.kernels.streams import side_stream
-
-        side = side_stream(x.device) if getattr(module, "overlap", False) and args is not None else None
-        return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args,
-                               moe_lora_shrink, moe_lora_expand, moe_lora_plan, side)
-    from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
-
-    return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args, moe_lora_shrink_ref, moe_lora_expand_ref)
-
-
 # ---- whole model -------------------------------------------------------------------------------------------
 
 
 def fp8_modules(model: nn.Module, skip=lambda name: False) -> dict[str, nn.Module]:
     """The modules FP8 applies to: every LoRALinear and RoutedExperts, except those `skip(name)` names and MLA's
     kv_b_proj (its weight is read directly by the absorbed attention, so it stays in the activation dtype)."""
-    from moelora.layers.linear import LoRALinear
-
     out = {}
     for name, m in model.named_modules():
         if not (isinstance(m, LoRALinear) or hasattr(m, "down_lora")):

@@ -47,7 +47,7 @@ class LoRAWeights(nn.Module):
         self.ranks: list[list[int]] = [[0] * max_loras for _ in range(n)]
         # a_src[i, s]: the slice whose A copy equals slice i's for slot s (i itself unless another slice holds the
         # same A: routed experts only, e.g. gate and up of a PEFT target_parameters adapter, which share A; the later
-        # slice names the earlier). Every slice keeps its own copy too; with set_lora_shared_a the fused and grouped
+        # slice names the earlier). Every slice keeps its own copy too; the fused and grouped
         # routed-expert kernels read the named one (fewer distinct bytes, same values)
         self.register_buffer("a_src", torch.arange(n, dtype=torch.int32, device=device)[:, None].repeat(1, max_loras))
         self.a_src_host: list[list[int]] = [[i] * max_loras for i in range(n)]

@@ -19,10 +19,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.config import ModelConfig
 from moelora.kernels.lora.groups import SlotGroups
 from moelora.kernels.attention.mla import KVBLoRAArgs, mla_decode_ref, mla_prefill_ref, write_latent_direct, write_latent_ref
+from moelora.kernels.attention.mla_triton import mla_decode
 from moelora.kernels.attention.rotary import apply_rotary_interleaved_ref, apply_rotary_ref, rotary_cos_sin
 from moelora.layers.attention import AttentionMetadata
 from moelora.layers.linear import LoRALinear
@@ -133,8 +134,6 @@ class MLAttention(nn.Module):
     def _decode_device(self, q_nope, q_pe, cache, attn: AttentionMetadata, lora: KVBLoRAArgs | None,
                        rows: torch.Tensor | None) -> torch.Tensor:
         """Triton absorbed decode of all rows (rows None) or of the decode rows of a mixed eager batch."""
-        from moelora.kernels.attention.mla_triton import mla_decode
-
         token_seq = attn.token_seq
         if rows is not None:
             q_nope, q_pe, token_seq = q_nope[rows], q_pe[rows], token_seq[rows]

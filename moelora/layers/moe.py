@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.config import ModelConfig
-from moelora.kernels._triton import lora_shared_a
-from moelora.kernels.moe.experts_triton import defer_moe_combine, moe_combine_to_norm, route_topk, routing_kernel_ok
-from moelora.kernels.moe.experts import ExpertLoRAArgs, _ACTIVATIONS, fused_moe_pairs, fused_moe_ref, route_topk_ref
-from moelora.kernels.moe.router_triton import router_topk, router_topk_ok
+from moelora.kernels._triton import HAS_TRITON
+from moelora.kernels.config import KernelConfig
+from moelora.kernels.moe.act_triton import ACTIVATIONS, defer_moe_combine
+from moelora.kernels.moe.experts import ExpertKernels, ExpertLoRAArgs, fused_moe_pairs, fused_moe_ref, route_topk_ref
+from moelora.kernels.moe.router_triton import ROUTE_TOPK_MAX_E, make_counters, route_topk, router_topk, router_topk_ok
 from moelora.kernels.streams import fork, join, side_stream
 from moelora.layers.linear import LoRALinear
 from moelora.layers.lora import LoRAWeights, lora_active
@@ -23,7 +24,7 @@ class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, act: str, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.inter = inter
-        self.act = _ACTIVATIONS[act]
+        self.act = ACTIVATIONS[act]
         self.gate_up_proj = LoRALinear(hidden, [inter, inter], False, dtype, device)
         self.down_proj = LoRALinear(inter, [hidden], False, dtype, device)
 
@@ -42,8 +43,17 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype, device=device), requires_grad=False)
         self.gate_up_lora: LoRAWeights | None = None
         self.down_lora: LoRAWeights | None = None
-        self.overlap = False  # GPU: the LoRA chains on a side stream beside the base expert GEMMs
+        self.overlap = False  # GPU: the LoRA deltas on a side stream beside the base expert GEMMs
         self.quant = None  # quantized expert weights: layers/fp8.py Fp8State or layers/nvfp4.py Nvfp4State
+        self.configure(KernelConfig())
+
+    def configure(self, cfg: KernelConfig, triton: bool | None = None) -> None:
+        """This layer's kernels from cfg, chosen once (ExpertKernels): the Triton ones (base path and LoRA) where its
+        weights are on a CUDA device and Triton is installed, else the torch references. triton: forced (True on the
+        CPU runs the Triton kernels under TRITON_INTERPRET=1: tests)."""
+        if triton is None:
+            triton = HAS_TRITON and self.gate_up_proj.is_cuda
+        self.kernels = ExpertKernels.from_config(cfg.moe_lora, triton)
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
         dt, dev = self.quant.act_dtype if self.quant else self.gate_up_proj.dtype, self.gate_up_proj.device
@@ -59,18 +69,22 @@ class RoutedExperts(nn.Module):
                 gate_up_a=gu.a, gate_up_b=gu.b_cat, gate_up_scaling=gu.scaling, gate_up_ranks=gu.rank_tensor,
                 down_a=d.a, down_b=d.b_cat, down_scaling=d.scaling, down_ranks=d.rank_tensor,
                 gate_up_offsets=gu.slice_offsets, down_offsets=d.slice_offsets,
-                gate_up_a_src=gu.a_src if lora_shared_a() else None,  # set_lora_shared_a: one copy of a shared A
+                gate_up_a_src=gu.a_src,  # a shared A (gate's and up's equal) read from one copy
                 active_slots=lora.groups.active_slots,
             )
-        if self.quant is not None:
+        if self.quant is not None:  # it builds its stacks' GEMM objects, then calls run
             return self.quant.experts(self, x, topk_weights, topk_ids, args)
-        if x.is_cuda:
-            from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
+        return self.run(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, args)
 
-            side = side_stream(x.device) if self.overlap and args is not None else None
-            return fused_moe_pairs(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args,
-                                   moe_lora_shrink, moe_lora_expand, moe_lora_plan, side)
-        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act, args)
+    def run(self, x: torch.Tensor, w_gate_up, w_down, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            args: ExpertLoRAArgs | None) -> torch.Tensor:
+        """The experts on these stacks ([E, 2I, H] / [E, H, I] tensors or quantized stacks) with this layer's
+        kernels: fused_moe_pairs (its LoRA deltas on the side stream when overlapping), or fused_moe_ref for plain
+        tensors off the Triton path."""
+        if not self.kernels.triton and isinstance(w_gate_up, torch.Tensor):
+            return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, self.act, args)
+        side = side_stream(x.device) if self.overlap and args is not None and x.is_cuda else None
+        return fused_moe_pairs(x, w_gate_up, w_down, topk_weights, topk_ids, self.act, args, self.kernels, side)
 
 
 class MoEBlock(nn.Module):
@@ -88,6 +102,21 @@ class MoEBlock(nn.Module):
             self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, dtype, device)
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = LoRALinear(cfg.hidden_size, [1], False, dtype, device)
+        self.configure(KernelConfig())
+
+    def configure(self, cfg: KernelConfig, triton: bool | None = None) -> None:
+        """The router's kernels and the combine's place from cfg, chosen once: on the Triton path (the gate on a CUDA
+        device with Triton; triton forces it, True on the CPU runs the kernels under TRITON_INTERPRET=1: tests) the
+        router in one launch up to FUSED_ROUTER_MAX_T tokens (moe.fused_router; else F.linear + route_topk) and, in
+        blocks without a shared expert, the combine computed by the next RMSNorm (moe.combine_to_norm); off it,
+        F.linear + route_topk_ref."""
+        if triton is None:
+            triton = HAS_TRITON and self.gate.is_cuda
+        self.fused_router = triton and cfg.moe.fused_router
+        self.route = route_topk if triton and self.gate.shape[0] <= ROUTE_TOPK_MAX_E else route_topk_ref
+        self.combine_to_norm = triton and cfg.moe.combine_to_norm
+        if self.fused_router and self.gate.is_cuda and not torch.cuda.is_current_stream_capturing():
+            make_counters(self.gate.device)  # before any graph capture (bench --ab reconfigures, then recaptures)
 
     def _shared(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         shared = self.shared_expert(x, lora)
@@ -96,19 +125,18 @@ class MoEBlock(nn.Module):
         return shared
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        if router_topk_ok(x, self.gate):  # the gate GEMM, softmax and top-k in one launch (set_fused_router)
+        if self.fused_router and router_topk_ok(x, self.gate):  # the gate GEMM, softmax and top-k in one launch
             topk_weights, topk_ids, logits = router_topk(x, self.gate, self.top_k, self.renormalize, x.dtype)
         else:
             logits = F.linear(x, self.gate)  # [T, E]
-            route = route_topk if routing_kernel_ok(logits) else route_topk_ref  # one Triton launch on CUDA
-            topk_weights, topk_ids = route(logits, self.top_k, self.renormalize, x.dtype)  # [T, K], x.dtype weights
+            topk_weights, topk_ids = self.route(logits, self.top_k, self.renormalize, x.dtype)  # [T, K], x's dtype
         self.last_topk_ids = topk_ids  # a reference, for statistics (experts touched per step)
         self.last_router_logits = logits  # a reference, for tests (is a routing difference a near-tie?)
         if self.shared_expert is None:
-            # set_moe_combine_to_norm: the combine left to the next RMSNorm (DecoderLayer hands it this output), on
-            # the Triton path only, and not under the all-reduce hooks of tensor / expert parallelism
-            defer = (moe_combine_to_norm() and x.is_cuda and not self._forward_hooks
-                     and not self.experts._forward_hooks and not self.experts._forward_pre_hooks)
+            # the combine left to the next RMSNorm (DecoderLayer hands it this output), on the Triton path only, and
+            # not under the all-reduce hooks of tensor / expert parallelism
+            defer = (self.combine_to_norm and not self._forward_hooks and not self.experts._forward_hooks
+                     and not self.experts._forward_pre_hooks)
             with defer_moe_combine(defer):
                 return self.experts(x, topk_weights, topk_ids, lora)
         if not (self.experts.overlap and x.is_cuda):

@@ -17,7 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.kernels._triton import DeviceError
+from moelora.kernels.quant.fp8_experts_triton import fp8_grouped_align
 from moelora.kernels.quant.nvfp4 import GROUP, dequantize_nvfp4, quantize_nvfp4
+from moelora.kernels.quant.nvfp4_triton import nvfp4_expert_gemm, nvfp4_grouped_gemm, nvfp4_linear
+from moelora.layers.fp8 import fp8_modules
 
 SUFFIXES = ("_scale", "_scale_2")
 
@@ -26,29 +29,21 @@ SUFFIXES = ("_scale", "_scale_2")
 class Nvfp4State:
     act_dtype: torch.dtype = torch.bfloat16
     reference: bool = False  # tests: allow the CPU (the computation is the same torch code)
+    kind = "nvfp4"  # (not a field) what LoRALinear's backends ask of a quantized base
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not self.reference:
-            from moelora.kernels.quant.nvfp4_triton import nvfp4_linear
-
             return nvfp4_linear(x, module.weight, module.weight_scale, module.weight_scale_2, module.bias)
         return F.linear(x, dequantized(module, "weight", x.dtype), module.bias)
 
     def experts(self, module: nn.Module, x, topk_weights, topk_ids, args) -> torch.Tensor:
-        from moelora.kernels.moe.experts import fused_moe_pairs, fused_moe_ref
-
+        """RoutedExperts.forward on NVFP4 weights: the module's kernels on NVFP4 expert stacks (reference: the
+        dequantized stacks)."""
         if self.reference:
             w_gu, w_d = dequantized(module, "gate_up_proj", x.dtype), dequantized(module, "down_proj", x.dtype)
         else:
             w_gu, w_d = Nvfp4ExpertWeight(module, "gate_up_proj"), Nvfp4ExpertWeight(module, "down_proj")
-        if x.is_cuda:
-            from moelora.kernels.moe_lora.chain_triton import moe_lora_expand, moe_lora_plan, moe_lora_shrink
-            from moelora.kernels.streams import side_stream
-
-            side = side_stream(x.device) if getattr(module, "overlap", False) and args is not None else None
-            return fused_moe_pairs(x, w_gu, w_d, topk_weights, topk_ids, module.act, args,
-                                   moe_lora_shrink, moe_lora_expand, moe_lora_plan, side)
-        return fused_moe_ref(x, w_gu, w_d, topk_weights, topk_ids, module.act, args)
+        return module.run(x, w_gu, w_d, topk_weights, topk_ids, args)
 
 
 class Nvfp4ExpertWeight:
@@ -71,14 +66,9 @@ class Nvfp4ExpertWeight:
     def expert_gemm(self, inp: torch.Tensor, topk_ids: torch.Tensor, align, gather_rows: bool,
                     block_m: int) -> torch.Tensor:
         """TritonExperts' GEMM: inp [T, D] (gather_rows) or [P, D] -> [P, O] in inp.dtype."""
-        from moelora.kernels.quant.nvfp4_triton import nvfp4_expert_gemm
-
         return nvfp4_expert_gemm(inp, self.packed, self.scale, self.scale_2, topk_ids, align, gather_rows, block_m)
 
     def grouped_mm(self, inp: torch.Tensor, pair_exp: torch.Tensor, num_experts: int, scratch: dict) -> torch.Tensor:
-        from moelora.kernels.quant.fp8_triton import fp8_grouped_align
-        from moelora.kernels.quant.nvfp4_triton import nvfp4_grouped_gemm
-
         if inp.shape[0] == 0:
             return inp.new_empty(0, self.packed.shape[1])
         if "align" not in scratch:  # rows grouped by expert: computed once for gate_up and down
@@ -130,8 +120,6 @@ def to_nvfp4(module: nn.Module, state: Nvfp4State, quantize: bool) -> None:
 
 def quantize_model_nvfp4(model: nn.Module, reference: bool = False, skip=lambda name: False) -> None:
     """Online NVFP4 quantization of every LoRALinear / RoutedExperts (MLA's kv_b_proj excepted, see layers/fp8.py)."""
-    from moelora.layers.fp8 import fp8_modules
-
     check_nvfp4_backend(reference, model.device)
     state = Nvfp4State(model.dtype, reference)
     for m in fp8_modules(model, skip).values():

@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from moelora.kernels._triton import HAS_TRITON
 from moelora.kernels.attention.rotary import apply_rotary_ref, rotary_cos_sin
 
 
@@ -17,12 +19,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             self.attention_scaling = 1.0
         else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
         self.register_buffer("inv_freq", inv_freq.float().to(device), persistent=False)
-        from moelora.kernels._triton import HAS_TRITON
-
         self.fused_ok = HAS_TRITON and head_dim % 2 == 0  # the GPU's fused q/k-norm + rotary kernel applies
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelora.adapters.metadata import LoRABatch
+from moelora.layers.lora_batch import LoRABatch
 from moelora.config import ModelConfig
 from moelora.layers.attention import Attention, AttentionMetadata
 from moelora.layers.linear import LoRALinear, take_lora_delta

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from moelora.engine.llm_engine import LLMEngine
 from moelora.engine.request import Request
 from moelora.engine.sampling_params import SamplingParams
+from moelora.engine.workers import WorkerFailed
 
 log = logging.getLogger("moelora.server")
 
@@ -213,8 +214,6 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        from moelora.engine.workers import WorkerFailed
-
         while not self._stop:
             self._run_commands()
             try:

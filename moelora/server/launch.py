@@ -20,7 +20,15 @@ import time
 from decimal import Decimal
 from typing import NamedTuple
 
+import uvicorn
+
+from moelora.demo import adapter_paths, model_path
+from moelora.distributed import check_launch
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
+from moelora.engine.workers import WorkerFailed, run_worker
+from moelora.kernels.config import KernelConfig
+from moelora.server.app import ServerSettings, build_app
+from moelora.server.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,21 @@ def int_at_least(lo: int):
 
     parse.__name__ = f"int>={lo}"
     return parse
+
+
+KERNEL_CONFIG_HELP = (
+    "kernel choices, a JSON object of KernelConfig fields by section, as vLLM's --compilation-config (e.g. "
+    "'{\"side_stream_priority\": \"normal\", \"moe_lora\": {\"early\": false}}'); an unknown field or a value of "
+    "the wrong type is an error. Every field with its default and meaning: docs/configuration.md. Default: the "
+    "defaults (what was measured fastest)")
+
+
+def kernel_config(text: str) -> KernelConfig:
+    """--kernel-config JSON -> KernelConfig (KernelConfig.from_json: strict), its error as argparse's one line."""
+    try:
+        return KernelConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def int_in(lo: int, hi: int):
@@ -293,6 +316,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
                    help="CPU: torch's threads (default: MOELORA_CPU_THREADS or OMP_NUM_THREADS when set, else a "
                    "count that does not oversubscribe the machine)")
+    e.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON", help=KERNEL_CONFIG_HELP)
 
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -375,8 +399,6 @@ def engine_args(args: argparse.Namespace) -> tuple[EngineArgs, dict[str, str], s
     names = args.served_model_name
     name = names[0] if isinstance(names, list) else names
     if model is None:
-        from moelora.demo import adapter_paths, model_path
-
         model = model_path()
         adapters = {**adapter_paths(), **adapters}
         served = name or "moelora-demo"
@@ -397,14 +419,12 @@ def engine_args(args: argparse.Namespace) -> tuple[EngineArgs, dict[str, str], s
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
         async_scheduling=args.async_scheduling, cpu_threads=args.cpu_threads,
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        kernel_config=getattr(args, "kernel_config", None),
     )
     return eargs, adapters, served
 
 
 def build_from_args(args: argparse.Namespace):
-    from moelora.server.app import ServerSettings, build_app  # fastapi is imported only to serve
-    from moelora.server.async_engine import AsyncEngine
-
     eargs, adapters, served = engine_args(args)
     model = eargs.model
     engine = AsyncEngine(LLMEngine(eargs, adapters))
@@ -474,18 +494,12 @@ def check_bind(host: str, port: int) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Serve HTTP; under torchrun, rank 0 does and ranks 1..N-1 run the worker loop."""
-    import uvicorn
-
-    from moelora.distributed import check_launch
-
     try:
         launch = check_launch(args.tensor_parallel_size, args.expert_parallel_size)
     except ValueError as e:
         raise SystemExit(f"moelora: {e}") from None
     configure_logging(args.log_level)
     if launch is not None and launch.rank != 0:
-        from moelora.engine.workers import run_worker
-
         return run_worker(engine_args(args)[0])
     check_bind(args.host, args.port)  # before the model loads: a taken port fails in a second, not after minutes
     engine, app = build_from_args(args)
@@ -505,8 +519,6 @@ def serve(args: argparse.Namespace) -> int:
     except _Terminated:
         pass
     if engine.fatal_error is None and external:
-        from moelora.engine.workers import WorkerFailed
-
         try:  # torchrun stops every rank (SIGTERM) when one fails: if that is why, say which
             workers.check(ping=True)
         except WorkerFailed as e:
@@ -537,8 +549,6 @@ class ServerThread:
     log_level says otherwise."""
 
     def __init__(self, engine, app, port: int | None = None, log_level: str = "warning") -> None:
-        import uvicorn
-
         self.engine = engine
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"

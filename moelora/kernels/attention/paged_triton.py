@@ -1,7 +1,7 @@
 """Triton attention over the paged KV cache, for a flat batch of query tokens (prefill, chunked prefill
 and decode mixed), reading only device tensors (CUDA-graph safe). Reference: attention.paged_attention_ref.
 
-Three kernels, each correct for any mix of rows (paged_attention picks one from shapes):
+Two kernels, each correct for any mix of rows (paged_attention picks one from shapes):
 
 * split-KV decode ("flash-decoding"): grid (query row t, KV head, split), NUM_SPLITS from shapes only
   (choose_splits: T, Hkv and the SM count), so the launch is the same whatever the lengths and works
@@ -15,8 +15,6 @@ Three kernels, each correct for any mix of rows (paged_attention picks one from 
 * tiled prefill: grid (query block, KV head) over ceil(T / BLOCK_M) + B query blocks (each sequence owns
   ceil(n_b / BLOCK_M) of them, found by a cumulative sum over query_start_loc; the rest exit); BLOCK_M rows x G heads
   = 128 tile rows share each K/V tile (tl.dot), causal and window masks per row.
-* legacy (kernel="legacy"): one program per (query row, KV head), a serial loop over the blocks with
-  broadcast products (no tensor cores). Kept for comparison (scripts/bench_attention.py).
 """
 
 from __future__ import annotations
@@ -37,60 +35,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from moelora.kernels.quant.fp8_triton import e4m3_groups
-
-    @triton.jit
-    def _paged_attn_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
-        scale, window, G,
-        sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
-        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-    ):
-        t = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.load(token_seq_ptr + t)
-        if b < 0:  # padding row
-            return
-        L = tl.load(seq_lens_ptr + b)
-        s0 = tl.load(qsl_ptr + b)
-        n = tl.load(qsl_ptr + b + 1) - s0
-        pos = L - n + (t - s0)  # position of this query token
-        offs_g = tl.arange(0, BLOCK_G)
-        mask_g = offs_g < G
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        heads = kvh * G + offs_g
-        q = tl.load(q_ptr + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-        offs_s = tl.arange(0, BLOCK_SIZE)
-        lo = 0
-        if HAS_WINDOW:
-            lo = tl.maximum(pos - window + 1, 0) // BLOCK_SIZE
-        for blk in range(lo, pos // BLOCK_SIZE + 1):
-            block_id = tl.load(bt_ptr + b.to(tl.int64) * sbt_b + blk).to(tl.int64)
-            key_pos = blk * BLOCK_SIZE + offs_s
-            valid = key_pos <= pos
-            if HAS_WINDOW:
-                valid = valid & (key_pos > pos - window)
-            k = tl.load(k_ptr + block_id * sk_b + offs_s[:, None] * sk_s + kvh * sk_h + offs_d[None, :],
-                        mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BS, D]
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BS]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + block_id * sv_b + offs_s[:, None] * sv_s + kvh * sv_h + offs_d[None, :],
-                        mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BS, D]
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    from moelora.kernels.quant.fp8_act_triton import e4m3_groups
 
     @triton.jit
     def _split_range(token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES,
@@ -350,6 +295,8 @@ def choose_splits(T: int, Hkv: int, num_sms: int = 132) -> int:
 def decode_kernel_chosen(num_tokens: int, num_seqs: int, kernel: str = "auto") -> bool:
     """Whether paged_attention runs the split-KV "decode" kernel for T query rows over B sequences (it writes 0
     to padding rows, so its output buffer needs no zero-fill): "auto" picks it when T <= B."""
+    if kernel not in ("auto", "decode", "prefill"):
+        raise ValueError(f"kernel must be auto, decode or prefill, got {kernel!r}")
     return kernel == "decode" or (kernel == "auto" and num_tokens <= num_seqs)
 
 
@@ -371,7 +318,7 @@ def paged_attention(
     out_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Semantics, per query row t of sequence b = token_seq[t] (-1: padding: written 0 by the "decode" kernel,
-    left untouched by "prefill" and "legacy"; decode_kernel_chosen says which one runs), with
+    left untouched by "prefill"; decode_kernel_chosen says which one runs), with
     L = seq_lens[b], s:e = query_start_loc[b]:query_start_loc[b+1], p = L - (e - s) + (t - s):
         out[t, h] = softmax_j(q[t, h] . k[j, h // G] * scale) @ v[.., h // G] over cache positions j <= p
         (and j > p - sliding_window), k/v of sequence b read through block_tables[b]; G = Hq // Hkv
@@ -380,7 +327,7 @@ def paged_attention(
 
     out_fp8: (q [T, Hq * D] float8_e4m3fn, scale [T, Hq] fp32) or None: the "decode" kernel also writes
     quantize_act_group(out.reshape(T, Hq * D), D) there (padding rows included: zeros), for an FP8 o_proj whose
-    scale group is one head (D a power of two); other kernels raise.
+    scale group is one head (D a power of two); "prefill" raises.
 
     kernel (every kernel computes the semantics above for any mix of rows; the choice is speed only):
       "auto": "decode" when T <= B (at most ~one row per sequence: decode batches, CUDA graphs), else
@@ -394,7 +341,6 @@ def paged_attention(
               (deterministic; the chunking depends on the row's length and NUM_SPLITS, so the bits
               may change with T, not from run to run). NUM_SPLITS == 1: direct output, no workspace.
       "prefill": tiled; BLOCK_M rows of one sequence x G heads (128 tile rows) per (query block, KV head).
-      "legacy": the first kernel (one program per (row, KV head), serial over blocks, no tensor cores).
     """
     require_triton()
     T, Hq, D = q.shape
@@ -403,8 +349,7 @@ def paged_attention(
     B = block_tables.shape[0]
     if T == 0:
         return
-    if kernel == "auto":
-        kernel = "decode" if decode_kernel_chosen(T, B, kernel) else "prefill"
+    kernel = "decode" if decode_kernel_chosen(T, B, kernel) else "prefill"
     if out_fp8 is not None and (kernel != "decode" or D & (D - 1)):
         raise ValueError(f"out_fp8: the decode kernel with a power-of-two head dim only (kernel {kernel!r}, D={D})")
     oq, os_ = out_fp8 if out_fp8 is not None else (None, None)
@@ -413,14 +358,6 @@ def paged_attention(
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
                block_tables.stride(0))
     has_window = sliding_window is not None
-    if kernel == "legacy":
-        _paged_attn_kernel[(T, Hkv)](
-            q, k_cache, v_cache, out, block_tables, token_seq, seq_lens, query_start_loc,
-            scale, sliding_window or 0, G, *strides,
-            BLOCK_SIZE=BS, BLOCK_G=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
-            HAS_WINDOW=has_window,
-        )
-        return
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
     BLOCK_D = max(16, triton.next_power_of_2(D))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -435,8 +372,6 @@ def paged_attention(
             HAS_WINDOW=has_window, DOT_PRECISION=precision, num_warps=8, num_stages=2,
         )
         return
-    if kernel != "decode":
-        raise ValueError(f"kernel must be auto, decode, prefill or legacy, got {kernel!r}")
     if num_splits is None:
         num_splits = choose_splits(T, Hkv, _num_sms(q.device.index or 0) if q.is_cuda else 132)
     direct = num_splits == 1

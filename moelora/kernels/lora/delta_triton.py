@@ -1,4 +1,4 @@
-"""The dense multi-LoRA delta as a tensor of its own, for a consumer kernel to add (set_dense_lora_defer;
+"""The dense multi-LoRA delta as a tensor of its own, for a consumer kernel to add (DenseLoRAConfig.defer;
 reference: lora_delta_ref below).
 
 The deferred form of a dense LoRA layer: its shrink and this expand run on the side stream beside the base GEMM
@@ -7,31 +7,24 @@ delta as it loads it — qk_norm_rope for qkv_proj, the post-attention RMSNorm f
 an add launch or a zero-fill. The expand here writes every row (0 for rows without an adapter), so its output
 needs no zero-fill either. One program per (row block, column tile): the tile's slice, the rows' slots, ranks
 and scalings, then the batch's slot groups' B stacked [G x R, BLOCK_N] and the rows' h placed in their group's
-columns, one dot (fp8_triton.lora_prefetch_tile / lora_prefetched_expand, the same helpers as the FP8 GEMM's
-mode-3 epilogue).
+columns, one dot (tiles_triton.lora_prefetch_tile / lora_prefetched_expand, as the FP8 GEMM's prefetched epilogue).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, lora_even_r, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
 from moelora.kernels.lora.groups import SlotGroups
-from moelora.kernels.quant.fp8_triton import LORA_PREFETCH_MAX_GROUPS
 from moelora.kernels.lora.shrink_expand import lora_expand_ref
+from moelora.kernels.lora.tiles_triton import PREFETCH_MAX_GROUPS, lora_prefetch_tile, lora_prefetched_expand
 
-# at most this many slot groups (max_loras): B of all of them is stacked in one dot, by the helpers of the FP8 GEMM's
-# mode-3 epilogue, which have the same limit
-DELTA_MAX_GROUPS = LORA_PREFETCH_MAX_GROUPS
+DELTA_MAX_GROUPS = PREFETCH_MAX_GROUPS  # at most this many slot groups (max_loras): B of all of them in one dot
 DELTA_BLOCK_N = 64  # column tile; every slice boundary must be a multiple of it (delta_ok)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    from moelora.kernels.quant.fp8_triton import lora_prefetch_tile, lora_prefetched_expand
 
     @triton.jit
     def _lora_delta_kernel(h_ptr, b_ptr, d_ptr, off_ptr, ranks_ptr, scale_ptr, slots_ptr, act_ptr, T, O, S, L,
@@ -61,29 +54,6 @@ def delta_ok(slice_bounds: tuple[int, ...], num_groups: int) -> bool:
     return 0 < num_groups <= DELTA_MAX_GROUPS and all(o % DELTA_BLOCK_N == 0 for o in slice_bounds[1:-1])
 
 
-def _env_warps() -> list[int]:
-    raw = os.environ.get("MOELORA_LORA_DELTA_WARPS", "") or "0"
-    if raw not in ("0", "1", "2", "4", "8"):
-        raise ValueError(f"MOELORA_LORA_DELTA_WARPS must be 0 (the default), 1, 2, 4 or 8, got {raw!r}")
-    return [int(raw)]
-
-
-_WARPS = _env_warps()
-
-
-def set_lora_delta_warps(num_warps: int = 0) -> None:
-    """lora_delta's num_warps forced (MOELORA_LORA_DELTA_WARPS; 0: the caller's, DEFER_DELTA_WARPS = 8 for the
-    deferred chain, else Triton's 4). The same sums; CUDA graphs keep what they captured."""
-    if num_warps not in (0, 1, 2, 4, 8):
-        raise ValueError(f"set_lora_delta_warps: num_warps 0 (the default), 1, 2, 4 or 8, got {num_warps}")
-    _WARPS[0] = int(num_warps)
-
-
-def lora_delta_warps() -> int:
-    """set_lora_delta_warps's num_warps; 0 = the default."""
-    return _WARPS[0]
-
-
 def _block_m(T: int) -> int:
     return 16 if T <= 16 else (32 if T <= 128 else 64)
 
@@ -98,7 +68,7 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
     h: [split_k, n, T, R] fp32 (the shrink's partials) · b_cat: [S, O, R] · slice_offsets: [n+1] int32 (slice_bounds:
     the same on the host) · ranks, scaling: [n, S] · token_slots: [T] int32 · active_slots: [L] int32 (the slot of
     each slot group, -1 unused; every slot of token_slots among them) · delta: [T, O] (x's dtype), any contents
-    num_warps: per program (0: Triton's 4); set_lora_delta_warps's, when set, wins. The same sums either way.
+    num_warps: per program (0: Triton's 4; the deferred chain's 8). The same sums either way.
     """
     require_triton()
     sk, n, T, R = h.shape
@@ -119,8 +89,7 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
             h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
             delta.stride(0), delta.stride(1),
             N_SLICES=n, SK=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_N=bn,
-            PRECISION=dot_precision(b_cat.dtype), EVEN_R=lora_even_r() and R == br,
-            **({"num_warps": _WARPS[0] or num_warps} if _WARPS[0] or num_warps else {}))
+            PRECISION=dot_precision(b_cat.dtype), EVEN_R=R == br, **({"num_warps": num_warps} if num_warps else {}))
 
 
 def lora_delta_ref(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, ranks: torch.Tensor,

@@ -8,30 +8,15 @@ References with the same signatures: kernels/lora/shrink_expand.py.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, _env_int_default, dot_precision, lora_even_r, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
 from moelora.kernels.lora.groups import SlotGroups
+from moelora.kernels.lora.tiles_triton import lora_b_tile
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def lora_b_tile(ptrs, mask_r, col_in, EVEN_R: tl.constexpr):
-        """B tile [BR, BN] (rank along dim 0, contiguous), 0 past the rank (mask_r [BR]) and outside col_in [BN];
-        EVEN_R: loaded masked by column only (vectorized along the rank: 16-byte loads instead of the 2-byte ones a
-        per-element rank mask makes), the rank mask applied after the load; the same values. Rank 0 (mask_r all
-        false: a slot without this module, an unused slot group) loads nothing in both forms."""
-        if EVEN_R:  # (the rank count compared as a vector: the interpreter takes no scalar in a mask)
-            n_live = tl.sum(mask_r.to(tl.int32), axis=0)
-            col_live = col_in & (tl.zeros_like(col_in.to(tl.int32)) < n_live)
-            bt = tl.where(mask_r[:, None], tl.load(ptrs, mask=col_live[None, :], other=0.0), 0.0)
-        else:
-            bt = tl.load(ptrs, mask=mask_r[:, None] & col_in[None, :], other=0.0)
-        return bt
 
     @triton.jit
     def _shrink_kernel(
@@ -138,116 +123,40 @@ if HAS_TRITON:
         tl.store(ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+SHRINK_SPLIT_MAX_TOKENS = 256  # lora_shrink splits K up to this many tokens (decode batches)
+# lora_expand's (block_m, block_n, num_warps) above SHRINK_SPLIT_MAX_TOKENS tokens: bf16 prefill with 4 adapters kept
+# 73.2% of the no-adapter throughput against 71.1% at the decode tile (64 x 64, 4 warps; session 36)
+EXPAND_PREFILL_TILE = (128, 64, 4)
+
+
 def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else (32 if num_tokens <= 64 else 64)
 
 
-# set_lora_shrink_config / MOELORA_LORA_SHRINK_SPLITS, MOELORA_LORA_SHRINK_BLOCK_K (0: the defaults below): a
-# launch experiment for the dense shrink at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens), swept by
-# scripts/bench_fp8_lora_epilogue.py --shrink-configs
-_SHRINK_CONFIG = [_env_int_default("MOELORA_LORA_SHRINK_SPLITS", 0, 0), _env_int_default("MOELORA_LORA_SHRINK_BLOCK_K", 0, 0)]
-
-
-def set_lora_shrink_config(splits: int = 0, block_k: int = 0) -> None:
-    """The dense shrink's split-K factor and K tile at decode sizes (0: the default of each). The results are the
-    same up to fp32 summation order; a CUDA graph keeps the configuration it was captured with."""
-    if splits < 0 or block_k < 0 or (block_k and (block_k < 16 or block_k & (block_k - 1))):
-        raise ValueError(f"set_lora_shrink_config: splits >= 0 and block_k 0 or a power of two >= 16, "
-                         f"got splits={splits}, block_k={block_k}")
-    _SHRINK_CONFIG[0], _SHRINK_CONFIG[1] = int(splits), int(block_k)
-
-
-# set_lora_shrink_warps / MOELORA_LORA_SHRINK_WARPS (0: Triton's 4): the dense shrink's warps a program at decode
-# sizes, an experiment for the shrink beside the base GEMM (fewer warps: fewer issue slots taken from the GEMM's CTA
-# on a shared SM)
-_SHRINK_WARPS = [_env_int_default("MOELORA_LORA_SHRINK_WARPS", 0, 0)]
-
-
-def set_lora_shrink_warps(num_warps: int = 0) -> None:
-    """The dense shrink's num_warps at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens; 0: Triton's default, 4).
-    The same sums; a CUDA graph keeps what it captured."""
-    if num_warps not in (0, 1, 2, 4, 8):
-        raise ValueError(f"set_lora_shrink_warps: num_warps 0 (the default), 1, 2, 4 or 8, got {num_warps}")
-    _SHRINK_WARPS[0] = int(num_warps)
-
-
-def lora_shrink_warps() -> int:
-    """set_lora_shrink_warps's num_warps; 0 = the default."""
-    return _SHRINK_WARPS[0]
-
-
-# set_lora_expand_prefill_tile / MOELORA_LORA_EXPAND_PREFILL_TILE ("MxNxW", default EXPAND_PREFILL_TILE; 0x0x0:
-# the decode tile, 64 x 64 at 4 warps): lora_expand's tile and warps above SHRINK_SPLIT_MAX_TOKENS tokens. Why: on
-# a bf16 base the dense LoRA at prefill is the shrink, then this expand adding into cuBLAS's output (the FP8 base
-# adds it in its GEMM's epilogue); a profile put it at 73.6 ms of a 16 x 2,048-token prefill with 4 adapters
-# (384 calls, ~190 us each for qkv's 8,192 x 5,120 output: ~0.9 TB/s of y read and written, most of its programs
-# exiting at once).
-def _parse_expand_tile(value: str, where: str) -> tuple[int, int, int]:
-    try:
-        bm, bn, w = (int(v) for v in value.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"{where}: expected MxNxW (e.g. 128x128x8; 0x0x0 the default), got {value!r}") from None
-    if (bm, bn, w) != (0, 0, 0) and (bm not in (16, 32, 64, 128) or bn not in (32, 64, 128, 256)
-                                     or w not in (1, 2, 4, 8)):
-        raise ValueError(f"{where}: M in 16/32/64/128, N in 32/64/128/256, W in 1/2/4/8 (or 0x0x0), got {value!r}")
-    return bm, bn, w
-
-
-# Measured on the H200 (bf16, 16 x 2,048 tokens, 4 adapters, one process; kept share of the no-adapter prefill): the
-# decode tile 71.1%, 128x128x8 71.8%, 64x128x4 71.9%, 128x64x4 73.2% (+2.8% tok/s): the default.
-EXPAND_PREFILL_TILE = "128x64x4"
-_EXPAND_PREFILL = [_parse_expand_tile(os.environ.get("MOELORA_LORA_EXPAND_PREFILL_TILE", EXPAND_PREFILL_TILE)
-                                      or EXPAND_PREFILL_TILE, "MOELORA_LORA_EXPAND_PREFILL_TILE")]
-
-
-def set_lora_expand_prefill_tile(value: str | tuple[int, int, int]) -> None:
-    """lora_expand's (block_m, block_n, num_warps) above SHRINK_SPLIT_MAX_TOKENS tokens ("MxNxW" or a tuple;
-    default EXPAND_PREFILL_TILE, 128 x 64 at 4 warps; 0x0x0: the decode tile, 64 x 64 at 4 warps). The same sums."""
-    _EXPAND_PREFILL[0] = (_parse_expand_tile(value, "set_lora_expand_prefill_tile") if isinstance(value, str)
-                          else _parse_expand_tile("x".join(str(v) for v in value), "set_lora_expand_prefill_tile"))
-
-
-def lora_expand_prefill_tile() -> str:
-    return "x".join(str(v) for v in _EXPAND_PREFILL[0])
-
-
-def lora_shrink_config() -> tuple[int, int]:
-    """(splits, block_k) of set_lora_shrink_config; 0 = the default."""
-    return _SHRINK_CONFIG[0], _SHRINK_CONFIG[1]
-
-
 def _block_k(H: int, num_tokens: int | None = None, decode_block_k: int = 0) -> int:
-    """The shrink's K tile: set_lora_shrink_config's at decode sizes when forced, else decode_block_k there when
-    given (the deferred shrink's DEFER_SHRINK_BLOCK_K), else 64; at most H's next power of two."""
-    decode = num_tokens is not None and num_tokens <= SHRINK_SPLIT_MAX_TOKENS
-    want = (_SHRINK_CONFIG[1] or decode_block_k) if decode else 0
-    if want:
-        return min(want, max(16, triton.next_power_of_2(H)))
+    """The shrink's K tile: decode_block_k at decode sizes when given (the deferred shrink's), else 64; at most H's
+    next power of two."""
+    if decode_block_k and num_tokens is not None and num_tokens <= SHRINK_SPLIT_MAX_TOKENS:
+        return min(decode_block_k, max(16, triton.next_power_of_2(H)))
     return 64 if H >= 64 else max(16, triton.next_power_of_2(H))
-
-
-SHRINK_SPLIT_MAX_TOKENS = 256  # lora_shrink splits K up to this many tokens (decode batches)
 
 
 def lora_shrink_splits(num_tokens: int, H: int) -> int:
     """Split-K factor of lora_shrink for T tokens and input width H: decode batches (<= 256 tokens) split the input
     dim, up to 8 splits of >= 4 K tiles each, so that enough programs share the K loop (each (slot group, row
-    block, slice) program otherwise walks all of H serially: 19 us a call at 256 tokens on the H200); else 1.
-    set_lora_shrink_config's splits, when set, replace the 8 (at most one K tile per split)."""
+    block, slice) program otherwise walks all of H serially: 19 us a call at 256 tokens on the H200); else 1."""
     if not HAS_TRITON or num_tokens > SHRINK_SPLIT_MAX_TOKENS:
         return 1
-    if _SHRINK_CONFIG[0]:
-        return max(1, min(_SHRINK_CONFIG[0], triton.cdiv(H, _block_k(H, num_tokens))))
     return max(1, min(8, H // (_block_k(H) * 4)))
 
 
 def lora_shrink_buffer(n: int, num_tokens: int, R: int, H: int, device: torch.device | str,
                        max_splits: int = 0) -> torch.Tensor:
     """The shrink's output for lora_shrink / lora_expand: [split_k, n, T, R] fp32, uninitialised (every entry the
-    expand reads is written by the shrink; split_k = lora_shrink_splits on a GPU, 1 elsewhere). max_splits > 0:
-    at most that many, unless set_lora_shrink_config forces the splits (the shrink takes split_k from the buffer)."""
+    expand reads is written by the shrink; split_k = lora_shrink_splits on a GPU, 1 elsewhere, at most max_splits
+    when > 0; the shrink takes split_k from the buffer)."""
     splits = lora_shrink_splits(num_tokens, H) if torch.device(device).type == "cuda" else 1
-    if max_splits > 0 and not _SHRINK_CONFIG[0]:
+    if max_splits > 0:
         splits = min(splits, max_splits)
     return torch.empty(splits, n, num_tokens, R, dtype=torch.float32, device=device)
 
@@ -267,9 +176,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
     out: [split_k, n, T, R] or [n, T, R] fp32, any contents (lora_shrink_buffer makes one)
     launch_dependents: every program first lets the next kernel start (programmatic dependent launch, sm_90+:
     that kernel is launched with launch_pdl and waits for this grid before it reads out; a no-op otherwise)
-    block_k: the K tile at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens; 0: 64; set_lora_shrink_config's, when
-    set, wins). It sets which K steps each split sums (split sk takes the tiles sk, sk + split_k, ...), so the fp32
-    partials, not what they sum to, depend on it.
+    block_k: the K tile at decode sizes (<= SHRINK_SPLIT_MAX_TOKENS tokens; 0: 64). It sets which K steps each
+    split sums (split sk takes the tiles sk, sk + split_k, ...), so the fp32 partials, not what they sum to, depend
+    on it.
     """
     require_triton()
     n, S, R, H = a.shape
@@ -287,7 +196,6 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
         BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H, T, block_k), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
         **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}),
-        **({"num_warps": _SHRINK_WARPS[0]} if _SHRINK_WARPS[0] and T <= SHRINK_SPLIT_MAX_TOKENS else {}),
     )
 
 
@@ -316,8 +224,8 @@ def lora_expand(
     bm = _block_m(T)
     block_n = 64 if O >= 64 else max(16, triton.next_power_of_2(O))
     warps = {}
-    if T > SHRINK_SPLIT_MAX_TOKENS and _EXPAND_PREFILL[0][0]:  # set_lora_expand_prefill_tile
-        bm, bn, w = _EXPAND_PREFILL[0]
+    if T > SHRINK_SPLIT_MAX_TOKENS:
+        bm, bn, w = EXPAND_PREFILL_TILE
         block_n, warps = min(bn, max(16, triton.next_power_of_2(O))), {"num_warps": w}
     block_r = 16
     grid = (triton.cdiv(T, bm) * triton.cdiv(O, block_n), n, L)
@@ -328,5 +236,5 @@ def lora_expand(
         h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=h.shape[0], PRECISION=dot_precision(b_cat.dtype),
-        EVEN_R=lora_even_r() and R % block_r == 0 and b_cat.shape[2] == R, **warps,
+        EVEN_R=R % block_r == 0 and b_cat.shape[2] == R, **warps,
     )

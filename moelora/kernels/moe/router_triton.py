@@ -1,35 +1,25 @@
-"""The MoE router in one launch at decode sizes: the gate GEMM, softmax and top-k (reference: router_topk_ref).
+"""The MoE router on the GPU: route_topk (softmax and top-k of given logits, one launch) and router_topk (the gate
+GEMM, softmax and top-k in one launch at decode sizes; MoEConfig.fused_router). References: experts.route_topk_ref,
+router_topk_ref.
 
-Why: at batch 64 on the H200 the router took three kernels per layer (cuBLAS's gate GEMM 5.4 µs for 0.5 MB of
-weights, route_topk 2.3 µs, two launch gaps); all of it sits on the critical path before the experts' alignment.
-Here the gate GEMM is split over (token block, K split, expert block) programs, each storing its fp32 partial;
-the program arriving last for a token block (an arrival counter per token block, as split_k_reduce) adds the
+router_topk: the gate GEMM is split over (token block, K split, expert block) programs, each storing its fp32
+partial; the program arriving last for a token block (an arrival counter per token block, as split_k_reduce) adds the
 partials in split order (deterministic), rounds the logits to x's dtype (as F.linear returns them), and does
-route_topk's softmax and top-k for its rows. On by default on CUDA (set_fused_router / MOELORA_FUSED_ROUTER=0 to
-turn off), up to FUSED_ROUTER_MAX_T tokens (prefill keeps F.linear + route_topk). Measured (H200, fp8 128/128
-batch 64, scripts/bench_router.py and one A/B process): 7.0 µs a layer against 8.2 for the three kernels, +0.5%
-decode tokens/s with 0 / 4 adapters, +0.4% with 8.
+route_topk's softmax and top-k for its rows (H200, batch 64: 7.0 µs a layer against 8.2 for three kernels).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, _env_choice, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
 from moelora.kernels.moe.experts import route_topk_ref
 
 FUSED_ROUTER_MAX_T = 256  # rows; above it F.linear + route_topk (the partials grow with T, the launch gains nothing)
 FUSED_ROUTER_MAX_E = 512  # experts: one program holds a token block's whole row of logits
+ROUTE_TOPK_MAX_E = 4096  # route_topk holds a row of logits in one program
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _N_COUNTERS = 1024
-
-_ENABLED = _env_choice("MOELORA_FUSED_ROUTER", "1", ("0", "1"))
-_ON_CPU = [False]  # tests: the kernel on CPU tensors under TRITON_INTERPRET=1 too
-# launch configurations "BLOCK_TxK splitsxBLOCK_ExBLOCK_Hxnum_warps" swept by scripts/bench_router.py (and taken by
-# MOELORA_ROUTER_CONFIG / bench decode --ab); 0: chosen by _config
-ROUTER_CONFIGS = ("0x0x0x0x0", "16x4x64x128x4", "16x8x32x128x4", "16x16x64x128x4", "32x8x64x128x4", "16x8x64x256x4",
-                  "16x8x128x128x4", "16x8x64x128x2", "64x16x32x128x4", "16x16x32x128x4", "16x16x128x128x4")
-_CONFIG: list[int] = [int(v) for v in _env_choice("MOELORA_ROUTER_CONFIG", "0x0x0x0x0", ROUTER_CONFIGS)[0].split("x")]
 
 if HAS_TRITON:
     import triton
@@ -96,45 +86,17 @@ if HAS_TRITON:
             tl.store(cnt_ptr + pid_t, 0)  # for the next launch (stream order, graph replays)
 
 
-def set_fused_router(enabled: bool, on_cpu: bool | None = None) -> None:
-    """MoEBlock's router as one router_topk launch on CUDA up to FUSED_ROUTER_MAX_T tokens (the default;
-    MOELORA_FUSED_ROUTER=0 to turn off), else F.linear + route_topk. The logits may differ from cuBLAS's in the last
-    bit of x's dtype (another fp32 summation order), as two cuBLAS algorithms may; read when graphs are captured.
-    on_cpu: also on CPU tensors under TRITON_INTERPRET=1 (tests only; None: unchanged)."""
-    _ENABLED[0] = "1" if enabled else "0"
-    if on_cpu is not None:
-        _ON_CPU[0] = bool(on_cpu)
-    if enabled and torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
-        _counters(torch.device("cuda", torch.cuda.current_device()))  # before any capture (bench --ab recaptures)
-
-
-def fused_router() -> bool:
-    return _ENABLED[0] == "1"
-
-
-def set_router_config(block_t: int = 0, splits: int = 0, block_e: int = 0, block_h: int = 0,
-                      num_warps: int = 0) -> None:
-    """router_topk's launch forced (0: each chosen by _config): token block, K splits, expert block, K tile,
-    warps. For scripts/bench_router.py's sweep; the same results up to fp32 summation order."""
-    for name, v in (("block_t", block_t), ("block_e", block_e), ("block_h", block_h)):
-        if v and (v < 16 or v & (v - 1)):
-            raise ValueError(f"set_router_config: {name} must be 0 or a power of two >= 16, got {v}")
-    if splits < 0 or num_warps not in (0, 1, 2, 4, 8):
-        raise ValueError(f"set_router_config: splits >= 0 and num_warps 0, 1, 2, 4 or 8; got {splits}, {num_warps}")
-    _CONFIG[:] = [block_t, splits, block_e, block_h, num_warps]
-
-
-def router_config() -> str:
-    """set_router_config's launch as "BTxKSxBExBHxW" (MOELORA_ROUTER_CONFIG's form; 0 = the default)."""
-    return "x".join(str(v) for v in _CONFIG)
-
-
-def _config(T: int, E: int, H: int) -> tuple[int, int, int, int, int]:
+def _config(T: int, E: int, H: int, force: tuple[int, int, int, int, int] | None = None
+            ) -> tuple[int, int, int, int, int]:
     """(BLOCK_T, KS, BLOCK_E, BLOCK_H, num_warps): 16-token blocks, 8 K splits; up to 128 tokens expert blocks of
-    64 and one K tile of 256 a split (64 programs at batch 64, E 128, H 2048), above it expert blocks of 128 and K
-    tiles of 128 (fewer programs to add up). A sweep (scripts/bench_router.py, H200, E 128, H 2048): at
-    16 / 64 / 128 / 256 tokens 6.9 / 7.0 / 7.2 µs and 7.7 at 256, against 7.9-8.3 for F.linear + route_topk."""
-    bt, ks, be, bh, nw = _CONFIG
+    64 and one K tile of 256 a split, above it expert blocks of 128 and K tiles of 128 (the H200 sweep's best).
+    force: entries that are not 0 replace the chosen ones (router_topk's launch=)."""
+    bt, ks, be, bh, nw = force or (0, 0, 0, 0, 0)
+    for name, v in (("block_t", bt), ("block_e", be), ("block_h", bh)):
+        if v and (v < 16 or v & (v - 1)):
+            raise ValueError(f"router_topk launch: {name} must be 0 or a power of two >= 16, got {v}")
+    if ks < 0 or nw not in (0, 1, 2, 4, 8):
+        raise ValueError(f"router_topk launch: splits >= 0 and num_warps 0, 1, 2, 4 or 8; got {ks}, {nw}")
     bt = bt or 16
     bh = bh or (256 if T <= 128 else 128)
     be = min(be or (64 if T <= 128 else 128), max(16, triton.next_power_of_2(E)))
@@ -155,25 +117,28 @@ def _counters(device: torch.device) -> torch.Tensor | None:
 
 
 def router_topk_ok(x: torch.Tensor, gate: torch.Tensor) -> bool:
-    """Whether MoEBlock may call router_topk: switched on, Triton, CUDA (or, on_cpu, the interpreter), x and
-    gate of one 16-bit or fp32 dtype, 1..FUSED_ROUTER_MAX_T rows, at most FUSED_ROUTER_MAX_E experts, and the
-    counters made (not first inside a graph capture)."""
-    from moelora.kernels._triton import interpreting
-
-    if not (HAS_TRITON and fused_router() and x.dim() == 2 and gate.dtype == x.dtype):
-        return False
-    if not (x.is_cuda or (_ON_CPU[0] and interpreting())) or not 0 < x.shape[0] <= FUSED_ROUTER_MAX_T:
+    """Whether router_topk takes this call: x [T, H] and gate of one dtype, 1..FUSED_ROUTER_MAX_T rows, at most
+    FUSED_ROUTER_MAX_E experts, and the counters made (not first inside a graph capture). The caller chose the Triton
+    path for its device (MoEBlock.configure)."""
+    if not (HAS_TRITON and x.dim() == 2 and gate.dtype == x.dtype and 0 < x.shape[0] <= FUSED_ROUTER_MAX_T):
         return False
     return gate.shape[0] <= FUSED_ROUTER_MAX_E and _counters(x.device) is not None
 
 
+def make_counters(device: torch.device) -> None:
+    """The arrival counters of `device`, made now (eagerly: before any CUDA-graph capture)."""
+    _counters(device)
+
+
 def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
-                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                out_dtype: torch.dtype | None = None, launch: tuple[int, int, int, int, int] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Semantics (router_topk_ref): logits = x @ gate.T summed in fp32, rounded to x's dtype (F.linear's output);
     p = softmax(logits) in fp32; (w, ids) = topk(p, top_k) in decreasing p (ties: the lowest expert id first);
     if renormalize: w /= w.sum(-1); w rounded once to out_dtype (default x's dtype).
     x: [T, H] · gate: [E, H] (x's dtype) · returns topk_weights [T, top_k], topk_ids [T, top_k] int64,
-    logits [T, E] x's dtype."""
+    logits [T, E] x's dtype. launch: (BLOCK_T, splits, BLOCK_E, BLOCK_H, num_warps) forced where not 0 (sweeps,
+    tests; the same results up to fp32 summation order)."""
     require_triton()
     T, H = x.shape
     E, Hg = gate.shape
@@ -187,7 +152,7 @@ def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
     if T == 0:
         return w, ids, logits
     cnt = _counters(x.device)
-    bt, ks, be, bh, nw = _config(T, E, H)
+    bt, ks, be, bh, nw = _config(T, E, H, launch)
     tb = triton.cdiv(T, bt)
     if cnt is None or tb > cnt.numel():
         raise RuntimeError(f"router_topk: no arrival counters for {tb} token blocks (router_topk_ok first)")
@@ -210,3 +175,49 @@ def router_topk_ref(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize
     logits = (x.float() @ gate.float().T).to(x.dtype)
     w, ids = route_topk_ref(logits, top_k, renormalize, out_dtype or x.dtype)
     return w, ids, logits
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _route_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, s_t, s_e,
+                           K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        mask = offs < E
+        x = tl.load(logits_ptr + t * s_t + offs * s_e, mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.exp(x - tl.max(x, axis=0))
+        x = tl.where(mask, x, 0.0)
+        probs = x / tl.sum(x, axis=0)
+        cur = tl.where(mask, probs, -1.0)  # probabilities are >= 0: masked lanes never win
+        offs_k = tl.arange(0, BLOCK_K)
+        w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for k in tl.static_range(K):
+            best = tl.max(cur, axis=0)
+            idx = tl.min(tl.where(cur == best, offs, BLOCK_E), axis=0)  # lowest index among ties
+            w = tl.where(offs_k == k, best, w)
+            ids = tl.where(offs_k == k, idx.to(tl.int64), ids)
+            cur = tl.where(offs == idx, -2.0, cur)
+        if RENORM:
+            w = w / tl.sum(w, axis=0)
+        tl.store(w_ptr + t * K + offs_k, w.to(w_ptr.dtype.element_ty), mask=offs_k < K)
+        tl.store(ids_ptr + t * K + offs_k, ids, mask=offs_k < K)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.route_topk_ref in one launch: p = softmax(logits) (fp32); (w, ids) = topk(p, K) in decreasing p
+    (ties: the lowest expert id first); if renormalize: w /= w.sum(-1); w rounded once to out_dtype.
+    router_logits: [T, E] · returns topk_weights [T, K] out_dtype, topk_ids [T, K] int64."""
+    require_triton()
+    T, E = router_logits.shape
+    w = torch.empty(T, top_k, dtype=out_dtype, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    if T:
+        _route_topk_kernel[(T,)](router_logits, w, ids, E, router_logits.stride(0), router_logits.stride(1),
+                                 K=top_k, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                                 BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORM=renormalize,
+                                 num_warps=1 if E <= 256 else 4)
+    return w, ids
+

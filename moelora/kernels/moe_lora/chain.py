@@ -1,35 +1,27 @@
-"""Routed-expert multi-LoRA over (token, k) pairs, pair p = t * K + k (pair-major, as a fused MoE
-kernel lays out its intermediates): references, and the alignment of pairs by virtual expert.
+"""Routed-expert multi-LoRA over (token, k) pairs, pair p = t * K + k: the shrink and expand references (the
+semantics of every kernel in this package, composed by fused_triton.moe_lora_fused_ref), and the alignment of pairs
+by virtual expert slot * E + e (reference; chain_triton.moe_lora_align_fast on the GPU).
 
 gate_up: h = shrink(x[t]) with A[i, slot, e] per slice (gate, up); gu[p] += scaling * B h  (before the activation)
 down:    h = shrink(act[p]) with A[0, slot, e];                    o[p]  += w[p] * scaling * B h (router weight)
-An expert dim of 1 in A or B (stride 0 over experts) is the "shared outer" layout: one factor for all experts.
-The Triton kernels (moe_lora_triton.py) have these signatures too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moelora.kernels.moe_lora.args import ProjLoRA, Routing
 
-def moe_lora_shrink_ref(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    ranks: torch.Tensor,
-    topk_ids: torch.Tensor,
-    token_slots: torch.Tensor,
-    num_experts: int,
-    out: torch.Tensor,
-    x_per_pair: bool,
-) -> None:
-    """Semantics:
+
+def moe_lora_shrink_ref(x: torch.Tensor, lora: ProjLoRA, routing: Routing, out: torch.Tensor, *,
+                        x_per_pair: bool) -> None:
+    """Semantics (a, ranks of lora; topk_ids, token_slots of routing):
         for p in range(T * K): t, e, s = p // K, topk_ids.flatten()[p], token_slots[p // K]
             if s >= 0 and e >= 0: for i: r = ranks[i, s]; out[p, i, :r] = row @ a[i, s, e (0 if shared), :r].T
                        with row = x[p] if x_per_pair else x[t]          (other entries untouched)
-    x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · ranks: [n, S] int32 · topk_ids: [T, K] · token_slots: [T]
-    num_experts: E of the model (the Triton kernels align pairs by slot * E + e)
-    out: [T*K, n, R] fp32
+    x: [T, D] or [T*K, D] · out: [T*K, n, R] fp32
     """
+    a, ranks, topk_ids, token_slots = lora.a, lora.ranks, routing.topk_ids, routing.token_slots
     T, K = topk_ids.shape
     pair_slot = token_slots.long().repeat_interleave(K)  # [P]
     pair_exp = topk_ids.reshape(-1).long()
@@ -50,26 +42,17 @@ def moe_lora_shrink_ref(
                     out[pairs, i, :r] = rows.float() @ a[i, s, 0 if shared else e, :r].float().T
 
 
-def moe_lora_expand_ref(
-    h: torch.Tensor,
-    b_cat: torch.Tensor,
-    slice_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scaling: torch.Tensor,
-    topk_ids: torch.Tensor,
-    token_slots: torch.Tensor,
-    num_experts: int,
-    y: torch.Tensor,
-    pair_weights: torch.Tensor | None = None,
-) -> None:
-    """Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
+def moe_lora_expand_ref(h: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *,
+                        pair_weights: torch.Tensor | None = None) -> None:
+    """Semantics (b_cat = lora.b; slice i owns columns o_i = offsets[i]:offsets[i+1]):
         for p in range(T * K): e, s = topk_ids.flatten()[p], token_slots[p // K]
             if s >= 0 and e >= 0: for i with r = ranks[i, s] > 0:
                 y[p, o_i] += w[p] * scaling[i, s] * h[p, i, :r] @ b_cat[s, e (0 if shared), o_i, :r].T
         w = pair_weights (the router weights, [T*K]) or 1
-    h: [T*K, n, R] fp32 · b_cat: [S, E|1, O, R] · slice_offsets: [n+1] int32 · ranks, scaling: [n, S]
-    y: [T*K, O] updated in place
+    h: [T*K, n, R] fp32 · y: [T*K, O] updated in place
     """
+    b_cat, slice_offsets, ranks, scaling = lora.b, lora.offsets, lora.ranks, lora.scaling
+    topk_ids, token_slots = routing.topk_ids, routing.token_slots
     T, K = topk_ids.shape
     pair_slot = token_slots.long().repeat_interleave(K)
     pair_exp = topk_ids.reshape(-1).long()

@@ -8,12 +8,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class MoELoRAConfig:
     """grouped_min_pairs: from this many (token, expert) pairs up to 2,048 the grouped kernel (pairs grouped by
-    (slot, expert)) instead of the per-pair fused one. grouped_prefill: the grouped kernel at prefill sizes too.
-    prefill_epilogue: at prefill on FP8 expert stacks the LoRA expand in the expert GEMM's epilogue.
-    early / early_down: gate_up's (down's) LoRA issued on the side stream before the alignment (the activation)."""
+    (slot, expert)) instead of the per-pair fused one (above 2,048 pairs always the grouped one, in prefill blocks).
+    prefill_epilogue: above 2,048 pairs on FP8 expert stacks, the LoRA expand in the expert GEMM's epilogue (else the
+    grouped kernel's delta). early / early_down: gate_up's (down's) LoRA issued on the side stream before the
+    experts' alignment (the activation)."""
 
     grouped_min_pairs: int = 2048
-    grouped_prefill: bool = True
     prefill_epilogue: bool = True
     early: bool = True
     early_down: bool = True
+
+    def __post_init__(self) -> None:
+        if self.grouped_min_pairs < 1:
+            raise ValueError(f"kernel config moe_lora.grouped_min_pairs: a number of pairs >= 1, got "
+                             f"{self.grouped_min_pairs}")

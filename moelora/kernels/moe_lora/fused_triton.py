@@ -1,100 +1,39 @@
-"""Fused decode kernel for routed-expert multi-LoRA: shrink and expand of every slice in one launch
-(reference: moe_lora_fused_ref below, composed of moe_lora.py's references).
+"""The per-pair fused routed-expert LoRA kernel (decode): shrink and expand of every slice in one launch (reference:
+moe_lora_fused_ref, composed of chain.py's references).
 
-The unfused decode path is three launches per projection (zero h, shrink with split-K atomics into h
-[P, n, R] fp32, expand into y; four with the side stream's zeroed delta) and costs latency, not bytes,
-at decode sizes. Here one program per
-(pair p, slice i, output split j) computes h = x_row @ A[i, s, e, :r].T in fp32 registers (the whole
-input dim, no split-K, no atomics, no h buffer), then walks the output tiles j, j + SPLIT_N, ... of
-slice i: y[p, tile] += w * scaling * h @ B[s, e, tile, :r].T.
+One program per (slice i, pair p, output split j) (the slices of a pair side by side in the grid, so the gate and up
+programs of a pair read a shared A from L2) computes h = x_row @ A[i, s, e, :r].T in fp32 registers (the whole input
+dim, no split-K, no atomics, no h buffer), then walks the output tiles j, j + SPLIT_N, ... of slice i:
+y[p, tile] += w * scaling * h @ B[s, e, tile, :r].T. From ~32 tokens P * n programs fill the GPU and SPLIT_N = 1 (A
+read once per pair); at 1-16 tokens SPLIT_N > 1 spreads the output tiles over more programs, each re-reading the same
+A row block (from L2 after the first). SPLIT_N, the warps per program and the loops' pipelining come from the launch
+size alone (CUDA-graph safe) and can be forced (split_n, num_warps, stages: sweeps and tests).
 
-Why (pair, slice, split) with h recomputed per split: from ~32 tokens (P >= 256 pairs, top-8)
-P * n programs already fill the GPU, SPLIT_N = 1 and A is read once per pair (A is ~3/4 of the
-bytes of gate_up: 2 x R x H against 2I x R); recomputing h per output tile would multiply those reads.
-At 1-16 tokens P * n is 8-256 programs, a few SMs of 132; there SPLIT_N > 1 spreads the output tiles over more programs, each re-reading the same A row
-block (from L2 after the first) — more parallel HBM streams for B and y at the cost of L2 reads.
-SPLIT_N and the warps per program (4/8/16, tiles of 1024 elements per warp) come from the launch size
-alone (fixed per batch size: CUDA-graph safe) and can be forced with `split_n` / `num_warps`
-(bench_lora_fused.py sweeps them).
-
-store=True writes instead of adding: y[p, o_i] = the delta (0 for pairs of slot -1 and for slices of
-rank 0), so a side-stream delta buffer needs no zero-fill.
+store=True writes instead of adding: y[p, o_i] = the delta (0 for pairs of slot -1 and for slices of rank 0), so a
+side-stream delta buffer needs no zero-fill. Earlier forms that lost are in docs/performance-history.md and
+docs/experiments.md.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Callable
-
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels.moe.act_triton import silu_and_mul_ref
+from moelora.kernels.moe_lora.args import ProjLoRA, Routing
 from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
-from moelora.kernels.moe_lora.chain_triton import _a_strides, _b_strides
+from moelora.kernels.moe_lora.chain_triton import a_strides, b_strides
 
 FUSED_TARGET_PROGRAMS = 264  # SPLIT_N aims at this many programs: 2 per SM of an H200 (132 SMs)
-# MOELORA_FUSED_LORA_STAGES=n (set_fused_lora_stages): the shrink's loop over the input dim pipelined n deep, its A
-# and x tiles copied ahead into shared memory (cp.async, 8 KiB a stage at 4 warps); 1: each tile loaded when used
-_D_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_STAGES", "0") or 0)]
-# MOELORA_FUSED_LORA_EXPAND_STAGES=n: the same for the expand's loop over output tiles (B tiles copied ahead)
-_E_STAGES = [int(os.environ.get("MOELORA_FUSED_LORA_EXPAND_STAGES", "0") or 0)]
-# 0 (unset): fused_stages' choice from the launch. A sweep of the store-mode kernel at 64 tokens, 4 adapters,
-# rank 16 (scripts/bench_lora_fused.py --sweep-tiles; µs per call, gate_up / down): both loops 3 deep
-# 20.1 / 12.7, the shrink's only 20.9 / 16.1, the expand's only 25.3 / 16.6, neither 28.9 / 19.0 (with B read in
-# whole rank rows; under the per-element rank mask, neither: 23.4 / 16.4). 8 warps, 2 splits and 2x wider
-# tiles all lost.
-PIPELINED_STAGES = 3  # both loops' depth where the launch has 4-warp programs (>= 512 (pair, slice) programs)
-# set_fused_lora_pipeline / MOELORA_FUSED_LORA_PIPELINE (on by default; =0 turns it off): fused_stages' choice
-# pipelines 4-warp launches. End to end (batch 64, 128/128, fp8, 0 / 4 / 8 adapters, same call, with
-# MOELORA_LORA_EVEN_R=0): 6,114 / 5,151 / 4,978 tok/s against 6,116 / 4,940 / - off; with the dense whole-rank-row
-# reads too: 6,120 / 5,180 / 5,029. The GPU tests passed with both on.
-_AUTO_PIPELINE = [os.environ.get("MOELORA_FUSED_LORA_PIPELINE", "1") != "0"]
-# set_fused_lora_slice_first / MOELORA_FUSED_LORA_SLICE_FIRST (on by default; =0 turns it off): the grid's fastest
-# dimension is the slice, so the gate and up programs of one pair are launched side by side (with a shared A, the
-# second reads it from L2 while it is still there) instead of all gate programs, then all up programs. Results do not
-# change. Shared-A adapters, fp8 128/128 batch 64, 4 / 8 adapters, one A/B process each: +0.40% / - (one round),
-# +0.43% / +0.60% (two rounds).
-_SLICE_FIRST = [os.environ.get("MOELORA_FUSED_LORA_SLICE_FIRST", "1") != "0"]
-
-
-def set_fused_lora_slice_first(enabled: bool) -> None:
-    """moe_lora_fused's programs ordered slice first ((slice, pair, split) grid: the gate and up programs of a pair
-    side by side; the default, +0.4-0.6%) or pair first (MOELORA_FUSED_LORA_SLICE_FIRST=0)."""
-    _SLICE_FIRST[0] = bool(enabled)
-
-
-def fused_lora_slice_first() -> bool:
-    return _SLICE_FIRST[0]
-
-
-def set_fused_lora_pipeline(enabled: bool) -> None:
-    """fused_stages' choice for 4-warp launches: both loops PIPELINED_STAGES deep (on) or not pipelined (off)."""
-    _AUTO_PIPELINE[0] = bool(enabled)
-
-
-def set_fused_lora_stages(stages: int, expand_stages: int | None = None) -> None:
-    """The fused kernel's shrink loop pipelined `stages` deep and its expand loop `expand_stages` deep (None: left as
-    it is; 1: not pipelined; 0: fused_stages' choice); results do not change."""
-    for name, v in (("stages", stages), ("expand_stages", expand_stages)):
-        if v is not None and v < 0:
-            raise ValueError(f"set_fused_lora_stages: {name} must be >= 0, got {v}")
-    _D_STAGES[0] = int(stages)
-    if expand_stages is not None:
-        _E_STAGES[0] = int(expand_stages)
+PIPELINED_STAGES = 3  # both loops' depth for 4-warp launches (>= 512 (pair, slice) programs: 14% / 23% less time)
 
 
 def fused_stages(num_warps: int) -> tuple[int, int]:
-    """(shrink, expand) loop depths: with set_fused_lora_pipeline(True) (the default), PIPELINED_STAGES for 4-warp
-    launches (from 64 tokens at top-8: 14% / 23% less time per call there) and 1 below (few programs
-    with more warps: not measured pipelined); 1 otherwise; a depth forced by set_fused_lora_stages / the
-    environment wins."""
-    auto = PIPELINED_STAGES if num_warps == 4 and _AUTO_PIPELINE[0] else 1
-    return _D_STAGES[0] or auto, _E_STAGES[0] or auto
+    """(shrink, expand) loop depths: PIPELINED_STAGES for 4-warp launches (from 64 tokens at top-8), 1 below (few
+    programs with more warps: not measured pipelined)."""
+    depth = PIPELINED_STAGES if num_warps == 4 else 1
+    return depth, depth
 
-
-# (Earlier forms of this kernel that lost and were removed — the pairs taken expert by expert, a persistent grid
-# beside the expert GEMM, the expand in the FP8 expert GEMM's epilogue at decode, its programs inside the GEMM's own
-# launch — are described in docs/performance-history.md.)
 
 if HAS_TRITON:
     import triton
@@ -168,7 +107,7 @@ if HAS_TRITON:
     def _act_tile(gu_row, d_row, dd, mask_d, D, s_gn, s_dn, HAS_XD: tl.constexpr):
         """fp32 [BLOCK_D] of silu(g) * u at columns dd of one row of gate_up's output (g at dd, u at D + dd), its
         delta added first and rounded once to its dtype (HAS_XD), the product rounded to its dtype: the numbers
-        fused_moe_triton._silu_and_mul_kernel writes, by the same operations."""
+        act_triton._silu_and_mul_kernel writes, by the same operations."""
         g = tl.load(gu_row + dd * s_gn, mask=mask_d, other=0.0)
         u = tl.load(gu_row + (dd + D) * s_gn, mask=mask_d, other=0.0)
         if HAS_XD:
@@ -189,12 +128,9 @@ if HAS_TRITON:
             mask_n = offs_n < width
             b_ptrs = b_base + (o0 + offs_n[:, None]) * sb_o + offs_r[None, :] * sb_r
             if EVEN_R:  # rows of BLOCK_R values (the buffer's rank R): masked by row only, so the load is
-                # vectorized and can be pipelined (cp.async takes >= 4 bytes), the entries past this slot's
-                # rank zeroed after it. Only with E_STAGES > 1: unpipelined, this form was slower (28.9 / 19.0
-                # against 23.4 / 16.4 µs, gate_up / down at 64 tokens)
-                # (rank 0 — attention-only adapters, rows without an adapter — loads nothing: store mode writes
-                # the zeros. Before, every pair's B was read and zeroed: batch 64 with 4 / 8 attention-only
-                # adapters 12.10 / 12.30 ms a step, then 11.87 / 12.10)
+                # vectorized and can be pipelined (cp.async takes >= 4 bytes), the entries past this slot's rank
+                # zeroed after it (only with E_STAGES > 1: unpipelined, this form was slower). Rank 0 (rows without
+                # an adapter, attention-only adapters) loads nothing: store mode writes the zeros
                 live_n = offs_n < tl.where(rank > 0, width, 0)
                 bt = tl.where(mask_r[None, :], tl.load(b_ptrs, mask=live_n[:, None], other=0.0), 0.0)
             else:
@@ -235,26 +171,21 @@ def fused_split_n(programs: int, max_width: int, block_n: int, split_n: int | No
 
 def moe_lora_fused(
     x: torch.Tensor,
-    a: torch.Tensor,
-    b_cat: torch.Tensor,
-    slice_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scaling: torch.Tensor,
-    topk_ids: torch.Tensor,
-    token_slots: torch.Tensor,
-    num_experts: int,
+    lora: ProjLoRA,
+    routing: Routing,
     y: torch.Tensor,
+    *,
     x_per_pair: bool,
     pair_weights: torch.Tensor | None = None,
     store: bool = False,
-    split_n: int | None = None,
-    num_warps: int | None = None,
-    a_src: torch.Tensor | None = None,
     act_in: bool = False,
     act_delta: torch.Tensor | None = None,
+    split_n: int | None = None,
+    num_warps: int | None = None,
+    stages: tuple[int, int] | None = None,
 ) -> None:
-    """moe_lora_shrink + moe_lora_expand in one launch, for decode-sized P (h never leaves registers).
-    Semantics (slice i owns columns o_i = slice_offsets[i]:slice_offsets[i+1]):
+    """Shrink + expand in one launch, for decode-sized P (h never leaves registers).
+    Semantics (a, b_cat, ranks, scaling of lora; slice i owns columns o_i = offsets[i]:offsets[i+1]):
         for p in range(T * K): t, e, s = p // K, topk_ids.flatten()[p], token_slots[p // K]
             row = x[p] if x_per_pair else x[t];  w = pair_weights[p] if given else 1
             for i: r = ranks[i, s] if s >= 0 else 0
@@ -263,40 +194,34 @@ def moe_lora_fused(
                 else:         untouched                          (store: y[p, o_i] = 0)
         a pair with e = -1 (another rank's expert under expert parallelism) leaves y[p] untouched in both
         modes (its row is never read: the base path left it out too)
-    x: [T, D] or [T*K, D] · a: [n, S, E|1, R, D] · b_cat: [S, E|1, O, R] · slice_offsets: [n+1] int32
-    ranks: [n, S] int32 · scaling: [n, S] fp32 · topk_ids: [T, K] int · token_slots: [T] int32
-    num_experts: E of the model (unused here: the signature of moe_lora_shrink) · y: [T*K, O] updated in place
-    pair_weights: [T*K] or None · store: write the delta (y may be an uninitialised fp32 buffer)
-    split_n: output splits per (pair, slice); None = from the launch size (FUSED_TARGET_PROGRAMS)
-    num_warps: per program (tiles scale with it); None = fused_num_warps(T * K * n)
-    (set_fused_lora_slice_first(True): the programs' grid is (n, P, split) instead of (P, n, split), the same work)
-    a_src: [n, S] int32 or None: slice i of slot s reads A from slice a_src[i, s] (LoRAWeights.a_src: set only
-    where the two copies are equal, so the results are the same; fewer distinct bytes read)
-    act_in: x is gate_up's output [T*K, 2D] (x_per_pair) and each row read is its activation, silu(x[p, :D]) *
-    x[p, D:] in fp32 rounded once to x's dtype, with act_delta [T*K, 2D] (fp32 or x's dtype; None: none) added to x
-    and rounded to x's dtype first: the numbers fused_moe_triton.silu_and_mul(x, delta=act_delta) writes, so the
-    down projection's LoRA need not wait for that kernel (set_moe_lora_early_down).
-    h is fp32 (as in the unfused path), the delta is added in fp32 and rounded once to y's dtype.
+    x: [T, D] or [T*K, D] · y: [T*K, O] updated in place · pair_weights: [T*K] or None · store: write the delta (y
+    may be an uninitialised buffer) · act_in: x is gate_up's output [T*K, 2D] (x_per_pair) and each row read is its
+    activation, silu(x[p, :D]) * x[p, D:] in fp32 rounded once to x's dtype, with act_delta [T*K, 2D] (fp32 or x's
+    dtype; None: none) added to x and rounded to x's dtype first: the numbers act_triton.silu_and_mul(x,
+    delta=act_delta) writes, so the down projection's LoRA need not wait for that kernel (moe_lora.early_down).
+    split_n (output splits per (pair, slice)), num_warps, stages ((shrink, expand) loop depths): None = from the
+    launch size. h is fp32, the delta is added in fp32 and rounded once to y's dtype.
     """
     require_triton()
-    T, K = topk_ids.shape
+    a, b_cat = lora.a, lora.b
+    T, K = routing.topk_ids.shape
     P = T * K
     act_kw = check_act_in(x, act_in, act_delta, x_per_pair, P, a.shape[4], "moe_lora_fused")
     if P == 0:
         return
     warps, (block_r, block_d, block_n), split = fused_launch(a, b_cat, P, split_n, num_warps)
-    d_stages, e_stages = fused_stages(warps)
-    w = pair_weights if pair_weights is not None else scaling
+    d_stages, e_stages = stages or fused_stages(warps)
+    w = pair_weights if pair_weights is not None else lora.scaling
     n, S, D = a.shape[0], a.shape[1], a.shape[4]
-    check_a_src(a_src, n, S, "moe_lora_fused")
-    slice_first = _SLICE_FIRST[0] and n > 1
+    check_a_src(lora.a_src, n, S, "moe_lora_fused")
+    slice_first = n > 1  # grid (slice, pair, split): the slices of a pair side by side
     _moe_lora_fused_kernel[(n, P, split) if slice_first else (P, n, split)](
-        x, a, b_cat, y, slice_offsets, ranks, scaling, topk_ids.reshape(-1), token_slots, w, D, S, K,
-        x.stride(0), x.stride(1), *_a_strides(a), *_b_strides(b_cat), y.stride(0), y.stride(1),
+        x, a, b_cat, y, lora.offsets, lora.ranks, lora.scaling, routing.topk_ids.reshape(-1), routing.token_slots, w,
+        D, S, K, x.stride(0), x.stride(1), *a_strides(a), *b_strides(b_cat), y.stride(0), y.stride(1),
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split, D_STAGES=d_stages, E_STAGES=e_stages,
         EVEN_R=e_stages > 1 and a.shape[3] == block_r, num_warps=warps,
-        **({"asrc_ptr": a_src, "HAS_A_SRC": True} if a_src is not None else {}),
+        **({"asrc_ptr": lora.a_src, "HAS_A_SRC": True} if lora.a_src is not None else {}),
         **({"SLICE_FIRST": True} if slice_first else {}),
         **act_kw,
     )
@@ -339,61 +264,37 @@ def fused_launch(a: torch.Tensor, b_cat: torch.Tensor, P: int, split_n: int | No
     return warps, blocks, fused_split_n(P * n, max_width, blocks[2], split_n)
 
 
+
+
 def moe_lora_fused_ref(
     x: torch.Tensor,
-    a: torch.Tensor,
-    b_cat: torch.Tensor,
-    slice_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scaling: torch.Tensor,
-    topk_ids: torch.Tensor,
-    token_slots: torch.Tensor,
-    num_experts: int,
+    lora: ProjLoRA,
+    routing: Routing,
     y: torch.Tensor,
+    *,
     x_per_pair: bool,
     pair_weights: torch.Tensor | None = None,
     store: bool = False,
-    split_n: int | None = None,
-    num_warps: int | None = None,
-    a_src: torch.Tensor | None = None,
     act_in: bool = False,
     act_delta: torch.Tensor | None = None,
+    split_n: int | None = None,
+    num_warps: int | None = None,
+    stages: tuple[int, int] | None = None,
 ) -> None:
-    """Reference of moe_lora_fused (same semantics and shapes): moe_lora_shrink_ref into a zeroed fp32 h,
-    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps ignored;
-    a_src ignored too (it only names an equal copy of A). act_in: x becomes silu_and_mul_ref of x (+
+    """Reference of moe_lora_fused (same semantics, shapes and signature): moe_lora_shrink_ref into a zeroed fp32 h,
+    then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps, stages
+    and a_src are ignored (a_src only names an equal copy of A). act_in: x becomes silu_and_mul_ref of x (+
     act_delta, rounded once to x's dtype) first."""
-    check_act_in(x, act_in, act_delta, x_per_pair, topk_ids.numel(), a.shape[4], "moe_lora_fused_ref")
+    check_act_in(x, act_in, act_delta, x_per_pair, routing.num_pairs, lora.a.shape[4], "moe_lora_fused_ref")
+    check_a_src(lora.a_src, lora.a.shape[0], lora.a.shape[1], "moe_lora_fused_ref")
     if act_in:
-        from moelora.kernels.moe.experts_triton import silu_and_mul_ref
-
         x = silu_and_mul_ref(x if act_delta is None else (x.float() + act_delta.float()).to(x.dtype))
-    _fused_ref(x, a, b_cat, slice_offsets, ranks, topk_ids, token_slots, num_experts, y, x_per_pair, scaling,
-               pair_weights, store)
-
-
-def _fused_ref(x, a, b_cat, slice_offsets, ranks, topk_ids, token_slots, num_experts, y, x_per_pair, scaling,
-               pair_weights, store: bool) -> None:
-    """moe_lora_fused_ref over all slices (see there)."""
-    T, K = topk_ids.shape
-    n, R = a.shape[0], a.shape[3]
-    h = torch.zeros(T * K, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
-    moe_lora_shrink_ref(x, a, ranks, topk_ids, token_slots, num_experts, h, x_per_pair)
+    n, R = lora.a.shape[0], lora.a.shape[3]
+    h = torch.zeros(routing.num_pairs, n, R, dtype=torch.float32, device=x.device)  # [P, n, R]
+    moe_lora_shrink_ref(x, lora, routing, h, x_per_pair=x_per_pair)
     if not store:
-        moe_lora_expand_ref(h, b_cat, slice_offsets, ranks, scaling, topk_ids, token_slots, num_experts, y, pair_weights)
+        moe_lora_expand_ref(h, lora, routing, y, pair_weights=pair_weights)
         return
     delta = torch.zeros(y.shape, dtype=torch.float32, device=y.device)  # [P, O]
-    moe_lora_expand_ref(h, b_cat, slice_offsets, ranks, scaling, topk_ids, token_slots, num_experts, delta, pair_weights)
+    moe_lora_expand_ref(h, lora, routing, delta, pair_weights=pair_weights)
     y.copy_(delta)
-
-
-def fused_for(shrink: Callable) -> Callable | None:
-    """The fused op matching an unfused shrink (fused_moe_pairs gets its kernels as arguments): the Triton
-    shrink -> moe_lora_fused, the reference shrink -> moe_lora_fused_ref, anything else -> None (unfused)."""
-    from moelora.kernels.moe_lora import chain_triton as moe_lora_triton
-
-    if shrink is moe_lora_shrink_ref:
-        return moe_lora_fused_ref
-    if HAS_TRITON and shrink is moe_lora_triton.moe_lora_shrink:
-        return moe_lora_fused
-    return None

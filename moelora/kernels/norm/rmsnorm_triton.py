@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels.quant.fp8_act_triton import act_quant_buffers, act_quant_ok, attach_act_quant
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from moelora.kernels.quant.fp8_triton import store_group_quant
+    from moelora.kernels.quant.fp8_act_triton import store_group_quant
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, q_ptr, qs_ptr, D, sx, sr, sy, sro, sq, sqs, eps,
@@ -23,10 +24,10 @@ if HAS_TRITON:
                          d_ptr=None, sd=0, HAS_DELTA: tl.constexpr = False,
                          co_ptr=None, cw_ptr=None, cd_ptr=None, s_co=0, s_cwt=0, s_cd=0,
                          COMBINE_K: tl.constexpr = 0, COMBINE_DELTA: tl.constexpr = False):
-        # COMBINE_K > 0 (a deferred routed-expert combine, fused_moe_triton.defer_moe_combine): x is not read; its
+        # COMBINE_K > 0 (a deferred routed-expert combine, moe.act_triton.defer_moe_combine): x is not read; its
         # row is moe_combine's, sum_k w[row, k] * (o[row * K + k] (+ delta, rounded once to o's dtype)) in fp32 over
         # the k of weight != 0, rounded once to o's dtype: the numbers moe_combine would have stored in x
-        # HAS_DELTA (set_dense_lora_defer): the LoRA delta d [rows, D] of the layer that produced x (o_proj) added to
+        # HAS_DELTA (dense_lora.defer): the LoRA delta d [rows, D] of the layer that produced x (o_proj) added to
         # x first, rounded once: x = x + d, then the residual add
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -63,7 +64,7 @@ if HAS_TRITON:
                              v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, sc_slot, sc_h,
                              HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
                              d_ptr=None, sdt=0, HAS_DELTA: tl.constexpr = False):
-        # HAS_DELTA (set_dense_lora_defer): qkv_proj's LoRA delta d [T, (Hq + 2 Hkv) * D] (the qkv layout: head h of
+        # HAS_DELTA (dense_lora.defer): qkv_proj's LoRA delta d [T, (Hq + 2 Hkv) * D] (the qkv layout: head h of
         # the q, k, v heads in that order at columns h * D) added to each head as it is loaded, rounded once
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -134,17 +135,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         y = weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)
     x, residual: [..., D] (last dim contiguous) · weight: [D] · returns (y [..., D], new residual or None)
     quant_group: also quantize y [rows, D] per row and group as quantize_act_group(y, quant_group) would, in the
-    same launch, attached to y (fp8_triton.attach_act_quant: the next FP8 GEMM reads it); skipped when D is not
+    same launch, attached to y (fp8_act_triton.attach_act_quant: the next FP8 GEMM reads it); skipped when D is not
     a multiple of the group.
     delta: [..., D] like x (last dim contiguous), the deferred LoRA delta of the layer that produced x
-    (set_dense_lora_defer).
+    (dense_lora.defer).
     combine = (o [rows * K, D], topk_weights [rows, K], o_delta [rows * K, D] or None): x is the placeholder of a
-    deferred routed-expert combine (fused_moe_triton.defer_moe_combine) and is not read; each row of it is
+    deferred routed-expert combine (moe.act_triton.defer_moe_combine) and is not read; each row of it is
     computed here as moe_combine(o, topk_weights, delta=o_delta) would have stored it (the same bits), in x.dtype.
     """
     require_triton()
-    from moelora.kernels.quant.fp8_triton import act_quant_buffers, act_quant_ok, attach_act_quant
-
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:

@@ -77,9 +77,3 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.T
         s2 = s2[..., None]  # [..., N, 1]
     w = unpack_e2m1(packed) * scale.float().repeat_interleave(GROUP, dim=-1) * s2
     return w.to(dtype)
-
-
-def nvfp4_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Weight-only: y = x @ dequantize_nvfp4(...).T (+ bias), in x.dtype · x: [T, K] · returns [T, N]"""
-    return torch.nn.functional.linear(x, dequantize_nvfp4(packed, scale, scale_2, x.dtype), bias)

@@ -2,23 +2,24 @@
 registers, tile by tile, and multiplied with the activations in their own dtype (Hopper has no FP4 tensor
 cores). One kernel for the dense linear (split-K at decode sizes) and the routed experts' grouped GEMM over
 (token, k) pairs on an alignment (rows grouped by expert, padded to BLOCK_M; no host synchronisation): the
-fused-MoE fast path's (nvfp4_expert_gemm, token rows read in place) or fp8_triton's (nvfp4_grouped_gemm)."""
+fused-MoE fast path's (nvfp4_expert_gemm, token rows read in place) or fp8_grouped_align's (nvfp4_grouped_gemm)."""
 
 from __future__ import annotations
 
-import json
-import os
+from dataclasses import dataclass
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, interpreting, require_triton
+from moelora.kernels.quant.fp8_experts_triton import expert_align_blocks, fp8_grouped_align
 from moelora.kernels.quant.nvfp4 import GROUP, dequantize_nvfp4
+from moelora.kernels.quant.split_k_triton import split_k_buffers
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from moelora.kernels.quant.fp8_triton import split_k_reduce  # the split-K epilogue both GEMMs share
+    from moelora.kernels.quant.split_k_triton import split_k_reduce  # the split-K epilogue both GEMMs share
 
     # Four packed bytes (eight e2m1 codes; byte i holds elements 2i, low nibble, and 2i + 1) -> the four low-nibble
     # and the four high-nibble elements as bf16 pairs, times their group scales ($5, $6: bf16 pairs). prmt spreads
@@ -77,7 +78,7 @@ if HAS_TRITON:
         odd ones (high nibbles) are two dots against the activations' even and odd columns.
         SPLIT_K > 1 (dense decode: few output tiles): split sk takes the K steps sk, sk + SPLIT_K, ..., stores its
         fp32 partial in ws[sk] and counts itself in cnt[tile]; the split arriving last adds the partials in order
-        sk = 0, 1, ... (deterministic), writes the output and resets the counter (fp8_triton's scheme)."""
+        sk = 0, 1, ... (deterministic), writes the output and resets the counter (split_k_triton)."""
         HALF: tl.constexpr = BLOCK_K // 2
         GROUPS: tl.constexpr = BLOCK_K // 16  # e4m3 scales per row and K step (one per 16 elements)
         pid_m = tl.program_id(0)
@@ -147,21 +148,28 @@ if HAS_TRITON:
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-# Launch configuration, per kind (scripts/bench_nvfp4_gemm.py sweeps it on the GPU): block_n output columns a
-# program (fewer when N is smaller); block_k elements a K step (block_k / 2 packed bytes a row; K need only be a
-# multiple of 16: masked); decode: 0 the scale applied in fp32, 1 in the activations' dtype, 2 inline PTX (bf16
-# activations on a GPU only; 1 elsewhere): the same weights each way;
-# dense only: block_m rows a program (0: the batch up to 64 rows, each weight tile decoded once), split_k (0: as
-# nvfp4_split_k picks). MOELORA_NVFP4_GEMM_CONFIG (JSON {"grouped": {...}, "dense": {...}}) overrides entries.
-CONFIG = {
-    # the sweep's best on the H200 (Qwen3-30B-A3B shapes, CUDA-graph timing): experts 128-wide
-    # with the PTX decode (gate_up / down at 64 tokens 108 / 54 us; the first kernel 3,664 / 1,052 us);
-    # dense 16-row blocks, 64-wide, split-K as nvfp4_split_k picks (qkv / o_proj at 64 tokens 17 / 13 us)
-    "grouped": dict(block_n=128, block_k=128, num_warps=4, num_stages=3, decode=2),
-    "dense": dict(block_n=64, block_k=128, num_warps=4, num_stages=3, decode=2, block_m=16, split_k=0),
-}
-for _kind, _cfg in json.loads(os.environ.get("MOELORA_NVFP4_GEMM_CONFIG", "{}")).items():
-    CONFIG[_kind].update(_cfg)
+@dataclass(frozen=True)
+class Nvfp4GemmConfig:
+    """A launch of _nvfp4_gemm_kernel, for a launcher's `config=` (sweeps, tests; None: DENSE_CONFIG /
+    GROUPED_CONFIG): block_n output columns a program (fewer when N is smaller); block_k elements a K step (K need
+    only be a multiple of 16: masked); decode 0 the scale applied in fp32, 1 in the activations' dtype, 2 inline
+    PTX (bf16 activations on a GPU only; 1 elsewhere): the same weights each way; dense only: block_m rows a
+    program (0: the batch up to 64 rows, each weight tile decoded once), split_k (0: as nvfp4_split_k picks)."""
+
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    decode: int = 2
+    block_m: int = 0
+    split_k: int = 0
+
+
+# the sweep's best on the H200 (scripts/bench_nvfp4_gemm.py, Qwen3-30B-A3B shapes, CUDA-graph timing): experts
+# 128-wide with the PTX decode (gate_up / down at 64 tokens 108 / 54 us); dense 16-row blocks, 64-wide, split-K as
+# nvfp4_split_k picks (qkv / o_proj at 64 tokens 17 / 13 us)
+GROUPED_CONFIG = Nvfp4GemmConfig(block_n=128)
+DENSE_CONFIG = Nvfp4GemmConfig(block_n=64, block_m=16)
 SPLIT_K_TARGET_PROGRAMS = 264  # dense split-K: the fewest splits reaching this many programs (2 per SM of an H200)
 
 
@@ -169,9 +177,9 @@ def _block_m(rows: int) -> int:
     return 16 if rows <= 512 else 64
 
 
-def _dense_block_m(rows: int) -> int:
-    if CONFIG["dense"]["block_m"]:
-        return CONFIG["dense"]["block_m"]
+def _dense_block_m(rows: int, cfg: Nvfp4GemmConfig) -> int:
+    if cfg.block_m:
+        return cfg.block_m
     return 16 if rows <= 16 else (32 if rows <= 32 else 64)
 
 
@@ -187,29 +195,25 @@ def nvfp4_split_k(tiles: int, k_steps: int) -> int:
 
 def _decode_mode(decode: int, x: torch.Tensor) -> int:
     """The inline-PTX decode (2) needs bf16 activations on a GPU (no interpreter): 1 otherwise."""
-    from moelora.kernels._triton import interpreting
-
     return 1 if decode == 2 and (x.dtype != torch.bfloat16 or not x.is_cuda or interpreting()) else decode
 
 
-def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_m: int, a_row_div: int = 1) -> None:
-    from moelora.kernels.quant.fp8_triton import split_k_buffers  # the split-K workspace and counters (shared)
-
+def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_m: int, cfg: Nvfp4GemmConfig,
+            a_row_div: int = 1) -> None:
     M, K = out.shape[0], x.shape[1]
     N = packed.shape[-2]
     if packed.shape[-1] * 2 != K or scale.shape[-1] * GROUP != K:
         raise ValueError(f"NVFP4 GEMM: input width {K} does not match packed weight {list(packed.shape)} and "
                          f"scale {list(scale.shape)}")
-    cfg = CONFIG["grouped" if ids is not None else "dense"]
     w3 = packed if packed.dim() == 3 else packed.unsqueeze(0)
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
     g2 = scale_2 if scale_2.dim() == 2 else scale_2.unsqueeze(0)
-    block_n = cfg["block_n"] if N >= cfg["block_n"] else max(16, triton.next_power_of_2(N))
-    block_k = cfg["block_k"]
+    block_n = cfg.block_n if N >= cfg.block_n else max(16, triton.next_power_of_2(N))
+    block_k = cfg.block_k
     grid_n = triton.cdiv(N, block_n)
     split_k = 1  # grouped: never split
     if ids is None:  # dense: split K when few output tiles (decode)
-        split_k = cfg["split_k"] or nvfp4_split_k(grid_m * grid_n, triton.cdiv(K, block_k))
+        split_k = cfg.split_k or nvfp4_split_k(grid_m * grid_n, triton.cdiv(K, block_k))
     split_k, ws, cnt = split_k_buffers(out, grid_m * grid_n, split_k)
     _nvfp4_gemm_kernel[(grid_m, grid_n, split_k)](
         x, w3, s3, g2, out, bias if bias is not None else out,
@@ -218,25 +222,28 @@ def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_
         s3.stride(0), s3.stride(1), s3.stride(2), g2.stride(0), g2.stride(1), out.stride(0), out.stride(1),
         GROUPED=ids is not None, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        DECODE=_decode_mode(cfg["decode"], x), SPLIT_K=split_k, A_ROW_DIV=a_row_div, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DECODE=_decode_mode(cfg.decode, x), SPLIT_K=split_k, A_ROW_DIV=a_row_div, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, config: Nvfp4GemmConfig | None = None) -> torch.Tensor:
     """Semantics (nvfp4_linear_ref): y = x @ dequantize_nvfp4(packed, scale, scale_2).T (+ bias), fp32 accumulation
     x: [T, K] · packed: [N, K/2] uint8 · scale: [N, K/16] e4m3 · scale_2: [N] fp32 (per row) · returns [T, N] x.dtype
+    config: the launch forced (sweeps, tests; None: DENSE_CONFIG)
     """
+    cfg = config or DENSE_CONFIG
     require_triton()
     T = x.shape[0]
     out = torch.empty(T, packed.shape[0], dtype=x.dtype, device=x.device)
     if T:
-        bm = _dense_block_m(T)
-        _launch(x, packed, scale, scale_2, out, bias, None, None, bm, triton.cdiv(T, bm))
+        bm = _dense_block_m(T, cfg)
+        _launch(x, packed, scale, scale_2, out, bias, None, None, bm, triton.cdiv(T, bm), cfg)
     return out
 
 
-def nvfp4_linear_ref(x, packed, scale, scale_2, bias=None) -> torch.Tensor:
+def nvfp4_linear_ref(x, packed, scale, scale_2, bias=None, config=None) -> torch.Tensor:
     """nvfp4_linear's semantics in torch (fp32 products, result in x.dtype)."""
     y = x.float() @ dequantize_nvfp4(packed, scale, scale_2).T
     if bias is not None:
@@ -245,13 +252,13 @@ def nvfp4_linear_ref(x, packed, scale, scale_2, bias=None) -> torch.Tensor:
 
 
 def nvfp4_grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
-                       pair_exp: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       pair_exp: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       config: Nvfp4GemmConfig | None = None) -> torch.Tensor:
     """Semantics: for p in range(P): y[p] = nvfp4_linear(x[p], packed[e], scale[e], scale_2[e]), e = pair_exp[p]
     x: [P, K] · packed: [E, N, K/2] uint8 · scale: [E, N, K/16] e4m3 · scale_2: [E, N] fp32 · pair_exp: [P]
-    align: fp8_triton.fp8_grouped_align(pair_exp, E) (shared by gate_up and down) · returns [P, N] in x.dtype
+    align: fp8_grouped_align(pair_exp, E) (shared by gate_up and down) · config: the launch forced (None:
+    GROUPED_CONFIG) · returns [P, N] in x.dtype
     """
-    from moelora.kernels.quant.fp8_triton import fp8_grouped_align
-
     require_triton()
     P = x.shape[0]
     out = torch.empty(P, packed.shape[1], dtype=x.dtype, device=x.device)
@@ -259,20 +266,19 @@ def nvfp4_grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
         return out
     bm = _block_m(P)
     sorted_ids, bexp = align if align is not None else fp8_grouped_align(pair_exp, packed.shape[0], bm)
-    _launch(x, packed, scale, scale_2, out, None, sorted_ids, bexp, bm, bexp.shape[0])
+    _launch(x, packed, scale, scale_2, out, None, sorted_ids, bexp, bm, bexp.shape[0], config or GROUPED_CONFIG)
     return out
 
 
 def nvfp4_expert_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
                       topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool,
-                      block_m: int) -> torch.Tensor:
+                      block_m: int, config: Nvfp4GemmConfig | None = None) -> torch.Tensor:
     """The grouped GEMM on the routed-expert fast path's alignment (fused_moe_triton.moe_align), token rows read
     in place. Semantics (nvfp4_expert_gemm_ref), pairs p = t * K + k, e = topk_ids.flatten()[p]:
         y[p] = nvfp4_linear(x[p // K] if gather_rows else x[p], packed[e], scale[e], scale_2[e])
     x: [T, D] (gather_rows) or [P, D] · packed: [E, N, D/2] uint8 · scale: [E, N, D/16] e4m3 · scale_2: [E, N]
-    topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m) · returns [P, N] in x.dtype. CUDA-graph safe."""
-    from moelora.kernels.quant.fp8_triton import expert_align_blocks
-
+    topk_ids: [T, K] · align: moe_align(topk_ids, E, block_m) · config: the launch forced (None: GROUPED_CONFIG)
+    returns [P, N] in x.dtype. CUDA-graph safe."""
     require_triton()
     T, K = topk_ids.shape
     P = T * K
@@ -280,18 +286,19 @@ def nvfp4_expert_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     out = torch.empty(P, packed.shape[1], dtype=x.dtype, device=x.device)
     if P:
         _launch(x, packed, scale, scale_2, out, None, sorted_ids, bexp, block_m, bexp.shape[0],
-                a_row_div=K if gather_rows else 1)
+                config or GROUPED_CONFIG, a_row_div=K if gather_rows else 1)
     return out
 
 
-def nvfp4_expert_gemm_ref(x, packed, scale, scale_2, topk_ids, align, gather_rows, block_m) -> torch.Tensor:
+def nvfp4_expert_gemm_ref(x, packed, scale, scale_2, topk_ids, align, gather_rows, block_m,
+                          config=None) -> torch.Tensor:
     """nvfp4_expert_gemm's semantics in torch (align and block_m are ignored: rows are matched by topk_ids)."""
     T, K = topk_ids.shape
     rows = torch.arange(T * K, device=x.device)
     return nvfp4_grouped_gemm_ref(x[rows // K if gather_rows else rows], packed, scale, scale_2, topk_ids.reshape(-1))
 
 
-def nvfp4_grouped_gemm_ref(x, packed, scale, scale_2, pair_exp, align=None) -> torch.Tensor:
+def nvfp4_grouped_gemm_ref(x, packed, scale, scale_2, pair_exp, align=None, config=None) -> torch.Tensor:
     """nvfp4_grouped_gemm's semantics in torch."""
     y = torch.empty(x.shape[0], packed.shape[1], dtype=x.dtype, device=x.device)
     for e in torch.unique(pair_exp).tolist():
