@@ -400,16 +400,16 @@ def test_bench_decode_ab_configs_in_one_process(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(decode, "_repeated_case", spy)
     _, rows = _tiny_decode(tmp_path, "--kernel-config", '{"side_stream_priority": "normal"}', "--ab",
-                           "det:deterministic=1; both:deterministic=true,side_stream_priority=high", "--ab-rounds", "2")
+                           "det:moe_lora.early=0; both:moe_lora.early=false,side_stream_priority=high", "--ab-rounds", "2")
     assert [(r["variant"], r["ab_round"], r["adapters"]) for r in rows] == [
         ("default", 0, 0), ("default", 0, 1), ("det", 0, 1), ("both", 0, 1),
         ("default", 1, 0), ("default", 1, 1), ("det", 1, 1), ("both", 1, 1)]
-    base, det, both = {"side_stream_priority": "normal"}, {"side_stream_priority": "normal", "deterministic": True}, \
-        {"deterministic": True}
+    base, det, both = {"side_stream_priority": "normal"}, {"side_stream_priority": "normal", "moe_lora.early": False}, \
+        {"moe_lora.early": False}
     assert [d for _, d in seen] == [base, base, det, both, base, base, det, both]
     assert [r["kernel_config"] for r in rows] == [d for _, d in seen]
     out = capsys.readouterr().out
-    assert "--- variant both (round 2): {'deterministic': True, 'side_stream_priority': 'high'}" in out
+    assert "--- variant both (round 2): {'moe_lora.early': False, 'side_stream_priority': 'high'}" in out
     assert "A/B (medians over rounds" in out
     table = out[out.index("A/B (medians"):].splitlines()
     assert any(ln.startswith("det ") and " 2 " in ln and "%" in ln for ln in table), table
@@ -421,19 +421,19 @@ def test_parse_ab_takes_dotted_fields_and_refuses_bad_specs_before_the_model_is_
 
     base = KernelConfig(side_stream_priority="normal")
     assert parse_ab("", base) == []
-    (name, cfg), = parse_ab(" s : deterministic = 1 , side_stream_priority=high ;", base)
-    assert name == "s" and cfg == KernelConfig(deterministic=True)
+    (name, cfg), = parse_ab(" s : moe_lora.early = 0 , side_stream_priority=high ;", base)
+    assert name == "s" and cfg == KernelConfig.from_dict({"moe_lora": {"early": False}})
     for field in field_names():  # every on/off field, sections' dotted ones included
         default = functools.reduce(getattr, field.split("."), KernelConfig())
         if isinstance(default, bool):
             (_, cfg), = parse_ab(f"flip:{field}={0 if default else 1}", KernelConfig())
             assert cfg.diff() == {field: not default}, field
     for bad, msg in [("x:nope=1", "--ab variant 'x': kernel config: no field 'nope'"),
-                     ("x:deterministic=2", "--ab variant 'x': kernel config deterministic: expected 0/1"),
+                     ("x:moe_lora.early=2", "--ab variant 'x': kernel config moe_lora.early: expected 0/1"),
                      ("x:side_stream_priority=urgent", "'high' or 'normal', got 'urgent'"),
-                     ("x:deterministic", "'deterministic' is not key=value"),
-                     ("default:deterministic=1", "unique name"), ("x deterministic=1", "name:"),
-                     ("x:deterministic=1;x:deterministic=0", "unique name")]:
+                     ("x:moe_lora.early", "'moe_lora.early' is not key=value"),
+                     ("default:moe_lora.early=0", "unique name"), ("x moe_lora.early=0", "name:"),
+                     ("x:moe_lora.early=1;x:moe_lora.early=0", "unique name")]:
         with pytest.raises(ValueError, match=re.escape(msg)):
             parse_ab(bad, base)
         with pytest.raises(ValueError, match=re.escape(msg)):
@@ -447,7 +447,7 @@ def test_a_bad_kernel_config_is_one_line_before_the_model_is_built(capsys):
     line = one_error_line(capsys, ["bench", "decode", "--kernel-config", '{"moe": {"nope": 1}}'])
     assert line.startswith("moelora bench decode: error: argument --kernel-config: kernel config: unknown field "
                            "'moe.nope'"), line
-    line = one_error_line(capsys, ["bench", "decode", "--kernel-config", "{deterministic: 1}"])
+    line = one_error_line(capsys, ["bench", "decode", "--kernel-config", "{early: 1}"])
     assert "argument --kernel-config: --kernel-config is not valid JSON" in line, line
 
 
@@ -455,7 +455,7 @@ def test_bench_decode_ab_profiles_each_variant_against_the_default(tmp_path, cap
     """--ab with --profile-steps: each variant's profiled row also carries its per-kernel difference from the
     default's profiled row of the same case (the second round's too, against the default's first run), printed under
     the variant's name; the default's rows carry none."""
-    _, rows = _tiny_decode(tmp_path, "--profile-steps", "1", "--ab", "even:deterministic=1", "--ab-rounds", "2")
+    _, rows = _tiny_decode(tmp_path, "--profile-steps", "1", "--ab", "even:moe_lora.early=0", "--ab-rounds", "2")
     default0 = next(r for r in rows if r["variant"] == "default" and r["adapters"] == 1 and r["ab_round"] == 0)
     assert all("profile_vs_default" not in r for r in rows if r["variant"] == "default")
     variant = [r for r in rows if r["variant"] == "even"]

@@ -168,7 +168,7 @@ def test_an_unrecognized_flag_is_one_line(capsys):
                                      ["bench", "report"]])
 @pytest.mark.parametrize("value, message", [
     ('{"nope": true}', "kernel config: unknown field 'nope'"),
-    ('{"deterministic": "yes"}', "kernel config deterministic: expected bool, got 'yes'"),
+    ('{"moe_lora": {"early": "yes"}}', "kernel config moe_lora.early: expected bool, got 'yes'"),
     ('{"side_stream_priority": "urgent"}', "side_stream_priority: 'high' or 'normal', got 'urgent'"),
     ("not json", "--kernel-config is not valid JSON"),
 ])
@@ -191,9 +191,9 @@ def test_help_explains_kernel_config_and_names_the_page(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--ab", "x:nope=1"], "--ab variant 'x': kernel config: no field 'nope'"),
-    (["--ab", "x:deterministic=2"], "--ab variant 'x': kernel config deterministic: expected 0/1 or true/false"),
-    (["--ab", "default:deterministic=1"], "write name:key=value[,key=value] with a unique name"),
-    (["--ab", "x:deterministic=1", "--tp", "2"], "--ab compares kernel configs in one process"),
+    (["--ab", "x:moe_lora.early=2"], "--ab variant 'x': kernel config moe_lora.early: expected 0/1 or true/false"),
+    (["--ab", "default:moe_lora.early=0"], "write name:key=value[,key=value] with a unique name"),
+    (["--ab", "x:moe_lora.early=0", "--tp", "2"], "--ab compares kernel configs in one process"),
     (["--ab-rounds", "0"], "--ab-rounds must be at least 1"),
     (["--repeat", "0"], "--repeat must be at least 1"),
 ])

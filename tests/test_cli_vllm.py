@@ -113,9 +113,9 @@ def test_max_logprobs_and_generation_config_reach_server_settings(monkeypatch, t
     monkeypatch.setattr(launch, "build_app", lambda engine, settings: seen.setdefault("settings", settings))
     (tmp_path / "generation_config.json").write_text("{}")
     launch.build_from_args(parse("--max-logprobs", "5", "--generation-config", str(tmp_path), "--cpu-threads", "2",
-                                 "--kernel-config", '{"deterministic": true}'))
+                                 "--kernel-config", '{"moe_lora": {"early": false}}'))
     assert (seen["settings"].max_logprobs, seen["settings"].generation_config) == (5, str(tmp_path))
-    assert seen["eargs"].cpu_threads == 2 and seen["eargs"].kernel_config == KernelConfig(deterministic=True)
+    assert seen["eargs"].cpu_threads == 2 and seen["eargs"].kernel_config == KernelConfig.from_dict({"moe_lora": {"early": False}})
     seen.clear()
     launch.build_from_args(parse())
     assert (seen["settings"].max_logprobs, seen["settings"].generation_config) == (20, "auto")  # vLLM's defaults
@@ -152,8 +152,8 @@ def test_cpu_threads_reaches_the_engine_from_generate_and_demo(monkeypatch):
     assert seen["cpu_threads"] == 3 and seen["kernel_config"] is None
     seen.clear()
     with pytest.raises(Loaded):
-        main(["demo", "--device", "cpu", "--cpu-threads", "2", "--kernel-config", '{"deterministic": true}'])
-    assert seen["cpu_threads"] == 2 and seen["kernel_config"] == KernelConfig(deterministic=True)
+        main(["demo", "--device", "cpu", "--cpu-threads", "2", "--kernel-config", '{"moe_lora": {"early": false}}'])
+    assert seen["cpu_threads"] == 2 and seen["kernel_config"] == KernelConfig.from_dict({"moe_lora": {"early": False}})
     seen.clear()
     with pytest.raises(Loaded):
         main(["generate", "--device", "cpu", "--prompt", "hi", "--kernel-config", '{"side_stream_priority": "normal"}'])

@@ -42,7 +42,7 @@ def same_kernels_as_graphs():
     """Eager runs the kernels a graph runs (no cuBLAS single-adapter path) with no split-K atomics, so the two
     can be compared token for token over hundreds of tokens, past the demo's answers (where the trained model's
     next-token choices are near-ties that bf16 rounding differences would flip)."""
-    return KernelConfig.from_dict({"deterministic": True, "dense_lora": {"single_slot": False}})
+    return KernelConfig.from_dict({"dense_lora": {"single_slot": False}})
 
 
 def test_long_generation_replay_equals_eager(same_kernels_as_graphs):

@@ -69,4 +69,4 @@ def test_every_field_is_explained_in_its_docstring():
     rows = kernel_fields()  # raises, naming the field, for one its dataclass's docstring does not explain
     assert [name for name, _, _ in rows] and sorted(n for n, _, _ in rows) == sorted(field_names())
     assert all(what for _, _, what in rows)
-    assert "## Kernel config fields" in page() and "`deterministic` | `false` |" in page()
+    assert "## Kernel config fields" in page() and "`side_stream_priority` | `\"high\"` |" in page()

@@ -16,14 +16,14 @@ def test_the_defaults_round_trip():
     cfg = KernelConfig()
     assert KernelConfig.from_json(None) == KernelConfig.from_json("") == KernelConfig.from_json("{}") == cfg
     assert KernelConfig.from_dict(cfg.to_dict()) == cfg and cfg.diff() == {}
-    assert "deterministic" in field_names() and "side_stream_priority" in field_names()
+    assert "moe_lora.early" in field_names() and "side_stream_priority" in field_names()
     assert all(n.count(".") <= 1 for n in field_names())
 
 
 def test_from_json_sets_fields_by_section():
-    cfg = KernelConfig.from_json('{"deterministic": true, "side_stream_priority": "normal"}')
-    assert cfg.deterministic is True and cfg.side_stream_priority == "normal"
-    assert cfg.diff() == {"deterministic": True, "side_stream_priority": "normal"}
+    cfg = KernelConfig.from_json('{"moe_lora": {"early": false}, "side_stream_priority": "normal"}')
+    assert cfg.moe_lora.early is False and cfg.side_stream_priority == "normal"
+    assert cfg.diff() == {"moe_lora.early": False, "side_stream_priority": "normal"}
     section = next(n for n in field_names() if "." in n)
     head, tail = section.split(".")
     default = getattr(getattr(KernelConfig(), head), tail)
@@ -34,12 +34,12 @@ def test_from_json_sets_fields_by_section():
 @pytest.mark.parametrize("text, message", [
     ('{"nope": 1}', "kernel config: unknown field 'nope'"),
     ('{"moe": {"nope": 1}}', "kernel config: unknown field 'moe.nope'"),
-    ('{"deterministic": 1}', "kernel config deterministic: expected bool, got 1"),
+    ('{"moe_lora": {"early": 1}}', "kernel config moe_lora.early: expected bool, got 1"),
     ('{"side_stream_priority": true}', "kernel config side_stream_priority: expected str, got True"),
     ('{"side_stream_priority": "urgent"}', "side_stream_priority: 'high' or 'normal', got 'urgent'"),
     ('{"moe": 1}', "kernel config moe: expected an object, got 1"),
     ("[1]", "--kernel-config must be a JSON object"),
-    ("{deterministic: true}", "--kernel-config is not valid JSON"),
+    ("{early: true}", "--kernel-config is not valid JSON"),
 ])
 def test_from_json_is_strict(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -48,12 +48,12 @@ def test_from_json_is_strict(text, message):
 
 def test_with_overrides_parses_each_value_as_its_fields_type():
     base = KernelConfig(side_stream_priority="normal")
-    cfg = base.with_overrides({"deterministic": "1", "side_stream_priority": "high"})
-    assert cfg == KernelConfig(deterministic=True) and base.side_stream_priority == "normal"  # frozen: a copy
-    assert base.with_overrides({"deterministic": "off"}).deterministic is False
+    cfg = base.with_overrides({"moe_lora.early": "0", "side_stream_priority": "high"})
+    assert cfg == KernelConfig.from_dict({"moe_lora": {"early": False}}) and base.side_stream_priority == "normal"  # frozen: a copy
+    assert base.with_overrides({"moe_lora.early": "off"}).moe_lora.early is False
     for key, raw, message in [("nope", "1", "no field 'nope'"), ("moe.nope", "1", "no field 'moe.nope'"),
                               ("nosection.x", "1", "no section 'nosection'"), ("moe", "1", "no field 'moe'"),
-                              ("deterministic", "yes", "expected 0/1 or true/false, got 'yes'"),
+                              ("moe_lora.early", "yes", "expected 0/1 or true/false, got 'yes'"),
                               ("side_stream_priority", "urgent", "'high' or 'normal', got 'urgent'")]:
         with pytest.raises(ValueError, match=message):
             base.with_overrides({key: raw})

@@ -23,7 +23,7 @@ from moelora.layers.lora import LORA_SLOT_WRITES, LoRAWeights, lora_work_count, 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # The "dense" / "experts" variants: attention-only adapters at batch 64 fp8 cost 11.13 / 11.35 ms a step with 4 / 8
 # adapters against 11.87 / 12.10 in the full LoRA graph (no adapter 10.46), experts-only 11.78 / 11.97 against 12.42
-# / 12.65 (session 19).
+# / 12.65.
 GRAPH_MODES: tuple[bool | str, ...] = (True, False, "dense", "experts")
 
 

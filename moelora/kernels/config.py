@@ -22,11 +22,9 @@ from moelora.kernels.quant.config import FP8Config
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """deterministic: run-to-run identical LoRA kernels (no split-K atomics; slower at a few decode tokens; tests
-    that compare graph replay with eager bit for bit). side_stream_priority: "high" (the routed-expert LoRA and
-    shared experts' stream gets SMs first) or "normal"."""
+    """side_stream_priority: "high" (the routed-expert LoRA and shared experts' stream gets SMs first) or
+    "normal"."""
 
-    deterministic: bool = False
     side_stream_priority: str = "high"
     moe: MoEConfig = field(default_factory=MoEConfig)
     moe_lora: MoELoRAConfig = field(default_factory=MoELoRAConfig)
@@ -39,7 +37,7 @@ class KernelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "KernelConfig":
-        """{"deterministic": true, "moe_lora": {"grouped_min_pairs": 1024}} -> KernelConfig; None or {}: the
+        """{"moe_lora": {"early": false, "grouped_min_pairs": 1024}} -> KernelConfig; None or {}: the
         defaults. Unknown keys and values of the wrong type are errors naming the key."""
         return _build(cls, d or {}, "")
 
@@ -81,7 +79,7 @@ class KernelConfig:
 
 
 def field_names() -> list[str]:
-    """Every field as a dotted name ("deterministic", "moe_lora.grouped_min_pairs", ...)."""
+    """Every field as a dotted name ("side_stream_priority", "moe_lora.grouped_min_pairs", ...)."""
     return sorted(_flat(KernelConfig().to_dict()))
 
 

@@ -29,12 +29,12 @@ from moelora.kernels.streams import fork, join, side_stream
 from moelora.layers.lora import LoRAWeights
 
 # The single-adapter path (plain matmuls on the slot: ~12 small launches for qkv) on a GPU from this many tokens:
-# below, the grouped kernels are faster (bf16 qkv at 64 tokens 16.9 against 51.9 µs; at 4,096 308.6 against 282.7;
-# session 14); on an FP8 base the GEMM's LoRA epilogue is faster at every size.
+# below, the grouped kernels are faster (bf16 qkv at 64 tokens 16.9 against 51.9 µs; at 4,096 308.6 against 282.7);
+# on an FP8 base the GEMM's LoRA epilogue is faster at every size.
 SINGLE_SLOT_MIN_TOKENS = 1024
 # The deferred shrink walks K in tiles of 128, not 64 (+1.42% / +1.11% decode with 4 / 8 adapters), and splits H
 # into min(8, H // DEFER_SHRINK_K_PER_SPLIT) parts (qkv's 2,048 inputs 4 ways, o_proj's 4,096 8 ways); its delta
-# kernel runs 8 warps a program, not 4 (both: +0.69% / +0.73%; sessions 28, 32).
+# kernel runs 8 warps a program, not 4 (both: +0.69% / +0.73%).
 DEFER_SHRINK_BLOCK_K = 128
 DEFER_SHRINK_K_PER_SPLIT = 512
 DEFER_DELTA_WARPS = 8

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class DenseLoRAConfig:
     """defer: "fp8" (the default: on FP8 bases), "on" (every base) or "off": at decode sizes qkv_proj / o_proj run
     a plain GEMM while their LoRA shrink and delta run on the side stream, the next kernel adding the delta (fp8
-    128/128 batch 64: +0.6-1.1% / +1.8-2.2% with 4 / 8 adapters; session 24).
+    128/128 batch 64: +0.6-1.1% / +1.8-2.2% with 4 / 8 adapters).
     single_slot: a batch whose LoRA tokens all share one adapter takes plain matmuls on that slot (cuBLAS; on a GPU
     from SINGLE_SLOT_MIN_TOKENS tokens, outside CUDA graphs); off, eager runs the kernels a graph runs (tests that
     compare the two token for token)."""

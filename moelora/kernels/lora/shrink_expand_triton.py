@@ -125,7 +125,7 @@ if HAS_TRITON:
 
 SHRINK_SPLIT_MAX_TOKENS = 256  # lora_shrink splits K up to this many tokens (decode batches)
 # lora_expand's (block_m, block_n, num_warps) above SHRINK_SPLIT_MAX_TOKENS tokens: bf16 prefill with 4 adapters kept
-# 73.2% of the no-adapter throughput against 71.1% at the decode tile (64 x 64, 4 warps; session 36)
+# 73.2% of the no-adapter throughput against 71.1% at the decode tile (64 x 64, 4 warps)
 EXPAND_PREFILL_TILE = (128, 64, 4)
 
 

@@ -91,7 +91,7 @@ def fp8_prequantize(x: torch.Tensor, group: int, x_scale: torch.Tensor | None = 
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_fp8 [T, K], x_scale [T, ceil(K/group)]) for an FP8 GEMM reading x [T, K]: x itself when it is float8 (with
     the x_scale given), its producer's quantization (attach_act_quant), else quantize_act_group(x, group) now (one
-    launch; measured faster than quantizing inside the GEMM at every batch size: session 6)."""
+    launch; measured faster than quantizing inside the GEMM at every batch size)."""
     if x.dtype == FP8_DTYPE:
         return x, x_scale
     mark = getattr(x, "fp8_act", None)

@@ -191,7 +191,7 @@ class Fp8GemmConfig:
 SPLIT_K_TARGET_PROGRAMS = 264  # dense split-K, 16-row blocks: this many programs (2 per SM of an H200's 132)
 SPLIT_K_TARGET_PROGRAMS_WIDE = 132  # 32/64-row blocks (4x the MMA work per K step): one per SM
 # the grouped expert GEMMs from this many pairs take PREFILL_EXPERT_CONFIG, 128 x 128 tiles at 8 warps and 4 stages
-# (gate_up / down at 16,384 tokens 1.675 / 1.373 -> 1.423 / 1.118 ms; session 34); decode never reaches it
+# (gate_up / down at 16,384 tokens 1.675 / 1.373 -> 1.423 / 1.118 ms); decode never reaches it
 PREFILL_MIN_PAIRS = 2049
 PREFILL_EXPERT_CONFIG = (128, 8, 4)
 # the grouped expert GEMM's launch below PREFILL_MIN_PAIRS, (BLOCK_N, warps, stages): the H200 sweep's best at
@@ -240,7 +240,7 @@ def _dense_block_m(rows: int) -> int:
 # The dense GEMM's LoRA expand (kernel comment, LORA_SPLIT): the LoRA program (mode 4, else 2 where mode4_ok fails)
 # up to LORA_SPLIT_MAX_ROWS rows, and above while the GEMM's programs plus one LoRA program per tile stay within
 # LORA_SPLIT_MAX_PROGRAMS (o_proj at 256 rows, not qkv); else after the K steps (mode 0). Mode 4 over mode 2: +0.4% /
-# +1.3% decode with 4 / 8 adapters (session 22); modes 0 and 3 lost at small inputs (sessions 21, 22).
+# +1.3% decode with 4 / 8 adapters; modes 0 and 3 lost at small inputs.
 LORA_SPLIT_MAX_ROWS = 64
 LORA_SPLIT_MAX_PROGRAMS = 264  # 2 per SM of an H200
 LORA_GROUPS_UNROLLED = 8  # slot groups of the LoRA program unrolled in the kernel (the rest in a loop)
