@@ -1,1 +1,1 @@
-"""Benchmarks: `moelora bench kernels` (LoRA kernels against their byte floor)."""
+"""The benchmarks behind `moelora bench`: kernels, decode (with --ab over kernel configs), serve, report, plot."""

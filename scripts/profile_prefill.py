@@ -1,7 +1,7 @@
 """Where the prefill LoRA tax goes (GPU): Qwen3-30B-A3B dimensions, dummy weights, the engine of
 `moelora bench report --parts prefill` (16 prompts x 2,048 tokens in 8,192-token chunks), one prefill pass
 under torch.profiler per adapter count; the kernels by device time, and the per-kernel difference against no
-adapter (bench/profile.py's profile_tax).
+adapter (moelora_bench/profile.py's profile_tax).
 
 Why: prefill with adapters kept only 53-66% of the no-adapter tokens/s (bench/results/report.jsonl, set
 report-prefill: bf16 56,417 -> 34,346 / 30,092 with 1 / 4 adapters; fp8 49,889 -> 32,553 / 33,105), although

@@ -53,7 +53,7 @@ def _date(d: dict, meta: dict, name: str) -> str | None:
 
 
 def _short_tax(tax: dict) -> dict:
-    """A LoRA tax by kernel (bench/profile.py's profile_tax) cut to its largest entries, names shortened."""
+    """A LoRA tax by kernel (moelora_bench/profile.py's profile_tax) cut to its largest entries, names shortened."""
     kernels = sorted(tax.get("kernels", []), key=lambda k: -abs(k.get("us", 0.0)))[:TAX_ENTRIES]
     return {"unit": tax.get("unit"), "total_us": round(tax.get("total_us", 0.0), 1),
             "largest": [{"name": k["name"][:80], "us": round(k.get("us", 0.0), 1)} for k in kernels]}

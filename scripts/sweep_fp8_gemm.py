@@ -2,7 +2,7 @@
 CUDA-graph replay beside the byte floor (weight bytes touched + scales, over the measured copy bandwidth).
 
 Shapes: routed experts gate_up (E 128, N 2 x 768, K 2048) and down (N 2048, K 768) on the fast path's alignment
-(fused_moe_triton.moe_align, block_m of pick_config), inputs quantized beforehand as the engine does; dense
+(kernels/moe/align_triton.py moe_align, block_m of gemm_triton.pick_config), inputs quantized beforehand as the engine does; dense
 qkv (N 4096 + 512 + 512, K 2048) and o_proj (N 2048, K 4096). T = 64 and 256 tokens, top-8 routing drawn
 per token without repeats. Several layers' weights in rotation so L2 does not hold them between calls.
 Every config's output is checked against the default config's (the K step is the scale group, so the sums are the

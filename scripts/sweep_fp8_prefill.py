@@ -4,7 +4,7 @@ of the same shape: ms per call (eager, median), TFLOP/s, and the FP8 / bf16 time
 Why: FP8 prefill ran at 32k tok/s against bf16's 57k (16 x 2,048 tokens, 2026-11-30), and fp8_gemm_config's
 launch parameters were swept at decode sizes only (scripts/sweep_fp8_gemm.py, 64 / 256 tokens). At prefill the
 grouped GEMM takes 64-wide column tiles with 4 warps where the bf16 fused-MoE GEMM takes 128 x 128 tiles with 8
-warps (fused_moe_triton.pick_config). Compiled for sm_90 without a GPU (Triton 3.9, unit strides specialised as the
+warps (kernels/moe/gemm_triton.py pick_config). Compiled for sm_90 without a GPU (Triton 3.9, unit strides specialised as the
 JIT does), the candidates fit: grouped 128 x 64 / 4 warps (the default) 220 registers, 128 x 128 / 8 warps 235-241,
 no spills; 128 x 128 / 4 warps and 128 x 256 / 8 warps spill (255 registers and a stack).
 

@@ -1,1 +1,1 @@
-"""PEFT adapters: loading and validation, the CPU registry, GPU slots, per-batch LoRA metadata."""
+"""PEFT adapters: reading and validating the folders, the host registry, the GPU slot pool, layout conversion."""

@@ -3,7 +3,7 @@ mixed batch, over the slices of a fused weight (qkv: 3 slices, gate_up: 2, other
 
 Slot buffers are zero past each slot's true rank; `ranks` lets an implementation skip that padding
 and skip (slice, slot) pairs of rank 0 entirely, so they add exactly nothing. Rows of tokens with
-slot -1 are never touched. The Triton kernels (lora_triton.py) have these signatures too.
+slot -1 are never touched. The Triton kernels (shrink_expand_triton.py) have these signatures too.
 """
 
 from __future__ import annotations
