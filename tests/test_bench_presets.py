@@ -409,7 +409,7 @@ def test_bench_decode_ab_configs_in_one_process(tmp_path, capsys, monkeypatch):
     assert [d for _, d in seen] == [base, base, det, both, base, base, det, both]
     assert [r["kernel_config"] for r in rows] == [d for _, d in seen]
     out = capsys.readouterr().out
-    assert "--- variant both (round 2): {'moe_lora.early': False, 'side_stream_priority': 'high'}" in out
+    assert "--- variant both (round 2): {'side_stream_priority': 'high', 'moe_lora.early': False}" in out
     assert "A/B (medians over rounds" in out
     table = out[out.index("A/B (medians"):].splitlines()
     assert any(ln.startswith("det ") and " 2 " in ln and "%" in ln for ln in table), table

@@ -162,7 +162,12 @@ def test_fused_moe_pairs_prefill_lora_epilogue(stack, monkeypatch):
     rel = ((epi - delta_path).norm() / delta_path.norm()).item()
     assert rel < 1e-4, f"relative error {rel:.2e}"
     assert ((no_lora - delta_path).norm() / delta_path.norm()).item() > 1e-2
-    assert torch.equal(epi[slots < 0], no_lora[slots < 0])  # tokens without an adapter: the base output
+    base_rows = slots < 0  # tokens without an adapter: the base output
+    if stack == "fp8":  # the epilogue path runs the no-LoRA path's kernels (activation fused into gate_up's GEMM)
+        assert torch.equal(epi[base_rows], no_lora[base_rows])
+    else:  # the delta path runs the activation as its own kernel, the no-LoRA path fuses it into gate_up's GEMM (other
+        # tiles, and on a GPU gate_up rounded to bf16 first): the same function up to fp32 rounding, not the same bits
+        torch.testing.assert_close(epi[base_rows], no_lora[base_rows], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
