@@ -75,3 +75,20 @@ def test_the_package_reads_at_most_15_environment_variables():
     assert len(names) <= MAX_ENV_NAMES, (
         f"{len(names)} MOELORA_* names in the sources (at most {MAX_ENV_NAMES}; a kernel choice belongs in "
         f"KernelConfig): {sorted(names)}")
+
+
+def test_moving_a_layer_keeps_its_kernel_config():
+    """Layers choose their kernels when configured and again when they move (module.to ends in _apply: the choice
+    depends on the device), from the config they were given, not the defaults: a model built in host memory and
+    moved to the GPU afterwards (a sharded checkpoint load) keeps --kernel-config."""
+    import torch
+
+    from moelora.kernels.config import KernelConfig
+    from moelora.layers.moe import RoutedExperts
+
+    cfg = KernelConfig.from_dict({"moe_lora": {"grouped_min_pairs": 512, "early": False}})
+    m = RoutedExperts(4, 8, 6, "silu", torch.float32, "cpu")
+    m.configure(cfg, triton=True)
+    m.to(torch.float64)
+    assert m.kernel_config is cfg and m.kernels.triton and not m.kernels.early
+    assert m.kernels.lora.grouped_min_pairs == 512

@@ -178,3 +178,4 @@ def test_at_most_15_environment_variables():
     for path in MODULES.values():
         names.update(re.findall(r"MOELORA_[A-Z0-9_]+", path.read_text()))
     assert len(names) <= 15, sorted(names)
+

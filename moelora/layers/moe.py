@@ -51,9 +51,15 @@ class RoutedExperts(nn.Module):
         """This layer's kernels from cfg, chosen once (ExpertKernels): the Triton ones (base path and LoRA) where its
         weights are on a CUDA device and Triton is installed, else the torch references. triton: forced (True on the
         CPU runs the Triton kernels under TRITON_INTERPRET=1: tests)."""
+        self.kernel_config, self.forced_triton = cfg, triton
         if triton is None:
             triton = HAS_TRITON and self.gate_up_proj.is_cuda
         self.kernels = ExpertKernels.from_config(cfg.moe_lora, triton)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.configure(self.kernel_config, self.forced_triton)  # the kernels depend on the device (module.to ends here)
+        return self
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
         dt, dev = self.quant.act_dtype if self.quant else self.gate_up_proj.dtype, self.gate_up_proj.device
@@ -110,6 +116,7 @@ class MoEBlock(nn.Module):
         router in one launch up to FUSED_ROUTER_MAX_T tokens (moe.fused_router; else F.linear + route_topk) and, in
         blocks without a shared expert, the combine computed by the next RMSNorm (moe.combine_to_norm); off it,
         F.linear + route_topk_ref."""
+        self.kernel_config, self.forced_triton = cfg, triton
         if triton is None:
             triton = HAS_TRITON and self.gate.is_cuda
         self.fused_router = triton and cfg.moe.fused_router
@@ -117,6 +124,11 @@ class MoEBlock(nn.Module):
         self.combine_to_norm = triton and cfg.moe.combine_to_norm
         if self.fused_router and self.gate.is_cuda and not torch.cuda.is_current_stream_capturing():
             make_counters(self.gate.device)  # before any graph capture (bench --ab reconfigures, then recaptures)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.configure(self.kernel_config, self.forced_triton)  # the router's kernels depend on the device
+        return self
 
     def _shared(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         shared = self.shared_expert(x, lora)
