@@ -84,8 +84,7 @@ def field_names() -> list[str]:
 
 
 def _sections() -> str:
-    return ", ".join(f.name for f in dataclasses.fields(KernelConfig) if dataclasses.is_dataclass(f.default_factory)
-                     if f.default_factory is not dataclasses.MISSING)
+    return ", ".join(f.name for f in dataclasses.fields(KernelConfig) if dataclasses.is_dataclass(f.default_factory))
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -110,8 +109,6 @@ def _parse_scalar(key: str, raw: str, typ: type) -> Any:
             return int(raw)
         except ValueError:
             raise ValueError(f"kernel config {key}: expected an integer, got {raw!r}") from None
-    if typ is tuple:
-        return tuple(int(v) for v in raw.replace("x", ",").split(","))
     return raw
 
 
@@ -129,8 +126,6 @@ def _build(cls, d: dict[str, Any], prefix: str):
             continue
         want = type(default)
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
-        if want is tuple and isinstance(value, list):
-            value, ok = tuple(value), True
         if not ok:
             raise ValueError(f"kernel config {prefix + key}: expected {want.__name__}, got {value!r}")
         kwargs[key] = value
