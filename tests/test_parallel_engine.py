@@ -63,6 +63,38 @@ def test_llm_parallel_matches_single_process_and_worker_death_is_reported(setup,
         llm.shutdown()
 
 
+def test_a_message_pending_to_a_worker_that_exited_is_reported(setup, monkeypatch):
+    """gloo can leave rank 0's send to a dead peer pending until the collective timeout (seen in CI, 600 s)
+    instead of failing it. Made deterministic: the worker is stopped (SIGSTOP: it never takes the message, its
+    connection stays open) and rank 0 sees it as exited; with the pre-message check disabled, rank 0's wait on
+    the pending message must notice the exit and raise WorkerFailed within seconds."""
+    from moelora.engine.workers import WorkerGroup
+
+    model, kw, prompts, params, names, _ = setup
+    llm = LLM(model, tensor_parallel_size=2, **kw)
+    try:
+        workers = llm.engine.workers
+        proc = workers.procs[0]
+
+        class Exited:  # the stopped worker as rank 0's checks see it: exited
+            exitcode = -9
+
+            def __getattr__(self, name):
+                return getattr(proc, name)
+
+        monkeypatch.setattr(workers, "check", lambda grace_s=0.0: WorkerGroup.check(workers, grace_s) if grace_s else None)
+        os.kill(proc.pid, signal.SIGSTOP)
+        workers.procs = [Exited()]
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailed, match=rf"worker rank 1 \(pid {proc.pid}\) exited with code -9"):
+            llm.generate(prompts[:2], params, adapter=names[:2])
+        assert time.monotonic() - t0 < 30
+    finally:
+        if proc.exitcode is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        llm.shutdown()
+
+
 def test_server_engine_stops_when_an_idle_worker_dies(setup):
     """The server's engine thread polls the workers while idle: a killed worker ends it (and, through
     on_fatal, uvicorn) with the error within 30 s, without any request arriving."""

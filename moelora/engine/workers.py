@@ -6,9 +6,10 @@ group, before each CUDA-graph decode step its inputs (every rank captured the sa
 slot writes (events `(slot, adapter name | None)` sent with the next message, so every rank makes the same
 slot and eviction decisions: rank 0's) and run the same forward, whose collectives pair up with rank 0's.
 
-Failure: a watchdog on rank 0 checks the worker processes before every message, and a collective that fails
-because a peer went away (gloo sees the closed connection at once) is re-raised as WorkerFailed naming the
-rank, its pid and exit code. Workers are daemons of rank 0, so they end with it.
+Failure: rank 0 checks the worker processes before every message and every POLL_S while one is pending (gloo
+usually fails a collective with a dead peer at once, but can leave a send pending until the collective timeout),
+and a collective that fails because a peer went away is re-raised as WorkerFailed naming the rank, its pid and
+exit code. Workers are daemons of rank 0, so they end with it.
 
 Lifetime: `WorkerGroup.stop` (LLMEngine.shutdown, LLM.shutdown / its `with` block / its garbage collection)
 tells the workers to finish, reaps them and leaves the process group, so a second parallel engine can start in
@@ -28,6 +29,7 @@ import atexit
 import gc
 import logging
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -61,6 +63,7 @@ _IDLE = timedelta(days=365)
 # torchrun: rank 0 pings the workers after this long without a completed step, and waits this long for answers
 PING_INTERVAL_S = float(os.environ.get("MOELORA_PING_INTERVAL_S", "2"))
 PING_TIMEOUT_S = float(os.environ.get("MOELORA_PING_TIMEOUT_S", "20"))
+POLL_S = 0.5  # rank 0 checks its spawned workers this often while a control message is pending
 
 
 class WorkerFailed(RuntimeError):
@@ -121,10 +124,22 @@ def build_sharded_model(cfg, args, dtype: str, device: torch.device, ps: Paralle
     return model
 
 
+def _post(msg: tuple, group) -> list:
+    """Rank 0: broadcast one message on the control group as two asynchronous broadcasts (its pickled size, then
+    its bytes); returns the two works. `_recv` is the workers' side."""
+    data = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)  # (n,)
+    size = torch.tensor([data.numel()], dtype=torch.int64)  # (1,)
+    return [dist.broadcast(size, src=0, group=group, async_op=True),
+            dist.broadcast(data, src=0, group=group, async_op=True)]
+
+
 def _recv(ps: ParallelState) -> tuple[list, str, tuple]:
-    box = [None]
-    dist.broadcast_object_list(box, src=0, group=ps.control_group)
-    return box[0]
+    """A worker: the next message of rank 0 (`_post`): (slot events, kind, payload)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=ps.control_group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=ps.control_group)
+    return pickle.loads(data.numpy().tobytes())
 
 
 def worker_main(rank: int, world: int, port: int, args) -> None:
@@ -388,27 +403,27 @@ class WorkerGroup:
             if not self._stopped and (ping or time.monotonic() - self._last_ok >= PING_INTERVAL_S):
                 self._ping()
             return
+        self._check_procs(grace_s)
+
+    def _check_procs(self, grace_s: float) -> None:
+        """Spawned workers: raise WorkerFailed if one has exited (waiting up to grace_s for one to)."""
         deadline = time.monotonic() + grace_s
-        while True:
-            dead = [(i + 1, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
-            if dead or time.monotonic() >= deadline:
-                break
+        while not (dead := [(i + 1, p) for i, p in enumerate(self.procs) if p.exitcode is not None]) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
         if dead and not self._stopped:
             r, p = dead[0]
             self._stopped = True
             self._terminate()
             _leave_group()
-            raise WorkerFailed(
-                f"tensor/expert-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}; the engine "
-                "cannot continue (see the worker's traceback above, if any)"
-            )
+            raise WorkerFailed(f"tensor/expert-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}; "
+                               "the engine cannot continue (see the worker's traceback above, if any)")
 
     def _ping(self) -> None:
         """torchrun: every worker must answer a monitored barrier within PING_TIMEOUT_S."""
-        msg, self._events = [(list(self._events), "ping", ())], []
+        msg, self._events = (list(self._events), "ping", ()), []
         try:
-            dist.broadcast_object_list(msg, src=0, group=self.state.control_group)
+            self._wait(_post(msg, self.state.control_group))
             dist.monitored_barrier(group=self.state.control_group, timeout=timedelta(seconds=PING_TIMEOUT_S),
                                    wait_all_ranks=True)
         except Exception as e:  # noqa: BLE001 - re-raised as WorkerFailed
@@ -457,16 +472,31 @@ class WorkerGroup:
     def send(self, kind: str, *payload) -> None:
         if self._stopped:
             raise WorkerFailed("the engine's worker processes have stopped")
-        msg, self._events = [(list(self._events), kind, payload)], []
+        msg, self._events = (list(self._events), kind, payload), []
         with self.guard(kind):
-            dist.broadcast_object_list(msg, src=0, group=self.state.control_group)
+            self._wait(_post(msg, self.state.control_group))
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's value (the workers contribute theirs after a "plan" message)."""
         t = torch.tensor([int(value)])
         with self.guard("plan"):
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.state.control_group)
+            self._wait([dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.state.control_group, async_op=True)])
         return int(t.item())
+
+    def _wait(self, works: list) -> None:
+        """Wait for rank 0's asynchronous control-group collectives, checking the workers every POLL_S while one
+        is pending: gloo can leave a send to a peer that died while the group was idle pending until the
+        collective timeout instead of failing it, so a dead worker is found by its exit code (spawned workers;
+        under torchrun, where there are none to watch, the wait is plain)."""
+        for w in works:
+            while True:
+                try:
+                    w.wait() if self.external else w.wait(timeout=timedelta(seconds=POLL_S))
+                    break
+                except RuntimeError:
+                    if self.external or w.is_completed():  # the collective's own error, not the poll's timeout
+                        raise
+                    self._check_procs(0.0)
 
     def step(self, seqs, sample_idx, prompt_idx) -> None:
         """ModelRunner.broadcast."""
