@@ -27,8 +27,10 @@ from moelora.kernels.config import KernelConfig
 from moelora.server.launch import KERNEL_CONFIG_HELP, kernel_config
 from moelora_bench.ab import format_ab, parse_ab
 from moelora_bench.common import hbm_bandwidth_gbs, hbm_read_bandwidth_gbs, write_result
+from moelora_bench.floor import floor_bytes, mean_layer_roles
 from moelora_bench.presets import DEEPSEEK_V2_LITE, DEEPSEEK_V2_LITE_TINY, floor_bytes_from_tensors
 from moelora_bench.profile import format_profile, format_profile_tax, profile_tax, profile_steps as profile_steps_of
+from moelora_bench.trace import format_kernel_bytes
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
@@ -85,7 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "against its own no-adapter median ('own')")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="per case, this many decode steps under torch.profiler before the timed ones (not timed): "
-                        "the time per kernel and step in the JSON row ('profile') and the largest printed; with "
+                        "the time per kernel and step in the JSON row ('profile') and the largest printed; on a "
+                        "GPU also one decoder layer's kernels in order, each with the floor bytes it must read and "
+                        "its share of the read bandwidth ('profile.layer', 'profile.layer_bytes'); with "
                         "--ab, each variant's profile also against the default's of the same case "
                         "('profile_vs_default': which kernels its config made slower or faster)")
     p.add_argument("--profile-trace", default=None, metavar="DIR",
@@ -164,60 +168,14 @@ def _host_random_adapter(name: str, targets, rank: int, seed: int, device, dtype
 
 
 def _floor_bytes(engine: LLMEngine, reqs, ctx_len: int, lora_targets: str = "all") -> tuple[int, list[int]]:
-    """Bytes one decode step must read: weights (only touched experts), LoRA factors of the (adapter, expert)
-    pairs used, KV of every sequence; and the experts touched per layer (from the last step's routing).
-    lora_targets (a LORA_TARGET_SETS entry): the dense LoRA factors count unless it is "experts", the routed
-    experts' unless it is "attention".
-    Tensor/expert parallel: the bytes of the rank that reads the most (ranks read in parallel): its shard of
-    attention, dense LoRA and lm_head (over tp), its KV heads, and its own experts (over ep) at I/tp width."""
-    cfg, m = engine.config, engine.model
-    if cfg.mla is not None:  # MLA: weights and latent cache counted from the model's tensors
+    """Bytes one decode step must read, and the experts touched per layer (floor.py; MLA models: counted from
+    their tensors, every LoRA target)."""
+    if engine.config.mla is not None:
         if lora_targets != "all":
             raise ValueError("--lora-targets other than all: the floor of MLA presets counts every target; "
                              "use --lora-targets all with --preset deepseek-v2-lite")
         return floor_bytes_from_tensors(engine, reqs, ctx_len)
-    el = torch.empty((), dtype=m.dtype).element_size()  # activations, KV, LoRA, router, lm_head
-    # base weight bytes per element: FP8 a byte + one fp32 scale per 128x128 block; NVFP4 half a byte + an e4m3 per 16
-    wel = {"fp8": 1 + 4 / 128**2, "nvfp4": 0.5 + 1 / 16}.get(engine.args.quantization, el)
-    tp, ep = engine.args.tensor_parallel_size, engine.args.expert_parallel_size
-    H, E, qs, kvs = cfg.hidden_size, cfg.num_experts, cfg.q_size // tp, cfg.kv_size
-    kvs = kvs // tp if cfg.num_key_value_heads >= tp else kvs // cfg.num_key_value_heads  # KV heads replicated
-    I = cfg.moe_intermediate_size // tp  # noqa: E741 - each expert's intermediate width on one rank
-    r = engine.args.max_lora_rank
-    n = len(reqs)
-    # the slot each request's adapter sits in (a finished request's own slot field is already -1)
-    slots = torch.tensor([engine.pool.slot_of(r.adapter) if r.adapter and engine.pool else -1 for r in reqs])
-    lora_slots = int(slots[slots >= 0].unique().numel())
-    dense_slots = 0 if lora_targets == "experts" else lora_slots
-    routed = lora_targets != "attention"
-    common, per_ep, touched = 0.0, [0.0] * ep, []  # every rank / the ranks of one ep group (their experts)
-    for layer in m.model.layers:
-        common += (H * (qs + 2 * kvs) + qs * H) * wel  # attention (q, k, v column-parallel; o row-parallel)
-        # q/k/v: A [r, H] replicated, B [out/tp, r]; o: A [r, qs/tp], B [H, r] replicated
-        common += dense_slots * r * (3 * H + qs + 2 * kvs + qs + H) * el
-        mlp = layer.mlp
-        ids = getattr(mlp, "last_topk_ids", None)
-        if ids is None:
-            continue
-        ids = ids[:n].cpu()
-        experts = ids.unique()
-        touched.append(int(experts.numel()))
-        common += E * H * el  # router (replicated)
-        pairs = {(int(s), int(e)) for s, row in zip(slots.tolist(), ids.tolist()) if s >= 0 and routed for e in row}
-        gu = getattr(getattr(mlp, "experts", None), "gate_up_lora", None)
-        # slots whose up slice reads the gate's A (LoRAWeights.a_src: the same A, e.g. PEFT's target_parameters)
-        shared = set() if gu is None else {s for s, src in enumerate(gu.a_src_host[1]) if src == 0}
-        for g in range(ep):
-            lo, hi = g * E // ep, (g + 1) * E // ep
-            mine = int(((experts >= lo) & (experts < hi)).sum())
-            per_ep[g] += mine * 3 * H * I * wel  # gate, up, down of its touched experts
-            # gate/up A [r, H] (one when shared) and down B [H, r] whole, gate/up B and down A at I/tp, per
-            # (adapter, expert) pair
-            per_ep[g] += sum(r * ((1 if s in shared else 2) * H + 2 * I + I + H) * el
-                             for s, e in pairs if lo <= e < hi)
-    common += -(-cfg.vocab_size // tp) * H * el  # lm_head (vocabulary-parallel)
-    common += n * ctx_len * cfg.num_hidden_layers * 2 * kvs * el  # KV read
-    return int(common + max(per_ep)), touched
+    return floor_bytes(engine, reqs, ctx_len, lora_targets)
 
 
 class _RunnerTimer:
@@ -301,8 +259,10 @@ def _case(engine: LLMEngine, batch: int, n_adapters: int, workload: str, steps: 
     reqs = [engine.requests[r] for r in ids]
     for module, topk_ids in routing or []:
         module.last_topk_ids = topk_ids
-    floor, touched = _floor_bytes(engine, reqs, prompt_len + (gen_len // 2 if workload == "vllm" else steps // 2),
-                                  lora_targets if n_adapters else "all")
+    ctx_len = prompt_len + (gen_len // 2 if workload == "vllm" else steps // 2)
+    floor, touched = _floor_bytes(engine, reqs, ctx_len, lora_targets if n_adapters else "all")
+    if prof and "layer" in prof and engine.config.mla is None:  # the layer table's bytes (one rank's)
+        prof["layer_bytes"] = mean_layer_roles(engine, reqs, ctx_len, lora_targets if n_adapters else "all")
     for r in ids:
         engine.abort_request(r)
         engine.pop_finished(r)
@@ -495,6 +455,8 @@ def _run_row(engine: LLMEngine, args: argparse.Namespace, case: tuple, rows: lis
           flush=True)
     if "profile" in r:
         print(format_profile(r["profile"]), flush=True)
+        if "layer_bytes" in r["profile"]:
+            print(format_kernel_bytes(r["profile"]["layer"], r["profile"]["layer_bytes"], read_bw), flush=True)
         base = next((q for q in rows if q is not r and q["adapters"] == 0 and q["batch"] == batch
                      and q.get("workload") == r.get("workload") and "profile" in q), None)
         if n and base is not None:  # the same batch without adapters was profiled: where the tax goes

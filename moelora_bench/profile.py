@@ -15,14 +15,17 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from moelora_bench.trace import one_layer
+
 TOP = 25  # kernels kept per case (the rest is summed into "other")
 
 
 def profile_steps(step: Callable[[], object], steps: int, device: torch.device, trace_path: str | None = None) -> dict:
     """Run step() `steps` times under the profiler; returns {"unit": "us per step", "total_us": float,
     "kernels": [{"name", "calls", "us"} ... the TOP largest, then "other"]}, calls and us per step.
-    trace_path (a GPU only): also write every kernel of those steps there (write_kernel_trace), for reading the
-    order and overlap of one layer's kernels offline (python -m moelora_bench.trace)."""
+    On a GPU also "timeline" (kernel_timeline) and "layer" (trace.one_layer: one decoder layer's kernels in start
+    order, medians over the layers). trace_path (a GPU only): also write every kernel of those steps there
+    (write_kernel_trace), for reading them offline (python -m moelora_bench.trace)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -32,7 +35,7 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device, 
             step()
         if cuda:
             torch.cuda.synchronize(device)
-    timeline = None
+    timeline = layer = None
     if cuda:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "trace.json")
@@ -40,6 +43,7 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device, 
             with open(path) as f:
                 events = json.load(f).get("traceEvents", [])
             timeline = kernel_timeline(events, steps)
+            layer = one_layer(*compact_kernels(events))
             if trace_path:
                 write_kernel_trace(events, trace_path)
     rows = []
@@ -56,21 +60,28 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device, 
            "total_us": total, "kernels": kept}
     if timeline is not None:
         out["timeline"] = timeline
+    if layer is not None:
+        out["layer"] = layer
     return out
 
 
-def write_kernel_trace(events: list[dict], path: str) -> None:
-    """The kernels of a chrome trace (torch.profiler's export_chrome_trace), compact, gzip'd JSON at path:
-    {"names": [kernel name ...], "kernels": [[name index, stream, start µs from the first kernel, duration µs]
-    ...] in start order}."""
+def compact_kernels(events: list[dict]) -> tuple[list[str], list[list]]:
+    """The kernels of a chrome trace (torch.profiler's export_chrome_trace): ([kernel name ...], [[name index,
+    stream, start µs from the first kernel, duration µs] ...] in start order), the form trace.py reads."""
     ks = sorted((float(e["ts"]), float(e["dur"]), e.get("args", {}).get("stream"), e.get("name", ""))
                 for e in events if e.get("cat") == "kernel" and e.get("ph") == "X")
     names: dict[str, int] = {}
     t0 = ks[0][0] if ks else 0.0
     rows = [[names.setdefault(n, len(names)), st, round(ts - t0, 3), round(d, 3)] for ts, d, st, n in ks]
+    return list(names), rows
+
+
+def write_kernel_trace(events: list[dict], path: str) -> None:
+    """compact_kernels as gzip'd JSON at path: {"names": [...], "kernels": [...]}."""
+    names, rows = compact_kernels(events)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with gzip.open(path, "wt") as f:
-        json.dump({"names": list(names), "kernels": rows}, f)
+        json.dump({"names": names, "kernels": rows}, f)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

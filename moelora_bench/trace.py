@@ -63,6 +63,84 @@ def layer_table(names: list[str], kernels: list[list], marker: str = "_paged_att
             "side": side_rows}
 
 
+MARKERS = ("_paged_attn_split_kernel", "_mla_attn_kernel")  # kernels that run once a decoder layer
+GEMM_ORDER = {4: ("o_proj", "gate_up", "down", "qkv"), 5: ("o_proj", "router", "gate_up", "down", "qkv")}
+# kernels that read a role's bytes, the n-th run in a layer taking the n-th role (from the attention on: o's LoRA
+# comes before the next layer's q/k/v LoRA, the gate/up LoRA before the down LoRA)
+READERS = {"_paged_attn_split_kernel": ("kv",), "_mla_attn_kernel": ("kv",), "_router_topk_kernel": ("router",),
+           "_shrink_kernel": ("o_lora_a", "qkv_lora_a"), "_lora_delta_kernel": ("o_lora_b", "qkv_lora_b"),
+           "_expand_kernel": ("o_lora_b", "qkv_lora_b"), "_moe_lora_fused_kernel": ("gate_up_lora", "down_lora"),
+           "_moe_lora_grouped_kernel": ("gate_up_lora", "down_lora")}
+
+
+def _is_gemm(name: str) -> bool:
+    """A weight GEMM: ours (`_fp8_gemm_kernel`, `_expert_gemm_kernel`, `_nvfp4_gemm_kernel`) or cuBLAS's."""
+    n = name.lower()
+    return "gemm" in n or n.startswith("nvjet") or "cutlass" in n
+
+
+def one_layer(names: list[str], kernels: list[list]) -> dict | None:
+    """One decoder layer's kernels of both streams in start order (layer_table's main and side stream merged, by
+    the first of MARKERS the trace has), each with the role whose bytes it reads (`roles`); None without a
+    marker. Returns {"layers", "span_us", "marker", "kernels": [{"name", "stream", "start_us", "dur_us",
+    "gap_us", "role"}]}."""
+    marker = next((m for m in MARKERS if m in names), None)
+    if marker is None:
+        return None
+    t = layer_table(names, kernels, marker)
+    rows = [{**r, "stream": "main"} for r in t["main"]] + [{**r, "stream": "side", "gap_us": None} for r in t["side"]]
+    rows.sort(key=lambda r: r["start_us"])
+    for r, role in zip(rows, roles([r["name"] for r in rows])):
+        r["role"] = role
+    return {"layers": t["layers"], "span_us": t["span_us"], "marker": marker, "kernels": rows}
+
+
+def roles(names: list[str]) -> list[str | None]:
+    """The floor role (floor.py) each kernel of one layer reads, by name and run (READERS), the weight GEMMs by
+    their order (GEMM_ORDER: 4 GEMMs from the attention on are o_proj, gate_up, down, the next layer's qkv; 5 with
+    the router's); None for a kernel that reads no floor bytes (norms, rotary, alignment, activation, reductions)
+    or one these rules do not place."""
+    gemms = [i for i, n in enumerate(names) if _is_gemm(n)]
+    order = GEMM_ORDER.get(len(gemms), ())
+    out: list[str | None] = [None] * len(names)
+    for i, role in zip(gemms, order):
+        out[i] = role
+    seen: dict[str, int] = {}
+    for i, n in enumerate(names):
+        if n in READERS:
+            k = seen[n] = seen.get(n, -1) + 1
+            out[i] = READERS[n][k] if k < len(READERS[n]) else None
+    return out
+
+
+def format_kernel_bytes(layer: dict, role_bytes: dict[str, float], read_gbs: float | None) -> str:
+    """The layer's kernels with what they must read: start, duration and gap (µs), the floor bytes of the kernel's
+    role (MB), the rate that is (GB/s) and its share of the read bandwidth; then the layer's span against its
+    floor, the time in kernels that read no floor bytes, and the roles no kernel was placed on."""
+    out = [f"  one layer ({layer['layers']} layers, medians): span {layer['span_us']:.1f} us",
+           "      start     dur     gap      MB    GB/s  %read  kernel (role, stream)"]
+    placed, idle = set(), 0.0
+    for r in layer["kernels"]:
+        b = role_bytes.get(r["role"], 0.0) if r["role"] else 0.0
+        placed.add(r["role"])
+        gbs = b / (r["dur_us"] * 1e3) if r["dur_us"] > 0 else 0.0
+        share = f"{100 * gbs / read_gbs:5.0f}%" if read_gbs and b else "     -"
+        gap = "      -" if r["gap_us"] is None else f"{r['gap_us']:7.1f}"
+        if not b and r["stream"] == "main":
+            idle += r["dur_us"]
+        out.append(f"    {r['start_us']:7.1f} {r['dur_us']:7.1f} {gap} {b / 1e6:7.2f} {gbs:7.0f} {share}  "
+                   f"{r['name'][:60]} ({r['role'] or '-'}, {r['stream']})")
+    total = sum(role_bytes.values())
+    floor_us = total / (read_gbs * 1e3) if read_gbs else None
+    rest = {k: v for k, v in role_bytes.items() if v and k not in placed}
+    out.append(f"    floor bytes {total / 1e6:.2f} MB" + (f" = {floor_us:.1f} us at {read_gbs:.0f} GB/s: span "
+                                                         f"{layer['span_us'] / floor_us:.2f}x the floor" if floor_us else "")
+               + f"; main-stream kernels that read no floor bytes {idle:.1f} us")
+    if rest:
+        out.append("    not placed on a kernel: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in rest.items()))
+    return "\n".join(out)
+
+
 def format_layer_table(t: dict, title: str = "") -> str:
     out = [f"{title}{t['layers']} layers, median span {t['span_us']:.1f} us",
            "  main stream:    start     dur     gap  kernel"]
