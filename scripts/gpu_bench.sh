@@ -21,7 +21,8 @@
 #       the same benchmark for two trees one after the other in this call (an older tree copied into an ignored
 #       folder and carried): each runs from its folder (PYTHONPATH, nothing installed) into $OUT/NAME/, with the
 #       demo's greedy rows; then the demo rows are compared and tokens/s of each case printed side by side
-# env: TIMEOUT (seconds a benchmark; SIGINT at the limit: report keeps every case it finished), TREES, DEMO_TIMEOUT,
+# env: TIMEOUT (seconds a benchmark; SIGINT at the limit: report keeps every case it finished), TREES, DEMO_TIMEOUT
+# (seconds for each tree's demo, 120; 0: no demo),
 # MOELORA_DUMP_STACKS_S (stacks of every process that often, for a stuck multi-GPU run).
 KIND=${1:-}
 case "$KIND" in
@@ -40,9 +41,10 @@ if [ -n "${TREES:-}" ]; then
         name=${tree%%=*}; dir=$(cd "${tree#*=}" && pwd); mkdir -p "$OUT/$name"
         (cd "$dir" && PYTHONPATH=$dir timeout -s INT "${TIMEOUT:-270}" python3 -m moelora bench "$KIND" \
             --out "$OUT/$name" "${ARGS[@]}" > "$OUT/$name/bench-$KIND.log" 2>&1
-         PYTHONPATH=$dir timeout "${DEMO_TIMEOUT:-120}" python3 -m moelora demo --seed 0 > "$OUT/$name/demo.txt" 2>&1)
+         [ "${DEMO_TIMEOUT:-120}" = 0 ] || PYTHONPATH=$dir timeout "${DEMO_TIMEOUT:-120}" python3 -m moelora demo \
+            --seed 0 > "$OUT/$name/demo.txt" 2>&1)
         echo "== $name: $(cd "$dir" && PYTHONPATH=$dir python3 -c 'import moelora; print(moelora.__file__)'):" \
-            "$(tail -1 "$OUT/$name/demo.txt"); $(grep -c tok/s "$OUT/$name/bench-$KIND.log") lines with tok/s"
+            "$(tail -1 "$OUT/$name/demo.txt" 2>/dev/null); $(grep -c tok/s "$OUT/$name/bench-$KIND.log") lines with tok/s"
     done
     python3 "$(dirname "$0")/results_jsonl.py" --compare "$OUT" $TREES
     exit 0

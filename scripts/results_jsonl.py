@@ -209,8 +209,9 @@ def compare(out: str, trees: list[str]) -> None:
     import glob
 
     names = [t.split("=")[0] for t in trees]
-    demo = {n: [re.sub(r"[0-9.]+ (s|tokens/s)", "", line) for line in open(f"{out}/{n}/demo.txt")] for n in names}
-    print("demo rows (greedy tokens):", "the same" if all(demo[n] == demo[names[0]] for n in names) else "DIFFER")
+    if all(os.path.exists(f"{out}/{n}/demo.txt") for n in names):  # DEMO_TIMEOUT=0: no demo
+        demo = {n: [re.sub(r"[0-9.]+ (s|tokens/s)", "", line) for line in open(f"{out}/{n}/demo.txt")] for n in names}
+        print("demo rows (greedy tokens):", "the same" if all(demo[n] == demo[names[0]] for n in names) else "DIFFER")
     rows: dict[tuple, dict[str, float]] = {}
     for n in names:
         for f in sorted(glob.glob(f"{out}/{n}/decode-*.json")):
