@@ -63,6 +63,12 @@ for caching in on off; do
     pid=$!
     for _ in $(seq 300); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
     curl -sf localhost:8123/health >/dev/null || { echo "server ($caching) did not start"; tail -20 "$OUT/serve_$caching.log"; kill $pid; continue; }
+    # warm-up, not recorded: the kernels each prompt shape needs compiled (the first server compiles them, the
+    # second reads Triton's cache) and, with caching on, the warm-up's own prefixes cached (seeds differ)
+    for shape in "--shared-prefix-len $SHARED_PREFIX" "--prompt-len 170:200"; do
+        python3 -m moelora bench serve --url http://127.0.0.1:8123 --models a0,a1,a2,a3 --num-requests 16 \
+            --concurrency $C --output-len $L:$L $shape --seed 99 --no-progress --out "$WORK/warmup" > /dev/null 2>&1
+    done
     for workload in shared unshared; do
         shape="--shared-prefix-len $SHARED_PREFIX"
         [ $workload = unshared ] && shape="--prompt-len 170:200"
