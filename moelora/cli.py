@@ -12,7 +12,6 @@ from moelora.adapters.registry import load_adapter
 from moelora.config import ConfigError, ModelConfig
 from moelora.demo import adapter_paths, model_path
 from moelora.demo.run import run_demo
-from moelora.distributed import check_launch
 from moelora.engine.llm_engine import EngineArgs
 from moelora.engine.memory import GPUMemoryError
 from moelora.engine.sampling_params import SamplingParams
@@ -20,8 +19,9 @@ from moelora.engine.workers import run_worker
 from moelora.kernels._triton import DeviceError
 from moelora.models.loader import build_model
 from moelora.models.weights import WeightLoadError
-from moelora.server.launch import (KERNEL_CONFIG_HELP, LaunchError, add_arguments as add_serve_arguments, check_args,
-                                   dtype_name, float_in, int_at_least, kernel_config, lora_spec, serve)
+from moelora.server.launch import (CPU_THREADS_HELP, KERNEL_CONFIG_HELP, QUANTIZATION_HELP, LaunchError,
+                                   add_arguments as add_serve_arguments, check_args, dtype_name, float_in, int_in,
+                                   kernel_config, lora_spec, serve as serve_http, torchrun_launch)
 
 
 class UsageError(Exception):
@@ -117,7 +117,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               device=args.device, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
               cpu_threads=args.cpu_threads, kernel_config=args.kernel_config)
-    launch = _torchrun_launch(args)
+    launch = torchrun_launch(args)
     if launch is not None and launch.rank != 0:  # torchrun: ranks 1..N-1 follow rank 0's steps
         return run_worker(EngineArgs(model=args.model, **kw))
     llm = moelora.LLM(args.model, adapters=adapters, show_progress=True, **kw)
@@ -130,19 +130,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     finally:
         llm.shutdown()
     return 0
-
-
-def _torchrun_launch(args: argparse.Namespace):
-    """The torchrun launch this process belongs to (None without torchrun); exits with the reason when
-    WORLD_SIZE is not --tp x --ep."""
-    try:
-        return check_launch(args.tensor_parallel_size, args.expert_parallel_size)
-    except ValueError as e:
-        raise SystemExit(f"moelora: {e}") from None
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    return serve(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -222,12 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs; prints adapter, input, output, expected, ok and the tokens/s. Exit status 1 if any row is wrong.",
     )
     demo.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    demo.add_argument("--per-adapter", type=int_at_least(1), default=4,
+    demo.add_argument("--per-adapter", type=int_in(1), default=4,
                       help="rows per adapter and for the base (default 4)")
     demo.add_argument("--seed", type=int, default=None, help="seed for the random inputs (default: fresh each run)")
-    demo.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
-                      help="CPU: torch's threads (default: MOELORA_CPU_THREADS or OMP_NUM_THREADS, else a count that "
-                      "does not oversubscribe the machine)")
+    demo.add_argument("--cpu-threads", type=int_in(1), default=None, metavar="N", help=CPU_THREADS_HELP)
     demo.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON", help=KERNEL_CONFIG_HELP)
     demo.set_defaults(func=_cmd_demo)
 
@@ -246,28 +231,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adapter", default=None, help="adapter NAME to use for every prompt (default: the base model)")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
-    gen.add_argument("--max-tokens", type=int_at_least(1), default=64, help="tokens to generate at most (default 64)")
+    gen.add_argument("--max-tokens", type=int_in(1), default=64, help="tokens to generate at most (default 64)")
     gen.add_argument("--temperature", type=float_in(0), default=0.0, help=">= 0; 0 = greedy (default)")
     gen.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0, help="in (0, 1] (default 1)")
-    gen.add_argument("--top-k", type=int_at_least(-1), default=0, help="0 or -1 = off (default)")
+    gen.add_argument("--top-k", type=int_in(-1), default=0, help="0 or -1 = off (default)")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--max-lora-rank", type=int_at_least(1), default=64, help="largest adapter rank (default 64)")
+    gen.add_argument("--max-lora-rank", type=int_in(1), default=64, help="largest adapter rank (default 64)")
     gen.add_argument("--dtype", type=dtype_name, default=None,
                      help="float32 | bfloat16 | float16 | auto (default: float32 on CPU)")
     gen.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    gen.add_argument("--quantization", default=None, choices=["fp8", "nvfp4"],
-                     help="fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 "
-                     "weight-only (ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 "
-                     "checkpoint stays quantized on a GPU without this flag")
+    gen.add_argument("--quantization", default=None, choices=["fp8", "nvfp4"], help=QUANTIZATION_HELP)
     gen.add_argument("--token-ids", action="store_true", help="print the generated token ids instead of the text")
-    gen.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int_at_least(1), default=1,
+    gen.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int_in(1), default=1,
                      help="ranks splitting attention heads, dense layers and the vocabulary (default 1)")
-    gen.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int_at_least(1), default=1,
+    gen.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int_in(1), default=1,
                      help="ranks splitting the routed experts (default 1)")
-    gen.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
-                     help="CPU: torch's threads (default: MOELORA_CPU_THREADS or OMP_NUM_THREADS, else a count that "
-                     "does not oversubscribe the machine)")
+    gen.add_argument("--cpu-threads", type=int_in(1), default=None, metavar="N", help=CPU_THREADS_HELP)
     gen.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON", help=KERNEL_CONFIG_HELP)
     gen.set_defaults(func=_cmd_generate)
 
@@ -284,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(srv)
     srv.post_check = check_args
-    srv.set_defaults(func=_cmd_serve)
+    srv.set_defaults(func=serve_http)
 
     bench = sub.add_parser(
         "bench",
@@ -343,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model's shapes and prints what it targets, or why it is rejected. Exit status 1 if any is rejected.",
     )
     chk.add_argument("--model", required=True, help="base model folder with config.json")
-    chk.add_argument("--max-lora-rank", type=int_at_least(1), default=64,
+    chk.add_argument("--max-lora-rank", type=int_in(1), default=64,
                      help="largest rank the server will accept (default 64)")
     chk.add_argument("adapters", nargs="+", metavar="NAME=PATH", help="adapter folders (NAME= optional)")
     chk.set_defaults(func=_cmd_check_adapter)

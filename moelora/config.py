@@ -16,15 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "Qwen3MoeForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "MixtralForCausalLM",
-    "OlmoeForCausalLM",
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
-)
-# config.json model_type -> architecture, for configs that name no architectures (config.save_pretrained)
+# config.json model_type -> architecture (the model_type is read for configs that name no architectures, as
+# config.save_pretrained writes them); the values are the architectures moelora serves
 _MODEL_TYPES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -33,6 +26,7 @@ _MODEL_TYPES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # rope types whose inverse frequencies depend on the sequence length at run time
 _DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -153,10 +147,8 @@ class ModelConfig:
         if arch is None and not archs:
             arch = _MODEL_TYPES.get(raw.get("model_type"))
         if arch is None:
-            raise ConfigError(
-                f"architectures {archs} (model_type {raw.get('model_type')!r}) not supported; "
-                f"moelora serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ConfigError(f"architectures {archs} (model_type {raw.get('model_type')!r}) not supported; "
+                              f"moelora serves {', '.join(SUPPORTED_ARCHITECTURES)}")
         model_type = raw.get("model_type")
         if model_type is None:
             raise ConfigError("config.json has no model_type")
@@ -184,21 +176,18 @@ class ModelConfig:
         if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             mlp_only = set(getattr(hf, "mlp_only_layers", None) or [])
             step = getattr(hf, "decoder_sparse_step", 1) or 1
-            moe_layers = tuple(
-                (i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)
-            )
+            moe_layers = tuple((i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(n_layers))
         else:
             moe_layers = (True,) * n_layers
         moe_inter = hf.intermediate_size if mixtral or arch == "OlmoeForCausalLM" else hf.moe_intermediate_size
 
+        sw = getattr(hf, "sliding_window", None) or None
         if arch == "Qwen2MoeForCausalLM":
             layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n_layers
-            sw = getattr(hf, "sliding_window", None) or None
             windows = tuple(sw if t == "sliding_attention" else None for t in layer_types)
         elif arch == "OlmoeForCausalLM":  # OLMoE has no sliding window: transformers masks causally whatever the config says
             windows = (None,) * n_layers
         else:
-            sw = getattr(hf, "sliding_window", None) or None
             windows = (sw,) * n_layers
 
         if arch == "Qwen2MoeForCausalLM":
@@ -207,26 +196,15 @@ class ModelConfig:
             bias = bool(getattr(hf, "attention_bias", False))
             qkv_bias, o_bias = bias, bias
         return cls(
-            **_common_fields(hf, arch),
-            num_attention_heads=n_heads,
-            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or n_heads,
-            head_dim=head_dim,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
+            **_common_fields(hf, arch), num_attention_heads=n_heads,
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or n_heads, head_dim=head_dim,
+            qkv_bias=qkv_bias, o_bias=o_bias,
             qk_norm={"Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}.get(arch, "none"),
-            clip_qkv=getattr(hf, "clip_qkv", None),
-            sliding_windows=windows,
-            rope_type=rope_type,
-            rope_theta=rope_theta,
-            num_experts=num_experts,
-            num_experts_per_tok=hf.num_experts_per_tok,
-            moe_intermediate_size=moe_inter,
-            norm_topk_prob=True if mixtral else bool(getattr(hf, "norm_topk_prob", False)),
-            moe_layers=moe_layers,
+            clip_qkv=getattr(hf, "clip_qkv", None), sliding_windows=windows, rope_type=rope_type, rope_theta=rope_theta,
+            num_experts=num_experts, num_experts_per_tok=hf.num_experts_per_tok, moe_intermediate_size=moe_inter,
+            norm_topk_prob=True if mixtral else bool(getattr(hf, "norm_topk_prob", False)), moe_layers=moe_layers,
             intermediate_size=hf.intermediate_size,
-            shared_expert_intermediate_size=(
-                hf.shared_expert_intermediate_size if arch == "Qwen2MoeForCausalLM" else 0
-            ),
+            shared_expert_intermediate_size=hf.shared_expert_intermediate_size if arch == "Qwen2MoeForCausalLM" else 0,
             shared_expert_gate=arch == "Qwen2MoeForCausalLM",
         )
 
@@ -261,10 +239,8 @@ def _deepseek_from_hf(cls: type[ModelConfig], hf: Any, arch: str) -> ModelConfig
     n_layers, n_heads = hf.num_hidden_layers, hf.num_attention_heads
     n_kv = getattr(hf, "num_key_value_heads", None) or n_heads
     if n_kv != n_heads:
-        raise ConfigError(
-            f"num_key_value_heads={n_kv} differs from num_attention_heads={n_heads}: MLA expands the latent to one "
-            "key and value per query head (transformers cannot run this config either)"
-        )
+        raise ConfigError(f"num_key_value_heads={n_kv} differs from num_attention_heads={n_heads}: MLA expands the "
+                          "latent to one key and value per query head (transformers cannot run this config either)")
     if getattr(hf, "mlp_bias", False):
         raise ConfigError("mlp_bias=true is not supported for DeepSeek models (no released checkpoint uses it)")
     rope_type, rope_theta, rope = _rope(hf)
@@ -286,50 +262,29 @@ def _deepseek_from_hf(cls: type[ModelConfig], hf: Any, arch: str) -> ModelConfig
     else:
         scoring, method = "softmax", hf.topk_method or "greedy"
         if method not in ("greedy", "group_limited_greedy"):
-            raise ConfigError(
-                f"topk_method {method!r}: DeepseekV2ForCausalLM routes 'greedy' or 'group_limited_greedy' "
-                "(noaux_tc belongs to DeepseekV3ForCausalLM)"
-            )
+            raise ConfigError(f"topk_method {method!r}: DeepseekV2ForCausalLM routes 'greedy' or "
+                              "'group_limited_greedy' (noaux_tc belongs to DeepseekV3ForCausalLM)")
     grouped = method != "greedy"  # greedy ignores n_group / topk_group
     n_group = (hf.n_group or 1) if grouped else 1
     topk_group = (hf.topk_group or n_group) if grouped else 1
     if num_experts % n_group or not 1 <= topk_group <= n_group:
-        raise ConfigError(
-            f"n_group={n_group}, topk_group={topk_group} for {num_experts} experts: the experts must split into "
-            "n_group equal groups and 1 <= topk_group <= n_group"
-        )
+        raise ConfigError(f"n_group={n_group}, topk_group={topk_group} for {num_experts} experts: the experts must "
+                          "split into n_group equal groups and 1 <= topk_group <= n_group")
     per_group = num_experts // n_group
     if top_k > topk_group * per_group or (method == "noaux_tc" and per_group < 2):
-        raise ConfigError(
-            f"num_experts_per_tok={top_k} cannot be picked from {topk_group} groups of {per_group} experts"
-            + (" (noaux_tc ranks groups by their two best experts)" if method == "noaux_tc" else "")
-        )
-    routing = RoutingConfig(
-        scoring_func=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=float(hf.routed_scaling_factor),
-    )
+        why = " (noaux_tc ranks groups by their two best experts)" if method == "noaux_tc" else ""
+        raise ConfigError(f"num_experts_per_tok={top_k} cannot be picked from {topk_group} groups of {per_group} "
+                          f"experts{why}")
+    routing = RoutingConfig(scoring_func=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
+                            routed_scaling_factor=float(hf.routed_scaling_factor))
     first_dense = hf.first_k_dense_replace or 0
     bias = bool(getattr(hf, "attention_bias", False))
     return cls(
-        **_common_fields(hf, arch),
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_heads,
-        head_dim=nope + rope_dim,
-        qkv_bias=bias,
-        o_bias=bias,
-        qk_norm="none",
-        clip_qkv=None,
-        sliding_windows=(None,) * n_layers,
-        rope_type=rope_type,
-        rope_theta=rope_theta,
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=hf.moe_intermediate_size,
-        norm_topk_prob=bool(hf.norm_topk_prob) if v3 else False,
-        moe_layers=tuple(i >= first_dense for i in range(n_layers)),
-        intermediate_size=hf.intermediate_size,
+        **_common_fields(hf, arch), num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=nope + rope_dim,
+        qkv_bias=bias, o_bias=bias, qk_norm="none", clip_qkv=None, sliding_windows=(None,) * n_layers,
+        rope_type=rope_type, rope_theta=rope_theta, num_experts=num_experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob) if v3 else False,
+        moe_layers=tuple(i >= first_dense for i in range(n_layers)), intermediate_size=hf.intermediate_size,
         shared_expert_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0),
-        shared_expert_gate=False,
-        mla=mla,
-        routing=routing,
+        shared_expert_gate=False, mla=mla, routing=routing,
     )

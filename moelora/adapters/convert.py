@@ -52,10 +52,9 @@ def target_parameters_to_per_expert(src: str, dst: str, model_path: str) -> None
                     out[f"{prefix}.{e}.down_proj.lora_A.weight"] = a3[e].contiguous()
                     out[f"{prefix}.{e}.down_proj.lora_B.weight"] = b3[e].contiguous()
     # per-module rank/alpha: a pattern on the fused parameter now applies to each expert module
-    for pat, key in ((rank_pattern, "gate_up_proj"), (alpha_pattern, "gate_up_proj")):
-        for k in [k for k in pat if k.endswith(key)]:
-            v = pat.pop(k)
-            pat[r".*\.experts\.\d+\.(gate_proj|up_proj)"] = v
+    for pat in (rank_pattern, alpha_pattern):
+        for k in [k for k in pat if k.endswith("gate_up_proj")]:
+            pat[r".*\.experts\.\d+\.(gate_proj|up_proj)"] = pat.pop(k)
     conf.update(rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, target_parameters=None)
     conf["target_modules"] = sorted(set(conf.get("target_modules") or []) | {"gate_proj", "up_proj", "down_proj"})
     os.makedirs(dst, exist_ok=True)

@@ -36,13 +36,8 @@ class ModuleLoRA:
         return self.a.shape[-2]
 
 
-def normalize_adapter(
-    name: str,
-    groups: dict[str, dict[str, tuple[str, torch.Tensor]]],
-    cfg: PeftLoraConfig,
-    targets: dict[str, LoRATarget],
-    max_lora_rank: int,
-) -> dict[str, ModuleLoRA]:
+def normalize_adapter(name: str, groups: dict[str, dict[str, tuple[str, torch.Tensor]]], cfg: PeftLoraConfig,
+                      targets: dict[str, LoRATarget], max_lora_rank: int) -> dict[str, ModuleLoRA]:
     out: dict[str, ModuleLoRA] = {}
     per_expert: dict[str, dict[int, tuple[str, ModuleLoRA]]] = {}
     for module, ab in groups.items():
@@ -58,9 +53,8 @@ def normalize_adapter(
             if t.num_experts is None:
                 raise AdapterError(name, f"per-expert LoRA for {target_name}, but that base module has no experts", ka)
             if e >= t.num_experts:
-                raise AdapterError(
-                    name, f"expert index {e} out of range: the base model has {t.num_experts} experts (0..{t.num_experts - 1})", ka
-                )
+                raise AdapterError(name, f"expert index {e} out of range: the base model has {t.num_experts} experts "
+                                         f"(0..{t.num_experts - 1})", ka)
             r, scaling = cfg.rank_and_scaling(module)
             _expect(name, ka, a, [r, t.in_features], f"lora_A of {module}", r)
             _expect(name, kb, b, [t.out_features, r], f"lora_B of {module}", r)
@@ -75,10 +69,8 @@ def normalize_adapter(
         else:
             t = _target(name, targets, canon, ka)
             if t.num_experts is not None:
-                raise AdapterError(
-                    name, f"LoRA for the routed experts {canon} needs per-expert keys (experts.<e>.<proj>) or PEFT "
-                    "target_parameters on the fused experts", ka,
-                )
+                raise AdapterError(name, f"LoRA for the routed experts {canon} needs per-expert keys "
+                                         "(experts.<e>.<proj>) or PEFT target_parameters on the fused experts", ka)
             r, scaling = cfg.rank_and_scaling(module)
             _expect(name, ka, a, [r, t.in_features], f"lora_A of {canon}", r)
             _expect(name, kb, b, [t.out_features, r], f"lora_B of {canon}", r)
@@ -88,10 +80,8 @@ def normalize_adapter(
         _put(name, out, targets, canon, _stack_experts(name, canon, experts, targets), key, key)
     for canon, mod in out.items():
         if mod.rank > max_lora_rank:
-            raise AdapterError(
-                name, f"rank {mod.rank} on {canon} is above max_lora_rank={max_lora_rank}; "
-                f"restart with --max-lora-rank {_next_pow2(mod.rank)} or more",
-            )
+            raise AdapterError(name, f"rank {mod.rank} on {canon} is above max_lora_rank={max_lora_rank}; "
+                                     f"restart with --max-lora-rank {_next_pow2(mod.rank)} or more")
     return out
 
 
@@ -102,30 +92,25 @@ def _next_pow2(n: int) -> int:
 def _expect(name, key, t: torch.Tensor, expected: list[int], what: str, r: int) -> None:
     """The tensor at fault, what its shape should be (base model + adapter_config.json rank) and what it is."""
     if list(t.shape) != expected:
-        raise AdapterError(
-            name, f"expected shape {expected} for {what} (rank {r} from adapter_config.json, sizes from the base "
-            f"model), found {list(t.shape)}", key,
-        )
+        raise AdapterError(name, f"expected shape {expected} for {what} (rank {r} from adapter_config.json, sizes "
+                                 f"from the base model), found {list(t.shape)}", key)
 
 
 def _target(name: str, targets: dict[str, LoRATarget], canon: str, key: str) -> LoRATarget:
     t = targets.get(canon)
     if t is None:
         kinds = sorted({n.split(".", 3)[-1] for n in targets})
-        raise AdapterError(
-            name, f"targets module {canon!r}, which this base model does not have "
-            f"({sum(1 for n in targets if n.endswith('.o_proj'))} layers; LoRA targets per layer: {', '.join(kinds)})", key,
-        )
+        layers = sum(1 for n in targets if n.endswith(".o_proj"))
+        raise AdapterError(name, f"targets module {canon!r}, which this base model does not have ({layers} layers; "
+                                 f"LoRA targets per layer: {', '.join(kinds)})", key)
     return t
 
 
 def _put(name, out, targets, canon: str, mod: ModuleLoRA, ka: str, kb: str) -> None:
     t = _target(name, targets, canon, ka)
     if canon in out:
-        raise AdapterError(
-            name, f"LoRA for {canon} is given twice (two layouts for the same weights, e.g. per-expert keys next to "
-            "fused target_parameters ones); expected one", ka,
-        )
+        raise AdapterError(name, f"LoRA for {canon} is given twice (two layouts for the same weights, e.g. "
+                                 "per-expert keys next to fused target_parameters ones); expected one", ka)
     e = () if t.num_experts is None else (t.num_experts,)
     exp_a, exp_b = [*e, mod.rank, t.in_features], [*e, t.out_features, mod.rank]
     if list(mod.a.shape) != exp_a:
@@ -158,16 +143,13 @@ def _from_target_parameters(name, prefix, module, ka, a, kb, b, cfg, targets, ou
         if len(half) == 1:
             w, ea, eb, r = half[0]
             key, exp, found, ab = (kb, eb, fb, "B") if fa == ea else (ka, ea, fa, "A")
-            raise AdapterError(
-                name, f"expected shape {exp} for lora_{ab} of the fused experts' {w} ({prefix}: rank {r} from "
-                f"adapter_config.json x {E} experts, sizes from the base model), found {found}", key,
-            )
+            raise AdapterError(name, f"expected shape {exp} for lora_{ab} of the fused experts' {w} ({prefix}: "
+                                     f"rank {r} from adapter_config.json x {E} experts, sizes from the base model), "
+                                     f"found {found}", key)
         expected = "; ".join(f"{w}: lora_A {ea}, lora_B {eb} (rank {r})" for w, (ea, eb, r, _) in layouts.items())
-        raise AdapterError(
-            name, f"fused-expert LoRA on {prefix} fits neither layout the base model and adapter_config.json give "
-            f"({expected}): found lora_A {fa}, lora_B {fb} (A and B swapped, a transposed tensor, or an adapter for "
-            "another base model?)", ka,
-        )
+        raise AdapterError(name, f"fused-expert LoRA on {prefix} fits neither layout the base model and "
+                                 f"adapter_config.json give ({expected}): found lora_A {fa}, lora_B {fb} (A and B "
+                                 "swapped, a transposed tensor, or an adapter for another base model?)", ka)
     which = fits[0]
     r, scaling = layouts[which][2], layouts[which][3]
     a3 = a.reshape(E, r, a.shape[1])  # [E, r, in]
@@ -183,10 +165,9 @@ def _from_3d(name, prefix, which, module, ka, a, kb, b, cfg, targets, out) -> No
     r, scaling = cfg.rank_and_scaling(module)
     for key, t, ab, exp in ((ka, a, "A", [r, in_w]), (kb, b, "B", [out_w, r])):
         if t.dim() != 3 or t.shape[0] not in (1, E) or list(t.shape[1:]) != exp:
-            raise AdapterError(
-                name, f"expected shape {[E, *exp]} (or {[1, *exp]} for a factor shared by all experts) for lora_{ab} "
-                f"of {module} (rank {r} from adapter_config.json, sizes from the base model), found {list(t.shape)}", key,
-            )
+            raise AdapterError(name, f"expected shape {[E, *exp]} (or {[1, *exp]} for a factor shared by all "
+                                     f"experts) for lora_{ab} of {module} (rank {r} from adapter_config.json, sizes "
+                                     f"from the base model), found {list(t.shape)}", key)
     _put_experts(name, out, targets, prefix, which, a.expand(E, -1, -1), b.expand(E, -1, -1), scaling, ka, kb)
 
 

@@ -29,7 +29,6 @@ class PeftLoraConfig:
     use_rslora: bool
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
-    base_model_name_or_path: str | None = None
 
     def rank_and_scaling(self, module_name: str) -> tuple[int, float]:
         """PEFT's rule: the first pattern key k with re.match(rf'(.*\\.)?({k})$', name) overrides r / alpha."""
@@ -127,12 +126,8 @@ def read_files(name: str, path: str, roots: list[str] | None = None) -> AdapterF
     raise AdapterError(name, f"no adapter_model.safetensors (or adapter_model.bin) in {path!r}")
 
 
-def read_config(name: str, path: str) -> PeftLoraConfig:
-    """adapter_config.json of the folder `path`, parsed and checked."""
-    return parse_config(name, read_files(name, path))
-
-
 def parse_config(name: str, files: AdapterFiles) -> PeftLoraConfig:
+    """adapter_config.json of the adapter, parsed and checked."""
     file = files.config_file
     try:
         raw = json.loads(files.config.decode("utf-8"))
@@ -148,10 +143,9 @@ def parse_config(name: str, files: AdapterFiles) -> PeftLoraConfig:
     if raw.get("lora_bias"):
         raise AdapterError(name, "lora_bias is true: LoRA with a trained bias on lora_B is not supported")
     if raw.get("modules_to_save"):
-        raise AdapterError(
-            name, f"modules_to_save={raw['modules_to_save']} stores full copies of base modules; only LoRA weights "
-            "can be served per request (this includes adapters that resize embeddings or the LM head)"
-        )
+        raise AdapterError(name, f"modules_to_save={raw['modules_to_save']} stores full copies of base modules; only "
+                                 "LoRA weights can be served per request (this includes adapters that resize "
+                                 "embeddings or the LM head)")
     if raw.get("trainable_token_indices"):
         raise AdapterError(name, "trainable_token_indices is set: adapters that add or retrain tokens are not supported")
     r = _positive_int(name, file, "'r'", raw.get("r", _MISSING))
@@ -160,9 +154,8 @@ def parse_config(name: str, files: AdapterFiles) -> PeftLoraConfig:
     for key in ("rank_pattern", "alpha_pattern"):
         patterns = raw.get(key) or {}
         if not isinstance(patterns, dict):
-            raise AdapterError(
-                name, f"{file}: {key!r} must be an object of regex -> number, found {type(patterns).__name__} {patterns!r}"
-            )
+            raise AdapterError(name, f"{file}: {key!r} must be an object of regex -> number, found "
+                                     f"{type(patterns).__name__} {patterns!r}")
         for pattern, value in patterns.items():
             try:
                 re.compile(pattern)
@@ -173,22 +166,13 @@ def parse_config(name: str, files: AdapterFiles) -> PeftLoraConfig:
                 _positive_int(name, file, what, value)
             else:
                 _finite_number(name, file, what, value)
-    return PeftLoraConfig(
-        r=r,
-        lora_alpha=alpha,
-        use_rslora=bool(raw.get("use_rslora", False)),
-        rank_pattern=dict(raw.get("rank_pattern") or {}),
-        alpha_pattern=dict(raw.get("alpha_pattern") or {}),
-        base_model_name_or_path=raw.get("base_model_name_or_path"),
-    )
-
-
-def read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
-    """adapter_model.safetensors, else the older adapter_model.bin (a torch.save'd dict of tensors)."""
-    return parse_tensors(name, read_files(name, path))
+    return PeftLoraConfig(r=r, lora_alpha=alpha, use_rslora=bool(raw.get("use_rslora", False)),
+                          rank_pattern=dict(raw.get("rank_pattern") or {}),
+                          alpha_pattern=dict(raw.get("alpha_pattern") or {}))
 
 
 def parse_tensors(name: str, files: AdapterFiles) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors, else the older adapter_model.bin (a torch.save'd dict of tensors)."""
     try:
         if files.weights_file.endswith(".safetensors"):
             return safetensors.torch.load(files.weights)
@@ -215,10 +199,8 @@ def group_lora_tensors(name: str, tensors: dict[str, torch.Tensor]) -> dict[str,
             raise AdapterError(name, "LoRA on an embedding layer is not supported (adapters may not change embeddings)", key)
         m = _LORA_KEY.match(key)
         if m is None:
-            raise AdapterError(
-                name, "not a LoRA factor: the adapter stores other weights (new tokens, resized embeddings or "
-                "modules_to_save), which cannot be served per request", key,
-            )
+            raise AdapterError(name, "not a LoRA factor: the adapter stores other weights (new tokens, resized "
+                                     "embeddings or modules_to_save), which cannot be served per request", key)
         module = m[1][len(_PREFIX):] if m[1].startswith(_PREFIX) else m[1]
         groups.setdefault(module, {})[m[2]] = (key, t)
     for module, ab in groups.items():

@@ -85,8 +85,7 @@ class AdapterRegistry:
         self.targets = targets
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
-        self._paths: dict[str, str] = {}
-        self._sources: dict[str, _Source] = {}
+        self._sources: dict[str, _Source] = {}  # every registered adapter, in registration order
         self._cache: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self._in_memory: set[str] = set()  # registered from memory: never dropped from the cache
@@ -101,7 +100,6 @@ class AdapterRegistry:
         adapter = load_adapter(name, path, self.targets, self.max_lora_rank, roots)
         with self._lock:
             self._check_free(name)  # again: another load of this name may have finished while this one read its files
-            self._paths[name] = path
             self._sources[name] = _Source(path, adapter.digest, list(roots) if roots is not None else None)
             self._remember(adapter)
             self.counters["loads"] += 1
@@ -116,8 +114,9 @@ class AdapterRegistry:
             return self._sources[name].digest
 
     def _check_free(self, name: str) -> None:
-        if name in self._paths:
-            raise AdapterError(name, f"an adapter of this name is already loaded (from {self._paths[name]!r}); unload it first")
+        if name in self._sources:
+            raise AdapterError(name, f"an adapter of this name is already loaded (from {self._sources[name].path!r}); "
+                                     "unload it first")
 
     def register(self, adapter: LoRAAdapter) -> None:
         """Add an adapter built in memory (benchmarks, conversions); it cannot be re-read from disk, so it is
@@ -125,7 +124,6 @@ class AdapterRegistry:
         check_name(adapter.name)
         with self._lock:
             self._check_free(adapter.name)
-            self._paths[adapter.name] = adapter.path
             # an identity of its own: an adapter registered again under this name never passes for this one
             self._sources[adapter.name] = _Source(adapter.path, adapter.digest or f"memory:{uuid.uuid4().hex}", None)
             self._cache[adapter.name] = adapter
@@ -134,10 +132,9 @@ class AdapterRegistry:
 
     def unload(self, name: str) -> None:
         with self._lock:
-            if name not in self._paths:
-                raise KeyError(f"adapter {name!r} is not loaded; loaded: {sorted(self._paths)}")
-            del self._paths[name]
-            self._sources.pop(name, None)
+            if name not in self._sources:
+                raise KeyError(f"adapter {name!r} is not loaded; loaded: {sorted(self._sources)}")
+            del self._sources[name]
             self._cache.pop(name, None)
             self._in_memory.discard(name)
             self.counters["unloads"] += 1
@@ -145,8 +142,8 @@ class AdapterRegistry:
 
     def get(self, name: str) -> LoRAAdapter:
         with self._lock:
-            if name not in self._paths:
-                raise KeyError(f"adapter {name!r} is not loaded; loaded: {sorted(self._paths)}")
+            if name not in self._sources:
+                raise KeyError(f"adapter {name!r} is not loaded; loaded: {sorted(self._sources)}")
             if name in self._cache:
                 self._cache.move_to_end(name)
                 return self._cache[name]
@@ -167,14 +164,14 @@ class AdapterRegistry:
         return adapter
 
     def __contains__(self, name: str) -> bool:
-        return name in self._paths
+        return name in self._sources
 
     @property
     def names(self) -> list[str]:
-        return list(self._paths)
+        return list(self._sources)
 
     def path(self, name: str) -> str:
-        return self._paths[name]
+        return self._sources[name].path
 
     def _remember(self, adapter: LoRAAdapter) -> None:
         self._cache[adapter.name] = adapter

@@ -65,8 +65,14 @@ class SlotPool:
 
     def acquire(self, adapter: LoRAAdapter) -> int:
         """Make `adapter` resident (loading or evicting as needed), take a reference, return its slot."""
-        slot = self._slot_of.get(adapter.name)
+        return self.acquire_by_name(adapter.name, lambda _: adapter)
+
+    def acquire_by_name(self, name: str, get: Callable[[str], LoRAAdapter]) -> int:
+        """acquire() for the adapter `name`, calling get(name) for its factors only when no slot holds it (an
+        adapter read again from disk may raise there: nothing has changed then)."""
+        slot = self._slot_of.get(name)
         if slot is None:
+            adapter = get(name)
             used = set(self._slot_of.values())
             free = [s for s in range(self.max_loras) if s not in used]
             if free:
@@ -74,28 +80,17 @@ class SlotPool:
             else:
                 victim = self._victim()
                 if victim is None:
-                    raise NoFreeSlot(
-                        f"all {self.max_loras} LoRA slots hold adapters in use or pinned; adapter "
-                        f"{adapter.name!r} must wait (or raise --max-loras)"
-                    )
+                    raise NoFreeSlot(f"all {self.max_loras} LoRA slots hold adapters in use or pinned; adapter "
+                                     f"{name!r} must wait (or raise --max-loras)")
                 slot = self._slot_of.pop(victim)
                 self.counters["slot_evictions"] += 1
                 log.info("adapter %r evicted from LoRA slot %d for %r", victim, slot, adapter.name)
             self._write(adapter, slot)
             self.counters["slot_loads"] += 1
-            self._slot_of[adapter.name] = slot
-        self._slot_of.move_to_end(adapter.name)
-        self._refs[adapter.name] = self._refs.get(adapter.name, 0) + 1
+            self._slot_of[name] = slot
+        self._slot_of.move_to_end(name)
+        self._refs[name] = self._refs.get(name, 0) + 1
         return slot
-
-    def acquire_by_name(self, name: str, get: Callable[[str], LoRAAdapter]) -> int:
-        """acquire() for the adapter `name`, calling get(name) for its factors only when no slot holds it (an
-        adapter read again from disk may raise there: nothing has changed then)."""
-        if name in self._slot_of:
-            self._slot_of.move_to_end(name)
-            self._refs[name] = self._refs.get(name, 0) + 1
-            return self._slot_of[name]
-        return self.acquire(get(name))
 
     def release(self, name: str) -> None:
         n = self._refs.get(name, 0)

@@ -45,15 +45,9 @@ class ParallelState:
         return self.world_size > 1
 
 
-def init_parallel(
-    tp_size: int = 1,
-    ep_size: int = 1,
-    backend: str | None = None,
-    init_method: str | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    timeout: timedelta | None = None,
-) -> ParallelState:
+def init_parallel(tp_size: int = 1, ep_size: int = 1, backend: str | None = None, init_method: str | None = None,
+                  rank: int | None = None, world_size: int | None = None,
+                  timeout: timedelta | None = None) -> ParallelState:
     """Join (or reuse) the default process group and make the tp groups.
 
     backend: "nccl" | "gloo" | None (NCCL when CUDA is available, else gloo). init_method/rank/world_size: as
@@ -73,10 +67,8 @@ def init_parallel(
         dist.init_process_group(backend, init_method=init_method, **kw)
     world = dist.get_world_size()
     if world != tp_size * ep_size:
-        raise ValueError(
-            f"the process group has {world} ranks, but tensor_parallel_size={tp_size} x "
-            f"expert_parallel_size={ep_size} = {tp_size * ep_size}"
-        )
+        raise ValueError(f"the process group has {world} ranks, but tensor_parallel_size={tp_size} x "
+                         f"expert_parallel_size={ep_size} = {tp_size * ep_size}")
     me = dist.get_rank()
     tp_group = None
     for e in range(ep_size):  # every rank creates every group, in the same order
@@ -113,11 +105,9 @@ def check_launch(tp_size: int, ep_size: int) -> LaunchEnv | None:
     if env is None or (env.world_size == 1 and tp_size * ep_size == 1):
         return None
     if env.world_size != tp_size * ep_size:
-        raise ValueError(
-            f"torchrun started WORLD_SIZE={env.world_size} processes, but tensor_parallel_size (--tp) {tp_size} x "
-            f"expert_parallel_size (--ep) {ep_size} = {tp_size * ep_size} ranks: launch tp x ep processes in all "
-            "(--nnodes x --nproc-per-node), or change --tp/--ep"
-        )
+        raise ValueError(f"torchrun started WORLD_SIZE={env.world_size} processes, but tensor_parallel_size (--tp) "
+                         f"{tp_size} x expert_parallel_size (--ep) {ep_size} = {tp_size * ep_size} ranks: launch tp x "
+                         "ep processes in all (--nnodes x --nproc-per-node), or change --tp/--ep")
     return env
 
 

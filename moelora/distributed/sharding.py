@@ -32,6 +32,7 @@ by the SlotPool (whole tensors, as the registry holds them) lands cut to this ra
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -79,9 +80,7 @@ def shard_column(lin: LoRALinear, parts: list[slice], model_lora: tuple[int, int
     """Keep rows parts[i] of output slice i (weight, bias, LoRA B); in_features unchanged."""
     _check_unquantized(lin, name)
     full_out = tuple(lin.out_features)
-    offsets = [0]
-    for o in full_out:
-        offsets.append(offsets[-1] + o)
+    offsets = [0, *itertools.accumulate(full_out)]
     rows = torch.cat([torch.arange(offsets[i] + p.start, offsets[i] + p.stop) for i, p in enumerate(parts)])
     rows = rows.to(lin.weight.device)
     lin.weight = _param(lin.weight[rows])  # [sum(out_local), in]
@@ -110,7 +109,7 @@ def _all_reduce_hook(group: dist.ProcessGroup | None):
     return hook
 
 
-def shard_attention(attn: Attention, cfg: ModelConfig, ps: ParallelState, lora: tuple[int, int], name: str) -> None:
+def shard_attention(attn: Attention, ps: ParallelState, lora: tuple[int, int], name: str) -> None:
     """GQA attention over the tp group: query heads split; KV heads split, or replicated when fewer than ranks."""
     tp, r = ps.tp_size, ps.tp_rank
     D, Hq, Hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
@@ -270,7 +269,7 @@ def shard_model(model: nn.Module, ps: ParallelState) -> nn.Module:
             if isinstance(layer.self_attn, MLAttention):
                 shard_mla(layer.self_attn, ps, lora, f"{p}.self_attn")
             else:
-                shard_attention(layer.self_attn, cfg, ps, lora, f"{p}.self_attn")
+                shard_attention(layer.self_attn, ps, lora, f"{p}.self_attn")
         mlp = layer.mlp
         if isinstance(mlp, DenseMLP):
             if tp_on:

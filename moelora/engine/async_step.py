@@ -78,17 +78,13 @@ def schedule_ahead(scheduler: Scheduler, kv: KVCache, pending: PendingStep, max_
     by length with its pending token, nothing waiting, and the KV cache able to extend every one (no
     preemption). Appends a PLACEHOLDER to each request's outputs."""
     reqs = pending.requests
-    if scheduler.waiting or len(scheduler.running) != len(reqs):
-        return None
-    if {id(r) for r in scheduler.running} != {id(r) for r in reqs}:
+    if (scheduler.waiting or len(scheduler.running) != len(reqs)
+            or {id(r) for r in scheduler.running} != {id(r) for r in reqs}):
         return None
     need = 0
     for r in reqs:
-        if r.finished or r.num_computed != r.num_tokens:
-            return None
-        if r.params.max_tokens is not None and len(r.output_ids) + 1 >= r.params.max_tokens:
-            return None
-        if r.num_tokens + 1 >= max_model_len:
+        if (r.finished or r.num_computed != r.num_tokens or r.num_tokens + 1 >= max_model_len
+                or (r.params.max_tokens is not None and len(r.output_ids) + 1 >= r.params.max_tokens)):
             return None
         need += kv.blocks_needed(r.num_tokens + 1, len(r.block_table))
     if need > kv.num_free_blocks:

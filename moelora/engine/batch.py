@@ -35,11 +35,9 @@ class FlatBatch:
 def build_flat_batch(chunks: list[SeqChunk], block_size: int, device: torch.device | str = "cpu") -> FlatBatch:
     ids: list[int] = []
     pos: list[int] = []
-    slots_kv: list[int] = []
+    slots_kv: list[int] = []  # each new token's KV slot
     token_slots: list[int] = []
-    qsl = [0]
-    seq_lens = []
-    last_rows = []
+    qsl, seq_lens, last_rows = [0], [], []
     max_blocks = max((len(c.block_table) for c in chunks), default=1) or 1
     tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
     for b, c in enumerate(chunks):
@@ -58,18 +56,11 @@ def build_flat_batch(chunks: list[SeqChunk], block_size: int, device: torch.devi
         tables[b, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
     token_seq = [b for b, c in enumerate(chunks) for _ in c.token_ids]
     attn = AttentionMetadata(
-        slot_mapping=torch.tensor(slots_kv, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
-        seq_lens=seq_lens,
-        query_start_loc=qsl,
-        token_seq=torch.tensor(token_seq, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots_kv, dtype=torch.int64, device=device), block_tables=tables.to(device),
+        seq_lens=seq_lens, query_start_loc=qsl, token_seq=torch.tensor(token_seq, dtype=torch.int32, device=device),
         seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=device),
     )
-    return FlatBatch(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(pos, dtype=torch.int64, device=device),
-        attn=attn,
-        token_slots=token_slots,
-        last_token_rows=last_rows,
-    )
+    return FlatBatch(input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+                     positions=torch.tensor(pos, dtype=torch.int64, device=device), attn=attn, token_slots=token_slots,
+                     last_token_rows=last_rows)

@@ -40,9 +40,7 @@ def configure_cpu_threads(requested: int | None, device: torch.device, processes
             raise ValueError(f"--cpu-threads (cpu_threads) must be an integer >= 1, got {requested!r}")
     if device.type != "cpu":
         return None
-    n = requested
-    if n is None:
-        n = _from_env()
+    n = requested if requested is not None else _from_env()
     if n is None:
         if os.environ.get("OMP_NUM_THREADS", "").strip():
             return None

@@ -44,15 +44,13 @@ class DecodeHostInputs:
         tables, owner, filled, last, width = self.np["block_tables"], self._owner, self._filled, self._last, self.width
         for i, bt in enumerate(block_tables):
             n_new, f = len(bt), filled[i]
+            if n_new > width:
+                raise ValueError(f"sequence {i}: block table of {n_new} blocks; the graphs hold at most {width}")
             if owner[i] is bt and n_new >= f and (f == 0 or bt[f - 1] == last[i]):
                 if n_new == f:  # steady decode: nothing new in this row
                     continue
-                if n_new > width:
-                    raise ValueError(f"sequence {i}: block table of {n_new} blocks; the graphs hold at most {width}")
                 tables[i, f:n_new] = bt[f:]
             else:
-                if n_new > width:
-                    raise ValueError(f"sequence {i}: block table of {n_new} blocks; the graphs hold at most {width}")
                 tables[i, :n_new] = bt
                 if f > n_new:
                     tables[i, n_new:f] = 0

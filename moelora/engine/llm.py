@@ -86,13 +86,9 @@ class LLM:
     def list_adapters(self) -> list[str]:
         return self.engine.list_adapters()
 
-    def generate(
-        self,
-        prompts: str | list[int] | Sequence[str | list[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        adapter: str | None | Sequence[str | None] = None,
-        use_tqdm: bool = False,
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 adapter: str | None | Sequence[str | None] = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """prompts: strings or lists of token ids (one prompt alone is accepted too).
         sampling_params, adapter: one for all prompts, or one per prompt (adapter None = base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -146,10 +142,8 @@ def _release(engine: LLMEngine) -> None:
 
 
 def _completion(index: int, r: Request) -> CompletionOutput:
-    return CompletionOutput(
-        index=index, text=r.text, token_ids=list(r.output_ids), finish_reason=r.finish_reason,
-        stop_reason=r.stop_reason, logprobs=r.logprobs if r.params.logprobs is not None else None,
-    )
+    return CompletionOutput(index=index, text=r.text, token_ids=list(r.output_ids), finish_reason=r.finish_reason,
+                            stop_reason=r.stop_reason, logprobs=r.logprobs if r.params.logprobs is not None else None)
 
 
 def _per_prompt(value, n: int, what: str) -> list:

@@ -203,9 +203,8 @@ class LLMEngine:
         return self.registry.names if self.registry else []
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None = None
-    ) -> Request:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    adapter: str | None = None) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -217,20 +216,17 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias token ids out of vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, but the context holds {self.max_model_len} "
-                "(max_model_len) including at least one generated token"
-            )
+            raise ValueError(f"prompt has {len(ids)} tokens, but the context holds {self.max_model_len} "
+                             "(max_model_len) including at least one generated token")
         capacity = self.kv.num_blocks * self.kv.block_size
         if len(ids) + 1 > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens needs more KV blocks than the cache has "
                              f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
         if params.max_tokens is not None and len(ids) + params.max_tokens > capacity:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{len(ids) + params.max_tokens} tokens of KV cache, but the whole cache holds {capacity} "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size}): lower max_tokens, or give the cache more "
-                "memory (--kv-cache-memory, --gpu-memory-utilization)")
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                             f"{len(ids) + params.max_tokens} tokens of KV cache, but the whole cache holds {capacity} "
+                             f"({self.kv.num_blocks} blocks of {self.kv.block_size}): lower max_tokens, or give the "
+                             "cache more memory (--kv-cache-memory, --gpu-memory-utilization)")
         req = Request(request_id, ids, params, adapter, next(self._arrival))
         if self.args.enable_prefix_caching:
             req.cache_identity = BASE_IDENTITY if adapter is None else adapter_identity(self.registry.digest(adapter))
@@ -383,18 +379,15 @@ class LLMEngine:
     def _check_stop(self, req: Request, t: int) -> None:
         p = req.params
         reason = None
-        if not p.ignore_eos and t in self.eos_ids:
-            reason, req.stop_reason = "stop", t
-        elif t in p.stop_token_ids:
+        if (not p.ignore_eos and t in self.eos_ids) or t in p.stop_token_ids:
             reason, req.stop_reason = "stop", t
         if req.detok is not None:
             delta = req.detok.add_token(t) if reason is None else ""
             req.text += req.stopper.update(delta)
             if reason is None and req.stopper.stopped:
                 reason, req.stop_reason = "stop", req.stopper.stop_str
-        if reason is None and (
-            (p.max_tokens is not None and len(req.output_ids) >= p.max_tokens) or req.num_tokens >= self.max_context
-        ):
+        if reason is None and ((p.max_tokens is not None and len(req.output_ids) >= p.max_tokens)
+                               or req.num_tokens >= self.max_context):
             reason = "length"
         if reason is None:
             return

@@ -36,13 +36,12 @@ class MemoryPlan:
         return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "num_blocks"} | {"num_blocks": self.num_blocks}
 
 
-
 class GPUMemoryError(RuntimeError):
     """The parts of the GPU memory plan do not fit the budget; the message names each part and what to change."""
 
-def plan_kv_blocks(
-    total: int, used: int, activations: int, graph_reserve: int, utilization: float, per_block: int, cap: int
-) -> MemoryPlan:
+
+def plan_kv_blocks(total: int, used: int, activations: int, graph_reserve: int, utilization: float, per_block: int,
+                   cap: int) -> MemoryPlan:
     """KV blocks that fit: (utilization * total - used - activations - graph_reserve) // per_block, at most cap.
     Raises a RuntimeError naming every part when not even one block fits."""
     if not 0.0 < utilization <= 1.0:
@@ -57,8 +56,7 @@ def plan_kv_blocks(
             f"activations of the largest step {activations / GIB:.2f} GiB and the CUDA-graph pool "
             f"{graph_reserve / GIB:.2f} GiB, leaving {kv / GIB:.2f} GiB for a KV cache whose blocks take "
             f"{per_block / 2**20:.2f} MiB each. Raise --gpu-memory-utilization, or lower --max-num-batched-tokens, "
-            "--max-loras / --max-lora-rank, --max-graph-batch-size (or --enforce-eager)."
-        )
+            "--max-loras / --max-lora-rank, --max-graph-batch-size (or --enforce-eager).")
     return MemoryPlan(total, budget, used, activations, graph_reserve, int(n * per_block), int(n))
 
 

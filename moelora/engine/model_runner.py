@@ -41,10 +41,7 @@ class ModelRunner:
         slots): the same for a decode step replayed from a CUDA graph (every rank replays its own capture).
         Under tensor/expert parallelism every rank constructs its runner at the same point (the captures'
         collectives pair up)."""
-        self.model = model
-        self.broadcast = broadcast
-        self.broadcast_graph = broadcast_graph
-        self.kv = kv
+        self.model, self.kv, self.broadcast, self.broadcast_graph = model, kv, broadcast, broadcast_graph
         self.max_loras = max(max_loras, 1)
         self.graphs = None
         if cuda_graphs:
@@ -52,11 +49,9 @@ class ModelRunner:
             try:
                 self.graphs.capture()
             except torch.cuda.OutOfMemoryError as e:
-                raise RuntimeError(
-                    f"out of GPU memory while capturing CUDA graphs for decode batches up to {max_graph_batch_size}: "
-                    "lower --max-graph-batch-size or --gpu-memory-utilization (a smaller KV cache), "
-                    f"or run with --enforce-eager ({e})"
-                ) from None
+                raise RuntimeError(f"out of GPU memory while capturing CUDA graphs for decode batches up to "
+                                   f"{max_graph_batch_size}: lower --max-graph-batch-size or --gpu-memory-utilization "
+                                   f"(a smaller KV cache), or run with --enforce-eager ({e})") from None
 
     def release_graphs(self) -> None:
         """Free the CUDA graphs (before a parallel rank leaves its process group); later steps run eagerly."""
@@ -98,10 +93,8 @@ class ModelRunner:
         out = self._graph_step(chunks, input_tokens)
         if out is not None:
             return out
-        seqs = [
-            SeqChunk(c.request.ids_slice(c.start, c.start + c.num_tokens), c.start, c.request.block_table, c.request.slot)
-            for c in chunks
-        ]
+        seqs = [SeqChunk(c.request.ids_slice(c.start, c.start + c.num_tokens), c.start, c.request.block_table,
+                         c.request.slot) for c in chunks]
         sample_idx = [i for i, c in enumerate(chunks) if c.samples]
         prompt_idx = [i for i, c in enumerate(chunks)
                       if c.request.wants_prompt_logprobs and c.start < len(c.request.prompt_ids)]

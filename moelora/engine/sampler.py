@@ -46,9 +46,8 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     if max_len == 0:
         return counts[:, :vocab_size]
     # pad with the extra column vocab_size, dropped afterwards
-    padded = torch.tensor(
-        [t + [vocab_size] * (max_len - len(t)) for t in token_ids], dtype=torch.int64, device=device
-    )  # [B, L]
+    padded = torch.tensor([t + [vocab_size] * (max_len - len(t)) for t in token_ids], dtype=torch.int64,
+                          device=device)  # [B, L]
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
 
@@ -73,12 +72,8 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return out
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
-    params: list[SamplingParams],
-) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                    params: list[SamplingParams]) -> torch.Tensor:
     """Return penalized logits (a new tensor; the input is not modified).
 
     Semantics, for each row b and token v:
@@ -96,9 +91,8 @@ def apply_penalties(
     out = logits.clone()
     sub = out[rows]  # [R, V]
     idx = torch.tensor(rows, dtype=torch.int64, device=device)
-    rep = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32, device=device)
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32, device=device)
-    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=torch.float32, device=device)
+    rep, freq, pres = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty,
+                                     params[i].presence_penalty] for i in rows], dtype=torch.float32, device=device).T
 
     out_counts = _token_counts([list(output_token_ids[i]) for i in rows], vocab_size, device)  # [R, V]
     prompt_counts = _token_counts([list(prompt_token_ids[i]) for i in rows], vocab_size, device)  # [R, V]
@@ -191,12 +185,8 @@ class Sampler:
         return all(not p.top_k_enabled and p.top_p >= 1.0 and p.min_p <= 0.0 and (p.greedy or g is None)
                    for p, g in zip(params, generators))
 
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-    ) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> SamplerOutput:
         """logits: [B, V] (fp32 after penalties, else the model's dtype), penalties already applied (see
         apply_penalties). params, generators: one per row; a None generator draws from torch's global RNG.
         """
@@ -204,19 +194,13 @@ class Sampler:
         wants = any(p.logprobs is not None for p in params)
         return self._with_logprobs(logits.float() if wants else logits, params, token_ids)
 
-    def sample_tokens(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-    ) -> torch.Tensor:
+    def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
+                      generators: list[torch.Generator | None]) -> torch.Tensor:
         """The tokens of sample(), left on the logits' device ([B] int64; no logprobs, no host synchronisation)."""
         batch, vocab_size = logits.shape
         if len(params) != batch or len(generators) != batch:
-            raise ValueError(
-                f"Sampler.sample: logits have {batch} rows but got {len(params)} params and "
-                f"{len(generators)} generators"
-            )
+            raise ValueError(f"Sampler.sample: logits have {batch} rows but got {len(params)} params and "
+                             f"{len(generators)} generators")
         device = logits.device
         if self._fast_path_ok(logits, params, generators):
             self.last_path = "fused"
@@ -268,10 +252,7 @@ class Sampler:
             vals, ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None)
             for j, i in enumerate(want):
                 k = min(params[i].logprobs, vocab_size)  # type: ignore[type-var]
-                if k == 0:
-                    top[i] = []
-                else:
-                    top[i] = list(zip(ids[j, :k].tolist(), vals[j, :k].tolist()))  # type: ignore[index]
+                top[i] = list(zip(ids[j, :k].tolist(), vals[j, :k].tolist())) if k else []  # type: ignore[index]
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen, top_logprobs=top)
 
     @staticmethod
@@ -311,9 +292,8 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list
     if n == 0:
         return []
     if logits.shape[0] < n - 1:
-        raise ValueError(
-            f"prompt_logprobs: need at least {n - 1} logits rows for {n} prompt tokens, got {logits.shape[0]}"
-        )
+        raise ValueError(f"prompt_logprobs: need at least {n - 1} logits rows for {n} prompt tokens, "
+                         f"got {logits.shape[0]}")
     result: list[dict | None] = [None]
     if n == 1:
         return result
@@ -323,8 +303,5 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list
     ranks = (lp > chosen).sum(dim=-1) + 1  # [n-1]
     k = min(k, lp.shape[1])
     top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-    for tok, c, r, tv, ti in zip(
-        prompt_ids[1:], chosen[:, 0].tolist(), ranks.tolist(), top_vals.tolist(), top_ids.tolist()
-    ):
-        result.append({"token_id": tok, "logprob": c, "rank": r, "top": list(zip(ti, tv))})
-    return result
+    rows = zip(prompt_ids[1:], chosen[:, 0].tolist(), ranks.tolist(), top_vals.tolist(), top_ids.tolist())
+    return result + [{"token_id": tok, "logprob": c, "rank": r, "top": list(zip(ti, tv))} for tok, c, r, tv, ti in rows]

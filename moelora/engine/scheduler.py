@@ -46,14 +46,8 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        kv: KVCache,
-        pool: SlotPool | None,
-        registry: AdapterRegistry | None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-    ) -> None:
+    def __init__(self, kv: KVCache, pool: SlotPool | None, registry: AdapterRegistry | None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048) -> None:
         self.kv = kv
         self.pool = pool
         self.registry = registry

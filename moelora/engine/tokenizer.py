@@ -22,10 +22,8 @@ class Tokenizer:
         try:
             self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         except (OSError, ValueError) as e:
-            raise ValueError(
-                f"cannot load a tokenizer from {self.path} (expected tokenizer.json and "
-                f"tokenizer_config.json there): {e}"
-            ) from e
+            raise ValueError(f"cannot load a tokenizer from {self.path} (expected tokenizer.json and "
+                             f"tokenizer_config.json there): {e}") from e
         self.eos_token_ids: list[int] = self._collect_eos_ids()
         # the Rust tokenizer behind a transformers TokenizersBackend: its decode is what hf.decode returns without
         # the clean-up, minus ~2/3 of the time (Python argument handling per call), which the streaming
@@ -64,10 +62,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render messages ([{"role": ..., "content": ...}]) with the tokenizer's chat template."""
         if not getattr(self.hf, "chat_template", None):
-            raise ValueError(
-                f"the tokenizer at {self.path} has no chat template (no 'chat_template' in "
-                f"tokenizer_config.json nor chat_template.jinja); use the completions API with a plain prompt"
-            )
+            raise ValueError(f"the tokenizer at {self.path} has no chat template (no 'chat_template' in "
+                             f"tokenizer_config.json nor chat_template.jinja); use the completions API with a plain "
+                             "prompt")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
@@ -80,12 +77,7 @@ class IncrementalDetokenizer:
     that stays (truly invalid bytes) is emitted as soon as a later token follows it, or by flush().
     """
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_ids: list[int] | None = None,
-        skip_special_tokens: bool = True,
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = list(prompt_ids or [])
@@ -97,9 +89,8 @@ class IncrementalDetokenizer:
         # no clean-up: it rewrites spaces around punctuation differently for a window and the whole text
         if self.tokenizer.backend is not None:  # the same string as hf.decode below, without its Python wrapper
             return self.tokenizer.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.hf.decode(
-            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        return self.tokenizer.hf.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
 
     def _delta(self, final: bool) -> str:
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])

@@ -16,18 +16,26 @@ from torch import nn
 
 from moelora.kernels.quant.fp8 import FP8_DTYPE, dequantize_weight_block
 from moelora.layers.fp8 import Fp8State, fp8_modules, scale_name, to_fp8
-from moelora.models.weights import WeightLoadError, checkpoint_files, resolve_name
+from moelora.models.weights import WeightLoadError, resolve_name, tensor_files
 
 SCALE_SUFFIX = "_scale_inv"
 
 
-def tensor_files(path: str) -> dict[str, tuple[str, str]]:
-    """checkpoint name -> (file, safetensors dtype string)."""
-    out = {}
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                out[name] = (file, f.get_slice(name).get_dtype())
+def stored_modules(model: nn.Module, files: dict[str, tuple[str, str]], dtype: str, skip: tuple[str, ...]) -> list:
+    """The quantizable modules (fp8_modules) every weight of which the checkpoint holds in `dtype` (a safetensors
+    dtype string: "F8_E4M3", "U8" for packed NVFP4) alone. files: tensor_files; names ending in `skip` (scales)
+    are not weights."""
+    params = dict(model.named_parameters())
+    stored: dict[str, bool] = {}  # model parameter -> every checkpoint tensor filling it has `dtype`
+    for n, (_, dt) in files.items():
+        r = None if n.endswith(skip) else resolve_name(n, model.config, params)
+        if r is not None and r[0] in params:
+            stored[r[0]] = stored.get(r[0], True) and dt == dtype
+    out = []
+    for mname, m in fp8_modules(model).items():
+        weights = [f"{mname}.{w}" for w in ("weight", "gate_up_proj", "down_proj") if f"{mname}.{w}" in params]
+        if weights and all(stored.get(w, False) for w in weights):
+            out.append(m)
     return out
 
 
@@ -44,27 +52,14 @@ class Fp8CheckpointLoader:
         self.path, self.block = path, block
         self.cfg = model.config
         self.files = tensor_files(path)
-        params = dict(model.named_parameters())
-        fp8_names = [n for n, (_, dt) in self.files.items() if dt == "F8_E4M3"]
-        for n in fp8_names:
-            if n + SCALE_SUFFIX not in self.files:
+        for n, (_, dt) in self.files.items():
+            if dt == "F8_E4M3" and n + SCALE_SUFFIX not in self.files:
                 raise WeightLoadError(f"{path}: tensor {n!r} is float8_e4m3fn but {n + SCALE_SUFFIX!r} is missing "
                                       "from the checkpoint")
-        all_fp8: dict[str, bool] = {}  # owning module -> every checkpoint tensor of its weight is float8
-        for n, (_, dt) in self.files.items():
-            if n.endswith(SCALE_SUFFIX):
-                continue
-            r = resolve_name(n, self.cfg, params)
-            if r is None or r[0] not in params:
-                continue
-            key = r[0]
-            all_fp8[key] = all_fp8.get(key, True) and dt == "F8_E4M3"
         if not dequantize_all:
             state = Fp8State(block, model.dtype, reference)
-            for mname, m in fp8_modules(model).items():
-                weights = [f"{mname}.{w}" for w in ("weight", "gate_up_proj", "down_proj") if f"{mname}.{w}" in params]
-                if weights and all(all_fp8.get(w, False) for w in weights):
-                    to_fp8(m, state, quantize=False)
+            for m in stored_modules(model, self.files, "F8_E4M3", (SCALE_SUFFIX,)):
+                to_fp8(m, state, quantize=False)
         self.params = dict(model.named_parameters())
 
     def resolve(self, name: str, tensor):

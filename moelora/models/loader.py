@@ -35,20 +35,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig) -> torch.dt
     return _DTYPES[dtype]
 
 
-def build_model(
-    cfg: ModelConfig,
-    path: str | None = None,
-    dtype: str | torch.dtype | None = "auto",
-    device: str | torch.device = "cpu",
-    max_loras: int = 0,
-    max_lora_rank: int = 0,
-    load_format: str = "auto",
-    seed: int = 0,
-    show_progress: bool = False,
-    quantization: str | None = None,
-    quant_reference: str | None = None,
-    kernel_config: KernelConfig | None = None,
-):
+def build_model(cfg: ModelConfig, path: str | None = None, dtype: str | torch.dtype | None = "auto",
+                device: str | torch.device = "cpu", max_loras: int = 0, max_lora_rank: int = 0,
+                load_format: str = "auto", seed: int = 0, show_progress: bool = False, quantization: str | None = None,
+                quant_reference: str | None = None, kernel_config: KernelConfig | None = None):
     """load_format: 'auto' (safetensors from `path`), 'dummy' (random weights) or 'none' (uninitialized,
     e.g. on the meta device to read shapes only).
     quantization: None (the checkpoint's own: an FP8 / NVFP4 checkpoint stays quantized on a GPU, and is

@@ -27,11 +27,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = attention_cls(cfg, idx, dtype, device)
         self.is_moe = cfg.moe_layers[idx]
-        self.mlp: nn.Module = (
-            moe_cls(cfg, dtype, device)
-            if self.is_moe
-            else DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, device)
-        )
+        self.mlp: nn.Module = (moe_cls(cfg, dtype, device) if self.is_moe
+                               else DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, device))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if hasattr(self.self_attn, "o_proj_delta_to_norm"):  # forward hands the norm o_proj's deferred delta
@@ -57,9 +54,8 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, device, attention_cls, moe_cls) for i in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, attention_cls, moe_cls)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
@@ -86,14 +82,8 @@ class MoECausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        lora: LoRABatch | None = None,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRABatch | None = None) -> torch.Tensor:
         """input_ids, positions: [T] · kv_caches: per layer (k_cache, v_cache) · returns hidden [T, H]."""
         x = self.model.embed_tokens(input_ids)  # [T, H]
         residual = None

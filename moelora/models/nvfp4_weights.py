@@ -9,10 +9,9 @@ from safetensors import safe_open
 from torch import nn
 
 from moelora.kernels.quant.nvfp4 import dequantize_nvfp4
-from moelora.layers.fp8 import fp8_modules
 from moelora.layers.nvfp4 import Nvfp4State, to_nvfp4
-from moelora.models.fp8_weights import tensor_files
-from moelora.models.weights import WeightLoadError, resolve_name
+from moelora.models.fp8_weights import stored_modules
+from moelora.models.weights import WeightLoadError, resolve_name, tensor_files
 
 _SCALES = ("_scale_2", "_scale")  # longest first: "weight_scale_2" must not match "_scale"
 
@@ -23,25 +22,15 @@ class Nvfp4CheckpointLoader:
     def __init__(self, model: nn.Module, path: str, reference: bool, dequantize_all: bool) -> None:
         self.path, self.cfg = path, model.config
         self.files = tensor_files(path)
-        params = dict(model.named_parameters())
         packed = [n for n, (_, dt) in self.files.items() if dt == "U8" and n.endswith("weight")]
         for n in packed:
             for s in ("_scale", "_scale_2"):
                 if n + s not in self.files:
                     raise WeightLoadError(f"{path}: tensor {n!r} is packed NVFP4 (uint8) but {n + s!r} is missing")
-        all_packed: dict[str, bool] = {}
-        for n, (_, dt) in self.files.items():
-            if n.endswith(("_scale", "_scale_2", "input_scale")):
-                continue
-            r = resolve_name(n, self.cfg, params)
-            if r is not None and r[0] in params:
-                all_packed[r[0]] = all_packed.get(r[0], True) and dt == "U8"
         if not dequantize_all:
             state = Nvfp4State(model.dtype, reference)
-            for mname, m in fp8_modules(model).items():
-                ws = [f"{mname}.{w}" for w in ("weight", "gate_up_proj", "down_proj") if f"{mname}.{w}" in params]
-                if ws and all(all_packed.get(w, False) for w in ws):
-                    to_nvfp4(m, state, quantize=False)
+            for m in stored_modules(model, self.files, "U8", ("_scale", "_scale_2", "input_scale")):
+                to_nvfp4(m, state, quantize=False)
         self.params = dict(model.named_parameters())
 
     def _is_nvfp4(self, target: str) -> bool:

@@ -22,9 +22,8 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
     try:
         return MODEL_REGISTRY[cfg.architecture]
     except KeyError:
-        raise ConfigError(
-            f"no model registered for {cfg.architecture!r}; registered: {', '.join(MODEL_REGISTRY)}"
-        ) from None
+        raise ConfigError(f"no model registered for {cfg.architecture!r}; registered: "
+                          f"{', '.join(MODEL_REGISTRY)}") from None
 
 
 def kv_cache_shapes(cfg: ModelConfig, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], ...]]:

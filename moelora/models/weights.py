@@ -45,6 +45,16 @@ def checkpoint_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
+def tensor_files(path: str) -> dict[str, tuple[str, str]]:
+    """checkpoint name -> (file, safetensors dtype string)."""
+    out = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                out[name] = (file, f.get_slice(name).get_dtype())
+    return out
+
+
 def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
@@ -68,9 +78,7 @@ def _qkv_rows(cfg, which: str) -> slice:
 
 def resolve_name(name: str, cfg, params: dict[str, nn.Parameter]) -> tuple[str, tuple] | None:
     """Checkpoint tensor name -> (model parameter name, index into it); None if it is to be ignored."""
-    if _IGNORED.match(name):
-        return None
-    if _is_mtp_layer(name, cfg):
+    if _IGNORED.match(name) or _is_mtp_layer(name, cfg):
         return None
     n = name.replace(".block_sparse_moe.", ".mlp.")
     m = re.fullmatch(r"(.*\.self_attn)\.([qkv])_proj\.(weight|bias)", n)
@@ -110,7 +118,7 @@ def load_weights(model: nn.Module, path: str, show_progress: bool = False, mappe
     cfg = model.config
     tensors = iter_checkpoint(path)
     if show_progress:
-        tensors = _progress(tensors, _count_tensors(path))
+        tensors = _progress(tensors, len(tensor_files(path)))
     for name, tensor in tensors:
         if mapper is not None:
             resolved, tensor = mapper.resolve(name, tensor)
@@ -122,21 +130,17 @@ def load_weights(model: nn.Module, path: str, show_progress: bool = False, mappe
         if target not in params and tensor.numel() == 0:
             continue  # e.g. DeepSeek with n_shared_experts=0: transformers saves [H, 0] shared experts
         if target not in params:
-            raise WeightLoadError(
-                f"{path}: checkpoint tensor {name!r} has no place in {cfg.architecture} "
-                f"(mapped to {target!r}); is this checkpoint for another architecture?"
-            )
+            raise WeightLoadError(f"{path}: checkpoint tensor {name!r} has no place in {cfg.architecture} "
+                                  f"(mapped to {target!r}); is this checkpoint for another architecture?")
         try:
             dst = params[target].data[index] if index else params[target].data
         except IndexError:  # e.g. experts.{e} with e >= num_experts
-            raise WeightLoadError(
-                f"{path}: checkpoint tensor {name!r} indexes {target} (shape {list(params[target].shape)}) "
-                f"out of range; does the checkpoint have more experts than the config ({cfg.num_experts})?"
-            ) from None
+            raise WeightLoadError(f"{path}: checkpoint tensor {name!r} indexes {target} (shape "
+                                  f"{list(params[target].shape)}) out of range; does the checkpoint have more experts "
+                                  f"than the config ({cfg.num_experts})?") from None
         if tuple(dst.shape) != tuple(tensor.shape):
-            raise WeightLoadError(
-                f"{path}: tensor {name!r}: expected shape {list(dst.shape)} for {target}, found {list(tensor.shape)}"
-            )
+            raise WeightLoadError(f"{path}: tensor {name!r}: expected shape {list(dst.shape)} for {target}, found "
+                                  f"{list(tensor.shape)}")
         dst.copy_(tensor.to(dst.dtype))
         region = (target, repr(index))
         if region not in filled:
@@ -159,14 +163,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             p.zero_()
         else:
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std).to(p.dtype))
-
-
-def _count_tensors(path: str) -> int:
-    n = 0
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            n += len(list(f.keys()))
-    return n
 
 
 def _progress(it, total: int):

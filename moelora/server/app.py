@@ -98,15 +98,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     # ---- helpers ---------------------------------------------------------------------------------
     def model_card(model_id: str) -> dict | None:
-        created = int(time.time())
         if model_id == settings.served_model_name:
-            return {"id": model_id, "object": "model", "created": created, "owned_by": "moelora",
-                    "root": settings.model_path, "parent": None, "max_model_len": max_len}
-        if model_id in engine.engine.list_adapters():
-            return {"id": model_id, "object": "model", "created": created, "owned_by": "moelora",
-                    "root": engine.engine.registry.path(model_id), "parent": settings.served_model_name,
-                    "max_model_len": max_len}
-        return None
+            root, parent = settings.model_path, None
+        elif model_id in engine.engine.list_adapters():
+            root, parent = engine.engine.registry.path(model_id), settings.served_model_name
+        else:
+            return None
+        return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "moelora", "root": root,
+                "parent": parent, "max_model_len": max_len}
 
     def resolve_adapter(model: str) -> str | None:
         if model == settings.served_model_name:

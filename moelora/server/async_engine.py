@@ -68,10 +68,7 @@ class RequestStream:
         self.finished = upd.finished
         return upd
 
-    def __aiter__(self):
-        return self._iter()
-
-    async def _iter(self):
+    async def __aiter__(self):
         try:
             while not self.finished:
                 yield await self.next()
@@ -95,7 +92,6 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
-        self.last_batch_size = 0
         self.on_step: Callable[[int], None] | None = None  # metrics hook: batch size of each step
         # a failure that ends serving (a tensor/expert-parallel worker died): its message, and the server's hook
         self.fatal_error: str | None = None
@@ -134,9 +130,8 @@ class AsyncEngine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None
-    ) -> "RequestStream":
+    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     adapter: str | None) -> "RequestStream":
         """Add a request (raising the engine's ValueError or AdapterNotFound for bad input) and return
         the stream of its updates."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -230,7 +225,6 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._abort_all(f"internal error in the engine step: {e}")
                 continue
-            self.last_batch_size = len(updated)
             if self.on_step is not None:
                 self.on_step(len(updated))
             for req in updated:
@@ -255,15 +249,10 @@ class AsyncEngine:
         if s is None:
             return
         upd = Update(
-            text=req.text[s.text_sent:],
-            token_ids=req.output_ids[s.tokens_sent:],
+            text=req.text[s.text_sent:], token_ids=req.output_ids[s.tokens_sent:],
             logprobs=req.logprobs[s.tokens_sent:] if req.params.logprobs is not None else [],
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=len(req.prompt_ids),
-            num_output_tokens=len(req.output_ids),
-            first_token_time=req.first_token_time,
-            error=req.error,
+            finished=req.finished, finish_reason=req.finish_reason, num_prompt_tokens=len(req.prompt_ids),
+            num_output_tokens=len(req.output_ids), first_token_time=req.first_token_time, error=req.error,
             num_cached_tokens=req.num_cached_tokens,
         )
         if req.error is not None:
@@ -309,8 +298,7 @@ class AsyncEngine:
 
     def _finish_unloads(self) -> None:
         for name in list(self._draining):
-            busy = any(r.adapter == name and not r.finished for r in self.engine.requests.values())
-            if busy:
+            if any(r.adapter == name and not r.finished for r in self.engine.requests.values()):  # still in use
                 continue
             futs = self._draining.pop(name)
             try:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import uvicorn
 
 from moelora.demo import adapter_paths, model_path
-from moelora.distributed import check_launch
+from moelora.distributed import check_launch, free_port
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.workers import WorkerFailed, run_worker
 from moelora.kernels.config import KernelConfig
@@ -43,17 +43,20 @@ class LaunchError(Exception):
 
 # ---- value checks: argparse `type=` functions, each error one line naming the accepted range -------------------
 
-def int_at_least(lo: int):
+def int_in(lo: int, hi: int | None = None):
+    """An integer within lo..hi (hi None: no upper bound)."""
+    rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected an integer {rng}, got {text!r}")
         return value
 
-    parse.__name__ = f"int>={lo}"
+    parse.__name__ = f"int>={lo}" if hi is None else f"int[{lo},{hi}]"
     return parse
 
 
@@ -64,26 +67,20 @@ KERNEL_CONFIG_HELP = (
     "defaults (what was measured fastest)")
 
 
+QUANTIZATION_HELP = (
+    "fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 weight-only "
+    "(ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 checkpoint stays quantized on "
+    "a GPU without this flag")
+CPU_THREADS_HELP = ("CPU: torch's threads (default: MOELORA_CPU_THREADS or OMP_NUM_THREADS when set, else a count "
+                    "that does not oversubscribe the machine)")
+
+
 def kernel_config(text: str) -> KernelConfig:
     """--kernel-config JSON -> KernelConfig (KernelConfig.from_json: strict), its error as argparse's one line."""
     try:
         return KernelConfig.from_json(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def int_in(lo: int, hi: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {text!r}")
-        return value
-
-    parse.__name__ = f"int[{lo},{hi}]"
-    return parse
 
 
 def float_in(lo: float, hi: float | None = None, lo_open: bool = False, hi_open: bool = False):
@@ -244,10 +241,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", type=dtype_name, default=None,
                    help="auto | float32 | bfloat16 | float16 (vLLM's half, float too; default: float32 on CPU, the "
                    "checkpoint's on GPU)")
-    m.add_argument("--quantization", "-q", default=None, choices=["fp8", "nvfp4"],
-                   help="fp8: block-scaled FP8 base (128x128 blocks; needs compute capability >= 8.9); nvfp4: NVFP4 "
-                   "weight-only (ModelOpt layout). A bf16 checkpoint is quantized at load time; an FP8 or NVFP4 "
-                   "checkpoint stays quantized on a GPU without this flag")
+    m.add_argument("--quantization", "-q", default=None, choices=["fp8", "nvfp4"], help=QUANTIZATION_HELP)
     m.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="auto = safetensors (the only format read); dummy: random weights")
     m.add_argument("--max-model-len", type=context_length, default=None, metavar="TOKENS",
@@ -270,30 +264,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM's command lines; adapters are always on in moelora")
     a.add_argument("--lora-root", action="append", default=[], metavar="DIR",
                    help="only load adapters from under DIR (repeatable; symlinks and .. are resolved)")
-    a.add_argument("--max-loras", metavar="N", type=int_at_least(1), default=8,
+    a.add_argument("--max-loras", metavar="N", type=int_in(1), default=8,
                    help="adapters in one batch / LoRA slots (>= 1, default 8)")
-    a.add_argument("--max-lora-rank", metavar="N", type=int_at_least(1), default=64,
+    a.add_argument("--max-lora-rank", metavar="N", type=int_in(1), default=64,
                    help="largest adapter rank accepted (default 64)")
-    a.add_argument("--max-cpu-loras", metavar="N", type=int_at_least(1), default=None,
+    a.add_argument("--max-cpu-loras", metavar="N", type=int_in(1), default=None,
                    help="adapters kept in CPU memory, >= --max-loras as in vLLM (default: all)")
 
     e = p.add_argument_group("engine")
     e.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
     e.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", metavar="N",
-                   type=int_at_least(1), default=1,
+                   type=int_in(1), default=1,
                    help="ranks splitting attention heads, dense layers and the vocabulary (one process each; default 1)")
-    e.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", metavar="N", type=int_at_least(1),
+    e.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", metavar="N", type=int_in(1),
                    default=1, help="ranks splitting the routed experts (world = tp x ep processes; default 1)")
-    e.add_argument("--max-num-seqs", metavar="N", type=int_at_least(1), default=64,
+    e.add_argument("--max-num-seqs", metavar="N", type=int_in(1), default=64,
                    help="requests running at once (default 64)")
-    e.add_argument("--max-num-batched-tokens", metavar="N", type=int_at_least(1), default=2048,
+    e.add_argument("--max-num-batched-tokens", metavar="N", type=int_in(1), default=2048,
                    help="tokens per engine step (default 2048)")
     e.add_argument("--enable-chunked-prefill", action="store_true",
                    help="accepted for vLLM's command lines; long prompts are always prefilled in chunks of "
                    "--max-num-batched-tokens")
-    e.add_argument("--block-size", metavar="N", type=int_at_least(1), default=16,
+    e.add_argument("--block-size", metavar="N", type=int_in(1), default=16,
                    help="KV cache block size in tokens (default 16)")
-    e.add_argument("--kv-cache-memory", type=int_at_least(1), default=None, metavar="BYTES",
+    e.add_argument("--kv-cache-memory", type=int_in(1), default=None, metavar="BYTES",
                    help="bytes for the KV cache (default: automatic)")
     e.add_argument("--gpu-memory-utilization", metavar="FRACTION", type=float_in(0, 1, lo_open=True), default=0.9,
                    help="share of the GPU's memory, in (0, 1], for weights, adapter slots, activations, CUDA graphs "
@@ -311,11 +305,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--lora-overlap", default="on", choices=["on", "off"],
                    help="GPU: run the routed-expert LoRA chains and shared experts on a side CUDA stream beside "
                         "the base expert GEMMs (default on)")
-    e.add_argument("--max-graph-batch-size", metavar="N", type=int_at_least(1), default=64,
+    e.add_argument("--max-graph-batch-size", metavar="N", type=int_in(1), default=64,
                    help="largest decode batch captured as a CUDA graph; larger batches run eagerly (default 64)")
-    e.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
-                   help="CPU: torch's threads (default: MOELORA_CPU_THREADS or OMP_NUM_THREADS when set, else a "
-                   "count that does not oversubscribe the machine)")
+    e.add_argument("--cpu-threads", type=int_in(1), default=None, metavar="N", help=CPU_THREADS_HELP)
     e.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON", help=KERNEL_CONFIG_HELP)
 
     h = p.add_argument_group("HTTP server")
@@ -323,10 +315,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--port", type=int_in(1, 65535), default=8000, help="default 8000")
     h.add_argument("--api-key", default=os.environ.get("MOELORA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (or MOELORA_API_KEY)")
-    h.add_argument("--max-logprobs", metavar="N", type=int_at_least(0), default=20,
+    h.add_argument("--max-logprobs", metavar="N", type=int_in(0), default=20,
                    help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for (default 20)")
-    h.add_argument("--max-n", metavar="N", type=int_at_least(1), default=16, help="largest n per request (default 16)")
-    h.add_argument("--max-body-bytes", metavar="BYTES", type=int_at_least(1), default=1 << 20,
+    h.add_argument("--max-n", metavar="N", type=int_in(1), default=16, help="largest n per request (default 16)")
+    h.add_argument("--max-body-bytes", metavar="BYTES", type=int_in(1), default=1 << 20,
                    help="largest request body (default 1 MiB)")
 
     g = p.add_argument_group("logging")
@@ -426,9 +418,8 @@ def engine_args(args: argparse.Namespace) -> tuple[EngineArgs, dict[str, str], s
 
 def build_from_args(args: argparse.Namespace):
     eargs, adapters, served = engine_args(args)
-    model = eargs.model
     engine = AsyncEngine(LLMEngine(eargs, adapters))
-    settings = ServerSettings(served_model_name=served, model_path=model, api_key=args.api_key,
+    settings = ServerSettings(served_model_name=served, model_path=eargs.model, api_key=args.api_key,
                               lora_roots=list(args.lora_root), max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                               max_logprobs=args.max_logprobs, generation_config=args.generation_config)
     return engine, build_app(engine, settings)
@@ -470,6 +461,13 @@ def uvicorn_logging(level: str, access_log: bool = True) -> dict:
 
 # ---- the port, checked before the model loads ----------------------------------------------------------------------
 
+_BIND_ERRORS = {
+    errno.EADDRINUSE: "address already in use (another server?): stop it or pick another --port",
+    errno.EACCES: "permission denied (ports below 1024 need privileges): pick another --port, e.g. 8000",
+    errno.EADDRNOTAVAIL: "no such address on this machine: check --host (0.0.0.0 for every interface)",
+}
+
+
 def check_bind(host: str, port: int) -> None:
     """Bind (host, port) as uvicorn will (SO_REUSEADDR) and let it go; LaunchError naming the address otherwise."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -481,23 +479,22 @@ def check_bind(host: str, port: int) -> None:
     except socket.gaierror as e:
         raise LaunchError(f"cannot listen on {shown}: unknown host ({e.strerror}): check --host") from None
     except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            why = "address already in use (another server?): stop it or pick another --port"
-        elif e.errno == errno.EACCES:
-            why = "permission denied (ports below 1024 need privileges): pick another --port, e.g. 8000"
-        elif e.errno == errno.EADDRNOTAVAIL:
-            why = "no such address on this machine: check --host (0.0.0.0 for every interface)"
-        else:
-            why = f"{e.strerror or e}: check --host and --port"
+        why = _BIND_ERRORS.get(e.errno, f"{e.strerror or e}: check --host and --port")
         raise LaunchError(f"cannot listen on {shown}: {why}") from None
+
+
+def torchrun_launch(args: argparse.Namespace):
+    """The torchrun launch this process belongs to (None without torchrun); exits with the reason when
+    WORLD_SIZE is not --tp x --ep."""
+    try:
+        return check_launch(args.tensor_parallel_size, args.expert_parallel_size)
+    except ValueError as e:
+        raise SystemExit(f"moelora: {e}") from None
 
 
 def serve(args: argparse.Namespace) -> int:
     """Serve HTTP; under torchrun, rank 0 does and ranks 1..N-1 run the worker loop."""
-    try:
-        launch = check_launch(args.tensor_parallel_size, args.expert_parallel_size)
-    except ValueError as e:
-        raise SystemExit(f"moelora: {e}") from None
+    launch = torchrun_launch(args)
     configure_logging(args.log_level)
     if launch is not None and launch.rank != 0:
         return run_worker(engine_args(args)[0])
@@ -536,12 +533,6 @@ class _Terminated(Exception):
 
 def _raise_terminated(signum, frame) -> None:
     raise _Terminated(signum)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

@@ -21,11 +21,11 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope.get("path") != "/health":
-            if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
-                await self._reject(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                   "AuthenticationError")
-                return
+        if (self.api_key and scope.get("path") != "/health"
+                and headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode()):
+            await self._reject(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               "AuthenticationError")
+            return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await self._reject(send, 413, f"request body of {int(length)} bytes is over the limit of "
@@ -47,9 +47,7 @@ class Guard:
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replayed():
-            if replay:
-                return replay.pop()
-            return await receive()  # after the body: a disconnect, when it comes
+            return replay.pop() if replay else await receive()  # after the body: a disconnect, when it comes
 
         await self.app(scope, replayed, send)
 

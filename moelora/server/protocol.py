@@ -6,7 +6,7 @@ names it and says why (unsupported_fields), never accepted and ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,20 +55,16 @@ def unsupported_fields(body: BaseModel) -> tuple[str, str] | None:
     return None
 
 
+_OFF_VALUES: dict[str, Any] = {"tool_choice": "none", "best_of": 1, "modalities": ["text"]}
+
+
 def _is_off(key: str, value: Any) -> bool:
-    if value is None or value == [] or value == "":
+    # parallel_tool_calls is meaningless without tools, which are refused on their own
+    if value is None or value == [] or value == "" or key == "parallel_tool_calls":
         return True
-    if key == "tool_choice":
-        return value == "none"
     if key == "response_format":
         return isinstance(value, dict) and value.get("type") == "text" and len(value) == 1
-    if key == "best_of":
-        return value == 1
-    if key == "modalities":
-        return value == ["text"]
-    if key == "parallel_tool_calls":
-        return True  # meaningless without tools, which are refused on their own
-    return False
+    return key in _OFF_VALUES and value == _OFF_VALUES[key]
 
 
 class StreamOptions(BaseModel):
@@ -203,6 +199,3 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
-
-
-ErrorType = Literal["BadRequestError", "NotFoundError", "AuthenticationError", "InternalServerError"]
