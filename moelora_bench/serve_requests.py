@@ -161,7 +161,9 @@ async def stream_request(client: httpx.AsyncClient, spec: RequestSpec, body: dic
                 if completion is not None:
                     usage_tokens = completion
                 choices = chunk.get("choices") or []
-                if any(isinstance(c, dict) and c.get("text") for c in choices):
+                # a chunk a token (text may be empty: held back by a stop string, or a token the tokenizer does
+                # not spell); the usage chunk has no choices
+                if any(isinstance(c, dict) and isinstance(c.get("text"), str) for c in choices):
                     now = time.perf_counter()
                     if first is None:
                         first = now

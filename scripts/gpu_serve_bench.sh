@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
-# One device call for the server: the carried wheels the device image lacks (fastapi, starlette, pydantic, uvicorn;
-# `.whl` in the call's carry), `moelora bench serve` against `moelora serve` at Qwen3-30B-A3B
-# dimensions (dummy FP8 weights, the demo's one-token-per-character tokenizer, 4 random rank-16 adapters on
+# One device call for the server (the wheels the device image lacks carried: `.whl` in the call's carry,
+# gpu_prelude.sh): `moelora bench serve` against `moelora serve` at Qwen3-30B-A3B dimensions (dummy FP8 weights, the demo's one-token-per-character tokenizer, 4 random rank-16 adapters on
 # q/k/v/o), with prefix caching on and off, each on two workloads: every adapter's requests sharing a prefix of
 # SHARED_PREFIX tokens, and nothing shared (prompts of about as many tokens); then the GPU tests. JSON and logs go
 # to $OUT.
 # Usage: MOELORA_COMMIT=<sha> bash scripts/gpu_serve_bench.sh [pytest files...]
 # env: SHARED_PREFIX (1000), NUM_REQUESTS (128), CONCURRENCY (16), OUTPUT_LEN (32), SERVE_ARGS (extra serve flags,
 # default --quantization fp8), PRESET (QWEN3_30B_A3B, or TINY for a check of this script on the CPU with
-# SERVE_ARGS="--device cpu" and no tests: `bash scripts/gpu_serve_bench.sh none`)
-if [ -d .whl ] && [ "${SKIP_WHEELS:-0}" != 1 ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site || exit 1
-fi
-source "$(dirname "$0")/gpu_prelude.sh"
+# SERVE_ARGS="--device cpu" and no tests: `bash scripts/gpu_serve_bench.sh none`). Each server is warmed up with
+# both prompt shapes (not recorded) before its measured runs.
+source "$(dirname "$0")/gpu_prelude.sh"  # with the carried wheels
 SHARED_PREFIX=${SHARED_PREFIX:-1000}
 N=${NUM_REQUESTS:-128}
 C=${CONCURRENCY:-16}

@@ -112,6 +112,25 @@ def test_streaming_equals_non_streaming(server):
             chat.choices[0].message.content == full.choices[0].text
 
 
+def test_stream_sends_a_chunk_a_token_with_continuous_usage(server):
+    """Every generated token gets a chunk, also one whose text is empty (held back while it may start the stop
+    string "BQ"), and stream_options.continuous_usage_stats puts the usage so far in each: 1, 2, 3, ... tokens."""
+    c = client(server)
+    prompt = make_prompt("abc")
+    chunks = list(c.completions.create(model="upper", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                       stop=["BQ"], stream_options={"include_usage": True,
+                                                                    "continuous_usage_stats": True}))
+    tokens = [ch for ch in chunks if ch.choices]
+    assert "".join(ch.choices[0].text for ch in tokens) == "ABC"
+    assert "" in [ch.choices[0].text for ch in tokens[:-1]]  # "B" held back, sent with "C"
+    assert [ch.usage.completion_tokens for ch in tokens] == list(range(1, len(tokens) + 1))
+    assert chunks[-1].usage.completion_tokens == len(tokens) and not chunks[-1].choices
+    plain = list(c.completions.create(model="upper", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                      stop=["BQ"]))
+    assert [ch.choices[0].text for ch in plain] == [ch.choices[0].text for ch in tokens]
+    assert all(ch.usage is None for ch in plain)
+
+
 def test_sampling_fields_logprobs_echo_n(server):
     c = client(server)
     r = c.completions.create(model="rot13", prompt=make_prompt("abc"), max_tokens=8, temperature=0, logprobs=2, echo=True)

@@ -369,12 +369,16 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                         if lp is not None:
                             gen = offsets[i].tokens([u])
                             lps = gen if lps is None else CompletionLogprobs.join(lps, gen)
-                    if text or u.finished or lps:
+                    # a chunk for every token, its text empty or not (held back by a stop string, a partial
+                    # character, a token outside the tokenizer), as vLLM: clients time the first token by it
+                    if text or u.finished or lps or (u.token_ids and not scoring):
                         choice = {"index": i, "text": text, "logprobs": lps,
                                   "finish_reason": finish_reason(u) if u.finished else None}
                         if plp is not None and u.prompt_logprobs is not None:
                             choice["prompt_logprobs"] = prompt_logprobs_field(u.prompt_ids, u.prompt_logprobs, token_str)
-                        yield sse(chunk([choice]))
+                        so_far = (usage(sum(prompt_tokens.values()), out_tokens, sum(cached.values()))
+                                  if req.continuous_usage else None)
+                        yield sse(chunk([choice], so_far))
                     if u.finished:
                         record(adapter, t0, u, finish_reason(u) or "stop")
                 if req.include_usage:
@@ -455,11 +459,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                                           "logprobs": None, "finish_reason": None}]))
                     out_tokens += len(u.token_ids)
                     lps = chat_logprobs([u], k, token_str) if req.logprobs else None
-                    if u.text or lps:
-                        yield sse(chunk([{"index": i, "delta": {"content": u.text}, "logprobs": lps, "finish_reason": None}]))
+                    so_far = usage(n_prompt, out_tokens, cached) if req.continuous_usage else None
+                    if u.text or lps or (u.token_ids and not u.finished):  # a chunk a token, as completions
+                        yield sse(chunk([{"index": i, "delta": {"content": u.text}, "logprobs": lps,
+                                          "finish_reason": None}], so_far))
                     if u.finished:
                         record(adapter, t0, u, u.finish_reason or "stop")
-                        yield sse(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": u.finish_reason}]))
+                        yield sse(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": u.finish_reason}],
+                                        so_far))
                 if req.include_usage:
                     yield sse(chunk([], usage(n_prompt, out_tokens, cached)))
                 yield "data: [DONE]\n\n"

@@ -128,6 +128,11 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """stream_options.continuous_usage_stats (vLLM's): the usage so far in every chunk of the stream."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
