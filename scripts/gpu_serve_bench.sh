@@ -8,7 +8,7 @@
 # env: SHARED_PREFIX (1000), NUM_REQUESTS (128), CONCURRENCY (16), OUTPUT_LEN (32), SERVE_ARGS (extra serve flags,
 # default --quantization fp8), PRESET (QWEN3_30B_A3B, or TINY for a check of this script on the CPU with
 # SERVE_ARGS="--device cpu" and no tests: `bash scripts/gpu_serve_bench.sh none`). Each server is warmed up with
-# both prompt shapes (not recorded) before its measured runs.
+# both workloads as measured (another seed, not recorded) before its measured runs.
 source "$(dirname "$0")/gpu_prelude.sh"  # with the carried wheels
 SHARED_PREFIX=${SHARED_PREFIX:-1000}
 N=${NUM_REQUESTS:-128}
@@ -59,10 +59,11 @@ for caching in on off; do
     pid=$!
     for _ in $(seq 300); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
     curl -sf localhost:8123/health >/dev/null || { echo "server ($caching) did not start"; tail -20 "$OUT/serve_$caching.log"; kill $pid; continue; }
-    # warm-up, not recorded: the kernels each prompt shape needs compiled (the first server compiles them, the
-    # second reads Triton's cache) and, with caching on, the warm-up's own prefixes cached (seeds differ)
+    # warm-up, not recorded: each workload as measured (another seed), so that every kernel its chunk sizes and
+    # cache hits need is compiled before the measured runs (Triton compiles at first use: seconds a kernel, which
+    # 16 warm-up requests left to the first measured run); with caching on, the warm-up's own prefixes are cached
     for shape in "--shared-prefix-len $SHARED_PREFIX" "--prompt-len 170:200"; do
-        python3 -m moelora bench serve --url http://127.0.0.1:8123 --models a0,a1,a2,a3 --num-requests 16 \
+        python3 -m moelora bench serve --url http://127.0.0.1:8123 --models a0,a1,a2,a3 --num-requests $N \
             --concurrency $C --output-len $L:$L $shape --seed 99 --no-progress --out "$WORK/warmup" > /dev/null 2>&1
     done
     for workload in shared unshared; do
