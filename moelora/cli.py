@@ -21,7 +21,7 @@ from moelora.models.loader import build_model
 from moelora.models.weights import WeightLoadError
 from moelora.server.launch import (CPU_THREADS_HELP, KERNEL_CONFIG_HELP, QUANTIZATION_HELP, LaunchError,
                                    add_arguments as add_serve_arguments, check_args, dtype_name, float_in, int_in,
-                                   kernel_config, lora_spec, serve as serve_http, torchrun_launch)
+                                   kernel_config, lora_modules, lora_spec, serve as serve_http, torchrun_launch)
 
 
 class UsageError(Exception):
@@ -85,25 +85,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_specs(specs) -> dict[str, str]:
-    """--lora NAME=PATH values (parsed by launch.lora_spec) by name."""
-    out = {}
-    for spec in specs:
-        name, path = spec[:2] if not isinstance(spec, str) else lora_spec(spec)[:2]
-        if name in out and out[name] != path:
-            raise UsageError(f"adapter {name!r} given twice, as {out[name]!r} and {path!r}: give it once")
-        out[name] = path
-    return out
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(device=args.device, per_adapter=args.per_adapter, seed=args.seed, cpu_threads=args.cpu_threads,
                     kernel_config=args.kernel_config)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    adapters = _lora_specs(args.lora)
     try:  # before the model loads: a bad value fails at once
+        adapters = {name: mod.path for name, mod in lora_modules(args).items()}
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop or None)
     except ValueError as e:

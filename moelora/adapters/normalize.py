@@ -65,7 +65,7 @@ def normalize_adapter(name: str, groups: dict[str, dict[str, tuple[str, torch.Te
         elif m := re.fullmatch(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)", canon):
             _from_3d(name, m[1], m[2], module, ka, a, kb, b, cfg, targets, out)
         elif m := re.fullmatch(r"(.*\.mlp\.experts)(?:\.base_layer)*", canon):
-            _from_target_parameters(name, m[1], module, ka, a, kb, b, cfg, targets, out)
+            _from_target_parameters(name, m[1], ka, a, kb, b, cfg, targets, out)
         else:
             t = _target(name, targets, canon, ka)
             if t.num_experts is not None:
@@ -81,12 +81,8 @@ def normalize_adapter(name: str, groups: dict[str, dict[str, tuple[str, torch.Te
     for canon, mod in out.items():
         if mod.rank > max_lora_rank:
             raise AdapterError(name, f"rank {mod.rank} on {canon} is above max_lora_rank={max_lora_rank}; "
-                                     f"restart with --max-lora-rank {_next_pow2(mod.rank)} or more")
+                                     f"restart with --max-lora-rank {1 << (mod.rank - 1).bit_length()} or more")
     return out
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _expect(name, key, t: torch.Tensor, expected: list[int], what: str, r: int) -> None:
@@ -127,7 +123,7 @@ def _expert_targets(name, targets, prefix: str, key: str) -> tuple[LoRATarget, L
     return gate, down
 
 
-def _from_target_parameters(name, prefix, module, ka, a, kb, b, cfg, targets, out) -> None:
+def _from_target_parameters(name, prefix, ka, a, kb, b, cfg, targets, out) -> None:
     """A [r*E, in], B [out, r*E] with columns j*E + e; gate_up vs down decided by shapes (and the config's rank)."""
     gate, down = _expert_targets(name, targets, prefix, ka)
     E, H, I = gate.num_experts, gate.in_features, gate.out_features

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
-import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -26,7 +27,7 @@ from moelora.engine.sampler import (Sampler, apply_logit_bias, apply_penalties, 
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
 from moelora.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from moelora.engine.workers import WorkerGroup, build_sharded_model
+from moelora.engine.workers import WorkerGroup, build_sharded_model, engine_dtype
 from moelora.kernels._triton import DeviceError
 from moelora.kernels.config import KernelConfig
 from moelora.kernels.streams import make_side_stream
@@ -88,7 +89,6 @@ class LLMEngine:
                               "install a CUDA build of torch")
         self.device = torch.device(device)
         self.cpu_threads = configure_cpu_threads(args.cpu_threads, self.device, processes=host_processes(args))
-        dtype = args.dtype or ("float32" if self.device.type == "cpu" else "auto")
         self.config = ModelConfig.from_pretrained(args.model)
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         self.workers = None  # tensor/expert parallel: ranks 1..N-1 (engine/workers.py); this process is rank 0
@@ -98,7 +98,8 @@ class LLMEngine:
             self.workers = WorkerGroup(args)
             ps = self.workers.state
         # unsplit (ps not parallel): built in place on the device
-        self.model = build_sharded_model(self.config, args, dtype, self.device, ps, args.show_progress)
+        self.model = build_sharded_model(self.config, args, engine_dtype(args, self.device), self.device, ps,
+                                         args.show_progress)
         if self.device.type == "cuda":  # the side stream at the config's priority, before any graph records it
             make_side_stream(self.device, self.kernel_config.side_stream_priority)
         self.kv_config = kv_cache_config(self.config, ps)  # this rank's KV heads
@@ -128,8 +129,8 @@ class LLMEngine:
         # after the "init" message: the captures' collectives pair up with these
         self.runner = ModelRunner(self.model, self.kv, args.max_loras,
                                   **graph_settings(args, self.model, self.device, self.max_model_len),
-                                  broadcast=self.workers.step if self.workers is not None else None,
-                                  broadcast_graph=self.workers.graph_step if self.workers is not None else None)
+                                  broadcast=partial(self.workers.send, "step") if self.workers else None,
+                                  broadcast_graph=partial(self.workers.send, "graph") if self.workers else None)
         self.async_scheduling = resolve_async_scheduling(args.async_scheduling, self.device) and self.workers is None
         self.sampler = Sampler(min_rows=fused_sampler_min_rows(self.async_scheduling))
         self._pending: PendingStep | None = None  # asynchronous scheduling: a step launched, its tokens not read
@@ -282,9 +283,6 @@ class LLMEngine:
                     failed += self._fail_unschedulable()
                 return failed
             out = self._execute(chunks)
-            for c in chunks:
-                c.request.num_computed += c.num_tokens
-                self.scheduler.register_blocks(c.request)
             self._record_prompt_logprobs(chunks, out)
             if not (self.async_scheduling and can_defer(out)):
                 return failed + self._sample(out)
@@ -295,9 +293,6 @@ class LLMEngine:
         ahead = schedule_ahead(self.scheduler, self.kv, pending, self.max_context)
         if ahead is not None:
             out = self._execute(ahead.chunks, ahead.input_tokens)
-            for c in ahead.chunks:
-                c.request.num_computed += 1
-                self.scheduler.register_blocks(c.request)
             self.ahead_steps += 1
             self._pending = launch_sampling(self.sampler, out)  # its rows passed can_defer one step earlier
         return self._read(pending)
@@ -315,10 +310,16 @@ class LLMEngine:
         return [req]
 
     def _execute(self, chunks: list, input_tokens: torch.Tensor | None = None) -> StepOutput:
+        """Run the chunks; their tokens then count as computed, and their newly full blocks enter the prefix cache."""
         if self.workers is None:
-            return self.runner.execute(chunks, input_tokens)
-        with self.workers.guard("step"):
-            return self.runner.execute(chunks)
+            out = self.runner.execute(chunks, input_tokens)
+        else:
+            with self.workers.guard("step"):
+                out = self.runner.execute(chunks)
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+            self.scheduler.register_blocks(c.request)
+        return out
 
     def _read(self, pending: PendingStep) -> list[Request]:
         """The tokens of a step launched earlier: placeholders replaced, stop checks; requests finished (or
@@ -398,7 +399,6 @@ class LLMEngine:
         self.scheduler.finish(req)
 
 
-def _maybe_tokenizer(path: str):
-    if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
-        return None
-    return Tokenizer(path)
+def _maybe_tokenizer(path: str) -> Tokenizer | None:
+    has = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    return Tokenizer(path) if has else None

@@ -94,14 +94,17 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
-            if req.adapter is not None and (blocked_adapter or not self._can_take_slot(req.adapter)):
+            if req.adapter is not None and (blocked_adapter or self.pool is None
+                                            or not self.pool.can_acquire(req.adapter)):
                 blocked_adapter = True
                 skipped.append(req)
                 continue
             matched = self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if self.kv.blocks_needed(req.num_computed + n, len(req.block_table)) > self.kv.num_free_blocks:
-                self._unmatch(req, matched)
+                if matched:  # the cached blocks it took go back
+                    self.kv.free(req.block_table)
+                    req.block_table, req.num_computed, req.num_registered_blocks = [], 0, 0
                 skipped.append(req)
                 break  # no blocks: later requests would not fit either (FIFO)
             if not req.admitted:
@@ -140,11 +143,6 @@ class Scheduler:
         req.block_table, req.num_registered_blocks, req.num_computed = blocks, len(blocks), len(blocks) * bs
         return len(blocks)
 
-    def _unmatch(self, req: Request, matched: int) -> None:
-        if matched:
-            self.kv.free(req.block_table)
-            req.block_table, req.num_computed, req.num_registered_blocks = [], 0, 0
-
     def register_blocks(self, req: Request) -> None:
         """Name the request's full blocks computed since the last call in the prefix cache (a block holding a
         token still on the device waits for a later call)."""
@@ -178,9 +176,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = Status.FINISHED
-
-    def _can_take_slot(self, adapter: str) -> bool:
-        return self.pool is not None and self.pool.can_acquire(adapter)
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         need = self.kv.blocks_needed(num_tokens, len(req.block_table))

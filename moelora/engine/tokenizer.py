@@ -48,11 +48,6 @@ class Tokenizer:
         """The primary EOS id (the tokenizer's own, else the first from generation_config.json)."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids the tokenizer can produce, added tokens included."""
-        return len(self.hf)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 

@@ -152,7 +152,7 @@ def worker_main(rank: int, world: int, port: int, args) -> None:
     # objects (still referenced past destroy_process_group) can be freed after Python is gone and the worker
     # then dies of SIGABRT (seen once on a loaded machine: exit code -6)
     del ps
-    _free_groups()
+    gc.collect()  # the process groups' objects (see run_worker)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -178,14 +178,10 @@ def run_worker(args) -> int:
         beacon.start(env.rank)
     _worker_loop(ps, args, env.rank, env.local_rank, beacon)
     del ps
-    _free_groups()
-    return 0
-
-
-def _free_groups() -> None:
-    """After a clean stop: the process groups' objects, which the model's hooks and the ParallelState held past
-    destroy_process_group, are freed now, while the interpreter is whole, rather than in its teardown."""
+    # the process groups' objects, which the model's hooks and the ParallelState held past destroy_process_group,
+    # freed now, while the interpreter is whole, rather than in its teardown
     gc.collect()
+    return 0
 
 
 class _Beacon:
@@ -497,14 +493,6 @@ class WorkerGroup:
                     if self.external or w.is_completed():  # the collective's own error, not the poll's timeout
                         raise
                     self._check_procs(0.0)
-
-    def step(self, seqs, sample_idx, prompt_idx) -> None:
-        """ModelRunner.broadcast."""
-        self.send("step", seqs, sample_idx, prompt_idx)
-
-    def graph_step(self, token_ids, positions, block_tables, slots) -> None:
-        """ModelRunner.broadcast_graph."""
-        self.send("graph", token_ids, positions, block_tables, slots)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Tell the workers to finish, wait for them (terminated after timeout_s), leave the process group.

@@ -41,8 +41,6 @@ class ServerSettings:
     lora_roots: list[str] = field(default_factory=list)  # empty: adapters may be loaded from anywhere
     max_body_bytes: int = 1 << 20
     max_n: int = 16
-    max_tokens_limit: int | None = None  # None: the context length
-    shutdown_timeout: float = 30.0
     max_logprobs: int = 20  # largest logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's default)
     # sampling defaults for fields a request leaves out: "auto" reads the model folder's generation_config.json
     # (as vLLM), "vllm" uses the built-in defaults, any other value is a folder holding a generation_config.json
@@ -65,7 +63,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        await asyncio.to_thread(engine.shutdown, settings.shutdown_timeout)
+        await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="moelora", version=__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
@@ -129,9 +127,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     def check_limits(n: int, max_tokens: int | None, min_tokens: int = 1) -> None:
         if not 1 <= n <= settings.max_n:
             raise APIError(400, f"n must be between 1 and {settings.max_n}, got {n}", param="n")
-        limit = settings.max_tokens_limit or max_len
-        if max_tokens is not None and not min_tokens <= max_tokens <= limit:
-            raise APIError(400, f"max_tokens must be between {min_tokens} and {limit}, got {max_tokens}",
+        if max_tokens is not None and not min_tokens <= max_tokens <= max_len:
+            raise APIError(400, f"max_tokens must be between {min_tokens} and {max_len}, got {max_tokens}",
                            param="max_tokens")
 
     def check_logprobs(value: int | None, name: str) -> int | None:

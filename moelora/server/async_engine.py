@@ -63,15 +63,12 @@ class RequestStream:
         self.engine, self.request_id, self._stream = engine, request_id, stream
         self.finished = False
 
-    async def next(self) -> Update:
-        upd = await self._stream.queue.get()
-        self.finished = upd.finished
-        return upd
-
     async def __aiter__(self):
         try:
             while not self.finished:
-                yield await self.next()
+                upd = await self._stream.queue.get()
+                self.finished = upd.finished
+                yield upd
         finally:
             if not self.finished:
                 self.abort()
@@ -88,7 +85,7 @@ class AsyncEngine:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._draining: dict[str, list[concurrent.futures.Future]] = {}
+        self._draining: dict[str, concurrent.futures.Future] = {}  # adapter being unloaded -> its unload's result
         self._ids = itertools.count()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
@@ -162,7 +159,7 @@ class AsyncEngine:
         def start() -> None:
             if name not in self.engine.list_adapters() or name in self._draining:
                 raise AdapterNotFound(f"adapter {name!r} is not loaded")
-            self._draining[name] = [fut]
+            self._draining[name] = fut
             self._finish_unloads()
 
         await self.run(start)
@@ -300,12 +297,10 @@ class AsyncEngine:
         for name in list(self._draining):
             if any(r.adapter == name and not r.finished for r in self.engine.requests.values()):  # still in use
                 continue
-            futs = self._draining.pop(name)
+            fut = self._draining.pop(name)
             try:
                 self.engine.unload_adapter(name)
             except Exception as e:
-                for f in futs:
-                    f.set_exception(e)
+                fut.set_exception(e)
             else:
-                for f in futs:
-                    f.set_result(None)
+                fut.set_result(None)

@@ -49,7 +49,7 @@ class _EngineCounters:
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, int]], counters: Callable[[], dict[str, int]] | None = None) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int]], counters: Callable[[], dict[str, int]]) -> None:
         """stats: the engine's current gauges (AsyncEngine.stats); counters: its totals since start
         (AsyncEngine.counters)."""
         self.registry = CollectorRegistry()
@@ -66,8 +66,7 @@ class ServerMetrics:
                               registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
         for key, doc in GAUGES.items():
             Gauge(f"moelora_{key}", doc, registry=r).set_function(lambda k=key: stats()[k])
-        if counters is not None:
-            r.register(_EngineCounters(counters))
+        r.register(_EngineCounters(counters))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
