@@ -153,8 +153,7 @@ class ModelConfig:
         if model_type is None:
             raise ConfigError("config.json has no model_type")
         kwargs = {k: v for k, v in raw.items() if k != "model_type"}
-        hf = AutoConfig.for_model(model_type, **kwargs)
-        return cls.from_hf(hf, arch)
+        return cls.from_hf(AutoConfig.for_model(model_type, **kwargs), arch)
 
     @classmethod
     def from_hf(cls, hf: Any, architecture: str | None = None) -> "ModelConfig":
@@ -166,12 +165,11 @@ class ModelConfig:
             raise ConfigError(f"architecture {arch!r} not supported; use one of {SUPPORTED_ARCHITECTURES}")
         if arch in _DEEPSEEK:
             return _deepseek_from_hf(cls, hf, arch)
-        n_layers = hf.num_hidden_layers
-        n_heads = hf.num_attention_heads
+        n_layers, n_heads = hf.num_hidden_layers, hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
         rope_type, rope_theta, _ = _rope(hf)
 
-        mixtral = arch == "MixtralForCausalLM"
+        mixtral, qwen2 = arch == "MixtralForCausalLM", arch == "Qwen2MoeForCausalLM"
         num_experts = hf.num_local_experts if mixtral else hf.num_experts
         if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             mlp_only = set(getattr(hf, "mlp_only_layers", None) or [])
@@ -182,7 +180,7 @@ class ModelConfig:
         moe_inter = hf.intermediate_size if mixtral or arch == "OlmoeForCausalLM" else hf.moe_intermediate_size
 
         sw = getattr(hf, "sliding_window", None) or None
-        if arch == "Qwen2MoeForCausalLM":
+        if qwen2:
             layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n_layers
             windows = tuple(sw if t == "sliding_attention" else None for t in layer_types)
         elif arch == "OlmoeForCausalLM":  # OLMoE has no sliding window: transformers masks causally whatever the config says
@@ -190,22 +188,17 @@ class ModelConfig:
         else:
             windows = (sw,) * n_layers
 
-        if arch == "Qwen2MoeForCausalLM":
-            qkv_bias, o_bias = bool(getattr(hf, "qkv_bias", True)), False
-        else:
-            bias = bool(getattr(hf, "attention_bias", False))
-            qkv_bias, o_bias = bias, bias
+        bias = bool(getattr(hf, "attention_bias", False))
+        qkv_bias, o_bias = (bool(getattr(hf, "qkv_bias", True)), False) if qwen2 else (bias, bias)
         return cls(
-            **_common_fields(hf, arch), num_attention_heads=n_heads,
+            **_common_fields(hf, arch), num_attention_heads=n_heads, qkv_bias=qkv_bias, o_bias=o_bias,
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or n_heads, head_dim=head_dim,
-            qkv_bias=qkv_bias, o_bias=o_bias,
             qk_norm={"Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}.get(arch, "none"),
             clip_qkv=getattr(hf, "clip_qkv", None), sliding_windows=windows, rope_type=rope_type, rope_theta=rope_theta,
             num_experts=num_experts, num_experts_per_tok=hf.num_experts_per_tok, moe_intermediate_size=moe_inter,
             norm_topk_prob=True if mixtral else bool(getattr(hf, "norm_topk_prob", False)), moe_layers=moe_layers,
-            intermediate_size=hf.intermediate_size,
-            shared_expert_intermediate_size=hf.shared_expert_intermediate_size if arch == "Qwen2MoeForCausalLM" else 0,
-            shared_expert_gate=arch == "Qwen2MoeForCausalLM",
+            intermediate_size=hf.intermediate_size, shared_expert_gate=qwen2,
+            shared_expert_intermediate_size=hf.shared_expert_intermediate_size if qwen2 else 0,
         )
 
 
@@ -255,8 +248,7 @@ def _deepseek_from_hf(cls: type[ModelConfig], hf: Any, arch: str) -> ModelConfig
         v_head_dim=v_dim, softmax_scale=scale, rope_interleave=bool(getattr(hf, "rope_interleave", True)) if v3 else True,
         rope_fp32=not v3,
     )
-    num_experts = hf.n_routed_experts
-    top_k = hf.num_experts_per_tok
+    num_experts, top_k = hf.n_routed_experts, hf.num_experts_per_tok
     if v3:
         scoring, method = "sigmoid", "noaux_tc"
     else:

@@ -26,31 +26,28 @@ def target_parameters_to_per_expert(src: str, dst: str, model_path: str) -> None
     with open(os.path.join(src, "adapter_config.json")) as f:
         conf = json.load(f)
     out: dict[str, torch.Tensor] = {}
-    fused: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    fused: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (experts prefix, lora_A, lora_B)
     for key, t in tensors.items():
-        m = re.fullmatch(r"(.*\.mlp\.experts)(?:\.base_layer)*\.lora_A\.weight", key)
+        m = re.fullmatch(r"(.*\.mlp\.experts)(?:\.base_layer)*\.lora_([AB])\.weight", key)
         if m is None:
-            if not re.fullmatch(r"(.*\.mlp\.experts)(?:\.base_layer)*\.lora_B\.weight", key):
-                out[key] = t
-            continue
-        b = tensors[key.replace("lora_A", "lora_B")]
-        fused.setdefault(m[1], []).append((t, b))
+            out[key] = t
+        elif m[2] == "A":
+            fused.append((m[1], t, tensors[key.replace("lora_A", "lora_B")]))
     rank_pattern = dict(conf.get("rank_pattern") or {})
     alpha_pattern = dict(conf.get("alpha_pattern") or {})
-    for prefix, pairs in fused.items():
-        for a, b in pairs:
-            r = a.shape[0] // E
-            a3 = a.reshape(E, r, a.shape[1])  # [E, r, in]
-            b3 = b.reshape(b.shape[0], r, E).permute(2, 0, 1)  # [E, out, r]
-            gate_up = a.shape[1] == H and b.shape[0] == 2 * inter
-            for e in range(E):
-                if gate_up:
-                    for kind, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
-                        out[f"{prefix}.{e}.{kind}.lora_A.weight"] = a3[e].clone()
-                        out[f"{prefix}.{e}.{kind}.lora_B.weight"] = b3[e, rows].contiguous()
-                else:
-                    out[f"{prefix}.{e}.down_proj.lora_A.weight"] = a3[e].contiguous()
-                    out[f"{prefix}.{e}.down_proj.lora_B.weight"] = b3[e].contiguous()
+    for prefix, a, b in fused:
+        r = a.shape[0] // E
+        a3 = a.reshape(E, r, a.shape[1])  # [E, r, in]
+        b3 = b.reshape(b.shape[0], r, E).permute(2, 0, 1)  # [E, out, r]
+        gate_up = a.shape[1] == H and b.shape[0] == 2 * inter
+        for e in range(E):
+            if gate_up:
+                for kind, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
+                    out[f"{prefix}.{e}.{kind}.lora_A.weight"] = a3[e].clone()
+                    out[f"{prefix}.{e}.{kind}.lora_B.weight"] = b3[e, rows].contiguous()
+            else:
+                out[f"{prefix}.{e}.down_proj.lora_A.weight"] = a3[e].contiguous()
+                out[f"{prefix}.{e}.down_proj.lora_B.weight"] = b3[e].contiguous()
     # per-module rank/alpha: a pattern on the fused parameter now applies to each expert module
     for pat in (rank_pattern, alpha_pattern):
         for k in [k for k in pat if k.endswith("gate_up_proj")]:

@@ -161,11 +161,8 @@ def parse_config(name: str, files: AdapterFiles) -> PeftLoraConfig:
                 re.compile(pattern)
             except re.error as e:
                 raise AdapterError(name, f"{file}: {key!r} key {pattern!r} is not a valid regex ({e})") from e
-            what = f"{key!r} value for {pattern!r}"
-            if key == "rank_pattern":
-                _positive_int(name, file, what, value)
-            else:
-                _finite_number(name, file, what, value)
+            check = _positive_int if key == "rank_pattern" else _finite_number
+            check(name, file, f"{key!r} value for {pattern!r}", value)
     return PeftLoraConfig(r=r, lora_alpha=alpha, use_rslora=bool(raw.get("use_rslora", False)),
                           rank_pattern=dict(raw.get("rank_pattern") or {}),
                           alpha_pattern=dict(raw.get("alpha_pattern") or {}))

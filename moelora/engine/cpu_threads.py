@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -88,12 +89,10 @@ def available_cores() -> int:
         cpus = list(range(os.cpu_count() or 1))
     cores = set()
     for c in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
         try:
-            with open(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id") as f:
-                pkg = f.read().strip()
-            with open(f"/sys/devices/system/cpu/cpu{c}/topology/core_id") as f:
-                core = f.read().strip()
-            cores.add((pkg, core))
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
         except OSError:
             cores.add(("cpu", str(c)))
     n = max(1, len(cores))
@@ -106,17 +105,13 @@ def _cgroup_quota(root: str = "/sys/fs/cgroup") -> int | None:
     try:
         path = f"{root}/cpu.max"  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
         if os.path.isfile(path):
-            with open(path) as f:
-                quota, period = (f.read().split() + ["100000"])[:2]
+            quota, period = (Path(path).read_text().split() + ["100000"])[:2]
             if quota != "max" and int(period) > 0:
                 return math.ceil(int(quota) / int(period))
             return None
         q = f"{root}/cpu/cpu.cfs_quota_us"
         if os.path.isfile(q):
-            with open(q) as f:
-                quota = int(f.read())
-            with open(f"{root}/cpu/cpu.cfs_period_us") as f:
-                period = int(f.read())
+            quota, period = int(Path(q).read_text()), int(Path(f"{root}/cpu/cpu.cfs_period_us").read_text())
             if quota > 0 and period > 0:
                 return math.ceil(quota / period)
     except (OSError, ValueError):

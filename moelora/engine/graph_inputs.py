@@ -82,16 +82,9 @@ class DecodeHostInputs:
             i = int(short[0])
             raise ValueError(f"sequence {i}: position {int(pos[i])} needs block {int(blk[i])} of a "
                              f"{int(lens[i])}-block table")
-        ids = self.np["input_ids"]
-        ids[:n] = token_ids
-        ids[n:bs] = 0
-        sm = self.np["slot_mapping"]
-        sm[:n] = tables[np.arange(n), blk].astype(np.int64) * self.block_size + pos[:n] % self.block_size
-        sm[n:bs] = self.dummy_slot
-        ts = self.np["token_seq"]
-        ts[:n] = np.arange(n)
-        ts[n:bs] = -1
-        sl = self.np["seq_lens"]
-        sl[:n] = pos[:n] + 1
-        sl[n:bs] = 1
+        slots = tables[np.arange(n), blk].astype(np.int64) * self.block_size + pos[:n] % self.block_size
+        for key, rows, pad in (("input_ids", token_ids, 0), ("slot_mapping", slots, self.dummy_slot),
+                               ("token_seq", np.arange(n), -1), ("seq_lens", pos[:n] + 1, 1)):
+            self.np[key][:n] = rows
+            self.np[key][n:bs] = pad
         return {k: v[:bs] for k, v in self.tensors.items()}

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.outputs import CompletionOutput, RequestOutput
-from moelora.engine.request import Request
 from moelora.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,10 @@ class LLM:
         results = []
         for out, ids in groups:
             reqs = [self.engine.pop_finished(rid) for rid in ids]
-            out.outputs = [_completion(k, r) for k, r in enumerate(reqs)]
+            out.outputs = [CompletionOutput(index=k, text=r.text, token_ids=list(r.output_ids),
+                                            finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                                            logprobs=r.logprobs if r.params.logprobs is not None else None)
+                           for k, r in enumerate(reqs)]
             out.prompt_logprobs = reqs[0].prompt_logprobs if reqs[0].params.prompt_logprobs is not None else None
             out.finished = True
             results.append(out)
@@ -139,11 +141,6 @@ def _release(engine: LLMEngine) -> None:
         engine.shutdown()
     except Exception as e:  # noqa: BLE001 - releasing anyway; nothing the caller can do
         log.warning("moelora: shutting the engine down: %s: %s", type(e).__name__, e)
-
-
-def _completion(index: int, r: Request) -> CompletionOutput:
-    return CompletionOutput(index=index, text=r.text, token_ids=list(r.output_ids), finish_reason=r.finish_reason,
-                            stop_reason=r.stop_reason, logprobs=r.logprobs if r.params.logprobs is not None else None)
 
 
 def _per_prompt(value, n: int, what: str) -> list:

@@ -24,24 +24,19 @@ class Tokenizer:
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load a tokenizer from {self.path} (expected tokenizer.json and "
                              f"tokenizer_config.json there): {e}") from e
-        self.eos_token_ids: list[int] = self._collect_eos_ids()
+        # the tokenizer's EOS id, then those of generation_config.json
+        self.eos_token_ids: list[int] = [] if self.hf.eos_token_id is None else [int(self.hf.eos_token_id)]
+        gen_cfg = self.path / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            for i in [eos] if isinstance(eos, int) else (eos or []):
+                if int(i) not in self.eos_token_ids:
+                    self.eos_token_ids.append(int(i))
         # the Rust tokenizer behind a transformers TokenizersBackend: its decode is what hf.decode returns without
         # the clean-up, minus ~2/3 of the time (Python argument handling per call), which the streaming
         # detokenizer pays twice per generated token
         rust = getattr(self.hf, "_tokenizer", None)
         self.backend: RustTokenizer | None = rust if isinstance(rust, RustTokenizer) else None
-
-    def _collect_eos_ids(self) -> list[int]:
-        ids: list[int] = []
-        if self.hf.eos_token_id is not None:
-            ids.append(int(self.hf.eos_token_id))
-        gen_cfg = self.path / "generation_config.json"
-        if gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            for i in [eos] if isinstance(eos, int) else (eos or []):
-                if int(i) not in ids:
-                    ids.append(int(i))
-        return ids
 
     @property
     def eos_token_id(self) -> int | None:

@@ -26,6 +26,7 @@ the ranks that did not answer), and any collective failing with a communication 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
@@ -145,8 +146,7 @@ def _recv(ps: ParallelState) -> tuple[list, str, tuple]:
 def worker_main(rank: int, world: int, port: int, args) -> None:
     """Rank `rank` of a parallel engine started by WorkerGroup: build and shard the model, then serve rank 0's
     messages until "stop"."""
-    ps = init_parallel(args.tensor_parallel_size, args.expert_parallel_size, _backend(args),
-                       f"tcp://127.0.0.1:{port}", rank, world, timeout=_IDLE)
+    ps = _join(args, f"tcp://127.0.0.1:{port}", rank, world, _IDLE)
     _worker_loop(ps, args, rank, rank)
     # stopped cleanly (group left, graphs freed): end here, without the interpreter's teardown, where gloo's
     # objects (still referenced past destroy_process_group) can be freed after Python is gone and the worker
@@ -155,10 +155,8 @@ def worker_main(rank: int, world: int, port: int, args) -> None:
     gc.collect()  # the process groups' objects (see run_worker)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a closed stream: nothing to flush
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
-            pass
     os._exit(0)
 
 
@@ -171,8 +169,7 @@ def run_worker(args) -> int:
         raise RuntimeError("run_worker is for ranks 1..N-1 of a torchrun launch (RANK >= 1, WORLD_SIZE = tp x ep)")
     if _backend(args) == "nccl":
         worker_device(args, env.local_rank)  # before the NCCL group forms
-    ps = init_parallel(args.tensor_parallel_size, args.expert_parallel_size, _backend(args), "env://",
-                       env.rank, env.world_size, timeout=_IDLE)
+    ps = _join(args, "env://", env.rank, env.world_size, _IDLE)
     beacon = _beacon()
     if beacon is not None:
         beacon.start(env.rank)
@@ -215,10 +212,8 @@ class _Beacon:
         threading.Thread(target=beat, daemon=True, name="moelora-beacon").start()
 
     def error(self, rank: int, e: BaseException) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the store (rank 0's side) is gone: nothing to tell
             self.store.set(f"{self.prefix}error/{rank}", _first_line(e))
-        except Exception:  # noqa: BLE001
-            pass
 
     def stop(self) -> None:
         self._stop.set()
@@ -278,6 +273,9 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
         registry = AdapterRegistry(targets, args.max_lora_rank, args.max_cpu_loras) if targets else None
         # the same CUDA graphs as rank 0, captured now (rank 0 captures right after sending "init")
         runner = ModelRunner(model, kv, args.max_loras, **graph_settings(args, model, device, max_model_len))
+        handlers = {"step": runner.forward_step, "graph": runner.replay,
+                    "ping": lambda: dist.monitored_barrier(group=ps.control_group, timeout=_IDLE),
+                    "load": lambda *a: registry.load(*a), "unload": lambda *a: registry.unload(*a)}
         while True:
             events, kind, payload = _recv(ps)
             for slot, name in events:
@@ -285,20 +283,11 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
                     clear_slot(targets, slot)
                 else:
                     write_slot(targets, registry.get(name), slot)
-            if kind == "step":
-                runner.forward_step(*payload)
-            elif kind == "graph":
-                runner.replay(*payload)
-            elif kind == "ping":
-                dist.monitored_barrier(group=ps.control_group, timeout=_IDLE)
-            elif kind == "load":
-                registry.load(*payload)
-            elif kind == "unload":
-                registry.unload(*payload)
-            elif kind == "stop":
+            if kind == "stop":
                 break
-            else:
+            if kind not in handlers:
                 raise RuntimeError(f"rank {rank}: unknown message {kind!r} from rank 0")
+            handlers[kind](*payload)
     except BaseException as e:
         if beacon is not None:
             beacon.error(rank, e)
@@ -317,6 +306,13 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
 def _backend(args) -> str:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _join(args, init_method: str, rank: int, world: int, timeout: timedelta | None = None) -> ParallelState:
+    """init_parallel for EngineArgs `args` (its tp x ep grid; NCCL on a GPU, gloo on the CPU). timeout None: rank 0's,
+    COLLECTIVE_TIMEOUT_S."""
+    return init_parallel(args.tensor_parallel_size, args.expert_parallel_size, _backend(args), init_method, rank, world,
+                         timeout=timeout or timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
 class WorkerGroup:
@@ -348,9 +344,7 @@ class WorkerGroup:
                     "moelora generate do)")
             if _backend(args) == "nccl":
                 worker_device(args, launch.local_rank)
-            self.state: ParallelState = init_parallel(
-                args.tensor_parallel_size, args.expert_parallel_size, _backend(args), "env://", 0, self.world,
-                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            self.state: ParallelState = _join(args, "env://", 0, self.world)
             self._last_ok = time.monotonic()
             self.beacon = _beacon()
             _LIVE.add(self)
@@ -376,9 +370,7 @@ class WorkerGroup:
 
         def join() -> None:  # in a thread, so that a worker dying before the rendezvous is seen at once
             try:
-                box["ps"] = init_parallel(args.tensor_parallel_size, args.expert_parallel_size, _backend(args),
-                                          f"tcp://127.0.0.1:{port}", 0, self.world,
-                                          timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                box["ps"] = _join(args, f"tcp://127.0.0.1:{port}", 0, self.world)
             except Exception as e:  # noqa: BLE001 - re-raised below with the workers' state
                 box["error"] = e
 
@@ -435,31 +427,26 @@ class WorkerGroup:
             f"tensor/expert-parallel worker failure under torchrun ({self.world} ranks): {who}. Rank 0 saw: {what}. "
             "The engine cannot continue (see the worker's traceback and torchrun's error summary, if any)")
 
+    @contextlib.contextmanager
     def guard(self, what: str):
         """Context manager: an exception inside (a collective whose peer died) becomes WorkerFailed when a
         worker has exited."""
-        group = self
-
-        class _Guard:
-            def __enter__(self):
-                group.check()
-
-            def __exit__(self, exc_type, exc, tb):
-                if group.external:
-                    if exc is None:
-                        if what == "step":  # a completed step had every rank in its collectives
-                            group._last_ok = time.monotonic()
-                    elif not isinstance(exc, WorkerFailed) and _is_comm_error(exc):
-                        raise group._failed(f"a collective failed during {what!r}: {_first_line(exc)}") from exc
-                    return False
-                if exc is not None and not isinstance(exc, WorkerFailed):
-                    try:
-                        group.check(grace_s=5.0)
-                    except WorkerFailed as failed:
-                        raise failed from exc
-                return False
-
-        return _Guard()
+        self.check()
+        try:
+            yield
+        except WorkerFailed:
+            raise
+        except BaseException as exc:
+            if not self.external:
+                try:
+                    self.check(grace_s=5.0)
+                except WorkerFailed as failed:
+                    raise failed from exc
+            elif _is_comm_error(exc):
+                raise self._failed(f"a collective failed during {what!r}: {_first_line(exc)}") from exc
+            raise
+        if self.external and what == "step":  # a completed step had every rank in its collectives
+            self._last_ok = time.monotonic()
 
     def slot_changed(self, slot: int, name: str | None) -> None:
         """SlotPool.on_change: the write travels with the next message."""
@@ -500,10 +487,8 @@ class WorkerGroup:
         _LIVE.discard(self)
         if self._stopped:  # stopped, or failed (which left the group): the process group now may be another engine's
             return
-        try:
+        with contextlib.suppress(Exception):  # stopping anyway
             self.send("stop")
-        except Exception:  # noqa: BLE001 - stopping anyway
-            pass
         self._stopped = True
         deadline = time.monotonic() + timeout_s
         for p in self.procs:

@@ -71,11 +71,9 @@ class MoECausalLM(nn.Module):
         self.config = cfg
         self.dtype = dtype
         self.model = Backbone(cfg, dtype, device, self.attention_cls, self.moe_cls)
-        self.lm_head = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.max_loras = 0
-        self.max_lora_rank = 0
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.max_loras, self.max_lora_rank = 0, 0  # enable_lora sets them
 
     @property
     def device(self) -> torch.device:

@@ -198,8 +198,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 t.cancel()
             _abort(streams)
 
-    async def collect(streams, raw: Request) -> list[list[Update]]:
-        """All updates of every stream; a client that disconnects aborts its requests."""
+    async def collect(streams, raw: Request, adapter: str | None, t0: float) -> list[list[Update]]:
+        """All updates of every stream; a client that disconnects aborts its requests, a request that failed
+        fails the response (500, its error)."""
         out: list[list[Update]] = [[] for _ in streams]
 
         async def gather():
@@ -214,14 +215,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 _abort(streams)
                 raise APIError(499, "client disconnected")
         task.result()
-        return out
-
-    def first_error(per_choice: list[list[Update]], adapter: str | None, t0: float) -> None:
-        failed = [ups[-1] for ups in per_choice if ups[-1].error]
+        failed = [ups[-1] for ups in out if ups[-1].error]
         for final in failed:
             record(adapter, t0, final, "error")
         if failed:
             raise APIError(500, failed[0].error, "InternalServerError")
+        return out
 
     def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -384,8 +383,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        per_choice = await collect(streams, raw)
-        first_error(per_choice, adapter, t0)
+        per_choice = await collect(streams, raw, adapter, t0)
         choices, n_prompt, n_out, cached = [], {}, 0, {}
         for i, ups in enumerate(per_choice):
             final = ups[-1]
@@ -470,8 +468,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        per_choice = await collect(streams, raw)
-        first_error(per_choice, adapter, t0)
+        per_choice = await collect(streams, raw, adapter, t0)
         choices, n_out, n_prompt, cached = [], 0, 0, 0
         for i, ups in enumerate(per_choice):
             final = ups[-1]

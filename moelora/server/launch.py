@@ -7,6 +7,7 @@ parser only to be rejected with the reason (`check_args`), and every value is ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -511,10 +512,8 @@ def serve(args: argparse.Namespace) -> int:
     external = workers is not None and workers.external
     if external:  # uvicorn re-raises the SIGTERM it shut down for: catch it to say why torchrun stopped us
         signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
+    with contextlib.suppress(_Terminated):
         server.run()  # its lifespan has stopped the engine thread when this returns
-    except _Terminated:
-        pass
     if engine.fatal_error is None and external:
         try:  # torchrun stops every rank (SIGTERM) when one fails: if that is why, say which
             workers.check(ping=True)
