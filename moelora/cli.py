@@ -102,10 +102,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         adapters = {**adapter_paths(), **adapters}
     if args.adapter is not None and args.adapter not in adapters:
         raise UsageError(f"--adapter {args.adapter!r} is not among the --lora names {sorted(adapters)}")
-    kw = dict(max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank, dtype=args.dtype,
-              device=args.device, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
-              cpu_threads=args.cpu_threads, kernel_config=args.kernel_config)
+    kw = dict(max_loras=max(1, len(adapters)), max_lora_rank=args.max_lora_rank, dtype=args.dtype, device=args.device,
+              quantization=args.quantization, cpu_threads=args.cpu_threads, kernel_config=args.kernel_config,
+              tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size)
     launch = torchrun_launch(args)
     if launch is not None and launch.rank != 0:  # torchrun: ranks 1..N-1 follow rank 0's steps
         return run_worker(EngineArgs(model=args.model, **kw))

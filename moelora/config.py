@@ -215,12 +215,10 @@ def _common_fields(hf: Any, arch: str) -> dict[str, Any]:
     eos = getattr(hf, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     dtype = str(getattr(hf, "dtype", None) or "float32").replace("torch.", "")
-    return dict(
-        architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
-        hidden_act=hf.hidden_act, rms_norm_eps=float(hf.rms_norm_eps), max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)), torch_dtype=dtype, eos_token_ids=eos_ids,
-        hf_config=hf,
-    )
+    return dict(architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, hidden_act=hf.hidden_act,
+                num_hidden_layers=hf.num_hidden_layers, rms_norm_eps=float(hf.rms_norm_eps), hf_config=hf,
+                max_position_embeddings=hf.max_position_embeddings, torch_dtype=dtype, eos_token_ids=eos_ids,
+                tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)))
 
 
 def _deepseek_from_hf(cls: type[ModelConfig], hf: Any, arch: str) -> ModelConfig:
@@ -243,11 +241,9 @@ def _deepseek_from_hf(cls: type[ModelConfig], hf: Any, arch: str) -> ModelConfig
         factor = float(rope["factor"])
         mscale = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
         scale = scale * mscale * mscale
-    mla = MLAConfig(
-        q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
-        v_head_dim=v_dim, softmax_scale=scale, rope_interleave=bool(getattr(hf, "rope_interleave", True)) if v3 else True,
-        rope_fp32=not v3,
-    )
+    mla = MLAConfig(q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=nope,
+                    qk_rope_head_dim=rope_dim, v_head_dim=v_dim, softmax_scale=scale, rope_fp32=not v3,
+                    rope_interleave=bool(getattr(hf, "rope_interleave", True)) if v3 else True)
     num_experts, top_k = hf.n_routed_experts, hf.num_experts_per_tok
     if v3:
         scoring, method = "sigmoid", "noaux_tc"

@@ -82,9 +82,7 @@ class AdapterRegistry:
     counters: loads (from files), reloads (read again after leaving host memory), unloads, cpu_evictions."""
 
     def __init__(self, targets: dict[str, LoRATarget], max_lora_rank: int, max_cpu_loras: int | None = None) -> None:
-        self.targets = targets
-        self.max_lora_rank = max_lora_rank
-        self.max_cpu_loras = max_cpu_loras
+        self.targets, self.max_lora_rank, self.max_cpu_loras = targets, max_lora_rank, max_cpu_loras
         self._sources: dict[str, _Source] = {}  # every registered adapter, in registration order
         self._cache: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()

@@ -42,9 +42,7 @@ class SlotPool:
                  on_change: Callable[[int, str | None], None] | None = None) -> None:
         """on_change(slot, adapter name or None): called after a slot is written or cleared (tensor/expert
         parallelism: the other ranks repeat the same writes into their shards)."""
-        self.targets = targets
-        self.max_loras = max_loras
-        self.on_change = on_change
+        self.targets, self.max_loras, self.on_change = targets, max_loras, on_change
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
         self._refs: dict[str, int] = {}
         self._pinned: set[str] = set()

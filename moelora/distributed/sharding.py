@@ -131,7 +131,6 @@ def shard_attention(attn: Attention, ps: ParallelState, lora: tuple[int, int], n
                                       max(1, tp // Hkv), ps.tp_group)
     attn.num_heads, attn.num_kv_heads = q_heads.stop - q_heads.start, kv_heads.stop - kv_heads.start
     attn.q_size, attn.kv_size = attn.num_heads * D, attn.num_kv_heads * D
-    attn.o_proj.register_forward_hook(_all_reduce_hook(ps.tp_group))
 
 
 def shard_mla(attn: MLAttention, ps: ParallelState, lora: tuple[int, int], name: str) -> None:
@@ -145,7 +144,6 @@ def shard_mla(attn: MLAttention, ps: ParallelState, lora: tuple[int, int], name:
     shard_column(attn.kv_b_proj, [slice(heads.start * kvb, heads.stop * kvb)], lora, f"{name}.kv_b_proj")
     shard_row(attn.o_proj, slice(heads.start * attn.v_dim, heads.stop * attn.v_dim), r == 0, lora, f"{name}.o_proj")
     attn.num_heads = heads.stop - heads.start
-    attn.o_proj.register_forward_hook(_all_reduce_hook(ps.tp_group))
 
 
 def shard_mlp(mlp: DenseMLP, rank: int, size: int, lora: tuple[int, int], name: str) -> None:
@@ -265,11 +263,10 @@ def shard_model(model: nn.Module, ps: ParallelState) -> nn.Module:
     tp_on = ps.tp_size > 1
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}"
-        if tp_on:
-            if isinstance(layer.self_attn, MLAttention):
-                shard_mla(layer.self_attn, ps, lora, f"{p}.self_attn")
-            else:
-                shard_attention(layer.self_attn, ps, lora, f"{p}.self_attn")
+        if tp_on:  # o_proj is row-parallel: the all-reduce over tp completes its partial sums
+            shard = shard_mla if isinstance(layer.self_attn, MLAttention) else shard_attention
+            shard(layer.self_attn, ps, lora, f"{p}.self_attn")
+            layer.self_attn.o_proj.register_forward_hook(_all_reduce_hook(ps.tp_group))
         mlp = layer.mlp
         if isinstance(mlp, DenseMLP):
             if tp_on:

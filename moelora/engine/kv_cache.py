@@ -24,8 +24,7 @@ class KVCache:
     num_free_blocks counts both."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.caches = [tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in layer)
                        for layer in kv_cache_shapes(cfg, num_blocks + 1, block_size)]
         self.dummy_block = num_blocks  # never handed out: CUDA-graph padding rows write their keys here

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.outputs import CompletionOutput, RequestOutput
 from moelora.engine.sampling_params import SamplingParams
+from moelora.models.weights import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class LLM:
                 self.engine.abort_request(rid)
                 self.engine.pop_finished(rid)
             raise
-        bar = _progress(len(added)) if use_tqdm else None
+        bar = progress_bar(None, len(added), "generate", "req") if use_tqdm else None
         while self.engine.has_unfinished_requests():
             for req in self.engine.step():
                 if req.finished and bar is not None:
@@ -149,11 +150,3 @@ def _per_prompt(value, n: int, what: str) -> list:
             raise ValueError(f"{what}: got {len(value)} values for {n} prompts (give one, or one per prompt)")
         return list(value)
     return [value] * n
-
-
-def _progress(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="generate", unit="req")

@@ -48,11 +48,8 @@ class ScheduledChunk:
 class Scheduler:
     def __init__(self, kv: KVCache, pool: SlotPool | None, registry: AdapterRegistry | None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048) -> None:
-        self.kv = kv
-        self.pool = pool
-        self.registry = registry
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv, self.pool, self.registry = kv, pool, registry
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.failed: list[Request] = []  # finished with an error since the last take_failed()

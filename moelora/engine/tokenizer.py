@@ -68,8 +68,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.token_ids: list[int] = list(prompt_ids or [])
         self.read_offset = len(self.token_ids)
         self.prefix_offset = max(self.read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)

@@ -11,12 +11,11 @@ its scale on load.
 
 from __future__ import annotations
 
-from safetensors import safe_open
 from torch import nn
 
 from moelora.kernels.quant.fp8 import FP8_DTYPE, dequantize_weight_block
 from moelora.layers.fp8 import Fp8State, fp8_modules, scale_name, to_fp8
-from moelora.models.weights import WeightLoadError, resolve_name, tensor_files
+from moelora.models.weights import WeightLoadError, read_tensor, resolve_name, tensor_files
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -75,9 +74,7 @@ class Fp8CheckpointLoader:
         r = resolve_name(name, self.cfg, params)
         if tensor.dtype != FP8_DTYPE or r is None or r[0] not in params or params[r[0]].dtype == FP8_DTYPE:
             return r, tensor
-        file, _ = self.files[name + SCALE_SUFFIX]
-        with safe_open(file, framework="pt") as f:
-            scale = f.get_tensor(name + SCALE_SUFFIX)
+        scale = read_tensor(self.files, name + SCALE_SUFFIX)
         try:
             return r, dequantize_weight_block(tensor, scale, self.block)
         except ValueError as e:

@@ -68,8 +68,7 @@ class MoECausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.config = cfg
-        self.dtype = dtype
+        self.config, self.dtype = cfg, dtype
         self.model = Backbone(cfg, dtype, device, self.attention_cls, self.moe_cls)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)

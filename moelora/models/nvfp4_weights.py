@@ -5,13 +5,12 @@ weights are all packed gets NVFP4 storage (layers/nvfp4.py); a packed weight who
 
 from __future__ import annotations
 
-from safetensors import safe_open
 from torch import nn
 
 from moelora.kernels.quant.nvfp4 import dequantize_nvfp4
 from moelora.layers.nvfp4 import Nvfp4State, to_nvfp4
 from moelora.models.fp8_weights import stored_modules
-from moelora.models.weights import WeightLoadError, resolve_name, tensor_files
+from moelora.models.weights import WeightLoadError, read_tensor, resolve_name, tensor_files
 
 _SCALES = ("_scale_2", "_scale")  # longest first: "weight_scale_2" must not match "_scale"
 
@@ -57,10 +56,7 @@ class Nvfp4CheckpointLoader:
         r = resolve_name(name, self.cfg, params)
         if r is None or r[0] not in params or self._is_nvfp4(r[0]) or self.files.get(name, ("", ""))[1] != "U8":
             return r, tensor
-        with safe_open(self.files[name + "_scale"][0], framework="pt") as f:
-            scale = f.get_tensor(name + "_scale")
-        with safe_open(self.files[name + "_scale_2"][0], framework="pt") as f:
-            scale_2 = f.get_tensor(name + "_scale_2")
+        scale, scale_2 = (read_tensor(self.files, name + s) for s in ("_scale", "_scale_2"))
         try:
             return r, dequantize_nvfp4(tensor, scale, scale_2.reshape(()))
         except ValueError as e:

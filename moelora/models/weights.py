@@ -55,6 +55,12 @@ def tensor_files(path: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+def read_tensor(files: dict[str, tuple[str, str]], name: str) -> torch.Tensor:
+    """One checkpoint tensor by name (files: tensor_files)."""
+    with safe_open(files[name][0], framework="pt") as f:
+        return f.get_tensor(name)
+
+
 def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
@@ -118,7 +124,7 @@ def load_weights(model: nn.Module, path: str, show_progress: bool = False, mappe
     cfg = model.config
     tensors = iter_checkpoint(path)
     if show_progress:
-        tensors = _progress(tensors, len(tensor_files(path)))
+        tensors = progress_bar(tensors, len(tensor_files(path)), "loading weights", "tensor")
     for name, tensor in tensors:
         if mapper is not None:
             resolved, tensor = mapper.resolve(name, tensor)
@@ -165,9 +171,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std).to(p.dtype))
 
 
-def _progress(it, total: int):
+def progress_bar(it, total: int, desc: str, unit: str):
+    """A tqdm bar over `it` (None: a bar updated by hand); without tqdm (it comes with transformers), `it` itself."""
     try:
         from tqdm import tqdm
-    except ImportError:  # tqdm comes with transformers; without it, load silently
+    except ImportError:
         return it
-    return tqdm(it, total=total, desc="loading weights", unit="tensor")
+    return tqdm(it, total=total, desc=desc, unit=unit)

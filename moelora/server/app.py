@@ -70,10 +70,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(Guard, api_key=settings.api_key, max_bytes=settings.max_body_bytes,
                        on_reject=lambda status: metrics.http_errors.labels(status=str(status)).inc())
 
+    def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
+        return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
     def error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
         metrics.http_errors.labels(status=str(status)).inc()
-        return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                            status_code=status)
+        return JSONResponse(error_body(status, message, type_, param), status_code=status)
 
     # ---- errors ----------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -173,9 +175,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             metrics.ttft.observe(max(0.0, final.first_token_time - t0))
             if final.num_output_tokens > 1:
                 metrics.tpot.observe((time.monotonic() - final.first_token_time) / (final.num_output_tokens - 1))
-
-    def stream_error(message: str) -> dict:
-        return {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
 
     async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
         """(choice index, update) from all streams as they come; aborts the rest if the consumer leaves."""
@@ -348,7 +347,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                     cached[i // req.n] = max(cached.get(i // req.n, 0), u.num_cached_tokens)
                     if u.error:
                         record(adapter, t0, u, "error")
-                        yield sse(stream_error(u.error))
+                        yield sse(error_body(500, u.error, "InternalServerError"))
                         continue
                     text, lps = "", None
                     if i not in started:
@@ -446,7 +445,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                     n_prompt, cached = u.num_prompt_tokens, max(cached, u.num_cached_tokens)
                     if u.error:
                         record(adapter, t0, u, "error")
-                        yield sse(stream_error(u.error))
+                        yield sse(error_body(500, u.error, "InternalServerError"))
                         continue
                     if i not in started:
                         started.add(i)

@@ -245,13 +245,11 @@ class AsyncEngine:
         s = self._streams.get(req.request_id)
         if s is None:
             return
-        upd = Update(
-            text=req.text[s.text_sent:], token_ids=req.output_ids[s.tokens_sent:],
-            logprobs=req.logprobs[s.tokens_sent:] if req.params.logprobs is not None else [],
-            finished=req.finished, finish_reason=req.finish_reason, num_prompt_tokens=len(req.prompt_ids),
-            num_output_tokens=len(req.output_ids), first_token_time=req.first_token_time, error=req.error,
-            num_cached_tokens=req.num_cached_tokens,
-        )
+        upd = Update(text=req.text[s.text_sent:], token_ids=req.output_ids[s.tokens_sent:],
+                     logprobs=req.logprobs[s.tokens_sent:] if req.params.logprobs is not None else [],
+                     finished=req.finished, finish_reason=req.finish_reason, num_prompt_tokens=len(req.prompt_ids),
+                     num_output_tokens=len(req.output_ids), first_token_time=req.first_token_time, error=req.error,
+                     num_cached_tokens=req.num_cached_tokens)
         if req.error is not None:
             self.num_failed += 1
             log.warning("request %s failed: %s", req.request_id, req.error)

@@ -404,16 +404,14 @@ def engine_args(args: argparse.Namespace) -> tuple[EngineArgs, dict[str, str], s
     eargs = EngineArgs(
         model=model, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         dtype=args.dtype, device=args.device, block_size=args.block_size, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory,
-        load_format="auto" if args.load_format == "safetensors" else args.load_format, show_progress=True,
-        enforce_eager=args.enforce_eager, lora_overlap=args.lora_overlap == "on", quantization=args.quantization,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, show_progress=True,
+        kv_cache_memory_bytes=args.kv_cache_memory, quantization=args.quantization, cpu_threads=args.cpu_threads,
+        load_format="auto" if args.load_format == "safetensors" else args.load_format, enforce_eager=args.enforce_eager,
+        lora_overlap=args.lora_overlap == "on", async_scheduling=args.async_scheduling,
         gpu_memory_utilization=args.gpu_memory_utilization, max_graph_batch_size=args.max_graph_batch_size,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
-        async_scheduling=args.async_scheduling, cpu_threads=args.cpu_threads,
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-        kernel_config=getattr(args, "kernel_config", None),
-    )
+        kernel_config=getattr(args, "kernel_config", None))
     return eargs, adapters, served
 
 

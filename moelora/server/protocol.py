@@ -103,9 +103,7 @@ class _Common(BaseModel):
         generation_config.json), else SAMPLING_DEFAULTS[field]. Raises ValueError for bad values."""
         def pick(key: str):
             value = getattr(self, key)
-            if value is not None:
-                return value
-            return defaults.get(key, SAMPLING_DEFAULTS[key])
+            return value if value is not None else defaults.get(key, SAMPLING_DEFAULTS[key])
 
         bias = None
         if self.logit_bias:
