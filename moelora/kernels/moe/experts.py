@@ -307,8 +307,14 @@ class _ExpertGemm:
             y = torch.empty_like(y_sorted)
             y[self.order] = y_sorted
             return y
-        y = torch.empty(inp.shape[0], w.shape[1], dtype=inp.dtype, device=inp.device)
-        for e in torch.unique(self.pair_exp).tolist():
-            p = (self.pair_exp == e).nonzero().squeeze(1)
-            y[p] = inp[p] @ w[e].T
-        return y
+        return expert_matmul_loop(inp, w, self.pair_exp)
+
+
+def expert_matmul_loop(inp: torch.Tensor, w: torch.Tensor, pair_exp: torch.Tensor) -> torch.Tensor:
+    """y[p] = inp[p] @ w[pair_exp[p]].T, a loop over the experts present (any dtype, any device).
+    inp: [P, D] · w: [E, O, D] · pair_exp: [P] · returns [P, O] in inp.dtype"""
+    y = torch.empty(inp.shape[0], w.shape[1], dtype=inp.dtype, device=inp.device)
+    for e in torch.unique(pair_exp).tolist():
+        p = (pair_exp == e).nonzero().squeeze(1)
+        y[p] = inp[p] @ w[e].T
+    return y
