@@ -4,10 +4,10 @@ Reference with the same signature: mla.mla_decode_paged_ref (conventions: the mo
 One decode row per sequence: row t is the newest token of sequence b = token_seq[t] (-1: padding row, output
 0) and sees cache positions 0 .. seq_lens[b] - 1. Four launches, no host reads:
 1. q_lat = W_UK^T q_nope                              one cuBLAS bmm over heads
-2. q_lat += scaling * A^T (B_K^T q_nope)              _kvb_lora_kernel (KEY): per (slot group, row block, head)
+2. q_lat += scaling * A^T (B_K^T q_nope)              _kvb_lora_q_kernel: per (slot group, row block, head)
 3. o_lat = attention of [q_lat | q_pe] over the cache  _mla_attn_kernel (split over the context, fp32 online
    softmax) + a torch log-sum-exp merge of the splits
-4. out = W_UV o_lat (bmm), += scaling * B_V (A o_lat)  _kvb_lora_kernel
+4. out = W_UV o_lat (bmm), += scaling * B_V (A o_lat)  _kvb_lora_o_kernel
 The kv_b LoRA stays factored per slot: the tokens of each slot group read only that slot's A and B.
 """
 
@@ -77,15 +77,13 @@ if HAS_TRITON:
         tl.store(lse_ptr + t64 * sl_t + offs_h * sl_h + split, lse, mask=mask_h)
 
     @triton.jit
-    def _kvb_lora_kernel(
-        x_ptr, a_ptr, b_ptr, y_ptr, ranks_ptr, scale_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
-        Dn, Dv, C, HEAD_ROWS,
-        sx_t, sx_h, sa_s, sa_r, sb_s, sb_o, sb_r, sy_t, sy_h,
-        KEY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_C: tl.constexpr, PRECISION: tl.constexpr,
+    def _kvb_lora_q_kernel(
+        qn_ptr, a_ptr, b_ptr, ql_ptr, ranks_ptr, scale_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
+        Dn, C, HEAD_ROWS,
+        sqn_t, sqn_h, sa_s, sa_r, sb_s, sb_o, sb_r, sql_t, sql_h,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
-        # KEY: y = q_lat += scaling * A^T (B_K^T x), x = q_nope (BLOCK_D tiles Dn);
-        # else: y = out += scaling * B_V (A x), x = o_lat (BLOCK_D tiles Dv)
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
         group = tl.program_id(2)
@@ -105,49 +103,74 @@ if HAS_TRITON:
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         s64 = slot.to(tl.int64)
-        u = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)  # KEY: B_K[s, h]^T q_nope[t, h]; else A[s] o_lat[t, h]
+        u = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)  # B_K[s, h]^T q_nope[t, h]
         offs_d = tl.arange(0, BLOCK_D)
+        for d0 in range(0, Dn, BLOCK_D):
+            dd = d0 + offs_d
+            mask_d = dd < Dn
+            q = tl.load(qn_ptr + rows[:, None] * sqn_t + h * sqn_h + dd[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+            bk = tl.load(b_ptr + s64 * sb_s + (h * HEAD_ROWS + dd[:, None]) * sb_o + offs_r[None, :] * sb_r,
+                         mask=mask_d[:, None] & mask_r[None, :], other=0.0)  # [BD, BR]
+            u += tl.dot(q.to(bk.dtype), bk, input_precision=PRECISION)
+        u = u * scale
         offs_c = tl.arange(0, BLOCK_C)
-        if KEY:
-            for d0 in range(0, Dn, BLOCK_D):
-                dd = d0 + offs_d
-                mask_d = dd < Dn
-                q = tl.load(x_ptr + rows[:, None] * sx_t + h * sx_h + dd[None, :],
-                            mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-                bk = tl.load(b_ptr + s64 * sb_s + (h * HEAD_ROWS + dd[:, None]) * sb_o + offs_r[None, :] * sb_r,
-                             mask=mask_d[:, None] & mask_r[None, :], other=0.0)  # [BD, BR]
-                u += tl.dot(q.to(bk.dtype), bk, input_precision=PRECISION)
-            u = u * scale
-            for c0 in range(0, C, BLOCK_C):
-                cc = c0 + offs_c
-                mask_c = cc < C
-                a = tl.load(a_ptr + s64 * sa_s + offs_r[:, None] * sa_r + cc[None, :],
-                            mask=mask_r[:, None] & mask_c[None, :], other=0.0)
-                d = tl.dot(u.to(a.dtype), a, input_precision=PRECISION)  # [BM, BC]
-                ptrs = y_ptr + rows[:, None] * sy_t + h * sy_h + cc[None, :]
-                mask = mask_m[:, None] & mask_c[None, :]
-                y = tl.load(ptrs, mask=mask, other=0.0)
-                tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            for c0 in range(0, C, BLOCK_C):
-                cc = c0 + offs_c
-                mask_c = cc < C
-                o = tl.load(x_ptr + rows[:, None] * sx_t + h * sx_h + cc[None, :],
-                            mask=mask_m[:, None] & mask_c[None, :], other=0.0)
-                at = tl.load(a_ptr + s64 * sa_s + offs_r[None, :] * sa_r + cc[:, None],
-                             mask=mask_r[None, :] & mask_c[:, None], other=0.0)
-                u += tl.dot(o.to(at.dtype), at, input_precision=PRECISION)  # [BM, BR]
-            u = u * scale
-            for v0 in range(0, Dv, BLOCK_D):
-                vv = v0 + offs_d
-                mask_v = vv < Dv
-                bv = tl.load(b_ptr + s64 * sb_s + (h * HEAD_ROWS + Dn + vv[None, :]) * sb_o + offs_r[:, None] * sb_r,
-                             mask=mask_r[:, None] & mask_v[None, :], other=0.0)  # [BR, BV]
-                d = tl.dot(u.to(bv.dtype), bv, input_precision=PRECISION)
-                ptrs = y_ptr + rows[:, None] * sy_t + h * sy_h + vv[None, :]
-                mask = mask_m[:, None] & mask_v[None, :]
-                y = tl.load(ptrs, mask=mask, other=0.0)
-                tl.store(ptrs, (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
+        for c0 in range(0, C, BLOCK_C):
+            cc = c0 + offs_c
+            mask_c = cc < C
+            a = tl.load(a_ptr + s64 * sa_s + offs_r[:, None] * sa_r + cc[None, :], mask=mask_r[:, None] & mask_c[None, :], other=0.0)
+            d = tl.dot(u.to(a.dtype), a, input_precision=PRECISION)  # [BM, BC]
+            ptrs = ql_ptr + rows[:, None] * sql_t + h * sql_h + cc[None, :]
+            mask = mask_m[:, None] & mask_c[None, :]
+            y = tl.load(ptrs, mask=mask, other=0.0)
+            tl.store(ptrs, (y.to(tl.float32) + d).to(ql_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _kvb_lora_o_kernel(
+        ol_ptr, a_ptr, b_ptr, out_ptr, ranks_ptr, scale_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
+        Dn, Dv, C, HEAD_ROWS,
+        sol_t, sol_h, sa_s, sa_r, sb_s, sb_o, sb_r, so_t, so_h,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        h = tl.program_id(1)
+        group = tl.program_id(2)
+        slot = tl.load(active_ptr + group)
+        if slot < 0:
+            return
+        count = tl.load(count_ptr + group)
+        if pid_m * BLOCK_M >= count:
+            return
+        rank = tl.load(ranks_ptr + slot)
+        if rank == 0:
+            return
+        scale = tl.load(scale_ptr + slot)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        rows = tl.load(sorted_ptr + tl.load(start_ptr + group) + offs_m, mask=mask_m, other=0).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        s64 = slot.to(tl.int64)
+        u = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)  # A[s] o_lat[t, h]
+        offs_c = tl.arange(0, BLOCK_C)
+        for c0 in range(0, C, BLOCK_C):
+            cc = c0 + offs_c
+            mask_c = cc < C
+            o = tl.load(ol_ptr + rows[:, None] * sol_t + h * sol_h + cc[None, :], mask=mask_m[:, None] & mask_c[None, :], other=0.0)
+            at = tl.load(a_ptr + s64 * sa_s + offs_r[None, :] * sa_r + cc[:, None], mask=mask_r[None, :] & mask_c[:, None], other=0.0)
+            u += tl.dot(o.to(at.dtype), at, input_precision=PRECISION)  # [BM, BR]
+        u = u * scale
+        offs_v = tl.arange(0, BLOCK_V)
+        for v0 in range(0, Dv, BLOCK_V):
+            vv = v0 + offs_v
+            mask_v = vv < Dv
+            bv = tl.load(b_ptr + s64 * sb_s + (h * HEAD_ROWS + Dn + vv[None, :]) * sb_o + offs_r[:, None] * sb_r,
+                         mask=mask_r[:, None] & mask_v[None, :], other=0.0)  # [BR, BV]
+            d = tl.dot(u.to(bv.dtype), bv, input_precision=PRECISION)
+            ptrs = out_ptr + rows[:, None] * so_t + h * so_h + vv[None, :]
+            mask = mask_m[:, None] & mask_v[None, :]
+            y = tl.load(ptrs, mask=mask, other=0.0)
+            tl.store(ptrs, (y.to(tl.float32) + d).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _p2(n: int, lo: int = 16) -> int:
@@ -162,9 +185,16 @@ def _num_splits(rows: int, head_blocks: int) -> int:
     return max(1, min(16, -(-2 * sms // max(rows * head_blocks, 1))))
 
 
-def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                         token_seq: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         num_splits: int | None = None) -> torch.Tensor:
+def mla_decode_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_seq: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """The attention core of absorbed decode (one shared latent head). Semantics, per row t with
     b = token_seq[t] (-1: padding, output 0), L = seq_lens[b], rows = cache positions 0..L-1 of b:
         o_lat[t, h] = softmax([q_lat | q_pe][t, h] . rows^T * scale) @ rows[:, :C]      # softmax in fp32
@@ -197,35 +227,65 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     return (o_part * w[..., None]).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
-def mla_kvb_lora(x: torch.Tensor, lora: KVBLoRAArgs, y: torch.Tensor, key: bool) -> None:
-    """kv_b_proj's LoRA for the batch's rows t with s = token_slots[t] >= 0 and r = ranks[0, s] > 0:
-    key=True, the key side folded into the absorbed query (x = q_nope [T, H, Dn], y = q_lat [T, H, C]):
-        q_lat[t, h] += scaling[0, s] * A[s, :r].T @ (B_K[s, h, :, :r].T @ q_nope[t, h])
-    key=False, the value side after attention (x = o_lat [T, H, C], y = out [T, H, Dv]):
-        out[t, h] += scaling[0, s] * B_V[s, h, :, :r] @ (A[s, :r] @ o_lat[t, h])
-    y updated in place · lora.a: [1, S, Rmax, C] · lora.b: [S, H*(Dn+Dv), Rmax]
+def mla_kvb_lora_q(q_nope: torch.Tensor, lora: KVBLoRAArgs, q_lat: torch.Tensor) -> None:
+    """Key side of kv_b_proj's LoRA, folded into the absorbed query. Semantics, per row t with s = token_slots[t]:
+        if s >= 0 and r = ranks[0, s] > 0:
+            q_lat[t, h] += scaling[0, s] * A[s, :r].T @ (B_K[s, h, :, :r].T @ q_nope[t, h])
+    q_nope: [T, H, Dn] · q_lat: [T, H, C] updated in place · lora.a: [1, S, Rmax, C] · lora.b: [S, H*(Dn+Dv), Rmax]
     lora.groups: the batch's SlotGroups (tokens grouped by slot)
     """
     require_triton()
-    T, H, _ = x.shape
+    T, H, Dn = q_nope.shape
+    C = q_lat.shape[-1]
     g = lora.groups
     a, b = lora.a[0], lora.b
-    head_rows = b.shape[1] // H
-    Dn, C = (x.shape[-1], y.shape[-1]) if key else (head_rows - y.shape[-1], x.shape[-1])
+    S, Rmax, _ = a.shape
     bm = 16 if T <= 16 else 32
-    _kvb_lora_kernel[(triton.cdiv(T, bm), H, g.active_slots.shape[0])](
-        x, a, b, y, lora.ranks, lora.scaling, g.sorted_token_ids, g.active_slots, g.slot_counts, g.slot_starts,
-        Dn, head_rows - Dn, C, head_rows,
-        x.stride(0), x.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        y.stride(0), y.stride(1),
-        KEY=key, BLOCK_M=bm, BLOCK_R=_p2(a.shape[1]), BLOCK_D=min(_p2(Dn if key else head_rows - Dn), 64),
-        BLOCK_C=min(_p2(C), 128), PRECISION=dot_precision(a.dtype),
+    _kvb_lora_q_kernel[(triton.cdiv(T, bm), H, g.active_slots.shape[0])](
+        q_nope, a, b, q_lat, lora.ranks, lora.scaling, g.sorted_token_ids, g.active_slots, g.slot_counts, g.slot_starts,
+        Dn, C, b.shape[1] // H,
+        q_nope.stride(0), q_nope.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        q_lat.stride(0), q_lat.stride(1),
+        BLOCK_M=bm, BLOCK_R=_p2(Rmax), BLOCK_D=min(_p2(Dn), 64), BLOCK_C=min(_p2(C), 128),
+        PRECISION=dot_precision(a.dtype),
     )
 
 
-def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
-               block_tables: torch.Tensor, token_seq: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-               lora: KVBLoRAArgs | None = None) -> torch.Tensor:
+def mla_kvb_lora_o(o_lat: torch.Tensor, lora: KVBLoRAArgs, out: torch.Tensor) -> None:
+    """Value side of kv_b_proj's LoRA, after attention. Semantics, per row t with s = token_slots[t]:
+        if s >= 0 and r = ranks[0, s] > 0:
+            out[t, h] += scaling[0, s] * B_V[s, h, :, :r] @ (A[s, :r] @ o_lat[t, h])
+    o_lat: [T, H, C] · out: [T, H, Dv] updated in place · lora as mla_kvb_lora_q
+    """
+    require_triton()
+    T, H, C = o_lat.shape
+    Dv = out.shape[-1]
+    g = lora.groups
+    a, b = lora.a[0], lora.b
+    S, Rmax, _ = a.shape
+    head_rows = b.shape[1] // H
+    bm = 16 if T <= 16 else 32
+    _kvb_lora_o_kernel[(triton.cdiv(T, bm), H, g.active_slots.shape[0])](
+        o_lat, a, b, out, lora.ranks, lora.scaling, g.sorted_token_ids, g.active_slots, g.slot_counts, g.slot_starts,
+        head_rows - Dv, Dv, C, head_rows,
+        o_lat.stride(0), o_lat.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=bm, BLOCK_R=_p2(Rmax), BLOCK_V=min(_p2(Dv), 64), BLOCK_C=min(_p2(C), 128),
+        PRECISION=dot_precision(a.dtype),
+    )
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_seq: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    lora: KVBLoRAArgs | None = None,
+) -> torch.Tensor:
     """Absorbed decode, one new token per sequence, device metadata only. Semantics, per row t with
     b = token_seq[t] (-1: padding, output 0), s = token_slots[t], rows = cache positions 0..seq_lens[b]-1 of b:
         q_lat[t, h] = W_UK[h].T @ q_nope[t, h] (+ scaling[s] * A[s].T @ (B_K[s, h].T @ q_nope[t, h]))   # [C]
@@ -240,9 +300,9 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     w = w_kv_b.view(H, -1, C)  # [H, Dn+Dv, C]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :Dn]).transpose(0, 1)  # [T, H, C] (a view of [H, T, C])
     if lora is not None:
-        mla_kvb_lora(q_nope, lora, q_lat, key=True)
+        mla_kvb_lora_q(q_nope, lora, q_lat)
     o_lat = mla_decode_attention(q_lat, q_pe, kv_cache, block_tables, token_seq, seq_lens, scale).to(q_nope.dtype)
     out = torch.bmm(o_lat.transpose(0, 1), w[:, Dn:].transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]
     if lora is not None:
-        mla_kvb_lora(o_lat, lora, out, key=False)
+        mla_kvb_lora_o(o_lat, lora, out)
     return out
