@@ -63,14 +63,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_type, cfg.rope_theta, cfg.hf_config, device)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        lora: LoRABatch | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None) -> torch.Tensor:
         T = x.shape[0]
         qkv_delta = None
         if self._fused_rope_kv(x, attn) and self.qk_norm != "full" and self.clip_qkv is None:
@@ -118,10 +112,8 @@ class Attention(nn.Module):
             return self.o_proj(o_in, lora)
         else:
             write_kv_ref(k, v, k_cache, v_cache, attn.slot_mapping)
-            o = paged_attention_ref(
-                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale,
-                self.sliding_window,
-            )  # [T, Hq, D]
+            o = paged_attention_ref(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                    self.scale, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size), lora)
 
     def _fused_rope_kv(self, x: torch.Tensor, attn: AttentionMetadata) -> bool:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelora.kernels.moe.experts import expert_matmul_loop
 from moelora.kernels.quant.fp8 import (
     DEFAULT_BLOCK, FP8_DTYPE, dequantize_weight_block, fp8_block_matmul_ref, fp8_grouped_matmul_ref,
     quantize_weight_block,
@@ -59,14 +60,8 @@ def check_backend(reference: str | None, device: torch.device | str) -> None:
 # ---- storage -----------------------------------------------------------------------------------------------
 
 
-def _fp8_param(shape, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
-
-
-def _scale_param(w_shape, block, device) -> nn.Parameter:
-    *lead, n, k = w_shape
-    s = (*lead, -(-n // block[0]), -(-k // block[1]))
-    return nn.Parameter(torch.ones(s, dtype=torch.float32, device=device), requires_grad=False)
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 def _weight_names(module: nn.Module) -> list[str]:
@@ -88,14 +83,14 @@ def to_fp8(module: nn.Module, state: Fp8State, quantize: bool) -> None:
         w = getattr(module, name)
         if quantize:
             q, s = quantize_weight_block(w.data, state.block)
-            delattr(module, name)
-            module.register_parameter(name, nn.Parameter(q, requires_grad=False))
-            module.register_parameter(scale_name(name), nn.Parameter(s, requires_grad=False))
         else:
-            shape, dev = w.shape, w.device
-            delattr(module, name)
-            module.register_parameter(name, _fp8_param(shape, dev))
-            module.register_parameter(scale_name(name), _scale_param(shape, state.block, dev))
+            *lead, n, k = w.shape
+            q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+            s = torch.ones(*lead, -(-n // state.block[0]), -(-k // state.block[1]), dtype=torch.float32,
+                           device=w.device)
+        delattr(module, name)
+        module.register_parameter(name, _param(q))
+        module.register_parameter(scale_name(name), _param(s))
     module.quant = state
 
 
@@ -112,12 +107,10 @@ def fp8_linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The base output of an FP8 LoRALinear: x [T, in] -> [T, sum(out)] in x.dtype (bias added)."""
     st: Fp8State = module.quant
     if st.reference == "dequant":
-        y = F.linear(x, dequantized(module, "weight"), module.bias)
-    elif st.reference == "w8a8":
-        y = fp8_block_matmul_ref(x, module.weight, module.weight_scale_inv, st.block, module.bias)
-    else:
-        return fp8_linear(x, module.weight, module.weight_scale_inv, st.block, module.bias)
-    return y
+        return F.linear(x, dequantized(module, "weight"), module.bias)
+    if st.reference == "w8a8":
+        return fp8_block_matmul_ref(x, module.weight, module.weight_scale_inv, st.block, module.bias)
+    return fp8_linear(x, module.weight, module.weight_scale_inv, st.block, module.bias)
 
 
 class Fp8ExpertWeight:
@@ -155,7 +148,8 @@ class Fp8ExpertWeight:
         """inp: [P, D] · pair_exp: [P] · returns [P, O] in inp.dtype; scratch keeps the alignment for the next GEMM."""
         st = self.state
         if st.reference == "dequant":
-            return _dequant_grouped(inp, dequantize_weight_block(self.weight, self.scale_inv, st.block, inp.dtype), pair_exp)
+            w = dequantize_weight_block(self.weight, self.scale_inv, st.block, inp.dtype)
+            return expert_matmul_loop(inp, w, pair_exp)
         if st.reference == "w8a8":
             return fp8_grouped_matmul_ref(inp, self.weight, self.scale_inv, pair_exp, st.block)
         if inp.shape[0] == 0:
@@ -165,28 +159,14 @@ class Fp8ExpertWeight:
         return fp8_grouped_gemm(inp, self.weight, self.scale_inv, pair_exp, st.block, scratch["align"])
 
 
-def _dequant_grouped(inp: torch.Tensor, w: torch.Tensor, pair_exp: torch.Tensor) -> torch.Tensor:
-    y = torch.empty(inp.shape[0], w.shape[1], dtype=inp.dtype, device=inp.device)
-    for e in torch.unique(pair_exp).tolist():
-        p = (pair_exp == e).nonzero().squeeze(1)
-        y[p] = inp[p] @ w[e].T
-    return y
-
-
 # ---- whole model -------------------------------------------------------------------------------------------
 
 
 def fp8_modules(model: nn.Module, skip=lambda name: False) -> dict[str, nn.Module]:
     """The modules FP8 applies to: every LoRALinear and RoutedExperts, except those `skip(name)` names and MLA's
     kv_b_proj (its weight is read directly by the absorbed attention, so it stays in the activation dtype)."""
-    out = {}
-    for name, m in model.named_modules():
-        if not (isinstance(m, LoRALinear) or hasattr(m, "down_lora")):
-            continue
-        if name.endswith("kv_b_proj") or skip(name):
-            continue
-        out[name] = m
-    return out
+    return {name: m for name, m in model.named_modules() if (isinstance(m, LoRALinear) or hasattr(m, "down_lora"))
+            and not (name.endswith("kv_b_proj") or skip(name))}
 
 
 def quantize_model_fp8(model: nn.Module, block: tuple[int, int] = DEFAULT_BLOCK, reference: str | None = None,

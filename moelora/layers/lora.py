@@ -7,6 +7,7 @@ stay zero, and `ranks`/`scaling` record each (slice, slot)'s true rank and scale
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -17,16 +18,9 @@ class LoRAWeights(nn.Module):
     """a: [n, S, (E,) R, in] · b_cat: [S, (E,) sum(out_i), R], slice i at rows slice_offsets[i]:slice_offsets[i+1]
     (b[i] is that view) · scaling: [n, S] fp32 · ranks: host [n][S], and rank_tensor [n, S] int32 on the device."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: list[int],
-        max_loras: int,
-        max_lora_rank: int,
-        num_experts: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, in_features: int, out_features: list[int], max_loras: int, max_lora_rank: int,
+                 num_experts: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
         n = len(out_features)
         self.in_features = in_features
@@ -37,10 +31,7 @@ class LoRAWeights(nn.Module):
         e = () if num_experts is None else (num_experts,)
         self.register_buffer("a", torch.zeros(n, max_loras, *e, max_lora_rank, in_features, dtype=dtype, device=device))
         self.register_buffer("b_cat", torch.zeros(max_loras, *e, sum(out_features), max_lora_rank, dtype=dtype, device=device))
-        offsets = [0]
-        for o in out_features:
-            offsets.append(offsets[-1] + o)
-        self.slice_offsets_host = offsets
+        self.slice_offsets_host = offsets = [0, *itertools.accumulate(out_features)]
         self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=device))
         self.register_buffer("scaling", torch.zeros(n, max_loras, dtype=torch.float32, device=device))
         self.register_buffer("rank_tensor", torch.zeros(n, max_loras, dtype=torch.int32, device=device))

@@ -15,6 +15,7 @@ reads no host data. Prefill chunks (eager only) keep the expanded reference.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 from torch import nn
@@ -62,14 +63,8 @@ class MLAttention(nn.Module):
         self.o_proj = LoRALinear(H * self.v_dim, [hidden], cfg.o_bias, dtype, device)
         self.rotary = RotaryEmbedding(self.rope, cfg.rope_type, cfg.rope_theta, cfg.hf_config, device)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor],
-        lora: LoRABatch | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: tuple[torch.Tensor],
+                lora: LoRABatch | None) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
         C, R = self.kv_lora_rank, self.rope
         if self.q_lora_rank is None:
@@ -120,9 +115,7 @@ class MLAttention(nn.Module):
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
         for seqs, op in ((decode, mla_decode_ref), (prefill, mla_prefill_ref)):
             rows = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in seqs]).to(q_nope.device)
-            sub_qsl = [0]
-            for b in seqs:
-                sub_qsl.append(sub_qsl[-1] + n[b])
+            sub_qsl = [0, *itertools.accumulate(n[b] for b in seqs)]
             if on_device and op is mla_decode_ref:
                 out[rows] = self._decode_device(q_nope, q_pe, cache, attn, lora, rows)
                 continue

@@ -20,9 +20,7 @@ from moelora.kernels._triton import DeviceError
 from moelora.kernels.quant.fp8_experts_triton import fp8_grouped_align
 from moelora.kernels.quant.nvfp4 import GROUP, dequantize_nvfp4, quantize_nvfp4
 from moelora.kernels.quant.nvfp4_triton import nvfp4_expert_gemm, nvfp4_grouped_gemm, nvfp4_linear
-from moelora.layers.fp8 import fp8_modules
-
-SUFFIXES = ("_scale", "_scale_2")
+from moelora.layers.fp8 import _param, _weight_names, fp8_modules
 
 
 @dataclass(frozen=True)
@@ -87,18 +85,13 @@ def dequantized(module: nn.Module, name: str, dtype: torch.dtype) -> torch.Tenso
     return dequantize_nvfp4(getattr(module, name), getattr(module, name + "_scale"), getattr(module, name + "_scale_2"), dtype)
 
 
-def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
-
-
 @torch.no_grad()
 def to_nvfp4(module: nn.Module, state: Nvfp4State, quantize: bool) -> None:
     """A LoRALinear or RoutedExperts -> NVFP4 storage; quantize=True quantizes the weights it holds (one global
     scale per weight, as ModelOpt writes per checkpoint tensor), False leaves empty storage for a checkpoint."""
     if getattr(module, "quant", None) is not None:
         return
-    names = ["gate_up_proj", "down_proj"] if hasattr(module, "down_lora") else ["weight"]
-    for name in names:
+    for name in _weight_names(module):
         w = getattr(module, name)
         *lead, n, k = w.shape
         if k % GROUP:

@@ -84,17 +84,9 @@ def _slot_factors(lora: KVBLoRAArgs | None, slot: int) -> tuple[torch.Tensor, to
     return lora.a[0, slot, :r], lora.b[slot, :, :r], lora.scaling[0, slot]
 
 
-def mla_prefill_ref(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    w_kv_b: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    query_start_loc: list[int],
-    scale: float,
-    lora: KVBLoRAArgs | None = None,
-) -> torch.Tensor:
+def mla_prefill_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int], scale: float,
+                    lora: KVBLoRAArgs | None = None) -> torch.Tensor:
     """Expanded form. Semantics, per sequence b (rows s:e, L = seq_lens[b], slot = token_slots[s]):
         lat, k_pe = cache rows 0..L-1 of b split at C                          # [L, C], [L, R]
         kv = lat @ W.T (+ scaling[slot] * (lat @ A[slot].T) @ B[slot].T)          # [L, H*(Dn+Dv)]
@@ -130,17 +122,9 @@ def mla_prefill_ref(
     return out
 
 
-def mla_decode_ref(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    w_kv_b: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    query_start_loc: list[int],
-    scale: float,
-    lora: KVBLoRAArgs | None = None,
-) -> torch.Tensor:
+def mla_decode_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int], scale: float,
+                   lora: KVBLoRAArgs | None = None) -> torch.Tensor:
     """Absorbed form (the same function as mla_prefill_ref; any number of rows per sequence, causal).
     Semantics, per token t with slot s = token_slots[t]:
         q_lat[t, h] = W_UK[h].T @ q_nope[t, h] (+ scaling[s] * A[s].T @ (B_K[s, h].T @ q_nope[t, h]))   # [C]
@@ -185,17 +169,9 @@ def mla_decode_ref(
     return out
 
 
-def mla_decode_paged_ref(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    w_kv_b: torch.Tensor,
-    block_tables: torch.Tensor,
-    token_seq: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    lora: KVBLoRAArgs | None = None,
-) -> torch.Tensor:
+def mla_decode_paged_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
+                         block_tables: torch.Tensor, token_seq: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         lora: KVBLoRAArgs | None = None) -> torch.Tensor:
     """mla_decode_ref for one new token per sequence, from device metadata (the signature of the Triton
     mla_triton.mla_decode). Row t is the newest token of sequence token_seq[t] (-1: padding, output 0), which
     holds seq_lens[token_seq[t]] cached tokens. token_seq: [T] int32 · seq_lens: [B] int32; else as mla_decode_ref.

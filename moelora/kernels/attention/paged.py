@@ -33,16 +33,9 @@ def write_kv_direct(
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
 
-def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    query_start_loc: list[int],
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: list[int], query_start_loc: list[int], scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
     """Semantics, per sequence b with L = seq_lens[b], rows s:e = query_start_loc[b]:query_start_loc[b+1]:
         keys/values = cache positions 0..L-1 of b (through block_tables[b])
         query row s+i sits at position p = L - (e - s) + i and sees key j iff j <= p

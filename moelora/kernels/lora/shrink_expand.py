@@ -32,15 +32,8 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, group
                 parts[1:, i, rows, :r] = 0
 
 
-def lora_expand_ref(
-    h: torch.Tensor,
-    b_cat: torch.Tensor,
-    slice_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scaling: torch.Tensor,
-    groups: SlotGroups,
-    y: torch.Tensor,
-) -> None:
+def lora_expand_ref(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, ranks: torch.Tensor,
+                    scaling: torch.Tensor, groups: SlotGroups, y: torch.Tensor) -> None:
     """Semantics (slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1] of y and rows o_i of b_cat):
         for i in range(n): for t in range(T):
             s = token_slots[t]; r = ranks[i, s]

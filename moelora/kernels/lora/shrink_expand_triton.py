@@ -199,15 +199,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
     )
 
 
-def lora_expand(
-    h: torch.Tensor,
-    b_cat: torch.Tensor,
-    slice_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scaling: torch.Tensor,
-    groups: SlotGroups,
-    y: torch.Tensor,
-) -> None:
+def lora_expand(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, ranks: torch.Tensor,
+                scaling: torch.Tensor, groups: SlotGroups, y: torch.Tensor) -> None:
     """Semantics (slice i owns columns o_i = slice_offsets[i] : slice_offsets[i+1] of y and rows o_i of b_cat;
     hs = h.sum(0) for the shrink's [split_k, n, T, R] partials, hs = h for [n, T, R]):
         for i in range(n): for t in range(T):

@@ -76,15 +76,8 @@ def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights.to(out_dtype), ids
 
 
-def fused_moe_ref(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    lora: ExpertLoRAArgs | None = None,
-) -> torch.Tensor:
+def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str = "silu", lora: ExpertLoRAArgs | None = None) -> torch.Tensor:
     """Semantics, for token t, its k-th expert e = topk_ids[t, k], slot s = token_slots[t]:
         gu = W_gu[e] x_t                                   # [2I]
         if s >= 0: gu[:I] += sc_g[s] * B_g[s,e] A_g[s,e] x_t ; gu[I:] += sc_u[s] * B_u[s,e] A_u[s,e] x_t
@@ -164,17 +157,9 @@ class ExpertKernels:
                 and activation == "silu" and lora_epilogue_ok(w_gate_up) and lora_epilogue_ok(w_down))
 
 
-def fused_moe_pairs(
-    x: torch.Tensor,
-    w_gate_up,
-    w_down,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str,
-    lora: ExpertLoRAArgs | None,
-    kernels: ExpertKernels,
-    side_stream: "torch.cuda.Stream | None" = None,
-) -> torch.Tensor:
+def fused_moe_pairs(x: torch.Tensor, w_gate_up, w_down, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    activation: str, lora: ExpertLoRAArgs | None, kernels: ExpertKernels,
+                    side_stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
     """fused_moe_ref's function over (token, k) pairs: base gate_up per pair, its LoRA delta added before the
     activation, base down per pair, its LoRA delta, then the router-weighted sum over k (which weights the down delta
     too), with the kernels `kernels` names. w_gate_up, w_down: [E, 2I, H] / [E, H, I] tensors or quantized stacks
@@ -307,8 +292,14 @@ class _ExpertGemm:
             y = torch.empty_like(y_sorted)
             y[self.order] = y_sorted
             return y
-        y = torch.empty(inp.shape[0], w.shape[1], dtype=inp.dtype, device=inp.device)
-        for e in torch.unique(self.pair_exp).tolist():
-            p = (self.pair_exp == e).nonzero().squeeze(1)
-            y[p] = inp[p] @ w[e].T
-        return y
+        return expert_matmul_loop(inp, w, self.pair_exp)
+
+
+def expert_matmul_loop(inp: torch.Tensor, w: torch.Tensor, pair_exp: torch.Tensor) -> torch.Tensor:
+    """y[p] = inp[p] @ w[pair_exp[p]].T, a loop over the experts present (any dtype, any device).
+    inp: [P, D] · w: [E, O, D] · pair_exp: [P] · returns [P, O] in inp.dtype"""
+    y = torch.empty(inp.shape[0], w.shape[1], dtype=inp.dtype, device=inp.device)
+    for e in torch.unique(pair_exp).tolist():
+        p = (pair_exp == e).nonzero().squeeze(1)
+        y[p] = inp[p] @ w[e].T
+    return y

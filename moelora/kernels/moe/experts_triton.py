@@ -93,15 +93,9 @@ class TritonExperts:
         return moe_combine(o, topk_weights, delta=delta)
 
 
-def fused_moe_triton(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str = "silu",
-    config: GemmConfig | None = None,
-) -> torch.Tensor:
+def fused_moe_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, activation: str = "silu",
+                     config: GemmConfig | None = None) -> torch.Tensor:
     """experts.fused_moe_ref without LoRA, in 4 launches (align, gate_up GEMM + SiLU-and-mul, down GEMM, combine):
         out[t] = sum_k topk_weights[t, k] * W_d[e] (silu(W_g[e] x_t) * (W_u[e] x_t)),  e = topk_ids[t, k]
     x: [T, H] · w_gate_up: [E, 2I, H] · w_down: [E, H, I] · topk_weights, topk_ids: [T, K] · returns [T, H]

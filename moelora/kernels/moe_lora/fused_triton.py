@@ -143,6 +143,7 @@ if HAS_TRITON:
                 y = tl.load(ptrs, mask=mask_n, other=0.0)
                 tl.store(ptrs, (y.to(tl.float32) + delta).to(y_row.dtype.element_ty), mask=mask_n)
 
+
 def fused_num_warps(programs: int) -> int:
     """Warps per program from the number of (pair, slice) programs: few programs (1-16 tokens) get more warps
     and bigger tiles, so each program has more bytes in flight per loop iteration and fewer dependent
@@ -169,21 +170,10 @@ def fused_split_n(programs: int, max_width: int, block_n: int, split_n: int | No
     return max(1, min(tiles, triton.cdiv(FUSED_TARGET_PROGRAMS, max(1, programs))))
 
 
-def moe_lora_fused(
-    x: torch.Tensor,
-    lora: ProjLoRA,
-    routing: Routing,
-    y: torch.Tensor,
-    *,
-    x_per_pair: bool,
-    pair_weights: torch.Tensor | None = None,
-    store: bool = False,
-    act_in: bool = False,
-    act_delta: torch.Tensor | None = None,
-    split_n: int | None = None,
-    num_warps: int | None = None,
-    stages: tuple[int, int] | None = None,
-) -> None:
+def moe_lora_fused(x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
+                   pair_weights: torch.Tensor | None = None, store: bool = False, act_in: bool = False,
+                   act_delta: torch.Tensor | None = None, split_n: int | None = None, num_warps: int | None = None,
+                   stages: tuple[int, int] | None = None) -> None:
     """Shrink + expand in one launch, for decode-sized P (h never leaves registers).
     Semantics (a, b_cat, ranks, scaling of lora; slice i owns columns o_i = offsets[i]:offsets[i+1]):
         for p in range(T * K): t, e, s = p // K, topk_ids.flatten()[p], token_slots[p // K]
@@ -264,23 +254,10 @@ def fused_launch(a: torch.Tensor, b_cat: torch.Tensor, P: int, split_n: int | No
     return warps, blocks, fused_split_n(P * n, max_width, blocks[2], split_n)
 
 
-
-
-def moe_lora_fused_ref(
-    x: torch.Tensor,
-    lora: ProjLoRA,
-    routing: Routing,
-    y: torch.Tensor,
-    *,
-    x_per_pair: bool,
-    pair_weights: torch.Tensor | None = None,
-    store: bool = False,
-    act_in: bool = False,
-    act_delta: torch.Tensor | None = None,
-    split_n: int | None = None,
-    num_warps: int | None = None,
-    stages: tuple[int, int] | None = None,
-) -> None:
+def moe_lora_fused_ref(x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
+                       pair_weights: torch.Tensor | None = None, store: bool = False, act_in: bool = False,
+                       act_delta: torch.Tensor | None = None, split_n: int | None = None, num_warps: int | None = None,
+                       stages: tuple[int, int] | None = None) -> None:
     """Reference of moe_lora_fused (same semantics, shapes and signature): moe_lora_shrink_ref into a zeroed fp32 h,
     then moe_lora_expand_ref into y (store: into a zeroed fp32 delta, then copied to y). split_n, num_warps, stages
     and a_src are ignored (a_src only names an equal copy of A). act_in: x becomes silu_and_mul_ref of x (+

@@ -109,7 +109,6 @@ if HAS_TRITON:
                              offs_r, mask_r, o0, width, pid_n, sb_o, sb_r, syo, STORE, SPLIT_HV, BLOCK_N, SPLIT_N,
                              EVEN_R)
 
-
     @triton.jit
     def _grouped_slices_shrink(
         x_ptr, a_ptr, h_ptr, ranks_ptr, sorted_ptr, bvex_ptr, S, E, K, P, D, sxm, sxd, sa_i, sa_s, sa_e, sa_r, sa_d,
@@ -150,7 +149,6 @@ if HAS_TRITON:
             acc_h += tl.dot(xt.to(at.dtype), at, input_precision=PRECISION)
         tl.store(h_ptr + ci[None, :] * sh_i + pairs[:, None] * shp + cr[None, :] * shr, acc_h,
                  mask=mask_m[:, None] & (cr < h_r)[None, :])
-
 
     @triton.jit
     def grouped_zero_rows(y_ptr, slots_ptr, ids_ptr, zb, pid_n, o0, width, K, P, syp, syo,
@@ -194,7 +192,6 @@ if HAS_TRITON:
             else:
                 y = tl.load(ptrs, mask=mask, other=0.0)
                 tl.store(ptrs, (y.to(tl.float32) + delta).to(y_rows.dtype.element_ty), mask=mask)
-
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, dot_precision, interpreting, require_triton
-from moelora.kernels.quant.fp8_experts_triton import expert_align_blocks, fp8_grouped_align
+from moelora.kernels.quant.fp8_experts_triton import _block_m, expert_align_blocks, fp8_grouped_align
+from moelora.kernels.quant.fp8_triton import _dense_block_m
 from moelora.kernels.quant.nvfp4 import GROUP, dequantize_nvfp4
 from moelora.kernels.quant.split_k_triton import split_k_buffers
 
@@ -173,16 +174,6 @@ DENSE_CONFIG = Nvfp4GemmConfig(block_n=64, block_m=16)
 SPLIT_K_TARGET_PROGRAMS = 264  # dense split-K: the fewest splits reaching this many programs (2 per SM of an H200)
 
 
-def _block_m(rows: int) -> int:
-    return 16 if rows <= 512 else 64
-
-
-def _dense_block_m(rows: int, cfg: Nvfp4GemmConfig) -> int:
-    if cfg.block_m:
-        return cfg.block_m
-    return 16 if rows <= 16 else (32 if rows <= 32 else 64)
-
-
 def nvfp4_split_k(tiles: int, k_steps: int) -> int:
     """K splits of a dense GEMM with `tiles` output tiles and `k_steps` K steps: the smallest power of two <= 8
     that reaches SPLIT_K_TARGET_PROGRAMS programs, keeping >= 2 K steps a split (decode: a handful of output
@@ -238,7 +229,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sca
     T = x.shape[0]
     out = torch.empty(T, packed.shape[0], dtype=x.dtype, device=x.device)
     if T:
-        bm = _dense_block_m(T, cfg)
+        bm = cfg.block_m or _dense_block_m(T)
         _launch(x, packed, scale, scale_2, out, bias, None, None, bm, triton.cdiv(T, bm), cfg)
     return out
 
