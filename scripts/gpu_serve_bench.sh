@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # One device call for the server (the wheels the device image lacks carried: `.whl` in the call's carry,
-# gpu_prelude.sh): `moelora bench serve` against `moelora serve` at Qwen3-30B-A3B dimensions (dummy FP8 weights, the demo's one-token-per-character tokenizer, 4 random rank-16 adapters on
-# q/k/v/o), with prefix caching on and off, each on two workloads: every adapter's requests sharing a prefix of
-# SHARED_PREFIX tokens, and nothing shared (prompts of about as many tokens); then the GPU tests. JSON and logs go
-# to $OUT.
+# gpu_prelude.sh): `moelora bench serve` against `moelora serve` at Qwen3-30B-A3B dimensions (dummy FP8 weights,
+# the demo's one-token-per-character tokenizer, 4 random rank-16 adapters on q/k/v/o), with prefix caching on and
+# off, each on two workloads: every adapter's requests sharing a prefix of SHARED_PREFIX tokens, and nothing shared
+# (prompts of about as many tokens); then the GPU tests. JSON and logs go to $OUT.
 # Usage: MOELORA_COMMIT=<sha> bash scripts/gpu_serve_bench.sh [pytest files...]
-# env: SHARED_PREFIX (1000), NUM_REQUESTS (128), CONCURRENCY (16), OUTPUT_LEN (32), SERVE_ARGS (extra serve flags,
+# env: SHARED_PREFIX (1000), NUM_REQUESTS (128), CONCURRENCY (16; a list, "8 16", measures each on the same
+# servers), OUTPUT_LEN (32), SERVE_ARGS (extra serve flags,
 # default --quantization fp8), PRESET (QWEN3_30B_A3B, or TINY for a check of this script on the CPU with
 # SERVE_ARGS="--device cpu" and no tests: `bash scripts/gpu_serve_bench.sh none`). Each server is warmed up with
-# both workloads as measured (another seed, not recorded) before its measured runs.
+# both workloads as measured (another seed, not recorded) before its measured runs; each concurrency's runs take
+# their own seed (their own prompts and prefixes: nothing cached by an earlier level is hit). Each run's summary
+# JSON goes to $OUT/serve-prefix-{on,off}-{shared,unshared}-c<concurrency>.json; a table of them is printed last.
 source "$(dirname "$0")/gpu_prelude.sh"  # with the carried wheels
 SHARED_PREFIX=${SHARED_PREFIX:-1000}
 N=${NUM_REQUESTS:-128}
-C=${CONCURRENCY:-16}
+CS=${CONCURRENCY:-16}
 L=${OUTPUT_LEN:-32}
 WORK=/tmp/serve-bench
 python3 - "$WORK" <<'EOF'
@@ -58,22 +61,28 @@ for caching in on off; do
         --port 8123 --log-level warning $flag > "$OUT/serve_$caching.log" 2>&1 &
     pid=$!
     for _ in $(seq 300); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
-    curl -sf localhost:8123/health >/dev/null || { echo "server ($caching) did not start"; tail -20 "$OUT/serve_$caching.log"; kill $pid; continue; }
+    if ! curl -sf localhost:8123/health >/dev/null; then
+        echo "server ($caching) did not start"; tail -20 "$OUT/serve_$caching.log"; kill $pid; continue
+    fi
     # warm-up, not recorded: each workload as measured (another seed), so that every kernel its chunk sizes and
     # cache hits need is compiled before the measured runs (Triton compiles at first use: seconds a kernel, which
     # 16 warm-up requests left to the first measured run); with caching on, the warm-up's own prefixes are cached
-    for shape in "--shared-prefix-len $SHARED_PREFIX" "--prompt-len 170:200"; do
-        python3 -m moelora bench serve --url http://127.0.0.1:8123 --models a0,a1,a2,a3 --num-requests $N \
-            --concurrency $C --output-len $L:$L $shape --seed 99 --no-progress --out "$WORK/warmup" > /dev/null 2>&1
-    done
-    for workload in shared unshared; do
-        shape="--shared-prefix-len $SHARED_PREFIX"
-        [ $workload = unshared ] && shape="--prompt-len 170:200"
-        mkdir -p "$WORK/out-$caching-$workload"
-        python3 -m moelora bench serve --url http://127.0.0.1:8123 --models a0,a1,a2,a3 --num-requests $N \
-            --concurrency $C --output-len $L:$L $shape --no-progress --out "$WORK/out-$caching-$workload" \
-            2>&1 | tail -12
-        cp "$WORK"/out-$caching-$workload/serve-*.json "$OUT/serve-prefix-$caching-$workload.json"
+    for C in $CS; do
+        for shape in "--shared-prefix-len $SHARED_PREFIX" "--prompt-len 170:200"; do
+            python3 -m moelora bench serve --url http://127.0.0.1:8123 --models a0,a1,a2,a3 --num-requests $N \
+                --concurrency $C --output-len $L:$L $shape --seed $((1000 + C)) --no-progress --out "$WORK/warmup" \
+                > /dev/null 2>&1
+        done
+        for workload in shared unshared; do
+            shape="--shared-prefix-len $SHARED_PREFIX"
+            [ $workload = unshared ] && shape="--prompt-len 170:200"
+            run=$caching-$workload-c$C
+            mkdir -p "$WORK/out-$run"
+            python3 -m moelora bench serve --url http://127.0.0.1:8123 --models a0,a1,a2,a3 --num-requests $N \
+                --concurrency $C --output-len $L:$L $shape --seed $C --no-progress --out "$WORK/out-$run" \
+                > "$OUT/bench-$run.log" 2>&1
+            cp "$WORK"/out-$run/serve-*.json "$OUT/serve-prefix-$run.json"
+        done
     done
     kill $pid; wait $pid 2>/dev/null
 done
@@ -83,10 +92,10 @@ rows = {}
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "serve-prefix-*.json"))):
     d = json.load(open(f))
     rows[os.path.basename(f)[13:-5]] = d
-print(f"{'run':18s} {'TTFT p50 ms':>12s} {'out tok/s':>10s} {'hit rate':>9s} {'errors':>7s}")
+print(f"{'run':22s} {'TTFT p50 ms':>12s} {'out tok/s':>10s} {'hit rate':>9s} {'errors':>7s}")
 for k, d in rows.items():
     pc = d.get("prefix_cache") or {}
-    print(f"{k:18s} {d['ttft_ms']['p50']:12.1f} {d['output_tokens_per_s']:10.1f} {str(pc.get('hit_rate')):>9s} "
+    print(f"{k:22s} {d['ttft_ms']['p50']:12.1f} {d['output_tokens_per_s']:10.1f} {str(pc.get('hit_rate')):>9s} "
           f"{d['errors']['count']:7d}")
 EOF
 TESTS=${*:-tests/test_prefix_cache_gpu.py}
