@@ -155,9 +155,9 @@ def test_grouped_launch_parameters_do_not_change_results():
 
 def test_grouped_refuses_batches_past_the_alignment(monkeypatch):
     c = _moe_case("down", "uniform", 9, DTYPES[0], torch.Generator().manual_seed(3))
-    monkeypatch.setattr(align_triton, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 9 * K - 1)
+    monkeypatch.setattr(align_triton, "LORA_ALIGN_MAX_PAIRS", 9 * K - 1)
     assert not mg.grouped_ok(9 * K, E, c["a"].shape[1])
-    with pytest.raises(ValueError, match="past the one-program alignment"):
+    with pytest.raises(ValueError, match="past the decode alignment"):
         _grouped(c, c["y0"].clone())
 
 

@@ -1,6 +1,6 @@
-"""The routed experts' pairs p = t * K + k grouped by expert (moe_align: the base expert GEMMs' blocks), or by virtual
-expert slot * E + e (moe_lora_align_one_program: the grouped routed-expert LoRA kernel's), with static sizes and no
-host synchronisation (CUDA-graph safe). Reference: moe_align_ref; moe_lora.chain.moe_lora_align for the LoRA's."""
+"""The routed experts' pairs p = t * K + k grouped by expert (moe_align: the base expert GEMMs' blocks), or by
+virtual expert slot * E + e (moe_lora_align_triton: the grouped routed-expert LoRA kernel's, one program a slot),
+with static sizes and no host synchronisation (CUDA-graph safe). Reference: moe_align_ref; moe_lora.chain.moe_lora_align for the LoRA's."""
 
 from __future__ import annotations
 
@@ -49,37 +49,78 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
 if HAS_TRITON:
 
     @triton.jit
-    def _moe_align_kernel(
-        ids_ptr, slots_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS, TOP_K, NUM_EXPERTS,
-        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    ):
+    def _moe_align_kernel(ids_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS,
+                          BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
         # one program, P <= BLOCK_P: sort the keys e * BLOCK_P + p (stable by construction; pairs on no local
         # expert get e = E and sort last), then pair i of the sorted order goes to i + shift[e], shift[e] =
-        # (padded start of e's group) - (pairs on experts below e); shift goes through global scratch.
-        # HAS_SLOTS: group by virtual expert slot * NUM_EXPERTS + expert instead (E = max_loras * NUM_EXPERTS),
-        # slot = slots[p // TOP_K]; a pair of slot -1 or expert -1 is left out
+        # (padded start of e's group) - (pairs on experts below e); shift goes through global scratch
         offs = tl.arange(0, BLOCK_P)
-        offs_e = tl.arange(0, BLOCK_E)  # BLOCK_E > E: bin E holds the pairs left out (and the slots past P)
         e = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-        if HAS_SLOTS:
-            sl = tl.load(slots_ptr + offs // TOP_K, mask=offs < P, other=-1).to(tl.int32)
-            e = tl.where((sl >= 0) & (e >= 0) & (e < NUM_EXPERTS), sl * NUM_EXPERTS + e, -1)
         e = tl.where((e >= 0) & (e < E), e, E)
-        s = tl.sort(e * BLOCK_P + offs)  # [BLOCK_P]
-        se, sp = s // BLOCK_P, s % BLOCK_P
-        counts = tl.where(offs_e < E, tl.histogram(e, BLOCK_E), 0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        tl.store(shift_ptr + offs_e, tl.cumsum(padded, axis=0) - padded - (tl.cumsum(counts, axis=0) - counts))
         for p0 in range(0, P_MAX, BLOCK_P):  # padding everywhere first
             tl.store(sorted_ptr + p0 + offs, tl.zeros((BLOCK_P,), tl.int32) + P, mask=p0 + offs < P_MAX)
         for b0 in range(0, NUM_BLOCKS, BLOCK_P):  # blocks of no expert: -1
             tl.store(bexp_ptr + b0 + offs, tl.zeros((BLOCK_P,), tl.int32) - 1, mask=b0 + offs < NUM_BLOCKS)
-        tl.debug_barrier()  # shift and the fills land before the loads and stores below (other threads)
+        _place_sorted(e, offs, 0, 0, shift_ptr, sorted_ptr, bexp_ptr, E, BLOCK_M, BLOCK_P, BLOCK_E)
+
+    @triton.jit
+    def _place_sorted(e, offs, base, group0, shift_ptr, sorted_ptr, bexp_ptr, E, BLOCK_M: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+        # the pairs offs with experts e (E: left out) to their places: expert e's group starts at base + the padded
+        # sizes of the groups below it, in increasing pair order; block -> group0 + e. shift_ptr: BLOCK_E scratch
+        offs_e = tl.arange(0, BLOCK_E)  # BLOCK_E > E: bin E holds the pairs left out (and the slots past P)
+        srt = tl.sort(e * BLOCK_P + offs)  # [BLOCK_P]
+        se, sp = srt // BLOCK_P, srt % BLOCK_P
+        counts = tl.where(offs_e < E, tl.histogram(e, BLOCK_E), 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        starts = base + tl.cumsum(padded, axis=0) - padded
+        tl.store(shift_ptr + offs_e, starts - (tl.cumsum(counts, axis=0) - counts))
+        tl.debug_barrier()  # shift and the caller's fills land before the loads and stores below (other threads)
         keep = se < E
         dest = offs + tl.load(shift_ptr + se, mask=keep, other=0)
         tl.store(sorted_ptr + dest, sp, mask=keep)
-        # every block of a group holds at least one real pair, so this writes each used block's expert
-        tl.store(bexp_ptr + dest // BLOCK_M, se, mask=keep)
+        # every block of a group holds at least one real pair, so this writes each used block's group
+        tl.store(bexp_ptr + dest // BLOCK_M, group0 + se, mask=keep)
+
+    @triton.jit
+    def _slot_experts(ids_ptr, slots_ptr, offs, P, E, TOP_K, s):
+        # the expert of each pair p = offs of slot s (slots[p // TOP_K] == s, expert in [0, E)); E for the others
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        sl = tl.load(slots_ptr + offs // TOP_K, mask=offs < P, other=-1).to(tl.int32)
+        return tl.where((sl == s) & (e >= 0) & (e < E), e, E)
+
+    @triton.jit
+    def _lora_align_count_kernel(ids_ptr, slots_ptr, totals_ptr, sorted_ptr, bexp_ptr, P, E, TOP_K, P_MAX,
+                                 NUM_BLOCKS, FILL_P, FILL_B, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                                 BLOCK_E: tl.constexpr):
+        # program s: totals[s] = the padded size of slot s's groups (its pairs counted by expert, each count rounded
+        # up to BLOCK_M); its share of sorted_ids filled with P and of block_vexpert with -1 (placed over later)
+        s = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_P)
+        offs_e = tl.arange(0, BLOCK_E)
+        e = _slot_experts(ids_ptr, slots_ptr, offs, P, E, TOP_K, s)
+        counts = tl.where(offs_e < E, tl.histogram(e, BLOCK_E), 0)
+        tl.store(totals_ptr + s, tl.sum((counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, axis=0))
+        for f0 in range(s * FILL_P, (s + 1) * FILL_P, BLOCK_P):
+            ff = f0 + offs
+            tl.store(sorted_ptr + ff, tl.zeros((BLOCK_P,), tl.int32) + P, mask=(ff < (s + 1) * FILL_P) & (ff < P_MAX))
+        for f0 in range(s * FILL_B, (s + 1) * FILL_B, BLOCK_P):
+            ff = f0 + offs
+            tl.store(bexp_ptr + ff, tl.zeros((BLOCK_P,), tl.int32) - 1,
+                     mask=(ff < (s + 1) * FILL_B) & (ff < NUM_BLOCKS))
+
+    @triton.jit
+    def _lora_align_place_kernel(ids_ptr, slots_ptr, totals_ptr, shift_ptr, sorted_ptr, bexp_ptr, P, E, TOP_K, S,
+                                 BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                                 BLOCK_S: tl.constexpr):
+        # program s: slot s's groups start after the slots below it (totals); its pairs sorted by expert and placed
+        s = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_P)
+        offs_s = tl.arange(0, BLOCK_S)
+        base = tl.sum(tl.load(totals_ptr + offs_s, mask=offs_s < s, other=0), axis=0)
+        e = _slot_experts(ids_ptr, slots_ptr, offs, P, E, TOP_K, s)
+        _place_sorted(e, offs, base, s * E, shift_ptr + s * BLOCK_E, sorted_ptr, bexp_ptr, E, BLOCK_M, BLOCK_P,
+                      BLOCK_E)
 
     @triton.jit
     def _align_count_kernel(ids_ptr, counts_ptr, sorted_ptr, P, P_MAX, FILL,
@@ -134,43 +175,54 @@ if HAS_TRITON:
 
 
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks of pairs (one program's sort grows)
+LORA_ALIGN_MAX_PAIRS = 2048  # one program a slot sorts every pair
+LORA_ALIGN_MAX_EXPERTS = 1024  # a program's histogram holds the experts (and one bin for the pairs left out)
 
 
-def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
-                       P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-                       stream: "torch.cuda.Stream | None" = None):
-    """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots);
-    stream: see moe_align."""
-    groups = num_experts * max_loras
-    block_e1 = triton.next_power_of_2(groups + 1)
+def _align_one_program(ids: torch.Tensor, num_experts: int, P: int, block_m: int, sorted_ids: torch.Tensor,
+                       block_expert: torch.Tensor, stream: "torch.cuda.Stream | None" = None):
+    """One launch of _moe_align_kernel; stream: see moe_align."""
+    block_e1 = triton.next_power_of_2(num_experts + 1)
     shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)  # scratch
     with launched_on(stream):
-        _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
-                                sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
-                                BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
-                                HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
+        _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, shift, P, num_experts, sorted_ids.shape[0],
+                                block_expert.shape[0], BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)),
+                                BLOCK_E=block_e1, num_warps=4 if P <= 512 else 8)
     return sorted_ids, block_expert
 
 
-LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS = 8192  # virtual experts (max_loras x E) the one-program alignment takes
-
-
-def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int,
-                               block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_lora.moe_lora_align (same groups, order and padding: stable) in one launch of one program, for
-    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS and max_loras * E < LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS (checked here).
-    topk_ids: [T, K] · token_slots: [T] int · returns sorted_pair_ids [P_max] int32, block_vexpert int32."""
+def moe_lora_align_triton(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int,
+                          block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_lora.moe_lora_align on the device (same groups slot * E + e, order and padding: stable), for
+    P <= LORA_ALIGN_MAX_PAIRS and num_experts < LORA_ALIGN_MAX_EXPERTS (checked here). Two launches of max_loras
+    programs, each sorting and counting its slot's pairs by expert (O(pairs x experts) a program, beside the others):
+    the first sums each slot's padded size, the second places the pairs after the slots below.
+    topk_ids: [T, K] · token_slots: [T] int (-1: no adapter) · returns sorted_pair_ids [P_max] int32 (pad P),
+    block_vexpert [P_max / block_m] int32 (-1: unused)."""
     require_triton()
     T, K = topk_ids.shape
     P = T * K
-    V = num_experts * max_loras
-    if P > ALIGN_ONE_PROGRAM_MAX_PAIRS or V >= LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS:
-        raise ValueError(f"moe_lora_align_one_program: {P} pairs over {V} virtual experts; at most "
-                         f"{ALIGN_ONE_PROGRAM_MAX_PAIRS} pairs and {LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS - 1} groups")
-    p_max = max_padded_pairs(P, V, block_m)
-    sorted_ids = torch.empty(p_max, dtype=torch.int32, device=topk_ids.device)
-    bvex = torch.empty(p_max // block_m, dtype=torch.int32, device=topk_ids.device)
-    return _align_one_program(topk_ids.reshape(-1), token_slots, K, num_experts, max_loras, P, block_m, sorted_ids, bvex)
+    if P > LORA_ALIGN_MAX_PAIRS or num_experts >= LORA_ALIGN_MAX_EXPERTS:
+        raise ValueError(f"moe_lora_align_triton: {P} pairs over {num_experts} experts; at most "
+                         f"{LORA_ALIGN_MAX_PAIRS} pairs and {LORA_ALIGN_MAX_EXPERTS - 1} experts")
+    dev = topk_ids.device
+    p_max = max_padded_pairs(P, num_experts * max_loras, block_m)
+    n_blocks = p_max // block_m
+    sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
+    bvex = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    block_p = max(16, triton.next_power_of_2(P))
+    block_e = triton.next_power_of_2(num_experts + 1)
+    totals = torch.empty(max_loras, dtype=torch.int32, device=dev)
+    shift = torch.empty(max_loras, block_e, dtype=torch.int32, device=dev)  # scratch
+    ids = topk_ids.reshape(-1)
+    warps = 4 if P <= 512 else 8
+    _lora_align_count_kernel[(max_loras,)](ids, token_slots, totals, sorted_ids, bvex, P, num_experts, K, p_max,
+                                           n_blocks, triton.cdiv(p_max, max_loras), triton.cdiv(n_blocks, max_loras),
+                                           BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=warps)
+    _lora_align_place_kernel[(max_loras,)](ids, token_slots, totals, shift, sorted_ids, bvex, P, num_experts, K,
+                                           max_loras, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e,
+                                           BLOCK_S=max(16, triton.next_power_of_2(max_loras)), num_warps=warps)
+    return sorted_ids, bvex
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -195,7 +247,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
     if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: one sort of all pairs
-        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert, stream)
+        return _align_one_program(ids, num_experts, P, block_m, sorted_ids, block_expert, stream)
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
     base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)

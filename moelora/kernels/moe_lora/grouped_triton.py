@@ -1,7 +1,7 @@
 """The grouped routed-expert LoRA kernel: shrink and expand of every slice in one launch, one program per block of
 pairs that share an (adapter slot, expert), so A and B are read once a group instead of once a pair (reference:
 fused_triton.moe_lora_fused_ref, the same semantics). The pairs are first sorted by virtual expert slot * E + e
-(grouped_align at decode, one program, blocks of GROUPED_BLOCK_M; prefill_align at prefill, blocks of
+(grouped_align at decode, one program a slot, blocks of GROUPED_BLOCK_M; prefill_align at prefill, blocks of
 PREFILL_BLOCK_M; one alignment a layer, shared by gate_up and down); a program per (block, slice i, output split)
 computes h = X[rows] @ A[i, s, e, :r].T (tl.dot, fp32), hv = h * scaling (* router weight), y[rows, tile] (+)= hv @
 B[s, e, tile, :r].T. On 16-bit factors the expand splits hv into a high and a low 16-bit part (two tensor-core dots,
@@ -28,8 +28,7 @@ from moelora.kernels.moe_lora.fused_triton import check_a_src, fused_split_n
 
 GROUPED_BLOCK_M = 16  # pairs per block at decode: tl.dot's smallest M; decode groups hold 1-8 pairs
 PREFILL_BLOCK_M = 64  # pairs per block above DECODE_MAX_PAIRS (prefill chunks: groups of hundreds of pairs)
-# max_loras x E up to this: what was measured (8 slots x 128 experts); the one-program alignment's histogram and
-# scan grow with it (up to 8,191 groups it runs, but its cost there is unmeasured), so above it: the per-pair kernel
+# max_loras x E up to this: what was measured (8 slots x 128 experts); above it (unmeasured): the per-pair kernel
 GROUPED_MAX_GROUPS = 1024
 
 if HAS_TRITON:
@@ -214,17 +213,18 @@ PREFILL_CONFIG = GroupedConfig(block_d=128, block_n=128, num_warps=4, num_stages
 
 
 def grouped_ok(num_pairs: int, num_experts: int, max_loras: int) -> bool:
-    """Whether the one-program alignment takes this batch (P <= 2048 pairs, max_loras * E < 8192 groups)."""
-    return (0 < num_pairs <= align_triton.ALIGN_ONE_PROGRAM_MAX_PAIRS
-            and num_experts * max_loras < align_triton.LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS)
+    """Whether the decode alignment (align_triton.moe_lora_align_triton) takes this batch: at most 2,048 pairs,
+    fewer than 1,024 experts, an adapter slot."""
+    return (0 < num_pairs <= align_triton.LORA_ALIGN_MAX_PAIRS and num_experts < align_triton.LORA_ALIGN_MAX_EXPERTS
+            and max_loras > 0)
 
 
 def grouped_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
                   max_loras: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (slot, expert) grouping moe_lora_grouped reads at decode: chain.moe_lora_align's groups and order, blocks
-    of GROUPED_BLOCK_M, in one launch (align_triton.moe_lora_align_one_program). Needs grouped_ok.
+    of GROUPED_BLOCK_M (align_triton.moe_lora_align_triton: two launches of one program a slot). Needs grouped_ok.
     topk_ids: [T, K] · token_slots: [T] · returns (sorted_pair_ids [P_max] int32, block_vexpert int32)."""
-    return align_triton.moe_lora_align_one_program(topk_ids, token_slots, num_experts, max_loras, GROUPED_BLOCK_M)
+    return align_triton.moe_lora_align_triton(topk_ids, token_slots, num_experts, max_loras, GROUPED_BLOCK_M)
 
 
 def prefill_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
@@ -275,7 +275,7 @@ def moe_lora_grouped(
         return
     if align is None and not grouped_ok(P, num_experts, S):
         raise ValueError(f"moe_lora_grouped: {P} pairs over {S} x {num_experts} (slot, expert) groups is past "
-                         "the one-program alignment; pass align=prefill_align(...) or use moe_lora_fused")
+                         "the decode alignment's (grouped_ok); pass align=prefill_align(...) or use moe_lora_fused")
     check_a_src(lora.a_src, n, S, "moe_lora_grouped")
     sorted_ids, bvex = align if align is not None else grouped_align(topk_ids, token_slots, num_experts, S)
     if sorted_ids.shape[0] != bvex.shape[0] * block_m:
