@@ -153,12 +153,27 @@ def test_grouped_launch_parameters_do_not_change_results():
         torch.testing.assert_close(y, y0, atol=1e-5, rtol=1e-5)
 
 
-def test_grouped_refuses_batches_past_the_alignment(monkeypatch):
+def test_grouped_refuses_groups_past_the_alignment(monkeypatch):
     c = _moe_case("down", "uniform", 9, DTYPES[0], torch.Generator().manual_seed(3))
-    monkeypatch.setattr(align_triton, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 9 * K - 1)
+    monkeypatch.setattr(align_triton, "LORA_ALIGN_MAX_GROUPS", E * c["a"].shape[1])
     assert not mg.grouped_ok(9 * K, E, c["a"].shape[1])
-    with pytest.raises(ValueError, match="past the one-program alignment"):
+    with pytest.raises(ValueError, match="past the decode alignment"):
         _grouped(c, c["y0"].clone())
+
+
+def test_grouped_on_the_chunked_alignment_equals_the_one_program_one(monkeypatch):
+    """Above ALIGN_ONE_PROGRAM_MAX_PAIRS the alignment is three launches over chunks of pairs: the same groups,
+    order and padding, so the same outputs."""
+    c = _moe_case("gate_up", "uniform", 13, torch.float32, torch.Generator().manual_seed(5))
+    y0 = c["y0"].clone()
+    _grouped(c, y0)
+    one = mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])
+    monkeypatch.setattr(align_triton, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0)
+    chunked = mg.grouped_align(c["ids"], c["slots"], E, c["a"].shape[1])
+    assert all(torch.equal(a, b) for a, b in zip(one, chunked))
+    y = c["y0"].clone()
+    _grouped(c, y)
+    torch.testing.assert_close(y, y0, atol=0, rtol=0)
 
 
 def _triton(grouped_min_pairs: int = 2048) -> ExpertKernels:

@@ -1,5 +1,5 @@
 """The routed experts' pairs p = t * K + k grouped by expert (moe_align: the base expert GEMMs' blocks), or by virtual
-expert slot * E + e (moe_lora_align_one_program: the grouped routed-expert LoRA kernel's), with static sizes and no
+expert slot * E + e (moe_lora_align_triton: the grouped routed-expert LoRA kernel's), with static sizes and no
 host synchronisation (CUDA-graph safe). Reference: moe_align_ref; moe_lora.chain.moe_lora_align for the LoRA's."""
 
 from __future__ import annotations
@@ -82,14 +82,24 @@ if HAS_TRITON:
         tl.store(bexp_ptr + dest // BLOCK_M, se, mask=keep)
 
     @triton.jit
-    def _align_count_kernel(ids_ptr, counts_ptr, sorted_ptr, P, P_MAX, FILL,
-                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-        # program c: counts[c, e] = #pairs of chunk c on expert e; pads sorted_ids[c*FILL : (c+1)*FILL] with P
+    def _chunk_groups(ids_ptr, slots_ptr, pp, P, E, TOP_K, NUM_EXPERTS, HAS_SLOTS: tl.constexpr):
+        # the group of each pair pp: its expert, or with slots its virtual expert slot * NUM_EXPERTS + expert; -1
+        # (in no group) past P, for expert -1 or outside [0, E), and for slot -1
+        e = tl.load(ids_ptr + pp, mask=pp < P, other=-1).to(tl.int32)
+        if HAS_SLOTS:
+            sl = tl.load(slots_ptr + pp // TOP_K, mask=pp < P, other=-1).to(tl.int32)
+            e = tl.where((sl >= 0) & (e >= 0) & (e < NUM_EXPERTS), sl * NUM_EXPERTS + e, -1)
+        return tl.where((e >= 0) & (e < E), e, -1)
+
+    @triton.jit
+    def _align_count_kernel(ids_ptr, slots_ptr, counts_ptr, sorted_ptr, P, P_MAX, FILL, E, TOP_K, NUM_EXPERTS,
+                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr):
+        # program c: counts[c, e] = #pairs of chunk c in group e; pads sorted_ids[c*FILL : (c+1)*FILL] with P
         c = tl.program_id(0)
         offs_e = tl.arange(0, BLOCK_E)
         offs_p = tl.arange(0, BLOCK_P)
         pp = c * BLOCK_P + offs_p
-        e = tl.load(ids_ptr + pp, mask=pp < P, other=-1).to(tl.int32)
+        e = _chunk_groups(ids_ptr, slots_ptr, pp, P, E, TOP_K, NUM_EXPERTS, HAS_SLOTS)
         hit = (e[:, None] == offs_e[None, :]).to(tl.int32)
         tl.store(counts_ptr + c * BLOCK_E + offs_e, tl.sum(hit, axis=0))
         for f0 in range(c * FILL, (c + 1) * FILL, BLOCK_P):
@@ -120,90 +130,85 @@ if HAS_TRITON:
             tl.store(bexp_ptr + bb, tl.where(start < total, be, -1), mask=bb < NUM_BLOCKS)
 
     @triton.jit
-    def _align_place_kernel(ids_ptr, base_ptr, sorted_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    def _align_place_kernel(ids_ptr, slots_ptr, base_ptr, sorted_ptr, P, C, E, TOP_K, NUM_EXPERTS,
+                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr):
         # program c: each pair of chunk c goes to base[C, e] + base[c, e] + (its rank among the chunk's pairs of e)
         c = tl.program_id(0)
         offs_e = tl.arange(0, BLOCK_E)
         pp = c * BLOCK_P + tl.arange(0, BLOCK_P)
         valid = pp < P
-        e = tl.load(ids_ptr + pp, mask=valid, other=-1).to(tl.int32)
+        e = _chunk_groups(ids_ptr, slots_ptr, pp, P, E, TOP_K, NUM_EXPERTS, HAS_SLOTS)
         hit = (e[:, None] == offs_e[None, :]).to(tl.int32)
         base = tl.load(base_ptr + c * BLOCK_E + offs_e) + tl.load(base_ptr + C * BLOCK_E + offs_e)
         dest = tl.sum(hit * (base[None, :] + tl.cumsum(hit, axis=0) - 1), axis=1)
         tl.store(sorted_ptr + dest, pp.to(tl.int32), mask=valid & (tl.sum(hit, axis=1) > 0))  # id -1: left out
 
 
-ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks of pairs (one program's sort grows)
+# one program sorts every pair and counts them over every group (O(pairs x groups) in one SM: 143 µs at 2,048 pairs
+# over 8 x 128 (slot, expert) groups, H100); above this many pairs three launches spread the work over chunks of pairs
+ALIGN_ONE_PROGRAM_MAX_PAIRS = 512
+LORA_ALIGN_MAX_GROUPS = 8192  # virtual experts (max_loras x E) a program's count holds
 
 
-def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
-                       P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-                       stream: "torch.cuda.Stream | None" = None):
-    """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots);
-    stream: see moe_align."""
+def _align(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
+           block_m: int, stream: "torch.cuda.Stream | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align / moe_lora_align_triton: the pairs of ids [P] grouped (by expert; with slots [P / top_k], by
+    virtual expert slot * num_experts + expert over num_experts * max_loras groups) in blocks of block_m.
+    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program (_moe_align_kernel: tl.sort of the pairs by
+    group, a histogram for the group sizes); more: count per chunk of pairs (C programs), offsets (1 program),
+    placement (C programs). Both stable inside each group. stream: see moe_align."""
+    P = ids.shape[0]
     groups = num_experts * max_loras
-    block_e1 = triton.next_power_of_2(groups + 1)
-    shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)  # scratch
+    p_max = max_padded_pairs(P, groups, block_m)
+    n_blocks = p_max // block_m
+    dev = ids.device
+    sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    sl = slots if slots is not None else ids
+    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:
+        block_e1 = triton.next_power_of_2(groups + 1)
+        shift = torch.empty(block_e1, dtype=torch.int32, device=dev)  # scratch
+        with launched_on(stream):
+            _moe_align_kernel[(1,)](ids, sl, sorted_ids, block_expert, shift, P, groups, p_max, n_blocks, top_k,
+                                    num_experts, BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)),
+                                    BLOCK_E=block_e1, HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
+        return sorted_ids, block_expert
+    block_e = max(16, triton.next_power_of_2(groups))
+    block_p = max(16, min(256, 16384 // block_e))
+    C = triton.cdiv(P, block_p)
+    counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
+    base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)
     with launched_on(stream):
-        _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
-                                sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
-                                BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
-                                HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
+        _align_count_kernel[(C,)](ids, sl, counts, sorted_ids, P, p_max, triton.cdiv(p_max, C), groups, top_k,
+                                  num_experts, BLOCK_P=block_p, BLOCK_E=block_e, HAS_SLOTS=slots is not None,
+                                  num_warps=4)
+        _align_offsets_kernel[(1,)](counts, base, block_expert, C, n_blocks,
+                                    BLOCK_M=block_m, BLOCK_C=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8)
+        _align_place_kernel[(C,)](ids, sl, base, sorted_ids, P, C, groups, top_k, num_experts, BLOCK_P=block_p,
+                                  BLOCK_E=block_e, HAS_SLOTS=slots is not None, num_warps=4)
     return sorted_ids, block_expert
 
 
-LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS = 8192  # virtual experts (max_loras x E) the one-program alignment takes
-
-
-def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int,
-                               block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_lora.moe_lora_align (same groups, order and padding: stable) in one launch of one program, for
-    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS and max_loras * E < LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS (checked here).
+def moe_lora_align_triton(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int,
+                          block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_lora.moe_lora_align on the device (same groups, order and padding: stable), for max_loras * E <
+    LORA_ALIGN_MAX_GROUPS (checked here); no atomics, no host sync (_align).
     topk_ids: [T, K] · token_slots: [T] int · returns sorted_pair_ids [P_max] int32, block_vexpert int32."""
     require_triton()
-    T, K = topk_ids.shape
-    P = T * K
     V = num_experts * max_loras
-    if P > ALIGN_ONE_PROGRAM_MAX_PAIRS or V >= LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS:
-        raise ValueError(f"moe_lora_align_one_program: {P} pairs over {V} virtual experts; at most "
-                         f"{ALIGN_ONE_PROGRAM_MAX_PAIRS} pairs and {LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS - 1} groups")
-    p_max = max_padded_pairs(P, V, block_m)
-    sorted_ids = torch.empty(p_max, dtype=torch.int32, device=topk_ids.device)
-    bvex = torch.empty(p_max // block_m, dtype=torch.int32, device=topk_ids.device)
-    return _align_one_program(topk_ids.reshape(-1), token_slots, K, num_experts, max_loras, P, block_m, sorted_ids, bvex)
+    if V >= LORA_ALIGN_MAX_GROUPS:
+        raise ValueError(f"moe_lora_align_triton: {V} virtual experts (max_loras x experts); at most "
+                         f"{LORA_ALIGN_MAX_GROUPS - 1}")
+    return _align(topk_ids.reshape(-1), token_slots, topk_ids.shape[1], num_experts, max_loras, block_m)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               stream: "torch.cuda.Stream | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_align_ref on the device: no atomics (stable inside each group), no host sync.
-    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program (tl.sort of the pairs by expert, a histogram for the
-    group sizes); larger P: count per chunk of pairs (C programs), offsets (1 program), placement (C programs).
+    """moe_align_ref on the device: no atomics (stable inside each group), no host sync (_align).
     stream: launch on this CUDA stream instead (its priority places the program; moe_lora.early): it
     waits for the current stream's work so far, the current stream waits for the launches; the outputs are
     allocated on the current stream. None: the current stream.
     topk_ids: [T, K] int · returns sorted_pair_ids [p_max] int32 (pad = T*K), block_expert [p_max/block_m] int32
     """
     require_triton()
-    T, K = topk_ids.shape
-    P = T * K
-    p_max = max_padded_pairs(P, num_experts, block_m)
-    n_blocks = p_max // block_m
-    dev = topk_ids.device
-    sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    block_e = max(16, triton.next_power_of_2(num_experts))
-    block_p = max(16, min(256, 16384 // block_e))
-    ids = topk_ids.reshape(-1)
-    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: one sort of all pairs
-        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert, stream)
-    C = triton.cdiv(P, block_p)
-    counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
-    base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)
-    with launched_on(stream):
-        _align_count_kernel[(C,)](ids, counts, sorted_ids, P, p_max, triton.cdiv(p_max, C),
-                                  BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
-        _align_offsets_kernel[(1,)](counts, base, block_expert, C, n_blocks,
-                                    BLOCK_M=block_m, BLOCK_C=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8)
-        _align_place_kernel[(C,)](ids, base, sorted_ids, P, C, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
-    return sorted_ids, block_expert
-
+    return _align(topk_ids.reshape(-1), None, 1, num_experts, 1, block_m, stream)

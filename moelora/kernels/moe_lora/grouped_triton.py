@@ -1,7 +1,7 @@
 """The grouped routed-expert LoRA kernel: shrink and expand of every slice in one launch, one program per block of
 pairs that share an (adapter slot, expert), so A and B are read once a group instead of once a pair (reference:
 fused_triton.moe_lora_fused_ref, the same semantics). The pairs are first sorted by virtual expert slot * E + e
-(grouped_align at decode, one program, blocks of GROUPED_BLOCK_M; prefill_align at prefill, blocks of
+(grouped_align at decode, blocks of GROUPED_BLOCK_M; prefill_align at prefill, blocks of
 PREFILL_BLOCK_M; one alignment a layer, shared by gate_up and down); a program per (block, slice i, output split)
 computes h = X[rows] @ A[i, s, e, :r].T (tl.dot, fp32), hv = h * scaling (* router weight), y[rows, tile] (+)= hv @
 B[s, e, tile, :r].T. On 16-bit factors the expand splits hv into a high and a low 16-bit part (two tensor-core dots,
@@ -214,17 +214,16 @@ PREFILL_CONFIG = GroupedConfig(block_d=128, block_n=128, num_warps=4, num_stages
 
 
 def grouped_ok(num_pairs: int, num_experts: int, max_loras: int) -> bool:
-    """Whether the one-program alignment takes this batch (P <= 2048 pairs, max_loras * E < 8192 groups)."""
-    return (0 < num_pairs <= align_triton.ALIGN_ONE_PROGRAM_MAX_PAIRS
-            and num_experts * max_loras < align_triton.LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS)
+    """Whether the decode alignment takes this batch (some pairs, max_loras * E < LORA_ALIGN_MAX_GROUPS groups)."""
+    return num_pairs > 0 and num_experts * max_loras < align_triton.LORA_ALIGN_MAX_GROUPS
 
 
 def grouped_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
                   max_loras: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (slot, expert) grouping moe_lora_grouped reads at decode: chain.moe_lora_align's groups and order, blocks
-    of GROUPED_BLOCK_M, in one launch (align_triton.moe_lora_align_one_program). Needs grouped_ok.
+    of GROUPED_BLOCK_M (align_triton.moe_lora_align_triton). Needs grouped_ok.
     topk_ids: [T, K] · token_slots: [T] · returns (sorted_pair_ids [P_max] int32, block_vexpert int32)."""
-    return align_triton.moe_lora_align_one_program(topk_ids, token_slots, num_experts, max_loras, GROUPED_BLOCK_M)
+    return align_triton.moe_lora_align_triton(topk_ids, token_slots, num_experts, max_loras, GROUPED_BLOCK_M)
 
 
 def prefill_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
@@ -274,8 +273,8 @@ def moe_lora_grouped(
     if P == 0:
         return
     if align is None and not grouped_ok(P, num_experts, S):
-        raise ValueError(f"moe_lora_grouped: {P} pairs over {S} x {num_experts} (slot, expert) groups is past "
-                         "the one-program alignment; pass align=prefill_align(...) or use moe_lora_fused")
+        raise ValueError(f"moe_lora_grouped: {S} x {num_experts} (slot, expert) groups is past the decode "
+                         "alignment; pass align=prefill_align(...) or use moe_lora_fused")
     check_a_src(lora.a_src, n, S, "moe_lora_grouped")
     sorted_ids, bvex = align if align is not None else grouped_align(topk_ids, token_slots, num_experts, S)
     if sorted_ids.shape[0] != bvex.shape[0] * block_m:
