@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, pdl_args, require_triton
 from moelora.kernels.streams import launched_on
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -52,12 +54,14 @@ if HAS_TRITON:
     def _moe_align_kernel(
         ids_ptr, slots_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS, TOP_K, NUM_EXPERTS,
         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         # one program, P <= BLOCK_P: sort the keys e * BLOCK_P + p (stable by construction; pairs on no local
         # expert get e = E and sort last), then pair i of the sorted order goes to i + shift[e], shift[e] =
         # (padded start of e's group) - (pairs on experts below e); shift goes through global scratch.
         # HAS_SLOTS: group by virtual expert slot * NUM_EXPERTS + expert instead (E = max_loras * NUM_EXPERTS),
         # slot = slots[p // TOP_K]; a pair of slot -1 or expert -1 is left out
+        pdl_enter(PDL)
         offs = tl.arange(0, BLOCK_P)
         offs_e = tl.arange(0, BLOCK_E)  # BLOCK_E > E: bin E holds the pairs left out (and the slots past P)
         e = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
@@ -93,8 +97,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _align_count_kernel(ids_ptr, slots_ptr, counts_ptr, sorted_ptr, P, P_MAX, FILL, E, TOP_K, NUM_EXPERTS,
-                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                            PDL: tl.constexpr = False):
         # program c: counts[c, e] = #pairs of chunk c in group e; pads sorted_ids[c*FILL : (c+1)*FILL] with P
+        pdl_enter(PDL)
         c = tl.program_id(0)
         offs_e = tl.arange(0, BLOCK_E)
         offs_p = tl.arange(0, BLOCK_P)
@@ -108,8 +114,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _align_offsets_kernel(counts_ptr, base_ptr, bexp_ptr, C, NUM_BLOCKS,
-                              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
+                              PDL: tl.constexpr = False):
         # one program: base[c, e] = pairs of e in chunks before c (c < C), base[C, e] = start of e's group; block -> expert
+        pdl_enter(PDL)
         offs_e = tl.arange(0, BLOCK_E)
         offs_c = tl.arange(0, BLOCK_C)
         carry = tl.zeros((BLOCK_E,), tl.int32)
@@ -131,8 +139,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _align_place_kernel(ids_ptr, slots_ptr, base_ptr, sorted_ptr, P, C, E, TOP_K, NUM_EXPERTS,
-                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                            PDL: tl.constexpr = False):
         # program c: each pair of chunk c goes to base[C, e] + base[c, e] + (its rank among the chunk's pairs of e)
+        pdl_enter(PDL)
         c = tl.program_id(0)
         offs_e = tl.arange(0, BLOCK_E)
         pp = c * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -165,13 +175,15 @@ def _align(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_expert
     sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     sl = slots if slots is not None else ids
+    pdl = pdl_args(dev)
     if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:
         block_e1 = triton.next_power_of_2(groups + 1)
         shift = torch.empty(block_e1, dtype=torch.int32, device=dev)  # scratch
         with launched_on(stream):
             _moe_align_kernel[(1,)](ids, sl, sorted_ids, block_expert, shift, P, groups, p_max, n_blocks, top_k,
                                     num_experts, BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)),
-                                    BLOCK_E=block_e1, HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
+                                    BLOCK_E=block_e1, HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8,
+                                    **pdl)
         return sorted_ids, block_expert
     block_e = max(16, triton.next_power_of_2(groups))
     block_p = max(16, min(256, 16384 // block_e))
@@ -181,11 +193,11 @@ def _align(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_expert
     with launched_on(stream):
         _align_count_kernel[(C,)](ids, sl, counts, sorted_ids, P, p_max, triton.cdiv(p_max, C), groups, top_k,
                                   num_experts, BLOCK_P=block_p, BLOCK_E=block_e, HAS_SLOTS=slots is not None,
-                                  num_warps=4)
+                                  num_warps=4, **pdl)
         _align_offsets_kernel[(1,)](counts, base, block_expert, C, n_blocks,
-                                    BLOCK_M=block_m, BLOCK_C=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8)
+                                    BLOCK_M=block_m, BLOCK_C=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8, **pdl)
         _align_place_kernel[(C,)](ids, sl, base, sorted_ids, P, C, groups, top_k, num_experts, BLOCK_P=block_p,
-                                  BLOCK_E=block_e, HAS_SLOTS=slots is not None, num_warps=4)
+                                  BLOCK_E=block_e, HAS_SLOTS=slots is not None, num_warps=4, **pdl)
     return sorted_ids, block_expert
 
 
