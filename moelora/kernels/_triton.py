@@ -1,7 +1,8 @@
-"""Triton availability and version checks, in one place."""
+"""Triton availability and version checks, in one place; programmatic dependent launch (pdl_args, pdl_enter)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,3 +39,34 @@ def require_triton() -> None:
 def dot_precision(dtype) -> str | None:
     """fp32 operands: exact IEEE products (Triton would pick tf32); 16-bit operands: Triton's default."""
     return "ieee" if dtype == torch.float32 else None
+
+
+# Programmatic dependent launch (Hopper and later) through every kernel: each launch may start while the kernel before
+# it on the stream still runs (launch_pdl), and its first act is to wait for that kernel to complete (gdc_wait), its
+# second to let the next one start (gdc_launch_dependents). The next kernel is then resident and past its launch when
+# this one ends. Invariant: a kernel lets the next one start only after its own wait, so everything launched two
+# kernels back is complete when a kernel starts (fp8_triton's LORA_WAIT GEMM reads its input before waiting).
+PDL_CHAIN = True
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The launch keywords of a kernel taking `PDL: tl.constexpr` (pdl_enter first): {"PDL": True, "launch_pdl":
+    True} on a CUDA device of compute capability >= 9.0 with PDL_CHAIN, else {}."""
+    if not PDL_CHAIN or device.type != "cuda" or interpreting():
+        return {}
+    return {"PDL": True, "launch_pdl": True} if _pdl_device(device.index or 0) else {}
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """A kernel's first statement: with PDL, wait for the kernel before it, then let the next one start."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, pdl_args, require_triton
 from moelora.kernels.attention.mla import KVBLoRAArgs
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
     @triton.jit
     def _mla_attn_kernel(
@@ -28,8 +30,9 @@ if HAS_TRITON:
         scale, H, C, R, BS,
         sql_t, sql_h, sqp_t, sqp_h, sc_b, sc_s, sbt_b, so_t, so_h, so_s, sl_t, sl_h,
         BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         t = tl.program_id(0)
         hb = tl.program_id(1)
         split = tl.program_id(2)
@@ -82,8 +85,9 @@ if HAS_TRITON:
         Dn, C, HEAD_ROWS,
         sqn_t, sqn_h, sa_s, sa_r, sb_s, sb_o, sb_r, sql_t, sql_h,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
         group = tl.program_id(2)
@@ -130,8 +134,9 @@ if HAS_TRITON:
         Dn, Dv, C, HEAD_ROWS,
         sol_t, sol_h, sa_s, sa_r, sb_s, sb_o, sb_r, so_t, so_h,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
         group = tl.program_id(2)
@@ -218,7 +223,7 @@ def mla_decode_attention(
         block_tables.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=_p2(R), BLOCK_N=32 if block_c <= 256 else 16,
         NUM_SPLITS=ns, PRECISION=dot_precision(kv_cache.dtype),
-        num_warps=8 if block_c >= 512 else 4,
+        num_warps=8 if block_c >= 512 else 4, **pdl_args(q_lat.device),
     )
     if ns == 1:
         return o_part[:, :, 0]
@@ -247,7 +252,7 @@ def mla_kvb_lora_q(q_nope: torch.Tensor, lora: KVBLoRAArgs, q_lat: torch.Tensor)
         q_nope.stride(0), q_nope.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
         q_lat.stride(0), q_lat.stride(1),
         BLOCK_M=bm, BLOCK_R=_p2(Rmax), BLOCK_D=min(_p2(Dn), 64), BLOCK_C=min(_p2(C), 128),
-        PRECISION=dot_precision(a.dtype),
+        PRECISION=dot_precision(a.dtype), **pdl_args(q_nope.device),
     )
 
 
@@ -271,7 +276,7 @@ def mla_kvb_lora_o(o_lat: torch.Tensor, lora: KVBLoRAArgs, out: torch.Tensor) ->
         o_lat.stride(0), o_lat.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1),
         BLOCK_M=bm, BLOCK_R=_p2(Rmax), BLOCK_V=min(_p2(Dv), 64), BLOCK_C=min(_p2(C), 128),
-        PRECISION=dot_precision(a.dtype),
+        PRECISION=dot_precision(a.dtype), **pdl_args(o_lat.device),
     )
 
 

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, pdl_args, require_triton
 
 TILE_N = 64  # keys per inner step of the split kernel
 SPLIT_PROGRAMS_PER_SM = 4  # split-KV grid target: this many (row, KV head, split) programs per SM
@@ -34,6 +34,8 @@ PREFILL_TILE_ROWS = 128  # (query row, head) pairs per program of the prefill ke
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
     from moelora.kernels.quant.fp8_act_triton import e4m3_groups
 
@@ -81,12 +83,13 @@ if HAS_TRITON:
         sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
+        oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         # QUANT (DIRECT only): also out quantized per (row, head) for an FP8 o_proj: oq [T, Hq * D] e4m3 and
         # os [T, Hq] fp32 (one scale group = one head: D == the GEMM's group), the numbers of quantize_act_group
         # program (t, kvh, sp): query row t, its G heads of KV head kvh, the sp-th chunk of tps tiles of
         # the row's key range [lo_key, pos] (tiles of TILE positions counted from lo_key's tile)
+        pdl_enter(PDL)
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -158,10 +161,11 @@ if HAS_TRITON:
         out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
         window, NUM_SPLITS, MIN_TILES, so_t, so_h,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TILE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
+        HAS_WINDOW: tl.constexpr, oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         # program (t, h): out[t, h] = sum_s w_s * o_s over the row's active splits, in index order,
         # w_s = l_s * 2^(m_s - M) / sum_s' l_s' * 2^(m_s' - M), M = max_s m_s (maxima in log2 units)
+        pdl_enter(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         b, pos, lo_key, tile_lo, tps, n_active = _split_range(
@@ -198,11 +202,12 @@ if HAS_TRITON:
         scale, window, G, B,
         sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, D: tl.constexpr,
-        BLOCK_D: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_D: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
         # program (i, kvh): the i-th query block over all sequences (sequence b owns ceil(n_b / BLOCK_M)
         # consecutive blocks), BLOCK_M of its rows x the G heads of KV head kvh flattened into
         # BLOCK_M * BLOCK_G tile rows, against its causal key range TILE keys at a time (tl.dot)
+        pdl_enter(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         # this block's sequence: the first b whose cumulative block count passes pid
@@ -369,7 +374,7 @@ def paged_attention(
             scale, sliding_window or 0, G, B, *strides,
             BLOCK_SIZE=BS, BLOCK_G=BLOCK_G, BLOCK_M=BLOCK_M, BLOCK_B=max(16, triton.next_power_of_2(B)), D=D,
             BLOCK_D=BLOCK_D, TILE=TILE_N,
-            HAS_WINDOW=has_window, DOT_PRECISION=precision, num_warps=8, num_stages=2,
+            HAS_WINDOW=has_window, DOT_PRECISION=precision, num_warps=8, num_stages=2, **pdl_args(q.device),
         )
         return
     if num_splits is None:
@@ -393,7 +398,7 @@ def paged_attention(
         scale, sliding_window or 0, G, num_splits, min_tiles, *strides,
         BLOCK_SIZE=BS, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
         TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=direct, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2, **(quant if direct else {}),
+        num_warps=4, num_stages=2, **(quant if direct else {}), **pdl_args(q.device),
     )
     if direct:
         return
@@ -401,6 +406,6 @@ def paged_attention(
         out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
         sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
         D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_splits), TILE=TILE_N,
-        HAS_WINDOW=has_window, num_warps=1, **quant,
+        HAS_WINDOW=has_window, num_warps=1, **quant, **pdl_args(out.device),
     )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, pdl_args, require_triton
 from moelora.kernels.lora.groups import SlotGroups
 from moelora.kernels.lora.shrink_expand import lora_expand_ref
 from moelora.kernels.lora.tiles_triton import PREFETCH_MAX_GROUPS, lora_prefetch_tile, lora_prefetched_expand
@@ -26,12 +26,15 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels._triton import pdl_enter
+
     @triton.jit
     def _lora_delta_kernel(h_ptr, b_ptr, d_ptr, off_ptr, ranks_ptr, scale_ptr, slots_ptr, act_ptr, T, O, S, L,
                            sh_s, sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, sdm, sdo,
                            N_SLICES: tl.constexpr, SK: tl.constexpr, BR: tl.constexpr, G: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                           EVEN_R: tl.constexpr):
+                           EVEN_R: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -89,7 +92,7 @@ def lora_delta(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor
             h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
             delta.stride(0), delta.stride(1),
             N_SLICES=n, SK=sk, BR=br, G=triton.next_power_of_2(L), BLOCK_M=bm, BLOCK_N=bn,
-            PRECISION=dot_precision(b_cat.dtype), EVEN_R=R == br, **({"num_warps": num_warps} if num_warps else {}))
+            PRECISION=dot_precision(b_cat.dtype), EVEN_R=R == br, **({"num_warps": num_warps} if num_warps else {}), **pdl_args(h.device))
 
 
 def lora_delta_ref(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.Tensor, ranks: torch.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, pdl_args, require_triton
 from moelora.kernels.lora.groups import SlotGroups
 from moelora.kernels.lora.tiles_triton import lora_b_tile
 
@@ -18,14 +18,17 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels._triton import pdl_enter
+
     @triton.jit
     def _shrink_kernel(
         x_ptr, a_ptr, out_ptr, ranks_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr,
         H, R, S,
         sxm, sxk, sa_i, sa_s, sa_r, sa_k, so_s, so_i, so_m, so_r,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
+        PRECISION: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         if LAUNCH_DEPENDENTS:  # the next kernel (launched with PDL) may start now; it waits before reading out
             tl.extra.cuda.gdc_launch_dependents()
         pid_mr = tl.program_id(0)
@@ -69,8 +72,9 @@ if HAS_TRITON:
         O, S,
         sh_s, sh_i, sh_m, sh_r, sb_s, sb_o, sb_r, sym, syo,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-        PRECISION: tl.constexpr, EVEN_R: tl.constexpr = False,
+        PRECISION: tl.constexpr, EVEN_R: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         pid_mn = tl.program_id(0)
         i = tl.program_id(1)
         group = tl.program_id(2)
@@ -195,7 +199,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, groups: S
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), a.stride(3),
         parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
         BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=_block_k(H, T, block_k), SPLIT_K=split_k, PRECISION=dot_precision(x.dtype),
-        **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}),
+        **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}), **pdl_args(x.device),
     )
 
 
@@ -236,5 +240,5 @@ def lora_expand(
         h.stride(0), h.stride(1), h.stride(2), h.stride(3), b_cat.stride(0), b_cat.stride(1), b_cat.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=h.shape[0], PRECISION=dot_precision(b_cat.dtype),
-        EVEN_R=R % block_r == 0 and b_cat.shape[2] == R, **warps,
+        EVEN_R=R % block_r == 0 and b_cat.shape[2] == R, **warps, **pdl_args(h.device),
     )

@@ -8,12 +8,14 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, pdl_args, require_triton
 from moelora.kernels.quant.fp8_act_triton import act_quant_buffers, act_quant_ok, attach_act_quant
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
     from moelora.kernels.quant.fp8_act_triton import store_group_quant
 
@@ -46,7 +48,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _silu_and_mul_kernel(gu_ptr, d_ptr, out_ptr, q_ptr, qs_ptr, I, s_gm, s_gn, s_dm, s_dn, s_om, s_on, s_qm,
-                             s_qsm, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0):
+                             s_qsm, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         p = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < I
@@ -65,7 +68,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _combine_kernel(o_ptr, d_ptr, w_ptr, out_ptr, H, s_op, s_oh, s_dp, s_dh, s_wt, s_wk, s_ot, s_oh2,
-                        K: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                        K: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H
@@ -112,7 +116,7 @@ def silu_and_mul(gu: torch.Tensor, out: torch.Tensor | None = None, delta: torch
         _silu_and_mul_kernel[(P, triton.cdiv(inter, block))](gu, d, out, q, qs, inter, gu.stride(0), gu.stride(1),
                                                              sdm, sdn, out.stride(0), out.stride(1), q.stride(0),
                                                              qs.stride(0), HAS_DELTA=delta is not None, BLOCK=block,
-                                                             QUANT_GROUP=quant_group if quant else 0)
+                                                             QUANT_GROUP=quant_group if quant else 0, **pdl_args(gu.device))
     if quant:
         attach_act_quant(out, q, qs, quant_group)
     return out
@@ -135,7 +139,7 @@ def moe_combine(o: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor |
         _combine_kernel[(T, triton.cdiv(H, block))](o, d, topk_weights, out, H, o.stride(0), o.stride(1), sdp, sdh,
                                                     topk_weights.stride(0), topk_weights.stride(1),
                                                     out.stride(0), out.stride(1), K=K,
-                                                    HAS_DELTA=delta is not None, BLOCK=block)
+                                                    HAS_DELTA=delta is not None, BLOCK=block, **pdl_args(o.device))
     return out
 
 

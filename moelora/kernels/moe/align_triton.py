@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, pdl_args, require_triton
 from moelora.kernels.streams import launched_on
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -50,10 +52,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_align_kernel(ids_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS,
-                          BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
         # one program, P <= BLOCK_P: sort the keys e * BLOCK_P + p (stable by construction; pairs on no local
         # expert get e = E and sort last), then pair i of the sorted order goes to i + shift[e], shift[e] =
         # (padded start of e's group) - (pairs on experts below e); shift goes through global scratch
+        pdl_enter(PDL)
         offs = tl.arange(0, BLOCK_P)
         e = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
         e = tl.where((e >= 0) & (e < E), e, E)
@@ -92,9 +95,10 @@ if HAS_TRITON:
     @triton.jit
     def _lora_align_count_kernel(ids_ptr, slots_ptr, totals_ptr, sorted_ptr, bexp_ptr, P, E, TOP_K, P_MAX,
                                  NUM_BLOCKS, FILL_P, FILL_B, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                                 BLOCK_E: tl.constexpr):
+                                 BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
         # program s: totals[s] = the padded size of slot s's groups (its pairs counted by expert, each count rounded
         # up to BLOCK_M); its share of sorted_ids filled with P and of block_vexpert with -1 (placed over later)
+        pdl_enter(PDL)
         s = tl.program_id(0)
         offs = tl.arange(0, BLOCK_P)
         offs_e = tl.arange(0, BLOCK_E)
@@ -112,8 +116,9 @@ if HAS_TRITON:
     @triton.jit
     def _lora_align_place_kernel(ids_ptr, slots_ptr, totals_ptr, shift_ptr, sorted_ptr, bexp_ptr, P, E, TOP_K, S,
                                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                                 BLOCK_S: tl.constexpr):
+                                 BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
         # program s: slot s's groups start after the slots below it (totals); its pairs sorted by expert and placed
+        pdl_enter(PDL)
         s = tl.program_id(0)
         offs = tl.arange(0, BLOCK_P)
         offs_s = tl.arange(0, BLOCK_S)
@@ -124,8 +129,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _align_count_kernel(ids_ptr, counts_ptr, sorted_ptr, P, P_MAX, FILL,
-                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+                            BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
         # program c: counts[c, e] = #pairs of chunk c on expert e; pads sorted_ids[c*FILL : (c+1)*FILL] with P
+        pdl_enter(PDL)
         c = tl.program_id(0)
         offs_e = tl.arange(0, BLOCK_E)
         offs_p = tl.arange(0, BLOCK_P)
@@ -139,8 +145,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _align_offsets_kernel(counts_ptr, base_ptr, bexp_ptr, C, NUM_BLOCKS,
-                              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
+                              PDL: tl.constexpr = False):
         # one program: base[c, e] = pairs of e in chunks before c (c < C), base[C, e] = start of e's group; block -> expert
+        pdl_enter(PDL)
         offs_e = tl.arange(0, BLOCK_E)
         offs_c = tl.arange(0, BLOCK_C)
         carry = tl.zeros((BLOCK_E,), tl.int32)
@@ -161,8 +169,10 @@ if HAS_TRITON:
             tl.store(bexp_ptr + bb, tl.where(start < total, be, -1), mask=bb < NUM_BLOCKS)
 
     @triton.jit
-    def _align_place_kernel(ids_ptr, base_ptr, sorted_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    def _align_place_kernel(ids_ptr, base_ptr, sorted_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                            PDL: tl.constexpr = False):
         # program c: each pair of chunk c goes to base[C, e] + base[c, e] + (its rank among the chunk's pairs of e)
+        pdl_enter(PDL)
         c = tl.program_id(0)
         offs_e = tl.arange(0, BLOCK_E)
         pp = c * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -187,7 +197,7 @@ def _align_one_program(ids: torch.Tensor, num_experts: int, P: int, block_m: int
     with launched_on(stream):
         _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, shift, P, num_experts, sorted_ids.shape[0],
                                 block_expert.shape[0], BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)),
-                                BLOCK_E=block_e1, num_warps=4 if P <= 512 else 8)
+                                BLOCK_E=block_e1, num_warps=4 if P <= 512 else 8, **pdl_args(ids.device))
     return sorted_ids, block_expert
 
 
@@ -218,10 +228,12 @@ def moe_lora_align_triton(topk_ids: torch.Tensor, token_slots: torch.Tensor, num
     warps = 4 if P <= 512 else 8
     _lora_align_count_kernel[(max_loras,)](ids, token_slots, totals, sorted_ids, bvex, P, num_experts, K, p_max,
                                            n_blocks, triton.cdiv(p_max, max_loras), triton.cdiv(n_blocks, max_loras),
-                                           BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=warps)
+                                           BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=warps,
+                                           **pdl_args(dev))
     _lora_align_place_kernel[(max_loras,)](ids, token_slots, totals, shift, sorted_ids, bvex, P, num_experts, K,
                                            max_loras, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_E=block_e,
-                                           BLOCK_S=max(16, triton.next_power_of_2(max_loras)), num_warps=warps)
+                                           BLOCK_S=max(16, triton.next_power_of_2(max_loras)), num_warps=warps,
+                                           **pdl_args(dev))
     return sorted_ids, bvex
 
 
@@ -253,9 +265,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)
     with launched_on(stream):
         _align_count_kernel[(C,)](ids, counts, sorted_ids, P, p_max, triton.cdiv(p_max, C),
-                                  BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+                                  BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4, **pdl_args(dev))
         _align_offsets_kernel[(1,)](counts, base, block_expert, C, n_blocks,
-                                    BLOCK_M=block_m, BLOCK_C=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8)
-        _align_place_kernel[(C,)](ids, base, sorted_ids, P, C, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+                                    BLOCK_M=block_m, BLOCK_C=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8,
+                                    **pdl_args(dev))
+        _align_place_kernel[(C,)](ids, base, sorted_ids, P, C, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4,
+                                  **pdl_args(dev))
     return sorted_ids, block_expert
 

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, pdl_args, require_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,9 @@ if HAS_TRITON:
         N, D, P, HALF,
         s_im, s_id, s_we, s_wn, s_wd, s_om, s_on,
         ROW_DIV: tl.constexpr, FUSE_ACT: tl.constexpr, HAS_PW: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         pid_n = tl.program_id(0)  # n tiles of one block are neighbours: they share the block's input rows
         b = tl.program_id(1)
         e = tl.load(bexp_ptr + b)
@@ -160,7 +163,7 @@ def expert_gemm(
         inp.stride(0), inp.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         ROW_DIV=top_k if gather_rows else 1, FUSE_ACT=fuse_act, HAS_PW=pair_weights is not None,
         EVEN_K=D % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION=dot_precision(inp.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=dot_precision(inp.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(inp.device),
     )
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, pdl_args, require_triton
 from moelora.kernels.moe.experts import route_topk_ref
 
 FUSED_ROUTER_MAX_T = 256  # rows; above it F.linear + route_topk (the partials grow with T, the launch gains nothing)
@@ -25,12 +25,15 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels._triton import pdl_enter
+
     @triton.jit
     def _router_topk_kernel(x_ptr, g_ptr, ws_ptr, cnt_ptr, lg_ptr, w_ptr, ids_ptr, T, E, H, K_PER_SPLIT,
                             s_xt, s_xh, s_ge, s_gh, s_lt, s_le,
                             TOP_K: tl.constexpr, KS: tl.constexpr, EB: tl.constexpr, BLOCK_T: tl.constexpr,
                             BLOCK_E: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_K: tl.constexpr, RENORM: tl.constexpr, PRECISION: tl.constexpr):
+                            BLOCK_K: tl.constexpr, RENORM: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         pid_t = tl.program_id(0)
         pid_s = tl.program_id(1)
         pid_e = tl.program_id(2)
@@ -165,7 +168,7 @@ def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
         x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), logits.stride(0), logits.stride(1),
         TOP_K=top_k, KS=ks, EB=eb, BLOCK_T=bt, BLOCK_E=be, BLOCK_EP=max(16, triton.next_power_of_2(E)),
         BLOCK_H=bh, BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORM=renormalize,
-        PRECISION=dot_precision(x.dtype), num_warps=nw)
+        PRECISION=dot_precision(x.dtype), num_warps=nw, **pdl_args(x.device))
     return w, ids, logits
 
 
@@ -181,7 +184,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _route_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, s_t, s_e,
-                           K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+                           K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         mask = offs < E
@@ -218,6 +222,6 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         _route_topk_kernel[(T,)](router_logits, w, ids, E, router_logits.stride(0), router_logits.stride(1),
                                  K=top_k, BLOCK_E=max(16, triton.next_power_of_2(E)),
                                  BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORM=renormalize,
-                                 num_warps=1 if E <= 256 else 4)
+                                 num_warps=1 if E <= 256 else 4, **pdl_args(router_logits.device))
     return w, ids
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, pdl_args, require_triton
 from moelora.kernels.moe_lora.chain import pair_virtual_experts
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
 
 def moe_lora_align_fast(
@@ -37,7 +39,7 @@ def moe_lora_align_fast(
     sorted_ids = torch.full((p_max,), P, dtype=torch.int32, device=dev)
     fill = torch.zeros(V, dtype=torch.int32, device=dev)
     block = 256
-    _align_scatter_kernel[(triton.cdiv(P, block),)](v, cum, padded, fill, sorted_ids, P, V, BLOCK=block)
+    _align_scatter_kernel[(triton.cdiv(P, block),)](v, cum, padded, fill, sorted_ids, P, V, BLOCK=block, **pdl_args(v.device))
     block_start = torch.arange(0, p_max, block_m, device=dev)
     bv = torch.searchsorted(cum, block_start, right=True)
     block_vexpert = torch.where(block_start < cum[-1], bv, torch.full_like(bv, -1)).to(torch.int32)
@@ -47,7 +49,8 @@ def moe_lora_align_fast(
 if HAS_TRITON:
 
     @triton.jit
-    def _align_scatter_kernel(v_ptr, cum_ptr, padded_ptr, fill_ptr, out_ptr, P, V, BLOCK: tl.constexpr):
+    def _align_scatter_kernel(v_ptr, cum_ptr, padded_ptr, fill_ptr, out_ptr, P, V, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < P
         v = tl.load(v_ptr + offs, mask=mask, other=V)

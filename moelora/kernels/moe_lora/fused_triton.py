@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, pdl_args, require_triton
 from moelora.kernels.moe.act_triton import silu_and_mul_ref
 from moelora.kernels.moe_lora.args import ProjLoRA, Routing
 from moelora.kernels.moe_lora.chain import moe_lora_expand_ref, moe_lora_shrink_ref
@@ -39,6 +39,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels._triton import pdl_enter
+
     @triton.jit
     def _moe_lora_fused_kernel(
         x_ptr, a_ptr, b_ptr, y_ptr, off_ptr, ranks_ptr, scale_ptr, ids_ptr, slots_ptr, w_ptr,
@@ -48,8 +50,9 @@ if HAS_TRITON:
         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
         D_STAGES: tl.constexpr = 1, E_STAGES: tl.constexpr = 1, EVEN_R: tl.constexpr = False,
         asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, SLICE_FIRST: tl.constexpr = False,
-        xd_ptr=None, sxdm=0, sxdn=0, ACT_IN: tl.constexpr = False, HAS_XD: tl.constexpr = False,
+        xd_ptr=None, sxdm=0, sxdn=0, ACT_IN: tl.constexpr = False, HAS_XD: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         if SLICE_FIRST:  # grid (n, P, SPLIT_N): the slices of one pair side by side
             p = tl.program_id(1)
             i = tl.program_id(0)
@@ -223,7 +226,7 @@ def moe_lora_fused(
         EVEN_R=e_stages > 1 and a.shape[3] == block_r, num_warps=warps,
         **({"asrc_ptr": lora.a_src, "HAS_A_SRC": True} if lora.a_src is not None else {}),
         **({"SLICE_FIRST": True} if slice_first else {}),
-        **act_kw,
+        **act_kw, **pdl_args(x.device),
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, pdl_args, require_triton
 from moelora.kernels.moe import align_triton
 from moelora.kernels.moe_lora.args import ProjLoRA, Routing
 from moelora.kernels.moe_lora.chain import moe_lora_align
@@ -35,6 +35,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels._triton import pdl_enter
+
     from moelora.kernels.lora.tiles_triton import lora_b_tile
 
     @triton.jit
@@ -46,8 +48,9 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr, PRECISION: tl.constexpr, EVEN_R: tl.constexpr = False,
         asrc_ptr=None, HAS_A_SRC: tl.constexpr = False, NS: tl.constexpr = 1,
-        SHRINK_ONLY: tl.constexpr = False, sh_i=0, h_r=0,
+        SHRINK_ONLY: tl.constexpr = False, sh_i=0, h_r=0, PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         if NS > 1:  # the shrink alone with every slice in one program (moe_lora_grouped_shrink): x read once
             _grouped_slices_shrink(x_ptr, a_ptr, y_ptr, ranks_ptr, sorted_ptr, bvex_ptr, S, E, K, P, D, sxm, sxd, sa_i,
                                    sa_s, sa_e, sa_r, sa_d, syp, syo, X_PER_PAIR, BLOCK_M, BLOCK_R, BLOCK_D, PRECISION,
@@ -300,7 +303,7 @@ def moe_lora_grouped(
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split,
         PRECISION="ieee" if f32 else None, EVEN_R=R == block_r,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"asrc_ptr": lora.a_src, "HAS_A_SRC": True} if lora.a_src is not None else {}),
+        **({"asrc_ptr": lora.a_src, "HAS_A_SRC": True} if lora.a_src is not None else {}), **pdl_args(x.device),
     )
 
 
@@ -354,5 +357,5 @@ def moe_lora_grouped_shrink(
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=16, SPLIT_N=1,
         PRECISION="ieee" if f32 else None, NS=ns, SHRINK_ONLY=True, sh_i=h.stride(0), h_r=R,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **({"asrc_ptr": lora.a_src, "HAS_A_SRC": True} if lora.a_src is not None else {}),
+        **({"asrc_ptr": lora.a_src, "HAS_A_SRC": True} if lora.a_src is not None else {}), **pdl_args(x.device),
     )

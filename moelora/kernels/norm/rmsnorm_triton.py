@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, pdl_args, require_triton
 from moelora.kernels.quant.fp8_act_triton import act_quant_buffers, act_quant_ok, attach_act_quant
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
     from moelora.kernels.quant.fp8_act_triton import store_group_quant
 
@@ -23,12 +25,13 @@ if HAS_TRITON:
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0,
                          d_ptr=None, sd=0, HAS_DELTA: tl.constexpr = False,
                          co_ptr=None, cw_ptr=None, cd_ptr=None, s_co=0, s_cwt=0, s_cd=0,
-                         COMBINE_K: tl.constexpr = 0, COMBINE_DELTA: tl.constexpr = False):
+                         COMBINE_K: tl.constexpr = 0, COMBINE_DELTA: tl.constexpr = False, PDL: tl.constexpr = False):
         # COMBINE_K > 0 (a deferred routed-expert combine, moe.act_triton.defer_moe_combine): x is not read; its
         # row is moe_combine's, sum_k w[row, k] * (o[row * K + k] (+ delta, rounded once to o's dtype)) in fp32 over
         # the k of weight != 0, rounded once to o's dtype: the numbers moe_combine would have stored in x
         # HAS_DELTA (dense_lora.defer): the LoRA delta d [rows, D] of the layer that produced x (o_proj) added to
         # x first, rounded once: x = x + d, then the residual add
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < D
@@ -63,9 +66,10 @@ if HAS_TRITON:
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, Hq, Hkv, sqt, sqh, skt, skh, eps, scaling,
                              v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, sc_slot, sc_h,
                              HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-                             d_ptr=None, sdt=0, HAS_DELTA: tl.constexpr = False):
+                             d_ptr=None, sdt=0, HAS_DELTA: tl.constexpr = False, PDL: tl.constexpr = False):
         # HAS_DELTA (dense_lora.defer): qkv_proj's LoRA delta d [T, (Hq + 2 Hkv) * D] (the qkv layout: head h of
         # the q, k, v heads in that order at columns h * D) added to each head as it is loaded, rounded once
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs = tl.arange(0, BLOCK_H)
@@ -178,7 +182,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, y, ro, q, qs, D, x2.stride(0), r2.stride(0), y.stride(0),
                                   ro.stride(0), q.stride(0), qs.stride(0), eps, HAS_RES=residual is not None,
-                                  BLOCK=block, QUANT_GROUP=quant_group if quant else 0, **extra)
+                                  BLOCK=block, QUANT_GROUP=quant_group if quant else 0, **extra, **pdl_args(x2.device))
     out = y.view(x.shape)
     if quant and x.dim() == 2:
         attach_act_quant(out, q, qs, quant_group)
@@ -234,5 +238,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         _qk_norm_rope_kernel[(T, heads)](
             q, k, q_weight if norm else inv_freq, k_weight if norm else inv_freq, positions, inv_freq,
             Hq, Hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, attention_scaling, *kv_args,
-            HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), NORM=norm, WRITE_KV=kv_write is not None, **extra,
+            HALF=D // 2, BLOCK_H=triton.next_power_of_2(D // 2), NORM=norm, WRITE_KV=kv_write is not None, **extra, **pdl_args(q.device),
         )

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels._triton import HAS_TRITON, pdl_args, require_triton
 from moelora.kernels.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
     @triton.jit
     def e4m3_groups(vg, FP8_MAX_C: tl.constexpr):
@@ -23,7 +25,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, sxt, sqt, sst, FP8_MAX_C: tl.constexpr,
-                          GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                          GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         offs = g * GROUP + tl.arange(0, BLOCK)
@@ -61,7 +64,7 @@ def quantize_act_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor,
     s = torch.empty(T, G, dtype=torch.float32, device=x.device)
     if T:
         _act_quant_kernel[(T, G)](x, q, s, K, x.stride(0), q.stride(0), s.stride(0), FP8_MAX_C=FP8_MAX,
-                                  GROUP=group, BLOCK=triton.next_power_of_2(group))
+                                  GROUP=group, BLOCK=triton.next_power_of_2(group), **pdl_args(x.device))
     return q, s
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, DeviceError, dot_precision, require_triton
+from moelora.kernels._triton import DeviceError, HAS_TRITON, dot_precision, pdl_args, require_triton
 from moelora.kernels.lora.groups import SlotGroups
 from moelora.kernels.lora.shrink_expand import lora_expand_ref
 from moelora.kernels.lora.tiles_triton import PREFETCH_MAX_GROUPS
@@ -25,6 +25,8 @@ MIN_CAPABILITY = (8, 9)
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
     from moelora.kernels.lora.tiles_triton import lora_expand_tile, lora_prefetch_tile, lora_prefetched_expand
     from moelora.kernels.quant.split_k_triton import split_k_reduce
@@ -43,7 +45,7 @@ if HAS_TRITON:
         LORA_N: tl.constexpr = 0, LORA_SK: tl.constexpr = 1, LORA_BR: tl.constexpr = 16,
         LORA_PRECISION: tl.constexpr = "ieee", LORA_SPLIT: tl.constexpr = 0, PARTS: tl.constexpr = 1,
         LORA_GROUPS: tl.constexpr = 8, LORA_WAIT: tl.constexpr = False, LORA_EVEN_R: tl.constexpr = False,
-        LORA_FLAGS: tl.constexpr = 2048,
+        LORA_FLAGS: tl.constexpr = 2048, PDL: tl.constexpr = False,
     ):
         # a: the e4m3 input [M / A_ROW_DIV, K], its group scales as_ptr (fp8_act_triton.fp8_prequantize); output row
         # r (a pair, or a dense row) reads input row r // A_ROW_DIV (top_k: the routed experts' token rows in place)
@@ -62,6 +64,13 @@ if HAS_TRITON:
         #   the tile (the K splits are sk = 1 .. SPLIT_K): mode 2's sums in the same order.
         # LORA_WAIT (launched with PDL right after the shrink): the K steps run beside the shrink and whatever adds
         # the LoRA tile first waits for it (gdc_wait) before reading h; every other input was written before.
+        # PDL (_triton.pdl_enter): wait, then let the next kernel start; with LORA_WAIT the K steps come first and
+        # every program waits after them (the kernels after this one see the shrink complete).
+        if LORA_WAIT:
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
+        else:
+            pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         sk = tl.program_id(2)
@@ -102,6 +111,9 @@ if HAS_TRITON:
             b = tl.load(b_base + kk[None, :] * sbk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
             b_s = tl.load(bs_base + (k0 // GROUP_K) * sbsk, mask=mask_n, other=0.0)  # [BN]
             acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        if LORA_WAIT:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
         tile = pid_m * tl.num_programs(1) + pid_n
         if LORA_SPLIT == 2 or LORA_SPLIT == 4:
             if sk == (SPLIT_K if LORA_SPLIT == 2 else 0):  # the LoRA program
@@ -357,7 +369,7 @@ def launch_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
         num_stages=cfg.num_stages,
         **(lora.kernel_args(prefetch=lora_split == 3) if lora is not None else {}),
         **({"LORA_SPLIT": lora_split} if lora is not None else {}), **({"PARTS": parts} if parts > 1 else {}),
-        **({"LORA_WAIT": True, "launch_pdl": True} if pdl else {}),
+        **{**pdl_args(a.device), **({"LORA_WAIT": True, "launch_pdl": True} if pdl else {})},
     )
 
 

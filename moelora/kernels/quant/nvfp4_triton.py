@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora.kernels._triton import HAS_TRITON, dot_precision, interpreting, require_triton
+from moelora.kernels._triton import HAS_TRITON, dot_precision, interpreting, pdl_args, require_triton
 from moelora.kernels.quant.fp8_experts_triton import expert_align_blocks, fp8_grouped_align
 from moelora.kernels.quant.nvfp4 import GROUP, dequantize_nvfp4
 from moelora.kernels.quant.split_k_triton import split_k_buffers
@@ -18,6 +18,8 @@ from moelora.kernels.quant.split_k_triton import split_k_buffers
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from moelora.kernels._triton import pdl_enter
 
     from moelora.kernels.quant.split_k_triton import split_k_reduce  # the split-K epilogue both GEMMs share
 
@@ -69,7 +71,7 @@ if HAS_TRITON:
         sam, sak, swe, swn, swk, sse, ssn, ssk, s2e, s2n, scm, scn,
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        DECODE: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, A_ROW_DIV: tl.constexpr = 1,
+        DECODE: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, A_ROW_DIV: tl.constexpr = 1, PDL: tl.constexpr = False,
     ):
         """One [BLOCK_M, BLOCK_N] output tile. Per K step the packed bytes [BLOCK_N, BLOCK_K / 2] are read once
         (contiguous), and each nibble plane becomes e4m3 bits with a few byte operations: an e2m1 code s|ee|m is
@@ -79,6 +81,7 @@ if HAS_TRITON:
         SPLIT_K > 1 (dense decode: few output tiles): split sk takes the K steps sk, sk + SPLIT_K, ..., stores its
         fp32 partial in ws[sk] and counts itself in cnt[tile]; the split arriving last adds the partials in order
         sk = 0, 1, ... (deterministic), writes the output and resets the counter (split_k_triton)."""
+        pdl_enter(PDL)
         HALF: tl.constexpr = BLOCK_K // 2
         GROUPS: tl.constexpr = BLOCK_K // 16  # e4m3 scales per row and K step (one per 16 elements)
         pid_m = tl.program_id(0)
@@ -223,7 +226,7 @@ def _launch(x, packed, scale, scale_2, out, bias, ids, bexp, block_m: int, grid_
         GROUPED=ids is not None, HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         DECODE=_decode_mode(cfg.decode, x), SPLIT_K=split_k, A_ROW_DIV=a_row_div, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_args(x.device),
     )
 
 
