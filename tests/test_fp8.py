@@ -826,5 +826,5 @@ def test_fp8_prefill_tiles_give_the_same_sums(site, monkeypatch):
     tol = 2**-7 if default.dtype == torch.bfloat16 else 1e-5
     assert ((default.float() - ref.float()).norm() / ref.float().norm()) < tol
     # decode sizes (the CUDA graphs stop at 256 rows, 2,048 pairs at top-8) never take the prefill tiles
-    assert ft._dense_block_m(256) == 64
+    assert ft.dense_block_m(256) == 64
     assert real(40, N, True, 2048).num_warps == 4 and real(4, N, False, 256).num_warps == 4

@@ -60,11 +60,11 @@ def check_backend(reference: str | None, device: torch.device | str) -> None:
 # ---- storage -----------------------------------------------------------------------------------------------
 
 
-def _param(t: torch.Tensor) -> nn.Parameter:
+def frozen_param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _weight_names(module: nn.Module) -> list[str]:
+def weight_names(module: nn.Module) -> list[str]:
     return ["gate_up_proj", "down_proj"] if hasattr(module, "down_lora") else ["weight"]
 
 
@@ -79,7 +79,7 @@ def to_fp8(module: nn.Module, state: Fp8State, quantize: bool) -> None:
     (online quantization of a bf16 checkpoint or dummy weights); False: empty storage for an FP8 checkpoint."""
     if getattr(module, "quant", None) is not None:
         return
-    for name in _weight_names(module):
+    for name in weight_names(module):
         w = getattr(module, name)
         if quantize:
             q, s = quantize_weight_block(w.data, state.block)
@@ -89,8 +89,8 @@ def to_fp8(module: nn.Module, state: Fp8State, quantize: bool) -> None:
             s = torch.ones(*lead, -(-n // state.block[0]), -(-k // state.block[1]), dtype=torch.float32,
                            device=w.device)
         delattr(module, name)
-        module.register_parameter(name, _param(q))
-        module.register_parameter(scale_name(name), _param(s))
+        module.register_parameter(name, frozen_param(q))
+        module.register_parameter(scale_name(name), frozen_param(s))
     module.quant = state
 
 

@@ -42,8 +42,8 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.out_features = list(out_features)
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, dtype=dtype, device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(sum(out_features), dtype=dtype, device=device), requires_grad=False) \
-            if bias else None
+        self.bias = (nn.Parameter(torch.zeros(sum(out_features), dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
         self.lora: LoRAWeights | None = None
         self.quant = None  # a quantized base weight: layers/fp8.py Fp8State or layers/nvfp4.py Nvfp4State
         self.lora_backend = self.deferred_backend = None

@@ -20,7 +20,7 @@ from moelora.kernels._triton import DeviceError
 from moelora.kernels.quant.fp8_experts_triton import fp8_grouped_align
 from moelora.kernels.quant.nvfp4 import GROUP, dequantize_nvfp4, quantize_nvfp4
 from moelora.kernels.quant.nvfp4_triton import nvfp4_expert_gemm, nvfp4_grouped_gemm, nvfp4_linear
-from moelora.layers.fp8 import _param, _weight_names, fp8_modules
+from moelora.layers.fp8 import frozen_param, weight_names, fp8_modules
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def to_nvfp4(module: nn.Module, state: Nvfp4State, quantize: bool) -> None:
     scale per weight, as ModelOpt writes per checkpoint tensor), False leaves empty storage for a checkpoint."""
     if getattr(module, "quant", None) is not None:
         return
-    for name in _weight_names(module):
+    for name in weight_names(module):
         w = getattr(module, name)
         *lead, n, k = w.shape
         if k % GROUP:
@@ -105,9 +105,9 @@ def to_nvfp4(module: nn.Module, state: Nvfp4State, quantize: bool) -> None:
             scale = torch.zeros(*lead, n, k // GROUP, dtype=torch.float8_e4m3fn, device=dev)
             scale_2 = torch.zeros(*lead, n, dtype=torch.float32, device=dev)
         delattr(module, name)
-        module.register_parameter(name, _param(packed))
-        module.register_parameter(name + "_scale", _param(scale))
-        module.register_parameter(name + "_scale_2", _param(scale_2))
+        module.register_parameter(name, frozen_param(packed))
+        module.register_parameter(name + "_scale", frozen_param(scale))
+        module.register_parameter(name + "_scale_2", frozen_param(scale_2))
     module.quant = state
 
 

@@ -16,7 +16,7 @@ from moelora.kernels.quant.fp8_act_triton import fp8_prequantize
 from moelora.kernels.quant.fp8_triton import Fp8GemmConfig, Fp8LoRAEpilogue, launch_fp8_gemm
 
 
-def _block_m(rows: int) -> int:
+def expert_block_m(rows: int) -> int:
     return 16 if rows <= 512 else 64
 
 
@@ -40,7 +40,7 @@ def fp8_grouped_gemm(
     out = torch.empty(P, w_fp8.shape[1], dtype=out_dtype, device=x.device)
     if P == 0:
         return out
-    bm = _block_m(P)
+    bm = expert_block_m(P)
     sorted_ids, bexp = align if align is not None else fp8_grouped_align(pair_exp, w_fp8.shape[0], bm)
     x, x_scale = fp8_prequantize(x, block[1], x_scale)
     launch_fp8_gemm(x, x_scale, w_fp8, w_scale_inv, out, None, block, sorted_ids, bexp, bm, bexp.shape[0],
@@ -144,7 +144,7 @@ def fp8_grouped_align(pair_exp: torch.Tensor, num_experts: int, block_m: int | N
     """Rows grouped by expert, each group padded to block_m (moe_lora_align with one slot): (sorted_ids [P_max]
     int32, padding = P; block_expert [P_max / block_m] int32, -1 past the end)."""
     P = pair_exp.numel()
-    bm = block_m or _block_m(P)
+    bm = block_m or expert_block_m(P)
     slots = torch.zeros(P, dtype=torch.int32, device=pair_exp.device)
     align = moe_lora_align_fast if pair_exp.is_cuda else moe_lora_align
     return align(pair_exp.view(P, 1), slots, num_experts, 1, bm)

@@ -177,7 +177,7 @@ def pdl_supported(device: torch.device | str) -> bool:
 @dataclass(frozen=True)
 class Fp8GemmConfig:
     """Launch parameters of _fp8_gemm_kernel (the K step is the scale group), for a launcher's `config=` (sweeps,
-    tests; None: fp8_gemm_config's). block_m: rows per program of the dense GEMM (0: _dense_block_m's; the
+    tests; None: fp8_gemm_config's). block_m: rows per program of the dense GEMM (0: dense_block_m's; the
     grouped GEMM takes the alignment's). split_k: K splits of the dense GEMM (0: fp8_split_k's; 1: none; the
     grouped GEMM never splits). Only split_k changes the fp32 summation order (partials added in split order)."""
 
@@ -231,7 +231,7 @@ def fp8_split_k(tiles: int, k_steps: int, block_m: int = 16) -> int:
     return splits
 
 
-def _dense_block_m(rows: int) -> int:
+def dense_block_m(rows: int) -> int:
     """Rows per program of the dense GEMM: the whole batch up to 64 rows (each weight tile read once; the sweep:
     qkv at 64 / 256 tokens 11.7 -> 8.5 / 27.4 -> 13.8 us against 16-row blocks), 64 beyond."""
     return 16 if rows <= 16 else (32 if rows <= 32 else 64)
@@ -387,7 +387,7 @@ def fp8_linear(
                          f"{tuple(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}")
     if T == 0:
         return out
-    bm = config.block_m if config is not None and config.block_m else _dense_block_m(T)
+    bm = config.block_m if config is not None and config.block_m else dense_block_m(T)
     mark = getattr(x, "fp8_act", None)
     xq, x_scale = fp8_prequantize(x, block[1], x_scale)
     no_launch = x.dtype == FP8_DTYPE or (mark is not None and xq is mark[0])

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, dot_precision, interpreting, require_triton
-from moelora.kernels.quant.fp8_experts_triton import _block_m, expert_align_blocks, fp8_grouped_align
-from moelora.kernels.quant.fp8_triton import _dense_block_m
+from moelora.kernels.quant.fp8_experts_triton import expert_block_m, expert_align_blocks, fp8_grouped_align
+from moelora.kernels.quant.fp8_triton import dense_block_m
 from moelora.kernels.quant.nvfp4 import GROUP, dequantize_nvfp4
 from moelora.kernels.quant.split_k_triton import split_k_buffers
 
@@ -229,7 +229,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sca
     T = x.shape[0]
     out = torch.empty(T, packed.shape[0], dtype=x.dtype, device=x.device)
     if T:
-        bm = cfg.block_m or _dense_block_m(T)
+        bm = cfg.block_m or dense_block_m(T)
         _launch(x, packed, scale, scale_2, out, bias, None, None, bm, triton.cdiv(T, bm), cfg)
     return out
 
@@ -255,7 +255,7 @@ def nvfp4_grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     out = torch.empty(P, packed.shape[1], dtype=x.dtype, device=x.device)
     if P == 0:
         return out
-    bm = _block_m(P)
+    bm = expert_block_m(P)
     sorted_ids, bexp = align if align is not None else fp8_grouped_align(pair_exp, packed.shape[0], bm)
     _launch(x, packed, scale, scale_2, out, None, sorted_ids, bexp, bm, bexp.shape[0], config or GROUPED_CONFIG)
     return out
