@@ -194,3 +194,22 @@ def test_check_launch_and_the_engine_on_a_worker_rank(model, monkeypatch):
     with pytest.raises(RuntimeError, match=r"only rank 0 runs the engine; this is rank 3: call "
                                            r"moelora.engine.workers.run_worker"):
         LLMEngine(EngineArgs(model=model[0], device="cpu", tensor_parallel_size=2, expert_parallel_size=2))
+
+
+def test_rank0_pings_the_workers_only_once_they_have_had_init(monkeypatch):
+    """Under torchrun rank 0 pings idle workers; before "init" they are still building their models and take only
+    "plan" or "init" (a ping there failed the launch whenever rank 0's own build took over PING_INTERVAL_S)."""
+    from moelora.engine import workers as w
+
+    group = w.WorkerGroup.__new__(w.WorkerGroup)
+    group.external, group._stopped, group._serving, group._last_ok = True, False, False, 0.0
+    pings = []
+    monkeypatch.setattr(group, "_ping", lambda: pings.append(1))
+    group.check()
+    group.check(ping=True)
+    assert pings == []
+    monkeypatch.setattr(w, "_post", lambda msg, grp: [])
+    group._events, group.state = [], type("S", (), {"control_group": None})()
+    group.send("init", 8)
+    group.check()
+    assert pings == [1]

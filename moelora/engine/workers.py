@@ -329,6 +329,7 @@ class WorkerGroup:
                                "engine still running? call its shutdown() first, or use `with LLM(...) as llm:`)")
         self._events: list[tuple[int, str | None]] = []
         self._stopped = False
+        self._serving = False  # the workers have had "init": they are in their message loop and answer pings
         self.procs: list = []
         self.beacon = None
         # at interpreter exit, called before stop(): the owner's own release (LLM: the engine's shutdown, which
@@ -386,9 +387,10 @@ class WorkerGroup:
 
     def check(self, grace_s: float = 0.0, ping: bool = False) -> None:
         """Raise WorkerFailed if a worker has exited (waiting up to grace_s for one to show its exit). Under
-        torchrun: ping the workers if no step has completed for PING_INTERVAL_S (or now, with ping=True)."""
+        torchrun: ping the workers if no step has completed for PING_INTERVAL_S (or now, with ping=True), once they
+        have had "init" (before it they are building their models and expect "plan" or "init", not a ping)."""
         if self.external:
-            if not self._stopped and (ping or time.monotonic() - self._last_ok >= PING_INTERVAL_S):
+            if self._serving and not self._stopped and (ping or time.monotonic() - self._last_ok >= PING_INTERVAL_S):
                 self._ping()
             return
         self._check_procs(grace_s)
@@ -458,6 +460,7 @@ class WorkerGroup:
         msg, self._events = (list(self._events), kind, payload), []
         with self.guard(kind):
             self._wait(_post(msg, self.state.control_group))
+        self._serving = self._serving or kind == "init"
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's value (the workers contribute theirs after a "plan" message)."""
