@@ -21,7 +21,7 @@ Per request it records the model, the status (``ok`` / ``error`` with a message 
 TTFT (time to the first content chunk), TPOT ((last chunk time - first chunk time) / (tokens - 1)),
 the output tokens (from the final usage chunk, else the number of content chunks) and the latency.
 After the run it reads ``GET /metrics`` (Prometheus text) and keeps the families whose names contain
-``kv_blocks``, ``lora_slots``, ``running``, ``waiting`` or ``prefix_cache``; while it runs it also polls them and
+``kv_blocks``, ``lora_slots``, ``running``, ``waiting``, ``prefix_cache`` or ``step_duration``; while it runs it also polls them and
 keeps each sample's peak (``metrics_peak``; not of the free-block gauges, whose peak says nothing).
 
 The prefix cache (``prefix_cache`` in the summary): ``queries`` and ``hits``, the growth over the run of the server's
@@ -31,6 +31,10 @@ the last one settled; ``hit_rate`` = hits / queries (None where the server lacks
 ``cached_tokens_reported``, the sum of ``usage.prompt_tokens_details.cached_tokens`` over the responses (in streams the
 final usage chunk, which is always asked for), None where no response carried it; ``prompt_tokens_reported``, the sum
 of ``usage.prompt_tokens``. Other clients of the same server count in the counters too.
+
+The engine's steps (``steps`` in the summary): for each kind of the server's ``moelora_step_duration_seconds``
+histogram, ``prefill`` (a step that computed prompt tokens, run eagerly) and ``decode`` (one token a request, a CUDA
+graph where one was captured), how many ran over the run and their mean duration (``mean_ms``).
 
 The KV cache (``kv_cache`` in the summary): ``blocks_total``; ``blocks_free_min``, the fewest free blocks
 during the run, and ``blocks_used_peak`` = total - min free. The minimum comes from the server's
@@ -65,7 +69,7 @@ import httpx
 
 from moelora_bench.common import write_result
 from moelora_bench.serve_metrics import (METRIC_KEYS, fetch_metrics, kv_summary, leaks, parse_metrics, poll_metrics,
-                                         prefix_cache_summary, settle, track)
+                                         prefix_cache_summary, settle, step_summary, track)
 from moelora_bench.serve_requests import (RequestResult, RequestSpec, build_spec, error_text, plain_request,
                                           shared_prefix, shared_prefixes, stream_request)
 from moelora_bench.serve_summary import Progress, format_table, summarize, tick
@@ -268,6 +272,7 @@ async def run_load(args: argparse.Namespace) -> dict:
     summary["kv_cache"] = kv_summary(before, metrics, lows)
     summary["kv_blocks_leaked"], summary["lora_slots_leaked"] = leaks(metrics)
     summary["prefix_cache"] = prefix_cache_summary(before, metrics, results)
+    summary["steps"] = step_summary(before, metrics)
     return summary
 
 

@@ -15,13 +15,14 @@ import httpx
 
 from moelora_bench.serve_requests import RequestResult
 
-METRIC_KEYS = ("kv_blocks", "lora_slots", "running", "waiting", "prefix_cache")
+METRIC_KEYS = ("kv_blocks", "lora_slots", "running", "waiting", "prefix_cache", "step_duration")
 KV_FREE = "moelora_kv_blocks_free"
 KV_FREE_MIN = "moelora_kv_blocks_free_min"  # the server's lowest free-block count since it started
 KV_TOTAL = "moelora_kv_blocks_total"
 SLOTS_IN_USE = "moelora_lora_slots_in_use"
 PREFIX_QUERIES = "moelora_prefix_cache_queries_total"  # prompt tokens looked up in the prefix cache (a counter)
 PREFIX_HITS = "moelora_prefix_cache_hits_total"  # prompt tokens served from it (a counter)
+STEP = "moelora_step_duration_seconds"  # engine steps by kind (a histogram labelled kind="prefill" / "decode")
 
 
 def _fallback_families(text: str):
@@ -204,6 +205,21 @@ def prefix_cache_summary(before: dict | None, after: dict | None, results: list[
             "hit_rate": round(hits / queries, 4) if queries and hits is not None else None,
             "cached_tokens_reported": sum(cached) if cached else None,
             "prompt_tokens_reported": sum(prompt) if prompt else None}
+
+
+def step_summary(before: dict | None, after: dict | None) -> dict:
+    """The engine's steps over the run by kind (prefill: computed prompt tokens; decode: one token a request): how
+    many, and their mean duration in ms, from the growth of the server's step histogram between `before` and
+    `after`; {} where the server lacks it."""
+    out = {}
+    for kind in ("prefill", "decode"):
+        n0, n1 = _counter(before, f'{STEP}_count{{kind="{kind}"}}'), _counter(after, f'{STEP}_count{{kind="{kind}"}}')
+        s0, s1 = _counter(before, f'{STEP}_sum{{kind="{kind}"}}'), _counter(after, f'{STEP}_sum{{kind="{kind}"}}')
+        if n1 is None or s1 is None:
+            continue
+        n, t = int(round(n1 - (n0 or 0))), s1 - (s0 or 0)
+        out[kind] = {"steps": n, "mean_ms": round(1000 * t / n, 3) if n > 0 else None}
+    return out
 
 
 def leaks(after: dict | None) -> tuple[int | None, int | None]:

@@ -164,6 +164,12 @@ def format_table(s: dict) -> str:
         f"({s['output_tokens']} tokens)",
         f"TTFT p50: {_fmt(s['ttft_ms']['p50'])} ms (p99 {_fmt(s['ttft_ms']['p99'])} ms)",
         _prefix_line(s),
+    ]
+    steps = s.get("steps") or {}
+    if steps:
+        lines.append("engine steps: " + "; ".join(
+            f"{kind} {st['steps']} (mean {_fmt(st['mean_ms'])} ms)" for kind, st in steps.items()))
+    lines += [
         "",
         f"{'':12s} {'p50':>10s} {'p99':>10s} {'mean':>10s} {'n':>6s}",
     ]

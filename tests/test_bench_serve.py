@@ -805,6 +805,13 @@ def test_real_server_kv_minimum_and_no_leaks(demo_server, tmp_path):
     assert kv["blocks_used_peak"] == kv["blocks_total"] - kv["blocks_free_min"] > 0
     assert kv["blocks_free_after"] == kv["blocks_total"]
     assert s["kv_blocks_leaked"] == 0 and s["lora_slots_leaked"] == 0
+    # the engine's steps over this run: each of the 12 prompts computed in at least one prefill step; the streams
+    # kept to the end (8+ tokens) decode in later steps, one token a request
+    steps = s["steps"]
+    assert set(steps) == {"prefill", "decode"}
+    assert 1 <= steps["prefill"]["steps"] <= 12 and steps["decode"]["steps"] >= 7
+    assert all(st["mean_ms"] > 0 for st in steps.values())
+    assert f"engine steps: prefill {steps['prefill']['steps']} (mean" in serve.format_table(s)
 
 
 def test_real_server_shared_prefix(demo_server):

@@ -265,10 +265,18 @@ def test_auth_and_body_limit(server):
 
 def test_metrics_count_requests_and_tokens(server):
     before = metric(server, "moelora_generation_tokens_total")
+    decode_steps = 'moelora_step_duration_seconds_count{kind="decode"}'
+    try:
+        decode_before = metric(server, decode_steps)
+    except KeyError:  # no step of that kind yet on this server
+        decode_before = 0.0
     ok_request(server)
     assert metric(server, "moelora_generation_tokens_total") > before
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert 'moelora_requests_total{adapter="upper",status="stop"}' in text
+    # ok_request's "ABC DEF": its prompt and first token in a prefill step, the other 6 tokens in decode steps
+    assert 'moelora_step_duration_seconds_count{kind="prefill"}' in text
+    assert metric(server, decode_steps) - decode_before >= 6
     for name in ("moelora_time_to_first_token_seconds_bucket", "moelora_time_per_output_token_seconds_bucket",
                  "moelora_batch_size_bucket", "moelora_lora_slots_used", "moelora_kv_blocks_free"):
         assert name in text

@@ -135,6 +135,7 @@ class LLMEngine:
         self.sampler = Sampler(min_rows=fused_sampler_min_rows(self.async_scheduling))
         self._pending: PendingStep | None = None  # asynchronous scheduling: a step launched, its tokens not read
         self.ahead_steps = 0  # steps launched before the previous step's tokens were read (stats and tests)
+        self.last_step_prefill = False  # whether the last step run computed prompt tokens (eager, not a graph)
         self.requests: dict[str, Request] = {}
         self._arrival = itertools.count()
         for name, path in (adapters or {}).items():
@@ -275,6 +276,7 @@ class LLMEngine:
         """Run one scheduled step; returns the requests that got new tokens or finished.
         With async_scheduling, a decode step's tokens stay on the device while the next step is scheduled and
         launched from them (engine/async_step.py); this call then returns the earlier step's requests."""
+        self.last_step_prefill = False
         if self._pending is None:
             chunks = self.scheduler.schedule()
             failed = self.scheduler.take_failed()  # requests whose adapter could not be read: they alone end
@@ -316,6 +318,7 @@ class LLMEngine:
         else:
             with self.workers.guard("step"):
                 out = self.runner.execute(chunks)
+        self.last_step_prefill = any(c.num_tokens > 1 for c in chunks)
         for c in chunks:
             c.request.num_computed += c.num_tokens
             self.scheduler.register_blocks(c.request)

@@ -55,7 +55,7 @@ class APIError(Exception):
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(engine.stats, engine.counters)
-    engine.on_step = lambda n: metrics.batch_size.observe(n) if n else None
+    engine.on_step = metrics.observe_step
     tok = engine.engine.tokenizer
     max_len = engine.engine.max_model_len
     defaults = generation_defaults(settings.generation_config, settings.model_path)

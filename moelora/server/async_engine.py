@@ -89,7 +89,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
-        self.on_step: Callable[[int], None] | None = None  # metrics hook: batch size of each step
+        # metrics hook: (requests updated, seconds, whether the step computed prompt tokens) of each step
+        self.on_step: Callable[[int, float, bool], None] | None = None
         # a failure that ends serving (a tensor/expert-parallel worker died): its message, and the server's hook
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
@@ -214,7 +215,9 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
                     continue
+                t0 = time.perf_counter()
                 updated = self.engine.step()
+                seconds = time.perf_counter() - t0
             except WorkerFailed as e:  # the model is gone: end every request, stop the engine and the server
                 self._fatal(str(e))
                 return
@@ -223,7 +226,7 @@ class AsyncEngine:
                 self._abort_all(f"internal error in the engine step: {e}")
                 continue
             if self.on_step is not None:
-                self.on_step(len(updated))
+                self.on_step(len(updated), seconds, self.engine.last_step_prefill)
             for req in updated:
                 self._publish(req)
             if self._draining:

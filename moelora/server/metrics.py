@@ -60,6 +60,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("moelora_generation_tokens", "Tokens generated", registry=r)
         self.batch_size = Histogram("moelora_batch_size", "Requests sampled per engine step", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.step = Histogram("moelora_step_duration_seconds", "Engine steps by kind: prefill (computes prompt "
+                              "tokens, eager) or decode (one token a request, a CUDA graph where captured)",
+                              ["kind"], registry=r,
+                              buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5))
         self.ttft = Histogram("moelora_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.tpot = Histogram("moelora_time_per_output_token_seconds", "Time per output token after the first",
@@ -67,6 +71,12 @@ class ServerMetrics:
         for key, doc in GAUGES.items():
             Gauge(f"moelora_{key}", doc, registry=r).set_function(lambda k=key: stats()[k])
         r.register(_EngineCounters(counters))
+
+    def observe_step(self, updated: int, seconds: float, prefill: bool) -> None:
+        """AsyncEngine.on_step: one engine step, `updated` requests given tokens in `seconds`."""
+        if updated:
+            self.batch_size.observe(updated)
+        self.step.labels(kind="prefill" if prefill else "decode").observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
