@@ -8,9 +8,8 @@
 # env: SHARED_PREFIX (1000), NUM_REQUESTS (128), CONCURRENCY (16; a list, "8 16", measures each on the same
 # servers), OUTPUT_LEN (32), SERVE_ARGS (extra serve flags,
 # default --quantization fp8), PRESET (QWEN3_30B_A3B, or TINY for a check of this script on the CPU with
-# SERVE_ARGS="--device cpu" and no tests: `bash scripts/gpu_serve_bench.sh none`), GPU_MEM (0.45: the two servers
-# run at once, each given that share of the GPU's memory). Each server is warmed up with
-# both workloads as measured (another seed, not recorded) before the measured runs; each concurrency's runs take
+# SERVE_ARGS="--device cpu" and no tests: `bash scripts/gpu_serve_bench.sh none`). Each server is warmed up with
+# both workloads as measured (another seed, not recorded) before its measured runs; each concurrency's runs take
 # their own seed (their own prompts and prefixes: nothing cached by an earlier level is hit). Each run's summary
 # JSON goes to $OUT/serve-prefix-{on,off}-{shared,unshared}-c<concurrency>.json; a table of them is printed last.
 source "$(dirname "$0")/gpu_prelude.sh"  # with the carried wheels
@@ -55,50 +54,43 @@ for i in range(4):
                    "target_modules": list(shapes)}, f)
 print("model and adapters in", work)
 EOF
-# both servers at once, each with GPU_MEM of the GPU's memory: they build, compile and warm up side by side (not
-# measured); the measured runs then take turns, the other server idle
-declare -A PORT=([on]=8123 [off]=8124) PID=()
-for caching in on off; do
+# one server at a time (the memory plan counts every process's use of the GPU, so two servers at once would each
+# see the other's weights as their own), caching off first: its warm-up compiles most kernels, Triton's disk cache
+# then serves them to the second server
+bench() {  # concurrency seed out [bench serve args...]: one `bench serve` run against the server up now
+    local C=$1 seed=$2 out=$3; shift 3
+    python3 -m moelora bench serve --url http://127.0.0.1:8123 --models a0,a1,a2,a3 --num-requests $N \
+        --concurrency $C --output-len $L:$L --seed $seed --no-progress --out "$out" "$@"
+}
+SHAPES=(shared "--shared-prefix-len $SHARED_PREFIX" unshared "--prompt-len 170:200")
+for caching in off on; do
     flag=--enable-prefix-caching; [ $caching = off ] && flag=--no-enable-prefix-caching
     python3 -m moelora serve "$WORK/model" --load-format dummy ${SERVE_ARGS:---quantization fp8} --max-loras 4 \
         --lora a0=$WORK/a0 --lora a1=$WORK/a1 --lora a2=$WORK/a2 --lora a3=$WORK/a3 --max-model-len 4096 \
-        --gpu-memory-utilization ${GPU_MEM:-0.45} --port ${PORT[$caching]} --log-level warning $flag \
-        > "$OUT/serve_$caching.log" 2>&1 &
-    PID[$caching]=$!
-done
-up() { curl -sf localhost:${PORT[$1]}/health >/dev/null; }
-for _ in $(seq 300); do up on && up off && break; sleep 1; done
-for caching in on off; do
-    up $caching || { echo "server ($caching) did not start"; tail -20 "$OUT/serve_$caching.log"; }
-done
-bench() {  # caching concurrency seed out [bench serve args...]: one `bench serve` run against that server
-    local caching=$1 C=$2 seed=$3 out=$4; shift 4
-    python3 -m moelora bench serve --url http://127.0.0.1:${PORT[$caching]} --models a0,a1,a2,a3 \
-        --num-requests $N --concurrency $C --output-len $L:$L --seed $seed --no-progress --out "$out" "$@"
-}
-SHAPES=(shared "--shared-prefix-len $SHARED_PREFIX" unshared "--prompt-len 170:200")
-# warm-up, not recorded: each workload as measured (another seed), so that every kernel its chunk sizes and cache
-# hits need is compiled before the measured runs (Triton compiles at first use: seconds a kernel, which 16 warm-up
-# requests left to the first measured run); with caching on, the warm-up's own prefixes are cached
-warm=()
-for caching in on off; do
-    (for C in $CS; do for i in 1 3; do
-        bench $caching $C $((1000 + C)) "$WORK/warmup-$caching" ${SHAPES[$i]} > /dev/null 2>&1
-    done; done) &
-    warm+=($!)
-done
-wait "${warm[@]}"
-for C in $CS; do
-    for caching in on off; do
+        --port 8123 --log-level warning $flag > "$OUT/serve_$caching.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 300); do
+        curl -sf localhost:8123/health >/dev/null && break
+        kill -0 $pid 2>/dev/null || break  # the server exited (its log says why)
+        sleep 1
+    done
+    if ! curl -sf localhost:8123/health >/dev/null; then
+        echo "server ($caching) did not start"; tail -5 "$OUT/serve_$caching.log"; kill $pid 2>/dev/null; continue
+    fi
+    # warm-up, not recorded: each workload as measured (another seed), so that every kernel its chunk sizes and
+    # cache hits need is compiled before the measured runs (Triton compiles at first use: seconds a kernel, which
+    # 16 warm-up requests left to the first measured run); with caching on, the warm-up's own prefixes are cached
+    for C in $CS; do
+        for i in 1 3; do bench $C $((1000 + C)) "$WORK/warmup" ${SHAPES[$i]} > /dev/null 2>&1; done
         for i in 0 2; do
             run=$caching-${SHAPES[$i]}-c$C
             rm -rf "$WORK/out-$run"; mkdir -p "$WORK/out-$run"
-            bench $caching $C $C "$WORK/out-$run" ${SHAPES[$((i + 1))]} > "$OUT/bench-$run.log" 2>&1
+            bench $C $C "$WORK/out-$run" ${SHAPES[$((i + 1))]} > "$OUT/bench-$run.log" 2>&1
             cp "$WORK"/out-$run/serve-*.json "$OUT/serve-prefix-$run.json"
         done
     done
+    kill $pid; wait $pid 2>/dev/null
 done
-kill ${PID[on]} ${PID[off]}; wait ${PID[on]} ${PID[off]} 2>/dev/null
 python3 - "$OUT" <<'EOF'
 import json, sys, glob, os
 rows = {}
