@@ -35,6 +35,9 @@ of ``usage.prompt_tokens``. Other clients of the same server count in the counte
 The engine's steps (``steps`` in the summary): for each kind of the server's ``moelora_step_duration_seconds``
 histogram, ``prefill`` (a step that computed prompt tokens, run eagerly) and ``decode`` (one token a request, a CUDA
 graph where one was captured), how many ran over the run and their mean duration (``mean_ms``).
+``triton_kernel_builds``: the Triton kernel variants the server built at first use during the run (the growth of
+``moelora_triton_kernel_builds_total``; None where the server lacks it). Not 0, the run's times include those
+builds (seconds each when compiled): warm the server up with the same workload first.
 
 The KV cache (``kv_cache`` in the summary): ``blocks_total``; ``blocks_free_min``, the fewest free blocks
 during the run, and ``blocks_used_peak`` = total - min free. The minimum comes from the server's
@@ -68,8 +71,8 @@ from typing import Any
 import httpx
 
 from moelora_bench.common import write_result
-from moelora_bench.serve_metrics import (METRIC_KEYS, fetch_metrics, kv_summary, leaks, parse_metrics, poll_metrics,
-                                         prefix_cache_summary, settle, step_summary, track)
+from moelora_bench.serve_metrics import (METRIC_KEYS, fetch_metrics, kernel_builds, kv_summary, leaks, parse_metrics,
+                                         poll_metrics, prefix_cache_summary, settle, step_summary, track)
 from moelora_bench.serve_requests import (RequestResult, RequestSpec, build_spec, error_text, plain_request,
                                           shared_prefix, shared_prefixes, stream_request)
 from moelora_bench.serve_summary import Progress, format_table, summarize, tick
@@ -273,6 +276,7 @@ async def run_load(args: argparse.Namespace) -> dict:
     summary["kv_blocks_leaked"], summary["lora_slots_leaked"] = leaks(metrics)
     summary["prefix_cache"] = prefix_cache_summary(before, metrics, results)
     summary["steps"] = step_summary(before, metrics)
+    summary["triton_kernel_builds"] = kernel_builds(before, metrics)
     return summary
 
 

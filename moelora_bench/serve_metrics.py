@@ -15,13 +15,14 @@ import httpx
 
 from moelora_bench.serve_requests import RequestResult
 
-METRIC_KEYS = ("kv_blocks", "lora_slots", "running", "waiting", "prefix_cache", "step_duration")
+METRIC_KEYS = ("kv_blocks", "lora_slots", "running", "waiting", "prefix_cache", "step_duration", "kernel_builds")
 KV_FREE = "moelora_kv_blocks_free"
 KV_FREE_MIN = "moelora_kv_blocks_free_min"  # the server's lowest free-block count since it started
 KV_TOTAL = "moelora_kv_blocks_total"
 SLOTS_IN_USE = "moelora_lora_slots_in_use"
 PREFIX_QUERIES = "moelora_prefix_cache_queries_total"  # prompt tokens looked up in the prefix cache (a counter)
 PREFIX_HITS = "moelora_prefix_cache_hits_total"  # prompt tokens served from it (a counter)
+KERNEL_BUILDS = "moelora_triton_kernel_builds_total"  # Triton kernel variants the server built at first use
 STEP = "moelora_step_duration_seconds"  # engine steps by kind (a histogram labelled kind="prefill" / "decode")
 
 
@@ -220,6 +221,14 @@ def step_summary(before: dict | None, after: dict | None) -> dict:
         n, t = int(round(n1 - (n0 or 0))), s1 - (s0 or 0)
         out[kind] = {"steps": n, "mean_ms": round(1000 * t / n, 3) if n > 0 else None}
     return out
+
+
+def kernel_builds(before: dict | None, after: dict | None) -> int | None:
+    """Triton kernel variants the server built (compiled, or loaded from disk) during the run: the growth of its
+    counter between `before` and `after`; None where the server lacks it. Not 0: the run's figures include those
+    builds' stalls (seconds each when compiled)."""
+    a, b = _counter(before, KERNEL_BUILDS), _counter(after, KERNEL_BUILDS)
+    return None if a is None or b is None or b < a else int(round(b - a))
 
 
 def leaks(after: dict | None) -> tuple[int | None, int | None]:

@@ -165,10 +165,12 @@ def format_table(s: dict) -> str:
         f"TTFT p50: {_fmt(s['ttft_ms']['p50'])} ms (p99 {_fmt(s['ttft_ms']['p99'])} ms)",
         _prefix_line(s),
     ]
-    steps = s.get("steps") or {}
-    if steps:
+    steps, builds = s.get("steps") or {}, s.get("triton_kernel_builds")
+    if steps or builds is not None:
         lines.append("engine steps: " + "; ".join(
-            f"{kind} {st['steps']} (mean {_fmt(st['mean_ms'])} ms)" for kind, st in steps.items()))
+            f"{kind} {st['steps']} (mean {_fmt(st['mean_ms'])} ms)" for kind, st in steps.items())
+            + ("" if builds is None else f"; Triton kernel variants built during the run: {builds}"
+               + (" (their build time is in these figures)" if builds else "")))
     lines += [
         "",
         f"{'':12s} {'p50':>10s} {'p99':>10s} {'mean':>10s} {'n':>6s}",

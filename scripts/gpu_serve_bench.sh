@@ -98,12 +98,12 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "serve-prefix-*.json"))):
     d = json.load(open(f))
     rows[os.path.basename(f)[13:-5]] = d
 print(f"{'run':22s} {'TTFT p50 ms':>12s} {'out tok/s':>10s} {'hit rate':>9s} {'errors':>7s} "
-      f"{'prefill steps (mean ms)':>24s} {'decode steps (mean ms)':>23s}")
+      f"{'prefill steps (mean ms)':>24s} {'decode steps (mean ms)':>23s} {'kernels built':>13s}")
 for k, d in rows.items():
     pc, st = d.get("prefix_cache") or {}, d.get("steps") or {}
     steps = [f"{st[kind]['steps']} ({st[kind]['mean_ms']})" if kind in st else "-" for kind in ("prefill", "decode")]
     print(f"{k:22s} {d['ttft_ms']['p50']:12.1f} {d['output_tokens_per_s']:10.1f} {str(pc.get('hit_rate')):>9s} "
-          f"{d['errors']['count']:7d} {steps[0]:>24s} {steps[1]:>23s}")
+          f"{d['errors']['count']:7d} {steps[0]:>24s} {steps[1]:>23s} {str(d.get('triton_kernel_builds')):>13s}")
 EOF
 TESTS=${*:-tests/test_prefix_cache_gpu.py}
 [ "$TESTS" = none ] || timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs $TESTS 2>&1 \

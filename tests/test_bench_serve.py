@@ -811,7 +811,9 @@ def test_real_server_kv_minimum_and_no_leaks(demo_server, tmp_path):
     assert set(steps) == {"prefill", "decode"}
     assert 1 <= steps["prefill"]["steps"] <= 12 and steps["decode"]["steps"] >= 7
     assert all(st["mean_ms"] > 0 for st in steps.values())
-    assert f"engine steps: prefill {steps['prefill']['steps']} (mean" in serve.format_table(s)
+    assert s["triton_kernel_builds"] == 0  # the server's counter, read through /metrics: the CPU path runs no Triton
+    assert (f"engine steps: prefill {steps['prefill']['steps']} (mean" in serve.format_table(s)
+            and "Triton kernel variants built during the run: 0\n" in serve.format_table(s) + "\n")
 
 
 def test_real_server_shared_prefix(demo_server):

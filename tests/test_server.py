@@ -278,5 +278,6 @@ def test_metrics_count_requests_and_tokens(server):
     assert 'moelora_step_duration_seconds_count{kind="prefill"}' in text
     assert metric(server, decode_steps) - decode_before >= 6
     for name in ("moelora_time_to_first_token_seconds_bucket", "moelora_time_per_output_token_seconds_bucket",
-                 "moelora_batch_size_bucket", "moelora_lora_slots_used", "moelora_kv_blocks_free"):
+                 "moelora_batch_size_bucket", "moelora_lora_slots_used", "moelora_kv_blocks_free",
+                 "moelora_triton_kernel_builds_total"):
         assert name in text

@@ -1,8 +1,9 @@
-"""Triton availability and version checks, in one place."""
+"""Triton availability and version checks, in one place; the count of kernel variants this process built."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -38,3 +39,35 @@ def require_triton() -> None:
 def dot_precision(dtype) -> str | None:
     """fp32 operands: exact IEEE products (Triton would pick tf32); 16-bit operands: Triton's default."""
     return "ieee" if dtype == torch.float32 else None
+
+
+# Triton builds a kernel variant (compiles it, or loads it from its disk cache) the first time this process launches
+# the kernel with a new specialization: its constexprs, and for each integer argument whether it is 1 or a multiple of
+# 16. The step that launches it waits for the build (seconds for a compile). knobs.runtime.jit_post_compile_hook is
+# called once for each variant built.
+_variants = [0]
+_lock = threading.Lock()
+
+
+def track_kernel_builds() -> None:
+    """Count every Triton kernel variant this process builds from now on (kernel_builds()); the hook installed
+    before it, if any, is still called. Idempotent; nothing without Triton."""
+    if not HAS_TRITON or not hasattr(triton, "knobs"):
+        return
+    runtime = triton.knobs.runtime
+    previous = runtime.jit_post_compile_hook
+    if getattr(previous, "moelora_counter", False):
+        return
+
+    def counted(*args, **kwargs):
+        with _lock:
+            _variants[0] += 1
+        return previous(*args, **kwargs) if previous is not None else None
+
+    counted.moelora_counter = True
+    runtime.jit_post_compile_hook = counted
+
+
+def kernel_builds() -> int:
+    """Triton kernel variants built in this process since track_kernel_builds() (0 before it, or without Triton)."""
+    return _variants[0]

@@ -21,6 +21,7 @@ from moelora.engine.llm_engine import LLMEngine
 from moelora.engine.request import Request
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.workers import WorkerFailed
+from moelora.kernels._triton import kernel_builds, track_kernel_builds
 
 log = logging.getLogger("moelora.server")
 
@@ -82,6 +83,7 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        track_kernel_builds()  # from here on (the engine built, its graphs captured): moelora_triton_kernel_builds
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -203,6 +205,7 @@ class AsyncEngine:
             "prefix_cache_queries": e.scheduler.prefix_queries,
             "prefix_cache_hits": e.scheduler.prefix_hits,
             "prefix_cache_evictions": e.kv.evictions,
+            "triton_kernel_builds": kernel_builds(),
         }
 
     # ---- engine thread ----------------------------------------------------------------------------

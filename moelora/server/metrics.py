@@ -31,6 +31,9 @@ COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (first admissions)",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache (not computed again)",
     "prefix_cache_evictions": "Cached prefix blocks reused for other contents",
+    "triton_kernel_builds": "Triton kernel variants this process compiled (or loaded from Triton's disk cache) at "
+                            "first use since serving began: each stalls the step that needs it, for seconds when "
+                            "compiled; a count that grows in steady serving means shapes the warm-up did not reach",
 }
 
 
