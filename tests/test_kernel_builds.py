@@ -20,8 +20,9 @@ def hook_restored():
     runtime.jit_post_compile_hook = saved
 
 
-def test_counts_each_reported_build_and_keeps_the_earlier_hook(hook_restored):
+def test_counts_each_reported_build_and_keeps_the_earlier_hook(hook_restored, caplog):
     runtime = hook_restored
+    caplog.set_level("INFO", logger="moelora.kernels._triton")
     seen = []
     runtime.jit_post_compile_hook = lambda *a, **k: seen.append(k.get("key"))
     _triton.track_kernel_builds()
@@ -31,6 +32,8 @@ def test_counts_each_reported_build_and_keeps_the_earlier_hook(hook_restored):
     runtime.jit_post_compile_hook(key="b", repr="k2")
     assert _triton.kernel_builds() == before + 2
     assert seen == ["a", "b"]  # the hook installed before still runs, once a build
+    assert [r.getMessage() for r in caplog.records if r.name == "moelora.kernels._triton"][-2:] == [
+        "Triton kernel variant built: k1", "Triton kernel variant built: k2"]
 
 
 def test_no_earlier_hook(hook_restored):

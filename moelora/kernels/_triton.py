@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -47,10 +48,12 @@ def dot_precision(dtype) -> str | None:
 # called once for each variant built.
 _variants = [0]
 _lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 def track_kernel_builds() -> None:
-    """Count every Triton kernel variant this process builds from now on (kernel_builds()); the hook installed
+    """Count every Triton kernel variant this process builds from now on (kernel_builds()), each logged at INFO
+    with its specialization (e.g. `n: i32D`: an int32 argument specialized as a multiple of 16); the hook installed
     before it, if any, is still called. Idempotent; nothing without Triton."""
     if not HAS_TRITON or not hasattr(triton, "knobs"):
         return
@@ -62,6 +65,7 @@ def track_kernel_builds() -> None:
     def counted(*args, **kwargs):
         with _lock:
             _variants[0] += 1
+        log.info("Triton kernel variant built: %s", kwargs.get("repr"))
         return previous(*args, **kwargs) if previous is not None else None
 
     counted.moelora_counter = True
