@@ -12,6 +12,7 @@
 # both workloads as measured (another seed, not recorded) before its measured runs; each concurrency's runs take
 # their own seed (their own prompts and prefixes: nothing cached by an earlier level is hit). Each run's summary
 # JSON goes to $OUT/serve-prefix-{on,off}-{shared,unshared}-c<concurrency>.json; a table of them is printed last.
+# $OUT/builds_{on,off}.txt: each Triton kernel variant the server built, in order, the measured runs marked.
 source "$(dirname "$0")/gpu_prelude.sh"  # with the carried wheels
 SHARED_PREFIX=${SHARED_PREFIX:-1000}
 N=${NUM_REQUESTS:-128}
@@ -65,9 +66,10 @@ bench() {  # concurrency seed out [bench serve args...]: one `bench serve` run a
 SHAPES=(shared "--shared-prefix-len $SHARED_PREFIX" unshared "--prompt-len 170:200")
 for caching in off on; do
     flag=--enable-prefix-caching; [ $caching = off ] && flag=--no-enable-prefix-caching
+    : > "$OUT/serve_$caching.log"  # appended to by the server and by this script's markers
     python3 -m moelora serve "$WORK/model" --load-format dummy ${SERVE_ARGS:---quantization fp8} --max-loras 4 \
         --lora a0=$WORK/a0 --lora a1=$WORK/a1 --lora a2=$WORK/a2 --lora a3=$WORK/a3 --max-model-len 4096 \
-        --port 8123 --log-level warning $flag > "$OUT/serve_$caching.log" 2>&1 &
+        --port 8123 --log-level info --uvicorn-log-level warning $flag >> "$OUT/serve_$caching.log" 2>&1 &
     pid=$!
     for _ in $(seq 300); do
         curl -sf localhost:8123/health >/dev/null && break
@@ -85,11 +87,15 @@ for caching in off on; do
         for i in 0 2; do
             run=$caching-${SHAPES[$i]}-c$C
             rm -rf "$WORK/out-$run"; mkdir -p "$WORK/out-$run"
+            echo "== measured run $run" >> "$OUT/serve_$caching.log"
             bench $C $C "$WORK/out-$run" ${SHAPES[$((i + 1))]} > "$OUT/bench-$run.log" 2>&1
             cp "$WORK"/out-$run/serve-*.json "$OUT/serve-prefix-$run.json"
         done
     done
     kill $pid; wait $pid 2>/dev/null
+    # the Triton kernel variants the server built (its INFO log), under the measured run they fell in
+    grep -E "^== measured run|kernel variant built" "$OUT/serve_$caching.log" \
+        | sed -E 's/.*variant built: //' > "$OUT/builds_$caching.txt"
 done
 python3 - "$OUT" <<'EOF'
 import json, sys, glob, os
