@@ -5,7 +5,8 @@ import pytest
 from moelora import SamplingParams
 from moelora.demo import adapter_paths, make_prompt, model_path
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
-from moelora.engine.memory import GIB, plan_kv_blocks
+from moelora.engine import memory
+from moelora.engine.memory import GIB, GPUMemoryError, check_baseline, plan_kv_blocks
 from moelora.layers.lora import lora_work_count
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,6 +32,36 @@ def test_plan_error_names_every_part():
         assert part in msg, part
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         plan_kv_blocks(80 * GIB, 0, 0, 0, 1.5, 1, 10)
+
+
+def test_the_budget_is_this_engines_as_vllms(monkeypatch):
+    """Two servers on one 80 GiB GPU at 0.45 each: the second starts with the first's 36 GiB in use (its baseline).
+    Its budget is its own 36 GiB, not 36 less the first's; what it may not have is more than was free at start."""
+    free = [80 * GIB - 36 * GIB]
+    monkeypatch.setattr(memory.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(memory.torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 * GIB))
+    assert memory.memory_baseline("cuda", 0.45) == 36 * GIB
+    # its weights (31 GiB) then in use: used is its own growth, and the KV cache gets its budget's rest
+    plan = plan_kv_blocks(80 * GIB, used=31 * GIB, activations=GIB, graph_reserve=0, utilization=0.45,
+                          per_block=GIB // 4, cap=10**9, baseline=36 * GIB, free=80 * GIB - 36 * GIB - 31 * GIB)
+    assert plan.num_blocks == (int(0.45 * 80 * GIB) - 31 * GIB - GIB) // (GIB // 4) > 0
+    assert plan.baseline == 36 * GIB and plan.as_gib()["baseline"] == 36.0
+    # a third server at 0.45 does not fit in the 8 GiB left: said at start-up, before any weight is read
+    free[0] = 8 * GIB
+    with pytest.raises(GPUMemoryError, match=r"free memory on the GPU at start-up \(8.00 of 80.00 GiB; 72.00 GiB"):
+        memory.memory_baseline("cuda", 0.45)
+    check_baseline(80 * GIB, 72 * GIB, 0.1)  # 8 GiB asked, 8 GiB free: fits
+
+
+def test_another_process_taking_memory_after_the_baseline_bounds_the_kv_cache():
+    """Within the budget but beyond what is free now (another process started since): the free memory decides,
+    less the activations and the graph pool; the error names the memory in use before the engine started."""
+    plan = plan_kv_blocks(80 * GIB, used=30 * GIB, activations=GIB, graph_reserve=GIB, utilization=0.9,
+                          per_block=GIB, cap=10**9, baseline=GIB, free=12 * GIB)
+    assert plan.num_blocks == 10
+    with pytest.raises(GPUMemoryError, match=r"besides the 1.00 GiB in use before this engine started"):
+        plan_kv_blocks(80 * GIB, used=30 * GIB, activations=GIB, graph_reserve=GIB, utilization=0.9,
+                       per_block=GIB, cap=10**9, baseline=GIB, free=2 * GIB)
 
 
 def test_base_only_steps_do_no_lora_work_with_adapters_loaded():

@@ -18,7 +18,7 @@ from moelora.distributed import ParallelState, check_launch, kv_cache_config
 from moelora.engine.async_step import PLACEHOLDER, PendingStep, can_defer, launch_sampling, schedule_ahead
 from moelora.engine.cpu_threads import configure_cpu_threads, host_processes
 from moelora.engine.kv_cache import KVCache
-from moelora.engine.memory import kv_blocks
+from moelora.engine.memory import kv_blocks, memory_baseline
 from moelora.engine.model_runner import ModelRunner, StepOutput, graph_settings
 from moelora.engine.prefix_cache import BASE_IDENTITY, adapter_identity
 from moelora.engine.request import Request
@@ -97,6 +97,8 @@ class LLMEngine:
         if args.tensor_parallel_size * args.expert_parallel_size > 1:
             self.workers = WorkerGroup(args)
             ps = self.workers.state
+        on_gpu_plan = self.device.type == "cuda" and args.kv_cache_memory_bytes is None
+        baseline = memory_baseline(self.device, args.gpu_memory_utilization) if on_gpu_plan else 0
         # unsplit (ps not parallel): built in place on the device
         self.model = build_sharded_model(self.config, args, engine_dtype(args, self.device), self.device, ps,
                                          args.show_progress)
@@ -105,10 +107,11 @@ class LLMEngine:
         self.kv_config = kv_cache_config(self.config, ps)  # this rank's KV heads
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else self.config.eos_token_ids)
-        planned = self.workers is not None and self.device.type == "cuda" and args.kv_cache_memory_bytes is None
+        planned = self.workers is not None and on_gpu_plan
         if planned:  # every rank profiles (the forward's collectives pair up) and plans its own GPU
             self.workers.send("plan")
-        num_blocks, self.memory_plan = kv_blocks(self.model, self.kv_config, args, self.max_model_len, self.device)
+        num_blocks, self.memory_plan = kv_blocks(self.model, self.kv_config, args, self.max_model_len, self.device,
+                                                 baseline)
         if planned:  # the KV cache of every rank holds the same blocks: the fewest any rank can afford
             num_blocks = self.workers.agree_min(num_blocks)
         self.kv = KVCache(self.kv_config, num_blocks, args.block_size, self.model.dtype, self.device)

@@ -1,10 +1,12 @@
 """GPU memory planning: weights, adapter slots, activations, CUDA-graph pool and KV cache within
 `gpu_memory_utilization` of the device's memory.
 
-Order at start-up: weights and adapter slot buffers are allocated first (they are in `used`); one profiling
-forward of the largest step (max_num_batched_tokens tokens, LoRA kernels on) measures the activation peak;
-the CUDA-graph pool is reserved from that peak scaled to the largest captured decode batch; the KV cache
-gets the rest.
+The budget is this engine's, as vLLM's: memory in use on the device before the engine starts building (other
+processes, the CUDA context: `gpu_in_use`, the baseline) is not counted in it, so two servers on one GPU may each
+take 0.45. Order at start-up: the baseline; weights and adapter slot buffers (they are in `used`, the growth since
+the baseline); one profiling forward of the largest step (max_num_batched_tokens tokens, LoRA kernels on)
+measures the activation peak; the CUDA-graph pool is reserved from that peak scaled to the largest captured
+decode batch; the KV cache gets the rest.
 """
 
 from __future__ import annotations
@@ -26,38 +28,74 @@ GRAPH_MARGIN = 256 << 20  # graph outputs, cuBLAS workspaces, allocator rounding
 class MemoryPlan:
     total: int  # device memory
     budget: int  # gpu_memory_utilization * total
-    used: int  # before the KV cache: weights, adapter slots, CUDA context, other processes
+    used: int  # before the KV cache, this engine's since its baseline: weights, adapter slots, its other buffers
     activations: int  # peak of the largest step
     graph_reserve: int  # kept free for the CUDA-graph pool
     kv_bytes: int
     num_blocks: int
+    baseline: int = 0  # in use on the device before the engine started: other processes, the CUDA context
 
     def as_gib(self) -> dict[str, float]:
-        return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "num_blocks"} | {"num_blocks": self.num_blocks}
+        return ({k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "num_blocks"}
+                | {"num_blocks": self.num_blocks})
 
 
 class GPUMemoryError(RuntimeError):
     """The parts of the GPU memory plan do not fit the budget; the message names each part and what to change."""
 
 
+def gpu_in_use(device: torch.device) -> int:
+    """Bytes in use on a CUDA device now, by every process (this one's CUDA context included): the baseline an engine
+    takes before building anything."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def memory_baseline(device: torch.device, utilization: float) -> int:
+    """The baseline of an engine about to build on a CUDA device: gpu_in_use after this process's freed cached blocks
+    are returned (so that they are not taken for another's), checked against the budget (check_baseline)."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    check_baseline(total, total - free, utilization)
+    return total - free
+
+
+def check_baseline(total: int, baseline: int, utilization: float) -> None:
+    """The engine's budget (utilization * total) must fit in what was free when it started (total - baseline), or
+    GPUMemoryError says so, as vLLM does."""
+    budget, free = int(utilization * total), total - baseline
+    if budget > free:
+        raise GPUMemoryError(
+            f"free memory on the GPU at start-up ({free / GIB:.2f} of {total / GIB:.2f} GiB; {baseline / GIB:.2f} GiB "
+            f"in use by other processes and the CUDA context) is less than --gpu-memory-utilization {utilization} "
+            f"asks for ({budget / GIB:.2f} GiB). Lower --gpu-memory-utilization (each server on a shared GPU takes its "
+            "own share: 0.45 for two), or free the GPU's memory.")
+
+
 def plan_kv_blocks(total: int, used: int, activations: int, graph_reserve: int, utilization: float, per_block: int,
-                   cap: int) -> MemoryPlan:
-    """KV blocks that fit: (utilization * total - used - activations - graph_reserve) // per_block, at most cap.
-    Raises a RuntimeError naming every part when not even one block fits."""
+                   cap: int, baseline: int = 0, free: int | None = None) -> MemoryPlan:
+    """KV blocks that fit: (utilization * total - used - activations - graph_reserve) // per_block, at most cap;
+    used: this engine's memory since its baseline (the memory in use on the device before it started, not in the
+    budget); free (the device's free memory now, if given) bounds the KV cache too, less the activations and the
+    graph pool (another process may have taken memory since the baseline). Raises a GPUMemoryError naming every
+    part when not even one block fits."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     budget = int(utilization * total)
     kv = budget - used - activations - graph_reserve
+    if free is not None:
+        kv = min(kv, free - activations - graph_reserve)
     n = min(max(kv, 0) // per_block, cap)
     if n < 1:
         raise GPUMemoryError(
             f"GPU memory budget exceeded: gpu_memory_utilization {utilization} x {total / GIB:.2f} GiB = "
-            f"{budget / GIB:.2f} GiB, but weights + adapter slots + context already use {used / GIB:.2f} GiB, "
+            f"{budget / GIB:.2f} GiB, but weights + adapter slots already use {used / GIB:.2f} GiB "
+            f"(besides the {baseline / GIB:.2f} GiB in use before this engine started), "
             f"activations of the largest step {activations / GIB:.2f} GiB and the CUDA-graph pool "
             f"{graph_reserve / GIB:.2f} GiB, leaving {kv / GIB:.2f} GiB for a KV cache whose blocks take "
             f"{per_block / 2**20:.2f} MiB each. Raise --gpu-memory-utilization, or lower --max-num-batched-tokens, "
             "--max-loras / --max-lora-rank, --max-graph-batch-size (or --enforce-eager).")
-    return MemoryPlan(total, budget, used, activations, graph_reserve, int(n * per_block), int(n))
+    return MemoryPlan(total, budget, used, activations, graph_reserve, int(n * per_block), int(n), baseline)
 
 
 @torch.no_grad()
@@ -91,10 +129,12 @@ def profile_activations(model, cfg, num_tokens: int, max_loras: int, block_size:
     return int(peak)
 
 
-def kv_blocks(model, kv_config, a, max_model_len: int, device: torch.device) -> tuple[int, MemoryPlan | None]:
+def kv_blocks(model, kv_config, a, max_model_len: int, device: torch.device,
+              baseline: int = 0) -> tuple[int, MemoryPlan | None]:
     """KV blocks of this rank: on a GPU without kv_cache_memory_bytes, what the memory plan leaves after one
     profiling forward (its MemoryPlan returned too); else kv_cache_memory_bytes (256 MiB on the CPU by default).
-    Never more than max_num_seqs full sequences. kv_config: this rank's KV shapes (kv_cache_config); a: EngineArgs."""
+    Never more than max_num_seqs full sequences. kv_config: this rank's KV shapes (kv_cache_config); a: EngineArgs;
+    baseline: gpu_in_use(device) before the engine built its model (not counted in its budget)."""
     per_block = KVCache.bytes_per_block(kv_config, a.block_size, model.dtype)
     cap = a.max_num_seqs * -(-max_model_len // a.block_size)  # no more than max_num_seqs full sequences
     if a.kv_cache_memory_bytes is None and device.type == "cuda":
@@ -104,7 +144,8 @@ def kv_blocks(model, kv_config, a, max_model_len: int, device: torch.device) -> 
         graphs = not a.enforce_eager and getattr(model, "supports_cuda_graphs", False)
         graph_reserve = (act * min(1.0, a.max_graph_batch_size / tokens) + GRAPH_MARGIN) if graphs else 0
         free, total = torch.cuda.mem_get_info(device)
-        plan = plan_kv_blocks(total, total - free, act, int(graph_reserve), a.gpu_memory_utilization, per_block, cap)
+        plan = plan_kv_blocks(total, max(total - free - baseline, 0), act, int(graph_reserve),
+                              a.gpu_memory_utilization, per_block, cap, baseline, free)
         return plan.num_blocks, plan
     budget = a.kv_cache_memory_bytes if a.kv_cache_memory_bytes is not None else 256 << 20
     n = min(budget // per_block, cap)

@@ -49,7 +49,7 @@ from moelora.distributed import (ParallelState, check_launch, free_port, init_pa
                                  shard_model)
 from moelora.engine.cpu_threads import configure_cpu_threads, host_processes
 from moelora.engine.kv_cache import KVCache
-from moelora.engine.memory import kv_blocks
+from moelora.engine.memory import kv_blocks, memory_baseline
 from moelora.engine.model_runner import ModelRunner, graph_settings
 from moelora.kernels._triton import DeviceError
 from moelora.kernels.config import KernelConfig
@@ -256,13 +256,15 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
         # on the CPU the ranks of a host share its cores (rank 0 makes the same choice in LLMEngine)
         configure_cpu_threads(getattr(args, "cpu_threads", None), device, processes=host_processes(args))
         cfg = ModelConfig.from_pretrained(args.model)
+        planned = device.type == "cuda" and args.kv_cache_memory_bytes is None
+        baseline = memory_baseline(device, args.gpu_memory_utilization) if planned else 0
         model = build_sharded_model(cfg, args, engine_dtype(args, device), device, ps)
         if device.type == "cuda":  # before the graphs are captured, as rank 0's LLMEngine makes its own
             make_side_stream(device, (args.kernel_config or KernelConfig()).side_stream_priority)
         max_model_len = args.max_model_len or cfg.max_position_embeddings
         _, kind, payload = _recv(ps)
         if kind == "plan":  # GPU memory plan: profile with rank 0 (collectives pair up), agree on the fewest blocks
-            mine, _ = kv_blocks(model, kv_cache_config(cfg, ps), args, max_model_len, device)
+            mine, _ = kv_blocks(model, kv_cache_config(cfg, ps), args, max_model_len, device, baseline)
             dist.all_reduce(torch.tensor([mine]), op=dist.ReduceOp.MIN, group=ps.control_group)
             _, kind, payload = _recv(ps)
         if kind != "init":

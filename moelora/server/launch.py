@@ -291,8 +291,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-memory", type=int_in(1), default=None, metavar="BYTES",
                    help="bytes for the KV cache (default: automatic)")
     e.add_argument("--gpu-memory-utilization", metavar="FRACTION", type=float_in(0, 1, lo_open=True), default=0.9,
-                   help="share of the GPU's memory, in (0, 1], for weights, adapter slots, activations, CUDA graphs "
-                   "and the KV cache together (default 0.9)")
+                   help="share of the GPU's memory, in (0, 1], for this server's weights, adapter slots, activations, "
+                   "CUDA graphs and KV cache together (default 0.9); per server, as vLLM's: memory other processes "
+                   "hold at start-up is not in it, so two servers on one GPU may take 0.45 each")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompt prefixes already computed, keyed by adapter content (the same "
