@@ -6,7 +6,7 @@ from moelora import SamplingParams
 from moelora.demo import adapter_paths, make_prompt, model_path
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine import memory
-from moelora.engine.memory import GIB, GPUMemoryError, check_baseline, plan_kv_blocks
+from moelora.engine.memory import GIB, GPUMemoryError, plan_kv_blocks
 from moelora.layers.lora import lora_work_count
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,21 +36,19 @@ def test_plan_error_names_every_part():
 
 def test_the_budget_is_this_engines_as_vllms(monkeypatch):
     """Two servers on one 80 GiB GPU at 0.45 each: the second starts with the first's 36 GiB in use (its baseline).
-    Its budget is its own 36 GiB, not 36 less the first's; what it may not have is more than was free at start."""
-    free = [80 * GIB - 36 * GIB]
+    Its budget is its own 36 GiB, not 36 less the first's."""
     monkeypatch.setattr(memory.torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(memory.torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 * GIB))
-    assert memory.memory_baseline("cuda", 0.45) == 36 * GIB
+    monkeypatch.setattr(memory.torch.cuda, "mem_get_info", lambda device=None: (80 * GIB - 36 * GIB, 80 * GIB))
+    assert memory.memory_baseline("cuda") == 36 * GIB
     # its weights (31 GiB) then in use: used is its own growth, and the KV cache gets its budget's rest
     plan = plan_kv_blocks(80 * GIB, used=31 * GIB, activations=GIB, graph_reserve=0, utilization=0.45,
                           per_block=GIB // 4, cap=10**9, baseline=36 * GIB, free=80 * GIB - 36 * GIB - 31 * GIB)
     assert plan.num_blocks == (int(0.45 * 80 * GIB) - 31 * GIB - GIB) // (GIB // 4) > 0
     assert plan.baseline == 36 * GIB and plan.as_gib()["baseline"] == 36.0
-    # a third server at 0.45 does not fit in the 8 GiB left: said at start-up, before any weight is read
-    free[0] = 8 * GIB
-    with pytest.raises(GPUMemoryError, match=r"free memory on the GPU at start-up \(8.00 of 80.00 GiB; 72.00 GiB"):
-        memory.memory_baseline("cuda", 0.45)
-    check_baseline(80 * GIB, 72 * GIB, 0.1)  # 8 GiB asked, 8 GiB free: fits
+    # the old rule (everything in use on the device counted against the budget) left this server nothing
+    with pytest.raises(GPUMemoryError):
+        plan_kv_blocks(80 * GIB, used=36 * GIB + 31 * GIB, activations=GIB, graph_reserve=0, utilization=0.45,
+                       per_block=GIB // 4, cap=10**9)
 
 
 def test_another_process_taking_memory_after_the_baseline_bounds_the_kv_cache():

@@ -98,7 +98,7 @@ class LLMEngine:
             self.workers = WorkerGroup(args)
             ps = self.workers.state
         on_gpu_plan = self.device.type == "cuda" and args.kv_cache_memory_bytes is None
-        baseline = memory_baseline(self.device, args.gpu_memory_utilization) if on_gpu_plan else 0
+        baseline = memory_baseline(self.device) if on_gpu_plan else 0
         # unsplit (ps not parallel): built in place on the device
         self.model = build_sharded_model(self.config, args, engine_dtype(args, self.device), self.device, ps,
                                          args.show_progress)

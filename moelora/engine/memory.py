@@ -2,7 +2,7 @@
 `gpu_memory_utilization` of the device's memory.
 
 The budget is this engine's, as vLLM's: memory in use on the device before the engine starts building (other
-processes, the CUDA context: `gpu_in_use`, the baseline) is not counted in it, so two servers on one GPU may each
+processes, the CUDA context: `memory_baseline`) is not counted in it, so two servers on one GPU may each
 take 0.45. Order at start-up: the baseline; weights and adapter slot buffers (they are in `used`, the growth since
 the baseline); one profiling forward of the largest step (max_num_batched_tokens tokens, LoRA kernels on)
 measures the activation peak; the CUDA-graph pool is reserved from that peak scaled to the largest captured
@@ -44,32 +44,14 @@ class GPUMemoryError(RuntimeError):
     """The parts of the GPU memory plan do not fit the budget; the message names each part and what to change."""
 
 
-def gpu_in_use(device: torch.device) -> int:
-    """Bytes in use on a CUDA device now, by every process (this one's CUDA context included): the baseline an engine
-    takes before building anything."""
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
-
-
-def memory_baseline(device: torch.device, utilization: float) -> int:
-    """The baseline of an engine about to build on a CUDA device: gpu_in_use after this process's freed cached blocks
-    are returned (so that they are not taken for another's), checked against the budget (check_baseline)."""
+def memory_baseline(device: torch.device) -> int:
+    """The baseline of an engine about to build on a CUDA device: the bytes in use on it (other processes, this one's
+    CUDA context and live tensors) once this process's freed cached blocks are returned, so that they are not
+    counted as another's. Not checked against the budget here: a KV cache capped by max_num_seqs may need far less
+    than the budget, and the plan bounds the cache by the memory then free too (plan_kv_blocks)."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    check_baseline(total, total - free, utilization)
     return total - free
-
-
-def check_baseline(total: int, baseline: int, utilization: float) -> None:
-    """The engine's budget (utilization * total) must fit in what was free when it started (total - baseline), or
-    GPUMemoryError says so, as vLLM does."""
-    budget, free = int(utilization * total), total - baseline
-    if budget > free:
-        raise GPUMemoryError(
-            f"free memory on the GPU at start-up ({free / GIB:.2f} of {total / GIB:.2f} GiB; {baseline / GIB:.2f} GiB "
-            f"in use by other processes and the CUDA context) is less than --gpu-memory-utilization {utilization} "
-            f"asks for ({budget / GIB:.2f} GiB). Lower --gpu-memory-utilization (each server on a shared GPU takes its "
-            "own share: 0.45 for two), or free the GPU's memory.")
 
 
 def plan_kv_blocks(total: int, used: int, activations: int, graph_reserve: int, utilization: float, per_block: int,
@@ -134,7 +116,7 @@ def kv_blocks(model, kv_config, a, max_model_len: int, device: torch.device,
     """KV blocks of this rank: on a GPU without kv_cache_memory_bytes, what the memory plan leaves after one
     profiling forward (its MemoryPlan returned too); else kv_cache_memory_bytes (256 MiB on the CPU by default).
     Never more than max_num_seqs full sequences. kv_config: this rank's KV shapes (kv_cache_config); a: EngineArgs;
-    baseline: gpu_in_use(device) before the engine built its model (not counted in its budget)."""
+    baseline: memory_baseline(device) before the engine built its model (not counted in its budget)."""
     per_block = KVCache.bytes_per_block(kv_config, a.block_size, model.dtype)
     cap = a.max_num_seqs * -(-max_model_len // a.block_size)  # no more than max_num_seqs full sequences
     if a.kv_cache_memory_bytes is None and device.type == "cuda":
