@@ -3,6 +3,9 @@
 under torch.profiler per adapter count; the kernels by device time, and the per-kernel difference against no
 adapter (moelora_bench/profile.py's profile_tax).
 
+A small prefill (`--prompts 2 --prompt-len 128`) shows how much of a serving prefill step is the host's: the timed
+pass's wall time beside its kernels' device time.
+
 Why: prefill with adapters kept only 53-66% of the no-adapter tokens/s (bench/results/report.jsonl, set
 report-prefill: bf16 56,417 -> 34,346 / 30,092 with 1 / 4 adapters; fp8 49,889 -> 32,553 / 33,105), although
 rank-16 LoRA adds ~0.1% of the FLOPs. Its rows: bench/results/prefill.jsonl.
@@ -68,6 +71,11 @@ def main() -> None:
                     lambda: report.prefill_case(engine, args.prompts, args.prompt_len, n, seed=7), 1, device)
                 row["profile"] = prof
                 print(format_profile(prof, args.lines))
+                busy = prof["total_us"] / 1e3
+                print(f"{vname}, {n} adapters: the timed pass took {timed['seconds'] * 1e3:.1f} ms, its "
+                      f"{prof['device']} {busy:.1f} ms ({busy / (timed['seconds'] * 1e3):.0%})"
+                      + ("; the rest the GPU waited for the host (launches, Python, host-device syncs)"
+                         if device.type == "cuda" else ""), flush=True)
                 if n == 0:
                     base = prof
                 elif base is not None:
