@@ -18,6 +18,18 @@ from moelora.engine.workers import WorkerFailed
 TOL = 1e-4
 
 
+@pytest.fixture(scope="module", autouse=True)
+def bounded_collectives():
+    """Rank 0's collectives here time out after 120 s, not 600: the tests that kill or stop a worker leave gloo work
+    pending on it, and when the garbage collector later frees that process group (in whichever test it runs), its
+    destructor waits for the work to time out (a CI run once stalled 10 minutes there)."""
+    from moelora.engine import workers
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workers, "COLLECTIVE_TIMEOUT_S", 120.0)
+        yield
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("pareng")
