@@ -146,3 +146,29 @@ def test_the_engine_takes_the_one_pass_sampler_from_one_row_when_asynchronous(se
 
     assert _llm(setup, True).engine.sampler.min_rows == 1
     assert _llm(setup, False).engine.sampler.min_rows == FUSED_SAMPLER_MIN_ROWS == 256
+
+
+def test_a_step_that_computed_prompt_tokens_is_a_prefill_step(setup):
+    """step() may run two executions (a step, then the next launched ahead): last_step_prefill (the server's step
+    kind on /metrics) is set when any of them computed prompt tokens, and only then. Requests join mid-run, so
+    prefills land in calls that also launch a step ahead."""
+    llm = _llm(setup, True, max_num_seqs=2)
+    engine = llm.engine
+    runs: list[list[int]] = []
+    execute = engine._execute
+
+    def recording(chunks, *a, **k):
+        runs[-1].extend(c.num_tokens for c in chunks)
+        return execute(chunks, *a, **k)
+
+    engine._execute = recording
+    for i, (p, n) in enumerate(zip(rows_of(3, [6, 4, 8, 5], vocab=250), (9, 3, 6, 4))):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), None)
+    kinds = []
+    while engine.has_unfinished_requests():
+        runs.append([])
+        engine.step()
+        kinds.append((engine.last_step_prefill, any(t > 1 for t in runs[-1])))
+    assert engine.ahead_steps > 0
+    assert all(flag == truth for flag, truth in kinds), kinds
+    assert sum(truth for _, truth in kinds) >= 2 and not all(truth for _, truth in kinds)

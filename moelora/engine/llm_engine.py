@@ -138,7 +138,7 @@ class LLMEngine:
         self.sampler = Sampler(min_rows=fused_sampler_min_rows(self.async_scheduling))
         self._pending: PendingStep | None = None  # asynchronous scheduling: a step launched, its tokens not read
         self.ahead_steps = 0  # steps launched before the previous step's tokens were read (stats and tests)
-        self.last_step_prefill = False  # whether the last step run computed prompt tokens (eager, not a graph)
+        self.last_step_prefill = False  # whether the last step() computed prompt tokens (eager, not a graph)
         self.requests: dict[str, Request] = {}
         self._arrival = itertools.count()
         for name, path in (adapters or {}).items():
@@ -321,7 +321,8 @@ class LLMEngine:
         else:
             with self.workers.guard("step"):
                 out = self.runner.execute(chunks)
-        self.last_step_prefill = any(c.num_tokens > 1 for c in chunks)
+        # a step() may run two executions (asynchronous scheduling: a step, then the next one launched ahead)
+        self.last_step_prefill = self.last_step_prefill or any(c.num_tokens > 1 for c in chunks)
         for c in chunks:
             c.request.num_computed += c.num_tokens
             self.scheduler.register_blocks(c.request)
