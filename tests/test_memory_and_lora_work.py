@@ -1,6 +1,9 @@
 """The GPU memory plan's arithmetic and its error; a base-only batch does no LoRA work (CPU, eager)."""
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from moelora import SamplingParams
 from moelora.demo import adapter_paths, make_prompt, model_path
@@ -39,7 +42,11 @@ def test_the_budget_is_this_engines_as_vllms(monkeypatch):
     Its budget is its own 36 GiB, not 36 less the first's."""
     monkeypatch.setattr(memory.torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(memory.torch.cuda, "mem_get_info", lambda device=None: (80 * GIB - 36 * GIB, 80 * GIB))
-    assert memory.memory_baseline("cuda") == 36 * GIB
+    args = SimpleNamespace(kv_cache_memory_bytes=None)
+    assert memory.memory_baseline(args, torch.device("cuda")) == 36 * GIB
+    assert memory.memory_baseline(args, torch.device("cpu")) == 0  # no plan there: nothing read
+    args.kv_cache_memory_bytes = 1 << 30
+    assert memory.memory_baseline(args, torch.device("cuda")) == 0
     # its weights (31 GiB) then in use: used is its own growth, and the KV cache gets its budget's rest
     plan = plan_kv_blocks(80 * GIB, used=31 * GIB, activations=GIB, graph_reserve=0, utilization=0.45,
                           per_block=GIB // 4, cap=10**9, baseline=36 * GIB, free=80 * GIB - 36 * GIB - 31 * GIB)

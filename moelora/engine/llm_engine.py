@@ -97,8 +97,7 @@ class LLMEngine:
         if args.tensor_parallel_size * args.expert_parallel_size > 1:
             self.workers = WorkerGroup(args)
             ps = self.workers.state
-        on_gpu_plan = self.device.type == "cuda" and args.kv_cache_memory_bytes is None
-        baseline = memory_baseline(self.device) if on_gpu_plan else 0
+        baseline = memory_baseline(args, self.device)
         # unsplit (ps not parallel): built in place on the device
         self.model = build_sharded_model(self.config, args, engine_dtype(args, self.device), self.device, ps,
                                          args.show_progress)
@@ -107,7 +106,7 @@ class LLMEngine:
         self.kv_config = kv_cache_config(self.config, ps)  # this rank's KV heads
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else self.config.eos_token_ids)
-        planned = self.workers is not None and on_gpu_plan
+        planned = self.workers is not None and self.device.type == "cuda" and args.kv_cache_memory_bytes is None
         if planned:  # every rank profiles (the forward's collectives pair up) and plans its own GPU
             self.workers.send("plan")
         num_blocks, self.memory_plan = kv_blocks(self.model, self.kv_config, args, self.max_model_len, self.device,

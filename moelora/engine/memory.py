@@ -1,12 +1,10 @@
 """GPU memory planning: weights, adapter slots, activations, CUDA-graph pool and KV cache within
 `gpu_memory_utilization` of the device's memory.
 
-The budget is this engine's, as vLLM's: memory in use on the device before the engine starts building (other
-processes, the CUDA context: `memory_baseline`) is not counted in it, so two servers on one GPU may each
-take 0.45. Order at start-up: the baseline; weights and adapter slot buffers (they are in `used`, the growth since
-the baseline); one profiling forward of the largest step (max_num_batched_tokens tokens, LoRA kernels on)
-measures the activation peak; the CUDA-graph pool is reserved from that peak scaled to the largest captured
-decode batch; the KV cache gets the rest.
+The budget is this engine's, as vLLM's: what was in use before it built (`memory_baseline`) is not in it. Order
+at start-up: the baseline; weights and adapter slot buffers (`used`: the growth since); one profiling forward of
+the largest step (max_num_batched_tokens tokens, LoRA kernels on) measures the activation peak; the CUDA-graph pool
+is reserved from that peak scaled to the largest captured decode batch; the KV cache gets the rest.
 """
 
 from __future__ import annotations
@@ -44,11 +42,12 @@ class GPUMemoryError(RuntimeError):
     """The parts of the GPU memory plan do not fit the budget; the message names each part and what to change."""
 
 
-def memory_baseline(device: torch.device) -> int:
-    """The baseline of an engine about to build on a CUDA device: the bytes in use on it (other processes, this one's
-    CUDA context and live tensors) once this process's freed cached blocks are returned, so that they are not
-    counted as another's. Not checked against the budget here: a KV cache capped by max_num_seqs may need far less
-    than the budget, and the plan bounds the cache by the memory then free too (plan_kv_blocks)."""
+def memory_baseline(a, device: torch.device) -> int:
+    """What kv_blocks will plan around (a: EngineArgs): on a GPU without kv_cache_memory_bytes, the bytes in use on
+    it before the engine builds (other processes, the CUDA context; this process's freed cache returned first);
+    else 0. Not checked against the budget: the plan bounds the KV cache by the memory then free."""
+    if not (a.kv_cache_memory_bytes is None and device.type == "cuda"):
+        return 0
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return total - free
@@ -56,11 +55,9 @@ def memory_baseline(device: torch.device) -> int:
 
 def plan_kv_blocks(total: int, used: int, activations: int, graph_reserve: int, utilization: float, per_block: int,
                    cap: int, baseline: int = 0, free: int | None = None) -> MemoryPlan:
-    """KV blocks that fit: (utilization * total - used - activations - graph_reserve) // per_block, at most cap;
-    used: this engine's memory since its baseline (the memory in use on the device before it started, not in the
-    budget); free (the device's free memory now, if given) bounds the KV cache too, less the activations and the
-    graph pool (another process may have taken memory since the baseline). Raises a GPUMemoryError naming every
-    part when not even one block fits."""
+    """KV blocks that fit: (utilization * total - used - activations - graph_reserve) // per_block, at most cap,
+    and no more than free (now, if given) less the activations and the graph pool; used: this engine's growth since
+    its baseline. Raises a GPUMemoryError naming every part when not even one block fits."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     budget = int(utilization * total)
@@ -116,7 +113,7 @@ def kv_blocks(model, kv_config, a, max_model_len: int, device: torch.device,
     """KV blocks of this rank: on a GPU without kv_cache_memory_bytes, what the memory plan leaves after one
     profiling forward (its MemoryPlan returned too); else kv_cache_memory_bytes (256 MiB on the CPU by default).
     Never more than max_num_seqs full sequences. kv_config: this rank's KV shapes (kv_cache_config); a: EngineArgs;
-    baseline: memory_baseline(device) before the engine built its model (not counted in its budget)."""
+    baseline: memory_baseline before the model was built."""
     per_block = KVCache.bytes_per_block(kv_config, a.block_size, model.dtype)
     cap = a.max_num_seqs * -(-max_model_len // a.block_size)  # no more than max_num_seqs full sequences
     if a.kv_cache_memory_bytes is None and device.type == "cuda":

@@ -256,8 +256,7 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
         # on the CPU the ranks of a host share its cores (rank 0 makes the same choice in LLMEngine)
         configure_cpu_threads(getattr(args, "cpu_threads", None), device, processes=host_processes(args))
         cfg = ModelConfig.from_pretrained(args.model)
-        planned = device.type == "cuda" and args.kv_cache_memory_bytes is None
-        baseline = memory_baseline(device) if planned else 0
+        baseline = memory_baseline(args, device)
         model = build_sharded_model(cfg, args, engine_dtype(args, device), device, ps)
         if device.type == "cuda":  # before the graphs are captured, as rank 0's LLMEngine makes its own
             make_side_stream(device, (args.kernel_config or KernelConfig()).side_stream_priority)

@@ -42,19 +42,17 @@ def dot_precision(dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-# Triton builds a kernel variant (compiles it, or loads it from its disk cache) the first time this process launches
-# the kernel with a new specialization: its constexprs, and for each integer argument whether it is 1 or a multiple of
-# 16. The step that launches it waits for the build (seconds for a compile). knobs.runtime.jit_post_compile_hook is
-# called once for each variant built.
+# Triton builds a kernel variant (compiles it, or loads it from disk) at the first launch with a new specialization
+# (constexprs; each int argument 1, a multiple of 16 or neither); the launching step waits for it.
 _variants = [0]
 _lock = threading.Lock()
 log = logging.getLogger(__name__)
 
 
 def track_kernel_builds() -> None:
-    """Count every Triton kernel variant this process builds from now on (kernel_builds()), each logged at INFO
-    with its specialization (e.g. `n: i32D`: an int32 argument specialized as a multiple of 16); the hook installed
-    before it, if any, is still called. Idempotent; nothing without Triton."""
+    """From now on count each Triton kernel variant built (kernel_builds()) and log it at INFO with its
+    specialization (`n: i32D`: a multiple of 16), through knobs.runtime.jit_post_compile_hook, still calling the
+    hook set before. Idempotent; nothing without Triton."""
     if not HAS_TRITON or not hasattr(triton, "knobs"):
         return
     runtime = triton.knobs.runtime
@@ -73,5 +71,5 @@ def track_kernel_builds() -> None:
 
 
 def kernel_builds() -> int:
-    """Triton kernel variants built in this process since track_kernel_builds() (0 before it, or without Triton)."""
+    """Triton kernel variants built since track_kernel_builds() (0 before it, or without Triton)."""
     return _variants[0]

@@ -91,8 +91,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
-        # metrics hook: (requests updated, seconds, whether the step computed prompt tokens) of each step
-        self.on_step: Callable[[int, float, bool], None] | None = None
+        self.on_step: Callable[[int, float, bool], None] | None = None  # metrics: (updated, seconds, prefill)
         # a failure that ends serving (a tensor/expert-parallel worker died): its message, and the server's hook
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None

@@ -31,9 +31,8 @@ COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (first admissions)",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache (not computed again)",
     "prefix_cache_evictions": "Cached prefix blocks reused for other contents",
-    "triton_kernel_builds": "Triton kernel variants this process compiled (or loaded from Triton's disk cache) at "
-                            "first use since serving began: each stalls the step that needs it, for seconds when "
-                            "compiled; a count that grows in steady serving means shapes the warm-up did not reach",
+    "triton_kernel_builds": "Triton kernel variants built (compiled or read from disk) at first use since serving "
+                            "began; each stalls its step. Growing in steady serving: shapes the warm-up missed",
 }
 
 
@@ -64,9 +63,8 @@ class ServerMetrics:
         self.batch_size = Histogram("moelora_batch_size", "Requests sampled per engine step", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.step = Histogram("moelora_step_duration_seconds", "Engine steps by kind: prefill (computes prompt "
-                              "tokens, eager) or decode (one token a request, a CUDA graph where captured)",
-                              ["kind"], registry=r,
-                              buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5))
+                              "tokens, eager) or decode (one token a request, a CUDA graph where captured)", ["kind"],
+                              registry=r, buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5))
         self.ttft = Histogram("moelora_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.tpot = Histogram("moelora_time_per_output_token_seconds", "Time per output token after the first",
