@@ -11,7 +11,7 @@ report-prefill: bf16 56,417 -> 34,346 / 30,092 with 1 / 4 adapters; fp8 49,889 -
 rank-16 LoRA adds ~0.1% of the FLOPs. Its rows: bench/results/prefill.jsonl.
 
     python scripts/profile_prefill.py [--dtype fp8] [--adapters 0,1,4] [--json out.json] [--lines 25]
-        [--variants "noepi:moe_lora.prefill_epilogue=0"] [--no-profile]
+        [--variants "noepi:moe_lora.prefill_epilogue=0"] [--no-profile] [--host-profile N]
 The defaults run first, then each variant: the kernel config with those dotted fields set (bench decode --ab's
 syntax, docs/configuration.md), applied to the one engine between runs (LLMEngine.reconfigure); each variant times
 every adapter count (a warm-up pass, then a timed one) and, unless --no-profile, profiles a third.
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default="", help="--ab style 'name:key=value[,key=value];...', after the defaults")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also run one more pass under cProfile and print its N functions of most own host time")
     ap.add_argument("--tiny", action="store_true", help="the tiny Qwen3-MoE on the CPU (a smoke test of the script)")
     args = ap.parse_args()
     variants = [("default", KernelConfig())] + parse_ab(args.variants, KernelConfig())
@@ -81,6 +83,9 @@ def main() -> None:
                 elif base is not None:
                     row["tax"] = profile_tax(base, prof)
                     print(format_profile_tax(row["tax"], args.lines, f"LoRA tax by kernel, {n} adapters"))
+            if args.host_profile:
+                host_profile(lambda: report.prefill_case(engine, args.prompts, args.prompt_len, n, seed=8),
+                             args.host_profile, f"{vname}, {n} adapters")
             rows.append(row)
     print("variant      adapters    tok/s   kept")
     for r in rows:
@@ -93,6 +98,23 @@ def main() -> None:
                        "device": "cpu" if args.tiny else torch.cuda.get_device_name(), "commit": git_commit(), "dtype": args.dtype,
                        "prompts": args.prompts, "prompt_len": args.prompt_len, "rank": args.rank, "rows": rows},
                       f, indent=1)
+
+
+def host_profile(fn, lines: int, title: str) -> None:
+    """fn() under cProfile: its functions by own host time (where a host-bound pass spends it), then by total."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).strip_dirs().sort_stats(key).print_stats(lines)
+        text = out.getvalue()
+        print(f"host profile, {title}, by {key}:\n" + text[text.find("ncalls"):], flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,20 @@ def test_counts_each_reported_build_and_keeps_the_earlier_hook(hook_restored, ca
         "Triton kernel variant built: k1", "Triton kernel variant built: k2"]
 
 
+def test_a_build_is_described_by_its_specialization():
+    """The log line of a build: types, D for 16-divisible arguments, constexpr values (the shape of the hook's
+    `compile` in Triton 3.6-3.9); the hook's repr, folded to one line, where `compile` lacks them."""
+    class Fn:
+        name = "_k"
+
+    comp = {"signature": {"x_ptr": "*bf16", "n": "i32", "one": "constexpr", "BLOCK": "constexpr"},
+            "constants": {(2,): 1, (3,): 64}, "configs": [{(0,): [["tt.divisibility", 16]]}],
+            "num_warps": 4, "num_stages": 3}
+    assert _triton.describe_build({"compile": comp, "fn": Fn()}) == \
+        "_k[warps=4, stages=3](x_ptr: *bf16D, n: i32, one=1, BLOCK=64)"
+    assert _triton.describe_build({"repr": "_k[...](x_ptr: (\n)"}) == "_k[...](x_ptr: ( )"
+
+
 def test_no_earlier_hook(hook_restored):
     runtime = hook_restored
     runtime.jit_post_compile_hook = None
@@ -47,9 +61,9 @@ def test_no_earlier_hook(hook_restored):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_new_specialization_is_one_build_and_a_repeat_is_none(hook_restored):
+def test_a_new_specialization_is_one_build_and_a_repeat_is_none(hook_restored, caplog):
     """Triton itself calls the hook: a kernel first launched with n % 16 != 0 is one build, again with another such
-    n none, with n % 16 == 0 (a new specialization) one more."""
+    n none, with n % 16 == 0 (a new specialization) one more; each build logged with its specialization."""
     import triton.language as tl
 
     @triton.jit
@@ -57,6 +71,7 @@ def test_a_new_specialization_is_one_build_and_a_repeat_is_none(hook_restored):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
+    caplog.set_level("INFO", logger="moelora.kernels._triton")
     _triton.track_kernel_builds()
     x = torch.zeros(64, device="cuda")
     counts = []
@@ -67,3 +82,6 @@ def test_a_new_specialization_is_one_build_and_a_repeat_is_none(hook_restored):
     torch.cuda.synchronize()
     assert counts == [1, 0, 1]
     assert x[:13].eq(3).all() and x[13:21].eq(2).all() and x[21:32].eq(1).all() and x[32:].eq(0).all()
+    logged = [r.getMessage() for r in caplog.records if r.name == "moelora.kernels._triton"][-2:]
+    assert logged == ["Triton kernel variant built: _add_one[warps=4, stages=3](x_ptr: *fp32D, n: i32, BLOCK=64)",
+                      "Triton kernel variant built: _add_one[warps=4, stages=3](x_ptr: *fp32D, n: i32D, BLOCK=64)"]

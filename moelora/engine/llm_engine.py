@@ -27,6 +27,7 @@ from moelora.engine.sampler import (Sampler, apply_logit_bias, apply_penalties, 
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
 from moelora.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from moelora.engine.warmup import warm_up_eager, warmup_tokens
 from moelora.engine.workers import WorkerGroup, build_sharded_model, engine_dtype
 from moelora.kernels._triton import DeviceError
 from moelora.kernels.config import KernelConfig
@@ -69,6 +70,9 @@ class EngineArgs:
     # automatic prefix caching keyed by adapter (engine/prefix_cache.py): a prompt prefix computed once under an
     # adapter (or the base model) is reused by later requests of the same adapter content
     enable_prefix_caching: bool = True
+    # GPU: at start-up, run the eager forward once per class of token count (engine/warmup.py), so that serving
+    # builds no Triton kernel variant (each a stall of seconds in a request's time to first token)
+    kernel_warmup: bool = True
     # every tuning and kernel choice (kernels/config.py); None: the defaults. `--kernel-config JSON` on the command line
     kernel_config: KernelConfig | None = None
 
@@ -135,6 +139,9 @@ class LLMEngine:
                                   broadcast_graph=partial(self.workers.send, "graph") if self.workers else None)
         self.async_scheduling = resolve_async_scheduling(args.async_scheduling, self.device) and self.workers is None
         self.sampler = Sampler(min_rows=fused_sampler_min_rows(self.async_scheduling))
+        if warmup_tokens(args, self.device):  # the workers too, right after their runners
+            warm_up_eager(self.model, self.kv, warmup_tokens(args, self.device), args.max_loras, self.sampler,
+                          args.max_num_seqs)
         self._pending: PendingStep | None = None  # asynchronous scheduling: a step launched, its tokens not read
         self.ahead_steps = 0  # steps launched before the previous step's tokens were read (stats and tests)
         self.last_step_prefill = False  # whether the last step() computed prompt tokens (eager, not a graph)

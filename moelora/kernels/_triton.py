@@ -63,11 +63,27 @@ def track_kernel_builds() -> None:
     def counted(*args, **kwargs):
         with _lock:
             _variants[0] += 1
-        log.info("Triton kernel variant built: %s", kwargs.get("repr"))
+        log.info("Triton kernel variant built: %s", describe_build(kwargs))
         return previous(*args, **kwargs) if previous is not None else None
 
     counted.moelora_counter = True
     runtime.jit_post_compile_hook = counted
+
+
+def describe_build(hook_kwargs: dict) -> str:
+    """One line for a kernel variant the post-compile hook reports: `name[warps, stages](ptr: *bf16D, n: i32,
+    BLOCK=64, ...)`, D marking a 16-aligned pointer or a multiple of 16, constexprs (an int equal to 1 included) with
+    their values. Read from the hook's `compile` (signature, constants, configs[0]: the attributes by argument
+    path); the hook's own `repr` where that is missing (Triton 3.6-3.9 garble it: they read the cache-key string
+    as a tuple)."""
+    comp, fn = hook_kwargs.get("compile") or {}, hook_kwargs.get("fn")
+    try:
+        signature, constants, attrs = comp["signature"], comp["constants"], comp["configs"][0]
+        parts = [f"{n}={constants.get((i,))!r}" if ty == "constexpr" else f"{n}: {ty}{'D' if (i,) in attrs else ''}"
+                 for i, (n, ty) in enumerate(signature.items())]
+        return f"{fn.name}[warps={comp['num_warps']}, stages={comp['num_stages']}]({', '.join(parts)})"
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return " ".join(str(hook_kwargs.get("repr")).split())
 
 
 def kernel_builds() -> int:
