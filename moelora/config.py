@@ -66,8 +66,7 @@ class RoutingConfig:
     scoring_func: "softmax" | "sigmoid" · topk_method: "greedy" | "group_limited_greedy" (groups ranked by their
     best expert) | "noaux_tc" (groups ranked by the sum of their two best biased scores; experts picked by
     score + e_score_correction_bias, weighted by the unbiased score) · the experts form n_group equal groups, of
-    which topk_group are searched · weights are multiplied by routed_scaling_factor (after normalization).
-    """
+    which topk_group are searched · weights are multiplied by routed_scaling_factor (after normalization)."""
 
     scoring_func: str
     topk_method: str

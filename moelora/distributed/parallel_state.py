@@ -53,8 +53,7 @@ def init_parallel(tp_size: int = 1, ep_size: int = 1, backend: str | None = None
     backend: "nccl" | "gloo" | None (NCCL when CUDA is available, else gloo). init_method/rank/world_size: as
     torch.distributed.init_process_group takes them (None: from the environment, e.g. under torchrun);
     timeout: of the rendezvous and of every collective of this process (None: torch's default).
-    Every rank must call this with the same tp_size and ep_size (new_group is collective).
-    """
+    Every rank must call this with the same tp_size and ep_size (new_group is collective)."""
     if tp_size < 1 or ep_size < 1:
         raise ValueError(f"tensor_parallel_size={tp_size} and expert_parallel_size={ep_size} must be >= 1")
     if tp_size * ep_size == 1:

@@ -248,8 +248,7 @@ def shard_model(model: nn.Module, ps: ParallelState) -> nn.Module:
     """Split a MoECausalLM (GQA families) or DeepseekForCausalLM over ps, in place; returns the model.
 
     Call it after the weights are loaded and enable_lora() (the LoRA buffers are re-made at the local shape),
-    before lora_targets() and before any adapter is written into a slot. At tp = ep = 1 nothing changes.
-    """
+    before lora_targets() and before any adapter is written into a slot. At tp = ep = 1 nothing changes."""
     if not ps.is_parallel:
         return model
     if getattr(model, "parallel_state", None) is not None:

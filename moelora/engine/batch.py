@@ -14,8 +14,7 @@ class SeqChunk:
     """The part of one sequence that this step computes.
 
     token_ids: the new tokens · num_cached: tokens of this sequence already in the cache
-    block_table: the sequence's blocks, enough for num_cached + len(token_ids) tokens · slot: LoRA slot or -1
-    """
+    block_table: the sequence's blocks, enough for num_cached + len(token_ids) tokens · slot: LoRA slot or -1"""
 
     token_ids: list[int]
     num_cached: int

@@ -34,8 +34,7 @@ def configure_cpu_threads(requested: int | None, device: torch.device, processes
     bandwidth, while every thread added lengthens each fork/join.
 
     torch.set_num_threads is process-wide: it changes the thread count of everything in this process (another
-    engine, the caller's own torch code), and stays after the engine is gone.
-    """
+    engine, the caller's own torch code), and stays after the engine is gone."""
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise ValueError(f"--cpu-threads (cpu_threads) must be an integer >= 1, got {requested!r}")

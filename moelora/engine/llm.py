@@ -31,8 +31,7 @@ class LLM:
     everything it holds: the CUDA graphs, the worker processes, the torch.distributed process group this
     process joined (so another parallel LLM can start in the same process), and the engine (model, KV cache).
     A constructor that fails part way releases what it had started. Afterwards every method raises
-    "this LLM was shut down".
-    """
+    "this LLM was shut down"."""
 
     def __init__(self, model: str, adapters: dict[str, str] | None = None, **kwargs) -> None:
         self._engine: LLMEngine | None = None

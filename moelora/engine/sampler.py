@@ -81,8 +81,7 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[list[int]], out
             logits[b, v] = logits[b, v] / rp if logits[b, v] > 0 else logits[b, v] * rp
         logits[b, v] -= frequency_penalty * count(v in output[b])      # OpenAI
         logits[b, v] -= presence_penalty * (count(v in output[b]) > 0)  # OpenAI
-    logits: [B, V] fp32
-    """
+    logits: [B, V] fp32"""
     rows = [i for i, p in enumerate(params) if p.needs_penalties]
     if not rows:
         return logits
@@ -113,8 +112,7 @@ class SamplerOutput:
     logprobs[b]: log_softmax(penalized logits)[b, token_ids[b]], i.e. before temperature and filters; None for
     rows that did not ask for logprobs (no [B, V] log-softmax is computed for them).
     top_logprobs[b]: the params.logprobs most likely (token_id, logprob) under that same distribution,
-    best first; None for rows that did not ask for logprobs.
-    """
+    best first; None for rows that did not ask for logprobs."""
 
     token_ids: list[int]
     logprobs: list[float | None]
@@ -188,8 +186,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> SamplerOutput:
         """logits: [B, V] (fp32 after penalties, else the model's dtype), penalties already applied (see
-        apply_penalties). params, generators: one per row; a None generator draws from torch's global RNG.
-        """
+        apply_penalties). params, generators: one per row; a None generator draws from torch's global RNG."""
         token_ids = self.sample_tokens(logits, params, generators)
         wants = any(p.logprobs is not None for p in params)
         return self._with_logprobs(logits.float() if wants else logits, params, token_ids)
@@ -261,8 +258,7 @@ class Sampler:
 
         probs: [R, V], divided in place. Each seeded row draws its own V exponentials from its own generator;
         the unseeded rows draw theirs together from torch's global RNG, in row order (the same numbers whether
-        or not seeded rows sit between them).
-        """
+        or not seeded rows sit between them)."""
         unseeded = [j for j, g in enumerate(generators) if g is None]
         if len(unseeded) == len(generators):
             q = torch.empty_like(probs).exponential_()  # no gather or scatter of a [R, V] buffer
@@ -286,8 +282,7 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list
     logits: [P, V], row i holds the prediction for position i + 1 (P >= len(prompt_ids) - 1).
     Returns one entry per prompt position; position 0 is None (nothing predicts it). Entry i >= 1:
         {"token_id": prompt_ids[i], "logprob": log_softmax(logits[i-1])[prompt_ids[i]],
-         "rank": 1 + #tokens with a strictly higher logprob, "top": [(token_id, logprob)] * k, best first}
-    """
+         "rank": 1 + #tokens with a strictly higher logprob, "top": [(token_id, logprob)] * k, best first}"""
     n = len(prompt_ids)
     if n == 0:
         return []

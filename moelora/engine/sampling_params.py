@@ -16,8 +16,7 @@ class SamplingParams:
     token's own logprob is always returned). prompt_logprobs: the same for
     prompt positions. stop is normalized to a list of strings.
     logit_bias: token id -> a value in [-100, 100] added to that token's logit
-    before penalties and sampling (OpenAI's logit_bias; logprobs see it too).
-    """
+    before penalties and sampling (OpenAI's logit_bias; logprobs see it too)."""
 
     n: int = 1
     temperature: float = 1.0

@@ -64,8 +64,7 @@ class IncrementalDetokenizer:
     Each step decodes ids[prefix_offset:read_offset] and ids[prefix_offset:]; the difference is the
     new text. A delta is held back while the text ends in an incomplete UTF-8 character ('\\ufffd'),
     so a character split over several byte-level tokens is emitted once, whole. A replacement char
-    that stays (truly invalid bytes) is emitted as soon as a later token follows it, or by flush().
-    """
+    that stays (truly invalid bytes) is emitted as soon as a later token follows it, or by flush()."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
@@ -109,8 +108,7 @@ class StopChecker:
     update(delta) returns the text safe to emit now: never a stop string (unless
     include_stop_str_in_output) and never a tail that might still grow into one. When several stop
     strings occur, the one whose occurrence ends first wins (ties: the longer), so the result does not
-    depend on how the text was split into deltas.
-    """
+    depend on how the text was split into deltas."""
 
     def __init__(self, stop: list[str] | None, include_stop_str_in_output: bool = False) -> None:
         self.stop = [s for s in (stop or []) if s]

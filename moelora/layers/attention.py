@@ -26,8 +26,7 @@ class AttentionMetadata:
 
     slot_mapping: [T] int64, flat cache index (block * block_size + offset) of each new token, -1 = padding
     block_tables: [B, max_blocks] int32 · seq_lens: host list of B context lengths after this step
-    query_start_loc: host list of B + 1 row offsets of each sequence's new tokens in the flat batch
-    """
+    query_start_loc: host list of B + 1 row offsets of each sequence's new tokens in the flat batch"""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor

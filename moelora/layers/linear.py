@@ -31,8 +31,7 @@ class LoRALinear(nn.Module):
 
     weight: [sum(out_features), in_features]; the slices sit in order along the output dim. The LoRA backends
     (layers/dense_lora.py) are picked from the kernel config when the LoRA buffers are made (enable_lora), when the
-    model is configured (configure) and when the layer moves to another device; the class default config until then.
-    """
+    model is configured (configure) and when the layer moves to another device; the class default config until then."""
 
     kernel_config = KernelConfig()
 

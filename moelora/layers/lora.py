@@ -114,8 +114,7 @@ class LoRAShard:
     Column-parallel (output split): B keeps rows `out_slices[i]` of slice i, A whole. Row-parallel (input split):
     A keeps columns `in_slice`, B whole; the rank's delta is then a partial sum, completed by the layer's
     all-reduce. Expert-parallel: A and B keep experts `expert_slice` (a factor with an expert dim of 1, the
-    "shared outer" layout, is kept whole). in_features/out_features/num_experts: the whole weight's.
-    """
+    "shared outer" layout, is kept whole). in_features/out_features/num_experts: the whole weight's."""
 
     in_features: int
     out_features: tuple[int, ...]
@@ -146,8 +145,7 @@ class LoRATarget:
     """One adapter-addressable weight, by its transformers module name (e.g.
     `model.layers.0.self_attn.q_proj`, `model.layers.0.mlp.experts.gate_proj`).
 
-    in_features/out_features: of this slice; num_experts: None for dense targets.
-    """
+    in_features/out_features: of this slice; num_experts: None for dense targets."""
 
     name: str
     weights: LoRAWeights

@@ -20,8 +20,7 @@ class LoRABatch:
     all_lora: every token of the batch uses an adapter (no base rows)
     has_lora: False when no token uses an adapter: layers then do no LoRA work at all
     skip_dense / skip_experts (CUDA-graph batches only): the graph of a batch whose adapters adapt no dense
-    weight (attention, shared experts, dense MLPs) / no routed expert leaves those layers' LoRA kernels out
-    """
+    weight (attention, shared experts, dense MLPs) / no routed expert leaves those layers' LoRA kernels out"""
 
     groups: SlotGroups
     slot_ids: list[int]

@@ -46,8 +46,7 @@ def build_model(cfg: ModelConfig, path: str | None = None, dtype: str | torch.dt
     are quantized at load time; the checkpoint's own scheme must match).
     quant_reference: tests only: FP8 'w8a8' | 'dequant' (layers/fp8.py; None = the Triton kernels); NVFP4: any
     value allows the CPU.
-    kernel_config: the frozen kernel choices (kernels/config.py; None: the defaults), handed to every layer.
-    """
+    kernel_config: the frozen kernel choices (kernels/config.py; None: the defaults), handed to every layer."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: use one of {QUANTIZATIONS}")
     cls = model_class(cfg)
