@@ -23,7 +23,6 @@ class DeepseekForCausalLM(MoECausalLM):
     Its decode step reads no host data on a GPU (Triton absorbed decode, unmasked latent writes), so CUDA graphs
     capture it like the GQA families."""
 
-    supports_cuda_graphs = True
     attention_cls = MLAttention
     moe_cls = DeepseekMoE
 
