@@ -193,37 +193,36 @@ def lora_module(text: str) -> LoRAModule:
 
 _LOCAL_ONLY = ("moelora loads local folders only: download it first (huggingface-cli download REPO --revision R "
                "--local-dir DIR) and pass DIR as the model")
-# (flags, add_argument keywords, is the value a use of the feature?, why / what to do)
+# (flags, add_argument keywords, why / what to do); a value other than the default is a use of the feature
 UNSUPPORTED = [
-    (("--pipeline-parallel-size", "-pp"), dict(type=int, default=1, metavar="N"), lambda v: v != 1,
+    (("--pipeline-parallel-size", "-pp"), dict(type=int, default=1, metavar="N"),
      "moelora splits a model over ranks with --tp (tensor parallel) and --ep (expert parallel), not pipeline "
      "stages: use those"),
-    (("--data-parallel-size", "-dp"), dict(type=int, default=1, metavar="N"), lambda v: v != 1,
+    (("--data-parallel-size", "-dp"), dict(type=int, default=1, metavar="N"),
      "run one `moelora serve` per replica (each on its own --port) behind a load balancer"),
-    (("--enable-expert-parallel",), dict(action="store_true"), bool,
+    (("--enable-expert-parallel",), dict(action="store_true"),
      "moelora sets expert parallelism on its own: pass --ep N (N x --tp ranks in all)"),
-    (("--speculative-config",), dict(default=None, metavar="JSON"), lambda v: v is not None,
+    (("--speculative-config",), dict(default=None, metavar="JSON"),
      "moelora has no speculative decoding: leave it out"),
-    (("--kv-cache-dtype",), dict(default="auto", metavar="DTYPE"), lambda v: v != "auto",
+    (("--kv-cache-dtype",), dict(default="auto", metavar="DTYPE"),
      "the KV cache is kept in the model's dtype (--dtype): leave it out"),
-    (("--cpu-offload-gb",), dict(type=float, default=0.0, metavar="GB"), lambda v: v != 0,
+    (("--cpu-offload-gb",), dict(type=float, default=0.0, metavar="GB"),
      "weights stay on the device: use --quantization fp8 or more ranks (--tp / --ep) to fit a larger model"),
-    (("--lora-dtype",), dict(default="auto", metavar="DTYPE"), lambda v: v != "auto",
+    (("--lora-dtype",), dict(default="auto", metavar="DTYPE"),
      "adapters take the base model's dtype (--dtype): leave it out"),
-    (("--tokenizer",), dict(default=None, metavar="PATH"), lambda v: v is not None,
+    (("--tokenizer",), dict(default=None, metavar="PATH"),
      "the tokenizer is read from the model folder (tokenizer.json, tokenizer_config.json): put it there"),
-    (("--chat-template",), dict(default=None, metavar="TEMPLATE"), lambda v: v is not None,
+    (("--chat-template",), dict(default=None, metavar="TEMPLATE"),
      "the chat template is the model folder's (chat_template in tokenizer_config.json, or chat_template.jinja): "
      "put it there"),
-    (("--revision",), dict(default=None, metavar="REV"), lambda v: v is not None, _LOCAL_ONLY),
-    (("--tokenizer-revision",), dict(default=None, metavar="REV"), lambda v: v is not None, _LOCAL_ONLY),
-    (("--code-revision",), dict(default=None, metavar="REV"), lambda v: v is not None, _LOCAL_ONLY),
-    (("--download-dir",), dict(default=None, metavar="DIR"), lambda v: v is not None, _LOCAL_ONLY),
-    (("--enable-auto-tool-choice",), dict(action="store_true"), bool,
+    (("--revision",), dict(default=None, metavar="REV"), _LOCAL_ONLY),
+    (("--tokenizer-revision",), dict(default=None, metavar="REV"), _LOCAL_ONLY),
+    (("--code-revision",), dict(default=None, metavar="REV"), _LOCAL_ONLY),
+    (("--download-dir",), dict(default=None, metavar="DIR"), _LOCAL_ONLY),
+    (("--enable-auto-tool-choice",), dict(action="store_true"), "the chat endpoint has no tool calling: leave it out"),
+    (("--tool-call-parser",), dict(default=None, metavar="NAME"),
      "the chat endpoint has no tool calling: leave it out"),
-    (("--tool-call-parser",), dict(default=None, metavar="NAME"), lambda v: v is not None,
-     "the chat endpoint has no tool calling: leave it out"),
-    (("--reasoning-parser",), dict(default=None, metavar="NAME"), lambda v: v is not None,
+    (("--reasoning-parser",), dict(default=None, metavar="NAME"),
      "the model's text is returned as it is (no reasoning_content): leave it out"),
 ]
 
@@ -336,18 +335,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM's command lines (moelora logs no periodic stats; see /metrics)")
 
     u = p.add_argument_group("vLLM flags for features moelora does not have (rejected, with the reason)")
-    for flags, kw, _, reason in UNSUPPORTED:
+    for flags, kw, reason in UNSUPPORTED:
         u.add_argument(*flags, dest=_dest(flags), help=reason.split(":")[0], **kw)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Checks across flags, after parsing (a ValueError with a one-line message; `moelora serve` prints it as a
     usage error). Also resolves the positional MODEL into args.model."""
-    for flags, _, used, reason in UNSUPPORTED:
+    for flags, kw, reason in UNSUPPORTED:
         if not hasattr(args, _dest(flags)):  # a Namespace built without them
             continue
         value = getattr(args, _dest(flags))
-        if used(value):
+        if value != kw.get("default", False):  # store_true flags default to False
             shown = flags[0] if isinstance(value, bool) else f"{flags[0]} {value:g}" if isinstance(value, float) \
                 else f"{flags[0]} {value}"
             raise ValueError(f"{shown} is not supported: {reason}")
