@@ -103,10 +103,8 @@ def shard_row(lin: LoRALinear, part: slice, keep_bias: bool, model_lora: tuple[i
 
 
 def _all_reduce_hook(group: dist.ProcessGroup | None):
-    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-        return all_reduce_(output, group)
-
-    return hook
+    """Forward hook: the module's output summed over `group`, in place."""
+    return lambda module, args, output: all_reduce_(output, group)
 
 
 def shard_attention(attn: Attention, ps: ParallelState, lora: tuple[int, int], name: str) -> None:
