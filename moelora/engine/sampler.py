@@ -57,14 +57,10 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     bias, else logits itself. The bias is copied to the device without a synchronisation, so this also runs
     between an asynchronous step's forward and its sampling. logits: [B, V]. Token ids must be < V (the engine
     checks them when the request is added)."""
-    rows, cols, vals = [], [], []
-    for b, p in enumerate(params):
-        for t, v in (p.logit_bias or {}).items():
-            rows.append(b)
-            cols.append(t)
-            vals.append(float(v))
-    if not rows:
+    biased = [(b, t, float(v)) for b, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+    if not biased:
         return logits
+    rows, cols, vals = (list(c) for c in zip(*biased))
     device = logits.device
     out = logits.float().clone()
     out.index_put_((to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)),

@@ -63,16 +63,14 @@ class SamplingParams:
             fail(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             fail(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            fail(f"logprobs must be >= 0 or None, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            fail(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
+        for key in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, key)) is not None and value < 0:
+                fail(f"{key} must be >= 0 or None, got {value}")
         if self.repetition_penalty <= 0:
             fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        for key in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= (value := getattr(self, key)) <= 2.0:
+                fail(f"{key} must be in [-2, 2], got {value}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
