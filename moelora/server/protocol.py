@@ -21,17 +21,11 @@ SAMPLING_DEFAULTS: dict[str, float | int] = {
 # Fields of the OpenAI API (or vLLM's) that moelora does not implement, and why. Anything else a request
 # sends that is not declared on its model is refused as unknown.
 NOT_IMPLEMENTED: dict[str, str] = {
-    "tools": "tool calls are not supported yet",
-    "tool_choice": "tool calls are not supported yet",
-    "functions": "function calls are not supported",
-    "function_call": "function calls are not supported",
-    "parallel_tool_calls": "tool calls are not supported yet",
+    **dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls"), "tool calls are not supported yet"),
+    **dict.fromkeys(("functions", "function_call"), "function calls are not supported"),
     "response_format": "structured output (response_format other than {\"type\": \"text\"}) is not supported yet",
-    "guided_json": "structured output is not supported yet",
-    "guided_regex": "structured output is not supported yet",
-    "guided_choice": "structured output is not supported yet",
-    "guided_grammar": "structured output is not supported yet",
-    "structured_outputs": "structured output is not supported yet",
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+                    "structured output is not supported yet"),
     "suffix": "insertion after a suffix is not supported",
     "best_of": "best_of is not supported (it would sample best_of completions and return the n best): use n",
     "audio": "audio output is not supported", "modalities": "only text output is supported",
