@@ -1,20 +1,19 @@
 """Worker processes of a tensor/expert-parallel engine on one host.
 
-The engine's own process is rank 0: it schedules, owns the slot pool and the KV block tables, and before each
-eager step broadcasts the step's metadata (the flat batch's sequences and which rows want logits) over a gloo
-group, before each CUDA-graph decode step its inputs (every rank captured the same graphs at start-up); ranks 1..N-1 run `worker_main`: they hold their shard of the model and of the KV cache, repeat rank 0's
-slot writes (events `(slot, adapter name | None)` sent with the next message, so every rank makes the same
-slot and eviction decisions: rank 0's) and run the same forward, whose collectives pair up with rank 0's.
+Rank 0 (the engine's process) schedules, owns the slot pool and the KV block tables, and broadcasts over a gloo group
+each eager step's metadata (the flat batch's sequences, which rows want logits) or each CUDA-graph decode step's
+inputs (every rank captured the same graphs at start-up). Ranks 1..N-1 run `worker_main`: they hold their shard of
+the model and of the KV cache, repeat rank 0's slot writes (events `(slot, adapter name | None)` sent with the next
+message) and run the same forward, whose collectives pair up with rank 0's.
 
 Failure: rank 0 checks the worker processes before every message and every POLL_S while one is pending (gloo
 usually fails a collective with a dead peer at once, but can leave a send pending until the collective timeout),
 and a collective that fails because a peer went away is re-raised as WorkerFailed naming the rank, its pid and
 exit code. Workers are daemons of rank 0, so they end with it.
 
-Lifetime: `WorkerGroup.stop` (LLMEngine.shutdown, LLM.shutdown / its `with` block / its garbage collection)
-tells the workers to finish, reaps them and leaves the process group, so a second parallel engine can start in
-the same process. A group nobody stopped is stopped at interpreter exit (one atexit hook over the live groups,
-which does not keep a group alive).
+Lifetime: `WorkerGroup.stop` (LLMEngine.shutdown, LLM.shutdown / its `with` block / its garbage collection) tells
+the workers to finish, reaps them and leaves the process group, so a second parallel engine can start in the same
+process; a group nobody stopped is stopped at interpreter exit (`_LIVE`).
 
 Under torchrun (`check_launch`: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, WORLD_SIZE = tp x ep; one or many
 nodes) nothing is spawned: every process joins the process group from the environment (env://), global rank 0
@@ -45,8 +44,7 @@ import torch.multiprocessing as mp
 from moelora.adapters.registry import AdapterRegistry
 from moelora.adapters.slots import clear_slot, write_slot
 from moelora.config import ModelConfig
-from moelora.distributed import (ParallelState, check_launch, free_port, init_parallel, kv_cache_config,
-                                 shard_model)
+from moelora.distributed import ParallelState, check_launch, free_port, init_parallel, kv_cache_config, shard_model
 from moelora.engine.cpu_threads import configure_cpu_threads, host_processes
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.memory import kv_blocks, memory_baseline
