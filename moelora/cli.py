@@ -197,8 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs; prints adapter, input, output, expected, ok and the tokens/s. Exit status 1 if any row is wrong.",
     )
     demo.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    demo.add_argument("--per-adapter", type=int_in(1), default=4,
-                      help="rows per adapter and for the base (default 4)")
+    demo.add_argument("--per-adapter", type=int_in(1), default=4, help="rows per adapter and for the base (default 4)")
     demo.add_argument("--seed", type=int, default=None, help="seed for the random inputs (default: fresh each run)")
     demo.add_argument("--cpu-threads", type=int_in(1), default=None, metavar="N", help=CPU_THREADS_HELP)
     demo.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON", help=KERNEL_CONFIG_HELP)

@@ -23,19 +23,15 @@ class StepOutput:
 def graph_settings(args, model, device: torch.device, max_model_len: int) -> dict:
     """ModelRunner's CUDA-graph keywords from the engine arguments; every rank of a parallel engine derives
     them the same way, so all ranks capture the same graphs in the same order (their collectives pair up)."""
-    return dict(
-        cuda_graphs=(device.type == "cuda" and not args.enforce_eager
-                     and model.dtype in (torch.bfloat16, torch.float16)
-                     and getattr(model, "supports_cuda_graphs", False)),
-        max_graph_batch_size=min(args.max_graph_batch_size, args.max_num_seqs),
-        max_blocks_per_seq=-(-max_model_len // args.block_size),
-    )
+    cuda_graphs = (device.type == "cuda" and not args.enforce_eager and model.dtype in (torch.bfloat16, torch.float16)
+                   and getattr(model, "supports_cuda_graphs", False))
+    return dict(cuda_graphs=cuda_graphs, max_graph_batch_size=min(args.max_graph_batch_size, args.max_num_seqs),
+                max_blocks_per_seq=-(-max_model_len // args.block_size))
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, max_loras: int, cuda_graphs: bool = False,
-                 max_graph_batch_size: int = 64, max_blocks_per_seq: int = 0, broadcast=None,
-                 broadcast_graph=None) -> None:
+    def __init__(self, model, kv: KVCache, max_loras: int, cuda_graphs: bool = False, max_graph_batch_size: int = 64,
+                 max_blocks_per_seq: int = 0, broadcast=None, broadcast_graph=None) -> None:
         """broadcast(seqs, sample_idx, prompt_idx): tensor/expert parallel, sends each eager step to the other
         ranks (engine/workers.py) before this rank runs it; broadcast_graph(token_ids, positions, block_tables,
         slots): the same for a decode step replayed from a CUDA graph (every rank replays its own capture).

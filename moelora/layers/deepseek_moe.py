@@ -30,18 +30,15 @@ class DeepseekRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.e_score_correction_bias = None
         if r.topk_method == "noaux_tc":
-            self.e_score_correction_bias = nn.Parameter(
-                torch.zeros(cfg.num_experts, dtype=torch.float32, device=device), requires_grad=False
-            )
+            bias = torch.zeros(cfg.num_experts, dtype=torch.float32, device=device)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> topk_weights [T, K] fp32, topk_ids [T, K]."""
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
         r = self.routing
-        return grouped_topk_ref(
-            logits, self.top_k, r.scoring_func, r.topk_method, r.n_group, r.topk_group, self.renormalize,
-            r.routed_scaling_factor, self.e_score_correction_bias,
-        )
+        return grouped_topk_ref(logits, self.top_k, r.scoring_func, r.topk_method, r.n_group, r.topk_group,
+                                self.renormalize, r.routed_scaling_factor, self.e_score_correction_bias)
 
 
 class DeepseekMoE(nn.Module):

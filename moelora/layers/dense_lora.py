@@ -20,9 +20,8 @@ from moelora.kernels._triton import HAS_TRITON, interpreting
 from moelora.kernels.config import KernelConfig
 from moelora.kernels.lora.delta_triton import DELTA_BLOCK_N, DELTA_MAX_GROUPS, lora_delta
 from moelora.kernels.lora.shrink_expand import lora_expand_ref, lora_shrink_ref, lora_single_slot
-from moelora.kernels.lora.shrink_expand_triton import (
-    SHRINK_SPLIT_MAX_TOKENS, lora_expand, lora_shrink, lora_shrink_buffer,
-)
+from moelora.kernels.lora.shrink_expand_triton import (SHRINK_SPLIT_MAX_TOKENS, lora_expand, lora_shrink,
+                                                       lora_shrink_buffer)
 from moelora.kernels.quant.fp8_act_triton import fp8_prequantize
 from moelora.kernels.quant.fp8_triton import Fp8LoRAEpilogue, fp8_linear, pdl_supported
 from moelora.kernels.streams import fork, join, side_stream

@@ -21,10 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.kernels.moe.experts import expert_matmul_loop
-from moelora.kernels.quant.fp8 import (
-    DEFAULT_BLOCK, FP8_DTYPE, dequantize_weight_block, fp8_block_matmul_ref, fp8_grouped_matmul_ref,
-    quantize_weight_block,
-)
+from moelora.kernels.quant.fp8 import (DEFAULT_BLOCK, FP8_DTYPE, dequantize_weight_block, fp8_block_matmul_ref,
+                                       fp8_grouped_matmul_ref, quantize_weight_block)
 from moelora.kernels.quant.fp8_experts_triton import fp8_expert_gemm, fp8_grouped_align, fp8_grouped_gemm
 from moelora.kernels.quant.fp8_triton import check_fp8_device, fp8_linear
 from moelora.layers.linear import LoRALinear
@@ -58,7 +56,6 @@ def check_backend(reference: str | None, device: torch.device | str) -> None:
 
 
 # ---- storage -----------------------------------------------------------------------------------------------
-
 
 def frozen_param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
@@ -101,7 +98,6 @@ def dequantized(module: nn.Module, name: str) -> torch.Tensor:
 
 
 # ---- forward paths -----------------------------------------------------------------------------------------
-
 
 def fp8_linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The base output of an FP8 LoRALinear: x [T, in] -> [T, sum(out)] in x.dtype (bias added)."""
@@ -160,7 +156,6 @@ class Fp8ExpertWeight:
 
 
 # ---- whole model -------------------------------------------------------------------------------------------
-
 
 def fp8_modules(model: nn.Module, skip=lambda name: False) -> dict[str, nn.Module]:
     """The modules FP8 applies to: every LoRALinear and RoutedExperts, except those `skip(name)` names and MLA's

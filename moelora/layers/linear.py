@@ -48,10 +48,9 @@ class LoRALinear(nn.Module):
         self.lora_backend = self.deferred_backend = None
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAWeights:
-        self.lora = LoRAWeights(
-            self.in_features, self.out_features, max_loras, max_lora_rank,
-            dtype=self.quant.act_dtype if self.quant else self.weight.dtype, device=self.weight.device,
-        )
+        dtype = self.quant.act_dtype if self.quant else self.weight.dtype
+        self.lora = LoRAWeights(self.in_features, self.out_features, max_loras, max_lora_rank, dtype=dtype,
+                                device=self.weight.device)
         self._pick_backends()
         return self.lora
 

@@ -41,13 +41,8 @@ class LoRABatch:
         host = _checked_slots(token_slots, max_loras)
         groups = SlotGroups.build(host, max_loras, device)
         ids = groups.slot_ids
-        return cls(
-            groups=groups,
-            slot_ids=ids,
-            single_slot=ids[0] if len(ids) == 1 else None,
-            all_lora=bool(host.numel()) and bool((host >= 0).all()),
-            has_lora=len(ids) > 0,
-        )
+        return cls(groups=groups, slot_ids=ids, single_slot=ids[0] if len(ids) == 1 else None,
+                   all_lora=bool(host.numel()) and bool((host >= 0).all()), has_lora=len(ids) > 0)
 
     @classmethod
     def static(cls, num_tokens: int, max_loras: int, device: torch.device | str) -> "LoRABatch":

@@ -14,9 +14,8 @@ from moelora.engine.sampling_params import SamplingParams
 
 # Sampling fields a request may leave out, with the value used when neither it nor the model's
 # generation_config.json gives one (vLLM's defaults).
-SAMPLING_DEFAULTS: dict[str, float | int] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-}
+SAMPLING_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                              "repetition_penalty": 1.0}
 
 # Fields of the OpenAI API (or vLLM's) that moelora does not implement, and why. Anything else a request
 # sends that is not declared on its model is refused as unknown.
@@ -107,14 +106,13 @@ class _Common(BaseModel):
                     bias[int(k)] = v
                 except ValueError:
                     raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
-        return SamplingParams(
-            n=1, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
-            seed=self.seed, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            repetition_penalty=pick("repetition_penalty"), frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
-        )
+        return SamplingParams(n=1, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
+                              min_p=pick("min_p"), seed=self.seed, max_tokens=max_tokens, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs, repetition_penalty=pick("repetition_penalty"),
+                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                              skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
+                              include_stop_str_in_output=self.include_stop_str_in_output)
 
     @property
     def include_usage(self) -> bool:
