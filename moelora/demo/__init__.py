@@ -18,7 +18,7 @@ import random
 import string
 
 __all__ = ["TRANSFORMS", "ADAPTERS", "MIN_LEN", "MAX_LEN", "SEPARATOR", "assets_path", "model_path",
-           "adapter_paths", "random_input", "make_prompt", "echo", "upper", "reverse", "rot13"]
+           "adapter_paths", "random_input", "make_prompt"]
 
 MIN_LEN, MAX_LEN = 3, 24
 SEPARATOR = " => "
@@ -26,25 +26,9 @@ ADAPTERS = ("upper", "reverse", "rot13")
 _LETTERS = string.ascii_lowercase
 _SPACE_PROB = 0.18  # chance of a word break after a letter: words of ~5.5 letters on average
 
-
-def echo(text: str) -> str:
-    return text
-
-
-def upper(text: str) -> str:
-    return text.upper()
-
-
-def reverse(text: str) -> str:
-    return text[::-1]
-
-
-def rot13(text: str) -> str:
-    return codecs.encode(text, "rot13")
-
-
 # adapter name (None = the base model, no adapter) -> what the model should output
-TRANSFORMS = {None: echo, "upper": upper, "reverse": reverse, "rot13": rot13}
+TRANSFORMS = {None: lambda text: text, "upper": str.upper, "reverse": lambda text: text[::-1],
+              "rot13": lambda text: codecs.encode(text, "rot13")}
 
 
 def random_input(rng: random.Random) -> str:
