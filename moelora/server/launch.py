@@ -429,9 +429,6 @@ def build_from_args(args: argparse.Namespace):
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever sys.stderr is at the time (pytest swaps it per test)."""
 
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
     @property
     def stream(self):
         return sys.stderr
