@@ -107,16 +107,15 @@ class KVCache:
             self._block_of[h] = block
             self._hash_of[block] = (h, identity)
 
-    def drop_identity(self, identity: str) -> int:
-        """Make every cached block computed under `identity` unfindable (an adapter unloaded); returns how many.
-        Blocks no sequence holds become plain free blocks."""
+    def drop_identity(self, identity: str) -> None:
+        """Make every cached block computed under `identity` unfindable (an adapter unloaded). Blocks no sequence
+        holds become plain free blocks."""
         blocks = [b for b, (_, ident) in self._hash_of.items() if ident == identity]
         for b in blocks:
             self._uncache(b)
             if b in self._evictable:
                 del self._evictable[b]
                 self._free.append(b)
-        return len(blocks)
 
     def _uncache(self, block: int) -> None:
         h, _ = self._hash_of.pop(block)
