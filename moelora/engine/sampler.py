@@ -32,11 +32,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> t
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator seeded for one request, or None (use the global RNG) when seed is None."""
-    if seed is None:
-        return None
-    g = torch.Generator(device=torch.device(device))
-    g.manual_seed(seed)
-    return g
+    return None if seed is None else torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
 def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
