@@ -42,14 +42,11 @@ class AttentionMetadata:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.q_size, self.kv_size = cfg.head_dim, cfg.q_size, cfg.kv_size
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_idx]
-        self.clip_qkv = cfg.clip_qkv
-        self.qk_norm = cfg.qk_norm
+        self.clip_qkv, self.qk_norm = cfg.clip_qkv, cfg.qk_norm
         self.qkv_proj = LoRALinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias, dtype, device)
         self.o_proj = LoRALinear(self.q_size, [cfg.hidden_size], cfg.o_bias, dtype, device)
         # set by DecoderLayer, whose post-attention norm adds a deferred o_proj LoRA delta (dense_lora.defer)

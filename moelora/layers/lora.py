@@ -23,11 +23,8 @@ class LoRAWeights(nn.Module):
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         n = len(out_features)
-        self.in_features = in_features
-        self.out_features = list(out_features)
-        self.num_experts = num_experts
-        self.max_loras = max_loras
-        self.max_lora_rank = max_lora_rank
+        self.in_features, self.out_features, self.num_experts = in_features, list(out_features), num_experts
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         e = () if num_experts is None else (num_experts,)
         self.register_buffer("a", torch.zeros(n, max_loras, *e, max_lora_rank, in_features, dtype=dtype, device=device))
         self.register_buffer("b_cat", torch.zeros(max_loras, *e, sum(out_features), max_lora_rank, dtype=dtype, device=device))

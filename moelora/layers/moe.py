@@ -98,12 +98,10 @@ class MoEBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.top_k = cfg.num_experts_per_tok
-        self.renormalize = cfg.norm_topk_prob
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, dtype, device)
-        self.shared_expert = None
-        self.shared_expert_gate = None
+        self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, dtype, device)
             if cfg.shared_expert_gate:
