@@ -23,9 +23,8 @@ def configure_cpu_threads(requested: int | None, device: torch.device, processes
          whatever the device); every process of a parallel engine takes it as it is;
       2. MOELORA_CPU_THREADS, if set (an integer >= 1; ValueError otherwise; empty counts as unset), likewise;
       3. OMP_NUM_THREADS, if set: torch already read it at start-up, so it is left alone (returns None);
-      4. the default: the physical cores this process may run on (os.sched_getaffinity, SMT siblings counted once,
-         no more than a cgroup CPU quota allows) minus one, split between `processes` (the tensor/expert-parallel
-         ranks sharing the host), at least 1 and at most MAX_DEFAULT_THREADS (8): `default_cpu_threads`.
+      4. the default, `default_cpu_threads`: the physical cores this process may run on (`available_cores`) minus
+         one, split between `processes` (the parallel ranks sharing the host), in 1..MAX_DEFAULT_THREADS (8).
 
     Why cores minus one, not torch's default (every core): a decode step is hundreds of small ops, each a
     fork/join of the OpenMP team whose every thread must get a core; one core short (the server's event loop, the

@@ -18,11 +18,10 @@ import torch
 
 
 class DecodeHostInputs:
-    """Host arrays of the graph buffers: input_ids, positions, slot_mapping [B] int64; token_seq, seq_lens [B]
-    int32; block_tables [B, width] int32 — at every step the arrays of the step's lists alone (see build).
-    pin: page-locked host memory (a GPU engine), so the copies to the graph's buffers are asynchronous; the
-    engine reads each step's tokens back before building the next step, which orders the copies before the
-    next overwrite."""
+    """Host arrays of the graph buffers: input_ids, positions, slot_mapping [B] int64; token_seq, seq_lens [B] int32;
+    block_tables [B, width] int32 — at every step the arrays of the step's lists alone (see build). pin: page-locked
+    host memory (a GPU engine), so the copies to the graph's buffers are asynchronous; the engine reads each step's
+    tokens back before building the next step, which orders the copies before the next overwrite."""
 
     def __init__(self, max_batch: int, width: int, block_size: int, dummy_slot: int, pin: bool = False) -> None:
         self.width, self.block_size, self.dummy_slot = width, block_size, dummy_slot

@@ -50,10 +50,8 @@ class LLM:
             engine.workers.on_exit = self._finalizer  # at exit: graphs freed before the group is left
 
     def shutdown(self) -> None:
-        """Release the engine: its CUDA graphs, the worker processes of a tensor/expert-parallel engine and the
-        torch.distributed process group this process joined, then the model and KV cache (once nothing else
-        references the engine). Idempotent: a second call does nothing. Afterwards generate() and the other
-        methods raise RuntimeError("this LLM was shut down")."""
+        """Release what the LLM holds (see Lifetime above; the model and KV cache once nothing else references the
+        engine). Idempotent: a second call does nothing."""
         finalizer = getattr(self, "_finalizer", None)
         self._engine = None
         if finalizer is not None:

@@ -61,20 +61,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks splitting attention heads, dense layers, vocabulary and expert widths
     expert_parallel_size: int = 1  # ranks splitting the routed experts (world = tensor x expert parallel size)
     # schedule and launch the next decode step before reading this step's tokens (engine/async_step.py); single
-    # rank only. None: on for a CUDA device (measured faster on the H200 in every case), off on the
-    # CPU (nothing to overlap)
+    # rank only. None: on for a CUDA device (measured faster on the H200 in every case), off on the CPU
     async_scheduling: bool | None = None
-    # CPU: torch's intra-op threads. None: engine/cpu_threads.py's choice (MOELORA_CPU_THREADS or OMP_NUM_THREADS
-    # when set, else a count that does not oversubscribe the machine)
-    cpu_threads: int | None = None
-    # automatic prefix caching keyed by adapter (engine/prefix_cache.py): a prompt prefix computed once under an
-    # adapter (or the base model) is reused by later requests of the same adapter content
-    enable_prefix_caching: bool = True
-    # GPU: at start-up, run the eager forward once per class of token count (engine/warmup.py), so that serving
-    # builds no Triton kernel variant (each a stall of seconds in a request's time to first token)
-    kernel_warmup: bool = True
-    # every tuning and kernel choice (kernels/config.py); None: the defaults. `--kernel-config JSON` on the command line
-    kernel_config: KernelConfig | None = None
+    cpu_threads: int | None = None  # CPU: torch's intra-op threads; None: engine/cpu_threads.py's rule
+    enable_prefix_caching: bool = True  # reuse computed prompt prefixes, keyed by adapter content (prefix_cache.py)
+    kernel_warmup: bool = True  # GPU: warm up the eager step at start-up (engine/warmup.py): serving builds no kernel
+    kernel_config: KernelConfig | None = None  # kernels/config.py's choices (--kernel-config); None: the defaults
 
 
 def resolve_async_scheduling(requested: bool | None, device: torch.device) -> bool:
@@ -102,7 +94,6 @@ class LLMEngine:
             self.workers = WorkerGroup(args)
             ps = self.workers.state
         baseline = memory_baseline(args, self.device)
-        # unsplit (ps not parallel): built in place on the device
         self.model = build_sharded_model(self.config, args, engine_dtype(args, self.device), self.device, ps,
                                          args.show_progress)
         if self.device.type == "cuda":  # the side stream at the config's priority, before any graph records it
@@ -131,8 +122,7 @@ class LLMEngine:
         else:
             self.registry = self.pool = None
         self.scheduler = Scheduler(self.kv, self.pool, self.registry, args.max_num_seqs, args.max_num_batched_tokens)
-        # under tensor/expert parallelism the workers build their runners (and capture the same graphs) right
-        # after the "init" message: the captures' collectives pair up with these
+        # parallel: the workers build their runners right after "init": their captures' collectives pair up with these
         self.runner = ModelRunner(self.model, self.kv, args.max_loras,
                                   **graph_settings(args, self.model, self.device, self.max_model_len),
                                   broadcast=partial(self.workers.send, "step") if self.workers else None,

@@ -32,11 +32,10 @@ def graph_settings(args, model, device: torch.device, max_model_len: int) -> dic
 class ModelRunner:
     def __init__(self, model, kv: KVCache, max_loras: int, cuda_graphs: bool = False, max_graph_batch_size: int = 64,
                  max_blocks_per_seq: int = 0, broadcast=None, broadcast_graph=None) -> None:
-        """broadcast(seqs, sample_idx, prompt_idx): tensor/expert parallel, sends each eager step to the other
-        ranks (engine/workers.py) before this rank runs it; broadcast_graph(token_ids, positions, block_tables,
-        slots): the same for a decode step replayed from a CUDA graph (every rank replays its own capture).
-        Under tensor/expert parallelism every rank constructs its runner at the same point (the captures'
-        collectives pair up)."""
+        """broadcast(seqs, sample_idx, prompt_idx): tensor/expert parallel, sends each eager step to the other ranks
+        (engine/workers.py) before this rank runs it; broadcast_graph(token_ids, positions, block_tables, slots): the
+        same for a decode step replayed from a CUDA graph (every rank replays its own capture). Under tensor/expert
+        parallelism every rank constructs its runner at the same point (the captures' collectives pair up)."""
         self.model, self.kv, self.broadcast, self.broadcast_graph = model, kv, broadcast, broadcast_graph
         self.max_loras = max(max_loras, 1)
         self.graphs = None

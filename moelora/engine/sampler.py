@@ -150,14 +150,13 @@ def fused_sampler_min_rows(async_scheduling: bool) -> int:
 class Sampler:
     """Turns a batch of (already penalized) logits into one token per row.
 
-    fused: the one-pass kernel (kernels/sample_triton.py: Gumbel-max over the raw logits, greedy rows in the
-    same pass) for batches whose rows ask for nothing but a temperature (no top-k / top-p / min-p, no per-request
-    seed) and that sample at least one row (an all-greedy batch is one argmax: the torch path is faster there);
-    None (default) = on for CUDA logits of at least `min_rows` rows when Triton is present (None: 256, the
-    engine passes fused_sampler_min_rows(async_scheduling): 1 under asynchronous scheduling); True: the kernel
-    whatever the size; False: never. Measured: docs/performance-history.md (the one-pass sampling row).
-    It draws the same distribution as the torch path (the exponential race below), from other random numbers.
-    last_path: "fused" or "torch", the path the last call took."""
+    fused: the one-pass kernel (kernels/sample_triton.py: Gumbel-max over the raw logits, greedy rows in the same
+    pass; the torch path's distribution, from other random numbers) for batches whose rows ask for nothing but a
+    temperature (no top-k / top-p / min-p, no per-request seed) and that sample at least one row (an all-greedy batch
+    is one argmax: the torch path is faster there); None (default) = on for CUDA logits of at least `min_rows` rows
+    (None: FUSED_SAMPLER_MIN_ROWS, see above) when Triton is present; True: the kernel whatever the size; False:
+    never. Measured: docs/performance-history.md (the one-pass sampling row). last_path: "fused" or "torch", the path
+    the last call took."""
 
     def __init__(self, fused: bool | None = None, min_rows: int | None = None) -> None:
         self.fused = fused

@@ -79,10 +79,9 @@ class LoRALinear(nn.Module):
         return self.lora_backend.forward(self, DenseLoRAArgs(x, self.lora, lora))
 
     def forward_deferred(self, x: torch.Tensor, lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(y, delta): where the layer has a deferred backend (DenseLoRAConfig.defer) serving this call (decode
-        sizes), y = base(x) [T, sum(O)] and delta [T, sum(O)] in x's dtype for the caller's next kernel to add:
-        y + delta is forward(x, lora) up to that one rounding (dense_lora.DeferredLoRA). Else (forward(x, lora),
-        None)."""
+        """(y, delta): where a deferred backend (DenseLoRAConfig.defer) serves this call (decode sizes), y = base(x)
+        [T, sum(O)] and delta [T, sum(O)] in x's dtype for the caller's next kernel to add, y + delta being
+        forward(x, lora) up to that one rounding (dense_lora.DeferredLoRA). Else (forward(x, lora), None)."""
         if self.deferred_backend is None or not lora_runs(self.lora, lora):
             return self.forward(x, lora), None
         args = DenseLoRAArgs(x, self.lora, lora)
