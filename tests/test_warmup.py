@@ -11,7 +11,7 @@ import torch
 
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
-from moelora.engine.warmup import warm_up_eager, warmup_token_counts, warmup_tokens
+from moelora.engine.warmup import warm_up, warm_up_eager, warmup_token_counts
 from moelora.kernels import _triton
 from moelora_bench.decode import TINY, random_adapter
 
@@ -27,12 +27,19 @@ def test_token_counts_take_both_classes_of_each_power_of_two_range():
         assert any(n % 16 == 0 for n in inside) and any(n % 16 for n in inside), p
 
 
-def test_warmup_only_on_a_gpu_and_only_when_asked(tmp_path):
-    args = EngineArgs(model=str(tmp_path), max_num_batched_tokens=512)
-    assert warmup_tokens(args, torch.device("cuda")) == 512
-    assert warmup_tokens(args, torch.device("cpu")) == 0
-    args.kernel_warmup = False
-    assert warmup_tokens(args, torch.device("cuda")) == 0
+def test_warm_up_only_on_a_gpu_and_only_when_asked(tmp_path):
+    """The engine's warm-up runs nothing on the CPU, nor on a GPU with kernel_warmup off (a model whose device is
+    a GPU stands in: nothing is run before the check)."""
+    class GPUModel:
+        device = torch.device("cuda")
+
+    class CPUModel:
+        device = torch.device("cpu")
+
+    args = EngineArgs(model=str(tmp_path), kernel_warmup=False)
+    assert warm_up(GPUModel(), None, args) == 0
+    args.kernel_warmup = True
+    assert warm_up(CPUModel(), None, args) == 0
 
 
 def _engine(path, device: str, dtype: str, **over) -> LLMEngine:

@@ -27,7 +27,7 @@ from moelora.engine.sampler import (Sampler, apply_logit_bias, apply_penalties, 
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.scheduler import Scheduler
 from moelora.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from moelora.engine.warmup import warm_up_eager, warmup_tokens
+from moelora.engine.warmup import warm_up
 from moelora.engine.workers import WorkerGroup, build_sharded_model, engine_dtype
 from moelora.kernels._triton import DeviceError
 from moelora.kernels.config import KernelConfig
@@ -129,9 +129,7 @@ class LLMEngine:
                                   broadcast_graph=partial(self.workers.send, "graph") if self.workers else None)
         self.async_scheduling = resolve_async_scheduling(args.async_scheduling, self.device) and self.workers is None
         self.sampler = Sampler(min_rows=fused_sampler_min_rows(self.async_scheduling))
-        if warmup_tokens(args, self.device):  # the workers too, right after their runners
-            warm_up_eager(self.model, self.kv, warmup_tokens(args, self.device), args.max_loras, self.sampler,
-                          args.max_num_seqs)
+        warm_up(self.model, self.kv, args, self.sampler)  # the workers too, right after their runners
         self._pending: PendingStep | None = None  # asynchronous scheduling: a step launched, its tokens not read
         self.ahead_steps = 0  # steps launched before the previous step's tokens were read (stats and tests)
         self.last_step_prefill = False  # whether the last step() computed prompt tokens (eager, not a graph)

@@ -27,12 +27,6 @@ def warmup_token_counts(max_tokens: int) -> list[int]:
     return sorted(counts)
 
 
-def warmup_tokens(args, device: torch.device) -> int:
-    """The largest token count the engine warms up (EngineArgs.kernel_warmup: its max_num_batched_tokens on a GPU),
-    0 for none. Every rank derives the same."""
-    return args.max_num_batched_tokens if device.type == "cuda" and args.kernel_warmup else 0
-
-
 def _chunks(num_tokens: int, context: int, block_size: int, num_blocks: int, slot: int) -> list[SeqChunk] | None:
     """num_tokens new tokens with `context` tokens cached before them: one sequence, or (context > 0, two tokens
     or more) a one-token decode row beside a chunk of the rest, as a mixed step has. The blocks are the cache's
@@ -46,6 +40,14 @@ def _chunks(num_tokens: int, context: int, block_size: int, num_blocks: int, slo
         out.append(SeqChunk([0] * n, context, list(range(nxt, nxt + b)), slot))
         nxt += b
     return out
+
+
+def warm_up(model, kv: KVCache, args, sampler=None) -> int:
+    """The engine's warm-up (EngineArgs.kernel_warmup, on a GPU; else nothing, 0): warm_up_eager up to
+    max_num_batched_tokens, the sampler (rank 0's) up to max_num_seqs rows. Every rank derives the same."""
+    if model.device.type != "cuda" or not args.kernel_warmup:
+        return 0
+    return warm_up_eager(model, kv, args.max_num_batched_tokens, args.max_loras, sampler, args.max_num_seqs)
 
 
 @torch.no_grad()

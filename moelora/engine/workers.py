@@ -49,7 +49,7 @@ from moelora.engine.cpu_threads import configure_cpu_threads, host_processes
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.memory import kv_blocks, memory_baseline
 from moelora.engine.model_runner import ModelRunner, graph_settings
-from moelora.engine.warmup import warm_up_eager, warmup_tokens
+from moelora.engine.warmup import warm_up
 from moelora.kernels._triton import DeviceError
 from moelora.kernels.config import KernelConfig
 from moelora.kernels.streams import make_side_stream
@@ -273,8 +273,7 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
         registry = AdapterRegistry(targets, args.max_lora_rank, args.max_cpu_loras) if targets else None
         # the same CUDA graphs as rank 0, captured now (rank 0 captures right after sending "init")
         runner = ModelRunner(model, kv, args.max_loras, **graph_settings(args, model, device, max_model_len))
-        if warmup_tokens(args, device):  # as rank 0 does, right after its runner
-            warm_up_eager(model, kv, warmup_tokens(args, device), args.max_loras)
+        warm_up(model, kv, args)  # as rank 0 does, right after its runner
         handlers = {"step": runner.forward_step, "graph": runner.replay,
                     "ping": lambda: dist.monitored_barrier(group=ps.control_group, timeout=_IDLE),
                     "load": lambda *a: registry.load(*a), "unload": lambda *a: registry.unload(*a)}
