@@ -1,10 +1,9 @@
-"""Start-up warm-up of the eager step (prefill chunks, mixed prefill + decode batches, decode beyond the graphs).
+"""Start-up warm-up of the eager step (prefill chunks, mixed prefill + decode steps, decode beyond the graphs).
 
 Triton builds a kernel variant at the first launch with a new specialization (each int argument 1, a multiple of
-16 or neither) or launch config (chosen from the token or pair count, at thresholds that are powers of two), and
-the step that launches it waits for the build: seconds in a served request's time to first token. The CUDA graphs
-build the decode step's variants when they are captured; this runs the eager forward once per class of token
-count, with and without LoRA kernels, so that serving builds none (`moelora_triton_kernel_builds_total`).
+16 or neither) or launch config (picked at token or pair counts that are powers of two), and that step waits for
+it: seconds in a request's time to first token. The CUDA graphs build the decode step's variants at capture; this
+runs the eager forward once per class of token count, with and without LoRA kernels, so that serving builds none.
 """
 
 from __future__ import annotations

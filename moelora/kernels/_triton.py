@@ -71,11 +71,8 @@ def track_kernel_builds() -> None:
 
 
 def describe_build(hook_kwargs: dict) -> str:
-    """One line for a kernel variant the post-compile hook reports: `name[warps, stages](ptr: *bf16D, n: i32,
-    BLOCK=64, ...)`, D marking a 16-aligned pointer or a multiple of 16, constexprs (an int equal to 1 included) with
-    their values. Read from the hook's `compile` (signature, constants, configs[0]: the attributes by argument
-    path); the hook's own `repr` where that is missing (Triton 3.6-3.9 garble it: they read the cache-key string
-    as a tuple)."""
+    """A built variant in one line, `name[warps, stages](ptr: *bf16D, n: i32, BLOCK=64)` (D: 16-divisible, constexprs
+    with their values), from the hook's `compile`; else its `repr` (garbled by Triton 3.6-3.9) on one line."""
     comp, fn = hook_kwargs.get("compile") or {}, hook_kwargs.get("fn")
     try:
         signature, constants, attrs = comp["signature"], comp["constants"], comp["configs"][0]
