@@ -336,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
         max_graph_batch_size=max(batches), tensor_parallel_size=tp, expert_parallel_size=ep,
         kv_cache_memory_bytes=kv_bytes, async_scheduling=getattr(args, "async_scheduling", None),
         kernel_config=getattr(args, "kernel_config", None),
+        kernel_warmup=False,  # each case warms up before it is timed; a start-up warm-up would only add minutes
     ))
     try:
         return _sweep(engine, args, batches, counts, model_name, t0, parallel, variants)
