@@ -13,6 +13,7 @@
 # their own seed (their own prompts and prefixes: nothing cached by an earlier level is hit). Each run's summary
 # JSON goes to $OUT/serve-prefix-{on,off}-{shared,unshared}-c<concurrency>.json; a table of them is printed last.
 # $OUT/builds_{on,off}.txt: each Triton kernel variant the server built, in order, the measured runs marked.
+# The servers' and the runs' logs: $OUT/logs.tgz (a call returns only so many files).
 source "$(dirname "$0")/gpu_prelude.sh"  # with the carried wheels
 SHARED_PREFIX=${SHARED_PREFIX:-1000}
 N=${NUM_REQUESTS:-128}
@@ -111,6 +112,7 @@ for k, d in rows.items():
     print(f"{k:22s} {d['ttft_ms']['p50']:12.1f} {d['output_tokens_per_s']:10.1f} {str(pc.get('hit_rate')):>9s} "
           f"{d['errors']['count']:7d} {steps[0]:>24s} {steps[1]:>23s} {str(d.get('triton_kernel_builds')):>13s}")
 EOF
+(cd "$OUT" && tar -czf logs.tgz serve_*.log bench-*.log 2>/dev/null && rm -f serve_*.log bench-*.log)
 TESTS=${*:-tests/test_prefix_cache_gpu.py}
 [ "$TESTS" = none ] || timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs $TESTS 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|assert" | tail -15
