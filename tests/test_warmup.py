@@ -42,10 +42,10 @@ def test_warm_up_only_on_a_gpu_and_only_when_asked(tmp_path):
     assert warm_up(CPUModel(), None, args) == 0
 
 
-def _engine(path, device: str, dtype: str, **over) -> LLMEngine:
+def _engine(path, device: str, dtype: str, max_num_seqs: int = 8) -> LLMEngine:
     return LLMEngine(EngineArgs(model=str(path), max_loras=2, max_lora_rank=8, dtype=dtype, device=device,
-                                load_format="dummy", seed=3, max_num_seqs=8, max_model_len=256,
-                                max_num_batched_tokens=128, kv_cache_memory_bytes=32 << 20, **over))
+                                load_format="dummy", seed=3, max_num_seqs=max_num_seqs, max_model_len=256,
+                                max_num_batched_tokens=128, kv_cache_memory_bytes=32 << 20))
 
 
 def _generate(eng: LLMEngine, prompts: list[tuple[list[int], str | None]], max_tokens: int = 4) -> list[list[int]]:
@@ -68,7 +68,8 @@ def test_warm_up_runs_each_count_twice_and_changes_no_output(tmp_path):
     for warm in (False, True):
         eng = _engine(tmp_path, "cpu", "float32")
         if warm:
-            assert warm_up_eager(eng.model, eng.kv, 128, 2, eng.sampler, 8) == 2 * len(warmup_token_counts(128))
+            forwards = 2 * len(warmup_token_counts(128)) + 2 * len([b for b in warmup_token_counts(8) if b > 1])
+            assert warm_up_eager(eng.model, eng.kv, 128, 2, eng.sampler, 8) == forwards
         eng.registry.register(random_adapter("a", eng.model.lora_targets(), 8, 1, "cpu", torch.float32))
         outs.append(_generate(eng, prompts) + _generate(eng, prompts))  # the second time from cached prefixes
     assert outs[1] == outs[0]
@@ -78,12 +79,12 @@ def test_warm_up_runs_each_count_twice_and_changes_no_output(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_serving_after_the_warm_up_builds_no_kernel(tmp_path):
-    """Prompts of lengths in every class, with and without adapters, mixed with decodes, after the engine's
-    warm-up: Triton builds no kernel variant (each would stall a step for seconds)."""
+    """Prompts of lengths in every class, with and without adapters, mixed with decodes, then 37 short requests at
+    once, after the engine's warm-up: Triton builds no kernel variant (each would stall a step for seconds)."""
     cfg = {**TINY, "max_position_embeddings": 512}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     _triton.track_kernel_builds()
-    eng = _engine(tmp_path, "cuda", "bfloat16")
+    eng = _engine(tmp_path, "cuda", "bfloat16", max_num_seqs=40)
     eng.registry.register(random_adapter("a", eng.model.lora_targets(), 8, 1, "cuda", torch.bfloat16))
     eng.registry.register(random_adapter("b", eng.model.lora_targets(), 4, 2, "cuda", torch.bfloat16))
     rng = random.Random(1)
@@ -93,4 +94,6 @@ def test_serving_after_the_warm_up_builds_no_kernel(tmp_path):
     built = _triton.kernel_builds()
     _generate(eng, prompts[:5], max_tokens=8)  # a few at once: mixed prefill + decode steps
     _generate(eng, prompts[5:], max_tokens=3)
+    _generate(eng, [([rng.randrange(cfg["vocab_size"]) for _ in range(3 + i % 5)], (None, "a")[i % 2])
+                    for i in range(37)], max_tokens=4)  # up to 37 sequences a step: more than the decode graphs hold
     assert _triton.kernel_builds() == built
