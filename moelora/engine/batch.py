@@ -63,3 +63,16 @@ def build_flat_batch(chunks: list[SeqChunk], block_size: int, device: torch.devi
     return FlatBatch(input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
                      positions=torch.tensor(pos, dtype=torch.int64, device=device), attn=attn, token_slots=token_slots,
                      last_token_rows=last_rows)
+
+
+def dummy_chunks(lens: list[int], context: int, block_size: int, num_blocks: int) -> list[SeqChunk] | None:
+    """Placeholder sequences (profiling, warm-up): one per entry of lens, that many new tokens after `context`
+    cached ones, on consecutive blocks from block 0; None when they need more than num_blocks."""
+    out, nxt = [], 0
+    for n in lens:
+        b = -(-(context + n) // block_size)
+        if nxt + b > num_blocks:
+            return None
+        out.append(SeqChunk([0] * n, context, list(range(nxt, nxt + b))))
+        nxt += b
+    return out

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moelora.layers.lora_batch import LoRABatch
-from moelora.engine.batch import SeqChunk, build_flat_batch
+from moelora.engine.batch import build_flat_batch, dummy_chunks
 from moelora.engine.kv_cache import KVCache
 from moelora.models.registry import kv_cache_shapes
 
@@ -85,14 +85,10 @@ def profile_activations(model, cfg, num_tokens: int, max_loras: int, block_size:
     it writes is a temporary one of just enough blocks."""
     seq_len = max(1, min(num_tokens, max_model_len - 1))
     lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-    blocks_per = [-(-n // block_size) for n in lens]
+    num_blocks = sum(-(-n // block_size) for n in lens)
     caches = [tuple(torch.zeros(s, dtype=model.dtype, device=device) for s in layer)
-              for layer in kv_cache_shapes(cfg, sum(blocks_per) + 1, block_size)]
-    chunks, nxt = [], 0
-    for i, (n, b) in enumerate(zip(lens, blocks_per)):
-        chunks.append(SeqChunk([1] * n, 0, list(range(nxt, nxt + b)), i % max(max_loras, 1) if max_loras else -1))
-        nxt += b
-    fb = build_flat_batch(chunks, block_size, device)
+              for layer in kv_cache_shapes(cfg, num_blocks + 1, block_size)]
+    fb = build_flat_batch(dummy_chunks(lens, 0, block_size, num_blocks), block_size, device)
     token_slots = [t % max_loras for t in range(num_tokens)] if max_loras else [-1] * num_tokens
     lora = LoRABatch.build(token_slots, max(max_loras, 1), device)
     lora.graph = bool(max_loras)  # run every LoRA kernel whatever the slots hold (as a captured graph does)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.engine.batch import SeqChunk, build_flat_batch
+from moelora.engine.batch import build_flat_batch, dummy_chunks
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.sampling_params import SamplingParams
 from moelora.layers.lora_batch import LoRABatch
@@ -24,19 +24,6 @@ def warmup_token_counts(max_tokens: int) -> list[int]:
         counts.update(n for n in (p, p + 1) if n <= max_tokens)
         p *= 2
     return sorted(counts)
-
-
-def _chunks(lens: list[int], context: int, block_size: int, num_blocks: int) -> list[SeqChunk] | None:
-    """One sequence per entry of lens, that many new tokens after `context` cached ones, on the cache's first blocks
-    (nothing is cached yet at start-up); None when they do not fit."""
-    out, nxt = [], 0
-    for n in lens:
-        b = -(-(context + n) // block_size)
-        if nxt + b > num_blocks:
-            return None
-        out.append(SeqChunk([0] * n, context, list(range(nxt, nxt + b))))
-        nxt += b
-    return out
 
 
 def warm_up(model, kv: KVCache, args, sampler=None) -> int:
@@ -62,7 +49,7 @@ def warm_up_eager(model, kv: KVCache, max_tokens: int, max_loras: int, sampler=N
     cases += [c for b in warmup_token_counts(max_seqs) if b > 1
               for c in (([1] * b, 0, False), ([2] + [1] * (b - 1), 0, True))]
     for lens, context, lora_on in cases:
-        seqs = _chunks(lens, context, bs, kv.num_blocks)
+        seqs = dummy_chunks(lens, context, bs, kv.num_blocks)
         if seqs is None:
             continue
         fb = build_flat_batch(seqs, bs, device)
