@@ -113,10 +113,6 @@ class ModelConfig:
     routing: RoutingConfig | None = None  # DeepSeek: grouped top-k router; None = softmax + top-k
 
     @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 

@@ -102,7 +102,7 @@ def test_family_fields(family, tmp_path):
     for k, v in EXPECTED[family].items():
         assert getattr(cfg, k) == v, k
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (97, 32, 2)
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_kv_groups) == (4, 2, 2)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
     assert (cfg.q_size, cfg.kv_size) == (32, 16)
     assert cfg.num_experts_per_tok == 2
     assert cfg.sliding_windows == (None, None)
@@ -163,7 +163,6 @@ def test_gqa_mqa_and_head_dim(tmp_path):
         hd = over.get("head_dim", 32 // heads)
         assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (heads, over["num_key_value_heads"], hd)
         assert cfg.q_size == heads * hd and cfg.kv_size == over["num_key_value_heads"] * hd
-        assert cfg.num_kv_groups == heads // over["num_key_value_heads"]
 
 
 def test_dtype_and_eos_fields(tmp_path):

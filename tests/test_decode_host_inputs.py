@@ -41,12 +41,12 @@ def test_host_inputs_equal_the_row_by_row_reference(n, bs, block_size):
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
-def test_request_ids_slice_and_token_at_equal_all_ids():
+def test_request_ids_slice_and_token_at_equal_the_whole_sequence():
     from moelora.engine.request import Request
     from moelora.engine.sampling_params import SamplingParams
 
     req = Request("r", [1, 2, 3, 4], SamplingParams(), None, 0, output_ids=[5, 6, 7])
-    ids = req.all_ids
+    ids = req.prompt_ids + req.output_ids
     for start in range(len(ids) + 1):
         for stop in range(start, len(ids) + 1):
             assert req.ids_slice(start, stop) == ids[start:stop], (start, stop)

@@ -158,7 +158,7 @@ def test_graph_decode_step_is_broadcast_before_the_replay():
     runner.graphs = FakeGraphs()
 
     def chunk(ids, table, slot):
-        req = SimpleNamespace(all_ids=ids, num_tokens=len(ids), wants_prompt_logprobs=False, block_table=table,
+        req = SimpleNamespace(num_tokens=len(ids), wants_prompt_logprobs=False, block_table=table,
                               slot=slot, prompt_ids=ids[:1], token_at=ids.__getitem__,
                               ids_slice=lambda a, b: ids[a:b])
         return ScheduledChunk(req, len(ids) - 1, 1)

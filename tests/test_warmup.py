@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from moelora.engine.batch import dummy_chunks
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.warmup import warm_up, warm_up_eager, warmup_token_counts
@@ -25,6 +26,14 @@ def test_token_counts_take_both_classes_of_each_power_of_two_range():
     for p in (16, 32, 64, 128, 256, 512, 1024):
         inside = [n for n in counts if p < n <= 2 * p]
         assert any(n % 16 == 0 for n in inside) and any(n % 16 for n in inside), p
+
+
+def test_dummy_chunks_take_consecutive_blocks_or_none():
+    seqs = dummy_chunks([3, 20], 16, 16, 5)
+    assert [(len(c.token_ids), c.num_cached, c.block_table, c.slot) for c in seqs] == [
+        (3, 16, [0, 1], -1), (20, 16, [2, 3, 4], -1)]
+    assert dummy_chunks([3, 20], 16, 16, 4) is None
+    assert [c.block_table for c in dummy_chunks([1] * 3, 0, 16, 3)] == [[0], [1], [2]]
 
 
 def test_warm_up_only_on_a_gpu_and_only_when_asked(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -68,11 +69,7 @@ def build_flat_batch(chunks: list[SeqChunk], block_size: int, device: torch.devi
 def dummy_chunks(lens: list[int], context: int, block_size: int, num_blocks: int) -> list[SeqChunk] | None:
     """Placeholder sequences (profiling, warm-up): one per entry of lens, that many new tokens after `context`
     cached ones, on consecutive blocks from block 0; None when they need more than num_blocks."""
-    out, nxt = [], 0
-    for n in lens:
-        b = -(-(context + n) // block_size)
-        if nxt + b > num_blocks:
-            return None
-        out.append(SeqChunk([0] * n, context, list(range(nxt, nxt + b))))
-        nxt += b
-    return out
+    sizes = [-(-(context + n) // block_size) for n in lens]  # blocks per sequence
+    if sum(sizes) > num_blocks:
+        return None
+    return [SeqChunk([0] * n, context, list(range(s, s + b))) for n, s, b in zip(lens, accumulate([0] + sizes), sizes)]

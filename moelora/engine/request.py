@@ -25,7 +25,7 @@ class Request:
     arrival: int  # arrival order (FIFO)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    num_computed: int = 0  # tokens of all_ids already in the KV cache
+    num_computed: int = 0  # tokens (prompt, then output) already in the KV cache
     block_table: list[int] = field(default_factory=list)
     slot: int = -1  # LoRA slot while running (-1 = base model)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -48,12 +48,8 @@ class Request:
     num_cached_tokens: int = 0
     admitted: bool = False  # admitted once (preemptions re-admit it)
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
     def ids_slice(self, start: int, stop: int) -> list[int]:
-        """all_ids[start:stop] without building all_ids (a step reads one token of a long sequence)."""
+        """(prompt_ids + output_ids)[start:stop], the sum not built (a step reads one token of a long sequence)."""
         P = len(self.prompt_ids)
         if stop <= P:
             return self.prompt_ids[start:stop]
@@ -62,7 +58,7 @@ class Request:
         return self.prompt_ids[start:] + self.output_ids[: stop - P]
 
     def token_at(self, i: int) -> int:
-        """all_ids[i] (0 <= i < num_tokens) without building all_ids."""
+        """(prompt_ids + output_ids)[i] (0 <= i < num_tokens), the sum not built."""
         P = len(self.prompt_ids)
         return self.prompt_ids[i] if i < P else self.output_ids[i - P]
 

@@ -36,13 +36,11 @@ def warm_up(model, kv: KVCache, args, sampler=None) -> int:
 
 @torch.no_grad()
 def warm_up_eager(model, kv: KVCache, max_tokens: int, max_loras: int, sampler=None, max_seqs: int = 1) -> int:
-    """Run the eager forward for each n of warmup_token_counts(max_tokens) twice: one fresh sequence of n tokens
-    without LoRA, then a decode row beside a chunk of n - 1 tokens after a cached block with every LoRA kernel on
-    (the tokens spread over the slots: their ranks are read on the device, so empty slots build the same variants);
-    and for each b >= 2 of warmup_token_counts(max_seqs) a step of b one-token rows (the decode attention kernel)
-    and one where a row has two tokens (the prefill kernel over b sequences), the latter with LoRA. sampler (rank
-    0's Sampler): each forward's logits are sampled at temperature 1. Writes the first KV blocks: call it before any
-    request has one. Returns the forwards run; every rank of a parallel engine runs the same (collectives pair up)."""
+    """Eager forwards: per n of warmup_token_counts(max_tokens) one fresh n-token sequence without LoRA and a decode
+    row beside n - 1 tokens after a cached block with every LoRA kernel on (tokens spread over the slots: empty
+    slots build the same variants); per b > 1 of warmup_token_counts(max_seqs) b one-token rows, and b rows one of
+    two tokens with LoRA. sampler: each forward's logits sampled at temperature 1. Writes the first KV blocks (call
+    it before any request). Returns the forwards run; every rank of a parallel engine runs the same."""
     device, runs, bs = model.device, 0, kv.block_size
     cases = [c for n in warmup_token_counts(max_tokens)
              for c in (([n], 0, False), ([1, n - 1] if n > 1 else [1], bs, True))]
@@ -53,9 +51,8 @@ def warm_up_eager(model, kv: KVCache, max_tokens: int, max_loras: int, sampler=N
         if seqs is None:
             continue
         fb = build_flat_batch(seqs, bs, device)
-        T = len(fb.token_slots)
         if lora_on and max_loras:
-            lora = LoRABatch.build([t % max_loras for t in range(T)], max_loras, device)
+            lora = LoRABatch.build([t % max_loras for t in range(len(fb.token_slots))], max_loras, device)
             lora.graph = True  # every LoRA kernel runs, whatever the slots hold (as in a captured graph)
         else:  # as a step of base-model requests has it
             lora = LoRABatch.build(fb.token_slots, max(max_loras, 1), device)
