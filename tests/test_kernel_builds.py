@@ -40,7 +40,7 @@ def test_a_build_is_described_by_its_specialization():
     """The log line of a build: types, D for 16-divisible arguments, constexpr values (the shape of the hook's
     `compile` in Triton 3.6-3.9); the hook's repr, folded to one line, where `compile` lacks them."""
     class Fn:
-        name = "_k"
+        name = "test.<locals>._k"
 
     comp = {"signature": {"x_ptr": "*bf16", "n": "i32", "one": "constexpr", "BLOCK": "constexpr"},
             "constants": {(2,): 1, (3,): 64}, "configs": [{(0,): [["tt.divisibility", 16]]}],

@@ -78,7 +78,8 @@ def describe_build(hook_kwargs: dict) -> str:
         signature, constants, attrs = comp["signature"], comp["constants"], comp["configs"][0]
         parts = [f"{n}={constants.get((i,))!r}" if ty == "constexpr" else f"{n}: {ty}{'D' if (i,) in attrs else ''}"
                  for i, (n, ty) in enumerate(signature.items())]
-        return f"{fn.name}[warps={comp['num_warps']}, stages={comp['num_stages']}]({', '.join(parts)})"
+        name = fn.name.rsplit(".", 1)[-1]  # Triton passes the qualified name (outer.<locals>.kernel)
+        return f"{name}[warps={comp['num_warps']}, stages={comp['num_stages']}]({', '.join(parts)})"
     except (KeyError, IndexError, TypeError, AttributeError):
         return " ".join(str(hook_kwargs.get("repr")).split())
 
