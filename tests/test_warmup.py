@@ -46,9 +46,9 @@ def test_warm_up_only_on_a_gpu_and_only_when_asked(tmp_path):
         device = torch.device("cpu")
 
     args = EngineArgs(model=str(tmp_path), kernel_warmup=False)
-    assert warm_up(GPUModel(), None, args) == 0
+    assert warm_up(GPUModel(), None, args, 256) == 0
     args.kernel_warmup = True
-    assert warm_up(CPUModel(), None, args) == 0
+    assert warm_up(CPUModel(), None, args, 256) == 0
 
 
 def _engine(path, device: str, dtype: str, max_num_seqs: int = 8) -> LLMEngine:
@@ -83,6 +83,16 @@ def test_warm_up_runs_each_count_twice_and_changes_no_output(tmp_path):
         outs.append(_generate(eng, prompts) + _generate(eng, prompts))  # the second time from cached prefixes
     assert outs[1] == outs[0]
     assert outs[0][:3] == outs[0][3:]
+
+
+def test_no_warm_up_sequence_passes_max_len(tmp_path):
+    """Counts beyond max_model_len are split into several sequences: no position reaches it."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    eng = _engine(tmp_path, "cpu", "float32")
+    seen = []
+    eng.model.register_forward_pre_hook(lambda m, a: seen.append((a[0].numel(), int(a[1].max()))))
+    warm_up_eager(eng.model, eng.kv, 128, 2, None, 8, max_len=40)
+    assert max(p for _, p in seen) < 40 and 128 in [n for n, _ in seen]
 
 
 @pytest.mark.gpu

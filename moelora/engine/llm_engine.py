@@ -129,7 +129,8 @@ class LLMEngine:
                                   broadcast_graph=partial(self.workers.send, "graph") if self.workers else None)
         self.async_scheduling = resolve_async_scheduling(args.async_scheduling, self.device) and self.workers is None
         self.sampler = Sampler(min_rows=fused_sampler_min_rows(self.async_scheduling))
-        warm_up(self.model, self.kv, args, self.sampler)  # the workers too, right after their runners
+        # the workers warm up too, right after their runners
+        warm_up(self.model, self.kv, args, self.max_model_len, self.sampler)
         self._pending: PendingStep | None = None  # asynchronous scheduling: a step launched, its tokens not read
         self.ahead_steps = 0  # steps launched before the previous step's tokens were read (stats and tests)
         self.last_step_prefill = False  # whether the last step() computed prompt tokens (eager, not a graph)

@@ -1,9 +1,7 @@
-"""Start-up warm-up of the eager step (prefill chunks, mixed prefill + decode steps, decode beyond the graphs).
-
-Triton builds a kernel variant at the first launch with a new specialization (each int argument 1, a multiple of
-16 or neither) or launch config (picked at token or pair counts that are powers of two), and that step waits for
-it: seconds in a request's time to first token. The CUDA graphs build the decode step's variants at capture; this
-runs the eager forward once per class of token count, with and without LoRA kernels, so that serving builds none.
+"""Start-up warm-up of the eager step (prefill chunks, mixed steps, decode beyond the graphs). Triton builds a kernel
+variant at its first launch with a new specialization (each int argument 1, a multiple of 16 or neither) or launch
+config (picked at power-of-two token or pair counts), and that step waits for it: seconds of a request's time to
+first token. The decode graphs build theirs at capture; this runs each class of eager step once, so serving builds none.
 """
 
 from __future__ import annotations
@@ -26,24 +24,27 @@ def warmup_token_counts(max_tokens: int) -> list[int]:
     return sorted(counts)
 
 
-def warm_up(model, kv: KVCache, args, sampler=None) -> int:
+def warm_up(model, kv: KVCache, args, max_model_len: int, sampler=None) -> int:
     """The engine's warm-up (EngineArgs.kernel_warmup, on a GPU; else nothing, 0): warm_up_eager up to
     max_num_batched_tokens tokens and max_num_seqs sequences, sampling on rank 0. Every rank derives the same."""
     if model.device.type != "cuda" or not args.kernel_warmup:
         return 0
-    return warm_up_eager(model, kv, args.max_num_batched_tokens, args.max_loras, sampler, args.max_num_seqs)
+    return warm_up_eager(model, kv, args.max_num_batched_tokens, args.max_loras, sampler, args.max_num_seqs,
+                         max_model_len)
 
 
 @torch.no_grad()
-def warm_up_eager(model, kv: KVCache, max_tokens: int, max_loras: int, sampler=None, max_seqs: int = 1) -> int:
-    """Eager forwards: per n of warmup_token_counts(max_tokens) one fresh n-token sequence without LoRA and a decode
-    row beside n - 1 tokens after a cached block with every LoRA kernel on (tokens spread over the slots: empty
-    slots build the same variants); per b > 1 of warmup_token_counts(max_seqs) b one-token rows, and b rows one of
-    two tokens with LoRA. sampler: each forward's logits sampled at temperature 1. Writes the first KV blocks (call
-    it before any request). Returns the forwards run; every rank of a parallel engine runs the same."""
+def warm_up_eager(model, kv: KVCache, max_tokens: int, max_loras: int, sampler=None, max_seqs: int = 1,
+                  max_len: int = 1 << 30) -> int:
+    """Eager forwards: per n of warmup_token_counts(max_tokens), n fresh tokens without LoRA, and a decode row beside
+    n - 1 tokens after a cached block with every LoRA kernel on (tokens spread over the slots); per b > 1 of
+    warmup_token_counts(max_seqs), b one-token rows, and b rows one of two tokens with LoRA; no sequence past max_len.
+    Logits sampled by `sampler` if given. Call it before any request (it writes the first KV blocks)."""
     device, runs, bs = model.device, 0, kv.block_size
+    step = max(1, max_len - bs - 1)  # no sequence past max_len (max_model_len) tokens
     cases = [c for n in warmup_token_counts(max_tokens)
-             for c in (([n], 0, False), ([1, n - 1] if n > 1 else [1], bs, True))]
+             for c in (([min(step, n - i) for i in range(0, n, step)], 0, False),
+                       ([1] + [min(step, n - 1 - i) for i in range(0, n - 1, step)], bs, True))]
     cases += [c for b in warmup_token_counts(max_seqs) if b > 1
               for c in (([1] * b, 0, False), ([2] + [1] * (b - 1), 0, True))]
     for lens, context, lora_on in cases:

@@ -273,7 +273,7 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
         registry = AdapterRegistry(targets, args.max_lora_rank, args.max_cpu_loras) if targets else None
         # the same CUDA graphs as rank 0, captured now (rank 0 captures right after sending "init")
         runner = ModelRunner(model, kv, args.max_loras, **graph_settings(args, model, device, max_model_len))
-        warm_up(model, kv, args)  # as rank 0 does, right after its runner
+        warm_up(model, kv, args, max_model_len)  # as rank 0 does, right after its runner
         handlers = {"step": runner.forward_step, "graph": runner.replay,
                     "ping": lambda: dist.monitored_barrier(group=ps.control_group, timeout=_IDLE),
                     "load": lambda *a: registry.load(*a), "unload": lambda *a: registry.unload(*a)}

@@ -42,8 +42,6 @@ def dot_precision(dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-# Triton builds a kernel variant (compiles it, or loads it from disk) at the first launch with a new specialization
-# (constexprs; each int argument 1, a multiple of 16 or neither); the launching step waits for it.
 _variants = [0]
 _lock = threading.Lock()
 log = logging.getLogger(__name__)
