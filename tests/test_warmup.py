@@ -9,11 +9,12 @@ import random
 import pytest
 import torch
 
-from moelora.engine.batch import dummy_chunks
+from moelora.engine.batch import dummy_chunks, split_tokens
 from moelora.engine.llm_engine import EngineArgs, LLMEngine
 from moelora.engine.sampling_params import SamplingParams
 from moelora.engine.warmup import warm_up, warm_up_eager, warmup_token_counts
 from moelora.kernels import _triton
+from moelora.layers.lora_batch import LoRABatch
 from moelora_bench.decode import TINY, random_adapter
 
 
@@ -34,6 +35,14 @@ def test_dummy_chunks_take_consecutive_blocks_or_none():
         (3, 16, [0, 1], -1), (20, 16, [2, 3, 4], -1)]
     assert dummy_chunks([3, 20], 16, 16, 4) is None
     assert [c.block_table for c in dummy_chunks([1] * 3, 0, 16, 3)] == [[0], [1], [2]]
+
+
+def test_split_tokens_and_the_every_slot_batch():
+    assert split_tokens(5, 2) == [2, 2, 1] and split_tokens(4, 4) == [4] and split_tokens(0, 3) == []
+    b = LoRABatch.every_slot(5, 2, "cpu")
+    assert b.token_slots.tolist() == [0, 1, 0, 1, 0] and b.graph and b.has_lora
+    b = LoRABatch.every_slot(3, 0, "cpu")  # no LoRA: base rows, no forced kernels
+    assert b.token_slots.tolist() == [-1, -1, -1] and not b.graph and not b.has_lora
 
 
 def test_warm_up_only_on_a_gpu_and_only_when_asked(tmp_path):

@@ -66,6 +66,11 @@ def build_flat_batch(chunks: list[SeqChunk], block_size: int, device: torch.devi
                      last_token_rows=last_rows)
 
 
+def split_tokens(n: int, most: int) -> list[int]:
+    """n tokens as sequences of `most` tokens each, the last one shorter."""
+    return [min(most, n - i) for i in range(0, n, most)]
+
+
 def dummy_chunks(lens: list[int], context: int, block_size: int, num_blocks: int) -> list[SeqChunk] | None:
     """Placeholder sequences (profiling, warm-up): one per entry of lens, that many new tokens after `context`
     cached ones, on consecutive blocks from block 0; None when they need more than num_blocks."""

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moelora.layers.lora_batch import LoRABatch
-from moelora.engine.batch import build_flat_batch, dummy_chunks
+from moelora.engine.batch import build_flat_batch, dummy_chunks, split_tokens
 from moelora.engine.kv_cache import KVCache
 from moelora.models.registry import kv_cache_shapes
 
@@ -83,15 +83,12 @@ def profile_activations(model, cfg, num_tokens: int, max_loras: int, block_size:
     """Peak bytes allocated by one forward of num_tokens prompt tokens (sequences of at most max_model_len,
     tokens spread over every LoRA slot, LoRA kernels forced on) plus fp32 logits of max_num_seqs rows. The KV cache
     it writes is a temporary one of just enough blocks."""
-    seq_len = max(1, min(num_tokens, max_model_len - 1))
-    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    lens = split_tokens(num_tokens, max(1, min(num_tokens, max_model_len - 1)))
     num_blocks = sum(-(-n // block_size) for n in lens)
     caches = [tuple(torch.zeros(s, dtype=model.dtype, device=device) for s in layer)
               for layer in kv_cache_shapes(cfg, num_blocks + 1, block_size)]
     fb = build_flat_batch(dummy_chunks(lens, 0, block_size, num_blocks), block_size, device)
-    token_slots = [t % max_loras for t in range(num_tokens)] if max_loras else [-1] * num_tokens
-    lora = LoRABatch.build(token_slots, max(max_loras, 1), device)
-    lora.graph = bool(max_loras)  # run every LoRA kernel whatever the slots hold (as a captured graph does)
+    lora = LoRABatch.every_slot(num_tokens, max_loras, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)

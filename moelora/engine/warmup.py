@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.engine.batch import build_flat_batch, dummy_chunks
+from moelora.engine.batch import build_flat_batch, dummy_chunks, split_tokens
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.sampling_params import SamplingParams
 from moelora.layers.lora_batch import LoRABatch
@@ -17,11 +17,8 @@ from moelora.layers.lora_batch import LoRABatch
 def warmup_token_counts(max_tokens: int) -> list[int]:
     """The token counts one warm-up forward each: every power of two p <= max_tokens and p + 1 (in each range
     between two thresholds an int of each class: a multiple of 16 and not), and max_tokens. Ascending."""
-    counts, p = {max_tokens}, 1
-    while p <= max_tokens:
-        counts.update(n for n in (p, p + 1) if n <= max_tokens)
-        p *= 2
-    return sorted(counts)
+    powers = [1 << i for i in range(max_tokens.bit_length())]
+    return sorted({max_tokens} | {n for p in powers for n in (p, p + 1) if n <= max_tokens})
 
 
 def warm_up(model, kv: KVCache, args, max_model_len: int, sampler=None) -> int:
@@ -43,25 +40,18 @@ def warm_up_eager(model, kv: KVCache, max_tokens: int, max_loras: int, sampler=N
     device, runs, bs = model.device, 0, kv.block_size
     step = max(1, max_len - bs - 1)  # no sequence past max_len (max_model_len) tokens
     cases = [c for n in warmup_token_counts(max_tokens)
-             for c in (([min(step, n - i) for i in range(0, n, step)], 0, False),
-                       ([1] + [min(step, n - 1 - i) for i in range(0, n - 1, step)], bs, True))]
+             for c in ((split_tokens(n, step), 0, False), ([1] + split_tokens(n - 1, step), bs, True))]
     cases += [c for b in warmup_token_counts(max_seqs) if b > 1
               for c in (([1] * b, 0, False), ([2] + [1] * (b - 1), 0, True))]
     for lens, context, lora_on in cases:
-        seqs = dummy_chunks(lens, context, bs, kv.num_blocks)
-        if seqs is None:
+        if (seqs := dummy_chunks(lens, context, bs, kv.num_blocks)) is None:  # the cache holds too few blocks
             continue
         fb = build_flat_batch(seqs, bs, device)
-        if lora_on and max_loras:
-            lora = LoRABatch.build([t % max_loras for t in range(len(fb.token_slots))], max_loras, device)
-            lora.graph = True  # every LoRA kernel runs, whatever the slots hold (as in a captured graph)
-        else:  # as a step of base-model requests has it
-            lora = LoRABatch.build(fb.token_slots, max(max_loras, 1), device)
-        hidden = model(fb.input_ids, fb.positions, fb.attn, kv.caches, lora)
-        logits = model.compute_logits(hidden[fb.last_token_rows])
+        T = len(fb.token_slots)  # without LoRA: as a step of base-model requests has it
+        lora = LoRABatch.every_slot(T, max_loras, device) if lora_on else LoRABatch.empty(T, max(max_loras, 1), device)
+        logits = model.compute_logits(model(fb.input_ids, fb.positions, fb.attn, kv.caches, lora)[fb.last_token_rows])
         if sampler is not None:
-            rows = logits.shape[0]
-            sampler.sample_tokens(logits, [SamplingParams(temperature=1.0)] * rows, [None] * rows)
+            sampler.sample_tokens(logits, [SamplingParams(temperature=1.0)] * len(seqs), [None] * len(seqs))
         runs += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)

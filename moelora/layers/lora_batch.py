@@ -68,6 +68,14 @@ class LoRABatch:
         self.slot_ids = src.slot_ids
 
     @classmethod
+    def every_slot(cls, num_tokens: int, max_loras: int, device: torch.device | str) -> "LoRABatch":
+        """Tokens spread round-robin over every slot, each LoRA kernel run whatever the slots hold (as in a captured
+        graph): the profiling and warm-up forwards. max_loras 0: no LoRA."""
+        b = cls.build([t % max_loras if max_loras else -1 for t in range(num_tokens)], max(max_loras, 1), device)
+        b.graph = bool(max_loras)
+        return b
+
+    @classmethod
     def empty(cls, num_tokens: int, max_loras: int, device: torch.device | str = "cpu") -> "LoRABatch":
         return cls.build([-1] * num_tokens, max_loras, device)
 
