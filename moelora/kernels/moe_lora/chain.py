@@ -8,6 +8,8 @@ down:    h = shrink(act[p]) with A[0, slot, e];                    o[p]  += w[p]
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from moelora.kernels.moe_lora.args import ProjLoRA, Routing
@@ -21,25 +23,16 @@ def moe_lora_shrink_ref(x: torch.Tensor, lora: ProjLoRA, routing: Routing, out: 
                        with row = x[p] if x_per_pair else x[t]          (other entries untouched)
     x: [T, D] or [T*K, D] · out: [T*K, n, R] fp32
     """
-    a, ranks, topk_ids, token_slots = lora.a, lora.ranks, routing.topk_ids, routing.token_slots
-    T, K = topk_ids.shape
-    pair_slot = token_slots.long().repeat_interleave(K)  # [P]
-    pair_exp = topk_ids.reshape(-1).long()
-    rk = ranks.tolist()
+    a, K = lora.a, routing.topk_ids.shape[1]
+    rk = lora.ranks.tolist()
     shared = a.shape[2] == 1
-    for s in torch.unique(pair_slot).tolist():
-        if s < 0:
-            continue
-        for e in torch.unique(pair_exp[pair_slot == s]).tolist():
-            if e < 0:  # a pair another rank's expert takes (expert parallelism): no delta here
-                continue
-            pairs = ((pair_slot == s) & (pair_exp == e)).nonzero().squeeze(1)
-            rows = x[pairs] if x_per_pair else x[pairs // K]
-            for i in range(a.shape[0]):
-                r = rk[i][s]
-                if r:
-                    # fp32 products, like the kernels' fp32 accumulation (bf16 matmul output would round h)
-                    out[pairs, i, :r] = rows.float() @ a[i, s, 0 if shared else e, :r].float().T
+    for s, e, pairs in _slot_expert_groups(routing):
+        rows = x[pairs] if x_per_pair else x[pairs // K]
+        for i in range(a.shape[0]):
+            r = rk[i][s]
+            if r:
+                # fp32 products, like the kernels' fp32 accumulation (bf16 matmul output would round h)
+                out[pairs, i, :r] = rows.float() @ a[i, s, 0 if shared else e, :r].float().T
 
 
 def moe_lora_expand_ref(h: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *,
@@ -51,29 +44,31 @@ def moe_lora_expand_ref(h: torch.Tensor, lora: ProjLoRA, routing: Routing, y: to
         w = pair_weights (the router weights, [T*K]) or 1
     h: [T*K, n, R] fp32 · y: [T*K, O] updated in place
     """
-    b_cat, slice_offsets, ranks, scaling = lora.b, lora.offsets, lora.ranks, lora.scaling
-    topk_ids, token_slots = routing.topk_ids, routing.token_slots
-    T, K = topk_ids.shape
-    pair_slot = token_slots.long().repeat_interleave(K)
-    pair_exp = topk_ids.reshape(-1).long()
-    rk, off = ranks.tolist(), slice_offsets.tolist()
+    b_cat, scaling = lora.b, lora.scaling
+    rk, off = lora.ranks.tolist(), lora.offsets.tolist()
     shared = b_cat.shape[1] == 1
-    for s in torch.unique(pair_slot).tolist():
-        if s < 0:
-            continue
-        for e in torch.unique(pair_exp[pair_slot == s]).tolist():
-            if e < 0:  # a pair another rank's expert takes (expert parallelism): y[p] untouched
+    for s, e, pairs in _slot_expert_groups(routing):
+        for i in range(len(off) - 1):
+            r = rk[i][s]
+            if not r:
                 continue
-            pairs = ((pair_slot == s) & (pair_exp == e)).nonzero().squeeze(1)
-            for i in range(len(off) - 1):
-                r = rk[i][s]
-                if not r:
-                    continue
-                bm = b_cat[s, 0 if shared else e, off[i] : off[i + 1], :r].float()  # [O_i, r]
-                delta = (h[pairs, i, :r] @ bm.T) * scaling[i, s]
-                if pair_weights is not None:
-                    delta = delta * pair_weights[pairs, None].float()
-                y[pairs, off[i] : off[i + 1]] += delta.to(y.dtype)
+            bm = b_cat[s, 0 if shared else e, off[i] : off[i + 1], :r].float()  # [O_i, r]
+            delta = (h[pairs, i, :r] @ bm.T) * scaling[i, s]
+            if pair_weights is not None:
+                delta = delta * pair_weights[pairs, None].float()
+            y[pairs, off[i] : off[i + 1]] += delta.to(y.dtype)
+
+
+def _slot_expert_groups(routing: Routing) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(slot s >= 0, expert e >= 0, the pair ids [m] int64 of that slot and expert) for every group present. Pairs
+    of tokens without an adapter (slot -1) and pairs on expert -1 (another rank's expert under expert parallelism)
+    are in no group: the references leave their rows untouched."""
+    K = routing.topk_ids.shape[1]
+    pair_slot = routing.token_slots.long().repeat_interleave(K)  # [P]
+    pair_exp = routing.topk_ids.reshape(-1).long()
+    for s in torch.unique(pair_slot[pair_slot >= 0]).tolist():
+        for e in torch.unique(pair_exp[(pair_slot == s) & (pair_exp >= 0)]).tolist():
+            yield s, e, ((pair_slot == s) & (pair_exp == e)).nonzero().squeeze(1)
 
 
 def pair_virtual_experts(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int) -> torch.Tensor:
