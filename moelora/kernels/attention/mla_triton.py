@@ -185,16 +185,9 @@ def _num_splits(rows: int, head_blocks: int) -> int:
     return max(1, min(16, -(-2 * sms // max(rows * head_blocks, 1))))
 
 
-def mla_decode_attention(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    token_seq: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_splits: int | None = None,
-) -> torch.Tensor:
+def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         token_seq: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         num_splits: int | None = None) -> torch.Tensor:
     """The attention core of absorbed decode (one shared latent head). Semantics, per row t with
     b = token_seq[t] (-1: padding, output 0), L = seq_lens[b], rows = cache positions 0..L-1 of b:
         o_lat[t, h] = softmax([q_lat | q_pe][t, h] . rows^T * scale) @ rows[:, :C]      # softmax in fp32
@@ -275,17 +268,9 @@ def mla_kvb_lora_o(o_lat: torch.Tensor, lora: KVBLoRAArgs, out: torch.Tensor) ->
     )
 
 
-def mla_decode(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    w_kv_b: torch.Tensor,
-    block_tables: torch.Tensor,
-    token_seq: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    lora: KVBLoRAArgs | None = None,
-) -> torch.Tensor:
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
+               block_tables: torch.Tensor, token_seq: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+               lora: KVBLoRAArgs | None = None) -> torch.Tensor:
     """Absorbed decode, one new token per sequence, device metadata only. Semantics, per row t with
     b = token_seq[t] (-1: padding, output 0), s = token_slots[t], rows = cache positions 0..seq_lens[b]-1 of b:
         q_lat[t, h] = W_UK[h].T @ q_nope[t, h] (+ scaling[s] * A[s].T @ (B_K[s, h].T @ q_nope[t, h]))   # [C]

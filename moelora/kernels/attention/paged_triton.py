@@ -300,23 +300,11 @@ def decode_kernel_chosen(num_tokens: int, num_seqs: int, kernel: str = "auto") -
     return kernel == "decode" or (kernel == "auto" and num_tokens <= num_seqs)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    token_seq: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    out: torch.Tensor,
-    kernel: str = "auto",
-    num_splits: int | None = None,
-    min_tiles: int | None = None,
-    workspace: torch.Tensor | None = None,
-    out_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    token_seq: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    sliding_window: int | None, out: torch.Tensor, kernel: str = "auto", num_splits: int | None = None,
+                    min_tiles: int | None = None, workspace: torch.Tensor | None = None,
+                    out_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Semantics, per query row t of sequence b = token_seq[t] (-1: padding: written 0 by the "decode" kernel,
     left untouched by "prefill"; decode_kernel_chosen says which one runs), with
     L = seq_lens[b], s:e = query_start_loc[b]:query_start_loc[b+1], p = L - (e - s) + (t - s):

@@ -55,17 +55,9 @@ def lora_expand_ref(h: torch.Tensor, b_cat: torch.Tensor, slice_offsets: torch.T
                 y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)  # rounded once, as the kernels
 
 
-def lora_single_slot(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b_cat: torch.Tensor,
-    slice_offsets: list[int],
-    ranks: list[list[int]],
-    scaling: torch.Tensor,
-    slot: int,
-    rows: torch.Tensor | None,
-    y: torch.Tensor,
-) -> None:
+def lora_single_slot(x: torch.Tensor, a: torch.Tensor, b_cat: torch.Tensor, slice_offsets: list[int],
+                     ranks: list[list[int]], scaling: torch.Tensor, slot: int, rows: torch.Tensor | None,
+                     y: torch.Tensor) -> None:
     """Fast path for a batch whose LoRA tokens all use one slot: plain matmuls (cuBLAS on a GPU).
     Semantics: for each slice i with r = ranks[i][slot] > 0, over the LoRA rows (all rows when rows is None):
         y[rows, o_i] += scaling[i, slot] * (x[rows] @ a[i, slot, :r].T) @ b_cat[slot, o_i, :r].T

@@ -125,18 +125,9 @@ if HAS_TRITON:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def expert_gemm(
-    inp: torch.Tensor,
-    w: torch.Tensor,
-    align: tuple[torch.Tensor, torch.Tensor],
-    num_pairs: int,
-    top_k: int,
-    out: torch.Tensor,
-    gather_rows: bool,
-    pair_weights: torch.Tensor | None = None,
-    fuse_act: bool = False,
-    config: GemmConfig | None = None,
-) -> torch.Tensor:
+def expert_gemm(inp: torch.Tensor, w: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], num_pairs: int,
+                top_k: int, out: torch.Tensor, gather_rows: bool, pair_weights: torch.Tensor | None = None,
+                fuse_act: bool = False, config: GemmConfig | None = None) -> torch.Tensor:
     """Grouped GEMM over expert-aligned pairs (semantics: expert_gemm_ref, written into `out`):
         for each block b of config.block_m entries of sorted_pair_ids with e = block_expert[b] >= 0:
             for each valid pair p in the block: row = inp[p // K] if gather_rows else inp[p]

@@ -8,17 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def grouped_topk_ref(
-    router_logits: torch.Tensor,
-    top_k: int,
-    scoring_func: str,
-    topk_method: str,
-    n_group: int,
-    topk_group: int,
-    renormalize: bool,
-    routed_scaling_factor: float,
-    e_score_correction_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_topk_ref(router_logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str, n_group: int,
+                     topk_group: int, renormalize: bool, routed_scaling_factor: float,
+                     e_score_correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics (as transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter), per token, in fp32:
         s = softmax(logits) or sigmoid(logits)                                   # [E]
         greedy:               ids = topk(s, K); w = s[ids]

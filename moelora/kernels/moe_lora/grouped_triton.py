@@ -232,20 +232,10 @@ def prefill_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts
     return align(topk_ids, token_slots, num_experts, max_loras, PREFILL_BLOCK_M)
 
 
-def moe_lora_grouped(
-    x: torch.Tensor,
-    lora: ProjLoRA,
-    routing: Routing,
-    y: torch.Tensor,
-    *,
-    x_per_pair: bool,
-    pair_weights: torch.Tensor | None = None,
-    store: bool = False,
-    align: tuple[torch.Tensor, torch.Tensor] | None = None,
-    block_m: int = GROUPED_BLOCK_M,
-    config: GroupedConfig | None = None,
-    split_n: int | None = None,
-) -> None:
+def moe_lora_grouped(x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
+                     pair_weights: torch.Tensor | None = None, store: bool = False,
+                     align: tuple[torch.Tensor, torch.Tensor] | None = None, block_m: int = GROUPED_BLOCK_M,
+                     config: GroupedConfig | None = None, split_n: int | None = None) -> None:
     """moe_lora_fused's semantics and signature (shrink + expand of every slice, one launch), with A and B read once
     per (slot, expert) group instead of once per pair:
         for p in range(T * K): t, e, s = p // K, topk_ids.flatten()[p], token_slots[p // K]
@@ -301,18 +291,9 @@ def moe_lora_grouped(
     )
 
 
-def moe_lora_grouped_shrink(
-    x: torch.Tensor,
-    lora: ProjLoRA,
-    routing: Routing,
-    h: torch.Tensor,
-    *,
-    x_per_pair: bool,
-    align: tuple[torch.Tensor, torch.Tensor],
-    block_m: int = PREFILL_BLOCK_M,
-    fuse_slices: bool = True,
-    config: GroupedConfig = PREFILL_CONFIG,
-) -> None:
+def moe_lora_grouped_shrink(x: torch.Tensor, lora: ProjLoRA, routing: Routing, h: torch.Tensor, *, x_per_pair: bool,
+                            align: tuple[torch.Tensor, torch.Tensor], block_m: int = PREFILL_BLOCK_M,
+                            fuse_slices: bool = True, config: GroupedConfig = PREFILL_CONFIG) -> None:
     """The shrink half of moe_lora_grouped, for an expand in the expert GEMM's epilogue (fp8_expert_gemm(lora=)):
         for p with s = token_slots[p // K] >= 0 and e = topk_ids.flatten()[p] >= 0, row = x[p] or x[p // K]:
             h[i, p, :] = row @ a[i', s, e (0 if shared), :].T      (fp32; i' = a_src[i, s] if given else i;
