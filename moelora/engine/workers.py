@@ -361,9 +361,7 @@ class WorkerGroup:
                 p.start()
             self.state: ParallelState = self._rendezvous(args, port)
         except BaseException:
-            self._stopped = True  # nothing to tell the workers: end them, leave whatever group formed
-            self._terminate()
-            _leave_group()
+            self._abandon()  # nothing to tell the workers: end them, leave whatever group formed
             _LIVE.discard(self)
             raise
 
@@ -404,9 +402,7 @@ class WorkerGroup:
             time.sleep(0.1)
         if dead and not self._stopped:
             r, p = dead[0]
-            self._stopped = True
-            self._terminate()
-            _leave_group()
+            self._abandon()
             raise WorkerFailed(f"tensor/expert-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}; "
                                "the engine cannot continue (see the worker's traceback above, if any)")
 
@@ -422,9 +418,8 @@ class WorkerGroup:
         self._last_ok = time.monotonic()
 
     def _failed(self, what: str) -> WorkerFailed:
-        """torchrun: stop using the group and say so."""
-        self._stopped = True
-        _leave_group()
+        """torchrun: stop using the group (there are no processes of its own to end) and say so."""
+        self._abandon()
         who = self.beacon.diagnose(self.world) if self.beacon is not None else "unknown"
         return WorkerFailed(
             f"tensor/expert-parallel worker failure under torchrun ({self.world} ranks): {who}. Rank 0 saw: {what}. "
@@ -493,15 +488,15 @@ class WorkerGroup:
             return
         with contextlib.suppress(Exception):  # stopping anyway
             self.send("stop")
-        self._stopped = True
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
-        self._terminate()
-        _leave_group()
+        self._abandon()
 
-    def _terminate(self) -> None:
-        """End the workers still running and reap them all (no zombie processes left behind)."""
+    def _abandon(self) -> None:
+        """Stop using the workers: end those still running, reap them all (no zombie processes left behind) and
+        leave the process group."""
+        self._stopped = True
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -511,6 +506,7 @@ class WorkerGroup:
                 if p.is_alive():
                     p.kill()
                     p.join(5.0)
+        _leave_group()
 
 
 # the groups not stopped yet, for the interpreter's exit (a weak set: an engine garbage-collected away takes its
