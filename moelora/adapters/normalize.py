@@ -55,13 +55,11 @@ def normalize_adapter(name: str, groups: dict[str, dict[str, tuple[str, torch.Te
             if e >= t.num_experts:
                 raise AdapterError(name, f"expert index {e} out of range: the base model has {t.num_experts} experts "
                                          f"(0..{t.num_experts - 1})", ka)
-            r, scaling = cfg.rank_and_scaling(module)
-            _expect(name, ka, a, [r, t.in_features], f"lora_A of {module}", r)
-            _expect(name, kb, b, [t.out_features, r], f"lora_B of {module}", r)
+            mod = _module_lora(name, cfg, module, module, t, ka, a, kb, b)
             experts = per_expert.setdefault(target_name, {})
             if e in experts:
                 raise AdapterError(name, f"expert {e} of {target_name} is given twice (also by {experts[e][0]!r})", ka)
-            experts[e] = (ka, ModuleLoRA(a, b, scaling))
+            experts[e] = (ka, mod)
         elif m := re.fullmatch(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)", canon):
             _from_3d(name, m[1], m[2], module, ka, a, kb, b, cfg, targets, out)
         elif m := re.fullmatch(r"(.*\.mlp\.experts)(?:\.base_layer)*", canon):
@@ -71,10 +69,7 @@ def normalize_adapter(name: str, groups: dict[str, dict[str, tuple[str, torch.Te
             if t.num_experts is not None:
                 raise AdapterError(name, f"LoRA for the routed experts {canon} needs per-expert keys "
                                          "(experts.<e>.<proj>) or PEFT target_parameters on the fused experts", ka)
-            r, scaling = cfg.rank_and_scaling(module)
-            _expect(name, ka, a, [r, t.in_features], f"lora_A of {canon}", r)
-            _expect(name, kb, b, [t.out_features, r], f"lora_B of {canon}", r)
-            _put(name, out, targets, canon, ModuleLoRA(a, b, scaling), ka, kb)
+            _put(name, out, targets, canon, _module_lora(name, cfg, module, canon, t, ka, a, kb, b), ka, kb)
     for canon, experts in per_expert.items():
         key = next(iter(experts.values()))[0]
         _put(name, out, targets, canon, _stack_experts(name, canon, experts, targets), key, key)
@@ -85,11 +80,15 @@ def normalize_adapter(name: str, groups: dict[str, dict[str, tuple[str, torch.Te
     return out
 
 
-def _expect(name, key, t: torch.Tensor, expected: list[int], what: str, r: int) -> None:
-    """The tensor at fault, what its shape should be (base model + adapter_config.json rank) and what it is."""
-    if list(t.shape) != expected:
-        raise AdapterError(name, f"expected shape {expected} for {what} (rank {r} from adapter_config.json, sizes "
-                                 f"from the base model), found {list(t.shape)}", key)
+def _module_lora(name, cfg, module: str, shown: str, t: LoRATarget, ka, a, kb, b) -> ModuleLoRA:
+    """2-D factors A [r, in], B [out, r] of one weight (`module` in the adapter's keys), checked against target t
+    and the rank adapter_config.json gives it: an error names the tensor at fault, the expected shape and the found."""
+    r, scaling = cfg.rank_and_scaling(module)
+    for key, f, ab, expected in ((ka, a, "A", [r, t.in_features]), (kb, b, "B", [t.out_features, r])):
+        if list(f.shape) != expected:
+            raise AdapterError(name, f"expected shape {expected} for lora_{ab} of {shown} (rank {r} from "
+                                     f"adapter_config.json, sizes from the base model), found {list(f.shape)}", key)
+    return ModuleLoRA(a, b, scaling)
 
 
 def _target(name: str, targets: dict[str, LoRATarget], canon: str, key: str) -> LoRATarget:
