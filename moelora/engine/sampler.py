@@ -39,12 +39,10 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     """counts[b, v] = how often token v occurs in token_ids[b]. Returns [B, V] fp32."""
     max_len = max((len(t) for t in token_ids), default=0)
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
-    if max_len == 0:
-        return counts[:, :vocab_size]
-    # pad with the extra column vocab_size, dropped afterwards
-    padded = torch.tensor([t + [vocab_size] * (max_len - len(t)) for t in token_ids], dtype=torch.int64,
-                          device=device)  # [B, L]
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    if max_len:  # padded with the extra column vocab_size, dropped afterwards
+        padded = torch.tensor([t + [vocab_size] * (max_len - len(t)) for t in token_ids], dtype=torch.int64,
+                              device=device)  # [B, L]
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
 
 

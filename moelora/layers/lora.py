@@ -158,12 +158,10 @@ LORA_SLOT_WRITES = [0]  # slot writes so far (set_slot clears first): summaries 
 def slot_target_groups(weights: list[LoRAWeights], max_loras: int) -> list[tuple[bool, bool]]:
     """Per slot: (a dense LoRA weight — attention, shared experts, dense MLP, MLA — has a nonzero rank there,
     a routed-expert one has). weights: every LoRAWeights of the model."""
-    out = []
-    for s in range(max_loras):
-        dense = any(w.ranks[i][s] for w in weights if w.num_experts is None for i in range(w.num_slices))
-        experts = any(w.ranks[i][s] for w in weights if w.num_experts is not None for i in range(w.num_slices))
-        out.append((dense, experts))
-    return out
+    dense = [w for w in weights if w.num_experts is None]
+    experts = [w for w in weights if w.num_experts is not None]
+    return [(any(slot_has_lora(w, [s]) for w in dense), any(slot_has_lora(w, [s]) for w in experts))
+            for s in range(max_loras)]
 
 
 def slot_has_lora(weights: LoRAWeights | None, slot_ids: list[int]) -> bool:
