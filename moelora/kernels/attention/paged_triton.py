@@ -285,10 +285,9 @@ def choose_splits(T: int, Hkv: int, num_sms: int = 132) -> int:
     Rule: enough programs to fill the GPU, SPLIT_PROGRAMS_PER_SM programs per SM:
         NUM_SPLITS = clamp(ceil(SPLIT_PROGRAMS_PER_SM * num_sms / (T * Hkv)), 1, MAX_SPLITS)
     e.g. on 132 SMs with Hkv = 4: T = 1 -> 64, 16 -> 9, 64 -> 3, 128 -> 2, >= 132 -> 1 (no workspace).
-    A row's key range is cut into min(NUM_SPLITS, ceil(tiles / SPLIT_MIN_TILES)) chunks of whole
-    TILE_N-key tiles; so short rows use fewer splits (the other programs exit at once) and the
-    workspace is only T * Hq * NUM_SPLITS * (D + 2) fp32 (~ a few MiB), whatever the table width.
-    """
+    A row's key range is cut into min(NUM_SPLITS, ceil(tiles / SPLIT_MIN_TILES)) chunks of whole TILE_N-key tiles,
+    so short rows use fewer splits (the other programs exit at once), and the workspace does not grow with the
+    table width (split_workspace_numel)."""
     return max(1, min(MAX_SPLITS, -(-SPLIT_PROGRAMS_PER_SM * num_sms // (T * Hkv))))
 
 
@@ -320,14 +319,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kernel (every kernel computes the semantics above for any mix of rows; the choice is speed only):
       "auto": "decode" when T <= B (at most ~one row per sequence: decode batches, CUDA graphs), else
               "prefill" — shapes only, so a captured graph always launches the same kernels.
-      "decode": split-KV, grid (T, Hkv, NUM_SPLITS), NUM_SPLITS = num_splits or choose_splits(T, Hkv, SMs);
-              each row's visible keys are cut into chunks of whole 64-key tiles (at least min_tiles,
-              default SPLIT_MIN_TILES, per chunk); partial results go to an fp32 workspace
-              ([T, Hq, NUM_SPLITS, D] + [2, T, Hq, NUM_SPLITS]: `workspace`, a flat fp32 tensor of
-              >= split_workspace_numel(T, Hq, D, NUM_SPLITS) elements, or allocated here — inside a
-              graph capture from the graph's pool), combined by a second kernel in a fixed order
-              (deterministic; the chunking depends on the row's length and NUM_SPLITS, so the bits
-              may change with T, not from run to run). NUM_SPLITS == 1: direct output, no workspace.
+      "decode": split-KV, grid (T, Hkv, NUM_SPLITS), NUM_SPLITS = num_splits or choose_splits(T, Hkv, SMs),
+              chunks of at least min_tiles (default SPLIT_MIN_TILES) 64-key tiles; the partials go to `workspace`
+              ([T, Hq, NUM_SPLITS, D] + [2, T, Hq, NUM_SPLITS] in one flat fp32 tensor of >= split_workspace_numel
+              elements; None: allocated here, inside a graph capture from the graph's pool) and a second kernel
+              combines them in a fixed order (deterministic run to run; the bits may change with T).
+              NUM_SPLITS == 1: direct output, no workspace.
       "prefill": tiled; BLOCK_M rows of one sequence x G heads (128 tile rows) per (query block, KV head).
     """
     require_triton()
