@@ -121,15 +121,11 @@ class StopChecker:
     @staticmethod
     def find_stop(text: str, stop: list[str], start: int = 0) -> tuple[int, int, str] | None:
         """Occurrence of a stop string in text[start:] that ends first: (begin, end, stop string) or None."""
-        best: tuple[int, int, str] | None = None
-        for s in stop:
-            i = text.find(s, start)
-            if i < 0:
-                continue
-            cand = (i, i + len(s), s)
-            if best is None or (cand[1], cand[0]) < (best[1], best[0]):
-                best = cand
-        return best
+        hits = [(i + len(s), i, s) for s in stop if (i := text.find(s, start)) >= 0]  # (end, begin, s)
+        if not hits:
+            return None
+        end, begin, s = min(hits)  # the first to end; ties: the longer (it begins first)
+        return begin, end, s
 
     def _holdback(self) -> int:
         """Length of the longest tail of text that is a proper prefix of some stop string."""
