@@ -343,10 +343,9 @@ def check_args(args: argparse.Namespace) -> None:
     """Checks across flags, after parsing (a ValueError with a one-line message; `moelora serve` prints it as a
     usage error). Also resolves the positional MODEL into args.model."""
     for flags, kw, reason in UNSUPPORTED:
-        if not hasattr(args, _dest(flags)):  # a Namespace built without them
-            continue
-        value = getattr(args, _dest(flags))
-        if value != kw.get("default", False):  # store_true flags default to False
+        default = kw.get("default", False)  # store_true flags default to False
+        value = getattr(args, _dest(flags), default)  # a Namespace built without them: the default
+        if value != default:
             shown = flags[0] if isinstance(value, bool) else f"{flags[0]} {value:g}" if isinstance(value, float) \
                 else f"{flags[0]} {value}"
             raise ValueError(f"{shown} is not supported: {reason}")
