@@ -101,13 +101,8 @@ if HAS_TRITON:
         tl.store(out_ptr + b, tl.sum(tl.where(offs == first, i, 0), axis=0).to(tl.int64))
 
 
-def gumbel_argmax(
-    logits: torch.Tensor,
-    inv_temp: torch.Tensor,
-    seed: int | torch.Tensor,
-    u: torch.Tensor | None = None,
-    chunks: int | None = None,
-) -> torch.Tensor:
+def gumbel_argmax(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int | torch.Tensor, u: torch.Tensor | None = None,
+                  chunks: int | None = None) -> torch.Tensor:
     """One token per row: greedy rows (inv_temp 0) the first maximum of the logits; the others a draw from
     softmax(logits * inv_temp) by the Gumbel-max trick. Semantics:
         score[b, v] = logits[b, v]                                      if inv_temp[b] == 0

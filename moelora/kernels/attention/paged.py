@@ -9,9 +9,8 @@ found through block_tables[b]. Its new tokens are the last q_len of those seq_le
 import torch
 
 
-def write_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
     """Semantics:
         for t in range(T):
             if slot_mapping[t] >= 0:
@@ -24,9 +23,8 @@ def write_kv_ref(
     v_cache.view(-1, *v_cache.shape[2:])[idx] = v[keep].to(v_cache.dtype)
 
 
-def write_kv_direct(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def write_kv_direct(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
     """write_kv_ref without the mask (no host synchronisation, CUDA-graph safe): every slot_mapping[t] >= 0;
     padding rows of a graph batch point at the cache's dummy block instead of -1."""
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)

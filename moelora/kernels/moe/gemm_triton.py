@@ -51,10 +51,8 @@ def halved_n(cfg: GemmConfig) -> GemmConfig:
     return GemmConfig(cfg.block_m, max(32, cfg.block_n // 2), cfg.block_k, cfg.num_warps, cfg.num_stages)
 
 
-def expert_gemm_ref(
-    inp: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, gather_rows: bool,
-    pair_weights: torch.Tensor | None = None, fuse_act: bool = False,
-) -> torch.Tensor:
+def expert_gemm_ref(inp: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, gather_rows: bool,
+                    pair_weights: torch.Tensor | None = None, fuse_act: bool = False) -> torch.Tensor:
     """Semantics: for p in range(T*K): e = topk_ids.flatten()[p]; row = inp[p // K] if gather_rows else inp[p]
         y = w[e] @ row                                  # [O], fp32 accumulation
         fuse_act: y = silu(y[:O/2]) * y[O/2:]           # gate rows first

@@ -81,9 +81,8 @@ def pair_virtual_experts(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_
     return torch.where((slot >= 0) & (exp >= 0), slot * num_experts + exp, torch.full_like(slot, max_loras * num_experts))
 
 
-def moe_lora_align(
-    topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_lora_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int,
+                   block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the (token, k) pairs by virtual expert v = slot * E + expert, each group padded to block_m.
 
     Returns sorted_pair_ids [P_max] int32 (pair ids; padding = T*K) and block_vexpert [P_max / block_m]

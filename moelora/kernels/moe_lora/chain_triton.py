@@ -17,9 +17,8 @@ if HAS_TRITON:
     import triton.language as tl
 
 
-def moe_lora_align_fast(
-    topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_lora_align_fast(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int,
+                        block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_lora_align without a sort: counts per virtual expert, padded offsets, then one kernel that
     places each pair at offset[v] + atomic_add(fill[v], 1). The order of pairs inside a group is not
     fixed (it does not change any result: rows are computed independently); the groups, their

@@ -125,10 +125,9 @@ if HAS_TRITON:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             quant_group: int | None = None,
-             delta: torch.Tensor | None = None,
-             combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             quant_group: int | None = None, delta: torch.Tensor | None = None,
+             combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor,
+             torch.Tensor | None]:
     """Semantics (rms_norm_ref, with an optional LoRA delta and residual add first):
         if delta is not None: x = (x + delta)                       # in x.dtype (the producing layer's output)
         if residual is not None: x = residual = (x + residual)      # in x.dtype, returned as the new residual

@@ -38,9 +38,7 @@ def _expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, 
     return s[..., :rows, :cols]
 
 
-def quantize_weight_block(
-    w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_block(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics, per block b of block_n rows x block_k cols (the last ones may be partial):
         scale_inv[b] = max(|w[b]|) / 448 (1 for an all-zero block) ; w_fp8[b] = e4m3(w[b] / scale_inv[b])
     w: [..., N, K] (a linear weight, or an expert stack [E, N, K]) · returns (w_fp8 [..., N, K] float8_e4m3fn,
@@ -59,10 +57,8 @@ def quantize_weight_block(
     return w_fp8, scale_inv.contiguous()
 
 
-def dequantize_weight_block(
-    w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+def dequantize_weight_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w[..., n, k] = w_fp8[..., n, k] * scale_inv[..., n // bn, k // bk]
     w_fp8: [..., N, K] · scale_inv: [..., ceil(N/bn), ceil(K/bk)] · returns [..., N, K] in dtype
     """
@@ -95,10 +91,8 @@ def dequantize_act_group(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int 
     return x_fp8.float() * x_scale.float().repeat_interleave(group, dim=1)[:, :K]
 
 
-def fp8_block_matmul_ref(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def fp8_block_matmul_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
+                         block: tuple[int, int] = DEFAULT_BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Semantics (W8A8, dynamic per-token-group activation scales):
         xq, xs = quantize_act_group(x, block_k)
         y = deq(xq, xs) @ deq(w_fp8, w_scale_inv).T (+ bias)       # fp32 accumulation
@@ -111,10 +105,8 @@ def fp8_block_matmul_ref(
     return y.to(x.dtype)
 
 
-def fp8_grouped_matmul_ref(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, pair_exp: torch.Tensor,
-    block: tuple[int, int] = DEFAULT_BLOCK,
-) -> torch.Tensor:
+def fp8_grouped_matmul_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, pair_exp: torch.Tensor,
+                           block: tuple[int, int] = DEFAULT_BLOCK) -> torch.Tensor:
     """Semantics: y[p] = fp8_block_matmul_ref(x[p:p+1], w_fp8[pair_exp[p]], w_scale_inv[pair_exp[p]])
     x: [P, K] · w_fp8: [E, N, K] · w_scale_inv: [E, ceil(N/bn), ceil(K/bk)] · pair_exp: [P] · returns [P, N] x.dtype
     """
@@ -122,10 +114,8 @@ def fp8_grouped_matmul_ref(
     return grouped_matmul_dequantized(dequantize_act_group(xq, xs, block[1]), w_fp8, w_scale_inv, pair_exp, block, x.dtype)
 
 
-def grouped_matmul_dequantized(
-    xd: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, pair_exp: torch.Tensor,
-    block: tuple[int, int], out_dtype: torch.dtype,
-) -> torch.Tensor:
+def grouped_matmul_dequantized(xd: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, pair_exp: torch.Tensor,
+                               block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
     """y[p] = xd[p] @ deq(w_fp8[pair_exp[p]]).T in fp32 · xd: [P, K] · returns [P, N] in out_dtype."""
     y = torch.empty(xd.shape[0], w_fp8.shape[1], dtype=out_dtype, device=xd.device)
     for e in torch.unique(pair_exp).tolist():

@@ -20,11 +20,9 @@ def expert_block_m(rows: int) -> int:
     return 16 if rows <= 512 else 64
 
 
-def fp8_grouped_gemm(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, pair_exp: torch.Tensor,
-    block: tuple[int, int] = (128, 128), align: tuple[torch.Tensor, torch.Tensor] | None = None,
-    x_scale: torch.Tensor | None = None, config: Fp8GemmConfig | None = None,
-) -> torch.Tensor:
+def fp8_grouped_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, pair_exp: torch.Tensor,
+                     block: tuple[int, int] = (128, 128), align: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     x_scale: torch.Tensor | None = None, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """Semantics (fp8_grouped_matmul_ref):
         for p in range(P): y[p] = fp8_linear(x[p], w_fp8[pair_exp[p]], w_scale_inv[pair_exp[p]])
     x: [P, K] bf16/fp16/fp32 (quantized first: fp8_prequantize), or float8 with x_scale [P, ceil(K/bk)]
@@ -57,11 +55,10 @@ def fp8_grouped_gemm_ref(x, w_fp8, w_scale_inv, pair_exp, block=(128, 128), alig
     return fp8_grouped_matmul_ref(x, w_fp8, w_scale_inv, pair_exp, block)
 
 
-def fp8_expert_gemm(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
-    topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool, block_m: int,
-    x_scale: torch.Tensor | None = None, lora: Fp8LoRAEpilogue | None = None, config: Fp8GemmConfig | None = None,
-) -> torch.Tensor:
+def fp8_expert_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
+                    topk_ids: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor], gather_rows: bool, block_m: int,
+                    x_scale: torch.Tensor | None = None, lora: Fp8LoRAEpilogue | None = None,
+                    config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """The FP8 grouped GEMM on the routed-expert fast path's alignment (fused_moe_triton.moe_align), reading
     token rows in place. Semantics (fp8_expert_gemm_ref), pairs p = t * K + k, e = topk_ids.flatten()[p]:
         row = x[p // K] if gather_rows else x[p]

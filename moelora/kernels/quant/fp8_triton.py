@@ -361,11 +361,10 @@ def launch_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
     )
 
 
-def fp8_linear(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-    bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    lora: Fp8LoRAEpilogue | None = None, out: torch.Tensor | None = None, config: Fp8GemmConfig | None = None,
-) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+               bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None, lora: Fp8LoRAEpilogue | None = None,
+               out: torch.Tensor | None = None, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """Semantics (fp8_block_matmul_ref):
         xq, xs = quantize_act_group(x, block_k)    (or x, x_scale when x is already float8)
         y = deq(xq, xs) @ deq(w_fp8, w_scale_inv).T (+ bias)     # fp32 accumulation
