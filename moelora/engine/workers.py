@@ -488,6 +488,7 @@ class WorkerGroup:
             return
         with contextlib.suppress(Exception):  # stopping anyway
             self.send("stop")
+        self._stopped = True  # from here on, workers exiting is the stop, not a failure
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
