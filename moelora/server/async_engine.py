@@ -172,11 +172,15 @@ class AsyncEngine:
         e = self.engine
         resident = e.pool.resident if e.pool else {}
         return {
-            "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-            "kv_blocks_total": e.kv.num_blocks, "kv_blocks_free": e.kv.num_free_blocks,
-            "lora_slots_total": e.args.max_loras, "lora_slots_used": len(resident),
+            "running": len(e.scheduler.running),
+            "waiting": len(e.scheduler.waiting),
+            "kv_blocks_total": e.kv.num_blocks,
+            "kv_blocks_free": e.kv.num_free_blocks,
+            "lora_slots_total": e.args.max_loras,
+            "lora_slots_used": len(resident),
             "lora_slots_in_use": sum(1 for n in resident if e.pool.refcount(n) > 0),
-            "adapters_loaded": len(e.list_adapters()), "kv_blocks_free_min": e.kv.min_free,
+            "adapters_loaded": len(e.list_adapters()),
+            "kv_blocks_free_min": e.kv.min_free,
             "prefix_cache_blocks": e.kv.num_cached_blocks,
         }
 
@@ -185,13 +189,23 @@ class AsyncEngine:
         adapter loads from files, reads again after leaving host memory, failed reads, unloads, writes into a
         LoRA slot (swaps), evictions from a slot and from host memory."""
         e = self.engine
-        counts = {**(e.registry.counters if e.registry is not None else {}), **(e.pool.counters if e.pool else {})}
-        adapter = ("loads", "reloads", "load_failures", "unloads", "slot_loads", "slot_evictions", "cpu_evictions")
+        reg = e.registry.counters if e.registry is not None else {}
+        pool = e.pool.counters if e.pool is not None else {}
         return {
-            "requests_cancelled": self.num_cancelled, "requests_failed": self.num_failed,
-            "preemptions": e.scheduler.num_preemptions, **{f"adapter_{k}": counts.get(k, 0) for k in adapter},
-            "prefix_cache_queries": e.scheduler.prefix_queries, "prefix_cache_hits": e.scheduler.prefix_hits,
-            "prefix_cache_evictions": e.kv.evictions, "triton_kernel_builds": kernel_builds(),
+            "requests_cancelled": self.num_cancelled,
+            "requests_failed": self.num_failed,
+            "preemptions": e.scheduler.num_preemptions,
+            "adapter_loads": reg.get("loads", 0),
+            "adapter_reloads": reg.get("reloads", 0),
+            "adapter_load_failures": reg.get("load_failures", 0),
+            "adapter_unloads": reg.get("unloads", 0),
+            "adapter_slot_loads": pool.get("slot_loads", 0),
+            "adapter_slot_evictions": pool.get("slot_evictions", 0),
+            "adapter_cpu_evictions": reg.get("cpu_evictions", 0),
+            "prefix_cache_queries": e.scheduler.prefix_queries,
+            "prefix_cache_hits": e.scheduler.prefix_hits,
+            "prefix_cache_evictions": e.kv.evictions,
+            "triton_kernel_builds": kernel_builds(),
         }
 
     # ---- engine thread ----------------------------------------------------------------------------
