@@ -121,7 +121,7 @@ r = compile_sm90(_qk_norm_rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_
                                         "pos_ptr": "*i64", "inv_ptr": "*fp32", "eps": "fp32", "scaling": "fp32",
                                         "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64",
                                         "d_ptr": "*bf16"},
-                 dict(HALF=64, BLOCK_H=64, NORM=True, WRITE_KV=True, HAS_DELTA=True), num_warps=4)
+                 dict(HALF=64, BLOCK_H=64, NORM=True, WRITE_KV=True, HAS_DELTA=True), num_warps=2)
 assert "mma" in d.asm["ptx"]
 print("ok dense LoRA deferred: delta kernel, norm and qk_norm_rope adding it")
 for grouped, block_m, split_k, decode, row_div in [(True, 16, 1, 0, 1), (False, 64, 4, 1, 1), (True, 16, 1, 2, 8)]:
@@ -193,3 +193,11 @@ consts.update(SLICE_FIRST=True)  # MOELORA_FUSED_LORA_SLICE_FIRST: grid (slice, 
 ptx = compile_sm90(_moe_lora_fused_kernel, {**ptrs, "asrc_ptr": "*i32"}, consts, div16=div, num_warps=4).asm["ptx"]
 assert "cp.async" in ptx
 print("ok fused lora, slices of a pair side by side")
+# the base experts' alignment at decode sizes: a histogram and each pair placed by an atomic add (no sort)
+from moelora.kernels.moe.align_triton import _moe_align_kernel  # noqa: E402
+
+ptx = compile_sm90(_moe_align_kernel, {"ids_ptr": "*i64", "slots_ptr": "*i64", "sorted_ptr": "*i32",
+                                       "bexp_ptr": "*i32", "shift_ptr": "*i32"},
+                   dict(BLOCK_M=16, BLOCK_P=512, BLOCK_E=256, HAS_SLOTS=False, STABLE=False), num_warps=4).asm["ptx"]
+assert "atom" in ptx and "bitonic" not in ptx
+print("ok moe_align placing by atomics")

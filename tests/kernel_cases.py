@@ -90,3 +90,18 @@ def qwen3_fp8_experts_with_lora(T: int, S: int = 4, R: int = 16):
         torch.tensor([0, inter, 2 * inter], dtype=torch.int32, device="cuda"),
         torch.tensor([0, H], dtype=torch.int32, device="cuda"))
     return w_gu, w_d, x, weights, ids, lora
+
+
+def in_group_order(sorted_ids: torch.Tensor, block_expert: torch.Tensor, block_m: int) -> torch.Tensor:
+    """moe_align's sorted_pair_ids with each expert's group sorted (the padding P last): moe_align places a group's
+    pairs in any order (atomics on the GPU), moe_align_ref in increasing pair id."""
+    ids, be = sorted_ids.cpu().clone(), block_expert.cpu().tolist()
+    b = 0
+    while b < len(be):
+        end = b + 1
+        while end < len(be) and be[end] == be[b]:
+            end += 1
+        if be[b] >= 0:
+            ids[b * block_m: end * block_m] = ids[b * block_m: end * block_m].sort().values
+        b = end
+    return ids.to(sorted_ids.device)

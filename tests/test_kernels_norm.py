@@ -35,10 +35,11 @@ def test_rms_norm_and_add_norm(device, dtype, rows, D):
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("norm", [True, False])
-def test_qk_norm_rope_in_place_on_qkv_views(device, dtype, norm):
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (6, 1)])  # programs of QK_ROPE_HEADS heads mixing q, k (and v) heads
+def test_qk_norm_rope_in_place_on_qkv_views(device, dtype, norm, Hq, Hkv):
     from moelora.kernels.norm.rmsnorm_triton import qk_norm_rope
 
-    T, Hq, Hkv, D = 5, 4, 2, 16
+    T, D = 5, 16
     g = torch.Generator().manual_seed(int(norm))
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(device, dtype)
     positions = torch.tensor([0, 3, 17, 500, 4095], device=device)
@@ -62,13 +63,14 @@ def test_qk_norm_rope_in_place_on_qkv_views(device, dtype, norm):
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("norm", [True, False])
-def test_qk_norm_rope_writes_the_kv_cache_as_write_kv_does(device, dtype, norm):
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (6, 1)])
+def test_qk_norm_rope_writes_the_kv_cache_as_write_kv_does(device, dtype, norm, Hq, Hkv):
     """kv_write: the same launch stores the rotated k and the v rows at slot_mapping, bit for bit what
     write_kv_ref stores after a separate qk_norm_rope; other cache rows and slot -1 rows stay untouched."""
     from moelora.kernels.attention.paged import write_kv_ref
     from moelora.kernels.norm.rmsnorm_triton import qk_norm_rope
 
-    T, Hq, Hkv, D, NB, BS = 5, 4, 2, 16, 3, 4
+    T, D, NB, BS = 5, 16, 3, 4
     g = torch.Generator().manual_seed(7 + int(norm))
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(device, dtype)
     positions = torch.tensor([0, 3, 17, 500, 4095], device=device)

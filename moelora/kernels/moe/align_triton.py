@@ -52,10 +52,13 @@ if HAS_TRITON:
     def _moe_align_kernel(
         ids_ptr, slots_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS, TOP_K, NUM_EXPERTS,
         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr,
+        STABLE: tl.constexpr = True,
     ):
-        # one program, P <= BLOCK_P: sort the keys e * BLOCK_P + p (stable by construction; pairs on no local
-        # expert get e = E and sort last), then pair i of the sorted order goes to i + shift[e], shift[e] =
-        # (padded start of e's group) - (pairs on experts below e); shift goes through global scratch.
+        # one program, P <= BLOCK_P. STABLE: sort the keys e * BLOCK_P + p (pairs on no local expert get e = E and
+        # sort last), then pair i of the sorted order goes to i + shift[e], shift[e] = (padded start of e's group)
+        # - (pairs on experts below e); shift goes through global scratch. Not STABLE: shift[e] starts at the
+        # padded start of e's group and each pair takes the next place of its group by an atomic add on it (the
+        # order inside a group is the atomics'; no sort).
         # HAS_SLOTS: group by virtual expert slot * NUM_EXPERTS + expert instead (E = max_loras * NUM_EXPERTS),
         # slot = slots[p // TOP_K]; a pair of slot -1 or expert -1 is left out
         offs = tl.arange(0, BLOCK_P)
@@ -65,18 +68,26 @@ if HAS_TRITON:
             sl = tl.load(slots_ptr + offs // TOP_K, mask=offs < P, other=-1).to(tl.int32)
             e = tl.where((sl >= 0) & (e >= 0) & (e < NUM_EXPERTS), sl * NUM_EXPERTS + e, -1)
         e = tl.where((e >= 0) & (e < E), e, E)
-        s = tl.sort(e * BLOCK_P + offs)  # [BLOCK_P]
-        se, sp = s // BLOCK_P, s % BLOCK_P
         counts = tl.where(offs_e < E, tl.histogram(e, BLOCK_E), 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        tl.store(shift_ptr + offs_e, tl.cumsum(padded, axis=0) - padded - (tl.cumsum(counts, axis=0) - counts))
+        if STABLE:
+            s = tl.sort(e * BLOCK_P + offs)  # [BLOCK_P]
+            se, sp = s // BLOCK_P, s % BLOCK_P
+            tl.store(shift_ptr + offs_e, tl.cumsum(padded, axis=0) - padded - (tl.cumsum(counts, axis=0) - counts))
+        else:
+            se, sp = e, offs
+            tl.store(shift_ptr + offs_e, tl.cumsum(padded, axis=0) - padded)  # each group's next free place
         for p0 in range(0, P_MAX, BLOCK_P):  # padding everywhere first
             tl.store(sorted_ptr + p0 + offs, tl.zeros((BLOCK_P,), tl.int32) + P, mask=p0 + offs < P_MAX)
         for b0 in range(0, NUM_BLOCKS, BLOCK_P):  # blocks of no expert: -1
             tl.store(bexp_ptr + b0 + offs, tl.zeros((BLOCK_P,), tl.int32) - 1, mask=b0 + offs < NUM_BLOCKS)
         tl.debug_barrier()  # shift and the fills land before the loads and stores below (other threads)
         keep = se < E
-        dest = offs + tl.load(shift_ptr + se, mask=keep, other=0)
+        if STABLE:
+            dest = offs + tl.load(shift_ptr + se, mask=keep, other=0)
+        else:
+            dest = tl.atomic_add(shift_ptr + se, tl.zeros((BLOCK_P,), tl.int32) + 1, mask=keep, sem="relaxed",
+                                 scope="cta")
         tl.store(sorted_ptr + dest, sp, mask=keep)
         # every block of a group holds at least one real pair, so this writes each used block's expert
         tl.store(bexp_ptr + dest // BLOCK_M, se, mask=keep)
@@ -138,9 +149,9 @@ ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks o
 
 def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
                        P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-                       stream: "torch.cuda.Stream | None" = None):
+                       stream: "torch.cuda.Stream | None" = None, stable: bool = True):
     """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots);
-    stream: see moe_align."""
+    stable=False: each group's pairs in any order (no sort); stream: see moe_align."""
     groups = num_experts * max_loras
     block_e1 = triton.next_power_of_2(groups + 1)
     shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)  # scratch
@@ -148,7 +159,7 @@ def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int
         _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
                                 sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
                                 BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
-                                HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
+                                HAS_SLOTS=slots is not None, STABLE=stable, num_warps=4 if P <= 512 else 8)
     return sorted_ids, block_expert
 
 
@@ -175,9 +186,12 @@ def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               stream: "torch.cuda.Stream | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_align_ref on the device: no atomics (stable inside each group), no host sync.
-    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program (tl.sort of the pairs by expert, a histogram for the
-    group sizes); larger P: count per chunk of pairs (C programs), offsets (1 program), placement (C programs).
+    """moe_align_ref on the device, no host sync, up to the order of the pairs inside each expert's group (what
+    each block computes does not depend on it: a GEMM row is one pair's).
+    P <= ALIGN_ONE_PROGRAM_MAX_PAIRS: one launch of one program (a histogram for the group sizes, then each pair
+    placed by an atomic add on its group's cursor: any order inside a group; a sort of the pairs took 3.9 us at
+    batch 64 and 16.8 at 256 on an H100); larger P: count per chunk of pairs (C programs), offsets (1 program),
+    placement (C programs), stable.
     stream: launch on this CUDA stream instead (its priority places the program; moe_lora.early): it
     waits for the current stream's work so far, the current stream waits for the launches; the outputs are
     allocated on the current stream. None: the current stream.
@@ -195,7 +209,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
     if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: one sort of all pairs
-        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert, stream)
+        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert, stream,
+                                  stable=False)
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
     base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)
