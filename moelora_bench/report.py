@@ -230,6 +230,7 @@ def _build_engine(folder: str, dtype: str, rank: int, slots: int, g: dict, devic
         device=str(device), load_format="dummy", max_num_seqs=max_seqs, max_num_batched_tokens=8192,
         max_model_len=max(g["prefill_len"], _ctx_len(g)) + 64, kv_cache_memory_bytes=kv_bytes,
         max_graph_batch_size=max(g["batches"]), kernel_config=g.get("kernel_config"),
+        max_prefill_graph_tokens=g.get("max_prefill_graph_tokens", EngineArgs.max_prefill_graph_tokens),
         kernel_warmup=False,  # each case runs its own warm-up pass before the timed one
     ))
 

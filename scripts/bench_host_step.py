@@ -64,7 +64,7 @@ def case(batch: int, ctx: int, reps: int) -> dict:
 
     toks, pos, tables, slots = inputs()
     bs = next(b for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256) if b >= batch)
-    host = DecodeHostInputs(bs, width, BLOCK, 0)  # what DecodeGraphs.run uses by default: steady state here
+    host = DecodeHostInputs(bs, width, BLOCK, 0)  # what StepGraphs.run uses by default: steady state here
     lora_slots = torch.tensor([i % 4 for i in range(batch)] + [-1] * (bs - batch), dtype=torch.int32)
     parts = {
         "schedule": lambda: sched.schedule(),

@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also run one more pass under cProfile and print its N functions of most own host time")
+    ap.add_argument("--max-prefill-graph-tokens", type=int, default=None, metavar="N",
+                    help="the engine's --max-prefill-graph-tokens (default: the engine's; 0: every step eager)")
     ap.add_argument("--tiny", action="store_true", help="the tiny Qwen3-MoE on the CPU (a smoke test of the script)")
     args = ap.parse_args()
     variants = [("default", KernelConfig())] + parse_ab(args.variants, KernelConfig())
@@ -53,6 +55,8 @@ def main() -> None:
     folder = report._write_config(dict(decode.TINY if args.tiny else decode.QWEN3_30B_A3B))
     g = {"batches": [64], "prefill_prompts": args.prompts, "prefill_len": args.prompt_len, "workload": "vllm",
          "decode_steps": 32}
+    if args.max_prefill_graph_tokens is not None:
+        g["max_prefill_graph_tokens"] = args.max_prefill_graph_tokens
     kv_bytes = None if args.tiny else report._kv_bytes(folder, report.engine_dtype(args.dtype)["dtype"],
                                 args.prompts * (args.prompt_len + 16) + 64 * 272)
     engine = report._build_engine(folder, args.dtype, args.rank, max(max(counts), 1), g, device, kv_bytes)
@@ -96,7 +100,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"kind": "profile-prefill", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                        "device": "cpu" if args.tiny else torch.cuda.get_device_name(), "commit": git_commit(), "dtype": args.dtype,
-                       "prompts": args.prompts, "prompt_len": args.prompt_len, "rank": args.rank, "rows": rows},
+                       "prompts": args.prompts, "prompt_len": args.prompt_len, "rank": args.rank, "rows": rows,
+                       "max_prefill_graph_tokens": engine.args.max_prefill_graph_tokens},
                       f, indent=1)
 
 

@@ -59,7 +59,7 @@ def test_long_generation_replay_equals_eager(same_kernels_as_graphs):
 
 def test_async_scheduling_replays_equal_the_synchronous_engine(same_kernels_as_graphs):
     """Asynchronous scheduling on the GPU: each step's graph replay takes the last step's tokens from the device
-    (DecodeGraphs.run(input_tokens=...)) before the host has read them. 40 requests, mixed adapters, greedy and
+    (StepGraphs.run(input_tokens=...)) before the host has read them. 40 requests, mixed adapters, greedy and
     seeded sampled rows, each ending at its own length or on EOS: the tokens, texts and finish reasons are the
     synchronous engine's (same graphs, same kernels), and most steps were scheduled ahead."""
     rng = random.Random("async-graphs")
@@ -79,3 +79,29 @@ def test_async_scheduling_replays_equal_the_synchronous_engine(same_kernels_as_g
     assert [o.text for o in out] == [o.text for o in sync]
     assert [o.finish_reason for o in out] == [o.finish_reason for o in sync]
     assert all(-1 not in o.token_ids for o in out)
+
+
+def test_prefill_graph_replay_equals_eager(same_kernels_as_graphs):
+    """Prefill steps up to --max-prefill-graph-tokens replay their graphs (T tokens over S sequences, padded):
+    groups of requests of every adapter and the base, each group with a prompt cached by the last (suffix-only
+    rows), give the eager engine's tokens (the same kernels); the LoRA and base prefill graphs ran, and 0 turns
+    them off."""
+    rng = random.Random("prefill-graphs")
+    rows = [(name, random_input(rng)) for name in [None, *ADAPTERS] for _ in range(6)]
+    rng.shuffle(rows)
+    prompts, names = [make_prompt(t) for _, t in rows], [n for n, _ in rows]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+
+    def serve(llm):
+        out = []
+        for i in range(0, len(rows), 3):
+            out += llm.generate(prompts[i:i + 3] + prompts[:1], params, adapter=names[i:i + 3] + names[:1])
+        return [o.token_ids for o in out]
+
+    eager = serve(_llm(True, kernel_config=same_kernels_as_graphs))
+    llm = _llm(False, kernel_config=same_kernels_as_graphs)
+    assert serve(llm) == eager
+    replays = {mode: n for (key, mode), n in llm.engine.runner.graphs.replays.items() if isinstance(key, tuple)}
+    assert set(replays) >= {False, True} and all(replays.values()), replays
+    off = _llm(False, kernel_config=same_kernels_as_graphs, max_prefill_graph_tokens=0)
+    assert not off.engine.runner.graphs.prefill_buckets and serve(off) == eager

@@ -170,13 +170,13 @@ def test_model_device_path_matches_reference(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU captures real graphs (tests/test_deepseek_gpu.py)")
 def test_decode_graph_buffers_through_device_path(tmp_path):
-    """DecodeGraphs' static buffers (bucket 4 for 3 rows: a padding row writing into the dummy block with
+    """StepGraphs' static buffers (bucket 4 for 3 rows: a padding row writing into the dummy block with
     token_seq -1 and slot -1; static LoRA groups, every LoRA layer on) fed eagerly through the MLA device path
     (Triton interpreter) give the eager batch's hidden states: what a captured graph replays."""
     from helpers import save_peft_adapter, save_tiny_model
     from moelora.layers.lora_batch import LoRABatch
     from moelora.engine.batch import SeqChunk, build_flat_batch
-    from moelora.engine.cuda_graphs import DecodeGraphs
+    from moelora.engine.cuda_graphs import StepGraphs
     from moelora.engine.llm_engine import EngineArgs, LLMEngine
 
     torch.set_num_threads(1)
@@ -187,7 +187,7 @@ def test_decode_graph_buffers_through_device_path(tmp_path):
     model, kv = eng.model, eng.kv
     for layer in model.model.layers:
         layer.self_attn.device_kernels = True
-    g = DecodeGraphs(model, kv, 2, 4, 16)  # not captured (no CUDA): its buffers are run eagerly below
+    g = StepGraphs(model, kv, 2, 4, 16)  # not captured (no CUDA): its buffers are run eagerly below
     slots = [eng.pool.acquire(eng.registry.get("a")), -1, 0]
     prompts = [[3, 4, 5, 6, 7], [8, 9], [1, 2, 3]]
     tables = [kv.allocate(kv.blocks_needed(len(p) + 1, 0)) for p in prompts]

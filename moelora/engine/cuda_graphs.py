@@ -1,26 +1,30 @@
-"""CUDA graphs of the decode step: one graph per batch-size bucket, in four sets captured at start-up into one
-shared memory pool: with LoRA kernels, without (base-only batches), LoRA on the dense weights only ("dense":
-batches whose adapters adapt no routed expert, e.g. PEFT's default attention targets) and on the routed experts only
-("experts").
+"""CUDA graphs of the model's step: one graph per decode batch-size bucket (b sequences of one token) and, up to
+--max-prefill-graph-tokens, per prefill / mixed step bucket (T tokens over at most S < T sequences: prompt chunks,
+cached-prefix suffixes and decode rows together), each in four sets captured at start-up into one shared memory
+pool: with LoRA kernels, without (base-only batches), LoRA on the dense weights only ("dense": batches whose
+adapters adapt no routed expert, e.g. PEFT's default attention targets) and on the routed experts only ("experts").
 
-Replay refreshes static buffers in place: token ids, positions, KV slots, block tables, per-row
-sequence lengths, and the LoRA slot groups. Rows past the real batch are padding: LoRA slot -1, KV
-writes into the cache's dummy block, attention skipped (token_seq -1).
+Replay refreshes static buffers in place: token ids, positions, KV slots, block tables, per-sequence lengths (and
+row offsets), and the LoRA slot groups. Rows past the real batch are padding: LoRA slot -1, KV writes into the
+cache's dummy block, attention skipped (token_seq -1); sequences past it are empty.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from moelora.layers.lora_batch import LoRABatch
-from moelora.engine.graph_inputs import DecodeHostInputs
+from moelora.engine.batch import SeqChunk
+from moelora.engine.graph_inputs import DecodeHostInputs, fill_mixed_inputs
 from moelora.engine.kv_cache import KVCache
 from moelora.layers.attention import AttentionMetadata
 from moelora.layers.lora import LORA_SLOT_WRITES, LoRAWeights, lora_work_count, slot_target_groups
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+PREFILL_BUCKETS = (32, 64, 128, 256, 512)  # tokens of a prefill / mixed step graph
 # The "dense" / "experts" variants: attention-only adapters at batch 64 fp8 cost 11.13 / 11.35 ms a step with 4 / 8
 # adapters against 11.87 / 12.10 in the full LoRA graph (no adapter 10.46), experts-only 11.78 / 11.97 against 12.42
 # / 12.65.
@@ -41,33 +45,43 @@ def lora_graph_mode(slots: list[int], groups: list[tuple[bool, bool]]) -> bool |
     return "dense" if dense else ("experts" if experts else False)
 
 
-class DecodeGraphs:
-    def __init__(self, model, kv: KVCache, max_loras: int, max_batch_size: int, max_blocks_per_seq: int) -> None:
+class StepGraphs:
+    def __init__(self, model, kv: KVCache, max_loras: int, max_batch_size: int, max_blocks_per_seq: int,
+                 max_prefill_tokens: int = 0, max_num_seqs: int = 1) -> None:
         self.model, self.kv, self.max_loras = model, kv, max(max_loras, 1)
         self.buckets = [b for b in BUCKETS if b <= max_batch_size] or [1]
         B = self.buckets[-1]
+        # prefill / mixed buckets (T, S): T tokens over at most S sequences, S < T (the prefill attention kernel)
+        self.prefill_buckets = [(t, min(max_num_seqs, t - 1)) for t in PREFILL_BUCKETS if t <= max_prefill_tokens]
+        T = max([B] + [t for t, _ in self.prefill_buckets])
+        S = max([B] + [s for _, s in self.prefill_buckets])
         dev = model.device
         self.dummy_slot = kv.dummy_block * kv.block_size
-        self.input_ids = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((B,), self.dummy_slot, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(B, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.token_seq = torch.full((B,), -1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
-        self.qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
-        self.lora_batches = {bs: LoRABatch.static(bs, self.max_loras, dev) for bs in self.buckets}
+        self.input_ids = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((T,), self.dummy_slot, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.token_seq = torch.full((T,), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(S, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)  # decode: one row a sequence, never rewritten
+        self.prefill_qsl = torch.zeros(S + 1, dtype=torch.int32, device=dev)
+        rows = set(self.buckets) | {t for t, _ in self.prefill_buckets}
+        self.lora_batches = {n: LoRABatch.static(n, self.max_loras, dev) for n in rows}
         # the step's host arrays, kept between steps (block tables updated in place; pinned: asynchronous copies)
-        self.host = DecodeHostInputs(B, max_blocks_per_seq, kv.block_size, self.dummy_slot, pin=dev.type == "cuda")
-        self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the last step's host-to-device copies
-        # keys (bucket, mode): mode True (LoRA), False (base only), "dense" / "experts" (lora_graph_mode)
-        self.graphs: dict[tuple[int, bool | str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pin = dev.type == "cuda"
+        self.host = DecodeHostInputs(B, max_blocks_per_seq, kv.block_size, self.dummy_slot, pin=pin)
+        self.prefill_host = DecodeHostInputs.buffers(T, S, max_blocks_per_seq, pin, prefill_qsl=True)
+        self._copied = torch.cuda.Event() if pin else None  # the last step's host-to-device copies
+        # keys (bucket, mode): bucket b (decode) or (T, S) (prefill); mode True (LoRA), False (base only),
+        # "dense" / "experts" (lora_graph_mode)
+        self.graphs: dict[tuple[int | tuple[int, int], bool | str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # capture(): the pool every graph shares
         self.max_batch_size = B
-        self.replays: dict[tuple[int, bool | str], int] = {}  # (bucket, mode) -> replays, for tests and stats
-        self.lora_layer_calls: dict[tuple[int, bool | str], int] = {}  # LoRA computations recorded into each graph
+        self.max_prefill_tokens = max((t for t, _ in self.prefill_buckets), default=0)
+        self.replays: dict[tuple, int] = {}  # (bucket, mode) -> replays, for tests and stats
+        self.lora_layer_calls: dict[tuple, int] = {}  # LoRA computations recorded into each graph
         # per graph: (MoE block, its top-k ids, its router logits or None), outputs of the capture kept alive
-        self._routing: dict[tuple[int, bool | str],
-                            list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]]] = {}
+        self._routing: dict[tuple, list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]]] = {}
         self._lora_weights = [m for m in model.modules() if isinstance(m, LoRAWeights)]
         self._groups_at, self._groups = -1, []  # slot_target_groups as of LORA_SLOT_WRITES == _groups_at
 
@@ -78,37 +92,65 @@ class DecodeGraphs:
             query_start_loc_t=self.qsl[: bs + 1],
         )
 
+    def _prefill_attn(self, t: int, s: int) -> AttentionMetadata:
+        """A (T, S) bucket's metadata; its host lists are placeholders (the device path reads none)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables[:s], seq_lens=[1] * s,
+            query_start_loc=[0] * (s + 1), token_seq=self.token_seq[:t], seq_lens_t=self.seq_lens[:s],
+            query_start_loc_t=self.prefill_qsl[: s + 1],
+        )
+
+    def _reset_buffers(self) -> None:
+        """Every buffer to padding: a capture's forwards write KV at whatever slots the buffers hold (on a
+        recapture an earlier step's, in blocks since given to other sequences)."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.fill_(self.dummy_slot)
+        self.token_seq.fill_(-1)
+        self.block_tables.zero_()
+        self.seq_lens.fill_(1)
+        self.prefill_qsl.zero_()
+
+    def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, int]:
+        """forward() once on a side stream (Triton compiles, cuBLAS picks kernels), then captured into the shared
+        pool -> (graph, its output, the LoRA computations recorded into it)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        calls = lora_work_count()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        self.pool = graph.pool()  # the graphs' shared memory pool (tests read its segments)
+        return graph, out, lora_work_count() - calls
+
     @torch.no_grad()
     def capture(self) -> None:
-        pool = None
+        self._reset_buffers()
+        self.pool = None
+        shapes = [(b, b, self._attn(b)) for b in self.buckets]
+        shapes += [((t, s), t, self._prefill_attn(t, s)) for t, s in self.prefill_buckets]
+        shapes.sort(key=lambda x: -x[1])  # largest first: smaller graphs reuse its memory
         for mode in GRAPH_MODES:
-            for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-                lora = self._lora_batch(bs, mode)
-                args = (self.input_ids[:bs], self.positions[:bs], self._attn(bs), self.kv.caches, lora)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels
-                    self.model(*args)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                calls = lora_work_count()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(*args)
-                pool = graph.pool()
-                self.pool = pool  # the graphs' shared memory pool (tests read its segments)
-                self.graphs[(bs, mode)] = (graph, out)
-                self.lora_layer_calls[(bs, mode)] = lora_work_count() - calls
+            for key, rows, attn in shapes:
+                lora = self._lora_batch(rows, mode)
+                graph, out, calls = self._record(functools.partial(
+                    self.model, self.input_ids[:rows], self.positions[:rows], attn, self.kv.caches, lora))
+                self.graphs[(key, mode)] = (graph, out)
+                self.lora_layer_calls[(key, mode)] = calls
                 # each MoE block's routing output of this graph (statistics and tests read it after a replay)
-                self._routing[(bs, mode)] = [(m, m.last_topk_ids, getattr(m, "last_router_logits", None))
-                                             for m in self.model.modules()
-                                             if getattr(m, "last_topk_ids", None) is not None]
-        torch.cuda.synchronize()
+                self._routing[(key, mode)] = [(m, m.last_topk_ids, getattr(m, "last_router_logits", None))
+                                              for m in self.model.modules()
+                                              if getattr(m, "last_topk_ids", None) is not None]
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def recapture(self) -> None:
         """Drop the graphs and capture them again (after the model's kernel config or overlap changed: a graph keeps
         the kernels and streams it recorded)."""
-        self.graphs.clear()
-        self._routing.clear()
+        self.release()
         torch.cuda.empty_cache()
         self.capture()
 
@@ -136,10 +178,35 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self._routing.clear()
-        torch.cuda.synchronize()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
+
+    def prefill_bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+        """The smallest (T, S) bucket that holds a step of num_tokens over num_seqs sequences, or None."""
+        return next(((t, s) for t, s in self.prefill_buckets if t >= num_tokens and s >= num_seqs), None)
+
+    def _copy_in(self, arrays: dict[str, torch.Tensor]) -> None:
+        """Host arrays (views of pinned buffers on a GPU) into the graph buffers of the same names, asynchronously."""
+        for name, t in arrays.items():
+            getattr(self, name)[: t.shape[0]].copy_(t, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _replay(self, key: int | tuple[int, int], rows: int, slots: list[int], mode: bool | str) -> torch.Tensor:
+        """The graph of (key, mode) replayed with slots (one a row, padded with -1 to rows) -> its output."""
+        if mode is not False:
+            self.lora_batches[rows].update_static(slots + [-1] * (rows - len(slots)), self.max_loras)
+        graph, out = self.graphs[(key, mode)]
+        graph.replay()
+        for module, topk_ids, router_logits in self._routing.get((key, mode), ()):
+            module.last_topk_ids = topk_ids
+            if router_logits is not None:
+                module.last_router_logits = router_logits
+        self.replays[(key, mode)] = self.replays.get((key, mode), 0) + 1
+        return out
 
     @torch.no_grad()
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], slots: list[int],
@@ -149,23 +216,21 @@ class DecodeGraphs:
         mode: the graph set to replay (None: self.mode(slots); a test compares a variant with the full LoRA graph)."""
         n = len(token_ids)
         bs = self.bucket(n)
-        pad = bs - n
         if self._copied is not None:  # the kept host buffers are rewritten only once their last copy is done
             self._copied.synchronize()
-        for name, t in self.host.build(token_ids, positions, block_tables, bs).items():
-            getattr(self, name)[:bs].copy_(t, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._copy_in(self.host.build(token_ids, positions, block_tables, bs))
         if input_tokens is not None:  # after the host copy: these ids win
             self.input_ids[:n].copy_(input_tokens)
-        mode = self.mode(slots) if mode is None else mode
-        if mode is not False:
-            self.lora_batches[bs].update_static(slots + [-1] * pad, self.max_loras)
-        graph, out = self.graphs[(bs, mode)]
-        graph.replay()
-        for module, topk_ids, router_logits in self._routing.get((bs, mode), ()):
-            module.last_topk_ids = topk_ids
-            if router_logits is not None:
-                module.last_router_logits = router_logits
-        self.replays[(bs, mode)] = self.replays.get((bs, mode), 0) + 1
-        return out[:n]
+        return self._replay(bs, bs, slots, self.mode(slots) if mode is None else mode)[:n]
+
+    @torch.no_grad()
+    def run_mixed(self, seqs: list[SeqChunk]) -> torch.Tensor:
+        """A prefill or mixed step (any new tokens of each sequence, T of them in all, within a prefill bucket) ->
+        hidden states [T, H] of its flat batch (build_flat_batch's row order; a view of the graph's output)."""
+        T = sum(len(c.token_ids) for c in seqs)
+        t, s = self.prefill_bucket(T, len(seqs))
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._copy_in(fill_mixed_inputs(self.prefill_host, seqs, self.kv.block_size, self.dummy_slot, t, s))
+        slots = [c.slot for c in seqs for _ in c.token_ids]
+        return self._replay((t, s), t, slots, self.mode(slots))[:T]

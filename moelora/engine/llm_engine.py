@@ -57,6 +57,9 @@ class EngineArgs:
     show_progress: bool = False  # a progress bar while loading weights
     enforce_eager: bool = False  # no CUDA graphs (they are used on a GPU for bf16/fp16 decode steps)
     max_graph_batch_size: int = 64  # the largest decode batch a CUDA graph is captured for
+    # the largest prefill / mixed step (tokens) captured as CUDA graphs, in buckets of 32..512 tokens (0: none);
+    # single GPU, attention with device metadata (not MLA)
+    max_prefill_graph_tokens: int = 512
     lora_overlap: bool = True  # GPU: routed-expert LoRA chains and shared experts on a side stream
     tensor_parallel_size: int = 1  # ranks splitting attention heads, dense layers, vocabulary and expert widths
     expert_parallel_size: int = 1  # ranks splitting the routed experts (world = tensor x expert parallel size)
@@ -172,7 +175,7 @@ class LLMEngine:
     def reconfigure(self, cfg: KernelConfig) -> None:
         """Another kernel config for the built model (a benchmark comparing configs in one process): every layer
         picks its choices again (configure_kernels), the side stream is made at the config's priority and the
-        decode graphs are captured again (they keep the kernels and streams they recorded). One rank only."""
+        CUDA graphs are captured again (they keep the kernels and streams they recorded). One rank only."""
         if self.workers is not None:
             raise NotImplementedError("reconfigure: a tensor/expert-parallel engine's workers keep the config they "
                                       "were built with; compare configs with tp = ep = 1")

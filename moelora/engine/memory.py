@@ -114,7 +114,8 @@ def kv_blocks(model, kv_config, a, max_model_len: int, device: torch.device,
         act = profile_activations(model, kv_config, tokens, a.max_loras, a.block_size, max_model_len,
                                   a.max_num_seqs, device)
         graphs = not a.enforce_eager and getattr(model, "supports_cuda_graphs", False)
-        graph_reserve = (act * min(1.0, a.max_graph_batch_size / tokens) + GRAPH_MARGIN) if graphs else 0
+        graph_tokens = max(a.max_graph_batch_size, a.max_prefill_graph_tokens)  # the largest graph's activations
+        graph_reserve = (act * min(1.0, graph_tokens / tokens) + GRAPH_MARGIN) if graphs else 0
         free, total = torch.cuda.mem_get_info(device)
         plan = plan_kv_blocks(total, max(total - free - baseline, 0), act, int(graph_reserve),
                               a.gpu_memory_utilization, per_block, cap, baseline, free)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from moelora.layers.lora_batch import LoRABatch
 from moelora.engine.batch import SeqChunk, build_flat_batch
-from moelora.engine.cuda_graphs import DecodeGraphs
+from moelora.engine.cuda_graphs import StepGraphs
 from moelora.engine.kv_cache import KVCache
 from moelora.engine.scheduler import ScheduledChunk
 
@@ -25,13 +26,18 @@ def graph_settings(args, model, device: torch.device, max_model_len: int) -> dic
     them the same way, so all ranks capture the same graphs in the same order (their collectives pair up)."""
     cuda_graphs = (device.type == "cuda" and not args.enforce_eager and model.dtype in (torch.bfloat16, torch.float16)
                    and getattr(model, "supports_cuda_graphs", False))
+    single = args.tensor_parallel_size * args.expert_parallel_size == 1  # eager steps are broadcast, not replayed
+    prefill = single and getattr(model, "supports_prefill_graphs", False)
     return dict(cuda_graphs=cuda_graphs, max_graph_batch_size=min(args.max_graph_batch_size, args.max_num_seqs),
-                max_blocks_per_seq=-(-max_model_len // args.block_size))
+                max_blocks_per_seq=-(-max_model_len // args.block_size), max_num_seqs=args.max_num_seqs,
+                max_prefill_graph_tokens=min(args.max_prefill_graph_tokens, args.max_num_batched_tokens) if prefill
+                else 0)
 
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, max_loras: int, cuda_graphs: bool = False, max_graph_batch_size: int = 64,
-                 max_blocks_per_seq: int = 0, broadcast=None, broadcast_graph=None) -> None:
+                 max_blocks_per_seq: int = 0, max_num_seqs: int = 1, max_prefill_graph_tokens: int = 0, broadcast=None,
+                 broadcast_graph=None) -> None:
         """broadcast(seqs, sample_idx, prompt_idx): tensor/expert parallel, sends each eager step to the other ranks
         (engine/workers.py) before this rank runs it; broadcast_graph(token_ids, positions, block_tables, slots): the
         same for a decode step replayed from a CUDA graph (every rank replays its own capture). Under tensor/expert
@@ -40,13 +46,16 @@ class ModelRunner:
         self.max_loras = max(max_loras, 1)
         self.graphs = None
         if cuda_graphs:
-            self.graphs = DecodeGraphs(model, kv, max_loras, max_graph_batch_size, max_blocks_per_seq)
+            self.graphs = StepGraphs(model, kv, max_loras, max_graph_batch_size, max_blocks_per_seq,
+                                     max_prefill_graph_tokens, max_num_seqs)
             try:
                 self.graphs.capture()
             except torch.cuda.OutOfMemoryError as e:
                 raise RuntimeError(f"out of GPU memory while capturing CUDA graphs for decode batches up to "
-                                   f"{max_graph_batch_size}: lower --max-graph-batch-size or --gpu-memory-utilization "
-                                   f"(a smaller KV cache), or run with --enforce-eager ({e})") from None
+                                   f"{max_graph_batch_size} and prefill steps up to {max_prefill_graph_tokens} tokens: "
+                                   f"lower --max-graph-batch-size, --max-prefill-graph-tokens or "
+                                   f"--gpu-memory-utilization (a smaller KV cache), or run with --enforce-eager ({e})"
+                                   ) from None
 
     def release_graphs(self) -> None:
         """Free the CUDA graphs (before a parallel rank leaves its process group); later steps run eagerly."""
@@ -93,6 +102,14 @@ class ModelRunner:
         sample_idx = [i for i, c in enumerate(chunks) if c.samples]
         prompt_idx = [i for i, c in enumerate(chunks)
                       if c.request.wants_prompt_logprobs and c.start < len(c.request.prompt_ids)]
+        g = self.graphs  # a prefill / mixed step from a graph (single rank: no broadcast; decode steps past the
+        # decode graphs stay eager, on the decode attention kernel)
+        if (g is not None and not prompt_idx and input_tokens is None and any(c.num_tokens > 1 for c in chunks)
+                and g.prefill_bucket(sum(c.num_tokens for c in chunks), len(chunks))):
+            hidden = g.run_mixed(seqs)
+            last = list(itertools.accumulate(c.num_tokens for c in chunks))
+            return StepOutput(self.model.compute_logits(hidden[[last[i] - 1 for i in sample_idx]]),
+                              [chunks[i] for i in sample_idx], {})
         if self.broadcast is not None:  # tensor/expert parallel: the other ranks run the same step
             self.broadcast(seqs, sample_idx, prompt_idx)
         sample_logits, prompt_logits = self.forward_step(seqs, sample_idx, prompt_idx, input_tokens)

@@ -298,7 +298,7 @@ def _worker_loop(ps: ParallelState, args, rank: int, local_rank: int, beacon: _B
             beacon.stop()
         if runner is not None:
             try:
-                runner.release_graphs()  # before the process group goes (see DecodeGraphs.release)
+                runner.release_graphs()  # before the process group goes (see StepGraphs.release)
             except Exception as e:  # noqa: BLE001 - leaving anyway
                 log.warning("rank %d: freeing the CUDA graphs: %s", rank, e)
         _leave_group()

@@ -25,6 +25,7 @@ class DeepseekForCausalLM(MoECausalLM):
 
     attention_cls = MLAttention
     moe_cls = DeepseekMoE
+    supports_prefill_graphs = False  # MLA's prefill reads host lists (the expanded form's sequences)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if cfg.mla is None or cfg.routing is None:

@@ -63,6 +63,7 @@ class MoECausalLM(nn.Module):
     """forward(flat batch) -> hidden [T, H]; compute_logits(hidden) -> [T, V]."""
 
     supports_cuda_graphs = True  # on a GPU in bf16/fp16 its decode step reads no host data
+    supports_prefill_graphs = True  # nor its prefill / mixed step (the attention's prefill kernel reads device metadata)
     attention_cls: type[nn.Module] = Attention  # a family with other attention or MoE blocks subclasses and swaps these
     moe_cls: type[nn.Module] = MoEBlock
 

@@ -308,6 +308,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the base expert GEMMs (default on)")
     e.add_argument("--max-graph-batch-size", metavar="N", type=int_in(1), default=64,
                    help="largest decode batch captured as a CUDA graph; larger batches run eagerly (default 64)")
+    e.add_argument("--max-prefill-graph-tokens", metavar="N", type=int_in(0), default=512,
+                   help="largest prefill or mixed step (prompt chunks, cached-prefix suffixes and decode rows "
+                        "together) replayed from CUDA graphs, captured in buckets of 32 to 512 tokens; larger steps "
+                        "run eagerly. A small step's host work (launching ~1,000 kernels) costs more than its GPU "
+                        "time. 0: none. Single GPU, not MLA models (default 512)")
     e.add_argument("--cpu-threads", type=int_in(1), default=None, metavar="N", help=CPU_THREADS_HELP)
     e.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON", help=KERNEL_CONFIG_HELP)
 
@@ -408,6 +413,7 @@ def engine_args(args: argparse.Namespace) -> tuple[EngineArgs, dict[str, str], s
         load_format="auto" if args.load_format == "safetensors" else args.load_format, enforce_eager=args.enforce_eager,
         lora_overlap=args.lora_overlap == "on", async_scheduling=args.async_scheduling,
         gpu_memory_utilization=args.gpu_memory_utilization, max_graph_batch_size=args.max_graph_batch_size,
+        max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         kernel_config=getattr(args, "kernel_config", None))
