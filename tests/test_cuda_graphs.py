@@ -96,6 +96,7 @@ def test_prefill_graph_replay_equals_eager(same_kernels_as_graphs):
         out = []
         for i in range(0, len(rows), 3):
             out += llm.generate(prompts[i:i + 3] + prompts[:1], params, adapter=names[i:i + 3] + names[:1])
+        out += llm.generate(prompts[:3], params)  # the base model's rows alone: the graphs without LoRA
         return [o.token_ids for o in out]
 
     eager = serve(_llm(True, kernel_config=same_kernels_as_graphs))

@@ -43,7 +43,7 @@ def test_a_build_is_described_by_its_specialization():
         name = "test.<locals>._k"
 
     comp = {"signature": {"x_ptr": "*bf16", "n": "i32", "one": "constexpr", "BLOCK": "constexpr"},
-            "constants": {(2,): 1, (3,): 64}, "configs": [{(0,): [["tt.divisibility", 16]]}],
+            "constants": {(2,): 1, (3,): 64}, "configs": [{(0,): [["tt.divisibility", 16]], (1,): []}],
             "num_warps": 4, "num_stages": 3}
     assert _triton.describe_build({"compile": comp, "fn": Fn()}) == \
         "_k[warps=4, stages=3](x_ptr: *bf16D, n: i32, one=1, BLOCK=64)"

@@ -74,7 +74,8 @@ def describe_build(hook_kwargs: dict) -> str:
     comp, fn = hook_kwargs.get("compile") or {}, hook_kwargs.get("fn")
     try:
         signature, constants, attrs = comp["signature"], comp["constants"], comp["configs"][0]
-        parts = [f"{n}={constants.get((i,))!r}" if ty == "constexpr" else f"{n}: {ty}{'D' if (i,) in attrs else ''}"
+        div16 = {k for k, v in attrs.items() if any(a[0] == "tt.divisibility" and a[1] >= 16 for a in v)}
+        parts = [f"{n}={constants.get((i,))!r}" if ty == "constexpr" else f"{n}: {ty}{'D' if (i,) in div16 else ''}"
                  for i, (n, ty) in enumerate(signature.items())]
         name = fn.name.rsplit(".", 1)[-1]  # Triton passes the qualified name (outer.<locals>.kernel)
         return f"{name}[warps={comp['num_warps']}, stages={comp['num_stages']}]({', '.join(parts)})"
