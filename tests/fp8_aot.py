@@ -201,18 +201,20 @@ ptx = compile_sm90(_moe_align_kernel, {"ids_ptr": "*i64", "slots_ptr": "*i64", "
                    dict(BLOCK_M=16, BLOCK_P=512, BLOCK_E=256, HAS_SLOTS=False, STABLE=False), num_warps=4).asm["ptx"]
 assert "atom" in ptx and "bitonic" not in ptx
 print("ok moe_align placing by atomics")
-# prefill blocks (64 pairs) at rank 128 fit an H100's shared memory (227 KB) with grouped_triton.fit_shared_memory
-from moelora.kernels.moe_lora.grouped_triton import PREFILL_CONFIG, fit_shared_memory  # noqa: E402
+# rank 128 (max_lora_rank 128): decode and prefill launches fit an H100's shared memory (227 KB)
+from moelora.kernels.moe_lora.grouped_triton import (  # noqa: E402
+    GROUPED_BLOCK_M, GROUPED_CONFIG, PREFILL_BLOCK_M, PREFILL_CONFIG, fit_shared_memory)
 
 names = _moe_lora_grouped_kernel.arg_names
 ptrs = {n: "*i32" for n in ("off_ptr", "ranks_ptr", "ids_ptr", "slots_ptr", "sorted_ptr", "bvex_ptr")}
 ptrs.update(x_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16", scale_ptr="*fp32", w_ptr="*fp32")
 div = [n for n in names if n.endswith("_ptr")] + ["D", "sxm", "sa_i", "sa_s", "sa_e", "sa_r", "sb_s", "sb_e", "sb_o",
                                                   "syp"]
-block_d, stages = fit_shared_memory(64, 128, PREFILL_CONFIG.block_d, PREFILL_CONFIG.num_stages)
-c = dict(sxd=1, sa_d=1, sb_r=1, syo=1, X_PER_PAIR=True, HAS_W=False, STORE=True, SPLIT_HV=True, BLOCK_M=64,
-         BLOCK_R=128, BLOCK_D=block_d, BLOCK_N=PREFILL_CONFIG.block_n, SPLIT_N=1, PRECISION=None, HAS_A_SRC=False,
-         EVEN_R=True)
-k = compile_sm90(_moe_lora_grouped_kernel, ptrs, c, div16=div, num_warps=PREFILL_CONFIG.num_warps, num_stages=stages)
-assert k.metadata.shared <= 232448 // 2, k.metadata.shared  # half the limit: Triton 3.6 took 1.8x 3.9's here
-print("ok grouped lora at rank 128 in prefill blocks")
+for block_m, cfg in [(GROUPED_BLOCK_M, GROUPED_CONFIG), (PREFILL_BLOCK_M, PREFILL_CONFIG)]:
+    c = dict(sxd=1, sa_d=1, sb_r=1, syo=1, X_PER_PAIR=True, HAS_W=False, STORE=True, SPLIT_HV=True, BLOCK_M=block_m,
+             BLOCK_R=128, BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, SPLIT_N=1, PRECISION=None, HAS_A_SRC=False,
+             EVEN_R=True)
+    k = compile_sm90(_moe_lora_grouped_kernel, ptrs, c, div16=div, num_warps=cfg.num_warps,
+                     num_stages=fit_shared_memory(128, cfg))
+    assert k.metadata.shared <= 232448, (block_m, k.metadata.shared)
+print("ok grouped lora at rank 128 fits shared memory")

@@ -210,12 +210,10 @@ GROUPED_CONFIG = GroupedConfig()  # decode: the least total over 64/256 tokens x
 PREFILL_CONFIG = GroupedConfig(block_d=128, block_n=128, num_warps=4, num_stages=3)
 
 
-def fit_shared_memory(block_m: int, block_r: int, block_d: int, num_stages: int) -> tuple[int, int]:
-    """(block_d, num_stages) of a launch of block_m-pair blocks whose rank tile is block_r: prefill blocks with a
-    rank tile past 64 take half the input step and at most 2 stages (3 stages of [128, 128] A and [64, 128] x tiles
-    need 270 KB of shared memory under Triton 3.6; an H100 has 227 KB). Decode blocks (16 pairs) fit as they are."""
-    big = block_m > GROUPED_BLOCK_M and block_r > 64
-    return (min(block_d, 64), min(num_stages, 2)) if big else (block_d, num_stages)
+def fit_shared_memory(block_r: int, config: "GroupedConfig") -> int:
+    """num_stages of a launch whose rank tile is block_r: at most 2 past 64 (GROUPED_CONFIG's 4 stages of [256, 128]
+    B tiles need 270 KB of shared memory at rank 128, 139 KB at 2; an H100 has 227 KB. PREFILL_CONFIG's 3 take 147)."""
+    return min(config.num_stages, 2) if block_r > 64 and config.block_n > 128 else config.num_stages
 
 
 def grouped_ok(num_pairs: int, num_experts: int, max_loras: int) -> bool:
@@ -280,8 +278,7 @@ def moe_lora_grouped(x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch
     nb = bvex.shape[0]
     max_width = triton.cdiv(O, n)  # a guess (equal slices) for SPLIT_N only
     block_r = max(16, triton.next_power_of_2(R))
-    block_d, stages = fit_shared_memory(block_m, block_r, min(cfg.block_d, max(16, triton.next_power_of_2(D))),
-                                        cfg.num_stages)
+    block_d = min(cfg.block_d, max(16, triton.next_power_of_2(D)))
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(max_width)))
     groups = min(P, S * num_experts)  # an upper bound on the blocks that do work (fixed per batch size)
     split = fused_split_n(groups * n, max_width, block_n, split_n)  # the per-pair kernel's rule and target
@@ -295,7 +292,7 @@ def moe_lora_grouped(x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch
         X_PER_PAIR=x_per_pair, HAS_W=pair_weights is not None, STORE=store, SPLIT_HV=not f32,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_N=split,
         PRECISION="ieee" if f32 else None, EVEN_R=R == block_r,
-        num_warps=cfg.num_warps, num_stages=stages,
+        num_warps=cfg.num_warps, num_stages=fit_shared_memory(block_r, cfg),
         **({"asrc_ptr": lora.a_src, "HAS_A_SRC": True} if lora.a_src is not None else {}),
     )
 
@@ -330,8 +327,7 @@ def moe_lora_grouped_shrink(x: torch.Tensor, lora: ProjLoRA, routing: Routing, h
                          f"blocks; expected blocks of {block_m}")
     ns = n if fuse_slices and n > 1 and n & (n - 1) == 0 else 1  # slices a program (a power of 2: tl.arange)
     block_r = max(16, triton.next_power_of_2(R))
-    block_d, stages = fit_shared_memory(block_m, block_r, min(config.block_d, max(16, triton.next_power_of_2(D))),
-                                        config.num_stages)
+    block_d = min(config.block_d, max(16, triton.next_power_of_2(D)))
     f32 = a.dtype == torch.float32
     nb = bvex.shape[0]
     _moe_lora_grouped_kernel[(nb, n // ns, 1)](
@@ -341,6 +337,6 @@ def moe_lora_grouped_shrink(x: torch.Tensor, lora: ProjLoRA, routing: Routing, h
         X_PER_PAIR=x_per_pair, HAS_W=False, STORE=True, SPLIT_HV=not f32,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=16, SPLIT_N=1,
         PRECISION="ieee" if f32 else None, NS=ns, SHRINK_ONLY=True, sh_i=h.stride(0), h_r=R,
-        num_warps=config.num_warps, num_stages=stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **({"asrc_ptr": lora.a_src, "HAS_A_SRC": True} if lora.a_src is not None else {}),
     )
