@@ -133,9 +133,14 @@ class StepGraphs:
         shapes = [(b, b, self._attn(b)) for b in self.buckets]
         shapes += [((t, s), t, self._prefill_attn(t, s)) for t, s in self.prefill_buckets]
         shapes.sort(key=lambda x: -x[1])  # largest first: smaller graphs reuse its memory
+        overlap = self.model.lora_overlap_state()
         for mode in GRAPH_MODES:
             for key, rows, attn in shapes:
                 lora = self._lora_batch(rows, mode)
+                # prefill graphs without the LoRA side stream: captured with it, a replay of a mixed step hit an
+                # illegal address under asynchronous execution and its capture allocated pool memory on the side
+                # stream (H100); the decode graphs keep it
+                self.model.set_overlap(overlap and not isinstance(key, tuple))
                 graph, out, calls = self._record(functools.partial(
                     self.model, self.input_ids[:rows], self.positions[:rows], attn, self.kv.caches, lora))
                 self.graphs[(key, mode)] = (graph, out)
@@ -144,6 +149,7 @@ class StepGraphs:
                 self._routing[(key, mode)] = [(m, m.last_topk_ids, getattr(m, "last_router_logits", None))
                                               for m in self.model.modules()
                                               if getattr(m, "last_topk_ids", None) is not None]
+        self.model.set_overlap(overlap)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -178,6 +184,7 @@ class StepGraphs:
             graph.reset()
         self.graphs.clear()
         self._routing.clear()
+        self.model.set_overlap(overlap)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
 
