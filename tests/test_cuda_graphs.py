@@ -100,7 +100,7 @@ def test_prefill_graph_replay_equals_eager(same_kernels_as_graphs):
         return [o.token_ids for o in out]
 
     eager = serve(_llm(True, kernel_config=same_kernels_as_graphs))
-    llm = _llm(False, kernel_config=same_kernels_as_graphs)
+    llm = _llm(False, kernel_config=same_kernels_as_graphs, max_prefill_graph_tokens=512)
     assert serve(llm) == eager
     replays = {mode: n for (key, mode), n in llm.engine.runner.graphs.replays.items() if isinstance(key, tuple)}
     assert set(replays) >= {False, True} and all(replays.values()), replays

@@ -198,7 +198,7 @@ def test_decode_graph_buffers_through_device_path(tmp_path):
 
     class Eager:  # stands in for the captured graph: the model on the static buffers
         def replay(self):
-            out.copy_(model(g.input_ids[:4], g.positions[:4], g._attn(4), kv.caches, g.lora_batches[4]))
+            out.copy_(model(g.input_ids[:4], g.positions[:4], g._attn(4, 4, g.qsl), kv.caches, g.lora_batches[4]))
 
     mode = g.mode(slots)  # the graph the batch takes: an attention-only adapter's
     assert mode == "dense"

@@ -96,26 +96,3 @@ def test_serving_through_the_prefill_graphs_gives_the_eager_tokens(model_dir, mo
     assert llm.engine.scheduler.prefix_hits > 0
     dummy = llm.engine.kv.caches[0][0][llm.engine.kv.dummy_block]
     assert dummy.abs().sum() > 0, "padding rows write into the dummy block"
-
-
-def test_mixed_inputs_pad_rows_and_sequences():
-    """fill_mixed_inputs: the flat batch's arrays, padding rows on the dummy slot with token_seq -1, padding
-    sequences empty; a step past its bucket or a table too short is an error naming it."""
-    from moelora.engine.batch import SeqChunk, build_flat_batch
-    from moelora.engine.graph_inputs import DecodeHostInputs, fill_mixed_inputs
-
-    host = DecodeHostInputs.buffers(16, 6, 5, pin=False, prefill_qsl=True)
-    seqs = [SeqChunk([5, 6, 7], 2, [3, 9]), SeqChunk([8], 6, [1, 2]), SeqChunk([1, 2, 3, 4, 5], 0, [0, 4])]
-    got = fill_mixed_inputs(host, seqs, BS, 99, 12, 4)
-    fb = build_flat_batch(seqs, BS)
-    assert got["input_ids"].tolist() == fb.input_ids.tolist() + [0] * 3
-    assert got["slot_mapping"].tolist() == fb.attn.slot_mapping.tolist() + [99] * 3
-    assert got["token_seq"].tolist() == fb.attn.token_seq.tolist() + [-1] * 3
-    assert got["positions"].tolist() == fb.positions.tolist() + [0] * 3
-    assert got["prefill_qsl"].tolist() == fb.attn.query_start_loc + [9]
-    assert got["seq_lens"].tolist() == fb.attn.seq_lens + [1]
-    assert got["block_tables"][:3, :2].tolist() == fb.attn.block_tables.tolist() and not got["block_tables"][3].any()
-    with pytest.raises(ValueError, match="does not fit the"):
-        fill_mixed_inputs(host, seqs, BS, 99, 8, 4)
-    with pytest.raises(ValueError, match="sequence 1: 9 tokens on a table of 2 blocks"):
-        fill_mixed_inputs(host, [seqs[0], SeqChunk([8], 8, [1, 2])], BS, 99, 12, 4)

@@ -17,8 +17,10 @@ import functools
 import torch
 
 from moelora.layers.lora_batch import LoRABatch
-from moelora.engine.batch import SeqChunk
-from moelora.engine.graph_inputs import DecodeHostInputs, fill_mixed_inputs
+import torch.nn.functional as F
+
+from moelora.engine.batch import SeqChunk, build_flat_batch
+from moelora.engine.graph_inputs import DecodeHostInputs
 from moelora.engine.kv_cache import KVCache
 from moelora.layers.attention import AttentionMetadata
 from moelora.layers.lora import LORA_SLOT_WRITES, LoRAWeights, lora_work_count, slot_target_groups
@@ -70,14 +72,12 @@ class StepGraphs:
         # the step's host arrays, kept between steps (block tables updated in place; pinned: asynchronous copies)
         pin = dev.type == "cuda"
         self.host = DecodeHostInputs(B, max_blocks_per_seq, kv.block_size, self.dummy_slot, pin=pin)
-        self.prefill_host = DecodeHostInputs.buffers(T, S, max_blocks_per_seq, pin, prefill_qsl=True)
         self._copied = torch.cuda.Event() if pin else None  # the last step's host-to-device copies
         # keys (bucket, mode): bucket b (decode) or (T, S) (prefill); mode True (LoRA), False (base only),
         # "dense" / "experts" (lora_graph_mode)
         self.graphs: dict[tuple[int | tuple[int, int], bool | str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # capture(): the pool every graph shares
         self.max_batch_size = B
-        self.max_prefill_tokens = max((t for t, _ in self.prefill_buckets), default=0)
         self.replays: dict[tuple, int] = {}  # (bucket, mode) -> replays, for tests and stats
         self.lora_layer_calls: dict[tuple, int] = {}  # LoRA computations recorded into each graph
         # per graph: (MoE block, its top-k ids, its router logits or None), outputs of the capture kept alive
@@ -85,19 +85,13 @@ class StepGraphs:
         self._lora_weights = [m for m in model.modules() if isinstance(m, LoRAWeights)]
         self._groups_at, self._groups = -1, []  # slot_target_groups as of LORA_SLOT_WRITES == _groups_at
 
-    def _attn(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs], seq_lens=[1] * bs,
-            query_start_loc=list(range(bs + 1)), token_seq=self.token_seq[:bs], seq_lens_t=self.seq_lens[:bs],
-            query_start_loc_t=self.qsl[: bs + 1],
-        )
-
-    def _prefill_attn(self, t: int, s: int) -> AttentionMetadata:
-        """A (T, S) bucket's metadata; its host lists are placeholders (the device path reads none)."""
+    def _attn(self, t: int, s: int, qsl: torch.Tensor) -> AttentionMetadata:
+        """A bucket's metadata: t rows over s sequences, their row offsets qsl[: s + 1] (self.qsl: a decode
+        bucket's, one row each); the host lists are placeholders (the device path reads none)."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables[:s], seq_lens=[1] * s,
-            query_start_loc=[0] * (s + 1), token_seq=self.token_seq[:t], seq_lens_t=self.seq_lens[:s],
-            query_start_loc_t=self.prefill_qsl[: s + 1],
+            query_start_loc=list(range(s + 1)), token_seq=self.token_seq[:t], seq_lens_t=self.seq_lens[:s],
+            query_start_loc_t=qsl[: s + 1],
         )
 
     def _reset_buffers(self) -> None:
@@ -130,8 +124,8 @@ class StepGraphs:
     def capture(self) -> None:
         self._reset_buffers()
         self.pool = None
-        shapes = [(b, b, self._attn(b)) for b in self.buckets]
-        shapes += [((t, s), t, self._prefill_attn(t, s)) for t, s in self.prefill_buckets]
+        shapes = [(b, b, self._attn(b, b, self.qsl)) for b in self.buckets]
+        shapes += [((t, s), t, self._attn(t, s, self.prefill_qsl)) for t, s in self.prefill_buckets]
         shapes.sort(key=lambda x: -x[1])  # largest first: smaller graphs reuse its memory
         overlap = self.model.lora_overlap_state()
         for mode in GRAPH_MODES:
@@ -195,13 +189,6 @@ class StepGraphs:
         """The smallest (T, S) bucket that holds a step of num_tokens over num_seqs sequences, or None."""
         return next(((t, s) for t, s in self.prefill_buckets if t >= num_tokens and s >= num_seqs), None)
 
-    def _copy_in(self, arrays: dict[str, torch.Tensor]) -> None:
-        """Host arrays (views of pinned buffers on a GPU) into the graph buffers of the same names, asynchronously."""
-        for name, t in arrays.items():
-            getattr(self, name)[: t.shape[0]].copy_(t, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-
     def _replay(self, key: int | tuple[int, int], rows: int, slots: list[int], mode: bool | str) -> torch.Tensor:
         """The graph of (key, mode) replayed with slots (one a row, padded with -1 to rows) -> its output."""
         if mode is not False:
@@ -225,7 +212,10 @@ class StepGraphs:
         bs = self.bucket(n)
         if self._copied is not None:  # the kept host buffers are rewritten only once their last copy is done
             self._copied.synchronize()
-        self._copy_in(self.host.build(token_ids, positions, block_tables, bs))
+        for name, t in self.host.build(token_ids, positions, block_tables, bs).items():
+            getattr(self, name)[:bs].copy_(t, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         if input_tokens is not None:  # after the host copy: these ids win
             self.input_ids[:n].copy_(input_tokens)
         return self._replay(bs, bs, slots, self.mode(slots) if mode is None else mode)[:n]
@@ -233,11 +223,19 @@ class StepGraphs:
     @torch.no_grad()
     def run_mixed(self, seqs: list[SeqChunk]) -> torch.Tensor:
         """A prefill or mixed step (any new tokens of each sequence, T of them in all, within a prefill bucket) ->
-        hidden states [T, H] of its flat batch (build_flat_batch's row order; a view of the graph's output)."""
-        T = sum(len(c.token_ids) for c in seqs)
-        t, s = self.prefill_bucket(T, len(seqs))
-        if self._copied is not None:
-            self._copied.synchronize()
-        self._copy_in(fill_mixed_inputs(self.prefill_host, seqs, self.kv.block_size, self.dummy_slot, t, s))
-        slots = [c.slot for c in seqs for _ in c.token_ids]
-        return self._replay((t, s), t, slots, self.mode(slots))[:T]
+        hidden states [T, H] of its flat batch (build_flat_batch's rows; a view of the graph's output). The flat
+        batch padded to the bucket (t, s): rows past T id 0, position 0, the dummy slot, token_seq -1; sequences
+        past the step's empty (row offsets T, length 1, block table 0)."""
+        fb = build_flat_batch(seqs, self.kv.block_size)  # host tensors
+        a, T, n = fb.attn, len(fb.token_slots), len(seqs)
+        t, s = self.prefill_bucket(T, n)
+        width = self.block_tables.shape[1]
+        if a.block_tables.shape[1] > width:
+            raise ValueError(f"a block table of {a.block_tables.shape[1]} blocks; the graphs hold at most {width}")
+        for buf, src, pad in ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
+                              (self.slot_mapping, a.slot_mapping, self.dummy_slot), (self.token_seq, a.token_seq, -1)):
+            buf[:t].copy_(F.pad(src, (0, t - T), value=pad))
+        self.seq_lens[:s].copy_(F.pad(a.seq_lens_t, (0, s - n), value=1))
+        self.prefill_qsl[: s + 1].copy_(F.pad(a.query_start_loc_t, (0, s - n), value=T))
+        self.block_tables[:s].copy_(F.pad(a.block_tables, (0, width - a.block_tables.shape[1], 0, s - n)))
+        return self._replay((t, s), t, fb.token_slots, self.mode(fb.token_slots))[:T]

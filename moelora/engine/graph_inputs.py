@@ -25,28 +25,19 @@ class DecodeHostInputs:
 
     def __init__(self, max_batch: int, width: int, block_size: int, dummy_slot: int, pin: bool = False) -> None:
         self.width, self.block_size, self.dummy_slot = width, block_size, dummy_slot
-        self.tensors = self.buffers(max_batch, max_batch, width, pin)
-        self.np = {k: v.numpy() for k, v in self.tensors.items()}
-        self._owner: list[list[int] | None] = [None] * max_batch  # the list row i was filled from
-        self._filled = [0] * max_batch  # blocks of row i written (the rest of the row is 0)
-        self._last = [-1] * max_batch  # the last block written to row i (the in-place rewrite guard)
-        self._rows = 0  # rows holding a sequence at the last step (rows past it are all zero)
-
-    @staticmethod
-    def buffers(rows: int, seqs: int, width: int, pin: bool, prefill_qsl: bool = False) -> dict[str, torch.Tensor]:
-        """Zeroed host arrays of the graph buffers' names for `rows` token rows over `seqs` sequences (and the
-        row offsets prefill_qsl [seqs + 1]); pinned if pin."""
 
         def buf(shape, dtype):
             t = torch.zeros(shape, dtype=dtype)
             return t.pin_memory() if pin else t
 
-        out = dict(input_ids=buf(rows, torch.int64), positions=buf(rows, torch.int64),
-                   slot_mapping=buf(rows, torch.int64), token_seq=buf(rows, torch.int32),
-                   seq_lens=buf(seqs, torch.int32), block_tables=buf((seqs, width), torch.int32))
-        if prefill_qsl:
-            out["prefill_qsl"] = buf(seqs + 1, torch.int32)
-        return out
+        self.tensors = dict(input_ids=buf(max_batch, torch.int64), positions=buf(max_batch, torch.int64),
+                            slot_mapping=buf(max_batch, torch.int64), token_seq=buf(max_batch, torch.int32),
+                            seq_lens=buf(max_batch, torch.int32), block_tables=buf((max_batch, width), torch.int32))
+        self.np = {k: v.numpy() for k, v in self.tensors.items()}
+        self._owner: list[list[int] | None] = [None] * max_batch  # the list row i was filled from
+        self._filled = [0] * max_batch  # blocks of row i written (the rest of the row is 0)
+        self._last = [-1] * max_batch  # the last block written to row i (the in-place rewrite guard)
+        self._rows = 0  # rows holding a sequence at the last step (rows past it are all zero)
 
     def _table_rows(self, block_tables: list[list[int]]) -> None:
         tables, owner, filled, last, width = self.np["block_tables"], self._owner, self._filled, self._last, self.width
@@ -96,44 +87,3 @@ class DecodeHostInputs:
             self.np[key][:n] = rows
             self.np[key][n:bs] = pad
         return {k: v[:bs] for k, v in self.tensors.items()}
-
-
-def fill_mixed_inputs(host: dict[str, torch.Tensor], seqs: list, block_size: int, dummy_slot: int, rows: int,
-                      num_seqs: int) -> dict[str, torch.Tensor]:
-    """A prefill / mixed step's arrays (build_flat_batch's, on the device path) written into `host`
-    (DecodeHostInputs.buffers with prefill_qsl) and padded to a (rows, num_seqs) graph bucket -> views of their
-    first rows / num_seqs (+ 1) entries. Row r of sequence b = token_seq[r] at position p: input_ids, positions,
-    slot_mapping (block_tables[b][p // block_size] * block_size + p % block_size); per sequence its block table
-    (zero-padded), seq_lens (tokens after this step) and prefill_qsl (row offsets). Padding rows: id 0, position 0,
-    slot dummy_slot, token_seq -1; padding sequences: empty (no rows), seq_len 1, table 0.
-    seqs: SeqChunk (token_ids, num_cached, block_table, slot) each, at most num_seqs of them, rows tokens in all."""
-    total = sum(len(c.token_ids) for c in seqs)
-    if total > rows or len(seqs) > num_seqs:
-        raise ValueError(f"a step of {total} tokens over {len(seqs)} sequences does not fit the ({rows}, "
-                         f"{num_seqs}) bucket")
-    a = {k: v.numpy() for k, v in host.items()}
-    width = a["block_tables"].shape[1]
-    qsl = a["prefill_qsl"]
-    qsl[0] = r = 0
-    for b, c in enumerate(seqs):
-        n, p0, bt = len(c.token_ids), c.num_cached, c.block_table
-        if -(-(p0 + n) // block_size) > len(bt) or len(bt) > width:
-            raise ValueError(f"sequence {b}: {p0 + n} tokens on a table of {len(bt)} blocks (the graphs hold at "
-                             f"most {width} a sequence)")
-        pos = np.arange(p0, p0 + n)
-        a["input_ids"][r: r + n] = c.token_ids
-        a["positions"][r: r + n] = pos
-        a["slot_mapping"][r: r + n] = np.asarray(bt, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
-        a["token_seq"][r: r + n] = b
-        a["block_tables"][b, : len(bt)] = bt
-        a["block_tables"][b, len(bt):] = 0
-        a["seq_lens"][b] = p0 + n
-        r += n
-        qsl[b + 1] = r
-    for key, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", dummy_slot), ("token_seq", -1)):
-        a[key][r:rows] = pad
-    a["block_tables"][len(seqs): num_seqs] = 0
-    a["seq_lens"][len(seqs): num_seqs] = 1
-    qsl[len(seqs) + 1: num_seqs + 1] = r
-    return {k: v[: num_seqs + 1 if k == "prefill_qsl" else (num_seqs if k in ("seq_lens", "block_tables") else rows)]
-            for k, v in host.items()}

@@ -58,8 +58,8 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs (they are used on a GPU for bf16/fp16 decode steps)
     max_graph_batch_size: int = 64  # the largest decode batch a CUDA graph is captured for
     # the largest prefill / mixed step (tokens) captured as CUDA graphs, in buckets of 32..512 tokens (0: none);
-    # single GPU, attention with device metadata (not MLA)
-    max_prefill_graph_tokens: int = 512
+    # single GPU, attention with device metadata (not MLA). Off until the whole GPU suite has passed with it on
+    max_prefill_graph_tokens: int = 0
     lora_overlap: bool = True  # GPU: routed-expert LoRA chains and shared experts on a side stream
     tensor_parallel_size: int = 1  # ranks splitting attention heads, dense layers, vocabulary and expert widths
     expert_parallel_size: int = 1  # ranks splitting the routed experts (world = tensor x expert parallel size)

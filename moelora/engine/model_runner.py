@@ -82,8 +82,6 @@ class ModelRunner:
         """Decode one token per sequence from the captured graph of its batch bucket -> logits [n, V]
         (compute_logits' collectives included: a parallel worker calls this for rank 0's graph steps).
         input_tokens: [n] on the device, used instead of token_ids (asynchronous scheduling)."""
-        if input_tokens is None:
-            return self.model.compute_logits(self.graphs.run(token_ids, positions, block_tables, slots))
         return self.model.compute_logits(
             self.graphs.run(token_ids, positions, block_tables, slots, input_tokens=input_tokens))
 
