@@ -198,7 +198,7 @@ from moelora.kernels.moe.align_triton import _moe_align_kernel  # noqa: E402
 
 ptx = compile_sm90(_moe_align_kernel, {"ids_ptr": "*i64", "slots_ptr": "*i64", "sorted_ptr": "*i32",
                                        "bexp_ptr": "*i32", "shift_ptr": "*i32"},
-                   dict(BLOCK_M=16, BLOCK_P=512, BLOCK_E=256, HAS_SLOTS=False, STABLE=False), num_warps=4).asm["ptx"]
+                   dict(BLOCK_M=16, BLOCK_P=512, BLOCK_E=256, HAS_SLOTS=False), num_warps=4).asm["ptx"]
 assert "atom" in ptx and "bitonic" not in ptx
 print("ok moe_align placing by atomics")
 # rank 128 (max_lora_rank 128): decode and prefill launches fit an H100's shared memory (227 KB)

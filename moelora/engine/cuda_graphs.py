@@ -59,14 +59,9 @@ class StepGraphs:
         S = max([B] + [s for _, s in self.prefill_buckets])
         dev = model.device
         self.dummy_slot = kv.dummy_block * kv.block_size
-        self.input_ids = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((T,), self.dummy_slot, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.token_seq = torch.full((T,), -1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(S, dtype=torch.int32, device=dev)
+        self._sizes = (T, S, max_blocks_per_seq)
+        self._reset_buffers()
         self.qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)  # decode: one row a sequence, never rewritten
-        self.prefill_qsl = torch.zeros(S + 1, dtype=torch.int32, device=dev)
         rows = set(self.buckets) | {t for t, _ in self.prefill_buckets}
         self.lora_batches = {n: LoRABatch.static(n, self.max_loras, dev) for n in rows}
         # the step's host arrays, kept between steps (block tables updated in place; pinned: asynchronous copies)
@@ -95,15 +90,17 @@ class StepGraphs:
         )
 
     def _reset_buffers(self) -> None:
-        """Every buffer to padding: a capture's forwards write KV at whatever slots the buffers hold (on a
-        recapture an earlier step's, in blocks since given to other sequences)."""
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.slot_mapping.fill_(self.dummy_slot)
-        self.token_seq.fill_(-1)
-        self.block_tables.zero_()
-        self.seq_lens.fill_(1)
-        self.prefill_qsl.zero_()
+        """The static input buffers, made as padding (at construction and before each capture: a capture's forwards
+        write KV at whatever slots the buffers hold; on a recapture an earlier step's, in blocks since given to other
+        sequences)."""
+        (T, S, width), dev = self._sizes, self.model.device
+        self.input_ids = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((T,), self.dummy_slot, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(S, width, dtype=torch.int32, device=dev)
+        self.token_seq = torch.full((T,), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(S, dtype=torch.int32, device=dev)
+        self.prefill_qsl = torch.zeros(S + 1, dtype=torch.int32, device=dev)
 
     def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, int]:
         """forward() once on a side stream (Triton compiles, cuBLAS picks kernels), then captured into the shared

@@ -309,11 +309,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-graph-batch-size", metavar="N", type=int_in(1), default=64,
                    help="largest decode batch captured as a CUDA graph; larger batches run eagerly (default 64)")
     e.add_argument("--max-prefill-graph-tokens", metavar="N", type=int_in(0), default=0,
-                   help="largest prefill or mixed step (prompt chunks, cached-prefix suffixes and decode rows "
-                        "together) replayed from CUDA graphs, captured in buckets of 32 to 512 tokens; larger steps "
-                        "run eagerly. A small step's host work (launching ~1,000 kernels) costs more than its GPU "
-                        "time: 512 made a 256-token prefill 4-6x faster on an H100. Single GPU, not MLA models "
-                        "(default 0: none, until validated further)")
+                   help="also replay prefill and mixed steps of up to N tokens (buckets of 32..512) from CUDA graphs: "
+                        "512 made a 256-token prefill 4-6x faster on an H100, whose host work otherwise exceeds its "
+                        "GPU time. Single GPU, not MLA models. Default 0 (off, until validated further)")
     e.add_argument("--cpu-threads", type=int_in(1), default=None, metavar="N", help=CPU_THREADS_HELP)
     e.add_argument("--kernel-config", type=kernel_config, default=None, metavar="JSON", help=KERNEL_CONFIG_HELP)
 

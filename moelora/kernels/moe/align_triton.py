@@ -52,15 +52,13 @@ if HAS_TRITON:
     def _moe_align_kernel(
         ids_ptr, slots_ptr, sorted_ptr, bexp_ptr, shift_ptr, P, E, P_MAX, NUM_BLOCKS, TOP_K, NUM_EXPERTS,
         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SLOTS: tl.constexpr,
-        STABLE: tl.constexpr = True,
     ):
-        # one program, P <= BLOCK_P. STABLE: sort the keys e * BLOCK_P + p (pairs on no local expert get e = E and
-        # sort last), then pair i of the sorted order goes to i + shift[e], shift[e] = (padded start of e's group)
-        # - (pairs on experts below e); shift goes through global scratch. Not STABLE: shift[e] starts at the
-        # padded start of e's group and each pair takes the next place of its group by an atomic add on it (the
-        # order inside a group is the atomics'; no sort).
-        # HAS_SLOTS: group by virtual expert slot * NUM_EXPERTS + expert instead (E = max_loras * NUM_EXPERTS),
-        # slot = slots[p // TOP_K]; a pair of slot -1 or expert -1 is left out
+        # one program, P <= BLOCK_P. The experts' groups (no HAS_SLOTS): shift[e] starts at the padded start of e's
+        # group and each pair takes the next place of its group by an atomic add on it (the order inside a group is
+        # the atomics'; no sort). HAS_SLOTS: group by virtual expert slot * NUM_EXPERTS + expert instead (E =
+        # max_loras * NUM_EXPERTS, slot = slots[p // TOP_K]; a pair of slot -1 or expert -1 is left out), stable:
+        # sort the keys e * BLOCK_P + p (pairs on no group get e = E and sort last), then pair i of the sorted order
+        # goes to i + shift[e], shift[e] = (padded start of e's group) - (pairs in groups below e)
         offs = tl.arange(0, BLOCK_P)
         offs_e = tl.arange(0, BLOCK_E)  # BLOCK_E > E: bin E holds the pairs left out (and the slots past P)
         e = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
@@ -70,7 +68,7 @@ if HAS_TRITON:
         e = tl.where((e >= 0) & (e < E), e, E)
         counts = tl.where(offs_e < E, tl.histogram(e, BLOCK_E), 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        if STABLE:
+        if HAS_SLOTS:
             s = tl.sort(e * BLOCK_P + offs)  # [BLOCK_P]
             se, sp = s // BLOCK_P, s % BLOCK_P
             tl.store(shift_ptr + offs_e, tl.cumsum(padded, axis=0) - padded - (tl.cumsum(counts, axis=0) - counts))
@@ -83,7 +81,7 @@ if HAS_TRITON:
             tl.store(bexp_ptr + b0 + offs, tl.zeros((BLOCK_P,), tl.int32) - 1, mask=b0 + offs < NUM_BLOCKS)
         tl.debug_barrier()  # shift and the fills land before the loads and stores below (other threads)
         keep = se < E
-        if STABLE:
+        if HAS_SLOTS:
             dest = offs + tl.load(shift_ptr + se, mask=keep, other=0)
         else:
             dest = tl.atomic_add(shift_ptr + se, tl.zeros((BLOCK_P,), tl.int32) + 1, mask=keep, sem="relaxed",
@@ -149,9 +147,9 @@ ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks o
 
 def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
                        P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-                       stream: "torch.cuda.Stream | None" = None, stable: bool = True):
+                       stream: "torch.cuda.Stream | None" = None):
     """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots);
-    stable=False: each group's pairs in any order (no sort); stream: see moe_align."""
+    with slots: stable (a sort), else each group's pairs in any order; stream: see moe_align."""
     groups = num_experts * max_loras
     block_e1 = triton.next_power_of_2(groups + 1)
     shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)  # scratch
@@ -159,7 +157,7 @@ def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int
         _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
                                 sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
                                 BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_E=block_e1,
-                                HAS_SLOTS=slots is not None, STABLE=stable, num_warps=4 if P <= 512 else 8)
+                                HAS_SLOTS=slots is not None, num_warps=4 if P <= 512 else 8)
     return sorted_ids, block_expert
 
 
@@ -209,8 +207,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
     if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: one sort of all pairs
-        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert, stream,
-                                  stable=False)
+        return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert, stream)
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
     base = torch.empty(C + 1, block_e, dtype=torch.int32, device=dev)

@@ -97,12 +97,9 @@ if HAS_TRITON:
         if NORM:  # per-head RMSNorm over both halves, as rms_norm_ref
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)
-            qw1 = tl.load(qw_ptr + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-            qw2 = tl.load(qw_ptr + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-            kw1 = tl.load(kw_ptr + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-            kw2 = tl.load(kw_ptr + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-            w1 = tl.where(is_q[:, None], qw1[None, :], kw1[None, :])
-            w2 = tl.where(is_q[:, None], qw2[None, :], kw2[None, :])
+            w_row = tl.where(is_q, qw_ptr, kw_ptr)[:, None] + offs[None, :]  # each head's norm weight
+            w1 = tl.load(w_row, mask=lmask, other=0.0).to(tl.float32)
+            w2 = tl.load(w_row + HALF, mask=lmask, other=0.0).to(tl.float32)
             x1 = ((f1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt)
             x2 = ((f2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt)
         pos = tl.load(pos_ptr + t).to(tl.float32)
