@@ -148,7 +148,7 @@ def test_graph_decode_step_is_broadcast_before_the_replay():
     class FakeGraphs:
         max_batch_size = 4
 
-        def run(self, token_ids, positions, block_tables, slots):
+        def run(self, token_ids, positions, block_tables, slots, input_tokens=None):
             events.append(("replay", token_ids, positions, block_tables, slots))
             return torch.zeros(len(token_ids), 3)
 

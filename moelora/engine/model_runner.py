@@ -102,7 +102,8 @@ class ModelRunner:
                       if c.request.wants_prompt_logprobs and c.start < len(c.request.prompt_ids)]
         g = self.graphs  # a prefill / mixed step from a graph (single rank: no broadcast; decode steps past the
         # decode graphs stay eager, on the decode attention kernel)
-        if (g is not None and not prompt_idx and input_tokens is None and any(c.num_tokens > 1 for c in chunks)
+        if (g is not None and self.broadcast is None and not prompt_idx and input_tokens is None
+                and any(c.num_tokens > 1 for c in chunks)
                 and g.prefill_bucket(sum(c.num_tokens for c in chunks), len(chunks))):
             hidden = g.run_mixed(seqs)
             last = list(itertools.accumulate(c.num_tokens for c in chunks))
