@@ -206,7 +206,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_p = max(16, min(256, 16384 // block_e))
     ids = topk_ids.reshape(-1)
-    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: one sort of all pairs
+    if P <= ALIGN_ONE_PROGRAM_MAX_PAIRS:  # decode: one program placing every pair
         return _align_one_program(ids, None, 1, num_experts, 1, P, block_m, sorted_ids, block_expert, stream)
     C = triton.cdiv(P, block_p)
     counts = torch.empty(C, block_e, dtype=torch.int32, device=dev)
