@@ -15,10 +15,9 @@ import dataclasses
 import functools
 
 import torch
-
-from moelora.layers.lora_batch import LoRABatch
 import torch.nn.functional as F
 
+from moelora.layers.lora_batch import LoRABatch
 from moelora.engine.batch import SeqChunk, build_flat_batch
 from moelora.engine.graph_inputs import DecodeHostInputs
 from moelora.engine.kv_cache import KVCache
@@ -175,7 +174,6 @@ class StepGraphs:
             graph.reset()
         self.graphs.clear()
         self._routing.clear()
-        self.model.set_overlap(overlap)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
 

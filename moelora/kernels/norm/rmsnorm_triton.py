@@ -119,6 +119,7 @@ if HAS_TRITON:
             tl.store(kdst, y1.to(kc_ptr.dtype.element_ty), mask=kmask)
             tl.store(kdst + HALF, y2.to(kc_ptr.dtype.element_ty), mask=kmask)
 
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quant_group: int | None = None, delta: torch.Tensor | None = None,
              combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor,
