@@ -23,7 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from moelora.kernels.attention import paged_triton as at  # noqa: E402
 
 PTRS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "ws_o_ptr": "*fp32",
-        "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "bt_ptr": "*i32", "token_seq_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "cnt_ptr": "*i32", "bt_ptr": "*i32", "token_seq_ptr": "*i32", "seq_lens_ptr": "*i32",
         "qsl_ptr": "*i32", "scale": "fp32", "oq_ptr": "*fp8e4nv", "os_ptr": "*fp32", "la_ptr": "*bf16",
         "lrank_ptr": "*i32", "lslot_ptr": "*i32", "lh_ptr": "*fp32"}
 DIV16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "ws_o_ptr", "bt_ptr", "token_seq_ptr", "seq_lens_ptr", "qsl_ptr",
@@ -54,15 +54,11 @@ def main() -> None:
     D, G, BS = args.head_dim, args.groups, args.block_size
     BLOCK_D = max(16, triton.next_power_of_2(D))
     for window in (False, True):
-        for direct, quant in ((False, False), (True, False), (True, True)) if window else ((False, False), (True, False)):
+        for direct, quant in ((False, True), (True, False), (True, True)) if window else ((False, False), (True, False)):
             compile_one(at._paged_attn_split_kernel,
                         {"BLOCK_SIZE": BS, "BLOCK_G": max(16, triton.next_power_of_2(G)), "D": D, "BLOCK_D": BLOCK_D,
                          "TILE": at.TILE_N, "HAS_WINDOW": window, "DIRECT": direct, "DOT_PRECISION": "tf32",
                          "QUANT": quant}, args.arch, num_warps=4, num_stages=2)
-        compile_one(at._paged_attn_reduce_kernel,
-                    {"D": D, "BLOCK_D": BLOCK_D, "BLOCK_P": 64, "TILE": at.TILE_N, "HAS_WINDOW": window,
-                     "QUANT": window},  # QUANT: the output also quantized per head for an FP8 o_proj
-                    args.arch, num_warps=1)
         BLOCK_G = triton.next_power_of_2(G)
         compile_one(at._paged_attn_prefill_kernel,
                     {"BLOCK_SIZE": BS, "BLOCK_G": BLOCK_G, "BLOCK_M": max(1, at.PREFILL_TILE_ROWS // BLOCK_G),

@@ -13,6 +13,7 @@ import torch
 from kernel_cases import DEVICE, DTYPES, ON_GPU, tolerance
 from moelora.kernels.attention.paged import paged_attention_ref
 from moelora.kernels.attention.paged_triton import choose_splits, decode_kernel_chosen, paged_attention, split_workspace_numel
+from moelora.kernels.quant.split_k_triton import split_counters
 
 HQ, HKV, D = (32, 4, 128) if ON_GPU else (4, 2, 16)
 
@@ -140,9 +141,26 @@ def test_split_preallocated_workspace():
                         workspace=ws)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+    # the splits arriving last reset their (row, KV head) arrival counters for the next launch (graph replays)
+    assert not split_counters(q.device, 1).any()
     with pytest.raises(ValueError):
         paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, outs[0], kernel="decode", num_splits=4,
                         workspace=torch.empty(10))
+
+
+def test_split_without_counters_writes_directly(monkeypatch):
+    """Inside a graph capture that finds no arrival counters (split_counters gives None), the decode kernel runs
+    with one split: the same output as num_splits=1."""
+    import moelora.kernels.attention.paged_triton as pt
+
+    gen = torch.Generator().manual_seed(8)
+    q, k_cache, v_cache, bt, dev, lens, qsl, T = make_batch([(150, 1), (9, 1)], 4, 2, 16, 16, torch.float32, gen)
+    direct, fallback = torch.zeros_like(q), torch.zeros_like(q)
+    paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, direct, kernel="decode", num_splits=1)
+    monkeypatch.setattr(pt, "split_counters", lambda device, tiles: None)
+    paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, fallback, kernel="decode", num_splits=4, min_tiles=1,
+                    workspace=torch.empty(0))  # no workspace needed (a too-small one is not even checked)
+    assert torch.equal(direct, fallback)
 
 
 def test_choose_splits_rule():

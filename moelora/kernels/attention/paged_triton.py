@@ -10,8 +10,9 @@ Two kernels, each correct for any mix of rows (paged_attention picks one from sh
   G = Hq // Hkv query heads of its KV head (padded to >= 16 rows) to its chunk, a tile at a time (block
   ids gathered per key from the block table), with tl.dot (tensor cores) and an online softmax in fp32;
   programs without a chunk exit at once. With NUM_SPLITS > 1 each program writes its partial (max, sum,
-  normalised acc) to an fp32 workspace and a second kernel combines the chunks in index order
-  (deterministic); with NUM_SPLITS == 1 the first kernel writes the output directly.
+  normalised acc) to an fp32 workspace and counts itself in an arrival counter of its (row, KV head); the one
+  arriving last combines the chunks in index order (deterministic: no second launch); with NUM_SPLITS == 1 each
+  program writes the output directly.
 * tiled prefill: grid (query block, KV head) over ceil(T / BLOCK_M) + B query blocks (each sequence owns
   ceil(n_b / BLOCK_M) of them, found by a cumulative sum over query_start_loc; the rest exit); BLOCK_M rows x G heads
   = 128 tile rows share each K/V tile (tl.dot), causal and window masks per row.
@@ -24,6 +25,7 @@ import functools
 import torch
 
 from moelora.kernels._triton import HAS_TRITON, require_triton
+from moelora.kernels.quant.split_k_triton import split_counters
 
 TILE_N = 64  # keys per inner step of the split kernel
 SPLIT_PROGRAMS_PER_SM = 4  # split-KV grid target: this many (row, KV head, split) programs per SM
@@ -67,23 +69,28 @@ if HAS_TRITON:
         tl.store(os_ptr + row + heads, scale, mask=mask_h)
 
     @triton.jit
-    def _store_one_head_quant(v, oq_ptr, os_ptr, idx, mask_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
-        """_store_head_quant for one head: v [BLOCK_D] fp32 of head row idx = t * Hq + h."""
-        q, scale = e4m3_groups(tl.reshape(v, (1, BLOCK_D)), 448.0)  # one group: [1, BLOCK_D], [1]
-        tl.store(oq_ptr + idx * D + tl.arange(0, BLOCK_D), tl.reshape(q, (BLOCK_D,)).to(oq_ptr.dtype.element_ty),
-                 mask=mask_d)
-        tl.store(os_ptr + idx + tl.arange(0, 1), scale)
+    def _store_out(o, out_ptr, oq_ptr, os_ptr, t, heads, mask_g, mask_d, so_t, so_h, Hq, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+        """o [BLOCK_G, BLOCK_D] fp32, heads `heads` of row t -> out [T, Hq, D] in its dtype and, with QUANT, the
+        rounded values quantized per head into oq / os (_store_head_quant)."""
+        mask_o = mask_g[:, None] & mask_d[None, :]
+        ob = o.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + tl.arange(0, BLOCK_D)[None, :], ob,
+                 mask=mask_o)
+        if QUANT:
+            _store_head_quant(tl.where(mask_o, ob.to(tl.float32), 0.0), oq_ptr, os_ptr, t, heads, mask_g, Hq, D,
+                              BLOCK_D)
 
     @triton.jit
     def _paged_attn_split_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
-        scale, window, G, NUM_SPLITS, MIN_TILES,
+        q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, cnt_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr,
+        qsl_ptr, scale, window, G, NUM_SPLITS, MIN_TILES,
         sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
         oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
     ):
-        # QUANT (DIRECT only): also out quantized per (row, head) for an FP8 o_proj: oq [T, Hq * D] e4m3 and
+        # QUANT: also out quantized per (row, head) for an FP8 o_proj: oq [T, Hq * D] e4m3 and
         # os [T, Hq] fp32 (one scale group = one head: D == the GEMM's group), the numbers of quantize_act_group
         # program (t, kvh, sp): query row t, its G heads of KV head kvh, the sp-th chunk of tps tiles of
         # the row's key range [lo_key, pos] (tiles of TILE positions counted from lo_key's tile)
@@ -92,26 +99,19 @@ if HAS_TRITON:
         sp = tl.program_id(2)
         b, pos, lo_key, tile_lo, tps, n_active = _split_range(
             token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES, TILE, HAS_WINDOW)
-        if DIRECT:
-            if (b < 0) & (sp == 0):  # padding row, written 0 (no zero-filled output buffer needed)
-                offs_gp = tl.arange(0, BLOCK_G)
-                offs_dp = tl.arange(0, BLOCK_D)
-                zeros = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-                tl.store(out_ptr + t.to(tl.int64) * so_t + (kvh * G + offs_gp)[:, None] * so_h + offs_dp[None, :],
-                         zeros.to(out_ptr.dtype.element_ty), mask=(offs_gp < G)[:, None] & (offs_dp < D)[None, :])
-                if QUANT:
-                    _store_head_quant(zeros, oq_ptr, os_ptr, t, kvh * G + offs_gp, offs_gp < G, tl.num_programs(1) * G, D,
-                                      BLOCK_D)
-        if (b < 0) | (sp >= n_active):  # padding row, or nothing left for this split
-            return
-        k_lo = (tile_lo + sp * tps) * TILE  # its first tile holds a visible key (lo_key or k_lo itself)
-        k_hi = tl.minimum(k_lo + tps * TILE, pos + 1)
-
         offs_g = tl.arange(0, BLOCK_G)
         mask_g = offs_g < G
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         heads = kvh * G + offs_g
+        if (b < 0) & (sp == 0):  # padding row, written 0 (no zero-filled output buffer needed)
+            _store_out(tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32), out_ptr, oq_ptr, os_ptr, t, heads, mask_g,
+                       mask_d, so_t, so_h, tl.num_programs(1) * G, D, BLOCK_D, QUANT)
+        if (b < 0) | (sp >= n_active):  # padding row, or nothing left for this split
+            return
+        k_lo = (tile_lo + sp * tps) * TILE  # its first tile holds a visible key (lo_key or k_lo itself)
+        k_hi = tl.minimum(k_lo + tps * TILE, pos + 1)
+
         q = tl.load(q_ptr + t.to(tl.int64) * sq_t + heads[:, None] * sq_h + offs_d[None, :],
                     mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
         qk_scale = scale * 1.4426950408889634  # log2(e): softmax with exp2; m_i in log2 units
@@ -139,58 +139,37 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         o = acc / l_i[:, None]
-        mask_o = mask_g[:, None] & mask_d[None, :]
         if DIRECT:
-            ob = o.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :], ob, mask=mask_o)
-            if QUANT:
-                _store_head_quant(tl.where(mask_o, ob.to(tl.float32), 0.0), oq_ptr, os_ptr, t, heads, mask_g,
-                                  tl.num_programs(1) * G, D, BLOCK_D)
+            _store_out(o, out_ptr, oq_ptr, os_ptr, t, heads, mask_g, mask_d, so_t, so_h, tl.num_programs(1) * G, D,
+                       BLOCK_D, QUANT)
         else:
-            # workspace: ws_o [T, Hq, NUM_SPLITS, D], ws_m / ws_l [T, Hq, NUM_SPLITS], all contiguous fp32
-            row = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + sp  # [BLOCK_G]
-            tl.store(ws_o_ptr + row[:, None] * D + offs_d[None, :], o, mask=mask_o)
-            tl.store(ws_m_ptr + row, m_i, mask=mask_g)
-            tl.store(ws_l_ptr + row, l_i, mask=mask_g)
-
-    @triton.jit
-    def _paged_attn_reduce_kernel(
-        out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
-        window, NUM_SPLITS, MIN_TILES, so_t, so_h,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TILE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, oq_ptr=None, os_ptr=None, QUANT: tl.constexpr = False,
-    ):
-        # program (t, h): out[t, h] = sum_s w_s * o_s over the row's active splits, in index order,
-        # w_s = l_s * 2^(m_s - M) / sum_s' l_s' * 2^(m_s' - M), M = max_s m_s (maxima in log2 units)
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        b, pos, lo_key, tile_lo, tps, n_active = _split_range(
-            token_seq_ptr, seq_lens_ptr, qsl_ptr, t, window, NUM_SPLITS, MIN_TILES, TILE, HAS_WINDOW)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        if b < 0:  # padding row, written 0 (no zero-filled output buffer needed)
-            zeros = tl.zeros((BLOCK_D,), tl.float32)
-            tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, zeros.to(out_ptr.dtype.element_ty),
-                     mask=mask_d)
-            if QUANT:
-                _store_one_head_quant(zeros, oq_ptr, os_ptr, t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
-            return
-        row0 = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
-        offs_p = tl.arange(0, BLOCK_P)
-        active = offs_p < n_active
-        m = tl.load(ws_m_ptr + row0 + offs_p, mask=active, other=float("-inf"))
-        l = tl.load(ws_l_ptr + row0 + offs_p, mask=active, other=0.0)
-        M = tl.max(m, axis=0)
-        W = tl.sum(tl.where(active, l * tl.exp2(m - M), 0.0), axis=0)
-        acc = tl.zeros((BLOCK_D,), tl.float32)
-        for sp in range(0, n_active):
-            w = tl.load(ws_l_ptr + row0 + sp) * tl.exp2(tl.load(ws_m_ptr + row0 + sp) - M) / W  # 1.0 if alone
-            acc += w * tl.load(ws_o_ptr + (row0 + sp) * D + offs_d, mask=mask_d, other=0.0)
-        ob = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + offs_d, ob, mask=mask_d)
-        if QUANT:
-            _store_one_head_quant(tl.where(mask_d, ob.to(tl.float32), 0.0), oq_ptr, os_ptr,
-                                  t.to(tl.int64) * tl.num_programs(1) + h, mask_d, D, BLOCK_D)
+            # partials to the workspace: ws_o [T, Hq, NUM_SPLITS, D], ws_m / ws_l [T, Hq, NUM_SPLITS], fp32; the split
+            # arriving last for (t, kvh) (cnt: one counter a (row, KV head), left at 0) combines the row's active
+            # splits in index order: out = sum_j w_j o_j, w_j = l_j 2^(m_j - M) / sum_i l_i 2^(m_i - M), M = max m_j
+            row0 = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS  # [BLOCK_G]
+            mask_o = mask_g[:, None] & mask_d[None, :]
+            tl.store(ws_o_ptr + (row0 + sp)[:, None] * D + offs_d[None, :], o, mask=mask_o)
+            tl.store(ws_m_ptr + row0 + sp, m_i, mask=mask_g)
+            tl.store(ws_l_ptr + row0 + sp, l_i, mask=mask_g)
+            tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
+            tile = t * tl.num_programs(1) + kvh
+            if tl.atomic_add(cnt_ptr + tile, 1) == n_active - 1:
+                M = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+                for j in range(0, n_active):
+                    M = tl.maximum(M, tl.load(ws_m_ptr + row0 + j, mask=mask_g, other=0.0, cache_modifier=".cg"))
+                W = tl.zeros((BLOCK_G,), tl.float32)
+                for j in range(0, n_active):
+                    W += tl.load(ws_l_ptr + row0 + j, mask=mask_g, other=1.0, cache_modifier=".cg") * tl.exp2(
+                        tl.load(ws_m_ptr + row0 + j, mask=mask_g, other=0.0, cache_modifier=".cg") - M)
+                o = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+                for j in range(0, n_active):  # w_j is 1.0 for a row of one split
+                    w = tl.load(ws_l_ptr + row0 + j, mask=mask_g, other=1.0, cache_modifier=".cg") * tl.exp2(
+                        tl.load(ws_m_ptr + row0 + j, mask=mask_g, other=0.0, cache_modifier=".cg") - M) / W
+                    o += w[:, None] * tl.load(ws_o_ptr + (row0 + j)[:, None] * D + offs_d[None, :], mask=mask_o,
+                                              other=0.0, cache_modifier=".cg")
+                _store_out(o, out_ptr, oq_ptr, os_ptr, t, heads, mask_g, mask_d, so_t, so_h, tl.num_programs(1) * G,
+                           D, BLOCK_D, QUANT)
+                tl.store(cnt_ptr + tile, 0)
 
     @triton.jit
     def _paged_attn_prefill_kernel(
@@ -322,9 +301,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
       "decode": split-KV, grid (T, Hkv, NUM_SPLITS), NUM_SPLITS = num_splits or choose_splits(T, Hkv, SMs),
               chunks of at least min_tiles (default SPLIT_MIN_TILES) 64-key tiles; the partials go to `workspace`
               ([T, Hq, NUM_SPLITS, D] + [2, T, Hq, NUM_SPLITS] in one flat fp32 tensor of >= split_workspace_numel
-              elements; None: allocated here, inside a graph capture from the graph's pool) and a second kernel
-              combines them in a fixed order (deterministic run to run; the bits may change with T).
-              NUM_SPLITS == 1: direct output, no workspace.
+              elements; None: allocated here, inside a graph capture from the graph's pool) and the split
+              arriving last for a (row, KV head) combines them in a fixed order (deterministic run to run; the bits
+              may change with T); its arrival counters are split_k_triton's. NUM_SPLITS == 1 (or no counters yet
+              inside a graph capture): direct output, no workspace.
       "prefill": tiled; BLOCK_M rows of one sequence x G heads (128 tile rows) per (query block, KV head).
     """
     require_triton()
@@ -359,8 +339,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return
     if num_splits is None:
         num_splits = choose_splits(T, Hkv, _num_sms(q.device.index or 0) if q.is_cuda else 132)
-    direct = num_splits == 1
-    if direct:
+    cnt = split_counters(q.device, T * Hkv) if num_splits > 1 else None
+    if cnt is None:  # one split, or no arrival counters yet inside a graph capture (split_counters): direct output
+        num_splits, cnt = 1, out
         ws_o = ws_m = ws_l = out  # unused
     else:
         n_ml = T * Hq * num_splits
@@ -374,18 +355,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if min_tiles < 1 or num_splits < 1:
         raise ValueError(f"num_splits and min_tiles must be >= 1, got {num_splits}, {min_tiles}")
     _paged_attn_split_kernel[(T, Hkv, num_splits)](
-        q, k_cache, v_cache, out, ws_o, ws_m, ws_l, block_tables, token_seq, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, ws_o, ws_m, ws_l, cnt, block_tables, token_seq, seq_lens, query_start_loc,
         scale, sliding_window or 0, G, num_splits, min_tiles, *strides,
         BLOCK_SIZE=BS, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
-        TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=direct, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2, **(quant if direct else {}),
+        TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=num_splits == 1, DOT_PRECISION=precision,
+        num_warps=4, num_stages=2, **quant,
     )
-    if direct:
-        return
-    _paged_attn_reduce_kernel[(T, Hq)](
-        out, ws_o, ws_m, ws_l, token_seq, seq_lens, query_start_loc,
-        sliding_window or 0, num_splits, min_tiles, out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, BLOCK_P=triton.next_power_of_2(num_splits), TILE=TILE_N,
-        HAS_WINDOW=has_window, num_warps=1, **quant,
-    )
-
