@@ -244,7 +244,7 @@ def test_fp8_linear_lora_reads_unquantized_activations(T):
 def test_dense_split_k_in_cuda_graphs():
     """Split-K counters are never made inside a graph capture (its zero-fill would only be recorded: a graph replayed
     before the one holding that memset read garbage counters and left output tiles unwritten; seen as an illegal
-    memory access in bench decode, session 8). A capture that finds none runs unsplit; once made eagerly, captured
+    memory access in bench decode). A capture that finds none runs unsplit; once made eagerly, captured
     graphs share them; replays in any order equal the reference on fresh inputs."""
     from moelora.kernels.quant import fp8_triton as ft
     from moelora.kernels.quant.split_k_triton import _COUNTERS
@@ -672,7 +672,7 @@ def test_fp8_experts_fast_path_equal_their_grouped_path_qwen3_shapes(T):
     without routed-expert LoRA, and inside a CUDA graph.
     With the prefill LoRA epilogue off (300 tokens are a prefill chunk): there the fast path adds the LoRA before
     the expert GEMM's one rounding, the grouped path after it, and the bf16 differences flip FP8 roundings of the
-    down projection's input (1.57% apart at 300 tokens in session 38's call C, where this test passed with the
+    down projection's input (1.57% apart at 300 tokens on an H200; this test passes with the
     epilogue off). test_prefill_lora_epilogue.py bounds the epilogue against the torch W8A8 reference."""
     from kernel_cases import qwen3_fp8_experts_with_lora
     from moelora.kernels.moe.experts import ExpertKernels, fused_moe_pairs

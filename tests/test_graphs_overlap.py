@@ -268,7 +268,7 @@ def test_shared_expert_on_the_side_stream_equals_serial_in_graphs(qwen2_moe_dir,
     recorded in a graph corrupted replays. Qwen2-MoE's shared expert computes on the side stream (its output made
     there, handed to the main stream by record_stream, added after the join): eager with the overlap equals eager
     without it bit for bit, and graph replays (captured with the overlap) of several mixed batches, each replayed
-    twice, equal eager serial execution. Written in session 33; passed on the H200 in session 34 (ranks 16, 64)."""
+    twice, equal eager serial execution."""
     eng = _engine(qwen2_moe_dir, eager=False, overlap=True, max_loras=4, ranks=[rank] * 4)
     assert any(t.startswith("model.layers.0.mlp.shared_expert") for t in eng.model.lora_targets())
     rng = random.Random(rank)
@@ -291,8 +291,7 @@ def test_shared_expert_on_the_side_stream_equals_serial_in_graphs(qwen2_moe_dir,
 def test_padding_rows_of_a_graph_batch_get_slot_minus_one(model_dir):
     """FIELD_NOTES (SGLang #29157 / #29468): the padded tail rows of a CUDA-graph batch kept an earlier batch's slot
     ids. After a batch that fills its bucket with adapter rows, a smaller batch in the same bucket leaves -1 in every
-    padding row of the graph's slot buffer, and its real rows equal eager. Written in session 33; passed on the H200
-    in session 34."""
+    padding row of the graph's slot buffer, and its real rows equal eager."""
     eng = _engine(model_dir, eager=False, max_loras=4, ranks=[16] * 4)
     g = eng.runner.graphs
     bs = g.bucket(11)
@@ -314,7 +313,7 @@ def test_graph_capture_allocates_nothing_on_the_side_streams(model_dir):
     overlap on, the captured graphs' memory pool holds no segment of the side stream (the routed-expert LoRA chain)
     or of the alignment stream: every buffer those streams write was allocated on the capturing stream before the
     fork. (Qwen2-MoE's and DeepSeek's shared experts keep temporaries on the side stream by design: docs/
-    field-bugs.md.) Written in session 33; passed on the H200 in session 34."""
+    field-bugs.md.)"""
     from moelora.kernels.streams import align_stream, side_stream
 
     eng = _engine(model_dir, eager=False, overlap=True, max_loras=4, ranks=[16] * 4)

@@ -142,7 +142,7 @@ def test_split_k_partials_need_no_zeroed_buffer(split_k):
 
 def test_single_slot_path_policy():
     """The single-adapter path (plain matmuls): one slot, outside a graph; on a GPU only from
-    SINGLE_SLOT_MIN_TOKENS tokens (the grouped kernels are faster below: session 14), at any size on the CPU;
+    SINGLE_SLOT_MIN_TOKENS tokens (the grouped kernels are faster below), at any size on the CPU;
     DenseLoRAConfig.single_slot=False turns it off (the backends picked without it)."""
     from moelora.layers.lora_batch import LoRABatch
     from moelora.kernels.config import KernelConfig
