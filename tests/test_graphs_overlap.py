@@ -307,16 +307,19 @@ def test_padding_rows_of_a_graph_batch_get_slot_minus_one(model_dir):
 
 
 @torch.no_grad()
-def test_graph_capture_allocates_nothing_on_the_side_streams(model_dir):
+@pytest.mark.parametrize("grouped_min_pairs", [2048, 1])
+def test_graph_capture_allocates_nothing_on_the_side_streams(model_dir, grouped_min_pairs):
     """ARCHITECTURE's invariant 5 and FIELD_NOTES (SGLang #28091: routing tensors and shrink intermediates allocated
     on the side stream during capture, their memory reused by the replay): on Qwen3-MoE with adapters and the
     overlap on, the captured graphs' memory pool holds no segment of the side stream (the routed-expert LoRA chain)
     or of the alignment stream: every buffer those streams write was allocated on the capturing stream before the
     fork. (Qwen2-MoE's and DeepSeek's shared experts keep temporaries on the side stream by design: docs/
-    field-bugs.md.)"""
+    field-bugs.md.) grouped_min_pairs 1: every decode batch takes the grouped routed-expert LoRA, whose (slot, expert)
+    alignment runs on the side stream into buffers allocated before the fork."""
     from moelora.kernels.streams import align_stream, side_stream
 
-    eng = _engine(model_dir, eager=False, overlap=True, max_loras=4, ranks=[16] * 4)
+    eng = _engine(model_dir, eager=False, overlap=True, max_loras=4, ranks=[16] * 4,
+                  kernel_config=KernelConfig.from_dict({"moe_lora": {"grouped_min_pairs": grouped_min_pairs}}))
     g = eng.runner.graphs
     assert g.pool is not None and any(lora for (_, lora) in g.graphs)
     handles = {side_stream(eng.device).cuda_stream: "side", align_stream(eng.device).cuda_stream: "align"}

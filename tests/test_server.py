@@ -2,10 +2,8 @@
 
 import argparse
 import asyncio
-import os
 import random
 import shutil
-import threading
 import time
 
 import httpx

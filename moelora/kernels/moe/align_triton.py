@@ -147,12 +147,14 @@ ALIGN_ONE_PROGRAM_MAX_PAIRS = 2048  # above: three launches spread over chunks o
 
 def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int, num_experts: int, max_loras: int,
                        P: int, block_m: int, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-                       stream: "torch.cuda.Stream | None" = None):
+                       stream: "torch.cuda.Stream | None" = None, shift: torch.Tensor | None = None):
     """One launch of _moe_align_kernel over groups [0, num_experts * max_loras) (virtual experts with slots);
-    with slots: stable (a sort), else each group's pairs in any order; stream: see moe_align."""
+    with slots: stable (a sort), else each group's pairs in any order; stream: see moe_align; shift: the scratch
+    (lora_align_buffers'), None: made here."""
     groups = num_experts * max_loras
     block_e1 = triton.next_power_of_2(groups + 1)
-    shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)  # scratch
+    if shift is None:
+        shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)
     with launched_on(stream):
         _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
                                 sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
@@ -164,11 +166,23 @@ def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int
 LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS = 8192  # virtual experts (max_loras x E) the one-program alignment takes
 
 
+def lora_align_buffers(num_pairs: int, num_experts: int, max_loras: int, block_m: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What moe_lora_align_one_program writes: (sorted_pair_ids [P_max], block_vexpert, its scratch) int32, allocated
+    on the current stream (a caller running the alignment on a side stream makes them before the fork)."""
+    p_max = max_padded_pairs(num_pairs, num_experts * max_loras, block_m)
+    return (torch.empty(p_max, dtype=torch.int32, device=device),
+            torch.empty(p_max // block_m, dtype=torch.int32, device=device),
+            torch.empty(triton.next_power_of_2(num_experts * max_loras + 1), dtype=torch.int32, device=device))
+
+
 def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int,
-                               block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+                               block_m: int, buffers: tuple[torch.Tensor, ...] | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_lora.moe_lora_align (same groups, order and padding: stable) in one launch of one program, for
     P <= ALIGN_ONE_PROGRAM_MAX_PAIRS and max_loras * E < LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS (checked here).
-    topk_ids: [T, K] · token_slots: [T] int · returns sorted_pair_ids [P_max] int32, block_vexpert int32."""
+    topk_ids: [T, K] · token_slots: [T] int · buffers: lora_align_buffers' (None: made here) · returns
+    sorted_pair_ids [P_max] int32, block_vexpert int32."""
     require_triton()
     T, K = topk_ids.shape
     P = T * K
@@ -176,10 +190,9 @@ def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor
     if P > ALIGN_ONE_PROGRAM_MAX_PAIRS or V >= LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS:
         raise ValueError(f"moe_lora_align_one_program: {P} pairs over {V} virtual experts; at most "
                          f"{ALIGN_ONE_PROGRAM_MAX_PAIRS} pairs and {LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS - 1} groups")
-    p_max = max_padded_pairs(P, V, block_m)
-    sorted_ids = torch.empty(p_max, dtype=torch.int32, device=topk_ids.device)
-    bvex = torch.empty(p_max // block_m, dtype=torch.int32, device=topk_ids.device)
-    return _align_one_program(topk_ids.reshape(-1), token_slots, K, num_experts, max_loras, P, block_m, sorted_ids, bvex)
+    sorted_ids, bvex, shift = buffers or lora_align_buffers(P, num_experts, max_loras, block_m, topk_ids.device)
+    return _align_one_program(topk_ids.reshape(-1), token_slots, K, num_experts, max_loras, P, block_m, sorted_ids,
+                              bvex, shift=shift)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,

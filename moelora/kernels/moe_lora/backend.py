@@ -10,8 +10,9 @@ RoutedExperts.configure: the Triton kernels, or the torch reference) and within 
   GEMM's epilogue (Fp8LoRAEpilogue); chosen by the experts' orchestration (experts.ExpertKernels.epilogue_ok).
 
 Every delta backend has `delta(x, lora, routing, y, *, x_per_pair, store, act_in=False, act_delta=None)` (the
-semantics of moe_lora_fused) and `act_in` (whether it can read gate_up's output and compute the activation itself:
-the down projection's LoRA issued before the activation kernel, moe_lora.early_down).
+semantics of moe_lora_fused), `act_in` (whether it can read gate_up's output and compute the activation itself:
+the down projection's LoRA issued before the activation kernel, moe_lora.early_down) and `prepare(routing)`
+(called on the main stream before a fork to the side stream that runs `delta`: allocates what it will write).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 from moelora.kernels.moe_lora.args import ProjLoRA, Routing
 from moelora.kernels.moe_lora.fused_triton import moe_lora_fused, moe_lora_fused_ref
 from moelora.kernels.moe_lora.grouped_triton import (GROUPED_BLOCK_M, GROUPED_CONFIG, GROUPED_MAX_GROUPS,
-                                                     PREFILL_BLOCK_M, PREFILL_CONFIG, grouped_align, grouped_ok,
-                                                     moe_lora_grouped, moe_lora_grouped_shrink, prefill_align)
+                                                     PREFILL_BLOCK_M, PREFILL_CONFIG, grouped_align,
+                                                     grouped_align_buffers, grouped_ok, moe_lora_grouped,
+                                                     moe_lora_grouped_shrink, prefill_align)
 from moelora.kernels.quant.fp8_triton import Fp8LoRAEpilogue
 
 # the most (token, expert) pairs of the decode kernels (256 tokens at top-8); above: the grouped kernel in prefill
@@ -37,6 +39,9 @@ class PerPairLoRA:
 
     act_in = True
 
+    def prepare(self, routing: Routing) -> None:
+        pass
+
     def delta(self, x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
               store: bool, act_in: bool = False, act_delta: torch.Tensor | None = None) -> None:
         moe_lora_fused(x, lora, routing, y, x_per_pair=x_per_pair, store=store, act_in=act_in, act_delta=act_delta)
@@ -47,6 +52,9 @@ class ReferenceLoRA:
 
     act_in = True
 
+    def prepare(self, routing: Routing) -> None:
+        pass
+
     def delta(self, x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
               store: bool, act_in: bool = False, act_delta: torch.Tensor | None = None) -> None:
         moe_lora_fused_ref(x, lora, routing, y, x_per_pair=x_per_pair, store=store, act_in=act_in,
@@ -55,14 +63,21 @@ class ReferenceLoRA:
 
 class GroupedLoRA:
     """moe_lora_grouped on one (slot, expert) alignment a layer call: grouped_align in blocks of GROUPED_BLOCK_M
-    (decode) or prefill_align in blocks of PREFILL_BLOCK_M (prefill), made at the first delta on whatever stream runs
-    it (the side stream when overlapping); the down projection's delta reuses it."""
+    (decode) or prefill_align in blocks of PREFILL_BLOCK_M (prefill), run at the first delta on whatever stream runs
+    it (the side stream when overlapping: at decode into buffers `prepare` allocated on the main stream, held until
+    the layer call ends); the down projection's delta reuses it."""
 
     act_in = False
 
     def __init__(self, prefill: bool) -> None:
         self.prefill = prefill
         self.align: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.buffers: tuple[torch.Tensor, ...] | None = None
+
+    def prepare(self, routing: Routing) -> None:
+        if not self.prefill:  # (prefill steps are captured without the side stream)
+            r = routing
+            self.buffers = grouped_align_buffers(r.num_pairs, r.num_experts, r.max_loras, r.topk_ids.device)
 
     def delta(self, x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
               store: bool, act_in: bool = False, act_delta: torch.Tensor | None = None) -> None:
@@ -70,8 +85,8 @@ class GroupedLoRA:
             raise ValueError("GroupedLoRA: act_in is the per-pair kernel's (the caller checks backend.act_in)")
         r = routing
         if self.align is None:
-            align_fn = prefill_align if self.prefill else grouped_align
-            self.align = align_fn(r.topk_ids, r.token_slots, r.num_experts, r.max_loras)
+            self.align = (prefill_align(r.topk_ids, r.token_slots, r.num_experts, r.max_loras) if self.prefill else
+                          grouped_align(r.topk_ids, r.token_slots, r.num_experts, r.max_loras, self.buffers))
         block_m, config = (PREFILL_BLOCK_M, PREFILL_CONFIG) if self.prefill else (GROUPED_BLOCK_M, GROUPED_CONFIG)
         moe_lora_grouped(x, lora, routing, y, x_per_pair=x_per_pair, store=store, align=self.align, block_m=block_m,
                          config=config)
