@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora.kernels.moe.align_triton import lora_align_buffers
 from moelora.kernels.moe_lora.args import ProjLoRA, Routing
 from moelora.kernels.moe_lora.fused_triton import moe_lora_fused, moe_lora_fused_ref
 from moelora.kernels.moe_lora.grouped_triton import (GROUPED_BLOCK_M, GROUPED_CONFIG, GROUPED_MAX_GROUPS,
-                                                     PREFILL_BLOCK_M, PREFILL_CONFIG, grouped_align,
-                                                     grouped_align_buffers, grouped_ok, moe_lora_grouped,
-                                                     moe_lora_grouped_shrink, prefill_align)
+                                                     PREFILL_BLOCK_M, PREFILL_CONFIG, grouped_align, grouped_ok,
+                                                     moe_lora_grouped, moe_lora_grouped_shrink, prefill_align)
 from moelora.kernels.quant.fp8_triton import Fp8LoRAEpilogue
 
 # the most (token, expert) pairs of the decode kernels (256 tokens at top-8); above: the grouped kernel in prefill
@@ -77,7 +77,7 @@ class GroupedLoRA:
     def prepare(self, routing: Routing) -> None:
         if not self.prefill:  # (prefill steps are captured without the side stream)
             r = routing
-            self.buffers = grouped_align_buffers(r.num_pairs, r.num_experts, r.max_loras, r.topk_ids.device)
+            self.buffers = lora_align_buffers(r.num_pairs, r.num_experts, r.max_loras, GROUPED_BLOCK_M, r.topk_ids.device)
 
     def delta(self, x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
               store: bool, act_in: bool = False, act_delta: torch.Tensor | None = None) -> None:

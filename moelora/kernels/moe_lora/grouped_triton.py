@@ -226,15 +226,10 @@ def grouped_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts
                   buffers: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (slot, expert) grouping moe_lora_grouped reads at decode: chain.moe_lora_align's groups and order, blocks
     of GROUPED_BLOCK_M, in one launch (align_triton.moe_lora_align_one_program). Needs grouped_ok.
-    topk_ids: [T, K] · token_slots: [T] · buffers: grouped_align_buffers' (None: made here) · returns
+    topk_ids: [T, K] · token_slots: [T] · buffers: align_triton.lora_align_buffers' (None: made here) · returns
     (sorted_pair_ids [P_max] int32, block_vexpert int32)."""
     return align_triton.moe_lora_align_one_program(topk_ids, token_slots, num_experts, max_loras, GROUPED_BLOCK_M,
                                                    buffers)
-
-
-def grouped_align_buffers(num_pairs: int, num_experts: int, max_loras: int, device: torch.device):
-    """grouped_align's outputs and scratch, allocated on the current stream (align_triton.lora_align_buffers)."""
-    return align_triton.lora_align_buffers(num_pairs, num_experts, max_loras, GROUPED_BLOCK_M, device)
 
 
 def prefill_align(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
