@@ -186,9 +186,7 @@ def fused_moe_pairs(x: torch.Tensor, w_gate_up, w_down, topk_weights: torch.Tens
         routing, gu_lora, d_lora = lora.kernel_args(topk_ids, E, two_i // 2, H)  # offsets made before any fork
         if kernels.epilogue_ok(P, fast_ok, overlap, activation, w_gate_up, w_down):
             return _experts_lora_epilogue(x, w_gate_up, w_down, topk_weights, routing, gu_lora, d_lora)
-        backend = kernels.lora.pick(routing)
-        if overlap:
-            backend.prepare(routing)  # what its side-stream launches write, allocated here (streams.py)
+        backend = kernels.lora.pick(routing)  # (before any fork: what its side-stream launches write is made here)
     # early: gate_up's LoRA kernel needs only x and the routing, not the experts' alignment: issued on the side
     # stream right after the alignment's launch (which runs on a stream above the side stream's priority)
     astream = align_stream_above(side_stream) if fast_ok and overlap and kernels.early else None

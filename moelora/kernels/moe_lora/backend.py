@@ -10,9 +10,8 @@ RoutedExperts.configure: the Triton kernels, or the torch reference) and within 
   GEMM's epilogue (Fp8LoRAEpilogue); chosen by the experts' orchestration (experts.ExpertKernels.epilogue_ok).
 
 Every delta backend has `delta(x, lora, routing, y, *, x_per_pair, store, act_in=False, act_delta=None)` (the
-semantics of moe_lora_fused), `act_in` (whether it can read gate_up's output and compute the activation itself:
-the down projection's LoRA issued before the activation kernel, moe_lora.early_down) and `prepare(routing)`
-(called on the main stream before a fork to the side stream that runs `delta`: allocates what it will write).
+semantics of moe_lora_fused) and `act_in` (whether it can read gate_up's output and compute the activation itself:
+the down projection's LoRA issued before the activation kernel, moe_lora.early_down).
 """
 
 from __future__ import annotations
@@ -39,9 +38,6 @@ class PerPairLoRA:
 
     act_in = True
 
-    def prepare(self, routing: Routing) -> None:
-        pass
-
     def delta(self, x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
               store: bool, act_in: bool = False, act_delta: torch.Tensor | None = None) -> None:
         moe_lora_fused(x, lora, routing, y, x_per_pair=x_per_pair, store=store, act_in=act_in, act_delta=act_delta)
@@ -52,9 +48,6 @@ class ReferenceLoRA:
 
     act_in = True
 
-    def prepare(self, routing: Routing) -> None:
-        pass
-
     def delta(self, x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
               store: bool, act_in: bool = False, act_delta: torch.Tensor | None = None) -> None:
         moe_lora_fused_ref(x, lora, routing, y, x_per_pair=x_per_pair, store=store, act_in=act_in,
@@ -64,20 +57,14 @@ class ReferenceLoRA:
 class GroupedLoRA:
     """moe_lora_grouped on one (slot, expert) alignment a layer call: grouped_align in blocks of GROUPED_BLOCK_M
     (decode) or prefill_align in blocks of PREFILL_BLOCK_M (prefill), run at the first delta on whatever stream runs
-    it (the side stream when overlapping: at decode into buffers `prepare` allocated on the main stream, held until
-    the layer call ends); the down projection's delta reuses it."""
+    it (the side stream when overlapping; at decode into `buffers`, lora_align_buffers' made by `pick` on the main
+    stream before any fork, held until the layer call ends); the down projection's delta reuses it."""
 
     act_in = False
 
-    def __init__(self, prefill: bool) -> None:
-        self.prefill = prefill
+    def __init__(self, prefill: bool, buffers: tuple[torch.Tensor, ...] | None = None) -> None:
+        self.prefill, self.buffers = prefill, buffers
         self.align: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.buffers: tuple[torch.Tensor, ...] | None = None
-
-    def prepare(self, routing: Routing) -> None:
-        if not self.prefill:  # (prefill steps are captured without the side stream)
-            r = routing
-            self.buffers = lora_align_buffers(r.num_pairs, r.num_experts, r.max_loras, GROUPED_BLOCK_M, r.topk_ids.device)
 
     def delta(self, x: torch.Tensor, lora: ProjLoRA, routing: Routing, y: torch.Tensor, *, x_per_pair: bool,
               store: bool, act_in: bool = False, act_delta: torch.Tensor | None = None) -> None:
@@ -134,12 +121,13 @@ class MoELoRAKernels:
         return num_pairs > DECODE_MAX_PAIRS
 
     def pick(self, routing: Routing) -> LoRABackend:
-        """The backend of one layer call (a new object each call: a grouped one holds that call's alignment)."""
+        """The backend of one layer call (a new object each call: a grouped one holds that call's alignment, at decode
+        in buffers allocated here, on the stream that calls pick: before any fork to the side stream, streams.py)."""
         if not self.triton:
             return ReferenceLoRA()
         P, E, S = routing.num_pairs, routing.num_experts, routing.max_loras
         if self.prefill(P):
             return GroupedLoRA(prefill=True)
         if P >= self.grouped_min_pairs and grouped_ok(P, E, S) and E * S <= GROUPED_MAX_GROUPS:
-            return GroupedLoRA(prefill=False)
+            return GroupedLoRA(False, lora_align_buffers(P, E, S, GROUPED_BLOCK_M, routing.topk_ids.device))
         return PerPairLoRA()
