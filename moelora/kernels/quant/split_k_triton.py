@@ -38,8 +38,9 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     launches in stream order (and in graph replays) share it. Made eagerly only: inside a CUDA-graph capture an
     allocation's zero-fill is only recorded, not run (a graph replayed before the one holding that memset would
     read garbage counters), so a capture that finds no buffer gets None and the GEMM does not split; the engine's
-    warm-up run before each capture makes it. 4,096 counters: a split launch has < 264 tiles (a replaced buffer
-    would leave captured graphs pointing at freed memory). Split-K GEMMs never run on two streams at once."""
+    warm-up run before each capture makes it. 4,096 counters: a split GEMM has < 264 tiles, a split attention
+    < 528 (row, KV head) pairs (a replaced buffer would leave captured graphs pointing at freed memory); neither
+    runs on two streams at once."""
     cnt = _COUNTERS.get(device)
     if cnt is None or cnt.numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
