@@ -341,8 +341,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_splits = choose_splits(T, Hkv, _num_sms(q.device.index or 0) if q.is_cuda else 132)
     cnt = split_counters(q.device, T * Hkv) if num_splits > 1 else None
     if cnt is None:  # one split, or no arrival counters yet inside a graph capture (split_counters): direct output
-        num_splits, cnt = 1, out
-        ws_o = ws_m = ws_l = out  # unused
+        num_splits, cnt, ws_o, ws_m, ws_l = 1, out, out, out, out  # no counters, no workspace
     else:
         n_ml = T * Hq * num_splits
         need = split_workspace_numel(T, Hq, D, num_splits)
