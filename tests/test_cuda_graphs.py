@@ -8,6 +8,7 @@ import torch
 from moelora import LLM, SamplingParams
 from moelora.demo import ADAPTERS, TRANSFORMS, adapter_paths, make_prompt, model_path, random_input
 from moelora.kernels.config import KernelConfig
+from moelora.kernels.quant.split_k_triton import _COUNTERS
 
 pytestmark = pytest.mark.gpu
 
@@ -35,6 +36,9 @@ def test_graph_replay_equals_eager_mixed_adapters():
     before = sum(v for (bs, lora), v in graphs.replays.items() if not lora)
     graph_llm.generate([make_prompt("abc def")] * 3, params)
     assert sum(v for (bs, lora), v in graphs.replays.items() if not lora) > before
+    # the split-KV decode attention's (row, KV head) arrival counters: made, and left at 0 by every launch
+    counters = list(_COUNTERS.values())
+    assert counters and not any(c.any() for c in counters)
 
 
 @pytest.fixture
