@@ -20,7 +20,8 @@
 #   TREES="old=.old new=." bash scripts/gpu_bench.sh decode --dtype fp8 --batches 64,256 --adapter-counts 0,4,8
 #       the same benchmark for two trees one after the other in this call (an older tree copied into an ignored
 #       folder and carried): each runs from its folder (PYTHONPATH, nothing installed) into $OUT/NAME/, with the
-#       demo's greedy rows; then the demo rows are compared and tokens/s of each case printed side by side
+#       demo's greedy rows; then the demo rows are compared and tokens/s of each case printed side by side (with
+#       --profile-steps also one layer's kernels, µs per tree: a before / after table in one call)
 # env: TIMEOUT (seconds a benchmark; SIGINT at the limit: report keeps every case it finished), TREES, DEMO_TIMEOUT
 # (seconds for each tree's demo, 120; 0: no demo),
 # MOELORA_DUMP_STACKS_S (stacks of every process that often, for a stuck multi-GPU run).

@@ -205,7 +205,9 @@ def rows_of(path: str, set_name: str, bench: str | None = None) -> tuple[str, li
 
 def compare(out: str, trees: list[str]) -> None:
     """`--compare OUT NAME=PATH...` (scripts/gpu_bench.sh with TREES): whether the trees' demo rows (greedy tokens)
-    are the same, and each decode case's tokens/s per tree with the last tree's ratio to the first's."""
+    are the same, and each decode case's tokens/s per tree with the last tree's ratio to the first's; for the cases
+    profiled (`--profile-steps`), one decoder layer's span and each kernel's median µs per tree, side by side (a
+    kernel is its stream, name and run in the layer; "-": the tree has no such kernel)."""
     import glob
 
     names = [t.split("=")[0] for t in trees]
@@ -213,18 +215,33 @@ def compare(out: str, trees: list[str]) -> None:
         demo = {n: [re.sub(r"[0-9.]+ (s|tokens/s)", "", line) for line in open(f"{out}/{n}/demo.txt")] for n in names}
         print("demo rows (greedy tokens):", "the same" if all(demo[n] == demo[names[0]] for n in names) else "DIFFER")
     rows: dict[tuple, dict[str, float]] = {}
+    layers: dict[tuple, dict[str, dict]] = {}
     for n in names:
         for f in sorted(glob.glob(f"{out}/{n}/decode-*.json")):
             d = json.load(open(f))
             for r in d["rows"]:
                 key = (d.get("dtype"), r.get("workload"), r["batch"], r["adapters"])
                 rows.setdefault(key, {})[n] = r["tokens_per_s"]
+                if (r.get("profile") or {}).get("layer"):
+                    layers.setdefault(key, {})[n] = r["profile"]["layer"]
     print(f"{'dtype':9s} {'workload':8s} {'batch':>5s} {'ad':>3s} " + " ".join(f"{n:>9s}" for n in names) + "  ratio")
     for (dtype, workload, batch, ad), v in rows.items():
         vals = [v.get(n) for n in names]
         ratio = f"{vals[-1] / vals[0]:.3f}" if all(vals) else "-"
         print(f"{str(dtype):9s} {str(workload):8s} {batch:5d} {ad:3d} " + " ".join(f"{x or 0:9.1f}" for x in vals)
               + f"  {ratio}")
+    for key, per in layers.items():
+        print(f"one layer, {' '.join(map(str, key))}: span "
+              + ", ".join(f"{n} {per[n]['span_us']:.1f}" for n in names if n in per) + " µs; kernels (µs):")
+        cols: dict[tuple, dict[str, float]] = {}
+        for n in names:
+            seen: dict[tuple, int] = {}
+            for k in (per.get(n) or {}).get("kernels", []):
+                kind = (k["stream"], k["name"])
+                seen[kind] = seen.get(kind, 0) + 1
+                cols.setdefault((*kind, seen[kind]), {})[n] = k["dur_us"]
+        for (stream, name, run), v in cols.items():
+            print(f"  {name[:56]:56s} {stream:4s} " + " ".join(f"{v[n]:9.1f}" if n in v else f"{'-':>9s}" for n in names))
 
 
 def main() -> None:

@@ -86,3 +86,28 @@ def test_the_layers_roles_add_up_to_the_floor():
     assert abs(2 * sum(mean.values()) + V * H * 4 - total) < 1e-6 * total
     assert mean["gate_up"] == 4 * 2 * H * I * 3.5 and mean["down_lora"] == 4 * 2 * r * (I + H)  # 2 pairs a layer
     assert mean["kv"] == 4 * 2 * 10 * 2 * 2 * hd and mean["qkv_lora_a"] == 4 * r * 3 * H
+
+
+def test_two_trees_compared_kernel_by_kernel(tmp_path, capsys):
+    """scripts/results_jsonl.py --compare (gpu_bench.sh TREES): tokens/s per tree and, for a profiled case, one
+    layer's kernels side by side, matched by stream, name and run; a kernel one tree lacks shows "-"."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "results_jsonl.py"
+    spec = importlib.util.spec_from_file_location("results_jsonl", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for tree, tps, span, ks in (("old", 100.0, 30.0, [("attn", 10.0), ("reduce", 3.0), ("gemm", 5.0), ("gemm", 7.0)]),
+                                ("new", 110.0, 27.0, [("attn", 10.5), ("gemm", 5.0), ("gemm", 6.0)])):
+        (tmp_path / tree).mkdir()
+        layer = {"layers": 47, "span_us": span, "kernels": [{"name": n, "stream": "main", "dur_us": d} for n, d in ks]}
+        row = {"batch": 64, "adapters": 0, "workload": "vllm", "tokens_per_s": tps, "profile": {"layer": layer}}
+        (tmp_path / tree / "decode-1.json").write_text(json.dumps({"dtype": "fp8", "rows": [row]}))
+    mod.compare(str(tmp_path), ["old=.old", "new=."])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["fp8", "vllm", "64", "0", "100.0", "110.0", "1.100"]
+    assert "span old 30.0, new 27.0" in lines[2]
+    assert [ln.split() for ln in lines[3:]] == [["attn", "main", "10.0", "10.5"], ["reduce", "main", "3.0", "-"],
+                                                ["gemm", "main", "5.0", "5.0"], ["gemm", "main", "7.0", "6.0"]]
