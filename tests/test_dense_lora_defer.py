@@ -293,8 +293,7 @@ def test_deferred_dense_lora_in_a_decode_step(tmp_path, quant, batch):
     output a layer: 0.0097 measured); on FP8 within 1.5x the distance between the two default paths (the epilogue,
     and the GEMM then lora_expand: 0.06-0.07 measured). Why so wide on FP8: every FP8 GEMM re-quantizes its input
     to e4m3 (3 mantissa bits), so a 1-ulp bf16 change flips ~3% of an input row's roundings and moves the output
-    by ~2%; two correct paths that round the LoRA sum differently land 6-7% apart in the logits
-    (scripts/diag_dense_lora_paths.py)."""
+    by ~2%; two correct paths that round the LoRA sum differently land 6-7% apart in the logits."""
     if not ON_GPU or (quant and torch.cuda.get_device_capability() < (8, 9)):
         pytest.skip("needs a GPU (FP8: compute capability >= 8.9)")
     from helpers import attention_lora_decode_case
