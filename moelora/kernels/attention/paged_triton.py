@@ -58,28 +58,20 @@ if HAS_TRITON:
         return b, pos, lo_key, tile_lo, tps, (ntiles + tps - 1) // tps
 
     @triton.jit
-    def _store_head_quant(v, oq_ptr, os_ptr, t, heads, mask_h, Hq, D: tl.constexpr, BLOCK_D: tl.constexpr):
-        """v [NH, BLOCK_D] fp32: the (rounded) outputs of heads `heads` of row t, 0 past D -> e4m3 per head (one
-        group of D) into oq [T, Hq * D] and its scale into os [T, Hq], as quantize_act_group does."""
-        q, scale = e4m3_groups(v, 448.0)  # scale: [NH]
-        offs_d = tl.arange(0, BLOCK_D)
-        row = t.to(tl.int64) * Hq
-        tl.store(oq_ptr + (row + heads)[:, None] * D + offs_d[None, :], q.to(oq_ptr.dtype.element_ty),
-                 mask=mask_h[:, None] & (offs_d < D)[None, :])
-        tl.store(os_ptr + row + heads, scale, mask=mask_h)
-
-    @triton.jit
     def _store_out(o, out_ptr, oq_ptr, os_ptr, t, heads, mask_g, mask_d, so_t, so_h, Hq, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
         """o [BLOCK_G, BLOCK_D] fp32, heads `heads` of row t -> out [T, Hq, D] in its dtype and, with QUANT, the
-        rounded values quantized per head into oq / os (_store_head_quant)."""
+        rounded values (0 past D) in e4m3 per head (one group of D) into oq [T, Hq * D] and the scales into os
+        [T, Hq], as quantize_act_group does."""
         mask_o = mask_g[:, None] & mask_d[None, :]
+        offs_d = tl.arange(0, BLOCK_D)
         ob = o.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + tl.arange(0, BLOCK_D)[None, :], ob,
-                 mask=mask_o)
+        tl.store(out_ptr + t.to(tl.int64) * so_t + heads[:, None] * so_h + offs_d[None, :], ob, mask=mask_o)
         if QUANT:
-            _store_head_quant(tl.where(mask_o, ob.to(tl.float32), 0.0), oq_ptr, os_ptr, t, heads, mask_g, Hq, D,
-                              BLOCK_D)
+            q, scale = e4m3_groups(tl.where(mask_o, ob.to(tl.float32), 0.0), 448.0)  # scale: [BLOCK_G]
+            row = t.to(tl.int64) * Hq + heads
+            tl.store(oq_ptr + row[:, None] * D + offs_d[None, :], q.to(oq_ptr.dtype.element_ty), mask=mask_o)
+            tl.store(os_ptr + row, scale, mask=mask_g)
 
     @triton.jit
     def _paged_attn_split_kernel(
