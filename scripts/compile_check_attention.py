@@ -23,7 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from moelora.kernels.attention import paged_triton as at  # noqa: E402
 
 PTRS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "ws_o_ptr": "*fp32",
-        "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "cnt_ptr": "*i32", "bt_ptr": "*i32", "token_seq_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "ws_lse_ptr": "*fp32", "cnt_ptr": "*i32", "bt_ptr": "*i32", "token_seq_ptr": "*i32", "seq_lens_ptr": "*i32",
         "qsl_ptr": "*i32", "scale": "fp32", "oq_ptr": "*fp8e4nv", "os_ptr": "*fp32", "la_ptr": "*bf16",
         "lrank_ptr": "*i32", "lslot_ptr": "*i32", "lh_ptr": "*fp32"}
 DIV16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "ws_o_ptr", "bt_ptr", "token_seq_ptr", "seq_lens_ptr", "qsl_ptr",

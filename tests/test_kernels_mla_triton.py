@@ -9,6 +9,7 @@ from kernel_cases import DEVICE, DTYPES, NUM_TOKENS, ON_GPU, POPULARITY, token_s
 from moelora.kernels.lora.groups import SlotGroups
 from moelora.kernels.attention.mla import KVBLoRAArgs, mla_decode_paged_ref, mla_prefill_ref, write_latent_direct, write_latent_ref
 from moelora.kernels.attention.mla_triton import mla_decode, mla_decode_attention
+from moelora.kernels.quant.split_k_triton import split_counters
 
 LITE = (16, 128, 128, 512, 64)  # DeepSeek-V2-Lite: heads, qk_nope, v_head, kv_lora_rank, qk_rope
 DIMS = LITE if ON_GPU else (4, 8, 6, 16, 4)
@@ -64,6 +65,7 @@ def test_attention_core_matches_reference(dtype, block_size, num_splits):
         atol, rtol = tolerance(dtype)
         torch.testing.assert_close(o[t], p @ rows[:, :C], atol=atol, rtol=rtol)
     assert torch.all(o[len(lens):] == 0), "padding rows: zeros"
+    assert not split_counters(o.device, 1).any(), "the splits arriving last reset their arrival counters"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,7 +6,7 @@ One decode row per sequence: row t is the newest token of sequence b = token_seq
 1. q_lat = W_UK^T q_nope                              one cuBLAS bmm over heads
 2. q_lat += scaling * A^T (B_K^T q_nope)              _kvb_lora_q_kernel: per (slot group, row block, head)
 3. o_lat = attention of [q_lat | q_pe] over the cache  _mla_attn_kernel (split over the context, fp32 online
-   softmax) + a torch log-sum-exp merge of the splits
+   softmax; the split arriving last for a row merges the splits' log-sum-exp partials, as paged_triton's)
 4. out = W_UV o_lat (bmm), += scaling * B_V (A o_lat)  _kvb_lora_o_kernel
 The kv_b LoRA stays factored per slot: the tokens of each slot group read only that slot's A and B.
 """
@@ -17,16 +17,20 @@ import torch
 
 from moelora.kernels._triton import HAS_TRITON, dot_precision, require_triton
 from moelora.kernels.attention.mla import KVBLoRAArgs
+from moelora.kernels.attention.paged_triton import num_sms
+from moelora.kernels.quant.split_k_triton import split_counters
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from moelora.kernels.attention.paged_triton import merge_splits
+
     @triton.jit
     def _mla_attn_kernel(
-        ql_ptr, qpe_ptr, cache_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+        ql_ptr, qpe_ptr, cache_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, cnt_ptr,
         scale, H, C, R, BS,
-        sql_t, sql_h, sqp_t, sqp_h, sc_b, sc_s, sbt_b, so_t, so_h, so_s, sl_t, sl_h,
+        sql_t, sql_h, sqp_t, sqp_h, sc_b, sc_s, sbt_b, so_t, so_h, so_s, sl_t, sl_h, sout_t, sout_h,
         BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -71,10 +75,39 @@ if HAS_TRITON:
             m_i = m_new
         nonempty = l_i > 0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(o_ptr + t64 * so_t + offs_h[:, None] * so_h + split * so_s + offs_c[None, :], out,
-                 mask=mask_h[:, None] & mask_c[None, :])
-        tl.store(lse_ptr + t64 * sl_t + offs_h * sl_h + split, lse, mask=mask_h)
+        mask_o = mask_h[:, None] & mask_c[None, :]
+        out_ptrs = out_ptr + t64 * sout_t + offs_h[:, None] * sout_h + offs_c[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptrs, out, mask=mask_o)
+        else:  # the partials (o, lse) stored; the split arriving last for (t, hb) merges them in split order
+            o_ptrs = o_ptr + t64 * so_t + offs_h[:, None] * so_h + offs_c[None, :]
+            lse_ptrs = lse_ptr + t64 * sl_t + offs_h * sl_h
+            tl.store(o_ptrs + split * so_s, out, mask=mask_o)
+            tl.store(lse_ptrs + split, tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf")),
+                     mask=mask_h)
+            tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
+            tile = t * tl.num_programs(1) + hb
+            if tl.atomic_add(cnt_ptr + tile, 1) == NUM_SPLITS - 1:
+                tl.store(out_ptrs, merge_splits(o_ptrs, lse_ptrs, so_s, NUM_SPLITS, mask_h, mask_o, False), mask=mask_o)
+                tl.store(cnt_ptr + tile, 0)
+
+    @triton.jit
+    def _group_rows(ranks_ptr, scale_ptr, sorted_ptr, active_ptr, count_ptr, start_ptr, BLOCK_M: tl.constexpr,
+                    BLOCK_R: tl.constexpr):
+        """Program (row block, head, slot group)'s rows of its group -> (live, slot (int64), its scaling, rows [BLOCK_M]
+        int64, mask_m, offs_r, mask_r); not live: an unused group, a block past its tokens or a slot of rank 0."""
+        pid_m = tl.program_id(0)
+        group = tl.program_id(2)
+        slot = tl.load(active_ptr + group)
+        s = tl.maximum(slot, 0)
+        count = tl.load(count_ptr + group)
+        rank = tl.load(ranks_ptr + s)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        rows = tl.load(sorted_ptr + tl.load(start_ptr + group) + offs_m, mask=mask_m, other=0).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        live = (slot >= 0) & (pid_m * BLOCK_M < count) & (rank > 0)
+        return live, s.to(tl.int64), tl.load(scale_ptr + s), rows, mask_m, offs_r, offs_r < rank
 
     @triton.jit
     def _kvb_lora_q_kernel(
@@ -84,25 +117,11 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
         h = tl.program_id(1)
-        group = tl.program_id(2)
-        slot = tl.load(active_ptr + group)
-        if slot < 0:
+        live, s64, scale, rows, mask_m, offs_r, mask_r = _group_rows(ranks_ptr, scale_ptr, sorted_ptr, active_ptr,
+                                                                     count_ptr, start_ptr, BLOCK_M, BLOCK_R)
+        if live == 0:
             return
-        count = tl.load(count_ptr + group)
-        if pid_m * BLOCK_M >= count:
-            return
-        rank = tl.load(ranks_ptr + slot)
-        if rank == 0:
-            return
-        scale = tl.load(scale_ptr + slot)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < count
-        rows = tl.load(sorted_ptr + tl.load(start_ptr + group) + offs_m, mask=mask_m, other=0).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        s64 = slot.to(tl.int64)
         u = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)  # B_K[s, h]^T q_nope[t, h]
         offs_d = tl.arange(0, BLOCK_D)
         for d0 in range(0, Dn, BLOCK_D):
@@ -132,25 +151,11 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
         h = tl.program_id(1)
-        group = tl.program_id(2)
-        slot = tl.load(active_ptr + group)
-        if slot < 0:
+        live, s64, scale, rows, mask_m, offs_r, mask_r = _group_rows(ranks_ptr, scale_ptr, sorted_ptr, active_ptr,
+                                                                     count_ptr, start_ptr, BLOCK_M, BLOCK_R)
+        if live == 0:
             return
-        count = tl.load(count_ptr + group)
-        if pid_m * BLOCK_M >= count:
-            return
-        rank = tl.load(ranks_ptr + slot)
-        if rank == 0:
-            return
-        scale = tl.load(scale_ptr + slot)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < count
-        rows = tl.load(sorted_ptr + tl.load(start_ptr + group) + offs_m, mask=mask_m, other=0).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        s64 = slot.to(tl.int64)
         u = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)  # A[s] o_lat[t, h]
         offs_c = tl.arange(0, BLOCK_C)
         for c0 in range(0, C, BLOCK_C):
@@ -181,8 +186,7 @@ def _num_splits(rows: int, head_blocks: int) -> int:
     """Split the context so a small batch still fills the GPU; fixed per batch size (a graph replays it)."""
     if not torch.cuda.is_available():
         return 2  # the interpreter: exercise the merge
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return max(1, min(16, -(-2 * sms // max(rows * head_blocks, 1))))
+    return max(1, min(16, -(-2 * num_sms(torch.cuda.current_device()) // max(rows * head_blocks, 1))))
 
 
 def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -201,23 +205,25 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     block_h = 16
     hb = triton.cdiv(H, block_h)
     ns = num_splits or _num_splits(T, hb)
-    o_part = torch.empty(T, H, ns, C, dtype=torch.float32, device=q_lat.device)
-    lse = torch.empty(T, H, ns, dtype=torch.float32, device=q_lat.device)
+    out = torch.empty(T, H, C, dtype=torch.float32, device=q_lat.device)
+    cnt = split_counters(q_lat.device, T * hb) if ns > 1 else None
+    if cnt is None:  # one split, or no arrival counters yet inside a graph capture (split_counters)
+        ns, cnt, o_part, lse = 1, out, out[:, :, None], out
+    else:
+        o_part = torch.empty(T, H, ns, C, dtype=torch.float32, device=q_lat.device)
+        lse = torch.empty(T, H, ns, dtype=torch.float32, device=q_lat.device)
     block_c = _p2(C)
     _mla_attn_kernel[(T, hb, ns)](
-        q_lat, q_pe, kv_cache, block_tables, token_seq, seq_lens, o_part, lse,
+        q_lat, q_pe, kv_cache, block_tables, token_seq, seq_lens, o_part, lse, out, cnt,
         scale, H, C, R, BS,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_tables.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
         BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=_p2(R), BLOCK_N=32 if block_c <= 256 else 16,
         NUM_SPLITS=ns, PRECISION=dot_precision(kv_cache.dtype),
         num_warps=8 if block_c >= 512 else 4,
     )
-    if ns == 1:
-        return o_part[:, :, 0]
-    m = lse.amax(dim=-1, keepdim=True)  # [T, H, 1]; -inf for padding rows
-    w = torch.exp(lse - torch.where(torch.isinf(m), torch.zeros_like(m), m))  # [T, H, NS]; empty splits: 0
-    return (o_part * w[..., None]).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    return out
 
 
 def mla_kvb_lora_q(q_nope: torch.Tensor, lora: KVBLoRAArgs, q_lat: torch.Tensor) -> None:

@@ -9,8 +9,8 @@ Two kernels, each correct for any mix of rows (paged_attention picks one from sh
   NUM_SPLITS chunks of whole TILE_N-key tiles (>= SPLIT_MIN_TILES each); a program attends the
   G = Hq // Hkv query heads of its KV head (padded to >= 16 rows) to its chunk, a tile at a time (block
   ids gathered per key from the block table), with tl.dot (tensor cores) and an online softmax in fp32;
-  programs without a chunk exit at once. With NUM_SPLITS > 1 each program writes its partial (max, sum,
-  normalised acc) to an fp32 workspace and counts itself in an arrival counter of its (row, KV head); the one
+  programs without a chunk exit at once. With NUM_SPLITS > 1 each program writes its partial (normalised acc,
+  log-sum-exp) to an fp32 workspace and counts itself in an arrival counter of its (row, KV head); the one
   arriving last combines the chunks in index order (deterministic: no second launch); with NUM_SPLITS == 1 each
   program writes the output directly.
 * tiled prefill: grid (query block, KV head) over ceil(T / BLOCK_M) + B query blocks (each sequence owns
@@ -58,6 +58,24 @@ if HAS_TRITON:
         return b, pos, lo_key, tile_lo, tps, (ntiles + tps - 1) // tps
 
     @triton.jit
+    def merge_splits(o_ptrs, lse_ptrs, so_s, n, mask_r, mask_o, LOG2: tl.constexpr):
+        """The n split partials of R rows merged in split order (read past L1): sum_j w_j o_j / sum_j w_j, w_j =
+        e^(lse_j - M) (2^ with LOG2), M = max_j lse_j (0 where every split is empty: lse -inf, the row gives 0).
+        o_ptrs [R, C]: split 0's normalised o, split j at + j * so_s; lse_ptrs [R]: its log-sum-exp, split j at + j."""
+        M = tl.full(lse_ptrs.shape, float("-inf"), tl.float32)
+        for j in range(0, n):
+            M = tl.maximum(M, tl.load(lse_ptrs + j, mask=mask_r, other=float("-inf"), cache_modifier=".cg"))
+        M = tl.where(M == float("-inf"), 0.0, M)
+        W = tl.zeros(lse_ptrs.shape, tl.float32)
+        acc = tl.zeros(o_ptrs.shape, tl.float32)
+        for j in range(0, n):
+            x = tl.load(lse_ptrs + j, mask=mask_r, other=float("-inf"), cache_modifier=".cg") - M
+            w = tl.exp2(x) if LOG2 else tl.exp(x)
+            W += w
+            acc += w[:, None] * tl.load(o_ptrs + j * so_s, mask=mask_o, other=0.0, cache_modifier=".cg")
+        return acc / tl.maximum(W, 1e-30)[:, None]
+
+    @triton.jit
     def _store_out(o, out_ptr, oq_ptr, os_ptr, t, heads, mask_g, mask_d, so_t, so_h, Hq, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
         """o [BLOCK_G, BLOCK_D] fp32, heads `heads` of row t -> out [T, Hq, D] in its dtype and, with QUANT, the
@@ -75,8 +93,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_attn_split_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, cnt_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr,
-        qsl_ptr, scale, window, G, NUM_SPLITS, MIN_TILES,
+        q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_lse_ptr, cnt_ptr, bt_ptr, token_seq_ptr, seq_lens_ptr, qsl_ptr,
+        scale, window, G, NUM_SPLITS, MIN_TILES,
         sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt_b,
         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -135,32 +153,19 @@ if HAS_TRITON:
             _store_out(o, out_ptr, oq_ptr, os_ptr, t, heads, mask_g, mask_d, so_t, so_h, tl.num_programs(1) * G, D,
                        BLOCK_D, QUANT)
         else:
-            # partials to the workspace: ws_o [T, Hq, NUM_SPLITS, D], ws_m / ws_l [T, Hq, NUM_SPLITS], fp32; the split
-            # arriving last for (t, kvh) (cnt: one counter a (row, KV head), left at 0) combines the row's active
-            # splits in index order: out = sum_j w_j o_j, w_j = l_j 2^(m_j - M) / sum_i l_i 2^(m_i - M), M = max m_j
+            # partials to the workspace: ws_o [T, Hq, NUM_SPLITS, D], ws_lse [T, Hq, NUM_SPLITS] (log2 units), fp32;
+            # the split arriving last for (t, kvh) (cnt: one counter a (row, KV head), left at 0) merges the row's
+            # active splits (merge_splits)
             row0 = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS  # [BLOCK_G]
+            o_ptrs = ws_o_ptr + row0[:, None] * D + offs_d[None, :]
             mask_o = mask_g[:, None] & mask_d[None, :]
-            tl.store(ws_o_ptr + (row0 + sp)[:, None] * D + offs_d[None, :], o, mask=mask_o)
-            tl.store(ws_m_ptr + row0 + sp, m_i, mask=mask_g)
-            tl.store(ws_l_ptr + row0 + sp, l_i, mask=mask_g)
+            tl.store(o_ptrs + sp * D, o, mask=mask_o)
+            tl.store(ws_lse_ptr + row0 + sp, m_i + tl.log2(l_i), mask=mask_g)
             tl.debug_barrier()  # every thread's partial stored before the count (the atomic is acq_rel, gpu scope)
             tile = t * tl.num_programs(1) + kvh
             if tl.atomic_add(cnt_ptr + tile, 1) == n_active - 1:
-                M = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-                for j in range(0, n_active):
-                    M = tl.maximum(M, tl.load(ws_m_ptr + row0 + j, mask=mask_g, other=0.0, cache_modifier=".cg"))
-                W = tl.zeros((BLOCK_G,), tl.float32)
-                for j in range(0, n_active):
-                    W += tl.load(ws_l_ptr + row0 + j, mask=mask_g, other=1.0, cache_modifier=".cg") * tl.exp2(
-                        tl.load(ws_m_ptr + row0 + j, mask=mask_g, other=0.0, cache_modifier=".cg") - M)
-                o = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-                for j in range(0, n_active):  # w_j is 1.0 for a row of one split
-                    w = tl.load(ws_l_ptr + row0 + j, mask=mask_g, other=1.0, cache_modifier=".cg") * tl.exp2(
-                        tl.load(ws_m_ptr + row0 + j, mask=mask_g, other=0.0, cache_modifier=".cg") - M) / W
-                    o += w[:, None] * tl.load(ws_o_ptr + (row0 + j)[:, None] * D + offs_d[None, :], mask=mask_o,
-                                              other=0.0, cache_modifier=".cg")
-                _store_out(o, out_ptr, oq_ptr, os_ptr, t, heads, mask_g, mask_d, so_t, so_h, tl.num_programs(1) * G,
-                           D, BLOCK_D, QUANT)
+                _store_out(merge_splits(o_ptrs, ws_lse_ptr + row0, D, n_active, mask_g, mask_o, True), out_ptr, oq_ptr,
+                           os_ptr, t, heads, mask_g, mask_d, so_t, so_h, tl.num_programs(1) * G, D, BLOCK_D, QUANT)
                 tl.store(cnt_ptr + tile, 0)
 
     @triton.jit
@@ -241,13 +246,13 @@ if HAS_TRITON:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def split_workspace_numel(T: int, Hq: int, D: int, num_splits: int) -> int:
-    """fp32 elements of the split-KV workspace: partial outputs [T, Hq, S, D], maxima and sums [T, Hq, S]."""
-    return T * Hq * num_splits * (D + 2) if num_splits > 1 else 0
+    """fp32 elements of the split-KV workspace: partial outputs [T, Hq, S, D], log-sum-exps [T, Hq, S]."""
+    return T * Hq * num_splits * (D + 1) if num_splits > 1 else 0
 
 
 def choose_splits(T: int, Hkv: int, num_sms: int = 132) -> int:
@@ -292,7 +297,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
               "prefill" — shapes only, so a captured graph always launches the same kernels.
       "decode": split-KV, grid (T, Hkv, NUM_SPLITS), NUM_SPLITS = num_splits or choose_splits(T, Hkv, SMs),
               chunks of at least min_tiles (default SPLIT_MIN_TILES) 64-key tiles; the partials go to `workspace`
-              ([T, Hq, NUM_SPLITS, D] + [2, T, Hq, NUM_SPLITS] in one flat fp32 tensor of >= split_workspace_numel
+              ([T, Hq, NUM_SPLITS, D] + [T, Hq, NUM_SPLITS] in one flat fp32 tensor of >= split_workspace_numel
               elements; None: allocated here, inside a graph capture from the graph's pool) and the split
               arriving last for a (row, KV head) combines them in a fixed order (deterministic run to run; the bits
               may change with T); its arrival counters are split_k_triton's. NUM_SPLITS == 1 (or no counters yet
@@ -330,10 +335,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         )
         return
     if num_splits is None:
-        num_splits = choose_splits(T, Hkv, _num_sms(q.device.index or 0) if q.is_cuda else 132)
+        num_splits = choose_splits(T, Hkv, num_sms(q.device.index or 0) if q.is_cuda else 132)
+    min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
+    if min_tiles < 1 or num_splits < 1:
+        raise ValueError(f"num_splits and min_tiles must be >= 1, got {num_splits}, {min_tiles}")
     cnt = split_counters(q.device, T * Hkv) if num_splits > 1 else None
     if cnt is None:  # one split, or no arrival counters yet inside a graph capture (split_counters): direct output
-        num_splits, cnt, ws_o, ws_m, ws_l = 1, out, out, out, out  # no counters, no workspace
+        num_splits, cnt, ws_o, ws_lse = 1, out, out, out  # no counters, no workspace
     else:
         n_ml = T * Hq * num_splits
         need = split_workspace_numel(T, Hq, D, num_splits)
@@ -341,12 +349,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             workspace = torch.empty(need, dtype=torch.float32, device=q.device)
         elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous():
             raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {need} elements")
-        ws_o, ws_m, ws_l = workspace[: n_ml * D], workspace[n_ml * D : n_ml * (D + 1)], workspace[n_ml * (D + 1) : need]
-    min_tiles = SPLIT_MIN_TILES if min_tiles is None else min_tiles
-    if min_tiles < 1 or num_splits < 1:
-        raise ValueError(f"num_splits and min_tiles must be >= 1, got {num_splits}, {min_tiles}")
+        ws_o, ws_lse = workspace[: n_ml * D], workspace[n_ml * D : need]
     _paged_attn_split_kernel[(T, Hkv, num_splits)](
-        q, k_cache, v_cache, out, ws_o, ws_m, ws_l, cnt, block_tables, token_seq, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, ws_o, ws_lse, cnt, block_tables, token_seq, seq_lens, query_start_loc,
         scale, sliding_window or 0, G, num_splits, min_tiles, *strides,
         BLOCK_SIZE=BS, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
         TILE=TILE_N, HAS_WINDOW=has_window, DIRECT=num_splits == 1, DOT_PRECISION=precision,

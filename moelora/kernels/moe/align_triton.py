@@ -153,8 +153,7 @@ def _align_one_program(ids: torch.Tensor, slots: torch.Tensor | None, top_k: int
     (lora_align_buffers'), None: made here."""
     groups = num_experts * max_loras
     block_e1 = triton.next_power_of_2(groups + 1)
-    if shift is None:
-        shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device)
+    shift = torch.empty(block_e1, dtype=torch.int32, device=ids.device) if shift is None else shift
     with launched_on(stream):
         _moe_align_kernel[(1,)](ids, slots if slots is not None else ids, sorted_ids, block_expert, shift, P, groups,
                                 sorted_ids.shape[0], block_expert.shape[0], top_k, num_experts,
@@ -177,8 +176,7 @@ def lora_align_buffers(num_pairs: int, num_experts: int, max_loras: int, block_m
 
 
 def moe_lora_align_one_program(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int, max_loras: int,
-                               block_m: int, buffers: tuple[torch.Tensor, ...] | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               block_m: int, buffers: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_lora.moe_lora_align (same groups, order and padding: stable) in one launch of one program, for
     P <= ALIGN_ONE_PROGRAM_MAX_PAIRS and max_loras * E < LORA_ALIGN_ONE_PROGRAM_MAX_GROUPS (checked here).
     topk_ids: [T, K] · token_slots: [T] int · buffers: lora_align_buffers' (None: made here) · returns

@@ -55,10 +55,9 @@ class ReferenceLoRA:
 
 
 class GroupedLoRA:
-    """moe_lora_grouped on one (slot, expert) alignment a layer call: grouped_align in blocks of GROUPED_BLOCK_M
-    (decode) or prefill_align in blocks of PREFILL_BLOCK_M (prefill), run at the first delta on whatever stream runs
-    it (the side stream when overlapping; at decode into `buffers`, lora_align_buffers' made by `pick` on the main
-    stream before any fork, held until the layer call ends); the down projection's delta reuses it."""
+    """moe_lora_grouped on one (slot, expert) alignment a layer call (grouped_align in GROUPED_BLOCK_M blocks at decode,
+    into `buffers` that `pick` made before any fork; prefill_align in PREFILL_BLOCK_M blocks), run at the first delta
+    on whatever stream runs it (the side stream when overlapping); the down projection's delta reuses it."""
 
     act_in = False
 
