@@ -146,6 +146,8 @@ def test_split_preallocated_workspace():
     with pytest.raises(ValueError):
         paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, outs[0], kernel="decode", num_splits=4,
                         workspace=torch.empty(10))
+    with pytest.raises(ValueError, match="num_splits and min_tiles must be >= 1"):
+        paged_attention(q, k_cache, v_cache, bt, *dev, 0.25, None, outs[0], kernel="decode", num_splits=0)
 
 
 def test_split_without_counters_writes_directly(monkeypatch):
